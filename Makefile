@@ -1,0 +1,26 @@
+# The two commands of the README. Both are idempotent: .venv is rebuilt only when
+# pyproject.toml or constraints.txt change.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+.PHONY: test demo bench-smoke clean
+
+$(STAMP): pyproject.toml constraints.txt
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet -c constraints.txt -e '.[test]'
+	touch $(STAMP)
+
+test: $(STAMP)
+	$(PY) -m pytest -q
+
+demo: $(STAMP)
+	$(VENV)/bin/tally demo
+
+bench-smoke: $(STAMP)
+	$(PY) bench/secagg_engine.py --clients 20 --dim 1000 --dropout 0.1 --repeat 1 --json $(VENV)/bench-smoke.json
+
+clean:
+	rm -rf $(VENV)

@@ -1,0 +1,41 @@
+"""The secure sum: SecAgg with the SecAgg+ neighbour graph, as sans-IO state machines."""
+
+from tally.secagg.client import SecAggClient
+from tally.secagg.config import SessionConfig
+from tally.secagg.driver import CohortRun, Dropout, run_cohort, secure_sum
+from tally.secagg.errors import (
+    DuplicateMessage,
+    MalformedMessage,
+    OutOfPhase,
+    ProtocolError,
+    SessionAbortedError,
+    StaleMessage,
+    UnknownSender,
+)
+from tally.secagg.messages import SessionRef, SumResult, SumSpec
+from tally.secagg.params import GraphParams, ThreatModel, UnsafeParameters, choose_params
+from tally.secagg.server import SecAggServer
+
+__all__ = [
+    "CohortRun",
+    "Dropout",
+    "DuplicateMessage",
+    "GraphParams",
+    "MalformedMessage",
+    "OutOfPhase",
+    "ProtocolError",
+    "SecAggClient",
+    "SecAggServer",
+    "SessionAbortedError",
+    "SessionConfig",
+    "SessionRef",
+    "StaleMessage",
+    "SumResult",
+    "SumSpec",
+    "ThreatModel",
+    "UnknownSender",
+    "UnsafeParameters",
+    "choose_params",
+    "run_cohort",
+    "secure_sum",
+]

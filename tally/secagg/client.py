@@ -1,0 +1,360 @@
+"""Device half of the secure sum: a sans-IO state machine, one small class per phase.
+
+The device checks what it can check locally: its neighbourhood comes from the public
+graph seed, ciphertexts are bound to their route, it answers Unmask once per sum, and
+it refuses to help unmask when too few of its neighbours survived (which would let a
+server isolate one device's input).
+"""
+
+from __future__ import annotations
+
+import abc
+import os
+
+import numpy as np
+
+from tally.codec import pack, ring_dtype, ring_mask
+from tally.secagg import crypto, shamir
+from tally.secagg.config import SessionConfig
+from tally.secagg.errors import (
+    DuplicateMessage,
+    MalformedMessage,
+    OutOfPhase,
+    SessionAbortedError,
+    StaleMessage,
+)
+from tally.secagg.messages import (
+    Abort,
+    AdvertiseKeys,
+    ClientMessage,
+    ConsistencyCheckRequest,
+    ConsistencyCheckResponse,
+    EncryptedShare,
+    MaskedInputRequest,
+    MaskedInputResponse,
+    ServerMessage,
+    ShareDelivery,
+    ShareKeysRequest,
+    ShareKeysResponse,
+    SumPublicKeys,
+    UnmaskRequest,
+    UnmaskResponse,
+)
+from tally.secagg.wire import (
+    SHARE_CIPHERTEXT_BYTES,
+    consistency_message,
+    share_associated_data,
+)
+
+
+class _SumSecrets:
+    """The key pairs and self-mask seed of one sum: never reused by another sum."""
+
+    def __init__(self) -> None:
+        self.cipher = crypto.KeyPair.generate()
+        self.mask = crypto.KeyPair.generate()
+        self.seed = os.urandom(32)
+        self.pair_keys: dict[int, bytes] = {}  # neighbour -> pairwise mask AES key
+        self.cipher_secrets: dict[int, bytes] = {}  # neighbour -> X25519 secret for shares
+        self.held: dict[int, tuple[bytes, bytes]] = {}  # neighbour -> (key share, seed share)
+
+
+class SecAggClient:
+    def __init__(self, config: SessionConfig, index: int) -> None:
+        if not 1 <= index <= config.n:
+            raise ValueError(f"index {index} is outside the cohort 1..{config.n}")
+        self.config = config
+        self.index = index
+        self.neighbours = frozenset(int(j) for j in config.neighbours(index))
+        self.secrets = {spec.sum_id: _SumSecrets() for spec in config.sums}
+        self.signing = crypto.SigningKey.generate() if config.consistency_check else None
+        self.inputs: dict[str, np.ndarray] = {}
+        self.neighbour_signing: dict[int, bytes] = {}
+        self.aborted: str | None = None
+        self._phase: _Phase = _AwaitShareKeysRequest(self)
+
+    @property
+    def phase(self) -> str:
+        return self._phase.name
+
+    @property
+    def finished(self) -> bool:
+        return isinstance(self._phase, _Done)
+
+    @property
+    def awaiting_input(self) -> str | None:
+        """The sum the server asked for whose input the caller has not provided yet."""
+        phase = self._phase
+        return phase.sum_id if isinstance(phase, _AwaitInput) else None
+
+    def start(self) -> list[ClientMessage]:
+        keys = tuple(
+            SumPublicKeys(spec.sum_id, s.cipher.public, s.mask.public)
+            for spec, s in zip(self.config.sums, self.secrets.values())
+        )
+        signing = self.signing.public if self.signing else b""
+        return [AdvertiseKeys(self.config.ref, self.index, keys, signing)]
+
+    def receive(self, message: ServerMessage) -> list[ClientMessage]:
+        if message.ref != self.config.ref:
+            raise StaleMessage(f"message for {message.ref} reached session {self.config.ref}")
+        if isinstance(message, Abort):
+            self.aborted = message.reason
+            self._phase = _Done(self)
+            return []
+        if isinstance(self._phase, _Done):
+            if self.aborted is not None:
+                raise SessionAbortedError(f"session aborted: {self.aborted}")
+            raise OutOfPhase("session is finished")
+        return self._phase.handle(message)
+
+    def provide_input(self, sum_id: str, vector: np.ndarray) -> list[ClientMessage]:
+        """Hand over the ring-encoded input of one sum (before or after the server asks)."""
+        spec = self.config.sum_spec(sum_id)
+        vector = np.asarray(vector)
+        if vector.shape != (spec.dim,) or vector.dtype != ring_dtype(spec.bits):
+            raise ValueError(f"input for {sum_id!r} must be {ring_dtype(spec.bits)}[{spec.dim}]")
+        if int(vector.max(initial=0)) > ring_mask(spec.bits):
+            raise ValueError(f"input for {sum_id!r} has values outside 2**{spec.bits}")
+        if sum_id in self.inputs:
+            raise DuplicateMessage(f"input for {sum_id!r} was already provided")
+        self.inputs[sum_id] = vector
+        if isinstance(self._phase, _AwaitInput) and self._phase.sum_id == sum_id:
+            return self._phase.send_masked_input()
+        return []
+
+    def _move(self, phase: _Phase, out: list[ClientMessage]) -> list[ClientMessage]:
+        self._phase = phase
+        return out
+
+
+class _Phase(abc.ABC):
+    name = ""
+    accepts: type = object
+
+    def __init__(self, client: SecAggClient) -> None:
+        self.client = client
+
+    def handle(self, message: ServerMessage) -> list[ClientMessage]:
+        if not isinstance(message, self.accepts):
+            raise OutOfPhase(f"{type(message).__name__} received while the device is in {self.name}")
+        return self.on(message)
+
+    @abc.abstractmethod
+    def on(self, message: ServerMessage) -> list[ClientMessage]: ...
+
+
+class _Done(_Phase):
+    name = "done"
+
+    def on(self, message: ServerMessage) -> list[ClientMessage]:
+        raise OutOfPhase("session is finished")
+
+
+class _AwaitShareKeysRequest(_Phase):
+    name = "advertise_keys"
+    accepts = ShareKeysRequest
+
+    def on(self, message: ShareKeysRequest) -> list[ClientMessage]:
+        client = self.client
+        config = client.config
+        indices = [nb.index for nb in message.neighbours]
+        if len(set(indices)) != len(indices) or not set(indices) <= client.neighbours:
+            raise MalformedMessage("the server sent keys of devices that are not my neighbours")
+        xs = np.array(sorted(indices), dtype=np.int64)
+        by_index = {nb.index: nb for nb in message.neighbours}
+        client.neighbour_signing = {nb.index: nb.signing_public for nb in message.neighbours}
+        shares_out: list[EncryptedShare] = []
+        for position, spec in enumerate(config.sums):
+            context = config.ref.context(spec.sum_id)
+            secrets = client.secrets[spec.sum_id]
+            shares = shamir.share([secrets.mask.private, secrets.seed], config.threshold, xs) if len(xs) else None
+            for h, j in enumerate(xs.tolist()):
+                keys = by_index[j].keys[position]
+                if keys.sum_id != spec.sum_id:
+                    raise MalformedMessage(f"neighbour {j} keys are not for sum {spec.sum_id!r}")
+                cipher_secret = crypto.agree(secrets.cipher.private, keys.cipher_public)
+                secrets.cipher_secrets[j] = cipher_secret
+                secrets.pair_keys[j] = crypto.pairwise_mask_key(
+                    crypto.agree(secrets.mask.private, keys.mask_public), context
+                )
+                plaintext = shamir.share_to_bytes(shares[0, h]) + shamir.share_to_bytes(shares[1, h])
+                key = crypto.share_key(cipher_secret, context, client.index, j)
+                ad = share_associated_data(config.ref, spec.sum_id, client.index, j)
+                shares_out.append(
+                    EncryptedShare(spec.sum_id, client.index, j, crypto.seal(key, plaintext, ad))
+                )
+        response = ShareKeysResponse(config.ref, client.index, tuple(shares_out))
+        return client._move(_AwaitShareDelivery(client, frozenset(indices)), [response])
+
+
+class _AwaitShareDelivery(_Phase):
+    name = "share_keys"
+    accepts = ShareDelivery
+
+    def __init__(self, client: SecAggClient, keyed: frozenset[int]) -> None:
+        super().__init__(client)
+        self.keyed = keyed
+
+    def on(self, message: ShareDelivery) -> list[ClientMessage]:
+        client = self.client
+        config = client.config
+        senders: dict[str, set[int]] = {spec.sum_id: set() for spec in config.sums}
+        for share in message.shares:
+            if share.recipient != client.index or share.sender not in self.keyed:
+                raise MalformedMessage(f"share from {share.sender} to {share.recipient} is not for me")
+            if share.sum_id not in senders or share.sender in senders[share.sum_id]:
+                raise MalformedMessage(f"unexpected or repeated share for sum {share.sum_id!r}")
+            if len(share.ciphertext) != SHARE_CIPHERTEXT_BYTES:
+                raise MalformedMessage("share ciphertext has the wrong size")
+            secrets = client.secrets[share.sum_id]
+            context = config.ref.context(share.sum_id)
+            key = crypto.share_key(secrets.cipher_secrets[share.sender], context, share.sender, client.index)
+            ad = share_associated_data(config.ref, share.sum_id, share.sender, client.index)
+            try:
+                plaintext = crypto.open_sealed(key, share.ciphertext, ad)
+            except crypto.CryptoError as exc:
+                raise MalformedMessage(f"share from {share.sender}: {exc}") from exc
+            half = shamir.SHARE_BYTES
+            secrets.held[share.sender] = (plaintext[:half], plaintext[half:])
+            senders[share.sum_id].add(share.sender)
+        if len({frozenset(s) for s in senders.values()}) > 1:
+            raise MalformedMessage("shares of different sums came from different neighbours")
+        # Pairwise masks only with neighbours that finished ShareKeys: exactly the
+        # devices whose masks the server can remove if they drop later.
+        for spec in config.sums:
+            secrets = client.secrets[spec.sum_id]
+            secrets.pair_keys = {j: k for j, k in secrets.pair_keys.items() if j in secrets.held}
+        return client._move(_AwaitMaskedInputRequest(client, 0), [])
+
+
+class _AwaitMaskedInputRequest(_Phase):
+    name = "masked_input"
+    accepts = MaskedInputRequest
+
+    def __init__(self, client: SecAggClient, position: int) -> None:
+        super().__init__(client)
+        self.position = position
+
+    def on(self, message: MaskedInputRequest) -> list[ClientMessage]:
+        client = self.client
+        expected = client.config.sums[self.position].sum_id
+        if message.sum_id != expected:
+            raise StaleMessage(f"masked input requested for {message.sum_id!r}, expected {expected!r}")
+        phase = _AwaitInput(client, self.position)
+        client._phase = phase
+        if expected in client.inputs:
+            return phase.send_masked_input()
+        return []
+
+
+class _AwaitInput(_Phase):
+    name = "awaiting_input"
+    accepts = ()  # nothing from the server: the caller provides the input
+
+    def __init__(self, client: SecAggClient, position: int) -> None:
+        super().__init__(client)
+        self.position = position
+        self.sum_id = client.config.sums[position].sum_id
+
+    def on(self, message: ServerMessage) -> list[ClientMessage]:
+        raise OutOfPhase("waiting for the local input")
+
+    def send_masked_input(self) -> list[ClientMessage]:
+        client = self.client
+        config = client.config
+        spec = config.sums[self.position]
+        secrets = client.secrets[spec.sum_id]
+        context = config.ref.context(spec.sum_id)
+        masked = client.inputs.pop(spec.sum_id).copy()
+        expander = crypto.MaskExpander(spec.dim, masked.dtype)
+        expander.apply(masked, crypto.self_mask_key(secrets.seed, context))
+        for j, key in secrets.pair_keys.items():
+            expander.apply(masked, key, subtract=client.index > j)
+        np.bitwise_and(masked, masked.dtype.type(ring_mask(spec.bits)), out=masked)
+        response = MaskedInputResponse(config.ref, spec.sum_id, client.index, pack(masked, spec.bits))
+        next_phase = (
+            _AwaitConsistencyCheck(client, self.position)
+            if config.consistency_check
+            else _AwaitUnmask(client, self.position, None)
+        )
+        return client._move(next_phase, [response])
+
+
+class _AwaitConsistencyCheck(_Phase):
+    name = "consistency_check"
+    accepts = ConsistencyCheckRequest
+
+    def __init__(self, client: SecAggClient, position: int) -> None:
+        super().__init__(client)
+        self.position = position
+
+    def on(self, message: ConsistencyCheckRequest) -> list[ClientMessage]:
+        client = self.client
+        sum_id = client.config.sums[self.position].sum_id
+        if message.sum_id != sum_id:
+            raise StaleMessage(f"consistency check for {message.sum_id!r}, expected {sum_id!r}")
+        survivors = tuple(message.survivors)
+        if client.index not in survivors or list(survivors) != sorted(set(survivors)):
+            raise MalformedMessage("survivor set must be sorted, unique and include me")
+        statement = consistency_message(client.config.ref, sum_id, survivors)
+        response = ConsistencyCheckResponse(
+            client.config.ref, sum_id, client.index, client.signing.sign(statement)
+        )
+        return client._move(_AwaitUnmask(client, self.position, survivors), [response])
+
+
+class _AwaitUnmask(_Phase):
+    name = "unmask"
+    accepts = UnmaskRequest
+
+    def __init__(self, client: SecAggClient, position: int, signed: tuple[int, ...] | None) -> None:
+        super().__init__(client)
+        self.position = position
+        self.signed = signed
+
+    def on(self, message: UnmaskRequest) -> list[ClientMessage]:
+        client = self.client
+        config = client.config
+        sum_id = config.sums[self.position].sum_id
+        if message.sum_id != sum_id:
+            raise StaleMessage(f"unmask for {message.sum_id!r}, expected {sum_id!r}")
+        survivors = frozenset(message.survivors)
+        if client.index not in survivors:
+            raise MalformedMessage("unmask request does not count me as a survivor")
+        if self.signed is not None:
+            self._check_signatures(message)
+        secrets = client.secrets[sum_id]
+        surviving_neighbours = survivors & secrets.held.keys()
+        if len(surviving_neighbours) < config.threshold:
+            reason = (
+                f"only {len(surviving_neighbours)} of my neighbours survived, "
+                f"below the threshold {config.threshold}: refusing to unmask"
+            )
+            client.aborted = reason
+            client._phase = _Done(client)
+            raise SessionAbortedError(reason)
+        seed_shares = tuple((j, secrets.held[j][1]) for j in sorted(surviving_neighbours))
+        key_shares = tuple(
+            (j, secrets.held[j][0]) for j in sorted(secrets.held.keys() - survivors)
+        )
+        response = UnmaskResponse(config.ref, sum_id, client.index, seed_shares, key_shares)
+        nxt = self.position + 1
+        phase = _AwaitMaskedInputRequest(client, nxt) if nxt < len(config.sums) else _Done(client)
+        return client._move(phase, [response])
+
+    def _check_signatures(self, message: UnmaskRequest) -> None:
+        client = self.client
+        if tuple(message.survivors) != self.signed:
+            raise MalformedMessage("unmask survivor set differs from the one I signed")
+        statement = consistency_message(client.config.ref, message.sum_id, self.signed)
+        keys = client.neighbour_signing
+        valid = sum(
+            1
+            for j, signature in message.signatures
+            if j in keys and crypto.verify_signature(keys[j], signature, statement)
+        )
+        if valid < client.config.threshold:
+            raise MalformedMessage(
+                f"only {valid} neighbours signed the survivor set, {client.config.threshold} required"
+            )

@@ -1,0 +1,115 @@
+"""Session configuration: everything both sides must agree on before the first message.
+
+It is public: devices receive it with their session ticket and recompute their own
+neighbourhood from ``graph_seed``, so a server cannot quietly hand a device a
+different graph than the one it uses.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+from functools import cached_property
+
+import numpy as np
+
+from tally.codec import OverflowRefused, PayloadSchema
+from tally.secagg.graph import HararyGraph
+from tally.secagg.messages import SessionRef, SumSpec
+from tally.secagg.params import GraphParams, ThreatModel, choose_params, validate_params
+
+MAX_BITS = 64
+
+
+@dataclass(frozen=True)
+class SessionConfig:
+    ref: SessionRef
+    sums: tuple[SumSpec, ...]
+    params: GraphParams
+    graph_seed: bytes
+    consistency_check: bool = False
+    min_survivors: int = 2
+
+    def __post_init__(self) -> None:
+        if not self.sums:
+            raise ValueError("a session needs at least one sum")
+        ids = [s.sum_id for s in self.sums]
+        if len(set(ids)) != len(ids):
+            raise ValueError(f"sum ids must be unique, got {ids}")
+        for spec in self.sums:
+            if spec.dim < 1:
+                raise ValueError(f"sum {spec.sum_id!r}: dim must be >= 1")
+            if not 1 <= spec.bits <= MAX_BITS:
+                raise OverflowRefused(
+                    f"sum {spec.sum_id!r}: {spec.bits} bits is outside 1..{MAX_BITS}"
+                )
+        if len(self.graph_seed) != 32:
+            raise ValueError("graph_seed must be 32 bytes")
+        if not 2 <= self.min_survivors <= self.params.n:
+            raise ValueError(f"min_survivors must be in 2..{self.params.n}")
+
+    @property
+    def n(self) -> int:
+        return self.params.n
+
+    @property
+    def threshold(self) -> int:
+        return self.params.t
+
+    @cached_property
+    def graph(self) -> HararyGraph:
+        return HararyGraph(self.params.n, self.params.k, self.graph_seed)
+
+    def neighbours(self, index: int) -> np.ndarray:
+        """1-based indices of the devices holding ``index``'s shares (the graph is 0-based)."""
+        return self.graph.neighbours(index - 1) + 1
+
+    def sum_spec(self, sum_id: str) -> SumSpec:
+        for spec in self.sums:
+            if spec.sum_id == sum_id:
+                return spec
+        raise KeyError(sum_id)
+
+    def sum_position(self, sum_id: str) -> int:
+        return [s.sum_id for s in self.sums].index(sum_id)
+
+    @classmethod
+    def plan(
+        cls,
+        ref: SessionRef,
+        schemas: Sequence[tuple[str, PayloadSchema]],
+        n: int,
+        threat: ThreatModel | None = None,
+        *,
+        k: int | None = None,
+        t: int | None = None,
+        consistency_check: bool = False,
+        min_survivors: int | None = None,
+        graph_seed: bytes | None = None,
+    ) -> SessionConfig:
+        """Choose graph, threshold and bit widths for a cohort of ``n`` devices.
+
+        Refuses, before any device is contacted, a schema whose sum over ``n`` devices
+        could wrap 64 bits, and any (k, t) override that is unsafe or infeasible.
+        """
+        threat = threat or ThreatModel()
+        if k is None and t is None:
+            params = choose_params(n, threat)
+        else:
+            auto = choose_params(n, threat) if (k is None or t is None) else None
+            params = GraphParams(n, k if k is not None else auto.k, t if t is not None else auto.t)
+            validate_params(params, threat)
+        sums = []
+        for sum_id, schema in schemas:
+            bits = schema.required_bits(n)
+            schema.check_bits(n, min(bits, MAX_BITS))
+            sums.append(SumSpec(sum_id, schema.dim, bits))
+        return cls(
+            ref=ref,
+            sums=tuple(sums),
+            params=params,
+            graph_seed=graph_seed if graph_seed is not None else os.urandom(32),
+            consistency_check=consistency_check,
+            min_survivors=min_survivors if min_survivors is not None else max(2, params.t),
+        )

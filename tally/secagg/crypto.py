@@ -1,0 +1,152 @@
+"""Cryptographic primitives of the secure sum (DESIGN.md section 4).
+
+Every key is bound to a *context* (job, round, session, sum) through HKDF's ``info``
+so that no key, seed or keystream is ever reused across two sums or two sessions:
+revealing a dropped device's key for one sum reveals nothing about another.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+from cryptography.exceptions import InvalidSignature, InvalidTag
+from cryptography.hazmat.primitives import hashes
+from cryptography.hazmat.primitives.asymmetric.ed25519 import (
+    Ed25519PrivateKey,
+    Ed25519PublicKey,
+)
+from cryptography.hazmat.primitives.asymmetric.x25519 import (
+    X25519PrivateKey,
+    X25519PublicKey,
+)
+from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
+from cryptography.hazmat.primitives.ciphers.aead import AESGCM
+from cryptography.hazmat.primitives.kdf.hkdf import HKDF
+
+KEY_BYTES = 32
+MASK_KEY_BYTES = 16
+_ZERO_NONCE_12 = bytes(12)
+_ZERO_COUNTER_16 = bytes(16)
+# Keystream is produced in chunks of this size so the buffer stays in cache and
+# memory stays bounded whatever the vector length.
+CHUNK_BYTES = 1 << 20
+
+
+class CryptoError(ValueError):
+    """A key, ciphertext or signature failed validation."""
+
+
+@dataclass(frozen=True)
+class KeyPair:
+    """An X25519 key pair kept as raw bytes: raw 32-byte private keys are what Shamir shares."""
+
+    private: bytes
+    public: bytes
+
+    @classmethod
+    def generate(cls) -> KeyPair:
+        sk = X25519PrivateKey.generate()
+        return cls(sk.private_bytes_raw(), sk.public_key().public_bytes_raw())
+
+
+def public_from_private(private: bytes) -> bytes:
+    return X25519PrivateKey.from_private_bytes(private).public_key().public_bytes_raw()
+
+
+def agree(private: bytes, peer_public: bytes) -> bytes:
+    """X25519 shared secret; a malformed peer key is a protocol error, not a crash."""
+    try:
+        peer = X25519PublicKey.from_public_bytes(peer_public)
+        return X25519PrivateKey.from_private_bytes(private).exchange(peer)
+    except ValueError as exc:
+        raise CryptoError(f"invalid X25519 key: {exc}") from exc
+
+
+def derive(secret: bytes, info: bytes, length: int = KEY_BYTES) -> bytes:
+    return HKDF(algorithm=hashes.SHA256(), length=length, salt=None, info=info).derive(secret)
+
+
+def share_key(shared_secret: bytes, context: bytes, sender: int, recipient: int) -> bytes:
+    """AES-256-GCM key for shares sent from ``sender`` to ``recipient``.
+
+    The direction is part of the key, so the two ciphertexts of a pair never share a
+    (key, nonce) and a fixed nonce is safe: each key encrypts exactly one message.
+    """
+    info = b"tally/share|" + context + b"|%d>%d" % (sender, recipient)
+    return derive(shared_secret, info)
+
+
+def seal(key: bytes, plaintext: bytes, associated: bytes) -> bytes:
+    return AESGCM(key).encrypt(_ZERO_NONCE_12, plaintext, associated)
+
+
+def open_sealed(key: bytes, ciphertext: bytes, associated: bytes) -> bytes:
+    try:
+        return AESGCM(key).decrypt(_ZERO_NONCE_12, ciphertext, associated)
+    except InvalidTag as exc:
+        raise CryptoError("share ciphertext failed authentication") from exc
+
+
+def pairwise_mask_key(shared_secret: bytes, context: bytes) -> bytes:
+    return derive(shared_secret, b"tally/pairwise-mask|" + context, MASK_KEY_BYTES)
+
+
+def self_mask_key(seed: bytes, context: bytes) -> bytes:
+    return derive(seed, b"tally/self-mask|" + context, MASK_KEY_BYTES)
+
+
+class MaskExpander:
+    """Adds or subtracts AES-128-CTR keystreams to a ring vector in place.
+
+    The buffers are allocated once per vector shape; each mask costs one keystream
+    pass plus one vectorised add, which is the floor the benchmark measures against.
+    """
+
+    def __init__(self, dim: int, dtype: np.dtype) -> None:
+        self.dim = dim
+        self.dtype = np.dtype(dtype)
+        item = self.dtype.itemsize
+        self._chunk_values = max(1, min(dim, CHUNK_BYTES // item))
+        chunk_bytes = self._chunk_values * item
+        self._zeros = bytes(chunk_bytes)
+        # update_into needs room for one block beyond the data.
+        self._out = bytearray(chunk_bytes + 15)
+        self._view = np.frombuffer(self._out, dtype=self.dtype, count=self._chunk_values)
+
+    def apply(self, acc: np.ndarray, key: bytes, subtract: bool = False) -> None:
+        if acc.shape != (self.dim,) or acc.dtype != self.dtype:
+            raise ValueError(f"accumulator must be {self.dtype}[{self.dim}]")
+        encryptor = Cipher(algorithms.AES(key), modes.CTR(_ZERO_COUNTER_16)).encryptor()
+        op = np.subtract if subtract else np.add
+        step = self._chunk_values
+        for start in range(0, self.dim, step):
+            stop = min(start + step, self.dim)
+            count = stop - start
+            encryptor.update_into(self._zeros[: count * self.dtype.itemsize], self._out)
+            part = acc[start:stop]
+            op(part, self._view[:count], out=part)
+
+
+@dataclass(frozen=True)
+class SigningKey:
+    """Ed25519 key used only for the optional ConsistencyCheck phase."""
+
+    private: bytes
+    public: bytes
+
+    @classmethod
+    def generate(cls) -> SigningKey:
+        sk = Ed25519PrivateKey.generate()
+        return cls(sk.private_bytes_raw(), sk.public_key().public_bytes_raw())
+
+    def sign(self, message: bytes) -> bytes:
+        return Ed25519PrivateKey.from_private_bytes(self.private).sign(message)
+
+
+def verify_signature(public: bytes, signature: bytes, message: bytes) -> bool:
+    try:
+        Ed25519PublicKey.from_public_bytes(public).verify(signature, message)
+    except (InvalidSignature, ValueError):
+        return False
+    return True

@@ -1,0 +1,197 @@
+"""In-process driver: a whole cohort through the real protocol, no network.
+
+Later layers (the simulator, algorithm tests, benchmarks) use it to run algorithms
+with real masking and real dropouts instead of quietly replacing the secure sum with
+a plain one. Deadlines are simulated: when no message is left in flight, the phase's
+deadline fires.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import defaultdict, deque
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from tally.codec import PayloadSchema, to_ring
+from tally.secagg.client import SecAggClient
+from tally.secagg.config import SessionConfig
+from tally.secagg.errors import OutOfPhase, ProtocolError, StaleMessage
+from tally.secagg.messages import (
+    ClientMessage,
+    ConsistencyCheckRequest,
+    MaskedInputRequest,
+    Outgoing,
+    ServerMessage,
+    SessionRef,
+    ShareKeysRequest,
+    SumResult,
+    UnmaskRequest,
+)
+from tally.secagg.params import ThreatModel
+from tally.secagg.server import SecAggServer
+from tally.secagg.wire import payload_bytes
+
+PHASES = ("advertise_keys", "share_keys", "masked_input", "consistency_check", "unmask")
+
+
+@dataclass(frozen=True)
+class Dropout:
+    """A device that stops answering when asked for ``phase`` (of ``sum_id``, default the first sum)."""
+
+    phase: str
+    sum_id: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.phase not in PHASES:
+            raise ValueError(f"unknown phase {self.phase!r}; one of {PHASES}")
+
+
+@dataclass
+class CohortRun:
+    config: SessionConfig
+    server: SecAggServer
+    results: dict[str, SumResult]
+    aborted: str | None
+    server_seconds: dict[str, float] = field(default_factory=dict)
+    client_seconds: dict[str, list[float]] = field(default_factory=lambda: defaultdict(list))
+    upload_bytes: dict[int, int] = field(default_factory=lambda: defaultdict(int))
+    download_bytes: dict[int, int] = field(default_factory=lambda: defaultdict(int))
+    # Messages the server refused, e.g. Unmask answers that came after it had enough shares.
+    rejected: list[tuple[ClientMessage, ProtocolError]] = field(default_factory=list)
+    # Devices that refused to go on (e.g. too few surviving neighbours to unmask safely).
+    refused: dict[int, ProtocolError] = field(default_factory=dict)
+
+
+def _request_phase(message: ServerMessage) -> tuple[str, str] | None:
+    if isinstance(message, ShareKeysRequest):
+        return "share_keys", ""
+    if isinstance(message, MaskedInputRequest):
+        return "masked_input", message.sum_id
+    if isinstance(message, ConsistencyCheckRequest):
+        return "consistency_check", message.sum_id
+    if isinstance(message, UnmaskRequest):
+        return "unmask", message.sum_id
+    return None
+
+
+def run_cohort(
+    config: SessionConfig,
+    inputs: Mapping[int, Mapping[str, np.ndarray]],
+    dropouts: Mapping[int, Dropout] | None = None,
+    observe: Callable[[ClientMessage], None] | None = None,
+) -> CohortRun:
+    """Run devices 1..n with ring-encoded ``inputs``; ``observe`` sees every message the server receives."""
+    dropouts = dict(dropouts or {})
+    first_sum = config.sums[0].sum_id
+    server = SecAggServer(config)
+    run = CohortRun(config, server, server.results, None)
+    clients = {i: SecAggClient(config, i) for i in range(1, config.n + 1)}
+    for i, client in clients.items():
+        for sum_id, vector in inputs[i].items():
+            client.provide_input(sum_id, vector)
+    dead: set[int] = set()
+    to_server: deque[ClientMessage] = deque()
+
+    def drops_at(i: int, phase: str, sum_id: str) -> bool:
+        d = dropouts.get(i)
+        if d is None or d.phase != phase:
+            return False
+        return phase in ("advertise_keys", "share_keys") or sum_id == (d.sum_id or first_sum)
+
+    def send(i: int, messages: list[ClientMessage]) -> None:
+        for m in messages:
+            run.upload_bytes[i] += payload_bytes(m)
+        to_server.extend(messages)
+
+    def deliver(outgoing: list[Outgoing]) -> None:
+        for o in outgoing:
+            i = o.recipient
+            if i in dead:
+                continue
+            request = _request_phase(o.message)
+            if request is not None and drops_at(i, *request):
+                dead.add(i)
+                continue
+            run.download_bytes[i] += payload_bytes(o.message)
+            client = clients[i]
+            phase = request[0] if request else client.phase
+            start = time.perf_counter()
+            try:
+                responses = client.receive(o.message)
+            except ProtocolError as exc:
+                run.refused[i] = exc
+                dead.add(i)
+                continue
+            run.client_seconds[phase].append(time.perf_counter() - start)
+            send(i, responses)
+
+    for i, client in clients.items():
+        if drops_at(i, "advertise_keys", first_sum):
+            dead.add(i)
+        else:
+            send(i, client.start())
+
+    def timed_server(call: Callable[[], list[Outgoing]]) -> list[Outgoing]:
+        phase = server.phase
+        start = time.perf_counter()
+        out = call()
+        run.server_seconds[phase] = run.server_seconds.get(phase, 0.0) + time.perf_counter() - start
+        return out
+
+    while not server.finished:
+        while to_server:
+            message = to_server.popleft()
+            if observe is not None:
+                observe(message)
+            try:
+                deliver(timed_server(lambda: server.receive(message)))
+            except (OutOfPhase, StaleMessage) as exc:
+                run.rejected.append((message, exc))
+        if not server.finished:
+            deliver(timed_server(server.on_deadline))
+    run.aborted = server.aborted.reason if server.aborted else None
+    return run
+
+
+def secure_sum(
+    schemas: Mapping[str, PayloadSchema],
+    values: Mapping[int, Mapping[str, Mapping[str, np.ndarray]]],
+    *,
+    threat: ThreatModel | None = None,
+    dropouts: Mapping[int, Dropout] | None = None,
+    rng: np.random.Generator | None = None,
+    ref: SessionRef | None = None,
+    consistency_check: bool = False,
+    observe: Callable[[ClientMessage], None] | None = None,
+) -> tuple[dict[str, dict[str, np.ndarray]], CohortRun]:
+    """Encode per-device payloads, run the protocol and decode each sum's total.
+
+    ``values[i][sum_id][field]`` is device i's (1-based) value. Returns the decoded
+    totals (over the devices that survived each sum) and the run, for its timings.
+    """
+    rng = rng or np.random.default_rng()
+    n = len(values)
+    if set(values) != set(range(1, n + 1)):
+        raise ValueError("devices must be numbered 1..n")
+    config = SessionConfig.plan(
+        ref or SessionRef("local", 0, "s0"),
+        list(schemas.items()),
+        n,
+        threat,
+        consistency_check=consistency_check,
+    )
+    inputs = {}
+    for i, per_sum in values.items():
+        inputs[i] = {}
+        for spec in config.sums:
+            encoded = schemas[spec.sum_id].encode(per_sum[spec.sum_id], rng)
+            inputs[i][spec.sum_id] = to_ring(encoded.vector, spec.bits)
+    run = run_cohort(config, inputs, dropouts, observe)
+    decoded = {
+        sum_id: schemas[sum_id].decode_sum(result.total, config.sum_spec(sum_id).bits)
+        for sum_id, result in run.results.items()
+    }
+    return decoded, run

@@ -1,0 +1,187 @@
+"""Messages of the secure-sum protocol, as plain immutable values.
+
+The state machines consume and produce these; the gRPC services translate them to
+protobuf and back. Every message names its session (job, round, session id) and,
+when it belongs to one sum, the sum: a message of another session or sum is stale.
+Devices are named by their 1-based index in the session's cohort, which is also
+their Shamir x-coordinate.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class SessionRef:
+    job_id: str
+    round: int
+    session_id: str
+
+    def context(self, sum_id: str = "") -> bytes:
+        """Bytes that bind keys and ciphertexts to this session (and sum)."""
+        return f"{self.job_id}|{self.round}|{self.session_id}|{sum_id}".encode()
+
+
+@dataclass(frozen=True)
+class SumSpec:
+    """One secure sum of a session: ``dim`` values, arithmetic mod 2**bits."""
+
+    sum_id: str
+    dim: int
+    bits: int
+
+
+# ---- device -> server -------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class SumPublicKeys:
+    sum_id: str
+    cipher_public: bytes  # encrypts the shares this device sends and receives
+    mask_public: bytes  # agrees the pairwise mask seeds
+
+
+@dataclass(frozen=True)
+class AdvertiseKeys:
+    ref: SessionRef
+    sender: int
+    keys: tuple[SumPublicKeys, ...]
+    signing_public: bytes = b""
+
+
+@dataclass(frozen=True)
+class EncryptedShare:
+    sum_id: str
+    sender: int
+    recipient: int
+    ciphertext: bytes
+
+
+@dataclass(frozen=True)
+class ShareKeysResponse:
+    ref: SessionRef
+    sender: int
+    shares: tuple[EncryptedShare, ...]
+
+
+@dataclass(frozen=True)
+class MaskedInputResponse:
+    ref: SessionRef
+    sum_id: str
+    sender: int
+    data: bytes  # packed at the sum's bit width
+
+
+@dataclass(frozen=True)
+class ConsistencyCheckResponse:
+    ref: SessionRef
+    sum_id: str
+    sender: int
+    signature: bytes
+
+
+@dataclass(frozen=True)
+class UnmaskResponse:
+    ref: SessionRef
+    sum_id: str
+    sender: int
+    seed_shares: tuple[tuple[int, bytes], ...]  # (owner, share) for surviving neighbours
+    key_shares: tuple[tuple[int, bytes], ...]  # (owner, share) for dropped neighbours
+
+
+ClientMessage = (
+    AdvertiseKeys
+    | ShareKeysResponse
+    | MaskedInputResponse
+    | ConsistencyCheckResponse
+    | UnmaskResponse
+)
+
+# ---- server -> device -------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class NeighbourKeys:
+    index: int
+    keys: tuple[SumPublicKeys, ...]
+    signing_public: bytes = b""
+
+
+@dataclass(frozen=True)
+class ShareKeysRequest:
+    ref: SessionRef
+    neighbours: tuple[NeighbourKeys, ...]
+
+
+@dataclass(frozen=True)
+class ShareDelivery:
+    """The shares addressed to one device by its neighbours that finished ShareKeys."""
+
+    ref: SessionRef
+    shares: tuple[EncryptedShare, ...]
+
+
+@dataclass(frozen=True)
+class MaskedInputRequest:
+    ref: SessionRef
+    sum_id: str
+
+
+@dataclass(frozen=True)
+class ConsistencyCheckRequest:
+    ref: SessionRef
+    sum_id: str
+    survivors: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class UnmaskRequest:
+    ref: SessionRef
+    sum_id: str
+    survivors: tuple[int, ...]
+    signatures: tuple[tuple[int, bytes], ...] = ()
+
+
+@dataclass(frozen=True)
+class Abort:
+    ref: SessionRef
+    reason: str
+
+
+ServerMessage = (
+    ShareKeysRequest
+    | ShareDelivery
+    | MaskedInputRequest
+    | ConsistencyCheckRequest
+    | UnmaskRequest
+    | Abort
+)
+
+
+@dataclass(frozen=True)
+class Outgoing:
+    """A server message and the device it goes to."""
+
+    recipient: int
+    message: ServerMessage
+
+
+# ---- server events (not sent to devices) -----------------------------------
+
+
+@dataclass(frozen=True)
+class SumResult:
+    """The unmasked total of one sum: ``total`` is mod 2**bits, as the codec decodes it."""
+
+    sum_id: str
+    total: np.ndarray = field(repr=False)
+    contributors: tuple[int, ...]
+    dropped: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class SessionAborted:
+    reason: str

@@ -1,0 +1,198 @@
+"""Vectorised Shamir sharing of 32-byte secrets (X25519 private keys, self-mask seeds).
+
+The field is GF(2^31 - 1): a product of two elements fits in uint64, so sharing and
+reconstruction are plain numpy arithmetic over all secrets, holders and chunks at once. A secret
+is cut into 9 chunks (8 of 30 bits, one of 16) and every chunk gets its own random polynomial, so
+fewer than t shares reveal nothing about any chunk.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from collections.abc import Sequence
+
+import numpy as np
+
+P = 2**31 - 1
+CHUNKS = 9
+SHARE_BYTES = 4 * CHUNKS
+SECRET_BYTES = 32
+
+_CHUNK_BITS = 30
+_LAST_CHUNK_BITS = 8 * SECRET_BYTES - _CHUNK_BITS * (CHUNKS - 1)  # 16
+_CHUNK_LIMITS = np.array([1 << _CHUNK_BITS] * (CHUNKS - 1) + [1 << _LAST_CHUNK_BITS], np.uint64)
+_BIT_WEIGHTS = np.uint64(1) << np.arange(_CHUNK_BITS, dtype=np.uint64)
+_PAD_BITS = _CHUNK_BITS * CHUNKS - 8 * SECRET_BYTES
+_P = np.uint64(P)
+# Below this many distinct holder sets per reconstruction, the per-set cache is cheaper than a
+# batch computation; above it, sets are the all-different SecAgg+ kind and batching wins.
+_CACHED_SETS_MAX = 8
+
+
+def secrets_to_field(secrets: Sequence[bytes]) -> np.ndarray:
+    """(S, 9) uint64 chunks of 32-byte secrets, little-endian bit order."""
+    for s in secrets:
+        if len(s) != SECRET_BYTES:
+            raise ValueError(f"secrets must be {SECRET_BYTES} bytes, got {len(s)}")
+    raw = np.frombuffer(b"".join(secrets), dtype=np.uint8).reshape(len(secrets), SECRET_BYTES)
+    bits = np.unpackbits(raw, axis=1, bitorder="little")
+    bits = np.pad(bits, ((0, 0), (0, _PAD_BITS))).reshape(len(secrets), CHUNKS, _CHUNK_BITS)
+    return bits.astype(np.uint64) @ _BIT_WEIGHTS
+
+
+def field_to_secrets(arr: np.ndarray) -> list[bytes]:
+    """Inverse of ``secrets_to_field``; refuses chunks that no 32-byte secret produces."""
+    arr = np.asarray(arr, dtype=np.uint64)
+    if arr.ndim != 2 or arr.shape[1] != CHUNKS:
+        raise ValueError(f"expected shape (S, {CHUNKS}), got {arr.shape}")
+    if np.any(arr >= _CHUNK_LIMITS):
+        raise ValueError("value is not a valid secret chunk (inconsistent or corrupted shares?)")
+    bits = ((arr[:, :, None] >> np.arange(_CHUNK_BITS, dtype=np.uint64)) & np.uint64(1)).astype(
+        np.uint8
+    )
+    bits = bits.reshape(len(arr), -1)[:, : 8 * SECRET_BYTES]
+    raw = np.packbits(bits, axis=1, bitorder="little")
+    return [row.tobytes() for row in raw]
+
+
+def _random_field(shape: tuple[int, ...]) -> np.ndarray:
+    """Uniform elements of GF(p) from the OS CSPRNG.
+
+    31-bit draws are uniform on [0, 2^31); rejecting the single value p leaves [0, p) uniform.
+    """
+    count = int(np.prod(shape))
+    out = np.empty(count, dtype=np.uint64)
+    filled = 0
+    while filled < count:
+        draws = np.frombuffer(os.urandom(4 * (count - filled)), dtype="<u4") & np.uint32(P)
+        draws = draws[draws != P]
+        out[filled : filled + len(draws)] = draws
+        filled += len(draws)
+    return out.reshape(shape)
+
+
+def _check_holder_sets(xs: np.ndarray) -> np.ndarray:
+    """Validated (S, t) holder x-coordinates as uint64; each row must be distinct and in [1, p)."""
+    xs = np.asarray(xs)
+    if xs.ndim != 2 or not np.issubdtype(xs.dtype, np.integer):
+        raise ValueError("holder x-coordinates must be integers")
+    if np.any(xs < 1) or np.any(xs >= P):
+        raise ValueError(f"holder x-coordinates must lie in [1, {P})")
+    ordered = np.sort(xs, axis=1)
+    if np.any(ordered[:, 1:] == ordered[:, :-1]):
+        raise ValueError("holder x-coordinates must be distinct")
+    return xs.astype(np.uint64)
+
+
+def share(secrets: Sequence[bytes], t: int, xs: np.ndarray) -> np.ndarray:
+    """Shares of every secret for every holder: (S, len(xs), 9) uint64, any t of which recover it."""
+    if np.ndim(xs) != 1:
+        raise ValueError("holder x-coordinates must be a 1-d array")
+    x = _check_holder_sets(np.asarray(xs)[None, :])[0]
+    if not 1 <= t <= len(x):
+        raise ValueError(f"threshold t={t} must lie in [1, {len(x)}] (the number of holders)")
+    secret_chunks = secrets_to_field(secrets)
+    coefficients = _random_field((t - 1, len(secret_chunks), CHUNKS))
+    x = x[None, :, None]
+    # Horner from the top coefficient; each step stays below 2^62 + 2^31 before the reduction.
+    acc = np.zeros((len(secret_chunks), x.shape[1], CHUNKS), dtype=np.uint64)
+    for c in coefficients[::-1]:
+        acc = (acc * x + c[:, None, :]) % _P
+    return (acc * x + secret_chunks[:, None, :]) % _P
+
+
+def share_to_bytes(arr: np.ndarray) -> bytes:
+    arr = np.asarray(arr)
+    if arr.shape != (CHUNKS,) or np.any(arr >= P):
+        raise ValueError(f"a share is {CHUNKS} field elements below {P}")
+    return arr.astype("<u4").tobytes()
+
+
+def share_from_bytes(b: bytes) -> np.ndarray:
+    if len(b) != SHARE_BYTES:
+        raise ValueError(f"a share is {SHARE_BYTES} bytes, got {len(b)}")
+    arr = np.frombuffer(b, dtype="<u4").astype(np.uint64)
+    if np.any(arr >= P):
+        raise ValueError(f"share element not below the field prime {P}")
+    return arr
+
+
+def _pow_mod(base: np.ndarray, exponent: int) -> np.ndarray:
+    result = np.ones_like(base)
+    while exponent:
+        if exponent & 1:
+            result = result * base % _P
+        base = base * base % _P
+        exponent >>= 1
+    return result
+
+
+def _lagrange_batch(xs: np.ndarray) -> np.ndarray:
+    """Interpolation-at-zero coefficients for many holder sets at once: (S, t) -> (S, t).
+
+    lambda_i = prod_{j != i} x_j / (x_j - x_i); t vector steps build all numerators and
+    denominators, one vectorised Fermat inversion finishes them.
+    """
+    xs = xs.astype(np.uint64)
+    num = np.ones_like(xs)
+    den = np.ones_like(xs)
+    t = xs.shape[1]
+    for j in range(t):
+        xj = xs[:, j : j + 1]
+        same = np.arange(t) == j
+        num = num * np.where(same, np.uint64(1), xj) % _P
+        den = den * np.where(same, np.uint64(1), (xj + _P - xs) % _P) % _P
+    return num * _pow_mod(den, P - 2) % _P
+
+
+@functools.lru_cache(maxsize=4096)
+def lagrange_at_zero(xs: tuple[int, ...]) -> np.ndarray:
+    """Coefficients recovering f(0) from f at ``xs``; cached because full-graph sums reuse sets.
+
+    The returned array is shared by the cache and read-only.
+    """
+    coefficients = _lagrange_batch(_check_holder_sets(np.array([xs], dtype=np.int64)))[0]
+    coefficients.setflags(write=False)
+    return coefficients
+
+
+def _coefficients(sets: list[tuple[int, ...]]) -> np.ndarray:
+    """(len(sets), t) coefficients for equal-size holder sets, computing each distinct set once."""
+    distinct = list(dict.fromkeys(sets))
+    if len(distinct) <= _CACHED_SETS_MAX:
+        table = np.stack([lagrange_at_zero(s) for s in distinct])
+    else:
+        table = _lagrange_batch(_check_holder_sets(np.array(distinct, dtype=np.int64)))
+    index = {s: i for i, s in enumerate(distinct)}
+    return table[[index[s] for s in sets]]
+
+
+def reconstruct(xs_list: Sequence[tuple[int, ...]], shares: Sequence[np.ndarray]) -> list[bytes]:
+    """Recover one secret per entry from its holders' x-coordinates and their (t, 9) shares.
+
+    Every secret may have its own holder set and size (SecAgg+ neighbourhoods all differ); all
+    shares given are used, so pass exactly the t holders chosen. Shares that do not lie on one
+    polynomial of degree < len(xs) almost always give a chunk out of range, which raises
+    ValueError: the check misses with probability about 2^-23, so it is a guard against
+    mistakes, not against forgery (authenticated encryption of shares is that).
+    """
+    if len(xs_list) != len(shares):
+        raise ValueError(f"{len(xs_list)} holder sets for {len(shares)} share arrays")
+    xs_list = [tuple(int(x) for x in xs) for xs in xs_list]
+    out = [b""] * len(xs_list)
+    groups: dict[int, list[int]] = {}
+    for i, (xs, sh) in enumerate(zip(xs_list, shares)):
+        if np.shape(sh) != (len(xs), CHUNKS) or len(xs) == 0:
+            raise ValueError(f"secret {i}: expected shares of shape (t >= 1, {CHUNKS}), one per holder")
+        groups.setdefault(len(xs), []).append(i)
+    for members in groups.values():
+        stacked = np.stack([np.asarray(shares[i], dtype=np.uint64) for i in members])
+        if np.any(stacked >= _P):
+            raise ValueError(f"share element not below the field prime {P}")
+        lam = _coefficients([xs_list[i] for i in members])
+        # Reduce each product before summing: t terms below p each cannot wrap uint64.
+        chunks = (lam[:, :, None] * stacked % _P).sum(axis=1) % _P
+        for i, secret in zip(members, field_to_secrets(chunks)):
+            out[i] = secret
+    return out
