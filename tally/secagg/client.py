@@ -161,6 +161,10 @@ class _AwaitShareKeysRequest(_Phase):
         indices = [nb.index for nb in message.neighbours]
         if len(set(indices)) != len(indices) or not set(indices) <= client.neighbours:
             raise MalformedMessage("the server sent keys of devices that are not my neighbours")
+        if len(indices) < config.threshold:
+            raise MalformedMessage(
+                f"{len(indices)} neighbours cannot hold shares with threshold {config.threshold}"
+            )
         xs = np.array(sorted(indices), dtype=np.int64)
         by_index = {nb.index: nb for nb in message.neighbours}
         client.neighbour_signing = {nb.index: nb.signing_public for nb in message.neighbours}
@@ -168,7 +172,7 @@ class _AwaitShareKeysRequest(_Phase):
         for position, spec in enumerate(config.sums):
             context = config.ref.context(spec.sum_id)
             secrets = client.secrets[spec.sum_id]
-            shares = shamir.share([secrets.mask.private, secrets.seed], config.threshold, xs) if len(xs) else None
+            shares = shamir.share([secrets.mask.private, secrets.seed], config.threshold, xs)
             for h, j in enumerate(xs.tolist()):
                 keys = by_index[j].keys[position]
                 if keys.sum_id != spec.sum_id:

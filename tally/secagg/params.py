@@ -1,10 +1,12 @@
 """Choice and validation of the SecAgg+ neighbour graph degree ``k`` and Shamir threshold ``t``.
 
 The method is the parameter finder of Bell et al. 2020 (SecAgg+): a random Harary graph of even
-degree ``k`` is accepted when it stays connected after the bad (corrupt or dropped) nodes are removed
-except with probability 2^-(SECURITY_BITS+1), and when a threshold ``t`` exists that no coalition of
-corrupt neighbours reaches (security, 2^-(SECURITY_BITS+1) over all nodes) while every node keeps at
-least ``t`` surviving neighbours (correctness, failure 2^-CORRECTNESS_BITS over all nodes).
+degree ``k`` is accepted when it stays connected after the bad (corrupt or dropped) nodes are
+removed except with probability 2^-(SECURITY_BITS+1), and when a threshold ``t`` exists that no
+coalition of corrupt neighbours reaches (security, 2^-(SECURITY_BITS+1) over all nodes) while every
+node keeps at least ``t`` surviving neighbours (correctness, failure 2^-CORRECTNESS_BITS over all
+nodes). Cost grows with ``k``, so the smallest feasible ``k`` is taken, with the smallest secure
+``t`` (the cheapest interpolation, and the most dropout headroom).
 
 The analysis treats the rates as exact counts floor(rate * n). Below ``MIN_HARARY_N`` devices those
 counts are too coarse to lean on (5% of 19 devices rounds to no corrupt device at all; at n = 10 the
@@ -173,20 +175,25 @@ def _connectivity_ok(n: int, k: int, threat: ThreatModel) -> tuple[bool, float]:
     return log_p < -(SECURITY_BITS + 1) * _LOG2, log_p
 
 
-def choose_params(n: int, threat: ThreatModel) -> GraphParams:
-    """The smallest even Harary degree that meets the guarantees, else the full graph.
-
-    Cost grows with the degree, so the first feasible ``k`` is the cheapest one. Cohorts smaller
-    than ``MIN_HARARY_N``, and larger ones where no ``k < n-1`` passes, get the full graph.
-    """
-    if n < 2:
-        raise UnsafeParameters(f"a secure sum needs at least 2 devices, got n={n}")
-    for k in range(2, n - 1 if n >= MIN_HARARY_N else 0, 2):
+def _cheapest_harary(n: int, threat: ThreatModel) -> GraphParams | None:
+    for k in range(2, n - 1, 2):
         if not _connectivity_ok(n, k, threat)[0]:
             continue
         t_min, t_max = _harary_threshold_range(n, k, threat)
         if t_min <= t_max:
             return GraphParams(n=n, k=k, t=t_min)
+    return None
+
+
+def choose_params(n: int, threat: ThreatModel) -> GraphParams:
+    """The cheapest safe Harary graph for cohorts of at least ``MIN_HARARY_N``, else the full graph.
+
+    Raises UnsafeParameters when even the full graph cannot be both secure and correct.
+    """
+    if n < 2:
+        raise UnsafeParameters(f"a secure sum needs at least 2 devices, got n={n}")
+    if n >= MIN_HARARY_N and (harary := _cheapest_harary(n, threat)) is not None:
+        return harary
     t_min, t_max = _full_threshold_range(n, threat)
     if t_min > t_max:
         raise UnsafeParameters(

@@ -194,12 +194,13 @@ class _AdvertiseKeysPhase(_Phase):
 
     def close(self) -> list[Outgoing]:
         server = self.server
-        u1 = frozenset(self.received)
-        refused = server._require(u1, self.name, u1)
+        u1, excluded = _prune(server.config, frozenset(self.received))
+        refused = server._require(u1, self.name, self.received)
         if refused is not None:
             return refused
-        server.advertised = dict(self.received)
-        out = []
+        server.advertised = {i: self.received[i] for i in u1}
+        reason = f"fewer than t={server.config.threshold} neighbours advertised keys"
+        out = [Outgoing(i, Abort(server.config.ref, reason)) for i in sorted(excluded)]
         for i in sorted(u1):
             neighbours = tuple(
                 NeighbourKeys(int(j), self.received[j].keys, self.received[j].signing_public)
@@ -208,6 +209,21 @@ class _AdvertiseKeysPhase(_Phase):
             )
             out.append(Outgoing(i, ShareKeysRequest(server.config.ref, neighbours)))
         return server._advance(_ShareKeysPhase(server, u1), out)
+
+
+def _prune(config: SessionConfig, advertised: frozenset[int]) -> tuple[frozenset[int], frozenset[int]]:
+    """Drop devices with fewer than t advertised neighbours, until none is left.
+
+    Such a device's secrets could never be reconstructed, so its input could never be
+    unmasked; removing it can starve a neighbour in turn, hence the fixpoint.
+    """
+    kept = set(advertised)
+    changed = True
+    while changed:
+        starved = {i for i in kept if len(kept.intersection(config.neighbours(i).tolist())) < config.threshold}
+        kept -= starved
+        changed = bool(starved)
+    return frozenset(kept), advertised - kept
 
 
 class _ShareKeysPhase(_Phase):

@@ -86,7 +86,7 @@ def _check_holder_sets(xs: np.ndarray) -> np.ndarray:
 
 
 def share(secrets: Sequence[bytes], t: int, xs: np.ndarray) -> np.ndarray:
-    """Shares of every secret for every holder: (S, len(xs), 9) uint64, any t of which recover it."""
+    """Shares of each secret for each holder, (S, len(xs), 9) uint64; any t of them recover it."""
     if np.ndim(xs) != 1:
         raise ValueError("holder x-coordinates must be a 1-d array")
     x = _check_holder_sets(np.asarray(xs)[None, :])[0]
@@ -172,10 +172,11 @@ def reconstruct(xs_list: Sequence[tuple[int, ...]], shares: Sequence[np.ndarray]
     """Recover one secret per entry from its holders' x-coordinates and their (t, 9) shares.
 
     Every secret may have its own holder set and size (SecAgg+ neighbourhoods all differ); all
-    shares given are used, so pass exactly the t holders chosen. Shares that do not lie on one
-    polynomial of degree < len(xs) almost always give a chunk out of range, which raises
-    ValueError: the check misses with probability about 2^-23, so it is a guard against
-    mistakes, not against forgery (authenticated encryption of shares is that).
+    shares given are used, so pass exactly the t holders chosen. A garbage share (wrong key,
+    wrong owner, corrupted bytes) makes every chunk uniform in GF(p), so some chunk falls out of
+    its 30- or 16-bit range and ValueError is raised, except with probability about 2^-23. A small
+    deliberate offset can pass unnoticed: this guards against mistakes, not tampering, which the
+    authenticated encryption of shares is for.
     """
     if len(xs_list) != len(shares):
         raise ValueError(f"{len(xs_list)} holder sets for {len(shares)} share arrays")
@@ -184,7 +185,7 @@ def reconstruct(xs_list: Sequence[tuple[int, ...]], shares: Sequence[np.ndarray]
     groups: dict[int, list[int]] = {}
     for i, (xs, sh) in enumerate(zip(xs_list, shares)):
         if np.shape(sh) != (len(xs), CHUNKS) or len(xs) == 0:
-            raise ValueError(f"secret {i}: expected shares of shape (t >= 1, {CHUNKS}), one per holder")
+            raise ValueError(f"secret {i}: expected one ({CHUNKS},) share per holder, t >= 1")
         groups.setdefault(len(xs), []).append(i)
     for members in groups.values():
         stacked = np.stack([np.asarray(shares[i], dtype=np.uint64) for i in members])
