@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import abc
 import os
+from collections.abc import Callable
 
 import numpy as np
 
@@ -50,24 +51,31 @@ from tally.secagg.wire import (
 class _SumSecrets:
     """The key pairs and self-mask seed of one sum: never reused by another sum."""
 
-    def __init__(self) -> None:
-        self.cipher = crypto.KeyPair.generate()
-        self.mask = crypto.KeyPair.generate()
-        self.seed = os.urandom(32)
+    def __init__(self, entropy: Callable[[int], bytes]) -> None:
+        self.cipher = crypto.KeyPair.from_private(entropy(32))
+        self.mask = crypto.KeyPair.from_private(entropy(32))
+        self.seed = entropy(32)
         self.pair_keys: dict[int, bytes] = {}  # neighbour -> pairwise mask AES key
         self.cipher_secrets: dict[int, bytes] = {}  # neighbour -> X25519 secret for shares
         self.held: dict[int, tuple[bytes, bytes]] = {}  # neighbour -> (key share, seed share)
 
 
 class SecAggClient:
-    def __init__(self, config: SessionConfig, index: int) -> None:
+    """``entropy`` is the source of every key and seed: os.urandom, or a seeded source in
+    tests that must be deterministic."""
+
+    def __init__(
+        self, config: SessionConfig, index: int, entropy: Callable[[int], bytes] = os.urandom
+    ) -> None:
         if not 1 <= index <= config.n:
             raise ValueError(f"index {index} is outside the cohort 1..{config.n}")
         self.config = config
         self.index = index
         self.neighbours = frozenset(int(j) for j in config.neighbours(index))
-        self.secrets = {spec.sum_id: _SumSecrets() for spec in config.sums}
-        self.signing = crypto.SigningKey.generate() if config.consistency_check else None
+        self.secrets = {spec.sum_id: _SumSecrets(entropy) for spec in config.sums}
+        self.signing = (
+            crypto.SigningKey.from_private(entropy(32)) if config.consistency_check else None
+        )
         self.inputs: dict[str, np.ndarray] = {}
         self.neighbour_signing: dict[int, bytes] = {}
         self.aborted: str | None = None

@@ -45,9 +45,9 @@ class KeyPair:
     public: bytes
 
     @classmethod
-    def generate(cls) -> KeyPair:
-        sk = X25519PrivateKey.generate()
-        return cls(sk.private_bytes_raw(), sk.public_key().public_bytes_raw())
+    def from_private(cls, private: bytes) -> KeyPair:
+        """Any 32 random bytes are an X25519 private key (the curve clamps them)."""
+        return cls(private, public_from_private(private))
 
 
 def public_from_private(private: bytes) -> bytes:
@@ -136,9 +136,9 @@ class SigningKey:
     public: bytes
 
     @classmethod
-    def generate(cls) -> SigningKey:
-        sk = Ed25519PrivateKey.generate()
-        return cls(sk.private_bytes_raw(), sk.public_key().public_bytes_raw())
+    def from_private(cls, private: bytes) -> SigningKey:
+        sk = Ed25519PrivateKey.from_private_bytes(private)
+        return cls(private, sk.public_key().public_bytes_raw())
 
     def sign(self, message: bytes) -> bytes:
         return Ed25519PrivateKey.from_private_bytes(self.private).sign(message)

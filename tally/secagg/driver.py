@@ -12,6 +12,7 @@ import time
 from collections import defaultdict, deque
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from functools import partial
 
 import numpy as np
 
@@ -82,13 +83,21 @@ def run_cohort(
     inputs: Mapping[int, Mapping[str, np.ndarray]],
     dropouts: Mapping[int, Dropout] | None = None,
     observe: Callable[[ClientMessage], None] | None = None,
+    entropy: Callable[[int, int], bytes] | None = None,
 ) -> CohortRun:
-    """Run devices 1..n with ring-encoded ``inputs``; ``observe`` sees every message the server receives."""
+    """Run devices 1..n with ring-encoded ``inputs``.
+
+    ``observe`` sees every message the server receives; ``entropy(i, size)``, when given,
+    replaces os.urandom as device i's key source (deterministic tests).
+    """
     dropouts = dict(dropouts or {})
     first_sum = config.sums[0].sum_id
     server = SecAggServer(config)
     run = CohortRun(config, server, server.results, None)
-    clients = {i: SecAggClient(config, i) for i in range(1, config.n + 1)}
+    clients = {
+        i: SecAggClient(config, i, partial(entropy, i)) if entropy else SecAggClient(config, i)
+        for i in range(1, config.n + 1)
+    }
     for i, client in clients.items():
         for sum_id, vector in inputs[i].items():
             client.provide_input(sum_id, vector)

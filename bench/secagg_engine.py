@@ -1,0 +1,546 @@
+#!/usr/bin/env python
+"""Secure-sum engine benchmark: client masking and server unmasking vs the PRG limit.
+
+Runs a whole cohort through the real protocol (``tally.secagg.driver.run_cohort``: real keys,
+real Shamir shares, real AES-CTR masks, real dropouts) and compares, in the same process on the
+same machine, the time the engine spends with the time the unavoidable work takes:
+
+* ``limit_client_s``: one device's AES-128-CTR keystreams (1 self mask + one pairwise mask per
+  neighbour that finished ShareKeys), each written with ``update_into`` into a preallocated
+  1 MiB buffer and added to a D-long ring vector with numpy, plus the final reduction mod 2^b.
+* ``limit_server_s``: the same for the masks the server cannot avoid removing (one self mask per
+  surviving device, one pairwise mask per (dropped device, surviving neighbour) edge), plus one
+  vector addition per surviving masked input (read from a pool of distinct vectors larger than
+  the caches, as the real masked inputs are).
+
+Everything is reported as medians over ``--repeat`` runs and as ratios to those limits
+(DESIGN.md section 9). ``correct`` checks the unmasked total integer-exactly against the ring sum
+of the contributors' encoded inputs; the exit status is non-zero when it does not hold.
+
+    python bench/secagg_engine.py --clients 1000 --dim 100000 --dropout 0.1 --json out.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import gc
+import json
+import math
+import os
+import platform
+import resource
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from importlib import metadata
+from pathlib import Path
+
+import numpy as np
+from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
+from rich.console import Console
+from rich.progress import (
+    BarColumn,
+    MofNCompleteColumn,
+    Progress,
+    TextColumn,
+    TimeElapsedColumn,
+)
+from rich.table import Table
+
+from tally.codec import Field, Kind, PayloadSchema, packed_size, ring_dtype, ring_mask, to_ring
+from tally.secagg import Dropout, SessionConfig, SessionRef, ThreatModel, run_cohort
+from tally.secagg.driver import PHASES
+
+SUM_ID = "x"
+CLIP = 1.0
+FRAC_BITS = 19  # 20-bit precision on [-1, 1]: N <= 1024 fits a ring of <= 31 bits
+CHUNK_BYTES = 1 << 20  # keystream buffer, as DESIGN.md section 4 prescribes
+# Masked inputs the server-limit adds are cycled through a pool at least this large, so the
+# additions stream from memory as the real server's do instead of hitting a cached vector.
+ADD_POOL_BYTES = 128 << 20
+TARGET_SERVER_RATIO = 2.0
+TARGET_CLIENT_RATIO = 1.5
+PHASE_OF_DROPOUT = {"shares": "masked_input", "masked": "unmask"}
+
+
+# ---------------------------------------------------------------------------- arguments
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    p.add_argument("--clients", "-n", type=int, required=True, help="cohort size N")
+    p.add_argument("--dim", "-d", type=int, required=True, help="values per device D")
+    p.add_argument("--dropout", "-f", type=float, default=0.1,
+                   help="fraction F of devices that drop (floor(F*N) devices, chosen at random)")
+    p.add_argument("--phase", choices=sorted(PHASE_OF_DROPOUT), default="shares",
+                   help="shares: drop after ShareKeys, before sending the masked input (the server "
+                        "must remove their pairwise masks); masked: drop after the masked input, "
+                        "before Unmask")
+    p.add_argument("--repeat", "-r", type=int, default=3, help="cohort runs; medians are reported")
+    p.add_argument("--corrupt", "-c", type=float, default=0.05,
+                   help="corrupt fraction of the threat model that picks k and t")
+    p.add_argument("--threat-dropout", type=float, default=None,
+                   help="dropout rate of the threat model (default: --dropout)")
+    p.add_argument("--k", type=int, default=None, help="override the graph degree")
+    p.add_argument("--t", type=int, default=None, help="override the Shamir threshold")
+    p.add_argument("--seed", type=int, default=0, help="seed of inputs, dropouts and graph")
+    p.add_argument("--limit-repeat", type=int, default=7,
+                   help="repetitions of each limit measurement per cohort run")
+    p.add_argument("--json", type=Path, default=None, help="write the results here")
+    p.add_argument("--profile", type=Path, default=None,
+                   help="cProfile the first cohort run and dump the stats here (pstats format)")
+    args = p.parse_args(argv)
+    if args.clients < 2:
+        p.error("--clients must be >= 2")
+    if args.dim < 1:
+        p.error("--dim must be >= 1")
+    if not 0.0 <= args.dropout < 1.0:
+        p.error("--dropout must lie in [0, 1)")
+    if args.repeat < 1 or args.limit_repeat < 1:
+        p.error("--repeat and --limit-repeat must be >= 1")
+    return args
+
+
+# ---------------------------------------------------------------------------- inputs
+
+
+def build_schema(dim: int) -> PayloadSchema:
+    return PayloadSchema((Field(SUM_ID, (dim,), Kind.REAL, clip=CLIP, frac_bits=FRAC_BITS),))
+
+
+def _device_rng(seed: int, rep: int, device: int) -> np.random.Generator:
+    return np.random.default_rng([seed, rep, device])
+
+
+def device_values(seed: int, rep: int, device: int, dim: int) -> tuple[np.ndarray, np.random.Generator]:
+    """Device ``device``'s real input, regenerable from (seed, rep, device) alone."""
+    rng = _device_rng(seed, rep, device)
+    return rng.uniform(-CLIP, CLIP, dim), rng
+
+
+def make_inputs(schema: PayloadSchema, config: SessionConfig, seed: int, rep: int) -> dict:
+    spec = config.sum_spec(SUM_ID)
+    inputs = {}
+    for i in range(1, config.n + 1):
+        values, rng = device_values(seed, rep, i, spec.dim)
+        encoded = schema.encode({SUM_ID: values}, rng)  # the rng goes on to drive the rounding
+        inputs[i] = {SUM_ID: to_ring(encoded.vector, spec.bits)}
+    return inputs
+
+
+# ---------------------------------------------------------------------------- limits
+
+
+class MaskLimit:
+    """The PRG floor: AES-128-CTR keystream into a preallocated buffer, added with numpy.
+
+    Written here, independently of ``tally.secagg.crypto.MaskExpander``, so that the limit does
+    not inherit the engine's overheads.
+    """
+
+    def __init__(self, dim: int, dtype: np.dtype, bits: int) -> None:
+        self.dim = dim
+        self.dtype = np.dtype(dtype)
+        self.mask = self.dtype.type(ring_mask(bits))
+        self.reduce = bits != 8 * self.dtype.itemsize
+        item = self.dtype.itemsize
+        self.step = max(1, min(dim, CHUNK_BYTES // item))
+        self.zeros = bytes(self.step * item)
+        self.out = bytearray(self.step * item + 15)
+        self.view = np.frombuffer(self.out, dtype=self.dtype, count=self.step)
+        # Tail chunk input, sliced once instead of per mask.
+        tail = dim % self.step
+        self.tail_zeros = self.zeros[: tail * item] if tail else None
+
+    def time(self, n_masks: int, n_adds: int = 0, repeats: int = 5,
+             budget_s: float = 60.0) -> list[float]:
+        """Seconds for ``n_masks`` keystream masks plus ``n_adds`` vector additions, per repeat."""
+        acc = np.zeros(self.dim, dtype=self.dtype)
+        pool = None
+        if n_adds:
+            rows = max(1, min(n_adds, ADD_POOL_BYTES // (self.dim * self.dtype.itemsize)))
+            pool = np.random.default_rng(1).integers(0, int(self.mask), (rows, self.dim),
+                                                    dtype=self.dtype, endpoint=True)
+        times: list[float] = []
+        spent = 0.0
+        for _ in range(repeats):
+            keys = os.urandom(16 * n_masks)
+            key_list = [keys[16 * m:16 * m + 16] for m in range(n_masks)]
+            nonce = bytes(16)
+            out, view, zeros, tail_zeros = self.out, self.view, self.zeros, self.tail_zeros
+            step, dim = self.step, self.dim
+            add = np.add
+            gc.collect()
+            start = time.perf_counter()
+            if pool is not None:
+                rows = len(pool)
+                for a in range(n_adds):
+                    add(acc, pool[a % rows], out=acc)
+            for key in key_list:
+                encryptor = Cipher(algorithms.AES(key), modes.CTR(nonce)).encryptor()
+                for s in range(0, dim, step):
+                    stop = s + step
+                    if stop <= dim:
+                        encryptor.update_into(zeros, out)
+                        part = acc[s:stop]
+                        add(part, view, out=part)
+                    else:
+                        count = dim - s
+                        encryptor.update_into(tail_zeros, out)
+                        part = acc[s:]
+                        add(part, view[:count], out=part)
+            if self.reduce:
+                np.bitwise_and(acc, self.mask, out=acc)
+            elapsed = time.perf_counter() - start
+            times.append(elapsed)
+            spent += elapsed
+            if spent > budget_s and len(times) >= 3:
+                break
+        return times
+
+
+# ---------------------------------------------------------------------------- one run
+
+
+def _median(xs) -> float:
+    xs = list(xs)
+    return float(statistics.median(xs)) if xs else float("nan")
+
+
+def run_once(args: argparse.Namespace, schema: PayloadSchema, rep: int,
+             on_message: Callable[[object], None] | None, log: Callable[[str], None]) -> dict:
+    n, dim = args.clients, args.dim
+    threat = ThreatModel(
+        dropout_rate=args.dropout if args.threat_dropout is None else args.threat_dropout,
+        corrupt_rate=args.corrupt,
+    )
+    plan_rng = np.random.default_rng([args.seed, rep])
+    config = SessionConfig.plan(
+        SessionRef("bench", rep, f"engine-{rep}"), [(SUM_ID, schema)], n, threat,
+        k=args.k, t=args.t, graph_seed=plan_rng.bytes(32),
+    )
+    spec = config.sum_spec(SUM_ID)
+    n_drop = math.floor(round(args.dropout * n, 9))
+    dropped = sorted(int(i) + 1 for i in plan_rng.choice(n, size=n_drop, replace=False))
+    dropouts = {i: Dropout(PHASE_OF_DROPOUT[args.phase]) for i in dropped}
+
+    t0 = time.perf_counter()
+    inputs = make_inputs(schema, config, args.seed, rep)
+    log(f"run {rep}: inputs encoded in {time.perf_counter() - t0:.1f}s "
+        f"(k={config.params.k}, t={config.threshold}, bits={spec.bits}, dropped={n_drop})")
+
+    profiler = cProfile.Profile() if (args.profile and rep == 0) else None
+    t0 = time.perf_counter()
+    if profiler:
+        profiler.enable()
+    run = run_cohort(config, inputs, dropouts, observe=on_message)
+    if profiler:
+        profiler.disable()
+        profiler.dump_stats(str(args.profile))
+    cohort_wall = time.perf_counter() - t0
+    if on_message is not None and hasattr(on_message, "flush"):
+        on_message.flush()
+    log(f"run {rep}: cohort done in {cohort_wall:.1f}s")
+
+    # -- correctness: integer-exact in the ring, and the decoded reals vs float sums.
+    result = run.results.get(SUM_ID)
+    out: dict = {
+        "k": config.params.k, "t": config.threshold, "bits": spec.bits,
+        "dropped": n_drop, "aborted": run.aborted, "cohort_wall_s": cohort_wall,
+        "refused": len(run.refused), "rejected": len(run.rejected),
+    }
+    if result is None:
+        out.update(correct=False, max_abs_error=float("nan"), contributors=0)
+        return out
+    contributors = list(result.contributors)
+    expected = np.zeros(dim, dtype=np.uint64)
+    float_sum = np.zeros(dim, dtype=np.float64)
+    for i in contributors:
+        np.add(expected, inputs[i][SUM_ID].astype(np.uint64), out=expected)
+        values, _ = device_values(args.seed, rep, i, dim)
+        float_sum += values
+    expected &= np.uint64(ring_mask(spec.bits))
+    ring_exact = bool(np.array_equal(result.total.astype(np.uint64), expected))
+    decoded = schema.decode_sum(result.total, spec.bits)[SUM_ID]
+    max_abs_error = float(np.max(np.abs(decoded - float_sum)))
+    bound = schema.quantisation_bound(len(contributors))[SUM_ID]
+    expected_contributors = (
+        set(range(1, n + 1)) - set(dropped) if args.phase == "shares" else set(range(1, n + 1))
+    )
+    out.update(
+        correct=ring_exact and max_abs_error <= bound and set(contributors) == expected_contributors,
+        ring_exact=ring_exact,
+        max_abs_error=max_abs_error,
+        quantisation_bound=bound,
+        contributors=len(contributors),
+    )
+
+    # -- what the engine spent.
+    out["server_seconds"] = {p: float(s) for p, s in run.server_seconds.items()}
+    out["client_median_s"] = {p: _median(v) for p, v in run.client_seconds.items()}
+    out["client_mean_per_device_s"] = {p: float(sum(v)) / n for p, v in run.client_seconds.items()}
+    out["client_mask_s"] = _median(run.client_seconds.get("masked_input", []))
+    out["server_unmask_s"] = float(run.server_seconds.get("unmask", float("nan")))
+    survivors = [i for i in range(1, n + 1) if i not in dropouts]
+    out["upload_bytes_per_client"] = _median(run.upload_bytes[i] for i in survivors)
+    out["download_bytes_per_client"] = _median(run.download_bytes[i] for i in survivors)
+
+    # -- the work nobody can avoid, counted from the run itself.
+    sharers = run.server.sharers
+    contributor_set = set(contributors)
+    client_masks = [
+        1 + sum(1 for j in config.neighbours(i) if int(j) in sharers) for i in contributors
+    ]
+    out["client_masks"] = int(statistics.median_low(client_masks))
+    edges = 0
+    for j in result.dropped:
+        edges += sum(1 for i in config.neighbours(j) if int(i) in contributor_set)
+    out["server_self_masks"] = len(contributors)
+    out["server_pairwise_masks"] = edges
+    out["server_adds"] = len(contributors)
+
+    del run, inputs, result
+    gc.collect()
+
+    limit = MaskLimit(dim, ring_dtype(spec.bits), spec.bits)
+    t0 = time.perf_counter()
+    out["limit_client_samples"] = limit.time(out["client_masks"], 0, args.limit_repeat)
+    out["limit_server_samples"] = limit.time(
+        len(contributors) + edges, len(contributors), args.limit_repeat
+    )
+    out["limit_client_s"] = _median(out["limit_client_samples"])
+    out["limit_server_s"] = _median(out["limit_server_samples"])
+    log(f"run {rep}: limits timed in {time.perf_counter() - t0:.1f}s")
+    return out
+
+
+# ---------------------------------------------------------------------------- report
+
+
+def machine_info() -> dict:
+    cpu_model = platform.processor()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu_model = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    try:
+        usable = len(os.sched_getaffinity(0))
+    except AttributeError:
+        usable = os.cpu_count()
+
+    def version(pkg: str) -> str | None:
+        try:
+            return metadata.version(pkg)
+        except metadata.PackageNotFoundError:
+            return None
+
+    return {
+        "platform": platform.platform(),
+        "cpu_model": cpu_model,
+        "cpu_count": os.cpu_count(),
+        "cpu_usable": usable,
+        "python": platform.python_version(),
+        "numpy": np.__version__,
+        "cryptography": version("cryptography"),
+        "rich": version("rich"),
+    }
+
+
+def summarise(args: argparse.Namespace, runs: list[dict], wall: float) -> dict:
+    first = runs[0]
+    dim = args.dim
+    bits = first["bits"]
+    ok = [r for r in runs if "server_seconds" in r]
+
+    def med(key: str) -> float:
+        return _median(r[key] for r in ok)
+
+    summary: dict = {
+        "clients": args.clients,
+        "dim": dim,
+        "dropout": args.dropout,
+        "phase": args.phase,
+        "dropout_at": PHASE_OF_DROPOUT[args.phase],
+        "corrupt": args.corrupt,
+        "repeat": args.repeat,
+        "seed": args.seed,
+        "k": first["k"],
+        "t": first["t"],
+        "bits": bits,
+        "dropped": first["dropped"],
+        "correct": all(r["correct"] for r in runs),
+        "max_abs_error": max(r["max_abs_error"] for r in runs),
+        "quantisation_bound": first.get("quantisation_bound"),
+        "aborted": [r["aborted"] for r in runs if r["aborted"]],
+    }
+    if ok:
+        summary.update(
+            client_mask_s=med("client_mask_s"),
+            limit_client_s=med("limit_client_s"),
+            server_unmask_s=med("server_unmask_s"),
+            limit_server_s=med("limit_server_s"),
+            client_masks=first["client_masks"],
+            server_self_masks=ok[0]["server_self_masks"],
+            server_pairwise_masks=ok[0]["server_pairwise_masks"],
+            server_adds=ok[0]["server_adds"],
+        )
+        summary["client_ratio"] = summary["client_mask_s"] / summary["limit_client_s"]
+        summary["server_ratio"] = summary["server_unmask_s"] / summary["limit_server_s"]
+        summary["target_client_ratio"] = TARGET_CLIENT_RATIO
+        summary["target_server_ratio"] = TARGET_SERVER_RATIO
+        summary["upload_bytes_per_client"] = med("upload_bytes_per_client")
+        summary["download_bytes_per_client"] = med("download_bytes_per_client")
+        summary["masked_input_bytes"] = packed_size(dim, bits)
+        summary["plain_bytes_per_client"] = 4 * dim
+        summary["upload_ratio"] = summary["upload_bytes_per_client"] / summary["plain_bytes_per_client"]
+        phases = [p for p in PHASES if any(p in r["server_seconds"] for r in ok)]
+        summary["server_phase_s"] = {
+            p: _median(r["server_seconds"].get(p, 0.0) for r in ok) for p in phases
+        }
+        cphases = [p for p in PHASES if any(p in r["client_median_s"] for r in ok)]
+        summary["client_phase_median_s"] = {
+            p: _median(r["client_median_s"].get(p, 0.0) for r in ok) for p in cphases
+        }
+        summary["client_phase_mean_per_device_s"] = {
+            p: _median(r["client_mean_per_device_s"].get(p, 0.0) for r in ok) for p in cphases
+        }
+        summary["cohort_wall_s"] = med("cohort_wall_s")
+    summary["wall_s"] = wall
+    summary["peak_rss_mib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    summary["machine"] = machine_info()
+    summary["runs"] = runs
+    return summary
+
+
+def _fmt_s(x: float) -> str:
+    if x is None or not math.isfinite(x):
+        return "-"
+    if x >= 1:
+        return f"{x:.3f} s"
+    if x >= 1e-3:
+        return f"{x * 1e3:.2f} ms"
+    return f"{x * 1e6:.1f} µs"
+
+
+def print_report(console: Console, s: dict) -> None:
+    title = (f"SecAgg engine: N={s['clients']} D={s['dim']} dropout={s['dropout']} "
+             f"({s['dropout_at']}) k={s['k']} t={s['t']} bits={s['bits']}")
+    table = Table(title=title)
+    table.add_column("measure")
+    table.add_column("engine", justify="right")
+    table.add_column("limit", justify="right")
+    table.add_column("ratio", justify="right")
+    table.add_column("target", justify="right")
+    if "client_mask_s" in s:
+        for name, key, lim, ratio, target in (
+            (f"client masking ({s['client_masks']} masks)", "client_mask_s", "limit_client_s",
+             "client_ratio", TARGET_CLIENT_RATIO),
+            (f"server unmask ({s['server_self_masks']}+{s['server_pairwise_masks']} masks, "
+             f"{s['server_adds']} adds)", "server_unmask_s", "limit_server_s", "server_ratio",
+             TARGET_SERVER_RATIO),
+        ):
+            met = s[ratio] <= target
+            table.add_row(name, _fmt_s(s[key]), _fmt_s(s[lim]),
+                          f"[{'green' if met else 'red'}]{s[ratio]:.2f}x[/]", f"<= {target}x")
+        table.add_row("upload per device", f"{s['upload_bytes_per_client']:,.0f} B",
+                      f"{s['plain_bytes_per_client']:,} B (float32)",
+                      f"{s['upload_ratio']:.3f}", "")
+        table.add_row("masked input", f"{s['masked_input_bytes']:,} B", "", "", "")
+        for p, v in s["server_phase_s"].items():
+            table.add_row(f"server {p}", _fmt_s(v), "", "", "")
+        for p, v in s["client_phase_median_s"].items():
+            table.add_row(f"client {p} (median msg)", _fmt_s(v), "", "", "")
+    ok = "[green]yes[/]" if s["correct"] else "[red]NO[/]"
+    table.add_row("correct (ring-exact)", ok, "", "", "")
+    table.add_row("max |error| (reals)", f"{s['max_abs_error']:.3g}",
+                  f"{s['quantisation_bound']:.3g}" if s.get("quantisation_bound") else "", "", "")
+    table.add_row("wall", _fmt_s(s["wall_s"]), "", "", "")
+    table.add_row("peak RSS", f"{s['peak_rss_mib']:,.0f} MiB", "", "", "")
+    console.print(table)
+    m = s["machine"]
+    console.print(f"{m['cpu_model']}, {m['cpu_usable']}/{m['cpu_count']} CPUs, "
+                  f"Python {m['python']}, numpy {m['numpy']}, cryptography {m['cryptography']}")
+    if s["aborted"]:
+        console.print(f"[red]aborted:[/] {s['aborted']}")
+
+
+# ---------------------------------------------------------------------------- main
+
+
+class MessageTracker:
+    """Advances a progress bar per message the server receives; logs how long each kind took.
+
+    The log lines are what a run redirected to a file shows while it goes on.
+    """
+
+    def __init__(self, progress: Progress, task) -> None:
+        self.progress = progress
+        self.task = task
+        self.reset()
+
+    def reset(self) -> None:
+        self.kind: str | None = None
+        self.since = time.perf_counter()
+        self.count = 0
+
+    def log(self, text: str) -> None:
+        self.progress.console.log(text)
+
+    def flush(self) -> None:
+        if self.kind is not None:
+            self.log(f"  {self.count:,} {self.kind}: {time.perf_counter() - self.since:.1f}s")
+        self.kind = None
+
+    def __call__(self, message: object) -> None:
+        kind = type(message).__name__
+        if kind != self.kind:
+            self.flush()
+            self.kind, self.since, self.count = kind, time.perf_counter(), 0
+            self.progress.update(self.task, description=kind)
+        self.count += 1
+        self.progress.advance(self.task)
+
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    console = Console(stderr=False)
+    schema = build_schema(args.dim)
+    start = time.perf_counter()
+    runs: list[dict] = []
+    # Messages the server receives per run: AdvertiseKeys, ShareKeys, MaskedInput, Unmask.
+    expected_messages = 4 * args.clients
+    with Progress(
+        TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
+        TimeElapsedColumn(), console=console, transient=False,
+    ) as progress:
+        repeats = progress.add_task("cohort runs", total=args.repeat)
+        messages = progress.add_task("messages", total=expected_messages)
+        tracker = MessageTracker(progress, messages)
+
+        for rep in range(args.repeat):
+            progress.reset(messages, total=expected_messages, description="messages")
+            tracker.reset()
+            runs.append(run_once(args, schema, rep, tracker, tracker.log))
+            progress.advance(repeats)
+            if not runs[-1]["correct"]:
+                tracker.log(f"[red]run {rep} is not correct[/]: aborted={runs[-1]['aborted']}")
+    summary = summarise(args, runs, time.perf_counter() - start)
+    print_report(console, summary)
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(summary, indent=2, default=str) + "\n")
+        console.print(f"wrote {args.json}")
+    return 0 if summary["correct"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
