@@ -52,8 +52,8 @@ class _SumSecrets:
     """The key pairs and self-mask seed of one sum: never reused by another sum."""
 
     def __init__(self, entropy: Callable[[int], bytes]) -> None:
-        self.cipher = crypto.KeyPair.from_private(entropy(32))
-        self.mask = crypto.KeyPair.from_private(entropy(32))
+        self.cipher = crypto.KeyPair(entropy(32))
+        self.mask = crypto.KeyPair(entropy(32))
         self.seed = entropy(32)
         self.pair_keys: dict[int, bytes] = {}  # neighbour -> pairwise mask AES key
         self.cipher_secrets: dict[int, bytes] = {}  # neighbour -> X25519 secret for shares
@@ -181,16 +181,18 @@ class _AwaitShareKeysRequest(_Phase):
             context = config.ref.context(spec.sum_id)
             secrets = client.secrets[spec.sum_id]
             shares = shamir.share([secrets.mask.private, secrets.seed], config.threshold, xs)
+            # One row per holder: its key share then its seed share, as the wire lays them out.
+            rows = np.ascontiguousarray(shares.astype("<u4").transpose(1, 0, 2)).reshape(len(xs), -1)
             for h, j in enumerate(xs.tolist()):
                 keys = by_index[j].keys[position]
                 if keys.sum_id != spec.sum_id:
                     raise MalformedMessage(f"neighbour {j} keys are not for sum {spec.sum_id!r}")
-                cipher_secret = crypto.agree(secrets.cipher.private, keys.cipher_public)
+                cipher_secret = secrets.cipher.agree(keys.cipher_public)
                 secrets.cipher_secrets[j] = cipher_secret
                 secrets.pair_keys[j] = crypto.pairwise_mask_key(
-                    crypto.agree(secrets.mask.private, keys.mask_public), context
+                    secrets.mask.agree(keys.mask_public), context
                 )
-                plaintext = shamir.share_to_bytes(shares[0, h]) + shamir.share_to_bytes(shares[1, h])
+                plaintext = rows[h].tobytes()
                 key = crypto.share_key(cipher_secret, context, client.index, j)
                 ad = share_associated_data(config.ref, spec.sum_id, client.index, j)
                 shares_out.append(

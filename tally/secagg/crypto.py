@@ -37,30 +37,26 @@ class CryptoError(ValueError):
     """A key, ciphertext or signature failed validation."""
 
 
-@dataclass(frozen=True)
 class KeyPair:
-    """An X25519 key pair kept as raw bytes: raw 32-byte private keys are what Shamir shares."""
+    """An X25519 key pair. The raw 32-byte private key is what Shamir shares; the parsed
+    key object is kept because parsing costs as much as an agreement."""
 
-    private: bytes
-    public: bytes
+    __slots__ = ("private", "public", "_key")
 
-    @classmethod
-    def from_private(cls, private: bytes) -> KeyPair:
-        """Any 32 random bytes are an X25519 private key (the curve clamps them)."""
-        return cls(private, public_from_private(private))
+    def __init__(self, private: bytes) -> None:
+        try:
+            self._key = X25519PrivateKey.from_private_bytes(private)
+        except ValueError as exc:
+            raise CryptoError(f"invalid X25519 private key: {exc}") from exc
+        self.private = private
+        self.public = self._key.public_key().public_bytes_raw()
 
-
-def public_from_private(private: bytes) -> bytes:
-    return X25519PrivateKey.from_private_bytes(private).public_key().public_bytes_raw()
-
-
-def agree(private: bytes, peer_public: bytes) -> bytes:
-    """X25519 shared secret; a malformed peer key is a protocol error, not a crash."""
-    try:
-        peer = X25519PublicKey.from_public_bytes(peer_public)
-        return X25519PrivateKey.from_private_bytes(private).exchange(peer)
-    except ValueError as exc:
-        raise CryptoError(f"invalid X25519 key: {exc}") from exc
+    def agree(self, peer_public: bytes) -> bytes:
+        """X25519 shared secret; a malformed peer key is a protocol error, not a crash."""
+        try:
+            return self._key.exchange(X25519PublicKey.from_public_bytes(peer_public))
+        except ValueError as exc:
+            raise CryptoError(f"invalid X25519 key: {exc}") from exc
 
 
 def derive(secret: bytes, info: bytes, length: int = KEY_BYTES) -> bytes:

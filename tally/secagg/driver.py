@@ -84,11 +84,13 @@ def run_cohort(
     dropouts: Mapping[int, Dropout] | None = None,
     observe: Callable[[ClientMessage], None] | None = None,
     entropy: Callable[[int, int], bytes] | None = None,
+    measure_bytes: bool = False,
 ) -> CohortRun:
     """Run devices 1..n with ring-encoded ``inputs``.
 
     ``observe`` sees every message the server receives; ``entropy(i, size)``, when given,
-    replaces os.urandom as device i's key source (deterministic tests).
+    replaces os.urandom as device i's key source (deterministic tests); ``measure_bytes``
+    fills the per-device byte counts (it walks every message, so it is off by default).
     """
     dropouts = dict(dropouts or {})
     first_sum = config.sums[0].sum_id
@@ -111,8 +113,8 @@ def run_cohort(
         return phase in ("advertise_keys", "share_keys") or sum_id == (d.sum_id or first_sum)
 
     def send(i: int, messages: list[ClientMessage]) -> None:
-        for m in messages:
-            run.upload_bytes[i] += payload_bytes(m)
+        if measure_bytes:
+            run.upload_bytes[i] += sum(map(payload_bytes, messages))
         to_server.extend(messages)
 
     def deliver(outgoing: list[Outgoing]) -> None:
@@ -124,7 +126,8 @@ def run_cohort(
             if request is not None and drops_at(i, *request):
                 dead.add(i)
                 continue
-            run.download_bytes[i] += payload_bytes(o.message)
+            if measure_bytes:
+                run.download_bytes[i] += payload_bytes(o.message)
             client = clients[i]
             phase = request[0] if request else client.phase
             start = time.perf_counter()

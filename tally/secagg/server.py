@@ -410,9 +410,8 @@ class _UnmaskPhase(_SumPhase):
         for owner in owners:
             holders = sorted(owners_shares[owner])[:t]
             holder_sets.append(tuple(holders))
-            share_arrays.append(
-                np.stack([shamir.share_from_bytes(owners_shares[owner][h]) for h in holders])
-            )
+            joined = b"".join(owners_shares[owner][h] for h in holders)
+            share_arrays.append(np.frombuffer(joined, dtype="<u4").reshape(t, shamir.CHUNKS))
         return dict(zip(owners, shamir.reconstruct(holder_sets, share_arrays)))
 
     def _unmask(self) -> np.ndarray:
@@ -434,15 +433,15 @@ class _UnmaskPhase(_SumPhase):
             expander.apply(total, crypto.self_mask_key(seed, context), subtract=True)
         position = self.position
         for j, private in keys.items():
-            advertised = server.advertised[j].keys[position].mask_public
-            if crypto.public_from_private(private) != advertised:
+            pair = crypto.KeyPair(private)
+            if pair.public != server.advertised[j].keys[position].mask_public:
                 raise ValueError(f"reconstructed mask key of device {j} does not match its public key")
             for i in server.config.neighbours(j):
                 i = int(i)
                 if i not in self.survivors:
                     continue
                 peer = server.advertised[i].keys[position].mask_public
-                key = crypto.pairwise_mask_key(crypto.agree(private, peer), context)
+                key = crypto.pairwise_mask_key(pair.agree(peer), context)
                 # Device i added the mask when i < j and subtracted it otherwise.
                 expander.apply(total, key, subtract=i < j)
         np.bitwise_and(total, dtype.type(ring_mask(spec.bits)), out=total)

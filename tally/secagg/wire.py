@@ -31,20 +31,17 @@ def payload_bytes(message: object) -> int:
 
     Transport framing is left out: it is the services' to measure.
     """
-    if isinstance(message, (bytes, bytearray)):
+    kind = type(message)
+    if kind is bytes or kind is str:
         return len(message)
-    if isinstance(message, bool):
-        return 1
-    if isinstance(message, int):
+    if kind is int:
         return 4
-    if isinstance(message, str):
-        return len(message.encode())
-    if isinstance(message, (tuple, list)):
-        return sum(payload_bytes(m) for m in message)
-    if dataclasses.is_dataclass(message):
-        return sum(
-            payload_bytes(getattr(message, f.name))
-            for f in dataclasses.fields(message)
-            if f.name != "ref"
-        )
-    return 0
+    if kind is tuple:
+        return sum(map(payload_bytes, message))
+    names = _FIELDS.get(kind)
+    if names is None:
+        names = _FIELDS[kind] = tuple(f.name for f in dataclasses.fields(message) if f.name != "ref")
+    return sum(payload_bytes(getattr(message, name)) for name in names)
+
+
+_FIELDS: dict[type, tuple[str, ...]] = {}
