@@ -320,3 +320,13 @@ def test_json_round_trip():
     data = json.loads(json.dumps(schema.to_dict()))
     assert data["fields"][0]["shape"] == [3, 2] and data["fields"][1]["kind"] == "count"
     assert PayloadSchema.from_dict(data) == schema
+
+
+def test_wire_width_uses_machine_words_only_when_they_cost_at_most_ten_percent():
+    from tally.codec import wire_width
+
+    assert wire_width(30) == 32 and wire_width(31) == 32 and wire_width(32) == 32
+    assert wire_width(20) == 20 and wire_width(28) == 28
+    assert wire_width(60) == 64 and wire_width(7) == 7 and wire_width(8) == 8
+    for bits in range(1, 65):
+        assert bits <= wire_width(bits) <= 1.1 * bits

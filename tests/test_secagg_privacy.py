@@ -48,7 +48,7 @@ def _masked_inputs(config, inputs, seed):
     run_cohort(config, inputs, observe=received.append, entropy=seeded_entropy(seed))
     spec = config.sums[0]
     return {
-        m.sender: unpack(m.data, spec.bits, spec.dim).astype(np.int64)
+        m.sender: unpack(m.data, spec.wire_bits, spec.dim).astype(np.int64)
         for m in received
         if isinstance(m, MaskedInputResponse)
     }
@@ -94,7 +94,7 @@ def test_masks_cancel_only_in_the_total():
     run = run_cohort(config, inputs, observe=received.append, entropy=seeded_entropy(3))
     masked = [m for m in received if isinstance(m, MaskedInputResponse)]
     # Any strict subset of masked inputs sums to something unrelated to the inputs' sum.
-    partial_total = sum(unpack(m.data, 20, 64).astype(np.int64) for m in masked[:-1]) % (1 << 20)
+    partial_total = sum(unpack(m.data, config.sums[0].wire_bits, 64).astype(np.int64) for m in masked[:-1]) % (1 << 20)
     clear_partial = sum(inputs[m.sender]["s"].astype(np.int64) for m in masked[:-1]) % (1 << 20)
     assert np.mean(partial_total == clear_partial) < 0.05
     full = sum(inputs[i]["s"].astype(np.int64) for i in range(1, 9)) % (1 << 20)

@@ -1,6 +1,6 @@
 """Fixed-point payload codec: schemas that put named fields in Z_{2^b}; the b-bit wire format."""
 
-from tally.codec.packing import pack, packed_size, unpack
+from tally.codec.packing import pack, packed_size, unpack, wire_width
 from tally.codec.schema import (
     CodecError,
     Encoded,
@@ -26,4 +26,5 @@ __all__ = [
     "ring_mask",
     "to_ring",
     "unpack",
+    "wire_width",
 ]

@@ -286,7 +286,7 @@ class _AwaitInput(_Phase):
         for j, key in secrets.pair_keys.items():
             expander.apply(masked, key, subtract=client.index > j)
         np.bitwise_and(masked, masked.dtype.type(ring_mask(spec.bits)), out=masked)
-        response = MaskedInputResponse(config.ref, spec.sum_id, client.index, pack(masked, spec.bits))
+        response = MaskedInputResponse(config.ref, spec.sum_id, client.index, pack(masked, spec.wire_bits))
         next_phase = (
             _AwaitConsistencyCheck(client, self.position)
             if config.consistency_check

@@ -144,7 +144,10 @@ def run_cohort(
         if drops_at(i, "advertise_keys", first_sum):
             dead.add(i)
         else:
-            send(i, client.start())
+            start = time.perf_counter()
+            messages = client.start()
+            run.client_seconds["advertise_keys"].append(time.perf_counter() - start)
+            send(i, messages)
 
     def timed_server(call: Callable[[], list[Outgoing]]) -> list[Outgoing]:
         phase = server.phase

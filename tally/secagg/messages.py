@@ -13,6 +13,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from tally.codec import wire_width
+
 
 @dataclass(frozen=True)
 class SessionRef:
@@ -32,6 +34,10 @@ class SumSpec:
     sum_id: str
     dim: int
     bits: int
+
+    @property
+    def wire_bits(self) -> int:
+        return wire_width(self.bits)
 
 
 # ---- device -> server -------------------------------------------------------

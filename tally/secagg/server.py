@@ -281,7 +281,7 @@ class _MaskedInputPhase(_SumPhase):
 
     def validate(self, message: MaskedInputResponse) -> None:
         spec = self.server.config.sums[self.position]
-        size = packed_size(spec.dim, spec.bits)
+        size = packed_size(spec.dim, spec.wire_bits)
         if len(message.data) != size:
             raise MalformedMessage(
                 f"masked input for sum {spec.sum_id!r} must be {size} bytes, got {len(message.data)}"
@@ -427,7 +427,7 @@ class _UnmaskPhase(_SumPhase):
         dtype = ring_dtype(spec.bits)
         total = np.zeros(spec.dim, dtype=dtype)
         for i in sorted(self.survivors):
-            np.add(total, unpack(self.masked[i], spec.bits, spec.dim), out=total)
+            np.add(total, unpack(self.masked[i], spec.wire_bits, spec.dim), out=total)
         expander = crypto.MaskExpander(spec.dim, dtype)
         for i, seed in seeds.items():
             expander.apply(total, crypto.self_mask_key(seed, context), subtract=True)

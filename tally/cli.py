@@ -1,0 +1,28 @@
+"""The ``tally`` command. Each subcommand lives in its own module; this file only routes."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+
+from tally import engine_demo
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="tally",
+        description="Federated learning in which the server side only ever sees sums.",
+    )
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    engine_demo.register(sub)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return int(args.run(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

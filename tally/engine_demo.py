@@ -1,0 +1,186 @@
+"""``tally sum`` and ``tally demo``: one secure sum over a simulated cohort, in process.
+
+``tally sum`` is the engine on its own (what a researcher uses to see cost and
+correctness for a cohort size); ``tally demo`` runs it on the embedded defaults and
+writes a short report and a plot.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import numpy as np
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from tally.codec import Field, PayloadSchema, to_ring
+from tally.secagg import Dropout, SessionConfig, SessionRef, ThreatModel, run_cohort
+from tally.secagg.driver import PHASES
+from tally.secagg.messages import (
+    AdvertiseKeys,
+    MaskedInputResponse,
+    ShareKeysResponse,
+    UnmaskResponse,
+)
+
+_PHASE_OF = {
+    AdvertiseKeys: "advertise_keys",
+    ShareKeysResponse: "share_keys",
+    MaskedInputResponse: "masked_input",
+    UnmaskResponse: "unmask",
+}
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("sum", help="run one secure sum over a simulated cohort, in process")
+    _add_cohort_args(p, clients=100, dim=1000)
+    p.add_argument("--json", type=Path, help="write the measurements here as JSON")
+    p.set_defaults(run=run_sum)
+
+    d = sub.add_parser("demo", help="the engine demo on embedded defaults, with a report and a plot")
+    _add_cohort_args(d, clients=200, dim=20_000)
+    d.add_argument("--out", type=Path, default=Path("out/demo"), help="report directory")
+    d.set_defaults(run=run_demo)
+
+
+def _add_cohort_args(p: argparse.ArgumentParser, clients: int, dim: int) -> None:
+    p.add_argument("--clients", type=int, default=clients, help="devices in the cohort")
+    p.add_argument("--dim", type=int, default=dim, help="values per device")
+    p.add_argument("--dropout", type=float, default=0.1, help="fraction of devices that drop")
+    p.add_argument(
+        "--phase",
+        choices=["random", *PHASES],
+        default="random",
+        help="phase in which the dropped devices stop answering",
+    )
+    p.add_argument("--corrupt", type=float, default=0.05, help="tolerated fraction of corrupt devices")
+    p.add_argument("--consistency-check", action="store_true", help="sign survivor sets (malicious server)")
+    p.add_argument("--seed", type=int, default=0, help="seed for inputs and dropouts")
+
+
+def simulate(args: argparse.Namespace, console: Console) -> dict:
+    rng = np.random.default_rng(args.seed)
+    n, dim = args.clients, args.dim
+    schema = PayloadSchema((Field("update", (dim,), clip=1.0, frac_bits=19),))
+    threat = ThreatModel(dropout_rate=max(args.dropout, 0.0), corrupt_rate=args.corrupt)
+    config = SessionConfig.plan(
+        SessionRef("demo", 0, "engine"), [("update", schema)], n, threat,
+        consistency_check=args.consistency_check,
+    )
+    values = rng.uniform(-1, 1, size=(n, dim))
+    bits = config.sums[0].bits
+    encoded = {
+        i: {"update": to_ring(schema.encode({"update": values[i - 1]}, rng).vector, bits)}
+        for i in range(1, n + 1)
+    }
+    phases = [p for p in PHASES if p != "consistency_check" or args.consistency_check]
+    victims = rng.choice(np.arange(1, n + 1), size=int(args.dropout * n), replace=False)
+    dropouts = {
+        int(v): Dropout(args.phase if args.phase != "random" else str(rng.choice(phases)))
+        for v in victims
+    }
+    console.print(
+        f"cohort {n} devices, {dim:,} values at {bits} bits; graph k={config.params.k}, "
+        f"t={config.params.t}; {len(dropouts)} devices will drop"
+    )
+    with Progress(
+        TextColumn("{task.description:<16}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+        console=console, transient=False,
+    ) as progress:
+        tasks = {p: progress.add_task(p, total=n) for p in _PHASE_OF.values()}
+
+        def observe(message: object) -> None:
+            phase = _PHASE_OF.get(type(message))
+            if phase is not None:
+                progress.advance(tasks[phase])
+
+        start = time.perf_counter()
+        run = run_cohort(config, encoded, dropouts, observe=observe, measure_bytes=True)
+        wall = time.perf_counter() - start
+    if run.aborted:
+        raise SystemExit(f"session aborted: {run.aborted}")
+    result = run.results["update"]
+    decoded = schema.decode_sum(result.total, bits)["update"]
+    survivors = result.contributors
+    exact = values[np.array(survivors) - 1].sum(axis=0)
+    return {
+        "clients": n,
+        "dim": dim,
+        "bits": bits,
+        "k": config.params.k,
+        "t": config.params.t,
+        "dropped": n - len(survivors),
+        "contributors": len(survivors),
+        "max_abs_error": float(np.max(np.abs(decoded - exact))),
+        "quantisation_bound": schema.quantisation_bound(len(survivors))["update"],
+        "server_seconds": dict(run.server_seconds),
+        "client_median_seconds": {p: float(np.median(v)) for p, v in run.client_seconds.items()},
+        "upload_bytes_per_client": float(np.median([run.upload_bytes[i] for i in survivors])),
+        "plain_bytes_per_client": 4 * dim,
+        "wall_seconds": wall,
+    }
+
+
+def _table(report: dict) -> Table:
+    table = Table(title="secure sum")
+    table.add_column("phase")
+    table.add_column("server s", justify="right")
+    table.add_column("device median s", justify="right")
+    for phase in PHASES:
+        if phase in report["server_seconds"] or phase in report["client_median_seconds"]:
+            table.add_row(
+                phase,
+                f"{report['server_seconds'].get(phase, 0.0):.4f}",
+                f"{report['client_median_seconds'].get(phase, 0.0):.5f}",
+            )
+    return table
+
+
+def _summary(report: dict) -> str:
+    return (
+        f"{report['contributors']} of {report['clients']} devices summed, {report['dropped']} dropped; "
+        f"max error {report['max_abs_error']:.2e} (bound {report['quantisation_bound']:.2e}); "
+        f"upload {report['upload_bytes_per_client'] / report['plain_bytes_per_client']:.3f}x float32"
+    )
+
+
+def run_sum(args: argparse.Namespace) -> int:
+    console = Console()
+    report = simulate(args, console)
+    console.print(_table(report))
+    console.print(_summary(report))
+    if args.json:
+        args.json.write_text(json.dumps(report, indent=2))
+        console.print(f"measurements written to {args.json}")
+    return 0 if report["max_abs_error"] <= report["quantisation_bound"] else 1
+
+
+def run_demo(args: argparse.Namespace) -> int:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    console = Console()
+    report = simulate(args, console)
+    console.print(_table(report))
+    console.print(_summary(report))
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "report.json").write_text(json.dumps(report, indent=2))
+    phases = [p for p in PHASES if p in report["server_seconds"]]
+    fig, ax = plt.subplots(figsize=(7, 3.5))
+    x = np.arange(len(phases))
+    ax.bar(x - 0.2, [report["server_seconds"][p] for p in phases], 0.4, label="server (total)")
+    ax.bar(x + 0.2, [report["client_median_seconds"].get(p, 0) for p in phases], 0.4, label="device (median)")
+    ax.set_xticks(x, phases)
+    ax.set_ylabel("seconds")
+    ax.set_title(f"secure sum: {report['clients']} devices, {report['dim']:,} values, {report['dropped']} dropped")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(args.out / "phases.png", dpi=120)
+    console.print(f"report: {args.out / 'report.json'}  plot: {args.out / 'phases.png'}")
+    return 0 if report["max_abs_error"] <= report["quantisation_bound"] else 1
