@@ -6,7 +6,8 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from tally import engine_demo
+from tally import engine_demo, simulate_cli
+from tally.security import certs_cli
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -16,6 +17,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     engine_demo.register(sub)
+    simulate_cli.register(sub)
+    certs_cli.register(sub)
     return parser
 
 

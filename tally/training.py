@@ -1,0 +1,90 @@
+"""Local training with torch: the ``LocalTrainer`` a device (real or simulated) offers.
+
+Parameters cross the algorithm boundary as numpy arrays keyed by state-dict name, so
+algorithms stay framework-free and the wire carries plain tensors.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+
+import numpy as np
+import torch
+from torch import nn
+
+Arrays = dict[str, np.ndarray]
+
+
+def default_device() -> torch.device:
+    """Train on the GPU when the device has one."""
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def single_threaded() -> None:
+    """Small models on many simulated devices: thread handoff costs ~60x the math itself."""
+    torch.set_num_threads(1)
+
+
+def get_params(model: nn.Module) -> Arrays:
+    return {k: v.detach().cpu().numpy().copy() for k, v in model.state_dict().items()}
+
+
+def set_params(model: nn.Module, params: Mapping[str, np.ndarray]) -> None:
+    state = model.state_dict()
+    missing = set(state) - set(params)
+    if missing:
+        raise ValueError(f"parameters missing: {sorted(missing)}")
+    model.load_state_dict({k: torch.as_tensor(np.asarray(params[k]), dtype=state[k].dtype) for k in state})
+
+
+class TorchTrainer:
+    """One device's data and a model factory; each call rebuilds state from the given params."""
+
+    def __init__(
+        self,
+        model_factory: Callable[[], nn.Module],
+        features: np.ndarray,
+        labels: np.ndarray,
+        seed: int = 0,
+        device: torch.device | None = None,
+    ) -> None:
+        self.device = device or default_device()
+        self.model = model_factory().to(self.device)
+        self.features = torch.as_tensor(features, dtype=torch.float32, device=self.device)
+        self.labels = torch.as_tensor(labels, dtype=torch.long, device=self.device)
+        self.generator = torch.Generator().manual_seed(seed)
+
+    @property
+    def num_examples(self) -> int:
+        return int(self.labels.shape[0])
+
+    def train(self, params: Mapping[str, np.ndarray], epochs: int, lr: float, batch_size: int) -> tuple[Arrays, float]:
+        set_params(self.model, params)
+        self.model.train()
+        optimiser = torch.optim.SGD(self.model.parameters(), lr=lr)
+        losses = []
+        n = self.num_examples
+        for _ in range(epochs):
+            order = torch.randperm(n, generator=self.generator).to(self.device)
+            for start in range(0, n, batch_size):
+                idx = order[start : start + batch_size]
+                optimiser.zero_grad()
+                loss = nn.functional.cross_entropy(self.model(self.features[idx]), self.labels[idx])
+                loss.backward()
+                optimiser.step()
+                losses.append(loss.item())
+        return get_params(self.model), float(np.mean(losses)) if losses else 0.0
+
+    @torch.no_grad()
+    def evaluate(self, params: Mapping[str, np.ndarray]) -> tuple[float, float]:
+        set_params(self.model, params)
+        self.model.eval()
+        logits = self.model(self.features)
+        loss = float(nn.functional.cross_entropy(logits, self.labels))
+        accuracy = float((logits.argmax(dim=1) == self.labels).float().mean())
+        return loss, accuracy
+
+
+def mlp(inputs: int, classes: int, hidden: int = 64, seed: int = 0) -> nn.Module:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(inputs, hidden), nn.ReLU(), nn.Linear(hidden, classes))
