@@ -1,0 +1,346 @@
+"""A deployment's private CA and the certificates its services present.
+
+One CA (ECDSA P-256, which every gRPC/BoringSSL build and every client library accepts) signs:
+
+- ``coordinator`` and ``aggregator``: server certificates (extended key usage serverAuth) whose
+  subject alternative names cover loopback (``localhost``, ``127.0.0.1``, ``::1``), the Kubernetes
+  service names of the service (``tally-<role>``, ``tally-<role>.<ns>``, ``tally-<role>.<ns>.svc``,
+  ``tally-<role>.<ns>.svc.cluster.local``, plus the wildcard ``*.tally-<role>.<ns>.svc`` for the
+  pods of a headless service) and whatever DNS names and IP addresses the operator adds;
+- ``client``: a client certificate (clientAuth) the coordinator presents to aggregators when they
+  require mutual TLS.
+
+``write_deployment`` writes PEM files into one directory: certificates 0644, private keys 0600,
+and never overwrites an existing file unless ``force`` is given (nothing is written at all when
+any target exists). It also writes the coordinator's session-ticket signing key pair and the
+device-token secret (``tally.security.tokens``), so one command produces everything a deployment
+needs; ``ca.key``, ``ticket.key`` and ``token.secret`` are the secrets to keep off aggregators.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import ipaddress
+import os
+import secrets
+import tempfile
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from cryptography import x509
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import ec, ed25519
+from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+
+SERVER_ROLES = ("coordinator", "aggregator")
+CLIENT_ROLE = "client"
+DEFAULT_NAMESPACE = "tally"
+DEFAULT_DAYS = 365
+LOOPBACK_DNS = ("localhost",)
+LOOPBACK_IPS = ("127.0.0.1", "::1")
+CLOCK_SKEW = dt.timedelta(minutes=5)  # certificates are valid from a little before "now"
+
+# File names inside the output directory.
+CA_CERT, CA_KEY = "ca.pem", "ca.key"
+TICKET_KEY, TICKET_PUB, TOKEN_SECRET = "ticket.key", "ticket.pub", "token.secret"
+
+
+class CertificateError(ValueError):
+    """Bad input to certificate generation, or a refusal to overwrite existing files."""
+
+
+@dataclass(frozen=True)
+class Deployment:
+    """What ``write_deployment`` wrote: file name -> path, and the names each server cert covers."""
+
+    directory: Path
+    files: dict[str, Path]
+    server_names: dict[str, tuple[str, ...]] = field(default_factory=dict)
+    not_after: dt.datetime | None = None
+
+
+def service_names(role: str, namespace: str = DEFAULT_NAMESPACE) -> list[str]:
+    """Kubernetes DNS names of the ``tally-<role>`` Service in ``namespace``."""
+    _check_dns_label(namespace, "namespace")
+    svc = f"tally-{role}"
+    return [
+        svc,
+        f"{svc}.{namespace}",
+        f"{svc}.{namespace}.svc",
+        f"{svc}.{namespace}.svc.cluster.local",
+        f"*.{svc}.{namespace}.svc",
+        f"*.{svc}.{namespace}.svc.cluster.local",
+    ]
+
+
+def server_sans(
+    role: str,
+    namespace: str = DEFAULT_NAMESPACE,
+    dns: Iterable[str] = (),
+    ips: Iterable[str] = (),
+) -> tuple[list[str], list[ipaddress.IPv4Address | ipaddress.IPv6Address]]:
+    """The DNS names and IP addresses a server certificate for ``role`` covers (deduplicated)."""
+    names = _unique([*LOOPBACK_DNS, *service_names(role, namespace), *(_check_dns(d) for d in dns)])
+    addresses = _unique([ipaddress.ip_address(a) for a in (*LOOPBACK_IPS, *(_check_ip(i) for i in ips))])
+    return names, addresses
+
+
+def make_ca(
+    *, namespace: str = DEFAULT_NAMESPACE, days: int = DEFAULT_DAYS, now: dt.datetime | None = None
+) -> tuple[ec.EllipticCurvePrivateKey, x509.Certificate]:
+    """A fresh self-signed CA that may sign leaf certificates only (path length 0)."""
+    _check_days(days)
+    start = _now(now) - CLOCK_SKEW
+    key = ec.generate_private_key(ec.SECP256R1())
+    name = x509.Name(
+        [
+            x509.NameAttribute(NameOID.ORGANIZATION_NAME, "Tally"),
+            x509.NameAttribute(NameOID.COMMON_NAME, f"Tally deployment CA ({namespace})"),
+        ]
+    )
+    ski = x509.SubjectKeyIdentifier.from_public_key(key.public_key())
+    cert = (
+        x509.CertificateBuilder()
+        .subject_name(name)
+        .issuer_name(name)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(start)
+        .not_valid_after(start + CLOCK_SKEW + dt.timedelta(days=days))
+        .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
+        .add_extension(
+            x509.KeyUsage(
+                digital_signature=True, content_commitment=False, key_encipherment=False,
+                data_encipherment=False, key_agreement=False, key_cert_sign=True, crl_sign=True,
+                encipher_only=False, decipher_only=False,
+            ),
+            critical=True,
+        )
+        .add_extension(ski, critical=False)
+        .sign(key, hashes.SHA256())
+    )
+    return key, cert
+
+
+def make_leaf(
+    ca_key: ec.EllipticCurvePrivateKey,
+    ca_cert: x509.Certificate,
+    common_name: str,
+    *,
+    server: bool,
+    dns: Sequence[str] = (),
+    ips: Sequence[ipaddress.IPv4Address | ipaddress.IPv6Address] = (),
+    days: int = DEFAULT_DAYS,
+    now: dt.datetime | None = None,
+) -> tuple[ec.EllipticCurvePrivateKey, x509.Certificate]:
+    """A leaf certificate signed by the CA: serverAuth when ``server``, else clientAuth.
+
+    Its validity never outlasts the CA's."""
+    _check_days(days)
+    start = _now(now) - CLOCK_SKEW
+    end = min(start + CLOCK_SKEW + dt.timedelta(days=days), ca_cert.not_valid_after_utc)
+    key = ec.generate_private_key(ec.SECP256R1())
+    sans: list[x509.GeneralName] = [x509.DNSName(d) for d in dns]
+    sans += [x509.IPAddress(a) for a in ips]
+    builder = (
+        x509.CertificateBuilder()
+        .subject_name(
+            x509.Name(
+                [
+                    x509.NameAttribute(NameOID.ORGANIZATION_NAME, "Tally"),
+                    x509.NameAttribute(NameOID.COMMON_NAME, common_name),
+                ]
+            )
+        )
+        .issuer_name(ca_cert.subject)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(start)
+        .not_valid_after(end)
+        .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
+        .add_extension(
+            x509.KeyUsage(
+                digital_signature=True, content_commitment=False, key_encipherment=False,
+                data_encipherment=False, key_agreement=False, key_cert_sign=False, crl_sign=False,
+                encipher_only=False, decipher_only=False,
+            ),
+            critical=True,
+        )
+        .add_extension(
+            x509.ExtendedKeyUsage(
+                [ExtendedKeyUsageOID.SERVER_AUTH if server else ExtendedKeyUsageOID.CLIENT_AUTH]
+            ),
+            critical=False,
+        )
+        .add_extension(x509.SubjectKeyIdentifier.from_public_key(key.public_key()), critical=False)
+        .add_extension(
+            x509.AuthorityKeyIdentifier.from_issuer_public_key(ca_key.public_key()), critical=False
+        )
+    )
+    if sans:
+        builder = builder.add_extension(x509.SubjectAlternativeName(sans), critical=False)
+    return key, builder.sign(ca_key, hashes.SHA256())
+
+
+def deployment_files() -> list[str]:
+    """Every file ``write_deployment`` writes, in order."""
+    names = [CA_CERT, CA_KEY]
+    for role in (*SERVER_ROLES, CLIENT_ROLE):
+        names += [f"{role}.pem", f"{role}.key"]
+    return names + [TICKET_KEY, TICKET_PUB, TOKEN_SECRET]
+
+
+def write_deployment(
+    out: str | os.PathLike[str],
+    *,
+    namespace: str = DEFAULT_NAMESPACE,
+    dns: Iterable[str] = (),
+    ips: Iterable[str] = (),
+    days: int = DEFAULT_DAYS,
+    force: bool = False,
+    now: dt.datetime | None = None,
+) -> Deployment:
+    """Create the CA, the three leaf certificates and the token/ticket keys in ``out``.
+
+    Refuses (``CertificateError``, nothing written) when any target file exists, unless ``force``.
+    """
+    directory = Path(out)
+    dns, ips = list(dns), list(ips)
+    _check_days(days)
+    names_by_role = {role: server_sans(role, namespace, dns, ips) for role in SERVER_ROLES}
+    targets = [directory / n for n in deployment_files()]
+    existing = [p for p in targets if p.exists() or p.is_symlink()]
+    if existing and not force:
+        raise CertificateError(
+            f"refusing to overwrite {', '.join(str(p) for p in existing)} (pass --force to replace)"
+        )
+
+    stamp = _now(now)
+    ca_key, ca_cert = make_ca(namespace=namespace, days=days, now=stamp)
+    contents: dict[str, tuple[bytes, int]] = {
+        CA_CERT: (_cert_pem(ca_cert), 0o644),
+        CA_KEY: (_key_pem(ca_key), 0o600),
+    }
+    for role in SERVER_ROLES:
+        names, addresses = names_by_role[role]
+        key, cert = make_leaf(
+            ca_key, ca_cert, f"tally-{role}", server=True, dns=names, ips=addresses, days=days,
+            now=stamp,
+        )
+        contents[f"{role}.pem"] = (_cert_pem(cert), 0o644)
+        contents[f"{role}.key"] = (_key_pem(key), 0o600)
+    key, cert = make_leaf(
+        ca_key, ca_cert, f"tally-{CLIENT_ROLE}", server=False, dns=[f"tally-{CLIENT_ROLE}"],
+        days=days, now=stamp,
+    )
+    contents[f"{CLIENT_ROLE}.pem"] = (_cert_pem(cert), 0o644)
+    contents[f"{CLIENT_ROLE}.key"] = (_key_pem(key), 0o600)
+    ticket_key = ed25519.Ed25519PrivateKey.generate()
+    contents[TICKET_KEY] = (_key_pem(ticket_key), 0o600)
+    contents[TICKET_PUB] = (
+        ticket_key.public_key().public_bytes(
+            serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo
+        ),
+        0o644,
+    )
+    contents[TOKEN_SECRET] = (secrets.token_bytes(32), 0o600)
+
+    directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+    files = {}
+    for name in deployment_files():
+        data, mode = contents[name]
+        files[name] = write_file_atomic(directory / name, data, mode)
+    return Deployment(
+        directory=directory,
+        files=files,
+        server_names={
+            role: (*names, *(str(a) for a in addrs)) for role, (names, addrs) in names_by_role.items()
+        },
+        not_after=ca_cert.not_valid_after_utc,
+    )
+
+
+def write_file_atomic(path: Path, data: bytes, mode: int) -> Path:
+    """Write ``data`` to ``path`` through a temporary file in the same directory, with ``mode``
+    set before any byte is written (a key is never readable by others, even briefly)."""
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        os.fchmod(fd, mode)
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return path
+
+
+def load_certificate(path: str | os.PathLike[str]) -> x509.Certificate:
+    return x509.load_pem_x509_certificate(Path(path).read_bytes())
+
+
+# -- helpers -----------------------------------------------------------------------------------
+
+
+def _cert_pem(cert: x509.Certificate) -> bytes:
+    return cert.public_bytes(serialization.Encoding.PEM)
+
+
+def _key_pem(key: ec.EllipticCurvePrivateKey | ed25519.Ed25519PrivateKey) -> bytes:
+    return key.private_bytes(
+        serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
+    )
+
+
+def _now(now: dt.datetime | None) -> dt.datetime:
+    if now is None:
+        return dt.datetime.now(dt.timezone.utc)
+    if now.tzinfo is None:
+        raise CertificateError("now must be timezone-aware")
+    return now.astimezone(dt.timezone.utc)
+
+
+def _check_days(days: int) -> None:
+    if not isinstance(days, int) or isinstance(days, bool) or days < 1:
+        raise CertificateError(f"validity must be a positive number of days, got {days!r}")
+
+
+def _check_dns_label(label: str, what: str) -> None:
+    if (
+        not label
+        or len(label) > 63
+        or not all(c.isascii() and (c.isalnum() or c == "-") for c in label)
+        or label.startswith("-")
+        or label.endswith("-")
+    ):
+        raise CertificateError(f"{what} {label!r} is not a valid DNS label")
+
+
+def _check_dns(name: str) -> str:
+    name = name.strip().rstrip(".").lower()
+    labels = name.split(".")
+    if not name or len(name) > 253:
+        raise CertificateError(f"DNS name {name!r} is empty or too long")
+    for i, label in enumerate(labels):
+        if i == 0 and label == "*" and len(labels) > 2:
+            continue
+        _check_dns_label(label, "DNS name label")
+    try:
+        ipaddress.ip_address(name)
+    except ValueError:
+        return name
+    raise CertificateError(f"{name!r} is an IP address: pass it with --ip")
+
+
+def _check_ip(value: str) -> str:
+    try:
+        return str(ipaddress.ip_address(value.strip()))
+    except ValueError:
+        raise CertificateError(f"{value!r} is not an IP address") from None
+
+
+def _unique(items: list) -> list:
+    return list(dict.fromkeys(items))

@@ -1,0 +1,78 @@
+"""``tally certs``: create a deployment's CA, service certificates and auth keys in one directory."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from tally.security import certs
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "certs",
+        help="create a CA, TLS certificates and auth keys for a deployment",
+        description=(
+            "Create a private CA (ECDSA P-256) and, signed by it, server certificates for the "
+            "coordinator and the aggregator, a client certificate (mutual TLS from coordinator to "
+            "aggregators), the coordinator's session-ticket signing key pair and the device-token "
+            "secret. Server certificates cover localhost, 127.0.0.1, ::1 and the Kubernetes "
+            "service names tally-<role>[.<namespace>[.svc[.cluster.local]]] plus anything given "
+            "with --dns/--ip. Private keys are written 0600. Existing files are never replaced "
+            "unless --force is given."
+        ),
+        epilog=(
+            "Secrets: ca.key (keep offline), ticket.key and token.secret (coordinator only). "
+            "Aggregators need ca.pem, aggregator.pem/.key and ticket.pub."
+        ),
+    )
+    p.add_argument("--out", type=Path, required=True, help="directory to write the PEM files into")
+    p.add_argument(
+        "--namespace", default=certs.DEFAULT_NAMESPACE,
+        help="Kubernetes namespace used in the service DNS names (default: %(default)s)",
+    )
+    p.add_argument(
+        "--dns", action="append", default=[], metavar="NAME",
+        help="extra DNS name for both server certificates (repeatable)",
+    )
+    p.add_argument(
+        "--ip", action="append", default=[], metavar="IP",
+        help="extra IP address for both server certificates (repeatable)",
+    )
+    p.add_argument(
+        "--days", type=_positive_int, default=certs.DEFAULT_DAYS,
+        help="validity in days (default: %(default)s)",
+    )
+    p.add_argument("--force", action="store_true", help="replace existing files")
+    p.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        deployment = certs.write_deployment(
+            args.out, namespace=args.namespace, dns=args.dns, ips=args.ip, days=args.days,
+            force=args.force,
+        )
+    except certs.CertificateError as exc:
+        print(f"tally certs: {exc}", file=sys.stderr)
+        return 1
+    print(f"wrote {len(deployment.files)} files to {deployment.directory}")
+    for name, path in deployment.files.items():
+        mode = path.stat().st_mode & 0o777
+        print(f"  {name:<16} {mode:04o}")
+    for role, names in deployment.server_names.items():
+        print(f"{role} certificate covers: {', '.join(names)}")
+    if deployment.not_after is not None:
+        print(f"valid until {deployment.not_after:%Y-%m-%d %H:%M} UTC")
+    return 0
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError("must be at least 1")
+    return value

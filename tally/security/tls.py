@@ -1,0 +1,245 @@
+"""TLS for every gRPC channel, plaintext only on loopback.
+
+A ``TLSConfig`` names PEM files (or says ``insecure=True``). The same type serves both ends:
+
+- on a server, ``cert``/``key`` are the server's certificate and key; ``ca`` (when given) verifies
+  client certificates, and ``require_client_auth`` makes one mandatory (mutual TLS);
+- on a client, ``ca`` verifies the server (system roots when ``None``) and ``cert``/``key``, when
+  given, are presented as the client certificate.
+
+``bind`` and ``open_channel`` refuse plaintext (``ValueError``) unless every address involved is a
+loopback address (127.0.0.0/8, ::1, ``localhost``) or a Unix domain socket, so ``--insecure`` can
+never expose a service on a network interface by accident.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ipaddress
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import grpc
+
+DEFAULT_MAX_MESSAGE_BYTES = 64 * 1024 * 1024
+
+ChannelOptions = Sequence[tuple[str, Any]]
+
+
+@dataclass(frozen=True)
+class TLSConfig:
+    ca: Path | None = None
+    cert: Path | None = None
+    key: Path | None = None
+    insecure: bool = False
+    require_client_auth: bool = False
+    # Client only: the name to verify in the server certificate instead of the target's host
+    # (``grpc.ssl_target_name_override``); for tests and for addressing a server by IP without
+    # an IP SAN. Leave unset in production.
+    server_name: str | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("ca", "cert", "key"):
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, Path):
+                object.__setattr__(self, name, Path(value))
+        if self.insecure and (self.ca or self.cert or self.key or self.require_client_auth):
+            raise ValueError("an insecure TLSConfig cannot also name certificates")
+        if (self.cert is None) != (self.key is None):
+            raise ValueError("cert and key must be given together")
+        if self.require_client_auth and self.ca is None:
+            raise ValueError("require_client_auth needs a ca to verify client certificates")
+
+    @classmethod
+    def from_dir(
+        cls, directory: str | os.PathLike[str], identity: str | None, *, require_client_auth: bool = False
+    ) -> TLSConfig:
+        """``ca.pem`` plus ``<identity>.pem``/``<identity>.key`` from a ``tally certs`` directory
+        (``identity`` None: CA only, a client that presents no certificate)."""
+        d = Path(directory)
+        if identity is None:
+            return cls(ca=d / "ca.pem", require_client_auth=require_client_auth)
+        return cls(
+            ca=d / "ca.pem", cert=d / f"{identity}.pem", key=d / f"{identity}.key",
+            require_client_auth=require_client_auth,
+        )
+
+    @classmethod
+    def plaintext(cls) -> TLSConfig:
+        """No TLS: accepted by ``bind``/``open_channel`` on loopback only."""
+        return cls(insecure=True)
+
+
+def server_credentials(config: TLSConfig) -> grpc.ServerCredentials:
+    if config.insecure:
+        raise ValueError("server_credentials called with an insecure TLSConfig")
+    if config.cert is None or config.key is None:
+        raise ValueError("a TLS server needs cert and key")
+    root = _read(config.ca) if config.ca is not None else None
+    return grpc.ssl_server_credentials(
+        [(_read(config.key), _read(config.cert))],
+        root_certificates=root,
+        require_client_auth=config.require_client_auth,
+    )
+
+
+def channel_credentials(config: TLSConfig) -> grpc.ChannelCredentials:
+    if config.insecure:
+        raise ValueError("channel_credentials called with an insecure TLSConfig")
+    return grpc.ssl_channel_credentials(
+        root_certificates=_read(config.ca) if config.ca is not None else None,
+        private_key=_read(config.key) if config.key is not None else None,
+        certificate_chain=_read(config.cert) if config.cert is not None else None,
+    )
+
+
+def channel_options(max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> list[tuple[str, int]]:
+    """Explicit send/receive size limits, for channels and servers alike (gRPC's defaults are
+    unlimited send and 4 MiB receive; services set both on purpose)."""
+    if not isinstance(max_message_bytes, int) or max_message_bytes < 1:
+        raise ValueError(f"max_message_bytes must be a positive int, got {max_message_bytes!r}")
+    return [
+        ("grpc.max_send_message_length", max_message_bytes),
+        ("grpc.max_receive_message_length", max_message_bytes),
+    ]
+
+
+def bind(server: grpc.Server, address: str, config: TLSConfig) -> int:
+    """Add a listening port to ``server``; returns the bound port (useful with ``:0``).
+
+    Plaintext only on loopback; anything else raises ``ValueError`` before binding."""
+    if config.insecure:
+        host = _address_host(address)
+        if not (host is None or is_loopback_host(host)):
+            raise ValueError(
+                f"refusing to serve without TLS on {address!r}: --insecure is allowed only on "
+                "loopback addresses (127.0.0.0/8, ::1, localhost) or unix: sockets"
+            )
+        port = server.add_insecure_port(address)
+    else:
+        port = server.add_secure_port(address, server_credentials(config))
+    if port == 0 and not address.startswith("unix"):
+        raise RuntimeError(f"could not bind {address!r}")
+    return port
+
+
+def open_channel(
+    target: str, config: TLSConfig, options: ChannelOptions | None = None
+) -> grpc.Channel:
+    """A channel to ``target`` with TLS, or plaintext when ``config.insecure`` and the target is a
+    loopback address (``ValueError`` otherwise)."""
+    opts = list(options or [])
+    if config.insecure:
+        hosts = target_hosts(target)
+        if not hosts or not all(h is None or is_loopback_host(h) for h in hosts):
+            raise ValueError(
+                f"refusing a plaintext channel to {target!r}: --insecure is allowed only to "
+                "loopback addresses (127.0.0.0/8, ::1, localhost) or unix: sockets"
+            )
+        return grpc.insecure_channel(target, options=opts)
+    if config.server_name:
+        opts.append(("grpc.ssl_target_name_override", config.server_name))
+    return grpc.secure_channel(target, channel_credentials(config), options=opts)
+
+
+def is_loopback_host(host: str) -> bool:
+    """True for ``localhost`` and for loopback IP literals (brackets and IPv6 zones allowed)."""
+    h = host.strip()
+    if h.startswith("[") and h.endswith("]"):
+        h = h[1:-1]
+    h = h.split("%", 1)[0].rstrip(".").lower()
+    if h == "localhost":
+        return True
+    try:
+        addr = ipaddress.ip_address(h)
+    except ValueError:
+        return False
+    if isinstance(addr, ipaddress.IPv6Address) and addr.ipv4_mapped is not None:
+        addr = addr.ipv4_mapped
+    return addr.is_loopback
+
+
+def target_hosts(target: str) -> list[str | None]:
+    """The host part of each address a gRPC target names (``None`` for a Unix socket).
+
+    Understands ``host:port``, ``[v6]:port``, ``dns:[//authority/]host[:port]``,
+    ``ipv4:a:p,b:p``, ``ipv6:[a]:p,...`` and ``unix:``/``unix-abstract:``."""
+    t = target.strip()
+    scheme, sep, rest = t.partition(":")
+    scheme = scheme.lower()
+    if sep and scheme in ("unix", "unix-abstract"):
+        return [None]
+    if sep and scheme == "dns":
+        if rest.startswith("//"):
+            rest = rest[2:].split("/", 1)[1] if "/" in rest[2:] else ""
+        return [_address_host(rest)]
+    if sep and scheme in ("ipv4", "ipv6"):
+        return [_address_host(a) for a in rest.split(",") if a]
+    return [_address_host(t)]
+
+
+def _address_host(address: str) -> str | None:
+    """Host of ``host:port`` / ``[v6]:port`` / bare host; None for unix sockets; "" for ``:port``
+    (all interfaces)."""
+    a = address.strip()
+    if a.lower().startswith(("unix:", "unix-abstract:")):
+        return None
+    if a.startswith("["):
+        end = a.find("]")
+        return a[1:end] if end > 0 else a
+    if a.count(":") > 1:  # bare IPv6 literal without port
+        return a
+    return a.rsplit(":", 1)[0] if ":" in a else a
+
+
+def peer_identity(context: grpc.ServicerContext) -> str | None:
+    """The verified client certificate's common name on a mutual-TLS connection, else None."""
+    auth = context.auth_context() or {}
+    names = auth.get("x509_common_name") or []
+    return names[0].decode() if names else None
+
+
+# -- command-line flags shared by the services ---------------------------------------------------
+
+
+def add_tls_arguments(parser: argparse.ArgumentParser, identity: str | None) -> None:
+    """``--tls-dir``, ``--ca``, ``--cert``, ``--key``, ``--insecure`` and
+    ``--require-client-cert``; ``identity`` is the default certificate name in ``--tls-dir``."""
+    g = parser.add_argument_group("TLS")
+    g.add_argument("--tls-dir", type=Path, help="a `tally certs` output directory")
+    g.add_argument("--ca", type=Path, help="CA certificate (overrides --tls-dir)")
+    g.add_argument("--cert", type=Path, help="certificate (overrides --tls-dir)")
+    g.add_argument("--key", type=Path, help="private key (overrides --tls-dir)")
+    if identity is not None:
+        g.set_defaults(tls_identity=identity)
+    g.add_argument(
+        "--insecure", action="store_true", help="plaintext gRPC; refused unless on loopback"
+    )
+    g.add_argument(
+        "--require-client-cert", action="store_true", help="servers: demand mutual TLS"
+    )
+
+
+def tls_config_from_args(args: argparse.Namespace) -> TLSConfig:
+    if getattr(args, "insecure", False):
+        if args.tls_dir or args.ca or args.cert or args.key:
+            raise ValueError("--insecure cannot be combined with certificate options")
+        return TLSConfig.plaintext()
+    identity = getattr(args, "tls_identity", None)
+    base = args.tls_dir
+    ca = args.ca or (base / "ca.pem" if base else None)
+    cert = args.cert or (base / f"{identity}.pem" if base and identity else None)
+    key = args.key or (base / f"{identity}.key" if base and identity else None)
+    return TLSConfig(
+        ca=ca, cert=cert, key=key, require_client_auth=getattr(args, "require_client_cert", False)
+    )
+
+
+def _read(path: Path) -> bytes:
+    try:
+        return Path(path).read_bytes()
+    except OSError as exc:
+        raise ValueError(f"cannot read {path}: {exc.strerror}") from exc
