@@ -1,0 +1,602 @@
+"""Translation between the protocol's plain values and their protobuf form.
+
+The state machines (``tally.secagg``) and the codec (``tally.codec``) know nothing of protobuf;
+the services call ``to_proto`` on what a state machine emits and ``from_proto`` on what arrives.
+
+``from_proto`` is the trust boundary for structure: a message of the wrong type, a missing
+oneof, a missing submessage or a zero where a 1-based device index or a non-empty id is
+required raises ``WireError`` (a ``ValueError``) naming the message and field. Whether a
+message makes sense in its session (byte lengths of keys and ciphertexts, indices within the
+cohort, phase) is left to the state machines, which answer with their own errors.
+
+Encoders fill a message in place, so wrapping a large masked input in its stream envelope
+copies its bytes once, not once per layer.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
+
+import numpy as np
+from google.protobuf.message import Message
+
+from tally.codec import Field, Kind, PayloadSchema, pack, ring_mask, unpack, wire_width
+from tally.secagg.config import SessionConfig
+from tally.secagg.messages import (
+    Abort,
+    AdvertiseKeys,
+    ClientMessage,
+    ConsistencyCheckRequest,
+    ConsistencyCheckResponse,
+    EncryptedShare,
+    MaskedInputRequest,
+    MaskedInputResponse,
+    NeighbourKeys,
+    ServerMessage,
+    SessionAborted,
+    SessionRef,
+    ShareDelivery,
+    ShareKeysRequest,
+    ShareKeysResponse,
+    SumPublicKeys,
+    SumResult,
+    SumSpec,
+    UnmaskRequest,
+    UnmaskResponse,
+)
+from tally.secagg.params import GraphParams
+from tally.wire.v1 import aggregator_pb2, common_pb2, secagg_pb2
+
+__all__ = [
+    "WireError",
+    "aggregator_envelope",
+    "cohort_sum_from_proto",
+    "cohort_sum_to_proto",
+    "device_envelope",
+    "from_proto",
+    "open_envelope",
+    "schema_from_proto",
+    "schema_to_proto",
+    "session_config_bytes",
+    "tensor_from_proto",
+    "tensor_to_proto",
+    "tensors_from_proto",
+    "tensors_to_proto",
+    "to_proto",
+]
+
+
+class WireError(ValueError):
+    """A protobuf message that does not describe a valid value."""
+
+
+# ---- checks ------------------------------------------------------------------------------------
+
+
+def _name(proto: Message) -> str:
+    return type(proto).DESCRIPTOR.name
+
+
+def _sub(proto: Message, field: str) -> Message:
+    """A required submessage: proto3 reports an absent one as empty, which is never valid here."""
+    if not proto.HasField(field):
+        raise WireError(f"{_name(proto)}.{field} is missing")
+    return getattr(proto, field)
+
+
+def _text(proto: Message, field: str) -> str:
+    value = getattr(proto, field)
+    if not value:
+        raise WireError(f"{_name(proto)}.{field} is missing (empty)")
+    return value
+
+
+def _index(proto: Message, field: str, value: int | None = None) -> int:
+    """A 1-based device index; 0 is what proto3 reads for an absent field."""
+    value = getattr(proto, field) if value is None else value
+    if value < 1:
+        raise WireError(f"{_name(proto)}.{field}: device indices are 1-based, got {value}")
+    return int(value)
+
+
+def _indices(proto: Message, field: str) -> tuple[int, ...]:
+    return tuple(_index(proto, field, v) for v in getattr(proto, field))
+
+
+def _ref(proto: Message) -> SessionRef:
+    return _session_ref_from(_sub(proto, "ref"))
+
+
+# ---- session and sums --------------------------------------------------------------------------
+
+
+def _session_ref_to(v: SessionRef, out: secagg_pb2.SessionRef) -> None:
+    out.SetInParent()  # present even if every field is empty, so the decoder can tell
+    out.job_id, out.round, out.session_id = v.job_id, v.round, v.session_id
+
+
+def _session_ref_from(p: secagg_pb2.SessionRef) -> SessionRef:
+    if p.round < 0:
+        raise WireError(f"SessionRef.round must be >= 0, got {p.round}")
+    return SessionRef(_text(p, "job_id"), int(p.round), _text(p, "session_id"))
+
+
+def _sum_spec_to(v: SumSpec, out: secagg_pb2.SumSpec) -> None:
+    out.sum_id, out.dim, out.bits = v.sum_id, v.dim, v.bits
+
+
+def _sum_spec_from(p: secagg_pb2.SumSpec) -> SumSpec:
+    if p.dim < 1:
+        raise WireError(f"SumSpec {p.sum_id!r}: dim must be >= 1, got {p.dim}")
+    if not 1 <= p.bits <= 64:
+        raise WireError(f"SumSpec {p.sum_id!r}: bits must be in 1..64, got {p.bits}")
+    return SumSpec(_text(p, "sum_id"), int(p.dim), int(p.bits))
+
+
+def _session_config_to(v: SessionConfig, out: secagg_pb2.SessionConfig) -> None:
+    _session_ref_to(v.ref, out.ref)
+    for spec in v.sums:
+        _sum_spec_to(spec, out.sums.add())
+    out.n, out.k, out.t = v.params.n, v.params.k, v.params.t
+    out.graph_seed = v.graph_seed
+    out.consistency_check = v.consistency_check
+    out.min_survivors = v.min_survivors
+
+
+def _session_config_from(p: secagg_pb2.SessionConfig) -> SessionConfig:
+    ref = _ref(p)
+    if p.n < 2:
+        raise WireError(f"SessionConfig.n: a cohort has at least 2 devices, got {p.n}")
+    if not 1 <= p.k < p.n:
+        raise WireError(f"SessionConfig.k: graph degree must be in 1..n-1={p.n - 1}, got {p.k}")
+    if not 1 <= p.t <= p.k:
+        raise WireError(f"SessionConfig.t: threshold must be in 1..k={p.k}, got {p.t}")
+    sums = tuple(_sum_spec_from(s) for s in p.sums)
+    try:
+        return SessionConfig(
+            ref=ref,
+            sums=sums,
+            params=GraphParams(int(p.n), int(p.k), int(p.t)),
+            graph_seed=p.graph_seed,
+            consistency_check=p.consistency_check,
+            min_survivors=int(p.min_survivors),
+        )
+    except ValueError as exc:
+        raise WireError(f"SessionConfig: {exc}") from exc
+
+
+# ---- device -> aggregator ----------------------------------------------------------------------
+
+
+def _sum_keys_to(v: SumPublicKeys, out: secagg_pb2.SumPublicKeys) -> None:
+    out.sum_id, out.cipher_public, out.mask_public = v.sum_id, v.cipher_public, v.mask_public
+
+
+def _sum_keys_from(p: secagg_pb2.SumPublicKeys) -> SumPublicKeys:
+    return SumPublicKeys(_text(p, "sum_id"), p.cipher_public, p.mask_public)
+
+
+def _advertise_keys_to(v: AdvertiseKeys, out: secagg_pb2.AdvertiseKeys) -> None:
+    _session_ref_to(v.ref, out.ref)
+    out.sender = v.sender
+    for keys in v.keys:
+        _sum_keys_to(keys, out.keys.add())
+    out.signing_public = v.signing_public
+
+
+def _advertise_keys_from(p: secagg_pb2.AdvertiseKeys) -> AdvertiseKeys:
+    return AdvertiseKeys(
+        _ref(p), _index(p, "sender"), tuple(map(_sum_keys_from, p.keys)), p.signing_public
+    )
+
+
+def _share_to(v: EncryptedShare, out: secagg_pb2.EncryptedShare) -> None:
+    out.sum_id, out.sender, out.recipient, out.ciphertext = (
+        v.sum_id, v.sender, v.recipient, v.ciphertext
+    )
+
+
+def _share_from(p: secagg_pb2.EncryptedShare) -> EncryptedShare:
+    return EncryptedShare(
+        _text(p, "sum_id"), _index(p, "sender"), _index(p, "recipient"), p.ciphertext
+    )
+
+
+def _share_keys_response_to(v: ShareKeysResponse, out: secagg_pb2.ShareKeysResponse) -> None:
+    _session_ref_to(v.ref, out.ref)
+    out.sender = v.sender
+    for share in v.shares:
+        _share_to(share, out.shares.add())
+
+
+def _share_keys_response_from(p: secagg_pb2.ShareKeysResponse) -> ShareKeysResponse:
+    return ShareKeysResponse(_ref(p), _index(p, "sender"), tuple(map(_share_from, p.shares)))
+
+
+def _masked_input_response_to(v: MaskedInputResponse, out: secagg_pb2.MaskedInputResponse) -> None:
+    _session_ref_to(v.ref, out.ref)
+    out.sum_id, out.sender, out.data = v.sum_id, v.sender, v.data
+
+
+def _masked_input_response_from(p: secagg_pb2.MaskedInputResponse) -> MaskedInputResponse:
+    return MaskedInputResponse(_ref(p), _text(p, "sum_id"), _index(p, "sender"), p.data)
+
+
+def _consistency_response_to(
+    v: ConsistencyCheckResponse, out: secagg_pb2.ConsistencyCheckResponse
+) -> None:
+    _session_ref_to(v.ref, out.ref)
+    out.sum_id, out.sender, out.signature = v.sum_id, v.sender, v.signature
+
+
+def _consistency_response_from(
+    p: secagg_pb2.ConsistencyCheckResponse,
+) -> ConsistencyCheckResponse:
+    return ConsistencyCheckResponse(_ref(p), _text(p, "sum_id"), _index(p, "sender"), p.signature)
+
+
+def _owned_to(pairs: Iterable[tuple[int, bytes]], out: Any) -> None:
+    for owner, share in pairs:
+        item = out.add()
+        item.owner, item.share = owner, share
+
+
+def _owned_from(p: Message, field: str) -> tuple[tuple[int, bytes], ...]:
+    return tuple((_index(p, f"{field}.owner", o.owner), o.share) for o in getattr(p, field))
+
+
+def _unmask_response_to(v: UnmaskResponse, out: secagg_pb2.UnmaskResponse) -> None:
+    _session_ref_to(v.ref, out.ref)
+    out.sum_id, out.sender = v.sum_id, v.sender
+    _owned_to(v.seed_shares, out.seed_shares)
+    _owned_to(v.key_shares, out.key_shares)
+
+
+def _unmask_response_from(p: secagg_pb2.UnmaskResponse) -> UnmaskResponse:
+    return UnmaskResponse(
+        _ref(p),
+        _text(p, "sum_id"),
+        _index(p, "sender"),
+        _owned_from(p, "seed_shares"),
+        _owned_from(p, "key_shares"),
+    )
+
+
+# ---- aggregator -> device ----------------------------------------------------------------------
+
+
+def _neighbour_to(v: NeighbourKeys, out: secagg_pb2.NeighbourKeys) -> None:
+    out.index = v.index
+    for keys in v.keys:
+        _sum_keys_to(keys, out.keys.add())
+    out.signing_public = v.signing_public
+
+
+def _neighbour_from(p: secagg_pb2.NeighbourKeys) -> NeighbourKeys:
+    return NeighbourKeys(_index(p, "index"), tuple(map(_sum_keys_from, p.keys)), p.signing_public)
+
+
+def _share_keys_request_to(v: ShareKeysRequest, out: secagg_pb2.ShareKeysRequest) -> None:
+    _session_ref_to(v.ref, out.ref)
+    for neighbour in v.neighbours:
+        _neighbour_to(neighbour, out.neighbours.add())
+
+
+def _share_keys_request_from(p: secagg_pb2.ShareKeysRequest) -> ShareKeysRequest:
+    return ShareKeysRequest(_ref(p), tuple(map(_neighbour_from, p.neighbours)))
+
+
+def _share_delivery_to(v: ShareDelivery, out: secagg_pb2.ShareDelivery) -> None:
+    _session_ref_to(v.ref, out.ref)
+    for share in v.shares:
+        _share_to(share, out.shares.add())
+
+
+def _share_delivery_from(p: secagg_pb2.ShareDelivery) -> ShareDelivery:
+    return ShareDelivery(_ref(p), tuple(map(_share_from, p.shares)))
+
+
+def _masked_input_request_to(v: MaskedInputRequest, out: secagg_pb2.MaskedInputRequest) -> None:
+    _session_ref_to(v.ref, out.ref)
+    out.sum_id = v.sum_id
+
+
+def _masked_input_request_from(p: secagg_pb2.MaskedInputRequest) -> MaskedInputRequest:
+    return MaskedInputRequest(_ref(p), _text(p, "sum_id"))
+
+
+def _consistency_request_to(
+    v: ConsistencyCheckRequest, out: secagg_pb2.ConsistencyCheckRequest
+) -> None:
+    _session_ref_to(v.ref, out.ref)
+    out.sum_id = v.sum_id
+    out.survivors.extend(v.survivors)
+
+
+def _consistency_request_from(p: secagg_pb2.ConsistencyCheckRequest) -> ConsistencyCheckRequest:
+    return ConsistencyCheckRequest(_ref(p), _text(p, "sum_id"), _indices(p, "survivors"))
+
+
+def _unmask_request_to(v: UnmaskRequest, out: secagg_pb2.UnmaskRequest) -> None:
+    _session_ref_to(v.ref, out.ref)
+    out.sum_id = v.sum_id
+    out.survivors.extend(v.survivors)
+    for signer, signature in v.signatures:
+        item = out.signatures.add()
+        item.signer, item.signature = signer, signature
+
+
+def _unmask_request_from(p: secagg_pb2.UnmaskRequest) -> UnmaskRequest:
+    signatures = tuple(
+        (_index(p, "signatures.signer", s.signer), s.signature) for s in p.signatures
+    )
+    return UnmaskRequest(_ref(p), _text(p, "sum_id"), _indices(p, "survivors"), signatures)
+
+
+def _abort_to(v: Abort, out: secagg_pb2.Abort) -> None:
+    _session_ref_to(v.ref, out.ref)
+    out.reason = v.reason
+
+
+def _abort_from(p: secagg_pb2.Abort) -> Abort:
+    return Abort(_ref(p), p.reason)
+
+
+# ---- dispatch ----------------------------------------------------------------------------------
+
+# value type -> (protobuf class, fill(value, out), decode(proto))
+_CODECS: dict[type, tuple[type[Message], Callable[[Any, Any], None], Callable[[Any], Any]]] = {
+    SessionRef: (secagg_pb2.SessionRef, _session_ref_to, _session_ref_from),
+    SumSpec: (secagg_pb2.SumSpec, _sum_spec_to, _sum_spec_from),
+    SessionConfig: (secagg_pb2.SessionConfig, _session_config_to, _session_config_from),
+    SumPublicKeys: (secagg_pb2.SumPublicKeys, _sum_keys_to, _sum_keys_from),
+    AdvertiseKeys: (secagg_pb2.AdvertiseKeys, _advertise_keys_to, _advertise_keys_from),
+    EncryptedShare: (secagg_pb2.EncryptedShare, _share_to, _share_from),
+    ShareKeysResponse: (
+        secagg_pb2.ShareKeysResponse, _share_keys_response_to, _share_keys_response_from
+    ),
+    MaskedInputResponse: (
+        secagg_pb2.MaskedInputResponse, _masked_input_response_to, _masked_input_response_from
+    ),
+    ConsistencyCheckResponse: (
+        secagg_pb2.ConsistencyCheckResponse, _consistency_response_to, _consistency_response_from
+    ),
+    UnmaskResponse: (secagg_pb2.UnmaskResponse, _unmask_response_to, _unmask_response_from),
+    NeighbourKeys: (secagg_pb2.NeighbourKeys, _neighbour_to, _neighbour_from),
+    ShareKeysRequest: (
+        secagg_pb2.ShareKeysRequest, _share_keys_request_to, _share_keys_request_from
+    ),
+    ShareDelivery: (secagg_pb2.ShareDelivery, _share_delivery_to, _share_delivery_from),
+    MaskedInputRequest: (
+        secagg_pb2.MaskedInputRequest, _masked_input_request_to, _masked_input_request_from
+    ),
+    ConsistencyCheckRequest: (
+        secagg_pb2.ConsistencyCheckRequest, _consistency_request_to, _consistency_request_from
+    ),
+    UnmaskRequest: (secagg_pb2.UnmaskRequest, _unmask_request_to, _unmask_request_from),
+    Abort: (secagg_pb2.Abort, _abort_to, _abort_from),
+}
+_DECODERS: dict[type[Message], Callable[[Any], Any]] = {
+    proto: decode for proto, _, decode in _CODECS.values()
+}
+
+# The oneof field of each stream envelope that carries a protocol message.
+_DEVICE_FIELDS: dict[type, str] = {
+    AdvertiseKeys: "advertise_keys",
+    ShareKeysResponse: "share_keys_response",
+    MaskedInputResponse: "masked_input_response",
+    ConsistencyCheckResponse: "consistency_check_response",
+    UnmaskResponse: "unmask_response",
+    secagg_pb2.Join: "join",
+}
+_AGGREGATOR_FIELDS: dict[type, str] = {
+    ShareKeysRequest: "share_keys_request",
+    ShareDelivery: "share_delivery",
+    MaskedInputRequest: "masked_input_request",
+    ConsistencyCheckRequest: "consistency_check_request",
+    UnmaskRequest: "unmask_request",
+    Abort: "abort",
+    secagg_pb2.Joined: "joined",
+    secagg_pb2.SessionDone: "session_done",
+}
+
+
+def to_proto(value: Any) -> Message:
+    """The protobuf form of a protocol message, SessionConfig, SumSpec or SessionRef."""
+    try:
+        proto, fill, _ = _CODECS[type(value)]
+    except KeyError:
+        raise TypeError(f"no protobuf form for {type(value).__name__}") from None
+    out = proto()
+    fill(value, out)
+    return out
+
+
+def session_config_bytes(config: SessionConfig) -> bytes:
+    """Canonical bytes of a session configuration (deterministic serialization): what the session
+    ticket's config digest covers, so devices and aggregator can check they run the same session."""
+    return to_proto(config).SerializeToString(deterministic=True)
+
+
+def from_proto(proto: Message) -> Any:
+    """The value a protobuf message describes; stream envelopes are opened (``open_envelope``)."""
+    decode = _DECODERS.get(type(proto))
+    if decode is None:
+        if isinstance(proto, (secagg_pb2.DeviceToAggregator, secagg_pb2.AggregatorToDevice)):
+            return open_envelope(proto)
+        raise WireError(f"cannot convert a {type(proto).__name__} to a protocol value")
+    return decode(proto)
+
+
+def _wrap(envelope: Message, fields: Mapping[type, str], message: Any) -> Message:
+    field = fields.get(type(message))
+    if field is None:
+        raise TypeError(f"a {type(message).__name__} does not travel in {_name(envelope)}")
+    target = getattr(envelope, field)
+    target.SetInParent()  # selects the oneof even for an empty message (SessionDone of no sums)
+    if isinstance(message, Message):
+        target.CopyFrom(message)
+    else:
+        _CODECS[type(message)][1](message, target)
+    return envelope
+
+
+def device_envelope(message: ClientMessage | secagg_pb2.Join) -> secagg_pb2.DeviceToAggregator:
+    """Wrap what a device sends (a client protocol message, or the Join proto)."""
+    return _wrap(secagg_pb2.DeviceToAggregator(), _DEVICE_FIELDS, message)
+
+
+def aggregator_envelope(
+    message: ServerMessage | secagg_pb2.Joined | secagg_pb2.SessionDone,
+) -> secagg_pb2.AggregatorToDevice:
+    """Wrap what the aggregator sends (a server protocol message, or Joined/SessionDone)."""
+    return _wrap(secagg_pb2.AggregatorToDevice(), _AGGREGATOR_FIELDS, message)
+
+
+def open_envelope(envelope: secagg_pb2.DeviceToAggregator | secagg_pb2.AggregatorToDevice) -> Any:
+    """The message a stream envelope carries: a protocol value, or the Join, Joined or
+    SessionDone proto as is (session plumbing, which the services handle themselves)."""
+    if not isinstance(envelope, (secagg_pb2.DeviceToAggregator, secagg_pb2.AggregatorToDevice)):
+        raise WireError(f"not a stream envelope: {type(envelope).__name__}")
+    field = envelope.WhichOneof("message")
+    if field is None:
+        raise WireError(f"{_name(envelope)} carries no message")
+    inner = getattr(envelope, field)
+    decode = _DECODERS.get(type(inner))
+    return inner if decode is None else decode(inner)
+
+
+# ---- tensors -----------------------------------------------------------------------------------
+
+# Plain numeric dtypes only: object, string, void and datetime arrays have no portable bytes
+# (and decoding an object array from untrusted bytes would be unsafe).
+_DTYPES = frozenset(
+    ["bool", "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64",
+     "float16", "float32", "float64", "complex64", "complex128"]
+)
+
+
+def tensor_to_proto(name: str, array: Any) -> common_pb2.Tensor:
+    """A Tensor of ``array``'s values, C order, little-endian."""
+    if not isinstance(name, str):
+        raise TypeError(f"tensor name must be a str, got {type(name).__name__}")
+    array = np.asarray(array)
+    if array.dtype.name not in _DTYPES:
+        raise ValueError(f"tensor {name!r}: dtype {array.dtype} cannot go on the wire; "
+                         f"use one of {sorted(_DTYPES)}")
+    little = np.ascontiguousarray(array, dtype=array.dtype.newbyteorder("<"))
+    return common_pb2.Tensor(
+        name=name, shape=array.shape, dtype=array.dtype.name, data=little.tobytes()
+    )
+
+
+def tensor_from_proto(proto: common_pb2.Tensor) -> np.ndarray:
+    """A writable array in native byte order, with the Tensor's dtype and shape."""
+    if not isinstance(proto, common_pb2.Tensor):
+        raise WireError(f"expected a Tensor, got {type(proto).__name__}")
+    if proto.dtype not in _DTYPES:
+        raise WireError(f"tensor {proto.name!r}: unsupported dtype {proto.dtype!r}; "
+                        f"expected one of {sorted(_DTYPES)}")
+    shape = tuple(int(d) for d in proto.shape)
+    if any(d < 0 for d in shape):
+        raise WireError(f"tensor {proto.name!r}: negative dimension in shape {shape}")
+    dtype = np.dtype(proto.dtype).newbyteorder("<")
+    expected = math.prod(shape) * dtype.itemsize
+    if len(proto.data) != expected:
+        raise WireError(f"tensor {proto.name!r}: shape {shape} of {proto.dtype} needs {expected} "
+                        f"bytes, got {len(proto.data)}")
+    return np.frombuffer(proto.data, dtype=dtype).reshape(shape).astype(dtype.newbyteorder("="))
+
+
+def tensors_to_proto(values: Mapping[str, Any]) -> list[common_pb2.Tensor]:
+    """Named arrays (a broadcast) as Tensors, in the mapping's order."""
+    return [tensor_to_proto(name, array) for name, array in values.items()]
+
+
+def tensors_from_proto(protos: Iterable[common_pb2.Tensor]) -> dict[str, np.ndarray]:
+    """Inverse of ``tensors_to_proto``; names must be present and unique."""
+    out: dict[str, np.ndarray] = {}
+    for proto in protos:
+        if not isinstance(proto, common_pb2.Tensor):
+            raise WireError(f"expected a Tensor, got {type(proto).__name__}")
+        if not proto.name:
+            raise WireError("Tensor.name is missing (empty) in a list of named tensors")
+        if proto.name in out:
+            raise WireError(f"duplicate tensor name {proto.name!r}")
+        out[proto.name] = tensor_from_proto(proto)
+    return out
+
+
+# ---- payload schemas ---------------------------------------------------------------------------
+
+_KINDS = {Kind.REAL: aggregator_pb2.FIELD_KIND_REAL, Kind.COUNT: aggregator_pb2.FIELD_KIND_COUNT}
+_KINDS_BACK = {v: k for k, v in _KINDS.items()}
+
+
+def schema_to_proto(sum_id: str, schema: PayloadSchema) -> aggregator_pb2.PayloadSchemaSpec:
+    """The schema of sum ``sum_id``; pairs as in ``SessionConfig.plan(schemas=...)``."""
+    out = aggregator_pb2.PayloadSchemaSpec(sum_id=sum_id)
+    for f in schema.fields:
+        out.fields.add(name=f.name, shape=f.shape, kind=_KINDS[f.kind], clip=f.clip,
+                       frac_bits=f.frac_bits)
+    return out
+
+
+def schema_from_proto(proto: aggregator_pb2.PayloadSchemaSpec) -> tuple[str, PayloadSchema]:
+    """(sum_id, schema); a field with no kind, or any schema the codec refuses, is a WireError."""
+    if not isinstance(proto, aggregator_pb2.PayloadSchemaSpec):
+        raise WireError(f"expected a PayloadSchemaSpec, got {type(proto).__name__}")
+    sum_id = _text(proto, "sum_id")
+    fields = []
+    for f in proto.fields:
+        kind = _KINDS_BACK.get(f.kind)
+        if kind is None:
+            raise WireError(f"schema of sum {sum_id!r}: field {f.name!r} has no kind")
+        try:
+            fields.append(Field(f.name, tuple(f.shape), kind, f.clip, f.frac_bits))
+        except ValueError as exc:
+            raise WireError(f"schema of sum {sum_id!r}: {exc}") from exc
+    try:
+        return sum_id, PayloadSchema(tuple(fields))
+    except ValueError as exc:
+        raise WireError(f"schema of sum {sum_id!r}: {exc}") from exc
+
+
+# ---- cohort sums -------------------------------------------------------------------------------
+
+
+def cohort_sum_to_proto(
+    session_id: str, spec: SumSpec, result: SumResult | SessionAborted
+) -> aggregator_pb2.CohortSum:
+    """What AwaitResult returns: the packed total, or the abort reason."""
+    out = aggregator_pb2.CohortSum(
+        session_id=session_id, sum_id=spec.sum_id, bits=spec.bits, dim=spec.dim
+    )
+    if isinstance(result, SessionAborted):
+        out.aborted_reason = result.reason or "aborted"
+        return out
+    if result.sum_id != spec.sum_id:
+        raise ValueError(f"result of sum {result.sum_id!r} does not belong to {spec.sum_id!r}")
+    out.total = pack(np.asarray(result.total), spec.wire_bits)
+    out.contributors.extend(result.contributors)
+    out.dropped.extend(result.dropped)
+    return out
+
+
+def cohort_sum_from_proto(proto: aggregator_pb2.CohortSum) -> SumResult | SessionAborted:
+    """The cohort's SumResult (total mod 2**bits, as the codec decodes it), or SessionAborted."""
+    if not isinstance(proto, aggregator_pb2.CohortSum):
+        raise WireError(f"expected a CohortSum, got {type(proto).__name__}")
+    if proto.aborted_reason:
+        return SessionAborted(proto.aborted_reason)
+    sum_id = _text(proto, "sum_id")
+    spec = _sum_spec_from(secagg_pb2.SumSpec(sum_id=sum_id, dim=proto.dim, bits=proto.bits))
+    try:
+        total = unpack(proto.total, wire_width(spec.bits), spec.dim)
+    except ValueError as exc:
+        raise WireError(f"CohortSum {sum_id!r}: {exc}") from exc
+    if total.size and int(total.max()) > ring_mask(spec.bits):
+        raise WireError(f"CohortSum {sum_id!r}: total has values >= 2^{spec.bits}")
+    return SumResult(sum_id, total, _indices(proto, "contributors"), _indices(proto, "dropped"))

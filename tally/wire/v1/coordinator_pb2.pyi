@@ -1,0 +1,168 @@
+import datetime
+
+from google.protobuf import timestamp_pb2 as _timestamp_pb2
+from tally.wire.v1 import common_pb2 as _common_pb2
+from tally.wire.v1 import secagg_pb2 as _secagg_pb2
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class RegisterRequest(_message.Message):
+    __slots__ = ("device_id", "population", "attestation")
+    DEVICE_ID_FIELD_NUMBER: _ClassVar[int]
+    POPULATION_FIELD_NUMBER: _ClassVar[int]
+    ATTESTATION_FIELD_NUMBER: _ClassVar[int]
+    device_id: str
+    population: str
+    attestation: str
+    def __init__(self, device_id: _Optional[str] = ..., population: _Optional[str] = ..., attestation: _Optional[str] = ...) -> None: ...
+
+class RegisterResponse(_message.Message):
+    __slots__ = ("token", "expires_at")
+    TOKEN_FIELD_NUMBER: _ClassVar[int]
+    EXPIRES_AT_FIELD_NUMBER: _ClassVar[int]
+    token: str
+    expires_at: _timestamp_pb2.Timestamp
+    def __init__(self, token: _Optional[str] = ..., expires_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ...) -> None: ...
+
+class Capabilities(_message.Message):
+    __slots__ = ("accelerator", "sdk_version")
+    ACCELERATOR_FIELD_NUMBER: _ClassVar[int]
+    SDK_VERSION_FIELD_NUMBER: _ClassVar[int]
+    accelerator: str
+    sdk_version: str
+    def __init__(self, accelerator: _Optional[str] = ..., sdk_version: _Optional[str] = ...) -> None: ...
+
+class CheckInRequest(_message.Message):
+    __slots__ = ("capabilities",)
+    CAPABILITIES_FIELD_NUMBER: _ClassVar[int]
+    capabilities: Capabilities
+    def __init__(self, capabilities: _Optional[_Union[Capabilities, _Mapping]] = ...) -> None: ...
+
+class RetryAfter(_message.Message):
+    __slots__ = ("seconds", "reason")
+    SECONDS_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    seconds: float
+    reason: str
+    def __init__(self, seconds: _Optional[float] = ..., reason: _Optional[str] = ...) -> None: ...
+
+class Step(_message.Message):
+    __slots__ = ("name", "sum_id", "broadcast")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    SUM_ID_FIELD_NUMBER: _ClassVar[int]
+    BROADCAST_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    sum_id: str
+    broadcast: _containers.RepeatedCompositeFieldContainer[_common_pb2.Tensor]
+    def __init__(self, name: _Optional[str] = ..., sum_id: _Optional[str] = ..., broadcast: _Optional[_Iterable[_Union[_common_pb2.Tensor, _Mapping]]] = ...) -> None: ...
+
+class TaskAssignment(_message.Message):
+    __slots__ = ("job_id", "round", "task_id", "algorithm", "step", "model_version", "model_digest", "model_size", "chunk_size", "aggregator_address", "session_ticket", "device_index", "session_token", "session", "deadlines")
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    ROUND_FIELD_NUMBER: _ClassVar[int]
+    TASK_ID_FIELD_NUMBER: _ClassVar[int]
+    ALGORITHM_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    MODEL_VERSION_FIELD_NUMBER: _ClassVar[int]
+    MODEL_DIGEST_FIELD_NUMBER: _ClassVar[int]
+    MODEL_SIZE_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    AGGREGATOR_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    SESSION_TICKET_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_INDEX_FIELD_NUMBER: _ClassVar[int]
+    SESSION_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    SESSION_FIELD_NUMBER: _ClassVar[int]
+    DEADLINES_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    round: int
+    task_id: str
+    algorithm: str
+    step: Step
+    model_version: str
+    model_digest: str
+    model_size: int
+    chunk_size: int
+    aggregator_address: str
+    session_ticket: bytes
+    device_index: int
+    session_token: str
+    session: _secagg_pb2.SessionConfig
+    deadlines: _secagg_pb2.PhaseDeadlines
+    def __init__(self, job_id: _Optional[str] = ..., round: _Optional[int] = ..., task_id: _Optional[str] = ..., algorithm: _Optional[str] = ..., step: _Optional[_Union[Step, _Mapping]] = ..., model_version: _Optional[str] = ..., model_digest: _Optional[str] = ..., model_size: _Optional[int] = ..., chunk_size: _Optional[int] = ..., aggregator_address: _Optional[str] = ..., session_ticket: _Optional[bytes] = ..., device_index: _Optional[int] = ..., session_token: _Optional[str] = ..., session: _Optional[_Union[_secagg_pb2.SessionConfig, _Mapping]] = ..., deadlines: _Optional[_Union[_secagg_pb2.PhaseDeadlines, _Mapping]] = ...) -> None: ...
+
+class CheckInResponse(_message.Message):
+    __slots__ = ("retry_after", "task")
+    RETRY_AFTER_FIELD_NUMBER: _ClassVar[int]
+    TASK_FIELD_NUMBER: _ClassVar[int]
+    retry_after: RetryAfter
+    task: TaskAssignment
+    def __init__(self, retry_after: _Optional[_Union[RetryAfter, _Mapping]] = ..., task: _Optional[_Union[TaskAssignment, _Mapping]] = ...) -> None: ...
+
+class DownloadModelRequest(_message.Message):
+    __slots__ = ("model_version", "digest", "offset")
+    MODEL_VERSION_FIELD_NUMBER: _ClassVar[int]
+    DIGEST_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    model_version: str
+    digest: str
+    offset: int
+    def __init__(self, model_version: _Optional[str] = ..., digest: _Optional[str] = ..., offset: _Optional[int] = ...) -> None: ...
+
+class ModelChunk(_message.Message):
+    __slots__ = ("offset", "data", "total_size", "digest")
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_SIZE_FIELD_NUMBER: _ClassVar[int]
+    DIGEST_FIELD_NUMBER: _ClassVar[int]
+    offset: int
+    data: bytes
+    total_size: int
+    digest: str
+    def __init__(self, offset: _Optional[int] = ..., data: _Optional[bytes] = ..., total_size: _Optional[int] = ..., digest: _Optional[str] = ...) -> None: ...
+
+class GetStepRequest(_message.Message):
+    __slots__ = ("job_id", "round", "task_id", "sum_id")
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    ROUND_FIELD_NUMBER: _ClassVar[int]
+    TASK_ID_FIELD_NUMBER: _ClassVar[int]
+    SUM_ID_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    round: int
+    task_id: str
+    sum_id: str
+    def __init__(self, job_id: _Optional[str] = ..., round: _Optional[int] = ..., task_id: _Optional[str] = ..., sum_id: _Optional[str] = ...) -> None: ...
+
+class GetStepResponse(_message.Message):
+    __slots__ = ("retry_after", "step")
+    RETRY_AFTER_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    retry_after: RetryAfter
+    step: Step
+    def __init__(self, retry_after: _Optional[_Union[RetryAfter, _Mapping]] = ..., step: _Optional[_Union[Step, _Mapping]] = ...) -> None: ...
+
+class RoundStatusRequest(_message.Message):
+    __slots__ = ("job_id",)
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    def __init__(self, job_id: _Optional[str] = ...) -> None: ...
+
+class RoundStatusResponse(_message.Message):
+    __slots__ = ("job_state", "round", "phase", "step", "committed_round", "next_check_in_seconds")
+    JOB_STATE_FIELD_NUMBER: _ClassVar[int]
+    ROUND_FIELD_NUMBER: _ClassVar[int]
+    PHASE_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    COMMITTED_ROUND_FIELD_NUMBER: _ClassVar[int]
+    NEXT_CHECK_IN_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    job_state: _common_pb2.JobState
+    round: int
+    phase: _common_pb2.RoundPhase
+    step: str
+    committed_round: int
+    next_check_in_seconds: float
+    def __init__(self, job_state: _Optional[_Union[_common_pb2.JobState, str]] = ..., round: _Optional[int] = ..., phase: _Optional[_Union[_common_pb2.RoundPhase, str]] = ..., step: _Optional[str] = ..., committed_round: _Optional[int] = ..., next_check_in_seconds: _Optional[float] = ...) -> None: ...
