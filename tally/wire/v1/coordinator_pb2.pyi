@@ -1,6 +1,7 @@
 import datetime
 
 from google.protobuf import timestamp_pb2 as _timestamp_pb2
+from tally.wire.v1 import aggregator_pb2 as _aggregator_pb2
 from tally.wire.v1 import common_pb2 as _common_pb2
 from tally.wire.v1 import secagg_pb2 as _secagg_pb2
 from google.protobuf.internal import containers as _containers
@@ -52,17 +53,19 @@ class RetryAfter(_message.Message):
     def __init__(self, seconds: _Optional[float] = ..., reason: _Optional[str] = ...) -> None: ...
 
 class Step(_message.Message):
-    __slots__ = ("name", "sum_id", "broadcast")
+    __slots__ = ("name", "sum_id", "broadcast", "schema")
     NAME_FIELD_NUMBER: _ClassVar[int]
     SUM_ID_FIELD_NUMBER: _ClassVar[int]
     BROADCAST_FIELD_NUMBER: _ClassVar[int]
+    SCHEMA_FIELD_NUMBER: _ClassVar[int]
     name: str
     sum_id: str
     broadcast: _containers.RepeatedCompositeFieldContainer[_common_pb2.Tensor]
-    def __init__(self, name: _Optional[str] = ..., sum_id: _Optional[str] = ..., broadcast: _Optional[_Iterable[_Union[_common_pb2.Tensor, _Mapping]]] = ...) -> None: ...
+    schema: _aggregator_pb2.PayloadSchemaSpec
+    def __init__(self, name: _Optional[str] = ..., sum_id: _Optional[str] = ..., broadcast: _Optional[_Iterable[_Union[_common_pb2.Tensor, _Mapping]]] = ..., schema: _Optional[_Union[_aggregator_pb2.PayloadSchemaSpec, _Mapping]] = ...) -> None: ...
 
 class TaskAssignment(_message.Message):
-    __slots__ = ("job_id", "round", "task_id", "algorithm", "step", "model_version", "model_digest", "model_size", "chunk_size", "aggregator_address", "session_ticket", "device_index", "session_token", "session", "deadlines")
+    __slots__ = ("job_id", "round", "task_id", "algorithm", "step", "model_version", "model_digest", "model_size", "chunk_size", "aggregator_address", "session_ticket", "device_index", "session_token", "session", "deadlines", "algorithm_options")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     ROUND_FIELD_NUMBER: _ClassVar[int]
     TASK_ID_FIELD_NUMBER: _ClassVar[int]
@@ -78,6 +81,7 @@ class TaskAssignment(_message.Message):
     SESSION_TOKEN_FIELD_NUMBER: _ClassVar[int]
     SESSION_FIELD_NUMBER: _ClassVar[int]
     DEADLINES_FIELD_NUMBER: _ClassVar[int]
+    ALGORITHM_OPTIONS_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     round: int
     task_id: str
@@ -93,7 +97,8 @@ class TaskAssignment(_message.Message):
     session_token: str
     session: _secagg_pb2.SessionConfig
     deadlines: _secagg_pb2.PhaseDeadlines
-    def __init__(self, job_id: _Optional[str] = ..., round: _Optional[int] = ..., task_id: _Optional[str] = ..., algorithm: _Optional[str] = ..., step: _Optional[_Union[Step, _Mapping]] = ..., model_version: _Optional[str] = ..., model_digest: _Optional[str] = ..., model_size: _Optional[int] = ..., chunk_size: _Optional[int] = ..., aggregator_address: _Optional[str] = ..., session_ticket: _Optional[bytes] = ..., device_index: _Optional[int] = ..., session_token: _Optional[str] = ..., session: _Optional[_Union[_secagg_pb2.SessionConfig, _Mapping]] = ..., deadlines: _Optional[_Union[_secagg_pb2.PhaseDeadlines, _Mapping]] = ...) -> None: ...
+    algorithm_options: str
+    def __init__(self, job_id: _Optional[str] = ..., round: _Optional[int] = ..., task_id: _Optional[str] = ..., algorithm: _Optional[str] = ..., step: _Optional[_Union[Step, _Mapping]] = ..., model_version: _Optional[str] = ..., model_digest: _Optional[str] = ..., model_size: _Optional[int] = ..., chunk_size: _Optional[int] = ..., aggregator_address: _Optional[str] = ..., session_ticket: _Optional[bytes] = ..., device_index: _Optional[int] = ..., session_token: _Optional[str] = ..., session: _Optional[_Union[_secagg_pb2.SessionConfig, _Mapping]] = ..., deadlines: _Optional[_Union[_secagg_pb2.PhaseDeadlines, _Mapping]] = ..., algorithm_options: _Optional[str] = ...) -> None: ...
 
 class CheckInResponse(_message.Message):
     __slots__ = ("retry_after", "task")
