@@ -1,0 +1,43 @@
+"""Structured logging: one JSON object per line, fields passed as ``extra={"fields": {...}}``.
+
+Services log events (round committed, session aborted) with their ids as fields, so a
+log pipeline can filter by job or session without parsing prose.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+
+
+class JsonFormatter(logging.Formatter):
+    def format(self, record: logging.LogRecord) -> str:
+        entry = {
+            "ts": round(record.created, 3),
+            "level": record.levelname.lower(),
+            "logger": record.name,
+            "event": record.getMessage(),
+        }
+        entry.update(getattr(record, "fields", {}) or {})
+        if record.exc_info:
+            entry["error"] = self.formatException(record.exc_info)
+        return json.dumps(entry, default=str)
+
+
+def configure(level: str = "info", json_lines: bool = True) -> None:
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(
+        JsonFormatter() if json_lines else logging.Formatter("%(asctime)s %(levelname)s %(name)s %(message)s")
+    )
+    root = logging.getLogger("tally")
+    root.handlers[:] = [handler]
+    root.setLevel(level.upper())
+    root.propagate = False
+
+
+def event(logger: logging.Logger, message: str, level: int = logging.INFO, **fields: object) -> None:
+    """Log ``message`` with ``fields`` as structured data."""
+    logger.log(level, message, extra={"fields": fields})
+
+
