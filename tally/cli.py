@@ -8,6 +8,7 @@ from collections.abc import Sequence
 
 from tally import engine_demo, simulate_cli
 from tally.security import certs_cli
+from aggregator import cli as aggregator_cli
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -19,6 +20,7 @@ def build_parser() -> argparse.ArgumentParser:
     engine_demo.register(sub)
     simulate_cli.register(sub)
     certs_cli.register(sub)
+    aggregator_cli.register(sub)
     return parser
 
 

@@ -1,0 +1,98 @@
+"""``tally aggregator``: run one secure-aggregator replica until SIGINT or SIGTERM."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import signal
+import sys
+from pathlib import Path
+
+from cryptography.hazmat.primitives.asymmetric import ed25519
+
+from tally import logs
+from tally.security import TLSConfig, load_ticket_public_key
+from tally.security.tls import DEFAULT_MAX_MESSAGE_BYTES, add_tls_arguments, tls_config_from_args
+from tally.security.tokens import TICKET_PUB_FILE
+
+from aggregator.service import AggregatorService
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "aggregator",
+        help="run a secure aggregator: secure-sum sessions for cohorts, cohort sums only",
+        description=(
+            "Serve AggregatorControl (for the coordinator) and SecureAggregation (for devices) on "
+            "one gRPC port, with health checking and reflection, and Prometheus metrics on "
+            "another. Sessions must carry a session ticket signed by the coordinator for this "
+            "aggregator's --id; nothing is kept between sessions. Stops gracefully on SIGINT or "
+            "SIGTERM (running sessions are aborted for their devices)."
+        ),
+    )
+    p.add_argument("--listen", required=True, metavar="HOST:PORT",
+                   help="gRPC address to bind (port 0 picks a free port)")
+    p.add_argument("--id", required=True, dest="aggregator_id", metavar="NAME",
+                   help="this aggregator's name; session tickets must be issued for it")
+    p.add_argument("--advertise", metavar="HOST:PORT",
+                   help="address devices should dial (default: the bound address)")
+    p.add_argument("--ticket-public-key", type=Path, metavar="PATH",
+                   help="the coordinator's ticket verification key "
+                        f"(default: <tls-dir>/{TICKET_PUB_FILE})")
+    add_tls_arguments(p, "aggregator")
+    p.add_argument("--metrics-port", type=int, default=0,
+                   help="Prometheus /metrics port (default: 0, a free port, printed at start)")
+    p.add_argument("--metrics-addr", default="127.0.0.1",
+                   help="address the metrics endpoint binds (default: %(default)s)")
+    p.add_argument("--max-message-bytes", type=int, default=DEFAULT_MAX_MESSAGE_BYTES,
+                   help="largest gRPC message sent or received (default: %(default)s)")
+    p.add_argument("--result-ttl", type=float, default=600.0, metavar="SECONDS",
+                   help="drop a finished session's sums after this long if nobody closes it "
+                        "(default: %(default)s)")
+    p.add_argument("--grace", type=float, default=5.0, metavar="SECONDS",
+                   help="how long RPCs in flight may finish at shutdown (default: %(default)s)")
+    p.add_argument("--log-level", default="info", help="log level (default: %(default)s)")
+    p.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    logs.configure(args.log_level)
+    key_path = args.ticket_public_key or (args.tls_dir / TICKET_PUB_FILE if args.tls_dir else None)
+    if key_path is None:
+        print("tally aggregator: --ticket-public-key is required without --tls-dir",
+              file=sys.stderr)
+        return 2
+    try:
+        tls = tls_config_from_args(args)
+        public_key = load_ticket_public_key(key_path)
+    except (OSError, ValueError) as exc:
+        print(f"tally aggregator: {exc}", file=sys.stderr)
+        return 2
+    return asyncio.run(_serve(args, tls, public_key))
+
+
+async def _serve(
+    args: argparse.Namespace, tls: TLSConfig, public_key: ed25519.Ed25519PublicKey
+) -> int:
+    service = AggregatorService(
+        args.listen, tls, public_key, args.aggregator_id,
+        advertised_address=args.advertise,
+        metrics_port=args.metrics_port,
+        metrics_addr=args.metrics_addr,
+        max_message_bytes=args.max_message_bytes,
+        result_ttl_s=args.result_ttl,
+    )
+    try:
+        await service.start()
+    except (OSError, RuntimeError, ValueError) as exc:
+        print(f"tally aggregator: {exc}", file=sys.stderr)
+        return 1
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    print(f"aggregator {service.id} serving on {service.address} (port {service.port}); "
+          f"metrics on http://{args.metrics_addr}:{service.metrics_port}/metrics", flush=True)
+    await stop.wait()
+    await service.stop(args.grace)
+    return 0

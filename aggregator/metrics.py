@@ -1,0 +1,68 @@
+"""The aggregator's Prometheus metrics, in base units, on a registry of its own.
+
+Each ``AggregatorService`` owns one ``AggregatorMetrics`` so that two aggregators in one process
+(tests, the demo) never share or collide on a series.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from tally.metrics import DURATION_BUCKETS
+
+# Devices per phase: from a handful (tests) to tens of thousands (a large cohort).
+DEVICE_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 50000)
+
+
+class AggregatorMetrics:
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry or CollectorRegistry()
+        r = self.registry
+        self.sessions_opened = Counter(
+            "tally_aggregator_sessions_opened_total", "Sessions opened by the coordinator",
+            registry=r,
+        )
+        self.sessions_finished = Counter(
+            "tally_aggregator_sessions_finished_total",
+            "Sessions that ended, by outcome (completed, aborted, closed before the end)",
+            ["outcome"], registry=r,
+        )
+        self.active_sessions = Gauge(
+            "tally_aggregator_active_sessions", "Sessions running now", registry=r
+        )
+        self.phase_duration = Histogram(
+            "tally_aggregator_phase_duration_seconds", "Wall time of each protocol phase",
+            ["phase"], buckets=DURATION_BUCKETS, registry=r,
+        )
+        self.phase_devices = Histogram(
+            "tally_aggregator_phase_devices",
+            "Devices that answered a phase before it closed (the phase's survivors)",
+            ["phase"], buckets=DEVICE_BUCKETS, registry=r,
+        )
+        self.dropouts = Counter(
+            "tally_aggregator_dropouts_total",
+            "Devices a phase expected that did not make it into the next one",
+            ["phase"], registry=r,
+        )
+        self.received_bytes = Counter(
+            "tally_aggregator_received_bytes_total",
+            "Serialized size of the device messages received", registry=r,
+        )
+        self.unmask_seconds = Histogram(
+            "tally_aggregator_unmask_seconds",
+            "CPU time of the server call that closes an Unmask phase (reconstruction and mask "
+            "removal)", buckets=DURATION_BUCKETS, registry=r,
+        )
+        self.rejected = Counter(
+            "tally_aggregator_rejected_total",
+            "Requests and device messages refused, by reason and gRPC status",
+            ["reason", "status"], registry=r,
+        )
+        self.late_messages = Counter(
+            "tally_aggregator_late_messages_total",
+            "Unmask answers that arrived after their sum was already unmasked (ignored)",
+            registry=r,
+        )
+
+    def reject(self, reason: str, status: str) -> None:
+        self.rejected.labels(reason=reason, status=status).inc()

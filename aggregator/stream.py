@@ -1,0 +1,127 @@
+"""``SecureAggregation.Session``: one bidirectional stream per device per session.
+
+The stream's first message must be ``Join``: its session ticket names the session (and must be the
+one the session was opened with), its session token must hash to the coordinator's grant for the
+device index. After ``Joined``, two halves run side by side: one reads the device's messages and
+feeds them to the session, the other writes what the session routes to the device. A refused
+message ends only this device's stream, with the refusal's status; the session goes on without the
+device, which is then a dropout like any other.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+
+import grpc
+
+from tally import logs
+from tally.security import TicketVerifier
+from tally.wire.convert import open_envelope
+from tally.wire.v1 import secagg_pb2, secagg_pb2_grpc
+
+from aggregator.errors import REFUSALS, Rejected, abort
+from aggregator.metrics import AggregatorMetrics
+from aggregator.registry import SessionRegistry
+from aggregator.session import DeviceQueue, Session, StreamEnd
+
+log = logging.getLogger("tally.aggregator.stream")
+
+
+class DeviceStreams(secagg_pb2_grpc.SecureAggregationServicer):
+    def __init__(
+        self,
+        aggregator_id: str,
+        verifier: TicketVerifier,
+        registry: SessionRegistry,
+        metrics: AggregatorMetrics,
+        clock: Callable[[], float],
+    ) -> None:
+        self._id = aggregator_id
+        self._verifier = verifier
+        self._registry = registry
+        self._metrics = metrics
+        self._clock = clock
+
+    async def Session(self, request_iterator, context: grpc.aio.ServicerContext) -> None:
+        try:
+            joined = await self._join(context)
+        except REFUSALS as exc:
+            rejected = Rejected.of(exc)
+            self._metrics.reject(rejected.reason, rejected.status)
+            logs.event(log, "join refused", level=logging.WARNING, status=rejected.status,
+                       reason=rejected.reason, detail=rejected.message)
+            await abort(context, rejected)
+        if joined is None:
+            return
+        session, index, queue = joined
+        reader = asyncio.create_task(self._relay(context, session, index, queue))
+        try:
+            await self._send(context, queue)
+        finally:
+            reader.cancel()
+            session.leave(index)
+
+    async def _read(
+        self, context: grpc.aio.ServicerContext
+    ) -> secagg_pb2.DeviceToAggregator | None:
+        envelope = await context.read()
+        if envelope is grpc.aio.EOF:
+            return None
+        self._metrics.received_bytes.inc(envelope.ByteSize())
+        return envelope
+
+    async def _join(
+        self, context: grpc.aio.ServicerContext
+    ) -> tuple[Session, int, DeviceQueue] | None:
+        envelope = await self._read(context)
+        if envelope is None:  # the device hung up before joining
+            return None
+        join = open_envelope(envelope)
+        if not isinstance(join, secagg_pb2.Join):
+            raise Rejected("FAILED_PRECONDITION",
+                           f"the first message of a session stream must be Join, got "
+                           f"{envelope.WhichOneof('message')}", "not_joined")
+        ticket = self._verifier.verify(join.session_ticket, self._clock(), aggregator_id=self._id)
+        session = self._registry.get(ticket.session_id)
+        queue = session.join(join.session_ticket, join.device_index, join.session_token)
+        return session, join.device_index, queue
+
+    async def _relay(
+        self,
+        context: grpc.aio.ServicerContext,
+        session: Session,
+        index: int,
+        queue: DeviceQueue,
+    ) -> None:
+        """Device -> session, until the device half-closes or a message is refused."""
+        try:
+            while (envelope := await self._read(context)) is not None:
+                message = open_envelope(envelope)
+                if isinstance(message, secagg_pb2.Join):
+                    raise Rejected("FAILED_PRECONDITION",
+                                   f"device {index} already joined on this stream", "rejoin")
+                await session.submit(index, message)
+        except REFUSALS as exc:
+            rejected = Rejected.of(exc)
+            self._metrics.reject(rejected.reason, rejected.status)
+            logs.event(log, "device message refused", level=logging.WARNING, device=index,
+                       status=rejected.status, reason=rejected.reason, detail=rejected.message,
+                       **session.log_fields)
+            queue.put_nowait(StreamEnd(rejected.status, rejected.message))
+        except asyncio.CancelledError:
+            raise
+        except Exception:  # never let one stream's bug pass silently or hang the device
+            log.exception("device stream failed", extra={"fields": session.log_fields})
+            queue.put_nowait(StreamEnd("INTERNAL", "internal error"))
+
+    async def _send(self, context: grpc.aio.ServicerContext, queue: DeviceQueue) -> None:
+        """Session -> device, until the session ends the stream."""
+        while True:
+            item = await queue.get()
+            if isinstance(item, StreamEnd):
+                if item.status is not None:
+                    await abort(context, Rejected(item.status, item.message))
+                return
+            await context.write(item)

@@ -1,0 +1,618 @@
+"""The secure-aggregator service over real gRPC and real TLS on 127.0.0.1.
+
+The test plays the coordinator (signs tickets, opens sessions, awaits sums) and the devices (a
+small asyncio pump around ``SecAggClient`` per device stream). Dropouts are devices that cancel
+their stream when a given phase's request arrives.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import hashlib
+import secrets
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+import numpy as np
+import pytest
+from cryptography.hazmat.primitives import serialization
+from cryptography.hazmat.primitives.asymmetric import ed25519
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+from aggregator import AggregatorService
+from aggregator.admission import admit
+from aggregator.cli import register
+from aggregator.errors import Rejected
+from aggregator.metrics import AggregatorMetrics
+from aggregator.session import Session
+from tally.codec import Field, Kind, PayloadSchema, to_ring
+from tally.secagg import SecAggClient, SessionConfig, SessionRef, ThreatModel
+from tally.secagg.messages import (
+    Abort,
+    AdvertiseKeys,
+    ConsistencyCheckRequest,
+    MaskedInputRequest,
+    MaskedInputResponse,
+    SessionAborted,
+    ShareKeysRequest,
+    SumPublicKeys,
+    UnmaskRequest,
+)
+from tally.security import (
+    SessionTicket,
+    TicketSigner,
+    TicketVerifier,
+    TLSConfig,
+    config_digest,
+)
+from tally.security.certs import write_deployment
+from tally.security.tls import channel_credentials, channel_options, open_channel
+from tally.security.tokens import load_or_create_ticket_key
+from tally.wire.convert import (
+    cohort_sum_from_proto,
+    device_envelope,
+    from_proto,
+    open_envelope,
+    schema_to_proto,
+    session_config_bytes,
+    to_proto,
+)
+from tally.wire.v1 import aggregator_pb2, aggregator_pb2_grpc, secagg_pb2, secagg_pb2_grpc
+
+TEST_TIMEOUT_S = 50
+SCHEMAS = {
+    "update": PayloadSchema((Field("w", (40,), Kind.COUNT, clip=1000),)),
+    "count": PayloadSchema((Field("n", (1,), Kind.COUNT, clip=100),)),
+}
+# t = 2 for 8 devices: the cohort tolerates the dropouts below, and Unmask closes early.
+THREAT = ThreatModel(dropout_rate=0.4, corrupt_rate=0.0, malicious_server=False)
+CODE = grpc.StatusCode
+
+
+# ---- the coordinator's side ------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Deployment:
+    tls_dir: Path
+    signer: TicketSigner
+    public_key: bytes
+
+    def server_tls(self) -> TLSConfig:
+        return TLSConfig.from_dir(self.tls_dir, "aggregator")
+
+    def channel(self, target: str) -> grpc.aio.Channel:
+        credentials = channel_credentials(TLSConfig.from_dir(self.tls_dir, None))
+        return grpc.aio.secure_channel(target, credentials, options=channel_options(8 << 20))
+
+
+@pytest.fixture(scope="module")
+def deployment(tmp_path_factory) -> Deployment:
+    directory = tmp_path_factory.mktemp("tls")
+    write_deployment(directory)
+    signer = TicketSigner(load_or_create_ticket_key(directory))
+    public = signer.public_key.public_bytes(
+        serialization.Encoding.Raw, serialization.PublicFormat.Raw
+    )
+    return Deployment(directory, signer, public)
+
+
+@dataclass
+class Cohort:
+    """One session as the coordinator planned it, and every device's private values."""
+
+    config: SessionConfig
+    ticket: bytes
+    tokens: dict[int, str]
+    values: dict[int, dict[str, dict[str, np.ndarray]]]
+    request: aggregator_pb2.OpenSessionRequest
+
+    def ring_inputs(self, index: int) -> dict[str, np.ndarray]:
+        rng = np.random.default_rng(index)
+        return {
+            spec.sum_id: to_ring(SCHEMAS[spec.sum_id].encode(self.values[index][spec.sum_id],
+                                                             rng).vector, spec.bits)
+            for spec in self.config.sums
+        }
+
+    def expected(self, sum_id: str, contributors) -> np.ndarray:
+        (name,) = self.values[1][sum_id]
+        return sum(self.values[i][sum_id][name] for i in contributors)
+
+
+def sign(deployment: Deployment, config: SessionConfig, *, aggregator_id: str = "agg-a",
+         expires_in: float = 300.0, **overrides) -> bytes:
+    fields = dict(
+        job_id=config.ref.job_id, round=config.ref.round, session_id=config.ref.session_id,
+        sum_ids=tuple(s.sum_id for s in config.sums), cohort_size=config.n,
+        config_digest=config_digest(session_config_bytes(config)),
+        aggregator_id=aggregator_id, expires_at=time.time() + expires_in,
+    )
+    fields.update(overrides)
+    return deployment.signer.sign(SessionTicket(**fields))
+
+
+def deadlines(seconds: float, **by_phase: float) -> secagg_pb2.PhaseDeadlines:
+    values = {f"{p}_seconds": seconds for p in
+              ("advertise_keys", "share_keys", "masked_input", "consistency_check", "unmask")}
+    values.update({f"{p}_seconds": s for p, s in by_phase.items()})
+    return secagg_pb2.PhaseDeadlines(**values)
+
+
+def plan(deployment: Deployment, session_id: str, *, n: int = 8, seconds: float = 2.0,
+         aggregator_id: str = "agg-a", phase_seconds: dict | None = None) -> Cohort:
+    config = SessionConfig.plan(SessionRef("job-1", 3, session_id), list(SCHEMAS.items()), n,
+                                THREAT)
+    rng = np.random.default_rng(abs(hash(session_id)) % 2**32)
+    values = {
+        i: {"update": {"w": rng.integers(0, 1000, size=40)},
+            "count": {"n": rng.integers(1, 100, size=1)}}
+        for i in range(1, n + 1)
+    }
+    tokens = {i: secrets.token_urlsafe(16) for i in range(1, n + 1)}
+    ticket = sign(deployment, config, aggregator_id=aggregator_id)
+    request = aggregator_pb2.OpenSessionRequest(
+        session_ticket=ticket,
+        config=to_proto(config),
+        schemas=[schema_to_proto(sum_id, schema) for sum_id, schema in SCHEMAS.items()],
+        deadlines=deadlines(seconds, **(phase_seconds or {})),
+        devices=[aggregator_pb2.DeviceGrant(device_index=i,
+                                            token_sha256=hashlib.sha256(t.encode()).digest())
+                 for i, t in tokens.items()],
+    )
+    return Cohort(config, ticket, tokens, values, request)
+
+
+@asynccontextmanager
+async def running(deployment: Deployment, aggregator_id: str = "agg-a",
+                  **options) -> AsyncIterator[AggregatorService]:
+    service = AggregatorService("127.0.0.1:0", deployment.server_tls(), deployment.public_key,
+                                aggregator_id, **options)
+    await service.start()
+    try:
+        yield service
+    finally:
+        await service.stop(0)
+
+
+@asynccontextmanager
+async def connected(deployment: Deployment, service: AggregatorService):
+    async with deployment.channel(f"127.0.0.1:{service.port}") as channel:
+        yield channel, aggregator_pb2_grpc.AggregatorControlStub(channel)
+
+
+async def rpc_error(call) -> tuple[grpc.StatusCode, str]:
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await call
+    return err.value.code(), err.value.details()
+
+
+def run(coroutine_fn: Callable, *args) -> None:
+    asyncio.run(asyncio.wait_for(coroutine_fn(*args), TEST_TIMEOUT_S))
+
+
+# ---- the devices' side -------------------------------------------------------------------------
+
+
+@dataclass
+class DeviceRun:
+    """What one device saw: ``outcome`` is done, aborted, dropped or error."""
+
+    outcome: str = ""
+    detail: str = ""
+    code: grpc.StatusCode | None = None
+    joined: asyncio.Event = field(default_factory=asyncio.Event)
+
+
+_REQUEST_PHASES = {ShareKeysRequest: "share_keys", MaskedInputRequest: "masked_input",
+                   ConsistencyCheckRequest: "consistency_check", UnmaskRequest: "unmask"}
+
+
+def _request_phase(message) -> tuple[str, str]:
+    """(phase, sum id) of a server request; sum id "" for the phases before the sums."""
+    return _REQUEST_PHASES.get(type(message), ""), getattr(message, "sum_id", "")
+
+
+async def device(channel: grpc.aio.Channel, cohort: Cohort, index: int,
+                 drop_at: tuple[str, str] | None = None, seen: DeviceRun | None = None
+                 ) -> DeviceRun:
+    """Run device ``index`` through the session; with ``drop_at`` (phase, sum id), cancel the
+    stream when that phase's request arrives (AdvertiseKeys: right after Joined)."""
+    seen = seen or DeviceRun()
+    call = secagg_pb2_grpc.SecureAggregationStub(channel).Session()
+    client = SecAggClient(cohort.config, index)
+    for sum_id, vector in cohort.ring_inputs(index).items():
+        client.provide_input(sum_id, vector)
+    try:
+        await call.write(device_envelope(join(cohort, index)))
+        while (reply := await call.read()) is not grpc.aio.EOF:
+            message = open_envelope(reply)
+            if isinstance(message, secagg_pb2.Joined):
+                assert from_proto(message.config) == cohort.config
+                seen.joined.set()
+                if drop_at == ("advertise_keys", ""):
+                    return _drop(call, seen)
+                outgoing = client.start()
+            elif isinstance(message, secagg_pb2.SessionDone):
+                assert list(message.sum_ids) == [s.sum_id for s in cohort.config.sums]
+                seen.outcome = "done"
+                continue
+            elif _request_phase(message) == drop_at:
+                return _drop(call, seen)
+            else:
+                if isinstance(message, Abort):
+                    seen.outcome, seen.detail = "aborted", message.reason
+                outgoing = client.receive(message)
+            for m in outgoing:
+                await call.write(device_envelope(m))
+        seen.code = await call.code()
+    except grpc.aio.AioRpcError as exc:
+        seen.outcome, seen.code, seen.detail = "error", exc.code(), exc.details()
+    return seen
+
+
+def _drop(call, seen: DeviceRun) -> DeviceRun:
+    call.cancel()
+    seen.outcome = "dropped"
+    return seen
+
+
+async def misbehave(channel: grpc.aio.Channel, *messages) -> tuple[grpc.StatusCode, str]:
+    """Send ``messages`` on one stream and read until the server ends it: its status."""
+    call = secagg_pb2_grpc.SecureAggregationStub(channel).Session()
+    for m in messages:
+        await call.write(m if isinstance(m, secagg_pb2.DeviceToAggregator) else device_envelope(m))
+    await call.done_writing()
+    try:
+        while await call.read() is not grpc.aio.EOF:
+            pass
+    except grpc.aio.AioRpcError as exc:
+        return exc.code(), exc.details()
+    return await call.code(), await call.details()
+
+
+def join(cohort: Cohort, index: int, token: str | None = None,
+         ticket: bytes | None = None) -> secagg_pb2.Join:
+    return secagg_pb2.Join(session_ticket=cohort.ticket if ticket is None else ticket,
+                           device_index=index,
+                           session_token=cohort.tokens[index] if token is None else token)
+
+
+async def await_sum(stub, cohort: Cohort, sum_id: str, timeout: float = 20.0):
+    reply = await stub.AwaitResult(aggregator_pb2.AwaitResultRequest(
+        session_id=cohort.config.ref.session_id, sum_id=sum_id), timeout=timeout)
+    return reply, cohort_sum_from_proto(reply)
+
+
+async def until_not_found(stub, session_id: str, timeout: float = 10.0) -> None:
+    """Ask until the aggregator no longer knows the session (its results expired)."""
+    loop = asyncio.get_running_loop()
+    end = loop.time() + timeout
+    request = aggregator_pb2.AwaitResultRequest(session_id=session_id, sum_id="update")
+    while loop.time() < end:
+        try:
+            await stub.AwaitResult(request, timeout=timeout)
+        except grpc.aio.AioRpcError as exc:
+            assert exc.code() == CODE.NOT_FOUND, exc
+            return
+        await asyncio.sleep(0.05)  # the TTL is wall-clock time: nothing to await but time
+    raise AssertionError(f"session {session_id} was still held after {timeout} s")
+
+
+def assert_sum(cohort: Cohort, sum_id: str, result, contributors, dropped=()) -> None:
+    assert result.contributors == tuple(contributors)
+    assert result.dropped == tuple(dropped)
+    bits = cohort.config.sum_spec(sum_id).bits
+    (decoded,) = SCHEMAS[sum_id].decode_sum(result.total, bits).values()
+    np.testing.assert_array_equal(decoded, cohort.expected(sum_id, contributors))
+
+
+def scrape(port: int) -> dict[str, float]:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as response:
+        text = response.read().decode()
+    samples = {}
+    for line in text.splitlines():
+        if line.startswith("tally_aggregator_"):
+            name, _, value = line.rpartition(" ")
+            samples[name] = float(value)
+    return samples
+
+
+# ---- tests -------------------------------------------------------------------------------------
+
+
+def test_a_session_sums_exactly_the_survivors_of_dropouts_in_every_phase(deployment):
+    async def scenario():
+        async with running(deployment) as service, connected(deployment, service) as (ch, stub):
+            cohort = plan(deployment, "s-dropouts")
+            opened = await stub.OpenSession(cohort.request)
+            assert opened.session_id == "s-dropouts"
+            assert opened.address == f"127.0.0.1:{service.port}"
+            drops = {8: ("advertise_keys", ""), 7: ("share_keys", ""),
+                     6: ("masked_input", "update"), 5: ("unmask", "update"),
+                     4: ("unmask", "count")}
+            runs = await asyncio.gather(
+                *(device(ch, cohort, i, drops.get(i)) for i in range(1, 9)),
+                await_sum(stub, cohort, "update"), await_sum(stub, cohort, "count"),
+            )
+            devices, (_, update), (_, count) = runs[:8], runs[8], runs[9]
+            assert_sum(cohort, "update", update, [1, 2, 3, 4, 5], [6])
+            assert_sum(cohort, "count", count, [1, 2, 3, 4], [5, 6])
+            assert [d.outcome for d in devices] == ["done"] * 3 + ["dropped"] * 5
+            assert all(d.code == CODE.OK for d in devices[:3])
+            metrics = scrape(service.metrics_port)
+            assert metrics['tally_aggregator_sessions_finished_total{outcome="completed"}'] == 1
+            assert metrics['tally_aggregator_dropouts_total{phase="advertise_keys"}'] == 1
+            assert metrics['tally_aggregator_dropouts_total{phase="share_keys"}'] == 1
+            assert metrics['tally_aggregator_dropouts_total{phase="masked_input"}'] == 2
+            assert metrics["tally_aggregator_late_messages_total"] >= 1
+            assert metrics["tally_aggregator_active_sessions"] == 0
+
+    run(scenario)
+
+
+def test_bad_tickets_and_bad_devices_get_clear_statuses_and_the_session_still_completes(
+        deployment):
+    async def scenario():
+        async with running(deployment) as service, connected(deployment, service) as (ch, stub):
+            cohort = plan(deployment, "s-bad", phase_seconds={"advertise_keys": 3.0})
+            config = cohort.config
+
+            async def refused(ticket: bytes, **changes) -> tuple[grpc.StatusCode, str]:
+                request = aggregator_pb2.OpenSessionRequest()
+                request.CopyFrom(cohort.request)
+                request.session_ticket = ticket
+                for name, value in changes.items():
+                    getattr(request, name).CopyFrom(value)
+                return await rpc_error(stub.OpenSession(request))
+
+            forged = TicketSigner(ed25519.Ed25519PrivateKey.generate())
+            ticket = dict(job_id="job-1", round=3, session_id="s-bad",
+                          sum_ids=("update", "count"), cohort_size=8,
+                          config_digest=config_digest(session_config_bytes(config)),
+                          aggregator_id="agg-a", expires_at=time.time() + 60)
+            other = SessionConfig.plan(config.ref, list(SCHEMAS.items()), 8, THREAT)
+            assert await refused(forged.sign(SessionTicket(**ticket))) == (
+                CODE.PERMISSION_DENIED, "session ticket signature invalid")
+            assert await refused(sign(deployment, config, expires_in=-1)) == (
+                CODE.PERMISSION_DENIED, "session ticket expired")
+            assert await refused(sign(deployment, config, aggregator_id="agg-b")) == (
+                CODE.PERMISSION_DENIED, "session ticket is for another aggregator")
+            code, message = await refused(sign(deployment, other))
+            assert code == CODE.PERMISSION_DENIED and "config digest" in message
+            code, message = await refused(sign(deployment, config, session_id="s-other"))
+            assert code == CODE.PERMISSION_DENIED and "session_id 's-other'" in message
+            wrong_dim = schema_to_proto("update", PayloadSchema((Field("w", (41,), Kind.COUNT,
+                                                                       clip=1000),)))
+            request = aggregator_pb2.OpenSessionRequest()
+            request.CopyFrom(cohort.request)
+            request.schemas[0].CopyFrom(wrong_dim)
+            code, message = await rpc_error(stub.OpenSession(request))
+            assert code == CODE.INVALID_ARGUMENT and "41 values" in message
+            code, message = await refused(cohort.ticket, deadlines=deadlines(0.0))
+            assert code == CODE.INVALID_ARGUMENT and "advertise_keys_seconds" in message
+
+            await stub.OpenSession(cohort.request)
+            code, message = await rpc_error(stub.OpenSession(cohort.request))
+            assert code == CODE.ALREADY_EXISTS and "s-bad" in message
+
+            # Joins that fail, before the honest devices start.
+            assert await misbehave(ch, join(cohort, 2, token="guess")) == (
+                CODE.UNAUTHENTICATED, "session token is not valid for device 2")
+            code, message = await misbehave(ch, join(cohort, 2, ticket=sign(
+                deployment, other, session_id="s-unknown")))
+            assert code == CODE.NOT_FOUND and "s-unknown" in message
+            code, _ = await misbehave(ch, join(cohort, 2, ticket=forged.sign(
+                SessionTicket(**ticket))))
+            assert code == CODE.PERMISSION_DENIED
+            code, message = await misbehave(ch, AdvertiseKeys(config.ref, 2, ()))
+            assert code == CODE.FAILED_PRECONDITION and "must be Join" in message
+            # Devices 6, 7 and 8 join and misbehave: each loses its own stream only.
+            malformed = secagg_pb2.DeviceToAggregator(
+                advertise_keys=secagg_pb2.AdvertiseKeys(sender=6))
+            code, message = await misbehave(ch, join(cohort, 6), malformed)
+            assert code == CODE.INVALID_ARGUMENT and "AdvertiseKeys.ref is missing" in message
+            keys = tuple(SumPublicKeys(s.sum_id, bytes(32), bytes(32)) for s in config.sums)
+            assert await misbehave(ch, join(cohort, 7), AdvertiseKeys(config.ref, 1, keys)) == (
+                CODE.PERMISSION_DENIED, "device 7 cannot send as device 1")
+            code, message = await misbehave(
+                ch, join(cohort, 8), MaskedInputResponse(config.ref, "update", 8, b"\0" * 8))
+            assert code == CODE.FAILED_PRECONDITION
+            assert "MaskedInputResponse received while the session is in advertise_keys" in message
+
+            first = DeviceRun()
+            honest = [asyncio.ensure_future(device(ch, cohort, 1, seen=first))]
+            await asyncio.wait_for(first.joined.wait(), 10)
+            code, message = await misbehave(ch, join(cohort, 1))
+            assert code == CODE.ALREADY_EXISTS and "device 1 already joined" in message
+            honest += [asyncio.ensure_future(device(ch, cohort, i)) for i in range(2, 6)]
+            (_, update), (_, count) = await asyncio.gather(
+                await_sum(stub, cohort, "update"), await_sum(stub, cohort, "count"))
+            assert_sum(cohort, "update", update, [1, 2, 3, 4, 5])
+            assert_sum(cohort, "count", count, [1, 2, 3, 4, 5])
+            assert [d.outcome for d in await asyncio.gather(*honest)] == ["done"] * 5
+            metrics = scrape(service.metrics_port)
+            assert metrics['tally_aggregator_rejected_total{reason="wrong_sender",'
+                           'status="PERMISSION_DENIED"}'] == 1
+            assert metrics['tally_aggregator_rejected_total{reason="out_of_phase",'
+                           'status="FAILED_PRECONDITION"}'] == 1
+
+    run(scenario)
+
+
+def test_a_session_nobody_joins_aborts_at_its_deadline(deployment):
+    async def scenario():
+        async with running(deployment) as service, connected(deployment, service) as (ch, stub):
+            cohort = plan(deployment, "s-empty", seconds=0.3)
+            await stub.OpenSession(cohort.request)
+            reply, result = await await_sum(stub, cohort, "count", timeout=10)
+            assert reply.aborted_reason == result.reason
+            assert "advertise_keys: 0 devices answered" in reply.aborted_reason
+            assert reply.total == b"" and not reply.contributors
+            code, message = await misbehave(ch, join(cohort, 1))
+            assert code == CODE.FAILED_PRECONDITION and "is over" in message
+            metrics = scrape(service.metrics_port)
+            assert metrics['tally_aggregator_sessions_finished_total{outcome="aborted"}'] == 1
+            assert metrics['tally_aggregator_dropouts_total{phase="advertise_keys"}'] == 8
+
+    run(scenario)
+
+
+def test_two_aggregators_run_sessions_at_once_with_metrics_health_and_reflection(deployment):
+    async def session_on(service: AggregatorService, session_id: str) -> None:
+        async with connected(deployment, service) as (ch, stub):
+            cohort = plan(deployment, session_id, aggregator_id=service.id)
+            await stub.OpenSession(cohort.request)
+            runs = await asyncio.gather(*(device(ch, cohort, i) for i in range(1, 9)))
+            assert [r.outcome for r in runs] == ["done"] * 8
+            for sum_id in SCHEMAS:
+                _, result = await await_sum(stub, cohort, sum_id)
+                assert_sum(cohort, sum_id, result, range(1, 9))
+            await stub.CloseSession(aggregator_pb2.CloseSessionRequest(
+                session_id=session_id, reason="round committed"))
+            code, _ = await rpc_error(stub.AwaitResult(aggregator_pb2.AwaitResultRequest(
+                session_id=session_id, sum_id="update")))
+            assert code == CODE.NOT_FOUND
+
+    async def scenario():
+        async with running(deployment, "agg-a") as a, running(deployment, "agg-b") as b:
+            await asyncio.gather(session_on(a, "s-a"), session_on(b, "s-b"))
+            for service in (a, b):
+                metrics = await asyncio.to_thread(scrape, service.metrics_port)
+                assert metrics["tally_aggregator_sessions_opened_total"] == 1
+                assert metrics['tally_aggregator_sessions_finished_total{outcome="completed"}'] == 1
+                assert metrics["tally_aggregator_received_bytes_total"] > 0
+                assert metrics["tally_aggregator_late_messages_total"] > 0
+                assert metrics["tally_aggregator_unmask_seconds_count"] == 2
+                assert metrics['tally_aggregator_phase_duration_seconds_count{phase="unmask"}'] == 2
+                assert metrics['tally_aggregator_phase_devices_sum{phase="advertise_keys"}'] == 8
+                async with deployment.channel(f"127.0.0.1:{service.port}") as channel:
+                    check = await health_pb2_grpc.HealthStub(channel).Check(
+                        health_pb2.HealthCheckRequest(service="tally.v1.SecureAggregation"))
+                    assert check.status == health_pb2.HealthCheckResponse.SERVING
+                    call = reflection_pb2_grpc.ServerReflectionStub(channel).ServerReflectionInfo()
+                    await call.write(reflection_pb2.ServerReflectionRequest(list_services=""))
+                    reply = await call.read()
+                    await call.done_writing()
+                    names = {s.name for s in reply.list_services_response.service}
+                    assert {"tally.v1.AggregatorControl", "tally.v1.SecureAggregation",
+                            "grpc.health.v1.Health"} <= names
+
+    run(scenario)
+
+
+def test_close_session_aborts_its_devices_and_keeps_nothing(deployment):
+    async def scenario():
+        async with running(deployment, result_ttl_s=0.2) as service, \
+                connected(deployment, service) as (ch, stub):
+            cohort = plan(deployment, "s-close", seconds=5.0)
+            await stub.OpenSession(cohort.request)
+            seen = [DeviceRun(), DeviceRun()]
+            devices = [asyncio.ensure_future(device(ch, cohort, i + 1, seen=s))
+                       for i, s in enumerate(seen)]
+            await asyncio.gather(*(s.joined.wait() for s in seen))
+            await stub.CloseSession(aggregator_pb2.CloseSessionRequest(
+                session_id="s-close", reason="round cancelled"))
+            for run_ in await asyncio.gather(*devices):
+                assert run_.outcome == "aborted" and "round cancelled" in run_.detail
+                assert run_.code == CODE.OK
+            code, _ = await rpc_error(stub.AwaitResult(aggregator_pb2.AwaitResultRequest(
+                session_id="s-close", sum_id="update")))
+            assert code == CODE.NOT_FOUND
+            # Closing again is harmless; an unclosed finished session expires after the TTL.
+            await stub.CloseSession(aggregator_pb2.CloseSessionRequest(session_id="s-close"))
+            expiring = plan(deployment, "s-expire", seconds=0.1)
+            await stub.OpenSession(expiring.request)
+            reply, _ = await await_sum(stub, expiring, "update")
+            assert reply.aborted_reason
+            await until_not_found(stub, "s-expire")
+            metrics = scrape(service.metrics_port)
+            assert metrics['tally_aggregator_sessions_finished_total{outcome="closed"}'] == 1
+
+    run(scenario)
+
+
+def test_closing_a_session_resolves_its_pending_results_with_the_reason(deployment):
+    async def scenario():
+        cohort = plan(deployment, "s-unit")
+        admitted = admit(cohort.request, TicketVerifier(deployment.public_key), "agg-a",
+                         time.time())
+        finished = []
+        session = Session(admitted, AggregatorMetrics(), finished.append)
+        session.start()
+        pending = session.result("update")
+        session.close("round cancelled")
+        assert await asyncio.wait_for(pending, 5) == SessionAborted(
+            "session closed: round cancelled")
+        assert finished == [session] and session.outcome == "closed"
+        with pytest.raises(Rejected) as err:
+            session.result("nope")
+        assert err.value.status == "NOT_FOUND"
+
+    run(scenario)
+
+
+def test_stopping_the_aggregator_aborts_running_sessions_for_their_devices(deployment):
+    async def scenario():
+        async with running(deployment) as service, connected(deployment, service) as (ch, stub):
+            cohort = plan(deployment, "s-stop", seconds=10.0)
+            await stub.OpenSession(cohort.request)
+            seen = DeviceRun()
+            joined = asyncio.ensure_future(device(ch, cohort, 1, seen=seen))
+            await asyncio.wait_for(seen.joined.wait(), 10)
+            await service.stop(5)
+            result = await joined
+            assert result.outcome == "aborted" and "shutting down" in result.detail
+            assert result.code == CODE.OK
+
+    run(scenario)
+
+
+def test_cli_serves_until_sigterm_and_stops_gracefully(deployment):
+    """``tally aggregator`` with a --tls-dir: ticket.pub is found there, health answers over TLS,
+    SIGTERM ends it with status 0."""
+    launcher = ("import argparse, sys; from aggregator.cli import register; "
+                "p = argparse.ArgumentParser(prog='tally'); register(p.add_subparsers()); "
+                "a = p.parse_args(sys.argv[1:]); sys.exit(a.run(a))")
+    command = [sys.executable, "-c", launcher, "aggregator", "--listen", "127.0.0.1:0",
+               "--id", "agg-cli", "--tls-dir", str(deployment.tls_dir), "--metrics-port", "0",
+               "--log-level", "warning"]
+    with subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                          text=True) as process:
+        try:
+            line = process.stdout.readline()
+            assert "aggregator agg-cli serving on 127.0.0.1:" in line, process.stderr.read()
+            port = int(line.split("(port ")[1].split(")")[0])
+            tls = TLSConfig.from_dir(deployment.tls_dir, None)
+            with open_channel(f"127.0.0.1:{port}", tls) as channel:
+                reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(),
+                                                                  timeout=10)
+            assert reply.status == health_pb2.HealthCheckResponse.SERVING
+            process.send_signal(signal.SIGTERM)
+            assert process.wait(timeout=30) == 0
+        finally:
+            if process.poll() is None:
+                process.kill()
+
+
+def test_cli_refuses_to_start_without_a_ticket_key(capsys):
+    parser = argparse.ArgumentParser(prog="tally")
+    register(parser.add_subparsers())
+    args = parser.parse_args(["aggregator", "--listen", "127.0.0.1:0", "--id", "a", "--insecure"])
+    assert args.run(args) == 2
+    assert "--ticket-public-key is required" in capsys.readouterr().err
+    help_text = parser.format_help() + parser._subparsers._group_actions[0].choices[
+        "aggregator"].format_help()
+    for flag in ("--listen", "--id", "--advertise", "--ticket-public-key", "--tls-dir",
+                 "--insecure", "--metrics-port", "--metrics-addr"):
+        assert flag in help_text
