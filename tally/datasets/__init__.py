@@ -1,0 +1,1 @@
+"""Federated datasets generated in process or built from bundled data: one module per dataset."""
