@@ -6,10 +6,16 @@ from collections.abc import Mapping
 from typing import Any
 
 from tally.algorithms.base import ClientAlgorithm, LocalTrainer, ServerAlgorithm, StepSpec
+from tally.algorithms.agnostic_fedavg import (
+    AgnosticFedAvgClient,
+    AgnosticFedAvgConfig,
+    AgnosticFedAvgServer,
+)
 from tally.algorithms.fedavg import FedAvgClient, FedAvgConfig, FedAvgServer
 
 _REGISTRY = {
     "fedavg": (FedAvgConfig, FedAvgServer, FedAvgClient),
+    "agnostic_fedavg": (AgnosticFedAvgConfig, AgnosticFedAvgServer, AgnosticFedAvgClient),
 }
 
 NAMES = tuple(_REGISTRY)
