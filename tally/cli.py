@@ -9,6 +9,7 @@ from collections.abc import Sequence
 from tally import engine_demo, simulate_cli
 from tally.security import certs_cli
 from aggregator import cli as aggregator_cli
+from client_sdk import cli as client_cli
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -21,6 +22,7 @@ def build_parser() -> argparse.ArgumentParser:
     simulate_cli.register(sub)
     certs_cli.register(sub)
     aggregator_cli.register(sub)
+    client_cli.register(sub)
     return parser
 
 

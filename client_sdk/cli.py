@@ -1,0 +1,174 @@
+"""``tally client`` (one device on a dataset shard) and ``tally fleet`` (N simulated devices in
+one process), both against a running coordinator."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import signal
+import sys
+from dataclasses import asdict
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import TypeVar
+
+from rich.console import Console
+
+from client_sdk.device import Device
+from client_sdk.dropout import DEFAULT_PHASES, DropoutPlan
+from client_sdk.fleet import Fleet
+from client_sdk.metrics import ClientMetrics
+from tally import data, logs
+from tally.metrics import MetricsServer
+from tally.security.tls import add_tls_arguments, tls_config_from_args
+from tally.training import TorchTrainer, mlp, single_threaded
+
+DATASETS = ("digits",)
+
+T = TypeVar("T")
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    c = sub.add_parser(
+        "client",
+        help="run one device on a shard of a dataset against a coordinator",
+        description="Register, check in, train on the shard and take part in secure aggregation.",
+    )
+    _add_common(c)
+    c.add_argument("--device-id", required=True, help="stable id of this device")
+    c.add_argument("--shard", type=int, required=True, help="which shard of the split this device holds (0-based)")
+    c.add_argument("--shards", type=int, required=True, help="number of shards the dataset is split into")
+    c.add_argument("--cache-dir", type=Path, help="keep downloaded models here, by digest")
+    c.add_argument("--max-tasks", type=int, help="exit after this many tasks (default: run until interrupted)")
+    c.set_defaults(run=run_client)
+
+    f = sub.add_parser(
+        "fleet",
+        help="run N simulated devices in one process (load tests, demos)",
+        description="Many virtual devices, each a real client with its own stream, in one process.",
+    )
+    _add_common(f)
+    f.add_argument("--devices", type=int, required=True, help="number of simulated devices")
+    f.add_argument("--dropout", type=float, default=0.0, help="probability that a device drops in a session")
+    f.add_argument(
+        "--dropout-phases", default=",".join(DEFAULT_PHASES),
+        help="comma-separated phases a dropping device leaves in (chosen at random)",
+    )
+    f.add_argument("--id-prefix", default="sim", help="device ids are <prefix>-<index>")
+    f.add_argument("--cache-dir", type=Path, help="model cache shared by the simulated devices")
+    until = f.add_mutually_exclusive_group()
+    until.add_argument("--max-tasks-per-device", type=int, help="each device stops after this many tasks")
+    until.add_argument("--until-job-done", metavar="JOB_ID", help="stop when the coordinator reports the job finished")
+    f.add_argument("--json", type=Path, help="write the fleet's statistics here as JSON")
+    f.add_argument("--progress", action=argparse.BooleanOptionalAction, default=True, help="live progress display")
+    f.set_defaults(run=run_fleet)
+
+
+def _add_common(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--coordinator", required=True, metavar="ADDR", help="coordinator host:port")
+    p.add_argument("--population", default="default", help="population (fleet) the devices belong to")
+    p.add_argument("--dataset", choices=DATASETS, default="digits", help="bundled dataset to train on")
+    p.add_argument("--alpha", type=float, default=0.5, help="Dirichlet label skew of the split (smaller: more skew)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the split, the training order and the encoding")
+    p.add_argument("--hidden", type=int, default=64, help="hidden units of the mlp (must match the job's model)")
+    p.add_argument("--metrics-port", type=int, help="serve tally_client_* metrics on this port (0: any free port)")
+    p.add_argument("--log-level", default="warning", help="structured JSON logs on stderr at this level")
+    add_tls_arguments(p, identity="client")
+
+
+def _trainers(args: argparse.Namespace, shards: int) -> list[TorchTrainer]:
+    fed = data.digits(shards, alpha=args.alpha, seed=args.seed)
+    factory = lambda: mlp(fed.num_features, fed.num_classes, hidden=args.hidden, seed=args.seed)  # noqa: E731
+    return [TorchTrainer(factory, X, y, seed=args.seed + i) for i, (X, y) in enumerate(fed.clients)]
+
+
+def run_client(args: argparse.Namespace) -> int:
+    if not 0 <= args.shard < args.shards:
+        print(f"--shard must be in 0..{args.shards - 1}", file=sys.stderr)
+        return 2
+    logs.configure(args.log_level)
+    metrics = ClientMetrics()
+    device = Device(
+        args.coordinator,
+        tls_config_from_args(args),
+        args.device_id,
+        _trainers(args, args.shards)[args.shard],
+        population=args.population,
+        cache_dir=args.cache_dir,
+        rng_seed=args.seed,
+        metrics=metrics,
+    )
+    with _metrics_server(args.metrics_port, metrics):
+        stats = _run_until_signal(lambda stop: device.run(stop, args.max_tasks))
+    print(json.dumps(asdict(stats)))
+    return 0
+
+
+def run_fleet(args: argparse.Namespace) -> int:
+    if args.devices < 1:
+        print("--devices must be at least 1", file=sys.stderr)
+        return 2
+    logs.configure(args.log_level)
+    single_threaded()  # many small models: one torch thread each beats thread handoffs
+    phases = tuple(p.strip() for p in args.dropout_phases.split(",") if p.strip())
+    plan = DropoutPlan(args.dropout, phases, seed=args.seed) if args.dropout > 0 else None
+    console = Console(stderr=True)
+    fleet = Fleet(
+        args.coordinator,
+        tls_config_from_args(args),
+        _trainers(args, args.devices),
+        dropout=plan,
+        population=args.population,
+        seed=args.seed,
+        cache_dir=args.cache_dir,
+        id_prefix=args.id_prefix,
+    )
+    until = fleet.until_job_done(args.until_job_done) if args.until_job_done else None
+    try:
+        with _metrics_server(args.metrics_port, fleet.metrics):
+            stats = _run_until_signal(
+                lambda stop: fleet.run(
+                    stop, until, max_tasks_per_device=args.max_tasks_per_device,
+                    progress=args.progress, console=console,
+                )
+            )
+    finally:
+        fleet.close()
+    console.print(f"fleet of {stats.devices}: {stats.summary()} in {stats.elapsed_seconds:.1f} s")
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(stats.to_dict(), indent=2))
+        console.print(f"statistics written to {args.json}")
+    return 0
+
+
+class _metrics_server:
+    """Serve ``metrics`` while the block runs, when a port was asked for."""
+
+    def __init__(self, port: int | None, metrics: ClientMetrics) -> None:
+        self.server = MetricsServer(metrics.registry) if port is not None else None
+        self.port = port
+
+    def __enter__(self) -> _metrics_server:
+        if self.server is not None:
+            bound = self.server.start(self.port)
+            print(f"metrics on http://127.0.0.1:{bound}/metrics", file=sys.stderr)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.server is not None:
+            self.server.stop()
+
+
+def _run_until_signal(main: Callable[[asyncio.Event], Awaitable[T]]) -> T:
+    """Run ``main(stop)``; SIGINT/SIGTERM set ``stop`` so devices leave cleanly."""
+
+    async def runner() -> T:
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, stop.set)
+        return await main(stop)
+
+    return asyncio.run(runner())

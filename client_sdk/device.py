@@ -1,0 +1,334 @@
+"""A device: the check-in loop an edge application embeds.
+
+``Device.run`` registers, checks in (respecting the coordinator's ``retry_after``), and for each
+assignment downloads the model, computes the algorithm's contribution on local data and runs the
+secure-aggregation session. Coordinator calls retry with backoff on transient statuses, and a
+refused token (a coordinator restarted with a new secret, or an expired token) is renewed by
+registering again, so a coordinator restart in the middle of a job is survived.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+import time
+from collections.abc import Callable, Iterator
+from concurrent.futures import Executor
+from dataclasses import dataclass, field
+from importlib import metadata as package_metadata
+from pathlib import Path
+from typing import Any
+
+import grpc
+import numpy as np
+
+from client_sdk.channels import Channels, reconnect_options
+from client_sdk.contribution import Contribution, TaskError, plan_task
+from client_sdk.download import Downloader, ModelCache
+from client_sdk.dropout import DropoutPlan
+from client_sdk.metrics import ClientMetrics
+from client_sdk.retry import RETRYABLE, RetryPolicy, Stopped, pause
+from client_sdk.session import ABORTED, COMPLETED, DROPPED, SecAggSession
+from tally import logs, modelio
+from tally.algorithms.base import Arrays, LocalTrainer
+from tally.security import TLSConfig, bearer_metadata
+from tally.wire.convert import WireError
+from tally.wire.v1 import coordinator_pb2, coordinator_pb2_grpc
+
+log = logging.getLogger("tally.client_sdk.device")
+
+try:
+    SDK_VERSION = package_metadata.version("tally")
+except package_metadata.PackageNotFoundError:  # running from a source tree that is not installed
+    SDK_VERSION = "0+unknown"
+
+# Renew the token this long before it expires, so no call races its expiry.
+TOKEN_RENEW_MARGIN_SECONDS = 60.0
+# Floor on a retry_after wait: a coordinator answering 0 must not turn devices into a busy loop.
+MIN_RETRY_AFTER_SECONDS = 0.01
+# Extra wait on top of retry_after, as a fraction of it, so devices told the same delay spread out.
+RETRY_AFTER_JITTER = 0.1
+
+
+@dataclass
+class DeviceStats:
+    device_id: str
+    checkins: int = 0
+    tasks_done: int = 0
+    sessions_completed: int = 0
+    sessions_aborted: int = 0
+    dropouts: int = 0
+    bytes_up: int = 0
+    bytes_down: int = 0
+    retries: int = 0
+    clipped_values: int = 0
+    last_model_version: str = ""
+    # (job_id, round) of each session that completed with this device's input in the sum.
+    contributed: list[tuple[str, int]] = field(default_factory=list)
+
+
+class Device:
+    """One device. ``trainer`` is the application's data and training (``tally.training.
+    TorchTrainer``: cuda when present, else CPU). ``channels``, ``metrics`` and ``executor``
+    (where local training runs) may be shared by many devices in one process (the fleet)."""
+
+    def __init__(
+        self,
+        coordinator: str,
+        tls: TLSConfig,
+        device_id: str,
+        trainer: LocalTrainer,
+        *,
+        population: str = "default",
+        cache_dir: Path | None = None,
+        rng_seed: int | None = None,
+        dropout: DropoutPlan | None = None,
+        retry: RetryPolicy | None = None,
+        channels: Channels | None = None,
+        metrics: ClientMetrics | None = None,
+        executor: Executor | None = None,
+        attestation: str = "",
+        on_update: Callable[[DeviceStats], None] | None = None,
+    ) -> None:
+        self.coordinator = coordinator
+        self.device_id = device_id
+        self.trainer = trainer
+        self.population = population
+        self.attestation = attestation
+        self.retry = retry or RetryPolicy()
+        self.metrics = metrics or ClientMetrics()
+        self.executor = executor
+        self._owns_channels = channels is None
+        self._channels = channels or Channels(
+            tls, extra_options=reconnect_options(self.retry.initial_seconds, self.retry.max_seconds)
+        )
+        self._cache = ModelCache(cache_dir)
+        self._encode_rng = np.random.default_rng(rng_seed)
+        self._jitter = random.Random(None if rng_seed is None else f"jitter-{rng_seed}")
+        self._dropouts: Iterator[str | None] | None = dropout.draws(device_id) if dropout else None
+        self._on_update = on_update or (lambda stats: None)
+        self._local: dict[str, Any] = {}
+        self._token: str | None = None
+        self._token_renew_at = 0.0
+        self._register_lock = asyncio.Lock()
+        self._stop: asyncio.Event | None = None
+        self._running = False
+        self.stats = DeviceStats(device_id)
+
+    # ---- public API ----------------------------------------------------------------------------
+
+    async def run(self, stop: asyncio.Event | None = None, max_tasks: int | None = None) -> DeviceStats:
+        """Check in and carry out tasks until ``max_tasks`` tasks are done or ``stop`` is set.
+
+        ``stop`` is honoured at the next wait (check-in pacing, backoff, a later step's
+        broadcast); a session interrupted that way ends for the aggregator as a dropout.
+        Transient coordinator statuses are retried forever (by default); a status retrying
+        cannot fix (PERMISSION_DENIED, INVALID_ARGUMENT, ...) raises ``grpc.aio.AioRpcError``."""
+        self._stop = stop
+        self._running = True
+        try:
+            while max_tasks is None or self.stats.tasks_done < max_tasks:
+                if stop is not None and stop.is_set():
+                    break
+                try:
+                    await self._check_in_once()
+                except Stopped:
+                    break
+        finally:
+            self._running = False
+            await self._release_channels()
+        return self.stats
+
+    async def fetch_onnx(self, version: str | int = "latest") -> bytes:
+        """The ONNX export of a committed global model: ``"latest"``, a round number, or
+        ``"v<round>"``; for ``client_sdk.OnnxModel.from_bytes``."""
+        name = f"v{version}" if isinstance(version, int) else version
+        if not name.endswith(".onnx"):
+            name += ".onnx"
+        try:
+            data, digest = await self._downloader().fetch(name)
+        finally:
+            await self._release_channels()
+        self._cache.put(digest, data)
+        return data
+
+    async def round_status(self, job_id: str) -> coordinator_pb2.RoundStatusResponse:
+        return await self._call("RoundStatus", coordinator_pb2.RoundStatusRequest(job_id=job_id))
+
+    def local_state(self, job_id: str) -> Any:
+        """The algorithm's on-device state for ``job_id`` as of the last session this device
+        contributed to (None before the first)."""
+        return self._local.get(job_id)
+
+    async def _release_channels(self) -> None:
+        """Close the device's own channels when nothing uses them (they reopen on demand)."""
+        if self._owns_channels and not self._running:
+            await self._channels.close()
+
+    # ---- check-in loop -------------------------------------------------------------------------
+
+    async def _check_in_once(self) -> None:
+        request = coordinator_pb2.CheckInRequest(
+            capabilities=coordinator_pb2.Capabilities(accelerator=self._accelerator(), sdk_version=SDK_VERSION)
+        )
+        response = await self._call("CheckIn", request)
+        self.stats.checkins += 1
+        which = response.WhichOneof("result")
+        self.metrics.checkins.labels(which or "empty").inc()
+        if which == "task":
+            await self._do_task(response.task)
+        self._on_update(self.stats)
+        if which != "task":
+            await self._pace(response.retry_after)
+
+    def _accelerator(self) -> str:
+        device = getattr(self.trainer, "device", None)
+        return "cuda" if getattr(device, "type", str(device)) == "cuda" else "cpu"
+
+    async def _do_task(self, task: coordinator_pb2.TaskAssignment) -> None:
+        fields = {"job_id": task.job_id, "round": task.round, "task_id": task.task_id}
+        logs.event(log, "task assigned", device_id=self.device_id, **fields)
+        try:
+            plan = plan_task(task)
+        except (TaskError, WireError) as exc:
+            logs.event(log, "task refused", logging.WARNING, device_id=self.device_id, reason=str(exc), **fields)
+            self.stats.tasks_done += 1
+            self.stats.sessions_aborted += 1
+            return
+        contribution = Contribution(
+            plan,
+            self.trainer,
+            self._local.get(task.job_id),
+            self._encode_rng,
+            lambda: self._load_model(task),
+            lambda sum_id: self._fetch_step(task, sum_id),
+            self.executor,
+            self.metrics,
+        )
+        contribution.start()
+        drop_phase = next(self._dropouts) if self._dropouts is not None else None
+        session = SecAggSession(
+            self._channels.get(task.aggregator_address), task, plan.config,
+            contribution.ring_input, self.metrics, drop_phase,
+        )
+        try:
+            outcome = await session.run()
+        finally:
+            contribution.close()
+        stats = self.stats
+        stats.tasks_done += 1
+        stats.bytes_up += outcome.bytes_up
+        stats.bytes_down += outcome.bytes_down
+        stats.clipped_values += contribution.clipped
+        if outcome.status == COMPLETED:
+            stats.sessions_completed += 1
+        elif outcome.status == DROPPED:
+            stats.dropouts += 1
+        else:
+            assert outcome.status == ABORTED
+            stats.sessions_aborted += 1
+        if outcome.contributed:
+            # Local state advances only when this device's input is in the round's sums.
+            self._local[task.job_id] = contribution.local_state
+            stats.contributed.append((task.job_id, task.round))
+
+    async def _load_model(self, task: coordinator_pb2.TaskAssignment) -> Arrays:
+        start = time.perf_counter()
+        blob = self._cache.get(task.model_digest)
+        if blob is None:
+            blob, digest = await self._downloader().fetch(task.model_version, task.model_digest)
+            self._cache.put(digest, blob)
+        self.metrics.download_seconds.observe(time.perf_counter() - start)
+        self.stats.last_model_version = task.model_version
+        return modelio.deserialize(blob)
+
+    async def _fetch_step(self, task: coordinator_pb2.TaskAssignment, sum_id: str) -> coordinator_pb2.Step:
+        request = coordinator_pb2.GetStepRequest(
+            job_id=task.job_id, round=task.round, task_id=task.task_id, sum_id=sum_id
+        )
+        while True:
+            response = await self._call("GetStep", request)
+            if response.WhichOneof("result") == "step":
+                return response.step
+            await self._pace(response.retry_after)
+
+    # ---- coordinator calls ---------------------------------------------------------------------
+
+    def _stub(self) -> coordinator_pb2_grpc.CoordinatorStub:
+        return coordinator_pb2_grpc.CoordinatorStub(self._channels.get(self.coordinator))
+
+    def _downloader(self) -> Downloader:
+        def received(n: int) -> None:
+            self.stats.bytes_down += n
+            self.metrics.download_bytes.labels("model").inc(n)
+
+        return Downloader(
+            self._stub(), self._metadata, self._reregister, self.retry, self._jitter, self._stop,
+            on_bytes=received, on_retry=self._count_retry, on_mismatch=self.metrics.digest_mismatches.inc,
+        )
+
+    async def _call(self, method: str, request: Any, *, authenticated: bool = True) -> Any:
+        """A unary coordinator call with backoff on transient statuses; authenticated calls carry
+        the token and register again, once, when the coordinator refuses it."""
+        attempt = 0
+        reregistered = False
+        while True:
+            token = await self._current_token() if authenticated else None
+            try:
+                return await getattr(self._stub(), method)(
+                    request,
+                    metadata=bearer_metadata(token) if token else None,
+                    timeout=self.retry.call_timeout,
+                )
+            except grpc.aio.AioRpcError as exc:
+                code = exc.code()
+                if authenticated and code == grpc.StatusCode.UNAUTHENTICATED and not reregistered:
+                    reregistered = True
+                    await self._register(stale=token)
+                    continue
+                if code not in RETRYABLE or self.retry.exhausted(attempt):
+                    raise
+                self._count_retry(method, code)
+            await pause(self.retry.delay(attempt, self._jitter), self._stop)
+            attempt += 1
+
+    async def _pace(self, retry_after: coordinator_pb2.RetryAfter) -> None:
+        """Wait as the coordinator asked, plus a little jitter so a fleet spreads out."""
+        seconds = max(retry_after.seconds, MIN_RETRY_AFTER_SECONDS)
+        await pause(seconds * (1 + RETRY_AFTER_JITTER * self._jitter.random()), self._stop)
+
+    def _count_retry(self, method: str, code: grpc.StatusCode) -> None:
+        self.stats.retries += 1
+        self.metrics.retries.labels(method, code.name).inc()
+        logs.event(log, "rpc retry", device_id=self.device_id, method=method, code=code.name)
+
+    async def _current_token(self) -> str:
+        """The token, registering first when there is none or it is about to expire."""
+        if self._token is None or (self._token_renew_at and time.time() >= self._token_renew_at):
+            await self._register(stale=self._token)
+        assert self._token is not None
+        return self._token
+
+    async def _metadata(self) -> tuple[tuple[str, str], ...]:
+        return bearer_metadata(await self._current_token())
+
+    async def _reregister(self) -> None:
+        await self._register(stale=self._token)
+
+    async def _register(self, stale: str | None) -> None:
+        """Replace the ``stale`` token (None: there is none yet), once for all concurrent callers."""
+        async with self._register_lock:
+            if self._token is not None and self._token != stale:
+                return  # another caller already renewed it
+            request = coordinator_pb2.RegisterRequest(
+                device_id=self.device_id, population=self.population, attestation=self.attestation
+            )
+            response = await self._call("Register", request, authenticated=False)
+            self._token = response.token
+            self._token_renew_at = 0.0
+            if response.HasField("expires_at"):
+                expires = response.expires_at.ToSeconds()
+                lifetime = max(expires - time.time(), 0.0)
+                self._token_renew_at = expires - min(TOKEN_RENEW_MARGIN_SECONDS, lifetime / 2)
+            logs.event(log, "registered", device_id=self.device_id, population=self.population)

@@ -1,0 +1,269 @@
+"""The fleet simulator: many virtual devices in one process, for load tests and demos.
+
+Every simulated device is a real ``Device`` (its own token, model download, local training and
+secure-aggregation stream); they share one asyncio loop, one channel per target, one metrics
+registry and one training thread pool, so a laptop can play a fleet of a thousand.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import inspect
+import os
+import time
+from collections.abc import Awaitable, Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import grpc
+import numpy as np
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+
+from client_sdk.channels import Channels, reconnect_options
+from client_sdk.device import Device, DeviceStats
+from client_sdk.dropout import DropoutPlan
+from client_sdk.metrics import ClientMetrics
+from client_sdk.retry import RetryPolicy
+from tally.algorithms.base import LocalTrainer
+from tally.security import TLSConfig
+from tally.wire.v1 import common_pb2
+
+FINISHED_JOB_STATES = frozenset(
+    {common_pb2.JOB_STATE_SUCCEEDED, common_pb2.JOB_STATE_FAILED, common_pb2.JOB_STATE_CANCELLED}
+)
+
+Until = int | Callable[["FleetStats"], bool | Awaitable[bool]]
+
+
+@dataclass
+class FleetStats:
+    devices: int
+    checkins: int
+    tasks_done: int
+    sessions_completed: int
+    sessions_aborted: int
+    dropouts: int
+    bytes_up: int
+    bytes_down: int
+    retries: int
+    clipped_values: int
+    last_model_version: str
+    # job_id -> rounds in which at least one of the fleet's devices contributed to the sum.
+    rounds: dict[str, list[int]]
+    elapsed_seconds: float
+
+    @classmethod
+    def collect(cls, stats: Sequence[DeviceStats], last_model_version: str, elapsed: float) -> FleetStats:
+        rounds: dict[str, set[int]] = {}
+        for s in stats:
+            for job, round_ in s.contributed:
+                rounds.setdefault(job, set()).add(round_)
+        total = lambda name: sum(getattr(s, name) for s in stats)  # noqa: E731
+        return cls(
+            devices=len(stats),
+            checkins=total("checkins"),
+            tasks_done=total("tasks_done"),
+            sessions_completed=total("sessions_completed"),
+            sessions_aborted=total("sessions_aborted"),
+            dropouts=total("dropouts"),
+            bytes_up=total("bytes_up"),
+            bytes_down=total("bytes_down"),
+            retries=total("retries"),
+            clipped_values=total("clipped_values"),
+            last_model_version=last_model_version,
+            rounds={job: sorted(r) for job, r in rounds.items()},
+            elapsed_seconds=elapsed,
+        )
+
+    @property
+    def max_rounds(self) -> int:
+        """Rounds contributed to in the job the fleet worked on most."""
+        return max((len(r) for r in self.rounds.values()), default=0)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    def summary(self) -> str:
+        return (
+            f"tasks {self.tasks_done} · sessions ok {self.sessions_completed} "
+            f"aborted {self.sessions_aborted} · dropouts {self.dropouts} · "
+            f"up {_human_bytes(self.bytes_up)} down {_human_bytes(self.bytes_down)}"
+        )
+
+
+def _human_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    raise AssertionError("unreachable")
+
+
+class Fleet:
+    """``trainers[i]`` is simulated device i's data and training. Device ids are
+    ``<id_prefix>-<i:05d>``; device i's encoding randomness is seeded from (seed, i)."""
+
+    def __init__(
+        self,
+        coordinator: str,
+        tls: TLSConfig,
+        trainers: Sequence[LocalTrainer],
+        *,
+        dropout: DropoutPlan | None = None,
+        population: str = "default",
+        seed: int = 0,
+        cache_dir: Path | None = None,
+        retry: RetryPolicy | None = None,
+        metrics: ClientMetrics | None = None,
+        id_prefix: str = "sim",
+        training_threads: int | None = None,
+    ) -> None:
+        if not trainers:
+            raise ValueError("a fleet needs at least one device")
+        policy = retry or RetryPolicy()
+        self.channels = Channels(tls, extra_options=reconnect_options(policy.initial_seconds, policy.max_seconds))
+        self.metrics = metrics or ClientMetrics()
+        self.executor = ThreadPoolExecutor(
+            max_workers=training_threads or os.cpu_count() or 1, thread_name_prefix="tally-train"
+        )
+        self._changed: asyncio.Event | None = None
+        self._last_version = ""
+        self.devices = [
+            Device(
+                coordinator,
+                tls,
+                f"{id_prefix}-{i:05d}",
+                trainer,
+                population=population,
+                cache_dir=cache_dir,
+                rng_seed=int(np.random.SeedSequence([seed, i]).generate_state(1)[0]),
+                dropout=dropout,
+                retry=policy,
+                channels=self.channels,
+                metrics=self.metrics,
+                executor=self.executor,
+                on_update=self._updated,
+            )
+            for i, trainer in enumerate(trainers)
+        ]
+
+    def stats(self, elapsed: float = 0.0) -> FleetStats:
+        return FleetStats.collect([d.stats for d in self.devices], self._last_version, elapsed)
+
+    async def run(
+        self,
+        stop: asyncio.Event | None = None,
+        until: Until | None = None,
+        *,
+        max_tasks_per_device: int | None = None,
+        progress: bool = False,
+        console: Console | None = None,
+        poll_seconds: float = 0.5,
+    ) -> FleetStats:
+        """Run every device until ``stop`` is set, ``until`` holds (an int: that many rounds
+        contributed to; a predicate on the stats, possibly async) or each device has done
+        ``max_tasks_per_device`` tasks. ``progress`` shows a live display."""
+        predicate = _rounds_reached(until) if isinstance(until, int) else until
+        self._changed = asyncio.Event()
+        halt = asyncio.Event()
+        start = time.perf_counter()
+        runners = [asyncio.ensure_future(d.run(halt, max_tasks_per_device)) for d in self.devices]
+        everyone = asyncio.gather(*runners)
+        total = max_tasks_per_device * len(self.devices) if max_tasks_per_device else None
+        try:
+            with _display(progress, console, total) as show:
+                while not everyone.done():
+                    await self._wake(everyone, stop, poll_seconds)
+                    stats = self.stats(time.perf_counter() - start)
+                    show(stats)
+                    if halt.is_set():
+                        continue  # devices are finishing their tasks
+                    if (stop is not None and stop.is_set()) or (predicate and await _holds(predicate, stats)):
+                        halt.set()
+                await everyone
+        finally:
+            halt.set()
+            for runner in runners:
+                runner.cancel()
+            await asyncio.gather(*runners, return_exceptions=True)
+            await self.channels.close()
+        return self.stats(time.perf_counter() - start)
+
+    def until_job_done(self, job_id: str, every_seconds: float = 1.0) -> Callable[[FleetStats], Awaitable[bool]]:
+        """A predicate for ``run``: the coordinator reports ``job_id`` finished (asked at most
+        every ``every_seconds``)."""
+        last = [float("-inf")]
+
+        async def done(_: FleetStats) -> bool:
+            if time.perf_counter() - last[0] < every_seconds:
+                return False
+            last[0] = time.perf_counter()
+            try:
+                status = await self.devices[0].round_status(job_id)
+            except grpc.aio.AioRpcError as exc:
+                if exc.code() == grpc.StatusCode.NOT_FOUND:
+                    return False  # not submitted yet
+                raise
+            return status.job_state in FINISHED_JOB_STATES
+
+        return done
+
+    def close(self) -> None:
+        """Release the training threads (the fleet cannot run again afterwards)."""
+        self.executor.shutdown(wait=True, cancel_futures=True)
+
+    def _updated(self, stats: DeviceStats) -> None:
+        if stats.last_model_version:
+            self._last_version = stats.last_model_version
+        if self._changed is not None:
+            self._changed.set()
+
+    async def _wake(self, everyone: asyncio.Future, stop: asyncio.Event | None, timeout: float) -> None:
+        """Wait for a device's update, the end of all devices, ``stop``, or ``timeout``."""
+        assert self._changed is not None
+        waiters = [asyncio.ensure_future(self._changed.wait())]
+        if stop is not None:
+            waiters.append(asyncio.ensure_future(stop.wait()))
+        try:
+            await asyncio.wait([everyone, *waiters], timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for w in waiters:
+                w.cancel()
+            self._changed.clear()
+
+
+def _rounds_reached(rounds: int) -> Callable[[FleetStats], bool]:
+    return lambda stats: stats.max_rounds >= rounds
+
+
+async def _holds(predicate: Callable[[FleetStats], bool | Awaitable[bool]], stats: FleetStats) -> bool:
+    result = predicate(stats)
+    return bool(await result) if inspect.isawaitable(result) else bool(result)
+
+
+@contextlib.contextmanager
+def _display(enabled: bool, console: Console | None, total: int | None):
+    """A live progress line (tasks, sessions, dropouts, bytes), or nothing."""
+    if not enabled:
+        yield lambda stats: None
+        return
+    progress = Progress(
+        SpinnerColumn(),
+        TextColumn("[bold]fleet[/bold] {task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TextColumn("{task.fields[summary]}"),
+        TimeElapsedColumn(),
+        console=console,
+    )
+    with progress:
+        task = progress.add_task("tasks", total=total, summary="")
+
+        def show(stats: FleetStats) -> None:
+            description = f"{stats.devices} devices · rounds {stats.max_rounds}"
+            progress.update(task, completed=stats.tasks_done, description=description, summary=stats.summary())
+
+        yield show

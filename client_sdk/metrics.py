@@ -1,0 +1,55 @@
+"""Prometheus metrics of the device side (``tally_client_*``, base units).
+
+One ``ClientMetrics`` per process: a fleet's devices share it, so a load test reads one
+scrape for the whole fleet. Serve it with ``tally.metrics.MetricsServer(registry=...)``.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Histogram
+
+from tally.metrics import DURATION_BUCKETS
+
+
+class ClientMetrics:
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry or CollectorRegistry()
+        r = self.registry
+        self.checkins = Counter(
+            "tally_client_checkins_total", "Check-ins by answer (task or retry_after)", ["result"], registry=r
+        )
+        self.sessions = Counter(
+            "tally_client_sessions_total",
+            "Secure-aggregation sessions by outcome (completed, aborted, dropped)",
+            ["outcome"],
+            registry=r,
+        )
+        self.upload_bytes = Counter(
+            "tally_client_upload_bytes_total", "Bytes sent on secure-aggregation streams", registry=r
+        )
+        self.download_bytes = Counter(
+            "tally_client_download_bytes_total",
+            "Bytes received, by kind (model chunks, session messages)",
+            ["kind"],
+            registry=r,
+        )
+        self.retries = Counter(
+            "tally_client_rpc_retries_total", "Coordinator calls retried, by method and status", ["method", "code"],
+            registry=r,
+        )
+        self.digest_mismatches = Counter(
+            "tally_client_model_digest_mismatches_total", "Downloaded blobs discarded for a wrong SHA-256",
+            registry=r,
+        )
+        self.download_seconds = Histogram(
+            "tally_client_download_seconds", "Time to obtain a model blob (cache hits included)",
+            buckets=DURATION_BUCKETS, registry=r,
+        )
+        self.compute_seconds = Histogram(
+            "tally_client_compute_seconds", "Local computation of one contribution (training and encoding)",
+            buckets=DURATION_BUCKETS, registry=r,
+        )
+        self.session_seconds = Histogram(
+            "tally_client_session_seconds", "Secure-aggregation session duration, by outcome", ["outcome"],
+            buckets=DURATION_BUCKETS, registry=r,
+        )

@@ -1,0 +1,239 @@
+"""The device end of one secure-aggregation session: a bidirectional gRPC stream to the
+aggregator, pumping messages between it and the sans-IO ``SecAggClient``.
+
+The device sends Join, checks that the configuration the aggregator answers with is the one the
+coordinator assigned (an aggregator must not be able to run the device in another session or
+graph), then relays protocol messages until SessionDone or Abort. Its masked input goes out as
+soon as both the aggregator has asked and the local computation is ready; an Abort that arrives
+meanwhile is seen at once. A planned dropout really cancels the call in its phase.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+
+import grpc
+import numpy as np
+
+from client_sdk.download import DownloadError
+from client_sdk.metrics import ClientMetrics
+from tally import logs
+from tally.secagg import ProtocolError, SecAggClient, SessionConfig
+from tally.secagg.messages import (
+    Abort,
+    ClientMessage,
+    ConsistencyCheckRequest,
+    MaskedInputRequest,
+    ServerMessage,
+    ShareDelivery,
+    ShareKeysRequest,
+    UnmaskRequest,
+)
+from tally.wire.convert import WireError, device_envelope, from_proto, open_envelope
+from tally.wire.v1 import coordinator_pb2, secagg_pb2, secagg_pb2_grpc
+
+log = logging.getLogger("tally.client_sdk.session")
+
+COMPLETED, ABORTED, DROPPED = "completed", "aborted", "dropped"
+# Slack on top of the sum of phase deadlines before the device gives up on a silent aggregator.
+STREAM_SLACK_SECONDS = 30.0
+# How long the device waits for the aggregator to end the call after SessionDone.
+FINISH_SECONDS = 5.0
+
+# Server messages whose handling is real work (key agreement, Shamir sharing, share decryption):
+# run off the event loop so that many simulated devices share it.
+_HEAVY = (ShareKeysRequest, ShareDelivery)
+
+
+@dataclass(frozen=True)
+class SessionOutcome:
+    status: str  # COMPLETED, ABORTED or DROPPED
+    reason: str = ""
+    # True when the session finished with this device's input in every sum.
+    contributed: bool = False
+    bytes_up: int = 0
+    bytes_down: int = 0
+
+
+class SessionMismatch(Exception):
+    """The aggregator announced a configuration other than the assigned one."""
+
+
+def stream_timeout(deadlines: secagg_pb2.PhaseDeadlines, sums: int) -> float | None:
+    """Upper bound on a session's length from its phase deadlines; None when none are set."""
+    d = deadlines
+    total = d.advertise_keys_seconds + d.share_keys_seconds + sums * (
+        d.masked_input_seconds + d.consistency_check_seconds + d.unmask_seconds
+    )
+    return total + STREAM_SLACK_SECONDS if total > 0 else None
+
+
+def _phase_of(message: ServerMessage) -> tuple[str, str]:
+    """(phase, sum) the aggregator is asking this device for; ("", "") when it asks nothing."""
+    if isinstance(message, ShareKeysRequest):
+        return "share_keys", ""
+    if isinstance(message, MaskedInputRequest):
+        return "masked_input", message.sum_id
+    if isinstance(message, ConsistencyCheckRequest):
+        return "consistency_check", message.sum_id
+    if isinstance(message, UnmaskRequest):
+        return "unmask", message.sum_id
+    return "", ""
+
+
+class SecAggSession:
+    """One session; ``run`` never raises for what the network or the aggregator does, it
+    returns the outcome. ``ring_input(sum_id)`` supplies this device's encoded input."""
+
+    def __init__(
+        self,
+        channel: grpc.aio.Channel,
+        task: coordinator_pb2.TaskAssignment,
+        config: SessionConfig,
+        ring_input: Callable[[str], Awaitable[np.ndarray]],
+        metrics: ClientMetrics,
+        drop_phase: str | None = None,
+    ) -> None:
+        self.task = task
+        self.config = config
+        self.ring_input = ring_input
+        self.metrics = metrics
+        self.drop_phase = drop_phase
+        self._stub = secagg_pb2_grpc.SecureAggregationStub(channel)
+        self._call: grpc.aio.StreamStreamCall | None = None
+        self._up = 0
+        self._down = 0
+
+    async def run(self) -> SessionOutcome:
+        start = time.perf_counter()
+        try:
+            outcome = await self._run()
+        except grpc.aio.AioRpcError as exc:
+            outcome = self._outcome(ABORTED, f"stream ended: {exc.code().name}: {exc.details()}")
+        except asyncio.InvalidStateError:
+            outcome = self._outcome(ABORTED, "the aggregator ended the stream")
+        except (ProtocolError, WireError, SessionMismatch) as exc:
+            outcome = self._outcome(ABORTED, f"{type(exc).__name__}: {exc}")
+        finally:
+            self._cancel()
+        self.metrics.sessions.labels(outcome.status).inc()
+        self.metrics.session_seconds.labels(outcome.status).observe(time.perf_counter() - start)
+        self.metrics.upload_bytes.inc(outcome.bytes_up)
+        self.metrics.download_bytes.labels("session").inc(outcome.bytes_down)
+        logs.event(log, f"session {outcome.status}", job_id=self.config.ref.job_id,
+                   round=self.config.ref.round, session_id=self.config.ref.session_id,
+                   device_index=self.task.device_index, reason=outcome.reason)
+        return outcome
+
+    async def _run(self) -> SessionOutcome:
+        task = self.task
+        self._call = self._stub.Session(timeout=stream_timeout(task.deadlines, len(self.config.sums)))
+        await self._send(
+            secagg_pb2.Join(
+                session_ticket=task.session_ticket,
+                device_index=task.device_index,
+                session_token=task.session_token,
+            )
+        )
+        joined = await self._read()
+        if joined is None:
+            return self._outcome(ABORTED, "the aggregator closed the stream before Joined")
+        if not isinstance(joined, secagg_pb2.Joined):
+            return self._outcome(ABORTED, f"expected Joined, got {type(joined).__name__}")
+        if from_proto(joined.config) != self.config:
+            raise SessionMismatch("the aggregator's session config differs from the assignment")
+        client = SecAggClient(self.config, task.device_index)
+        if self.drop_phase == "advertise_keys":
+            return self._drop()
+        await self._send_all(client.start())
+        return await self._pump(client)
+
+    async def _pump(self, client: SecAggClient) -> SessionOutcome:
+        first_sum = self.config.sums[0].sum_id
+        reading: asyncio.Task | None = None
+        computing: asyncio.Task | None = None
+        try:
+            while True:
+                if reading is None:
+                    reading = asyncio.ensure_future(self._read())
+                waiting = {reading} if computing is None else {reading, computing}
+                done, _ = await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
+                if computing in done:
+                    sum_id = client.awaiting_input
+                    try:
+                        vector = computing.result()
+                    except (grpc.RpcError, DownloadError, ValueError) as exc:
+                        # No input, no place in the sum: leave now rather than at the deadline.
+                        self._cancel()
+                        return self._outcome(ABORTED, f"no input for sum {sum_id!r}: {type(exc).__name__}: {exc}")
+                    computing = None
+                    await self._send_all(await asyncio.to_thread(client.provide_input, sum_id, vector))
+                if reading not in done:
+                    continue
+                message, reading = reading.result(), None
+                if message is None:
+                    return self._outcome(ABORTED, "the aggregator closed the stream without SessionDone")
+                if isinstance(message, secagg_pb2.SessionDone):
+                    await self._finish()
+                    return self._outcome(COMPLETED, "", client.finished and client.aborted is None)
+                if isinstance(message, Abort):
+                    return self._outcome(ABORTED, message.reason or "aborted by the aggregator")
+                if not isinstance(message, ServerMessage):
+                    return self._outcome(ABORTED, f"unexpected {type(message).__name__} on the stream")
+                phase, sum_id = _phase_of(message)
+                if phase and phase == self.drop_phase and sum_id in ("", first_sum):
+                    return self._drop()
+                if isinstance(message, _HEAVY):
+                    replies = await asyncio.to_thread(client.receive, message)
+                else:
+                    replies = client.receive(message)
+                await self._send_all(replies)
+                if client.awaiting_input is not None and computing is None:
+                    computing = asyncio.ensure_future(self.ring_input(client.awaiting_input))
+        finally:
+            pending = [t for t in (reading, computing) if t is not None and not t.done()]
+            for t in pending:
+                t.cancel()
+            await asyncio.gather(*pending, return_exceptions=True)
+
+    def _drop(self) -> SessionOutcome:
+        """Leave as a lost connection would: cancel the call, no goodbye."""
+        self._cancel()
+        return self._outcome(DROPPED, f"planned dropout in {self.drop_phase}")
+
+    async def _send(self, message: ClientMessage | secagg_pb2.Join) -> None:
+        envelope = device_envelope(message)
+        self._up += envelope.ByteSize()
+        await self._call.write(envelope)
+
+    async def _send_all(self, messages: list[ClientMessage]) -> None:
+        for message in messages:
+            await self._send(message)
+
+    async def _read(self):
+        """The next message (protocol value, Joined or SessionDone); None at end of stream."""
+        envelope = await self._call.read()
+        if envelope is grpc.aio.EOF:
+            return None
+        self._down += envelope.ByteSize()
+        return open_envelope(envelope)
+
+    async def _finish(self) -> None:
+        """Close our side and let the aggregator end the call (cancel it if it lingers)."""
+        with contextlib.suppress(grpc.aio.AioRpcError, asyncio.InvalidStateError, TimeoutError):
+            await self._call.done_writing()
+            async with asyncio.timeout(FINISH_SECONDS):
+                while await self._call.read() is not grpc.aio.EOF:
+                    pass
+
+    def _cancel(self) -> None:
+        if self._call is not None and not self._call.done():
+            self._call.cancel()
+
+    def _outcome(self, status: str, reason: str, contributed: bool = False) -> SessionOutcome:
+        return SessionOutcome(status, reason, contributed, self._up, self._down)
