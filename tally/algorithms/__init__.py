@@ -6,6 +6,13 @@ from collections.abc import Mapping
 from typing import Any
 
 from tally.algorithms.base import ClientAlgorithm, LocalTrainer, ServerAlgorithm, StepSpec
+from tally.algorithms.aaggff import (
+    AAggFFClient,
+    AAggFFDConfig,
+    AAggFFDServer,
+    AAggFFSConfig,
+    AAggFFSServer,
+)
 from tally.algorithms.agnostic_fedavg import (
     AgnosticFedAvgClient,
     AgnosticFedAvgConfig,
@@ -16,6 +23,8 @@ from tally.algorithms.fedavg import FedAvgClient, FedAvgConfig, FedAvgServer
 _REGISTRY = {
     "fedavg": (FedAvgConfig, FedAvgServer, FedAvgClient),
     "agnostic_fedavg": (AgnosticFedAvgConfig, AgnosticFedAvgServer, AgnosticFedAvgClient),
+    "aaggff_d": (AAggFFDConfig, AAggFFDServer, AAggFFClient),
+    "aaggff_s": (AAggFFSConfig, AAggFFSServer, AAggFFClient),
 }
 
 NAMES = tuple(_REGISTRY)
