@@ -8,13 +8,16 @@ codec's quantisation error.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+import logging
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
+from tally import logs
 from tally.algorithms.base import Arrays, ClientAlgorithm, LocalTrainer, ServerAlgorithm, StepSpec
+from tally.codec import to_ring
 from tally.secagg import Dropout, SessionRef, ThreatModel, secure_sum
 
 SumFn = Callable[[int, StepSpec, Mapping[int, Arrays]], tuple[dict[str, np.ndarray], list[int]]]
@@ -60,6 +63,38 @@ class SecureSum:
         return decoded[step.name], contributors
 
 
+class RevealRefused(PermissionError):
+    """A step asked for per-device values the job did not opt in to reveal."""
+
+
+def reveal_values(
+    round_: int, step: StepSpec, contributions: Mapping[int, Arrays], allowed: Sequence[str], rng: np.random.Generator
+) -> tuple[dict[str, np.ndarray], list[int]]:
+    """The one exception to "only sums": each device's payload, in the same fixed point.
+
+    Refused unless the job lists every revealed name; logged and counted so the
+    exception is visible wherever it happens.
+    """
+    missing = set(step.reveal) - set(allowed)
+    if missing:
+        raise RevealRefused(f"step {step.name!r} reveals {sorted(missing)} but the job's reveal list is {list(allowed)}")
+    ids = sorted(contributions)
+    bits = step.schema.required_bits(1)
+    alone = [step.schema.decode_sum(to_ring(step.schema.encode(contributions[d], rng).vector, bits), bits) for d in ids]
+    total = {"device_ids": np.array(ids, dtype=np.int64)}
+    total.update({f.name: np.stack([a[f.name] for a in alone]) for f in step.schema.fields})
+    REVEALED_VALUES[step.name] = REVEALED_VALUES.get(step.name, 0) + len(ids) * len(step.reveal)
+    logs.event(_log, "per-device values revealed (job opt-in)", round=round_, step=step.name,
+               devices=len(ids), values=list(step.reveal))
+    return total, ids
+
+
+# Revealed values per step name in this process: the simulator's counterpart of the
+# coordinator's tally_coordinator_revealed_values_total metric.
+REVEALED_VALUES: dict[str, int] = {}
+_log = logging.getLogger("tally.simulation")
+
+
 @dataclass
 class RoundLog:
     round: int
@@ -80,7 +115,9 @@ def run_rounds(
     seed: int = 0,
     evaluate: Callable[[Arrays], tuple[float, float]] | None = None,
     on_round: Callable[[RoundLog], None] | None = None,
+    reveal: Sequence[str] = (),
 ) -> tuple[Any, list[RoundLog]]:
+    """``reveal`` lists the per-device values the job opted in to reveal (DESIGN.md section 1)."""
     rng = np.random.default_rng(seed)
     state = server.init(initial)
     local: dict[int, Any] = {}
@@ -89,11 +126,16 @@ def run_rounds(
         cohort = sorted(rng.choice(len(devices), size=min(cohort_size, len(devices)), replace=False).tolist())
         log = RoundLog(r, cohort, {})
         for step in server.steps(state):
-            broadcast = server.broadcast(state, step.name)
+            personal = getattr(step, "personal", False)
+            broadcast = None if personal else server.broadcast(state, step.name)
             contributions, pending = {}, {}
             for d in cohort:
-                contributions[d], pending[d] = client.contribute(step.name, broadcast, devices[d], local.get(d))
-            total, contributors = sum_fn(r, step, contributions)
+                b = server.broadcast_to(state, step.name, d) if personal else broadcast
+                contributions[d], pending[d] = client.contribute(step.name, b, devices[d], local.get(d))
+            if getattr(step, "reveal", ()):
+                total, contributors = reveal_values(r, step, contributions, reveal, rng)
+            else:
+                total, contributors = sum_fn(r, step, contributions)
             # Local state advances only where the contribution counted.
             local.update({d: pending[d] for d in contributors})
             log.contributors[step.name] = contributors

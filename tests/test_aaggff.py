@@ -124,8 +124,14 @@ class Runner:
         self.broadcasts.append((step, values))
         return values
 
+    def broadcast_to(self, state, step, device_id):
+        self.state = state
+        return self.server.broadcast_to(state, step, device_id)
+
     def apply(self, state, step, total):
         self.applied.append((step, dict(total)))
+        if "device_ids" in total:
+            self.revealed.append((state.round, step, total["device_ids"].tolist()))
         return self.server.apply(state, step, total)
 
     def model(self, state):
@@ -151,7 +157,6 @@ class Runner:
                      for d in ids]
             total = {"device_ids": np.array(ids, dtype=np.int64),
                      **{f.name: np.stack([a[f.name] for a in alone]) for f in step.schema.fields}}
-            self.revealed.append((round_, step.name, ids))
             return total, ids
         total, contributors = self.sum_fn(round_, step, contributions)
         self.totals.append((round_, step, total, contributors))
@@ -161,7 +166,7 @@ class Runner:
 def run(server, client, devices, rounds, cohort, sum_fn=plain_sum, seed=0, dim=None, job_reveal=()):
     runner = Runner(server, client, devices, sum_fn, job_reveal)
     initial = {"w": np.zeros(dim or len(devices[0].target))}
-    state, logs = run_rounds(runner, runner, devices, initial, rounds, cohort, runner, seed=seed)
+    state, logs = run_rounds(runner, runner, devices, initial, rounds, cohort, runner, seed=seed, reveal=job_reveal)
     return state, logs, runner
 
 
