@@ -1,102 +1,137 @@
-"""``tally simulate``: an algorithm in process through the secure-sum engine, metrics as JSON."""
+"""``tally simulate``: an algorithm in process through the secure-sum engine, metrics as
+JSON, and with ``--report DIR`` the plots a researcher wants next to a FedAvg baseline."""
 
 from __future__ import annotations
 
 import argparse
 import json
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 from rich.console import Console
 from rich.progress import Progress
 
-from tally import algorithms, data, fairness
+from tally import algorithms, tasks
+from tally.algorithms import aaggff
 from tally.secagg import ThreatModel
 from tally.simulation import SecureSum, plain_sum, run_rounds
-from tally.training import TorchTrainer, get_params, mlp, single_threaded
-
-DATASETS = ("digits",)
+from tally.training import single_threaded
 
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("simulate", help="run an algorithm in process (no network) and write metrics as JSON")
     p.add_argument("--algorithm", choices=algorithms.NAMES, default="fedavg")
-    p.add_argument("--dataset", choices=DATASETS, default="digits")
+    p.add_argument("--dataset", choices=tuple(tasks.BUILDERS), default="digits")
     p.add_argument("--clients", type=int, default=50, help="devices in the population")
     p.add_argument("--cohort", type=int, default=None, help="devices per round (default: all)")
     p.add_argument("--rounds", type=int, default=20)
-    p.add_argument("--alpha", type=float, default=0.5, help="Dirichlet label skew (smaller: more skew)")
+    p.add_argument("--domains", type=int, default=4, help="domains (domain datasets)")
+    p.add_argument("--alpha", type=float, default=0.5, help="Dirichlet skew (smaller: more skew)")
+    p.add_argument("--samples", type=int, default=100, help="samples per client (generated datasets)")
+    p.add_argument("--noise", type=float, default=None, help="noise (dataset default when omitted)")
+    p.add_argument("--partition", choices=("client", "data"), default=None, help="domain partition type")
     p.add_argument("--seed", type=int, default=0)
     mode = p.add_mutually_exclusive_group()
     mode.add_argument("--secure", dest="secure", action="store_true", default=True, help="real secure sums (default)")
     mode.add_argument("--plain", dest="secure", action="store_false", help="plain float sums (baseline)")
     p.add_argument("--dropout", type=float, default=0.0, help="fraction of each cohort dropping (secure mode)")
-    p.add_argument("--option", action="append", default=[], metavar="KEY=VALUE", help="algorithm option")
+    p.add_argument("--option", action="append", default=[], metavar="KEY=VALUE", help="algorithm option (JSON value)")
+    p.add_argument("--reveal", action="append", default=[], metavar="NAME",
+                   help="opt in to revealing a per-device value (only aaggff_s: response)")
     p.add_argument("--json", type=Path, required=True, help="where to write the metrics")
+    p.add_argument("--report", type=Path, default=None, help="also write per-round JSON and PNG plots here")
+    p.add_argument("--baseline", default="fedavg", help="algorithm the report compares against ('none': no baseline)")
     p.set_defaults(run=run)
 
 
-def _options(pairs: list[str]) -> dict:
+def _options(pairs: list[str]) -> dict[str, Any]:
     options = {}
     for pair in pairs:
         key, sep, value = pair.partition("=")
         if not sep:
             raise SystemExit(f"--option needs KEY=VALUE, got {pair!r}")
-        options[key] = json.loads(value) if value[:1] in "-0123456789[{tn" else value
+        try:
+            options[key] = json.loads(value)
+        except json.JSONDecodeError:
+            options[key] = value
     return options
 
 
-def simulate(args: argparse.Namespace, console: Console | None = None) -> dict:
-    console = console or Console()
-    single_threaded()
-    fed = data.digits(args.clients, alpha=args.alpha, seed=args.seed)
-    factory = lambda: mlp(fed.num_features, fed.num_classes, seed=args.seed)  # noqa: E731
-    devices = [TorchTrainer(factory, X, y, seed=args.seed + i) for i, (X, y) in enumerate(fed.clients)]
-    test = TorchTrainer(factory, *fed.test)
-    server, client = algorithms.make(args.algorithm, _options(args.option))
+def _trace(algorithm: str, server: Any, clients: int):
+    """What the report plots per round: λ (AgnosticFedAvg), p (AAggFF)."""
+
+    def trace(state: Any, local: dict[int, Any]) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        if algorithm == "agnostic_fedavg":
+            out["lambda"] = state.weights.tolist()
+            out["domain_loss"] = np.asarray(state.domain_loss).tolist()
+        elif getattr(state, "decision", None) is not None:
+            out["p"] = np.asarray(state.decision).tolist()
+        elif algorithm.startswith("aaggff"):
+            out["p"] = aaggff.decision(server.config, state.round, [local.get(i) for i in range(clients)]).tolist()
+        return out
+
+    return trace
+
+
+def simulate_one(args: argparse.Namespace, algorithm: str, given: dict[str, Any], console: Console) -> dict:
+    task_args = tasks.TaskArgs(args.clients, args.cohort, args.domains, args.alpha, args.samples,
+                               args.noise, args.partition, args.seed)
+    task = tasks.build(args.dataset, task_args)
+    options = task.options(algorithm, given)
+    if algorithm == "aaggff_s" and args.reveal:
+        options.setdefault("reveal", list(args.reveal))
+    server, client = algorithms.make(algorithm, options)
     sum_fn = (
         SecureSum(ThreatModel(dropout_rate=max(args.dropout, 0.05)), args.dropout, args.seed)
         if args.secure
         else plain_sum
     )
-    with Progress(console=console) as progress:
-        task = progress.add_task(f"{args.algorithm} rounds", total=args.rounds)
+    with Progress(console=console, transient=True) as progress:
+        bar = progress.add_task(f"{algorithm} rounds", total=args.rounds)
         state, logs = run_rounds(
-            server, client, devices, get_params(factory()), args.rounds,
-            args.cohort or args.clients, sum_fn, seed=args.seed, evaluate=test.evaluate,
-            on_round=lambda log: progress.update(
-                task, advance=1, description=f"round {log.round} acc {log.test_accuracy:.3f}"
-            ),
+            server, client, task.devices, task.initial, args.rounds, args.cohort or args.clients, sum_fn,
+            seed=args.seed, evaluate=task.evaluate, reveal=args.reveal,
+            trace=_trace(algorithm, server, args.clients),
+            on_round=lambda log: progress.update(bar, advance=1, description=f"{algorithm} round {log.round}"),
         )
-    model = server.model(state)
-    per_device = np.array([d.evaluate(model)[1] for d in devices])
-    final = {"test_loss": logs[-1].test_loss, "test_accuracy": logs[-1].test_accuracy,
-             "per_device_accuracy": per_device.tolist(), **fairness.summary(per_device)}
     return {
-        "algorithm": args.algorithm,
+        "algorithm": algorithm,
+        "options": options,
         "dataset": args.dataset,
         "clients": args.clients,
         "rounds": args.rounds,
         "secure": args.secure,
+        "dropout": args.dropout,
         "seed": args.seed,
         "per_round": [
             {"round": log.round, "test_loss": log.test_loss, "test_accuracy": log.test_accuracy,
-             "contributors": {k: len(v) for k, v in log.contributors.items()}}
+             "contributors": {k: len(v) for k, v in log.contributors.items()}, **log.trace}
             for log in logs
         ],
-        "final": final,
+        "final": task.final(server.model(state)),
     }
 
 
 def run(args: argparse.Namespace) -> int:
     console = Console()
-    report = simulate(args, console)
+    single_threaded()
+    report = simulate_one(args, args.algorithm, _options(args.option), console)
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(report, indent=2))
     f = report["final"]
-    console.print(
-        f"test accuracy {f['test_accuracy']:.3f}; worst 10% of devices {f['worst10_accuracy']:.3f}; "
-        f"gini {f['gini']:.3f}"
+    summary = ", ".join(
+        f"{key} {f[key]:.4g}" for key in ("test_accuracy", "worst_domain_loss", "worst10_accuracy", "gini") if key in f
     )
+    console.print(f"{args.algorithm} on {args.dataset}: {summary}")
+    if args.report is not None:
+        baseline = None
+        if args.baseline != "none" and args.baseline != args.algorithm:
+            baseline = simulate_one(args, args.baseline, {}, console)
+        from tally.report import write_report
+
+        paths = write_report(args.report, report, baseline)
+        console.print(f"report: {', '.join(str(p) for p in paths)}")
     console.print(f"metrics written to {args.json}")
     return 0

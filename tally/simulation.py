@@ -102,6 +102,7 @@ class RoundLog:
     contributors: dict[str, list[int]]
     test_loss: float | None = None
     test_accuracy: float | None = None
+    trace: dict[str, Any] = field(default_factory=dict)
 
 
 def run_rounds(
@@ -116,8 +117,10 @@ def run_rounds(
     evaluate: Callable[[Arrays], tuple[float, float]] | None = None,
     on_round: Callable[[RoundLog], None] | None = None,
     reveal: Sequence[str] = (),
+    trace: Callable[[Any, Mapping[int, Any]], dict[str, Any]] | None = None,
 ) -> tuple[Any, list[RoundLog]]:
-    """``reveal`` lists the per-device values the job opted in to reveal (DESIGN.md section 1)."""
+    """``reveal`` lists the per-device values the job opted in to reveal (DESIGN.md section 1);
+    ``trace(state, local_states)`` picks what a report plots per round (λ, p)."""
     rng = np.random.default_rng(seed)
     state = server.init(initial)
     local: dict[int, Any] = {}
@@ -142,6 +145,8 @@ def run_rounds(
             state = server.apply(state, step.name, total)
         if evaluate is not None:
             log.test_loss, log.test_accuracy = evaluate(server.model(state))
+        if trace is not None:
+            log.trace = trace(state, local)
         logs.append(log)
         if on_round is not None:
             on_round(log)

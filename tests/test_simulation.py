@@ -49,3 +49,20 @@ def test_simulate_cli_learns_digits_and_reports_fairness(tmp_path):
     assert 0 <= final["gini"] < 1 and final["worst10_accuracy"] <= final["mean_accuracy"]
     # Dropouts really happened: some rounds summed fewer devices than the cohort.
     assert min(r["contributors"]["update"] for r in report["per_round"]) < 20
+
+
+def test_simulate_report_compares_against_fedavg_with_plots(tmp_path):
+    out, report_dir = tmp_path / "agn.json", tmp_path / "report"
+    args = ["simulate", "--algorithm", "agnostic_fedavg", "--dataset", "toy-regression", "--clients", "20",
+            "--domains", "5", "--rounds", "40", "--json", str(out), "--report", str(report_dir)]
+    assert main(args) == 0
+    final = json.loads(out.read_text())["final"]
+    assert len(final["per_domain_loss"]) == 5
+    assert final["worst_domain_loss"] == max(final["per_domain_loss"])
+    summary = json.loads((report_dir / "summary.json").read_text())
+    assert summary["agnostic_fedavg"]["worst_domain_loss"] < summary["fedavg"]["worst_domain_loss"]
+    rounds = json.loads((report_dir / "rounds.json").read_text())
+    lambdas = np.array([r["lambda"] for r in rounds["agnostic_fedavg"]])
+    np.testing.assert_allclose(lambdas.sum(axis=1), 1.0, atol=1e-9)
+    for name in ("loss.png", "weights.png", "per_domain.png"):
+        assert (report_dir / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

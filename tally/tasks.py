@@ -1,0 +1,148 @@
+"""Simulation tasks: a dataset's devices, its starting model, and the metrics a report shows.
+
+``tally simulate`` and the README's reproduction commands build every run through
+``build``, so a dataset's conventions (its default algorithm options, how its domains
+are counted, which metrics make sense) live in one place.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from tally import data, fairness
+from tally.algorithms.base import Arrays
+from tally.training import TorchTrainer, get_params, mlp
+
+
+@dataclass(frozen=True)
+class TaskArgs:
+    clients: int = 50
+    cohort: int | None = None
+    domains: int = 4
+    alpha: float = 0.5
+    samples: int = 100
+    noise: float | None = None
+    partition: str | None = None
+    seed: int = 0
+
+
+@dataclass
+class Task:
+    devices: list[Any]
+    initial: Arrays
+    evaluate: Callable[[Arrays], tuple[float, float | None]]
+    final: Callable[[Arrays], dict[str, Any]]
+    num_domains: int = 0
+    # Options a dataset needs whatever the user asks (e.g. the domain count it generated).
+    injected: dict[str, dict[str, Any]] = field(default_factory=dict)
+    # Options that suit the dataset's scale, overridable by --option.
+    defaults: dict[str, dict[str, Any]] = field(default_factory=dict)
+
+    def options(self, algorithm: str, given: dict[str, Any]) -> dict[str, Any]:
+        merged = {**self.defaults.get(algorithm, {}), **given}
+        for key, value in self.injected.get(algorithm, {}).items():
+            if key in given and given[key] != value:
+                raise ValueError(f"option {key}={given[key]!r} contradicts the dataset ({value!r})")
+            merged[key] = value
+        return merged
+
+
+def _device_fairness(per_device: np.ndarray) -> dict[str, Any]:
+    return {"per_device_accuracy": per_device.tolist(), **fairness.summary(per_device)}
+
+
+def _population_options(args: TaskArgs) -> dict[str, dict[str, Any]]:
+    return {
+        "aaggff_d": {"num_clients": args.clients, "cohort_size": args.cohort or args.clients},
+        "aaggff_s": {"num_clients": args.clients},
+    }
+
+
+def digits_task(args: TaskArgs) -> Task:
+    fed = data.digits(args.clients, alpha=args.alpha, seed=args.seed)
+    factory = lambda: mlp(fed.num_features, fed.num_classes, seed=args.seed)  # noqa: E731
+    devices = [TorchTrainer(factory, X, y, seed=args.seed + i) for i, (X, y) in enumerate(fed.clients)]
+    test = TorchTrainer(factory, *fed.test)
+
+    def final(model: Arrays) -> dict[str, Any]:
+        loss, accuracy = test.evaluate(model)
+        per_device = np.array([d.evaluate(model)[1] for d in devices])
+        return {"test_loss": loss, "test_accuracy": accuracy, **_device_fairness(per_device)}
+
+    return Task(devices, get_params(factory()), test.evaluate, final, injected=_population_options(args))
+
+
+def toy_regression_task(args: TaskArgs) -> Task:
+    from tally.datasets.toy_regression import toy_regression
+
+    toy = toy_regression(
+        clients=args.clients, domains=args.domains, samples_per_client=args.samples,
+        noise=10.0 if args.noise is None else args.noise, partition=args.partition or "client",
+        alpha=None if args.partition != "data" else args.alpha, seed=args.seed,
+    )
+    # Updates reach ~7 and per-device loss sums ~4e4 here: the default clips would saturate.
+    defaults = {
+        "agnostic_fedavg": {"domain_lr": 0.005, "local_lr": 0.1, "batch_size": 10, "loss_clip": 1e6,
+                            "loss_frac_bits": 4, "delta_clip": 16},
+        "fedavg": {"local_epochs": 1, "batch_size": 10, "delta_clip": 16},
+    }
+    injected = {"agnostic_fedavg": {"domains": toy.num_domains}, **_population_options(args)}
+    return Task(
+        toy.devices(args.seed), {"w": np.array([5.0])},
+        lambda model: (toy.domain_metrics(model)["mean_loss"], None),
+        toy.domain_metrics, toy.num_domains, injected, defaults,
+    )
+
+
+def domain_digits_task(args: TaskArgs) -> Task:
+    from tally.datasets.domain_digits import TorchDomainTrainer, domain_digits
+
+    fed = domain_digits(
+        clients=args.clients, domains=args.domains, alpha=args.alpha, samples_per_client=args.samples,
+        noise=0.3 if args.noise is None else args.noise, seed=args.seed, partition=args.partition or "data",
+    )
+    factory = lambda: mlp(fed.num_features, fed.num_classes, seed=args.seed)  # noqa: E731
+    devices = [TorchDomainTrainer(factory, X, y, d, seed=args.seed + i) for i, (X, y, d) in enumerate(fed.clients)]
+    test = TorchDomainTrainer(factory, *fed.test)
+
+    def final(model: Arrays) -> dict[str, Any]:
+        loss, accuracy = test.evaluate(model)
+        per_device = np.array([d.evaluate(model)[1] for d in devices])
+        return {"test_loss": loss, "test_accuracy": accuracy, **test.domain_metrics(model, fed.num_domains),
+                **_device_fairness(per_device)}
+
+    injected = {"agnostic_fedavg": {"domains": fed.num_domains}, **_population_options(args)}
+    return Task(devices, get_params(factory()), test.evaluate, final, fed.num_domains, injected)
+
+
+def heterogeneous_digits_task(args: TaskArgs) -> Task:
+    from tally.datasets.heterogeneous import fleet, heterogeneous_digits
+
+    fl = fleet(heterogeneous_digits(args.clients, alpha=args.alpha, seed=args.seed), hidden=32, seed=args.seed)
+
+    def final(model: Arrays) -> dict[str, Any]:
+        loss, accuracy = fl.test.evaluate(model)
+        return {"test_loss": loss, "test_accuracy": accuracy, **_device_fairness(fl.per_device_accuracy(model))}
+
+    # The AAggFF comparisons use one local epoch of batch 20 for every algorithm.
+    defaults = {"fedavg": {"local_epochs": 1, "batch_size": 20}}
+    return Task(fl.devices, fl.initial, fl.test.evaluate, final, injected=_population_options(args), defaults=defaults)
+
+
+BUILDERS: dict[str, Callable[[TaskArgs], Task]] = {
+    "digits": digits_task,
+    "toy-regression": toy_regression_task,
+    "domain-digits": domain_digits_task,
+    "heterogeneous-digits": heterogeneous_digits_task,
+}
+
+
+def build(name: str, args: TaskArgs) -> Task:
+    try:
+        return BUILDERS[name](args)
+    except KeyError:
+        raise ValueError(f"unknown dataset {name!r}; available: {', '.join(BUILDERS)}") from None
