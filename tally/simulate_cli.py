@@ -77,7 +77,7 @@ def _trace(algorithm: str, server: Any, clients: int):
 
 def simulate_one(args: argparse.Namespace, algorithm: str, given: dict[str, Any], console: Console) -> dict:
     task_args = tasks.TaskArgs(args.clients, args.cohort, args.domains, args.alpha, args.samples,
-                               args.noise, args.partition, args.seed)
+                               args.noise, args.partition, args.seed, algorithm)
     task = tasks.build(args.dataset, task_args)
     options = task.options(algorithm, given)
     if algorithm == "aaggff_s" and args.reveal:

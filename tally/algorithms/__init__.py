@@ -19,12 +19,21 @@ from tally.algorithms.agnostic_fedavg import (
     AgnosticFedAvgServer,
 )
 from tally.algorithms.fedavg import FedAvgClient, FedAvgConfig, FedAvgServer
+from tally.algorithms.feddar import (
+    FedDARClient,
+    FedDARConfig,
+    FedDARSAConfig,
+    FedDARSAServer,
+    FedDARWAServer,
+)
 
 _REGISTRY = {
     "fedavg": (FedAvgConfig, FedAvgServer, FedAvgClient),
     "agnostic_fedavg": (AgnosticFedAvgConfig, AgnosticFedAvgServer, AgnosticFedAvgClient),
     "aaggff_d": (AAggFFDConfig, AAggFFDServer, AAggFFClient),
     "aaggff_s": (AAggFFSConfig, AAggFFSServer, AAggFFClient),
+    "feddar_wa": (FedDARConfig, FedDARWAServer, FedDARClient),
+    "feddar_sa": (FedDARSAConfig, FedDARSAServer, FedDARClient),
 }
 
 NAMES = tuple(_REGISTRY)
