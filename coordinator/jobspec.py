@@ -12,10 +12,13 @@ from typing import Any
 
 import yaml
 
-from tally import algorithms
-from tally.secagg import ThreatModel, UnsafeParameters
+from coordinator import registry
+from tally.secagg import ThreatModel, UnsafeParameters, choose_params
 
-PHASE_DEADLINES = ("checkin", "download", "advertise_keys", "share_keys", "masked_input", "unmask")
+PHASE_DEADLINES = (
+    "checkin", "download", "advertise_keys", "share_keys", "masked_input", "consistency_check",
+    "unmask",
+)
 MODEL_KINDS = ("mlp",)
 REVEALABLE = {"aaggff_s": ("response",)}
 
@@ -83,6 +86,7 @@ DEFAULT_DEADLINES = {
     "advertise_keys": 20.0,
     "share_keys": 20.0,
     "masked_input": 120.0,
+    "consistency_check": 20.0,
     "unmask": 20.0,
 }
 
@@ -136,11 +140,15 @@ def from_dict(raw: Mapping[str, Any]) -> JobSpec:
     if not isinstance(name, str) or not name or len(name) > 100 or not name.replace("-", "").replace("_", "").isalnum():
         errors.append(f"name: letters, digits, '-' and '_' only (1-100), got {name!r}")
     algorithm = raw["algorithm"]
-    if algorithm not in algorithms.NAMES:
-        errors.append(f"algorithm: {algorithm!r} is not one of {list(algorithms.NAMES)}")
+    config = raw.get("config")
+    if config is not None and not isinstance(config, Mapping):
+        errors.append(f"config: must be a mapping of the algorithm's options, got {type(config).__name__}")
+        config = None
+    if algorithm not in registry.algorithm_names():
+        errors.append(f"algorithm: {algorithm!r} is not one of {list(registry.algorithm_names())}")
     else:
         try:
-            algorithms.make(algorithm, raw.get("config"))
+            registry.make_server(algorithm, config)
         except (TypeError, ValueError) as exc:
             errors.append(f"config: {exc}")
     rounds = integer("rounds", 1)
@@ -158,11 +166,22 @@ def from_dict(raw: Mapping[str, Any]) -> JobSpec:
     model = _section(raw.get("model"), ModelSpec, "model", errors)
     if model.kind not in MODEL_KINDS:
         errors.append(f"model.kind: {model.kind!r} is not one of {list(MODEL_KINDS)}")
+    for key in ("inputs", "classes", "hidden", "seed"):
+        value = getattr(model, key)
+        if not isinstance(value, int) or isinstance(value, bool) or value < (0 if key == "seed" else 1):
+            errors.append(f"model.{key}: must be an integer >= {0 if key == 'seed' else 1}, got {value!r}")
     secure = _section(raw.get("secure"), SecureSpec, "secure", errors)
     try:
-        secure.threat()
+        threat = secure.threat()
     except (UnsafeParameters, ValueError) as exc:
         errors.append(f"secure: {exc}")
+    else:
+        # The smallest cohort the coordinator may form must admit a secure threshold.
+        if not any(e.startswith("min_cohort") for e in errors):
+            try:
+                choose_params(min_cohort, threat)
+            except UnsafeParameters as exc:
+                errors.append(f"min_cohort: {min_cohort} is too small for the secure settings: {exc}")
     deadlines = dict(DEFAULT_DEADLINES)
     given = raw.get("deadlines") or {}
     if not isinstance(given, Mapping):
@@ -187,7 +206,7 @@ def from_dict(raw: Mapping[str, Any]) -> JobSpec:
         raise JobSpecError("\n".join(errors))
     return JobSpec(
         name=name, algorithm=algorithm, rounds=rounds, cohort_size=cohort, model=model,
-        config=dict(raw.get("config") or {}), population=str(raw.get("population", "default")),
+        config=dict(config or {}), population=str(raw.get("population", "default")),
         over_selection=float(over), min_cohort=min_cohort, max_cohort_per_aggregator=per_aggregator,
         secure=secure, deadlines=deadlines, retries=retries, reveal=reveal,
     )

@@ -10,6 +10,7 @@ from tally import engine_demo, simulate_cli
 from tally.security import certs_cli
 from aggregator import cli as aggregator_cli
 from client_sdk import cli as client_cli
+from coordinator import cli as coordinator_cli
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -23,6 +24,7 @@ def build_parser() -> argparse.ArgumentParser:
     certs_cli.register(sub)
     aggregator_cli.register(sub)
     client_cli.register(sub)
+    coordinator_cli.register(sub)
     return parser
 
 

@@ -1,0 +1,165 @@
+"""The operator-facing ``tally.v1.Admin`` service: submit, inspect, cancel and watch jobs.
+
+Every call needs ``authorization: Bearer <admin token>``; the token is a random secret in
+``<state_dir>/admin.token`` (0600), created on first start, so whoever can read the coordinator's
+state directory can operate it and nobody else (devices' tokens are refused).
+"""
+
+from __future__ import annotations
+
+import hmac
+import os
+import secrets
+from collections.abc import AsyncIterator, Mapping
+from pathlib import Path
+from typing import Any
+
+import grpc
+from google.protobuf import json_format
+
+from coordinator import jobspec
+from coordinator.engine import Engine
+from coordinator.events import TERMINAL_STATES, event_to_proto, job_state, round_phase, timestamp
+from coordinator.store import JobRecord, Store
+from tally.security import AuthError, token_from_metadata
+from tally.wire.v1 import admin_pb2, admin_pb2_grpc, common_pb2
+
+ADMIN_TOKEN_FILE = "admin.token"
+DEFAULT_PAGE_SIZE = 50
+MAX_PAGE_SIZE = 1000
+MAX_SPEC_CHARS = 1 << 20
+
+
+def load_or_create_admin_token(directory: Path) -> str:
+    """``<directory>/admin.token``: 32 random bytes as URL-safe text, mode 0600, made once."""
+    path = Path(directory) / ADMIN_TOKEN_FILE
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    except FileExistsError:
+        token = path.read_text().strip()
+        if len(token) < 32:
+            raise ValueError(f"{path} holds no usable admin token") from None
+        return token
+    token = secrets.token_urlsafe(32)
+    with os.fdopen(fd, "w") as f:
+        f.write(token + "\n")
+    return token
+
+
+def integral(value: Any) -> Any:
+    """A protobuf Struct carries every number as a double; give whole numbers back as ints so
+    ``rounds: 3`` validates the same whether it came as YAML or as a struct."""
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    if isinstance(value, Mapping):
+        return {k: integral(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [integral(v) for v in value]
+    return value
+
+
+class AdminService(admin_pb2_grpc.AdminServicer):
+    def __init__(self, engine: Engine, store: Store, admin_token: str) -> None:
+        self.engine, self.store = engine, store
+        self._token = admin_token.encode()
+
+    async def _authorize(self, context: grpc.aio.ServicerContext) -> None:
+        try:
+            token = token_from_metadata(context.invocation_metadata())
+        except AuthError as exc:
+            await context.abort(exc.code, exc.message)
+        if not hmac.compare_digest(token.encode(), self._token):
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED, "admin token invalid")
+
+    def job_proto(self, record: JobRecord) -> admin_pb2.Job:
+        runner = self.engine.runner(record.job_id)
+        out = admin_pb2.Job(
+            job_id=record.job_id, name=record.name, algorithm=record.algorithm,
+            state=job_state(record.state), committed_round=record.committed_round,
+            round=record.committed_round, spec_yaml=record.spec_yaml, message=record.message,
+            created_at=timestamp(record.created_at), updated_at=timestamp(record.updated_at),
+        )
+        if runner is not None:
+            out.round, out.phase, out.step = runner.round, round_phase(runner.phase), runner.step
+        return out
+
+    async def _record(self, job_id: str, context: grpc.aio.ServicerContext) -> JobRecord:
+        record = self.store.job(job_id)
+        if record is None:
+            await context.abort(grpc.StatusCode.NOT_FOUND, f"no job {job_id!r}")
+        return record
+
+    async def SubmitJob(self, request: admin_pb2.SubmitJobRequest, context: grpc.aio.ServicerContext):
+        await self._authorize(context)
+        which = request.WhichOneof("spec")
+        try:
+            if which == "spec_yaml":
+                if len(request.spec_yaml) > MAX_SPEC_CHARS:
+                    raise jobspec.JobSpecError(f"spec_yaml longer than {MAX_SPEC_CHARS} characters")
+                spec = jobspec.parse(request.spec_yaml)
+            elif which == "spec_struct":
+                spec = jobspec.from_dict(integral(json_format.MessageToDict(request.spec_struct)))
+            else:
+                raise jobspec.JobSpecError("spec_yaml or spec_struct is required")
+        except jobspec.JobSpecError as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"invalid job spec:\n{exc}")
+        job_id = self.engine.submit(spec)
+        return self.job_proto(await self._record(job_id, context))
+
+    async def GetJob(self, request: admin_pb2.GetJobRequest, context: grpc.aio.ServicerContext):
+        await self._authorize(context)
+        return self.job_proto(await self._record(request.job_id, context))
+
+    async def ListJobs(self, request: admin_pb2.ListJobsRequest, context: grpc.aio.ServicerContext):
+        await self._authorize(context)
+        if request.page_size < 0:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "page_size must be >= 0")
+        size = min(request.page_size or DEFAULT_PAGE_SIZE, MAX_PAGE_SIZE)
+        after = 0
+        if request.page_token:
+            if not request.page_token.isdigit():
+                await context.abort(
+                    grpc.StatusCode.INVALID_ARGUMENT, "page_token is not one this service issued"
+                )
+            after = int(request.page_token)
+        states = []
+        for value in request.states:
+            name = common_pb2.JobState.Name(value) if value in common_pb2.JobState.values() else ""
+            if not name or value == common_pb2.JOB_STATE_UNSPECIFIED:
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"unknown job state {value}")
+            states.append(name.removeprefix("JOB_STATE_"))
+        records = self.store.jobs(states, after_seq=after, limit=size + 1)
+        page = records[:size]
+        token = str(page[-1].seq) if len(records) > size else ""
+        return admin_pb2.ListJobsResponse(jobs=[self.job_proto(r) for r in page], next_page_token=token)
+
+    async def CancelJob(self, request: admin_pb2.CancelJobRequest, context: grpc.aio.ServicerContext):
+        await self._authorize(context)
+        try:
+            await self.engine.cancel(request.job_id, request.reason)
+        except LookupError as exc:
+            await context.abort(grpc.StatusCode.NOT_FOUND, str(exc))
+        except ValueError as exc:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
+        return self.job_proto(await self._record(request.job_id, context))
+
+    async def WatchJob(
+        self, request: admin_pb2.WatchJobRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[admin_pb2.JobEvent]:
+        await self._authorize(context)
+        queue = self.engine.events.subscribe(request.job_id)
+        try:
+            record = await self._record(request.job_id, context)
+            current = self.job_proto(record)
+            yield admin_pb2.JobEvent(
+                job_id=current.job_id, round=current.round, phase=current.phase, step=current.step,
+                state=current.state, message=current.message or "current state", time=current.updated_at,
+            )
+            if record.state in TERMINAL_STATES:
+                return
+            while (event := await queue.get()) is not None:
+                yield event_to_proto(event)
+                if event.state in TERMINAL_STATES:
+                    return
+        finally:
+            self.engine.events.unsubscribe(request.job_id, queue)

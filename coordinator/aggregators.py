@@ -1,0 +1,168 @@
+"""The aggregators a coordinator was given, and the calls it makes to them.
+
+Each is checked with the standard gRPC health protocol before it is handed cohorts; one that
+does not answer SERVING, or whose call fails at the transport level, is marked down and skipped
+until a later health check finds it serving again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from tally import logs
+from tally.security import TLSConfig, channel_credentials, channel_options, is_loopback_host
+from tally.security.tls import target_hosts
+from tally.wire.v1 import aggregator_pb2, aggregator_pb2_grpc
+
+log = logging.getLogger("tally.coordinator.aggregators")
+
+HEALTH_TIMEOUT_S = 2.0
+CONTROL_SERVICE = aggregator_pb2.DESCRIPTOR.services_by_name["AggregatorControl"].full_name
+
+
+class AggregatorCallFailed(Exception):
+    """A control call to ``aggregator_id`` failed or returned something unusable."""
+
+    def __init__(self, aggregator_id: str, message: str) -> None:
+        super().__init__(f"aggregator {aggregator_id}: {message}")
+        self.aggregator_id = aggregator_id
+
+
+# Status codes that say the aggregator (not the request) is the problem: it is marked down.
+_TRANSPORT_CODES = frozenset({
+    grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.UNKNOWN, grpc.StatusCode.INTERNAL,
+    grpc.StatusCode.CANCELLED,
+})
+
+
+def parse_aggregator(text: str) -> tuple[str, str]:
+    """``ID=HOST:PORT`` as given on the command line."""
+    ident, sep, address = text.partition("=")
+    if not sep or not ident or not address or ":" not in address:
+        raise ValueError(f"expected ID=HOST:PORT, got {text!r}")
+    return ident, address
+
+
+def aio_channel(target: str, config: TLSConfig, options: Sequence[tuple[str, object]]) -> grpc.aio.Channel:
+    """An asyncio channel with the same rule as ``tally.security.tls.open_channel``: TLS, or
+    plaintext to loopback targets only."""
+    opts = list(options)
+    if config.insecure:
+        hosts = target_hosts(target)
+        if not hosts or not all(h is None or is_loopback_host(h) for h in hosts):
+            raise ValueError(f"refusing a plaintext channel to {target!r}: --insecure is loopback only")
+        return grpc.aio.insecure_channel(target, options=opts)
+    if config.server_name:
+        opts.append(("grpc.ssl_target_name_override", config.server_name))
+    return grpc.aio.secure_channel(target, channel_credentials(config), options=opts)
+
+
+@dataclass
+class Aggregator:
+    aggregator_id: str
+    address: str
+    channel: grpc.aio.Channel
+    control: aggregator_pb2_grpc.AggregatorControlStub
+    health: health_pb2_grpc.HealthStub
+    up: bool = False
+
+
+class AggregatorPool:
+    def __init__(
+        self,
+        aggregators: Sequence[tuple[str, str]],
+        tls: TLSConfig,
+        max_message_bytes: int,
+        on_change: Callable[[int], None] = lambda up: None,
+    ) -> None:
+        ids = [a for a, _ in aggregators]
+        if len(set(ids)) != len(ids):
+            raise ValueError(f"aggregator ids must be unique, got {ids}")
+        options = channel_options(max_message_bytes)
+        self._on_change = on_change
+        self.members: dict[str, Aggregator] = {}
+        for ident, address in aggregators:
+            channel = aio_channel(address, tls, options)
+            self.members[ident] = Aggregator(
+                ident, address, channel,
+                aggregator_pb2_grpc.AggregatorControlStub(channel), health_pb2_grpc.HealthStub(channel),
+            )
+
+    async def close(self) -> None:
+        await asyncio.gather(*(a.channel.close() for a in self.members.values()))
+
+    def up_count(self) -> int:
+        return sum(a.up for a in self.members.values())
+
+    async def healthy(self, exclude: Sequence[str] = ()) -> list[str]:
+        """Health-check every aggregator now; the ids of those serving, in configured order."""
+        candidates = [a for a in self.members.values() if a.aggregator_id not in exclude]
+        results = await asyncio.gather(*(self._check(a) for a in candidates))
+        for agg, ok in zip(candidates, results):
+            self._set(agg, ok, "health check" if not ok else "")
+        return [a.aggregator_id for a, ok in zip(candidates, results) if ok]
+
+    async def _check(self, agg: Aggregator) -> bool:
+        # The control service's own status when the aggregator reports it, else the server's.
+        for service in (CONTROL_SERVICE, ""):
+            try:
+                reply = await agg.health.Check(
+                    health_pb2.HealthCheckRequest(service=service), timeout=HEALTH_TIMEOUT_S
+                )
+            except grpc.aio.AioRpcError as exc:
+                if exc.code() == grpc.StatusCode.NOT_FOUND and service:
+                    continue
+                return False
+            return reply.status == health_pb2.HealthCheckResponse.SERVING
+        return False
+
+    def mark_down(self, aggregator_id: str, reason: str) -> None:
+        self._set(self.members[aggregator_id], False, reason)
+
+    def _set(self, agg: Aggregator, up: bool, reason: str) -> None:
+        if agg.up != up:
+            agg.up = up
+            logs.event(
+                log, "aggregator up" if up else "aggregator down",
+                logging.INFO if up else logging.WARNING,
+                aggregator_id=agg.aggregator_id, address=agg.address, reason=reason,
+            )
+        self._on_change(self.up_count())
+
+    async def open_session(
+        self, aggregator_id: str, request: aggregator_pb2.OpenSessionRequest, timeout: float
+    ) -> aggregator_pb2.OpenSessionResponse:
+        return await self._call(aggregator_id, "OpenSession", request, timeout)
+
+    async def await_result(
+        self, aggregator_id: str, session_id: str, sum_id: str, timeout: float
+    ) -> aggregator_pb2.CohortSum:
+        request = aggregator_pb2.AwaitResultRequest(session_id=session_id, sum_id=sum_id)
+        return await self._call(aggregator_id, "AwaitResult", request, timeout)
+
+    async def close_session(self, aggregator_id: str, session_id: str, reason: str, timeout: float) -> None:
+        """Best effort: a session that cannot be closed ends at its own deadlines."""
+        request = aggregator_pb2.CloseSessionRequest(session_id=session_id, reason=reason)
+        try:
+            await self._call(aggregator_id, "CloseSession", request, timeout)
+        except AggregatorCallFailed as exc:
+            logs.event(log, "close session failed", logging.WARNING, session_id=session_id, error=str(exc))
+
+    async def _call(self, aggregator_id: str, method: str, request, timeout: float):
+        agg = self.members.get(aggregator_id)
+        if agg is None:
+            raise AggregatorCallFailed(aggregator_id, "unknown aggregator")
+        try:
+            return await getattr(agg.control, method)(request, timeout=max(timeout, 0.001))
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() in _TRANSPORT_CODES:
+                self.mark_down(aggregator_id, f"{method}: {exc.code().name}")
+            raise AggregatorCallFailed(
+                aggregator_id, f"{method} failed: {exc.code().name}: {exc.details()}"
+            ) from None

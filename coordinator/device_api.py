@@ -1,0 +1,157 @@
+"""The device-facing ``tally.v1.Coordinator`` service: registration, check-in, model download,
+later steps' broadcasts and round status.
+
+Every call but ``Register`` must carry the device token ``Register`` issued; the token names the
+device and its population, which is all selection uses.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+from collections.abc import AsyncIterator, Callable
+
+import grpc
+
+from coordinator.engine import Engine
+from coordinator.events import job_state, round_phase, timestamp
+from coordinator.metrics import CoordinatorMetrics
+from coordinator.planner import Retry
+from coordinator.runner import CHUNK_SIZE
+from coordinator.store import SERVED_KINDS, Store
+from tally.security import AuthError, DeviceClaims, TokenIssuer, token_from_metadata
+from tally.wire.v1 import coordinator_pb2, coordinator_pb2_grpc
+
+MAX_ID_CHARS = 256
+_DIGEST = re.compile(r"[0-9a-f]{64}")
+
+
+def retry_proto(retry: Retry) -> coordinator_pb2.RetryAfter:
+    return coordinator_pb2.RetryAfter(seconds=retry.seconds, reason=retry.reason)
+
+
+class DeviceService(coordinator_pb2_grpc.CoordinatorServicer):
+    def __init__(
+        self,
+        engine: Engine,
+        store: Store,
+        issuer: TokenIssuer,
+        metrics: CoordinatorMetrics,
+        clock: Callable[[], float],
+        token_ttl_s: float,
+    ) -> None:
+        self.engine, self.store, self.issuer, self.metrics = engine, store, issuer, metrics
+        self.clock, self.token_ttl_s = clock, token_ttl_s
+
+    async def _claims(self, context: grpc.aio.ServicerContext) -> DeviceClaims:
+        try:
+            return self.issuer.verify(token_from_metadata(context.invocation_metadata()), self.clock())
+        except AuthError as exc:
+            await context.abort(exc.code, exc.message)
+            raise  # unreachable: abort raises
+
+    async def Register(self, request: coordinator_pb2.RegisterRequest, context: grpc.aio.ServicerContext):
+        for field in ("device_id", "population"):
+            value = getattr(request, field)
+            if not value or len(value) > MAX_ID_CHARS:
+                await context.abort(
+                    grpc.StatusCode.INVALID_ARGUMENT, f"RegisterRequest.{field}: 1..{MAX_ID_CHARS} characters"
+                )
+        now = self.clock()
+        token = self.issuer.issue(request.device_id, request.population, self.token_ttl_s, now)
+        return coordinator_pb2.RegisterResponse(token=token, expires_at=timestamp(now + self.token_ttl_s))
+
+    async def CheckIn(self, request: coordinator_pb2.CheckInRequest, context: grpc.aio.ServicerContext):
+        claims = await self._claims(context)
+        try:
+            result = await self.engine.check_in(claims, context.time_remaining())
+        except asyncio.CancelledError:
+            self.metrics.checkins.labels(outcome="cancelled").inc()
+            raise
+        if isinstance(result, Retry):
+            self.metrics.checkins.labels(outcome="retry").inc()
+            return coordinator_pb2.CheckInResponse(retry_after=retry_proto(result))
+        self.metrics.checkins.labels(outcome="task").inc()
+        return coordinator_pb2.CheckInResponse(task=result)
+
+    async def DownloadModel(
+        self, request: coordinator_pb2.DownloadModelRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[coordinator_pb2.ModelChunk]:
+        claims = await self._claims(context)
+        if request.offset < 0:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "offset must be >= 0")
+        if request.digest and not _DIGEST.fullmatch(request.digest):
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT, "digest must be 64 lowercase hex characters"
+            )
+        digest = request.digest
+        if request.model_version.endswith(".onnx"):
+            try:
+                digest = self.engine.resolve_onnx(request.model_version, claims.population)
+            except LookupError as exc:
+                await context.abort(grpc.StatusCode.NOT_FOUND, str(exc))
+            if request.digest and request.digest != digest:
+                await context.abort(
+                    grpc.StatusCode.FAILED_PRECONDITION,
+                    f"{request.model_version} has digest {digest}, not the requested {request.digest}",
+                )
+        elif not digest:
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                "digest required (or model_version latest.onnx / v<round>.onnx)",
+            )
+        blob = self.store.blob(digest, SERVED_KINDS)
+        if blob is None:
+            await context.abort(grpc.StatusCode.NOT_FOUND, f"no model with digest {digest}")
+        if request.offset > blob.size:
+            await context.abort(
+                grpc.StatusCode.OUT_OF_RANGE, f"offset {request.offset} beyond the {blob.size} bytes"
+            )
+        offset = request.offset
+        with open(blob.path, "rb") as f:
+            f.seek(offset)
+            while True:
+                data = f.read(CHUNK_SIZE)
+                if not data and offset < blob.size:
+                    await context.abort(grpc.StatusCode.DATA_LOSS, f"model {digest} is truncated on disk")
+                yield coordinator_pb2.ModelChunk(
+                    offset=offset, data=data, total_size=blob.size, digest=digest
+                )
+                self.metrics.bytes_served.inc(len(data))
+                offset += len(data)
+                if offset >= blob.size:
+                    return
+
+    async def GetStep(self, request: coordinator_pb2.GetStepRequest, context: grpc.aio.ServicerContext):
+        claims = await self._claims(context)
+        runner = self.engine.runner(request.job_id)
+        if runner is None:
+            await context.abort(grpc.StatusCode.NOT_FOUND, f"no running job {request.job_id!r}")
+        try:
+            answer = runner.get_step(
+                claims.device_id, request.round, request.task_id, request.sum_id, self.clock()
+            )
+        except LookupError as exc:
+            await context.abort(grpc.StatusCode.NOT_FOUND, str(exc))
+        if isinstance(answer, Retry):
+            return coordinator_pb2.GetStepResponse(retry_after=retry_proto(answer))
+        return coordinator_pb2.GetStepResponse(step=answer)
+
+    async def RoundStatus(
+        self, request: coordinator_pb2.RoundStatusRequest, context: grpc.aio.ServicerContext
+    ):
+        await self._claims(context)
+        record = self.store.job(request.job_id)
+        if record is None:
+            await context.abort(grpc.StatusCode.NOT_FOUND, f"no job {request.job_id!r}")
+        runner = self.engine.runner(request.job_id)
+        if runner is None:
+            return coordinator_pb2.RoundStatusResponse(
+                job_state=job_state(record.state), round=record.committed_round,
+                committed_round=record.committed_round,
+            )
+        return coordinator_pb2.RoundStatusResponse(
+            job_state=job_state(record.state), round=runner.round, phase=round_phase(runner.phase),
+            step=runner.step, committed_round=runner.committed,
+            next_check_in_seconds=runner.next_check_in_s(self.clock()),
+        )

@@ -1,0 +1,166 @@
+"""The jobs of one coordinator: a ``JobRunner`` per active job, and the answers the device and
+admin APIs need from them (who gets a task, where a model is, how to cancel)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+import secrets
+from collections.abc import Callable
+
+from coordinator.aggregators import AggregatorPool
+from coordinator.events import TERMINAL_STATES, EventHub
+from coordinator.jobspec import JobSpec, parse
+from coordinator.metrics import CoordinatorMetrics
+from coordinator.planner import IDLE_RETRY_S, Hold, Retry
+from coordinator.runner import CheckInResult, JobRunner, RunnerContext
+from coordinator.store import Store
+from tally import logs
+from tally.security import DeviceClaims, TicketSigner
+
+log = logging.getLogger("tally.coordinator")
+
+# A held check-in answers this long before the caller's deadline.
+HOLD_MARGIN_S = 1.0
+
+
+class Engine:
+    """Every active job of one coordinator, and the answers the APIs need from them."""
+
+    def __init__(
+        self,
+        store: Store,
+        pool: AggregatorPool,
+        signer: TicketSigner,
+        metrics: CoordinatorMetrics,
+        clock: Callable[[], float],
+        *,
+        checkin_hold_s: float = 20.0,
+        rng: random.Random | None = None,
+    ) -> None:
+        self.store, self.pool, self.clock = store, pool, clock
+        self.events = EventHub(store, clock)
+        self.checkin_hold_s = checkin_hold_s
+        self._ctx = RunnerContext(store, pool, signer, metrics, self.events, clock, rng or random.Random())
+        self.runners: dict[str, JobRunner] = {}
+
+    async def start(self) -> None:
+        """Resume every job a previous coordinator left PENDING or RUNNING; one that cannot be
+        resumed (its algorithm is no longer registered, say) fails with the reason."""
+        for record in self.store.jobs(("PENDING", "RUNNING")):
+            try:
+                self._launch(record.seq, record.job_id, record.committed_round, parse(record.spec_yaml))
+            except (ValueError, TypeError) as exc:  # JobSpecError is a ValueError
+                message = f"cannot resume: {exc}"
+                self.store.set_job_state(record.job_id, "FAILED", self.clock(), message)
+                self.events.publish(
+                    record.job_id, round=record.committed_round, state="FAILED", message=message
+                )
+
+    async def stop(self) -> None:
+        runners = list(self.runners.values())
+        for runner in runners:
+            if runner.task is not None:
+                runner.task.cancel()
+        await asyncio.gather(*(r.task for r in runners if r.task is not None), return_exceptions=True)
+        self.events.close()
+
+    def _launch(self, seq: int, job_id: str, committed: int, spec: JobSpec) -> JobRunner:
+        runner = JobRunner(self._ctx, seq, job_id, committed, spec, self._runner_done)
+        self.runners[job_id] = runner
+        runner.task = asyncio.get_running_loop().create_task(runner.run(), name=f"job {job_id}")
+        return runner
+
+    def _runner_done(self, runner: JobRunner) -> None:
+        if self.runners.get(runner.job_id) is runner:
+            del self.runners[runner.job_id]
+
+    # -- admin ---------------------------------------------------------------------------------
+
+    def submit(self, spec: JobSpec) -> str:
+        job_id = f"{spec.name}-{secrets.token_hex(4)}"
+        record = self.store.create_job(
+            job_id, spec.name, spec.algorithm, spec.population, spec.to_yaml(), self.clock()
+        )
+        self.events.publish(job_id, round=0, state="PENDING", message="submitted")
+        logs.event(log, "job submitted", job_id=job_id, algorithm=spec.algorithm, rounds=spec.rounds)
+        self._launch(record.seq, job_id, 0, spec)
+        return job_id
+
+    async def cancel(self, job_id: str, reason: str) -> None:
+        """Stop a PENDING or RUNNING job (``LookupError``/``ValueError`` when it is unknown or done)."""
+        record = self.store.job(job_id)
+        if record is None:
+            raise LookupError(f"no job {job_id!r}")
+        if record.state in TERMINAL_STATES:
+            raise ValueError(f"job {job_id} already {record.state.lower()}")
+        runner = self.runners.get(job_id)
+        message = f"cancelled: {reason}" if reason else "cancelled"
+        if runner is None or runner.task is None:
+            self.store.set_job_state(job_id, "CANCELLED", self.clock(), message)
+            self.events.publish(job_id, round=record.committed_round, state="CANCELLED", message=message)
+            return
+        runner.cancel_reason = message
+        runner.task.cancel()
+        await asyncio.gather(runner.task, return_exceptions=True)
+
+    # -- devices -------------------------------------------------------------------------------
+
+    async def check_in(
+        self, claims: DeviceClaims, caller_timeout_s: float | None = None
+    ) -> CheckInResult:
+        """A task from the first job of the device's population that selects it, else the
+        soonest come-back time.
+
+        A selected device is held while the selection fills, at most ``checkin_hold_s`` and never
+        past the caller's own deadline: a check-in that timed out on the device side would lose
+        its seat without the device learning when to come back."""
+        hold_s = self.checkin_hold_s
+        if caller_timeout_s is not None:
+            hold_s = max(0.0, min(hold_s, caller_timeout_s - HOLD_MARGIN_S))
+        now = self.clock()
+        retries: list[Retry] = []
+        for runner in sorted(self.runners.values(), key=lambda r: r.seq):
+            if runner.population != claims.population:
+                continue
+            decision = runner.offer(claims.device_id, now)
+            if isinstance(decision, Retry):
+                retries.append(decision)
+            elif isinstance(decision, Hold):
+                return await runner.hold(claims.device_id, hold_s)
+            else:
+                return decision
+        if not retries:
+            return Retry(IDLE_RETRY_S, f"no running job for population {claims.population!r}")
+        return min(retries, key=lambda r: r.seconds)
+
+    def runner(self, job_id: str) -> JobRunner | None:
+        return self.runners.get(job_id)
+
+    def resolve_onnx(self, name: str, population: str) -> str:
+        """Digest of ``[<job_id>/]latest.onnx`` or ``[<job_id>/]v<round>.onnx``; without a job id,
+        the newest job of the device's population that has a model. Jobs of other populations
+        are not found: a device sees its own population's models only."""
+        job_id, _, file = name.rpartition("/")
+        stem = file.removesuffix(".onnx")
+        if stem != "latest" and not (stem.startswith("v") and stem[1:].isdigit()):
+            raise LookupError(f"unknown model version {name!r}; use latest.onnx or v<round>.onnx")
+        if job_id:
+            job = self.store.job(job_id)
+            if job is None or job.population != population:
+                raise LookupError(f"no job {job_id!r} in population {population!r}")
+        else:
+            candidates = [
+                j for j in reversed(self.store.jobs()) if j.population == population
+                and self.store.model_version(j.job_id) is not None
+            ]
+            if not candidates:
+                raise LookupError(f"no model for population {population!r} yet")
+            job_id = candidates[0].job_id
+        version = self.store.model_version(job_id, None if stem == "latest" else int(stem[1:]))
+        if version is None:
+            raise LookupError(f"job {job_id!r} has no model version {stem!r}")
+        if version.onnx_digest is None:
+            raise LookupError(f"model {job_id}/v{version.round} has no ONNX export")
+        return version.onnx_digest

@@ -1,0 +1,50 @@
+"""Prometheus metrics of the coordinator, ``tally_coordinator_*`` in base units, on the
+service's own registry (two coordinators in one test process never collide)."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from tally.metrics import DURATION_BUCKETS
+
+
+class CoordinatorMetrics:
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.checkins = Counter(
+            "tally_coordinator_checkins", "Device check-ins by outcome (task, retry, cancelled)",
+            ["outcome"], registry=registry,
+        )
+        self.devices_selected = Counter(
+            "tally_coordinator_devices_selected", "Devices placed in a cohort", registry=registry
+        )
+        self.rounds_committed = Counter(
+            "tally_coordinator_rounds_committed", "Rounds whose model was checkpointed", registry=registry
+        )
+        self.rounds_retried = Counter(
+            "tally_coordinator_rounds_retried",
+            "Round retries: failed attempts and selection windows reopened for lack of devices",
+            registry=registry,
+        )
+        self.rounds_failed = Counter(
+            "tally_coordinator_rounds_failed", "Rounds abandoned after their retry budget (job failed)",
+            registry=registry,
+        )
+        self.round_duration = Histogram(
+            "tally_coordinator_round_duration_seconds", "Committed rounds, first check-in to commit",
+            buckets=DURATION_BUCKETS, registry=registry,
+        )
+        self.cohort_sums = Counter(
+            "tally_coordinator_cohort_sums", "Cohort sums by outcome (accepted, aborted, rejected, failed)",
+            ["outcome"], registry=registry,
+        )
+        self.aggregators_up = Gauge(
+            "tally_coordinator_aggregators_up", "Aggregators answering SERVING", registry=registry
+        )
+        self.current_round = Gauge(
+            "tally_coordinator_current_round", "Round in progress per running job", ["job_id"],
+            registry=registry,
+        )
+        self.bytes_served = Counter(
+            "tally_coordinator_model_served_bytes", "Model and ONNX bytes streamed to devices",
+            registry=registry,
+        )

@@ -1,0 +1,643 @@
+"""One job's rounds: ``JobRunner`` drives them through ``RoundPlanner`` and does the I/O.
+
+A round, as the runner drives it:
+
+1. the server half's steps and first broadcast are fixed; the broadcast is stored as a blob
+   devices download (``model_digest`` of their task);
+2. check-ins are held while the selection fills (``RoundPlanner`` decides who is in);
+3. aggregators are health-checked, the selected devices split into cohorts, and one session per
+   cohort is opened with a signed ticket carrying every sum of the round;
+4. each step's cohort sums are awaited, decoded and added, and the server half applies the total;
+   the next step's broadcast then becomes available to ``GetStep``;
+5. the new state is checkpointed and the round committed.
+
+Any failure of an attempt (an aggregator down, a session aborted, a sum rejected, the deadline)
+closes the attempt's sessions and discards it whole; the round is retried with a new selection
+while the job's retry budget lasts, then the job fails with the reason.
+
+Everything runs on one event loop, so runner, planner and API handlers never interleave inside
+a method; only blob writes and ONNX export go to worker threads.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import hashlib
+import json
+import logging
+import random
+import secrets
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from coordinator import registry
+from coordinator.aggregators import AggregatorCallFailed, AggregatorPool
+from coordinator.events import EventHub
+from coordinator.jobspec import JobSpec
+from coordinator.metrics import CoordinatorMetrics
+from coordinator.onnx_export import export_model
+from coordinator.planner import (
+    FIRST_ROUND_GUESS_S,
+    MIN_RETRY_S,
+    CohortPlan,
+    CohortRejected,
+    Deliver,
+    Extended,
+    Failed,
+    FormCohorts,
+    Hold,
+    NoCapacity,
+    Retry,
+    RoundPlanner,
+    pace,
+)
+from coordinator.state_codec import UnsupportedState, state_from_bytes, state_to_bytes
+from coordinator.store import ModelVersion, Store
+from tally import logs, modelio
+from tally.algorithms.base import StepSpec
+from tally.security import SessionTicket, TicketSigner, config_digest
+from tally.secagg import SessionConfig, SessionRef
+from tally.secagg.messages import SessionAborted
+from tally.training import get_params, mlp
+from tally.wire.convert import (
+    WireError,
+    cohort_sum_from_proto,
+    schema_to_proto,
+    session_config_bytes,
+    tensors_to_proto,
+    to_proto,
+)
+from tally.wire.v1 import aggregator_pb2, coordinator_pb2, secagg_pb2
+
+log = logging.getLogger("tally.coordinator")
+
+CHUNK_SIZE = 1 << 20
+OPEN_TIMEOUT_S = 10.0
+CLOSE_TIMEOUT_S = 2.0
+# Weight of the newest round in the running estimate of a round's duration (pace steering).
+DURATION_SMOOTHING = 0.5
+
+CheckInResult = coordinator_pb2.TaskAssignment | Retry
+
+
+class AttemptFailed(Exception):
+    """The current attempt is discarded; the round may be retried."""
+
+
+class JobFailed(Exception):
+    """The job cannot go on; the message says why."""
+
+
+@dataclass
+class OpenedSession:
+    cohort: int
+    aggregator_id: str
+    session_id: str
+    address: str
+    config: SessionConfig
+    ticket: bytes
+    tokens: dict[int, str]  # device index -> session token
+
+
+@dataclass
+class RoundBlob:
+    """What a round's devices download: the first step's broadcast."""
+
+    version: str
+    digest: str
+    size: int
+
+
+def phase_deadlines(spec: JobSpec) -> secagg_pb2.PhaseDeadlines:
+    d = spec.deadlines
+    return secagg_pb2.PhaseDeadlines(
+        advertise_keys_seconds=d["advertise_keys"], share_keys_seconds=d["share_keys"],
+        masked_input_seconds=d["masked_input"], consistency_check_seconds=d["consistency_check"],
+        unmask_seconds=d["unmask"],
+    )
+
+
+def step_proto(step: StepSpec, broadcast: dict[str, Any] | None = None) -> coordinator_pb2.Step:
+    out = coordinator_pb2.Step(
+        name=step.name, sum_id=step.name, schema=schema_to_proto(step.name, step.schema)
+    )
+    if broadcast is not None:
+        out.broadcast.extend(tensors_to_proto(broadcast))
+    return out
+
+
+@dataclass(frozen=True)
+class RunnerContext:
+    """What a runner uses of the coordinator around it."""
+
+    store: Store
+    pool: AggregatorPool
+    signer: TicketSigner
+    metrics: CoordinatorMetrics
+    events: EventHub
+    clock: Callable[[], float]
+    rng: random.Random
+
+
+class JobRunner:
+    """Drives one job's rounds until it succeeds, fails or is cancelled; ``on_done`` is called
+    when it stops, whatever the reason."""
+
+    def __init__(
+        self,
+        ctx: RunnerContext,
+        seq: int,
+        job_id: str,
+        committed: int,
+        spec: JobSpec,
+        on_done: Callable[[JobRunner], None],
+    ) -> None:
+        self.ctx, self.seq, self.job_id, self.spec = ctx, seq, job_id, spec
+        self._on_done = on_done
+        self.server = registry.make_server(spec.algorithm, spec.config)
+        self.committed = committed
+        self.round = committed + 1
+        self.phase, self.step = "", ""
+        self.planner: RoundPlanner | None = None
+        self.tasks: dict[str, coordinator_pb2.TaskAssignment] = {}
+        self.step_protos: list[coordinator_pb2.Step | None] = []
+        self.waiters: dict[str, asyncio.Future[CheckInResult]] = {}
+        self.wake = asyncio.Event()
+        self.sessions: list[OpenedSession] = []
+        self.expected_round_s = FIRST_ROUND_GUESS_S  # pace steering's estimate
+        self.timed_rounds = 0
+        self.round_started_at = ctx.clock()
+        self.cancel_reason: str | None = None
+        self.task: asyncio.Task[None] | None = None
+        self._options = json.dumps(dict(spec.config), sort_keys=True)
+        self._deadlines = phase_deadlines(spec)
+
+    @property
+    def population(self) -> str:
+        return self.spec.population
+
+    # -- device-facing ------------------------------------------------------------------------
+
+    def offer(self, device_id: str, now: float) -> Hold | coordinator_pb2.TaskAssignment | Retry:
+        planner = self.planner
+        if planner is None:  # between rounds: the next selection opens as soon as the commit is done
+            return Retry(MIN_RETRY_S, "next round starting")
+        decision = planner.check_in(device_id, now)
+        if isinstance(decision, Deliver):
+            return self.tasks[device_id]
+        if isinstance(decision, Hold) and planner.selection.full:
+            self.wake.set()
+        return decision
+
+    async def hold(self, device_id: str, hold_s: float) -> CheckInResult:
+        """Wait for a held device's task; free its seat if the wait ends first."""
+        planner = self.planner
+        assert planner is not None
+        previous = self.waiters.get(device_id)
+        if previous is not None and not previous.done():
+            previous.set_result(Retry(MIN_RETRY_S, "superseded by a newer check-in"))
+        future: asyncio.Future[CheckInResult] = asyncio.get_running_loop().create_future()
+        self.waiters[device_id] = future
+        try:
+            return await asyncio.wait_for(asyncio.shield(future), timeout=hold_s)
+        except TimeoutError:
+            if future.done():
+                return future.result()
+            planner.withdraw(device_id)
+            return Retry(MIN_RETRY_S, "selection still open")
+        except asyncio.CancelledError:
+            planner.withdraw(device_id)
+            raise
+        finally:
+            if self.waiters.get(device_id) is future:
+                del self.waiters[device_id]
+
+    def get_step(
+        self, device_id: str, round_: int, task_id: str, sum_id: str, now: float
+    ) -> coordinator_pb2.Step | Retry:
+        if round_ != self.round or self.planner is None:
+            raise LookupError(
+                f"round {round_} of job {self.job_id} is not in progress (round {self.round} is)"
+            )
+        answer = self.planner.step_request(device_id, task_id, sum_id, now)
+        if isinstance(answer, Retry):
+            return answer
+        step = self.step_protos[answer]
+        if step is None:  # cannot happen: a step is ready only after its broadcast was built
+            raise LookupError(f"sum {sum_id!r} has no broadcast yet")
+        return step
+
+    def next_check_in_s(self, now: float) -> float:
+        if self.planner is not None and self.phase == "SELECTION":
+            return MIN_RETRY_S
+        return pace(self.expected_round_s, now - self.round_started_at)
+
+    # -- lifecycle ----------------------------------------------------------------------------
+
+    async def run(self) -> None:
+        ctx = self.ctx
+        try:
+            state = await self._restore()
+            ctx.store.set_job_state(self.job_id, "RUNNING", ctx.clock())
+            ctx.events.publish(self.job_id, round=self.committed, state="RUNNING", message="running")
+            while self.committed < self.spec.rounds:  # the last commit marks the job SUCCEEDED
+                state = await self._round(state)
+        except asyncio.CancelledError:
+            if self.cancel_reason is None:
+                raise  # the coordinator is stopping: the job stays RUNNING and resumes later
+            self._finish("CANCELLED", self.cancel_reason)
+        except JobFailed as exc:
+            ctx.metrics.rounds_failed.inc()
+            self._finish("FAILED", str(exc))
+        except Exception as exc:  # an algorithm or store bug must fail the job, not the service
+            log.exception("job runner crashed", extra={"fields": {"job_id": self.job_id}})
+            self._finish("FAILED", f"internal error: {type(exc).__name__}: {exc}")
+        finally:
+            self._release_waiters("job is not running")
+            await self._close_sessions("job stopped")
+            with contextlib.suppress(KeyError):  # no gauge when the job ended before a round
+                ctx.metrics.current_round.remove(self.job_id)
+            self._on_done(self)
+
+    def _finish(self, state: str, message: str) -> None:
+        store, now = self.ctx.store, self.ctx.clock()
+        for attempt in store.running_attempts(self.job_id):
+            store.finish_attempt(self.job_id, attempt.round, attempt.attempt, now, message)
+        store.set_job_state(self.job_id, state, now, message)
+        self.ctx.events.publish(
+            self.job_id, round=self.round, phase=self.phase, step=self.step, state=state, message=message
+        )
+        logs.event(log, f"job {state.lower()}", job_id=self.job_id, reason=message)
+
+    async def _restore(self) -> Any:
+        """The state to continue from: the last committed checkpoint, or a fresh model."""
+        store = self.ctx.store
+        for attempt in store.running_attempts(self.job_id):  # left open by a stopped coordinator
+            for s in attempt.sessions:
+                await self.ctx.pool.close_session(
+                    s["aggregator_id"], s["session_id"], "coordinator restarted", CLOSE_TIMEOUT_S
+                )
+            store.finish_attempt(
+                self.job_id, attempt.round, attempt.attempt, self.ctx.clock(),
+                "interrupted: coordinator stopped",
+            )
+        version = store.model_version(self.job_id)
+        if version is None:
+            spec = self.spec.model
+            state = self.server.init(get_params(mlp(spec.inputs, spec.classes, spec.hidden, spec.seed)))
+            store.add_model_version(await self._checkpoint(0, state))
+            return state
+        if version.round != self.committed:
+            raise JobFailed(
+                f"store is inconsistent: latest model is round {version.round}, "
+                f"committed round {self.committed}"
+            )
+        template = self.server.init(modelio.deserialize(store.read_blob(version.model_digest)))
+        if version.state_digest is None:
+            return template
+        return state_from_bytes(store.read_blob(version.state_digest), template)
+
+    async def _checkpoint(self, round_: int, state: Any) -> ModelVersion:
+        """Model, algorithm state and ONNX export as blobs (in a worker thread)."""
+
+        def write() -> ModelVersion:
+            store = self.ctx.store
+            model = self.server.model(state)
+            model_digest = store.put_blob(modelio.serialize(model), "model")
+            try:
+                state_digest: str | None = store.put_blob(state_to_bytes(state), "state")
+            except UnsupportedState as exc:
+                logs.event(log, "algorithm state not checkpointed; a restart resumes from the model only",
+                           logging.WARNING, job_id=self.job_id, reason=str(exc))
+                state_digest = None
+            try:
+                onnx_digest: str | None = store.put_blob(export_model(model, self.spec.model), "onnx")
+            except (ValueError, RuntimeError) as exc:
+                logs.event(log, "no ONNX export", logging.WARNING, job_id=self.job_id, round=round_,
+                           reason=str(exc))
+                onnx_digest = None
+            now = self.ctx.clock()
+            return ModelVersion(self.job_id, round_, model_digest, state_digest, onnx_digest, now)
+
+        return await asyncio.to_thread(write)
+
+    # -- rounds -------------------------------------------------------------------------------
+
+    async def _round(self, state: Any) -> Any:
+        ctx, spec = self.ctx, self.spec
+        self.round = round_ = self.committed + 1
+        self.round_started_at = ctx.clock()
+        ctx.metrics.current_round.labels(job_id=self.job_id).set(round_)
+        steps = self.server.steps(state)
+        first = modelio.serialize(self.server.broadcast(state, steps[0].name))
+        digest = await asyncio.to_thread(ctx.store.put_blob, first, "broadcast")
+        blob = RoundBlob(f"{self.job_id}/v{self.committed}", digest, len(first))
+        failures = 0
+        while True:
+            attempt = ctx.store.start_attempt(self.job_id, round_, ctx.clock())
+            try:
+                new_state, metrics = await self._attempt(
+                    round_, attempt, state, steps, blob, spec.retries - failures
+                )
+                break
+            except AttemptFailed as exc:
+                failures += self._extensions_used() + 1
+                self._end_attempt(round_, attempt, str(exc))
+                if failures > spec.retries:
+                    raise JobFailed(
+                        f"round {round_} failed after {attempt} attempt(s), retry budget "
+                        f"{spec.retries} spent: {exc}"
+                    ) from None
+                ctx.metrics.rounds_retried.inc()
+        await self._commit(round_, attempt, new_state, metrics)
+        return new_state
+
+    def _extensions_used(self) -> int:
+        return self.planner.selection.extensions_used if self.planner is not None else 0
+
+    def _end_attempt(self, round_: int, attempt: int, reason: str) -> None:
+        ctx = self.ctx
+        ctx.store.finish_attempt(self.job_id, round_, attempt, ctx.clock(), reason)
+        ctx.events.publish(
+            self.job_id, round=round_, phase="FAILED", step=self.step, state="RUNNING",
+            message=f"attempt {attempt} failed: {reason}",
+        )
+        logs.event(log, "round attempt failed", logging.WARNING, job_id=self.job_id, round=round_,
+                   attempt=attempt, reason=reason)
+
+    async def _attempt(
+        self, round_: int, attempt: int, state: Any, steps: list[StepSpec], blob: RoundBlob, budget: int
+    ) -> tuple[Any, dict[str, float]]:
+        ctx = self.ctx
+        planner = RoundPlanner(
+            self.spec, steps, ctx.clock(), extensions=budget,
+            attempt_key=f"r{round_}a{attempt}-{secrets.token_hex(4)}",
+            expected_round_s=self.expected_round_s, rng=ctx.rng,
+        )
+        self.planner, self.tasks, self.sessions = planner, {}, []
+        self.step_protos = [step_proto(steps[0])] + [None] * (len(steps) - 1)
+        self._set_phase(
+            "SELECTION", "",
+            f"round {round_} attempt {attempt}: selecting {self.spec.selection_target} devices",
+        )
+        try:
+            await self._select(planner)
+            await self._open_sessions(planner, round_, attempt, steps)
+            self._deliver(planner, round_, blob)
+            metrics = {
+                "selected": float(len(planner.seats)),
+                "cohorts": float(len(planner.cohorts)),
+                "attempt": float(attempt),
+            }
+            for k, step in enumerate(steps):
+                state = await self._run_step(planner, k, step, state, metrics)
+            await self._close_sessions("round complete")
+            return state, metrics
+        except AttemptFailed as exc:
+            planner.fail(str(exc))
+            self._release_waiters(f"round attempt failed: {exc}")
+            await self._close_sessions(f"round attempt failed: {exc}")
+            raise
+
+    def _set_phase(
+        self, phase: str, step: str, message: str = "", metrics: Mapping[str, float] | None = None
+    ) -> None:
+        self.phase, self.step = phase, step
+        self.ctx.events.publish(
+            self.job_id, round=self.round, phase=phase, step=step, state="RUNNING", message=message,
+            metrics=metrics,
+        )
+
+    async def _select(self, planner: RoundPlanner) -> None:
+        ctx = self.ctx
+        while True:
+            decision = planner.tick(ctx.clock())
+            if isinstance(decision, FormCohorts):
+                return
+            if isinstance(decision, Failed):
+                raise AttemptFailed(decision.reason)
+            if isinstance(decision, Extended):
+                ctx.metrics.rounds_retried.inc()
+                self._set_phase("SELECTION", "", f"{decision.reason}; waiting another window (uses a retry)")
+            self.wake.clear()
+            try:
+                timeout = max(planner.next_tick_s(ctx.clock()), 0.01)
+                await asyncio.wait_for(self.wake.wait(), timeout=timeout)
+            except TimeoutError:
+                pass
+
+    async def _open_sessions(
+        self, planner: RoundPlanner, round_: int, attempt: int, steps: list[StepSpec]
+    ) -> None:
+        """One session per cohort; an aggregator that fails to open is left out and the cohorts
+        are formed again over the others."""
+        ctx = self.ctx
+        excluded: dict[str, str] = {}  # aggregator -> why it could not open a session
+        while True:
+            healthy = await ctx.pool.healthy(exclude=sorted(excluded))
+            try:
+                plans = planner.form(healthy, ctx.clock())
+            except NoCapacity as exc:
+                why = "".join(f"; {reason}" for reason in excluded.values())
+                raise AttemptFailed(f"cannot form cohorts: {exc}{why}") from None
+            opened = await asyncio.gather(
+                *(self._open_one(c, plan, round_, steps, planner.deadline) for c, plan in enumerate(plans)),
+                return_exceptions=True,
+            )
+            self.sessions = [s for s in opened if isinstance(s, OpenedSession)]
+            errors = [e for e in opened if isinstance(e, BaseException)]
+            if not errors:
+                break
+            for error in errors:
+                if not isinstance(error, AggregatorCallFailed):
+                    raise error  # the attempt's handler closes the sessions that did open
+                excluded[error.aggregator_id] = str(error)
+            logs.event(log, "reforming cohorts without failed aggregators", logging.WARNING,
+                       job_id=self.job_id, excluded=excluded)
+            await self._close_sessions("cohorts reformed")
+        ctx.store.set_attempt_sessions(
+            self.job_id, round_, attempt,
+            [{"aggregator_id": s.aggregator_id, "session_id": s.session_id} for s in self.sessions],
+        )
+        ctx.metrics.devices_selected.inc(len(planner.seats))
+
+    async def _open_one(
+        self, cohort: int, plan: CohortPlan, round_: int, steps: list[StepSpec], deadline: float
+    ) -> OpenedSession:
+        spec = self.spec
+        session_id = secrets.token_hex(8)
+        try:
+            config = SessionConfig.plan(
+                SessionRef(self.job_id, round_, session_id), [(s.name, s.schema) for s in steps],
+                len(plan.devices), spec.secure.threat(), consistency_check=spec.secure.consistency_check,
+            )
+            # The privacy floor: the aggregator must abort rather than reveal a sum of fewer.
+            config = dataclasses.replace(config, min_survivors=max(config.params.t, spec.min_cohort))
+        except ValueError as exc:
+            raise AttemptFailed(
+                f"cohort of {len(plan.devices)} devices cannot be configured: {exc}"
+            ) from None
+        tokens = {i: secrets.token_urlsafe(24) for i in range(1, len(plan.devices) + 1)}
+        ticket = self.ctx.signer.sign(SessionTicket(
+            self.job_id, round_, session_id, tuple(s.name for s in steps), len(plan.devices),
+            config_digest(session_config_bytes(config)), plan.aggregator_id, deadline,
+        ))
+        request = aggregator_pb2.OpenSessionRequest(
+            session_ticket=ticket, config=to_proto(config),
+            schemas=[schema_to_proto(s.name, s.schema) for s in steps], deadlines=self._deadlines,
+            devices=[
+                aggregator_pb2.DeviceGrant(device_index=i, token_sha256=hashlib.sha256(t.encode()).digest())
+                for i, t in tokens.items()
+            ],
+        )
+        reply = await self.ctx.pool.open_session(plan.aggregator_id, request, OPEN_TIMEOUT_S)
+        if reply.session_id and reply.session_id != session_id:
+            raise AggregatorCallFailed(
+                plan.aggregator_id, f"answered session {reply.session_id!r} for {session_id!r}"
+            )
+        if not reply.address:
+            raise AggregatorCallFailed(plan.aggregator_id, "OpenSession returned no address")
+        return OpenedSession(cohort, plan.aggregator_id, session_id, reply.address, config, ticket, tokens)
+
+    def _deliver(self, planner: RoundPlanner, round_: int, blob: RoundBlob) -> None:
+        by_cohort = {s.cohort: s for s in self.sessions}
+        for seat in planner.seats.values():
+            session = by_cohort[seat.cohort]
+            self.tasks[seat.device_id] = coordinator_pb2.TaskAssignment(
+                job_id=self.job_id, round=round_, task_id=seat.task_id, algorithm=self.spec.algorithm,
+                step=self.step_protos[0], model_version=blob.version, model_digest=blob.digest,
+                model_size=blob.size, chunk_size=CHUNK_SIZE, aggregator_address=session.address,
+                session_ticket=session.ticket, device_index=seat.index,
+                session_token=session.tokens[seat.index], session=to_proto(session.config),
+                deadlines=self._deadlines, algorithm_options=self._options,
+            )
+        for seat in planner.opened():
+            future = self.waiters.get(seat.device_id)
+            if future is not None and not future.done():
+                future.set_result(self.tasks[seat.device_id])
+                planner.mark_delivered(seat.device_id)
+
+    async def _run_step(
+        self, planner: RoundPlanner, k: int, step: StepSpec, state: Any, metrics: dict[str, float]
+    ) -> Any:
+        self._set_phase(
+            "AGGREGATION", step.name,
+            f"collecting sum {step.name!r} from {len(self.sessions)} cohort(s)",
+        )
+        total = await self._collect(planner, step)
+        # Scalar fields of the total (FedAvg's summed weight and examples) are aggregates too:
+        # worth reporting, and no more revealing than the sum the server half receives.
+        step_metrics = {
+            **planner.step_metrics(),
+            **{f"{step.name}.{name}": float(v) for name, v in total.items() if np.ndim(v) == 0},
+        }
+        metrics.update(step_metrics)
+        self._set_phase("UPDATE", step.name, metrics=step_metrics)
+        try:
+            state = self.server.apply(state, step.name, total)
+            following = planner.steps[k + 1] if k + 1 < len(planner.steps) else None
+            if following is not None:
+                self.step_protos[k + 1] = step_proto(following, self.server.broadcast(state, following.name))
+        except (ValueError, ArithmeticError) as exc:
+            raise AttemptFailed(f"{self.spec.algorithm} could not apply sum {step.name!r}: {exc}") from None
+        planner.step_applied()
+        return state
+
+    async def _collect(self, planner: RoundPlanner, step: StepSpec) -> dict[str, Any]:
+        ctx = self.ctx
+
+        async def one(session: OpenedSession) -> tuple[OpenedSession, aggregator_pb2.CohortSum]:
+            timeout = planner.deadline - ctx.clock()
+            result = await ctx.pool.await_result(
+                session.aggregator_id, session.session_id, step.name, timeout
+            )
+            return session, result
+
+        pending = [asyncio.create_task(one(s)) for s in self.sessions]
+        try:
+            remaining = max(planner.deadline - ctx.clock(), 0.0)
+            for next_done in asyncio.as_completed(pending, timeout=remaining):
+                try:
+                    session, proto = await next_done
+                except AggregatorCallFailed as exc:
+                    ctx.metrics.cohort_sums.labels(outcome="failed").inc()
+                    raise AttemptFailed(str(exc)) from None
+                total = self._accept(planner, session, step, proto)
+                if total is not None:
+                    return total
+        except TimeoutError:
+            raise AttemptFailed(f"sum {step.name!r} not complete before the round deadline") from None
+        finally:
+            for task in pending:
+                task.cancel()
+        raise AttemptFailed(f"sum {step.name!r}: a cohort returned nothing")
+
+    def _accept(
+        self, planner: RoundPlanner, session: OpenedSession, step: StepSpec, proto: aggregator_pb2.CohortSum
+    ) -> dict[str, Any] | None:
+        counter = self.ctx.metrics.cohort_sums
+        where = f"cohort {session.cohort} on aggregator {session.aggregator_id}"
+        try:
+            result = cohort_sum_from_proto(proto)
+        except WireError as exc:
+            counter.labels(outcome="rejected").inc()
+            raise AttemptFailed(f"{where}: malformed sum: {exc}") from None
+        if isinstance(result, SessionAborted):
+            counter.labels(outcome="aborted").inc()
+            raise AttemptFailed(f"{where}: session aborted: {result.reason}")
+        spec = session.config.sum_spec(step.name)
+        if (proto.sum_id, proto.bits, proto.dim) != (step.name, spec.bits, spec.dim):
+            counter.labels(outcome="rejected").inc()
+            raise AttemptFailed(
+                f"{where}: sum {proto.sum_id!r} at {proto.bits} bits x {proto.dim} does not match the "
+                f"session's {step.name!r} at {spec.bits} bits x {spec.dim}"
+            )
+        try:
+            total = planner.cohort_sum(session.cohort, result, spec.bits)
+        except CohortRejected as exc:
+            counter.labels(outcome="rejected").inc()
+            raise AttemptFailed(f"{where}: {exc}") from None
+        counter.labels(outcome="accepted").inc()
+        return total
+
+    async def _commit(self, round_: int, attempt: int, state: Any, metrics: dict[str, float]) -> None:
+        ctx = self.ctx
+        duration = ctx.clock() - self.round_started_at
+        metrics["duration_seconds"] = duration
+        version = await self._checkpoint(round_, state)
+        final = round_ == self.spec.rounds
+        ctx.store.commit_round(version, attempt, metrics, final=final)
+        self.committed = round_
+        self.planner = None
+        self.expected_round_s = (
+            DURATION_SMOOTHING * duration + (1 - DURATION_SMOOTHING) * self.expected_round_s
+            if self.timed_rounds else duration
+        )
+        self.timed_rounds += 1
+        ctx.metrics.rounds_committed.inc()
+        ctx.metrics.round_duration.observe(duration)
+        self.phase, self.step = "COMMITTED", ""
+        ctx.events.publish(
+            self.job_id, round=round_, phase="COMMITTED", state="SUCCEEDED" if final else "RUNNING",
+            message=f"round {round_} of {self.spec.rounds} committed", metrics=metrics,
+        )
+        logs.event(log, "round committed", job_id=self.job_id, round=round_, attempt=attempt, metrics=metrics)
+
+    def _release_waiters(self, reason: str) -> None:
+        retry = Retry(MIN_RETRY_S, reason)
+        for future in self.waiters.values():
+            if not future.done():
+                future.set_result(retry)
+        self.waiters.clear()
+
+    async def _close_sessions(self, reason: str) -> None:
+        sessions, self.sessions = self.sessions, []
+        close = self.ctx.pool.close_session
+        await asyncio.gather(
+            *(close(s.aggregator_id, s.session_id, reason, CLOSE_TIMEOUT_S) for s in sessions)
+        )

@@ -1,0 +1,164 @@
+"""``CoordinatorService``: the coordinator as one object a process (or a test) starts and stops.
+
+It wires the store, the aggregator pool, the engine and the two gRPC services (device-facing
+``Coordinator`` and operator-facing ``Admin``) onto one server, with health checking,
+reflection, explicit message limits and its own metrics port.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from coordinator.admin_api import AdminService, load_or_create_admin_token
+from coordinator.aggregators import AggregatorPool
+from coordinator.device_api import DeviceService
+from coordinator.engine import Engine
+from coordinator.metrics import CoordinatorMetrics
+from coordinator.store import Store
+from tally import logs
+from tally.metrics import MetricsServer
+from tally.security import (
+    TicketSigner,
+    TLSConfig,
+    TokenIssuer,
+    bind,
+    channel_options,
+    load_or_create_ticket_key,
+    load_or_create_token_secret,
+)
+from tally.wire.v1 import admin_pb2, admin_pb2_grpc, coordinator_pb2, coordinator_pb2_grpc
+
+log = logging.getLogger("tally.coordinator")
+
+SERVICE_NAMES = (
+    coordinator_pb2.DESCRIPTOR.services_by_name["Coordinator"].full_name,
+    admin_pb2.DESCRIPTOR.services_by_name["Admin"].full_name,
+)
+DEFAULT_TOKEN_TTL_S = 24 * 3600.0
+HEALTH_INTERVAL_S = 15.0
+
+
+class CoordinatorService:
+    """Serves devices and operators on ``listen``; talks to ``aggregators`` ((id, host:port)).
+
+    ``secrets_dir`` holds ``token.secret`` (device tokens) and ``ticket.key``/``ticket.pub``
+    (session tickets; aggregators need ``ticket.pub``); it defaults to ``state_dir``, and a
+    ``tally certs`` directory works too. ``aggregator_tls`` defaults to plaintext when ``tls``
+    is plaintext, else to verifying aggregators with ``tls``'s CA; pass a client identity
+    (``TLSConfig.from_dir(dir, "client")``) for aggregators that demand mutual TLS (the
+    coordinator's own certificate is for serving only).
+    """
+
+    def __init__(
+        self,
+        listen: str,
+        tls: TLSConfig,
+        state_dir: Path,
+        aggregators: Sequence[tuple[str, str]],
+        *,
+        aggregator_tls: TLSConfig | None = None,
+        metrics_port: int = 0,
+        metrics_addr: str = "127.0.0.1",
+        max_message_bytes: int = 64 << 20,
+        clock: Callable[[], float] = time.time,
+        secrets_dir: Path | None = None,
+        checkin_hold_s: float = 20.0,
+        token_ttl_s: float = DEFAULT_TOKEN_TTL_S,
+    ) -> None:
+        self.listen, self.tls, self.state_dir = listen, tls, Path(state_dir)
+        self.aggregators = list(aggregators)
+        self.aggregator_tls = aggregator_tls or (tls if tls.insecure else TLSConfig(ca=tls.ca))
+        self.metrics_port, self.metrics_addr = metrics_port, metrics_addr
+        self.max_message_bytes, self.clock = max_message_bytes, clock
+        self.secrets_dir = Path(secrets_dir) if secrets_dir is not None else self.state_dir
+        self.checkin_hold_s, self.token_ttl_s = checkin_hold_s, token_ttl_s
+        self.port: int | None = None
+        self.admin_token: str | None = None
+        self.engine: Engine | None = None
+        self._server: grpc.aio.Server | None = None
+        self._metrics_server: MetricsServer | None = None
+        self._health: health.aio.HealthServicer | None = None
+        self._pool: AggregatorPool | None = None
+        self._store: Store | None = None
+        self._watchdog: asyncio.Task[None] | None = None
+
+    @property
+    def store(self) -> Store:
+        assert self._store is not None, "service not started"
+        return self._store
+
+    async def start(self) -> int:
+        """Resume unfinished jobs and start serving; returns the bound port."""
+        self._store = Store(self.state_dir)
+        self.admin_token = load_or_create_admin_token(self.state_dir)
+        issuer = TokenIssuer(load_or_create_token_secret(self.secrets_dir))
+        signer = TicketSigner(load_or_create_ticket_key(self.secrets_dir))
+        self._metrics_server = MetricsServer()
+        metrics = CoordinatorMetrics(self._metrics_server.registry)
+        self.metrics_port = self._metrics_server.start(self.metrics_port, self.metrics_addr)
+        self._pool = AggregatorPool(
+            self.aggregators, self.aggregator_tls, self.max_message_bytes, metrics.aggregators_up.set
+        )
+        self.engine = Engine(
+            self._store, self._pool, signer, metrics, self.clock, checkin_hold_s=self.checkin_hold_s
+        )
+
+        server = grpc.aio.server(options=channel_options(self.max_message_bytes))
+        coordinator_pb2_grpc.add_CoordinatorServicer_to_server(
+            DeviceService(self.engine, self._store, issuer, metrics, self.clock, self.token_ttl_s), server
+        )
+        admin_pb2_grpc.add_AdminServicer_to_server(
+            AdminService(self.engine, self._store, self.admin_token), server
+        )
+        self._health = health.aio.HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
+        reflection.enable_server_reflection(
+            (*SERVICE_NAMES, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
+             reflection.SERVICE_NAME),
+            server,
+        )
+        self.port = bind(server, self.listen, self.tls)
+        await server.start()
+        self._server = server
+        for name in ("", *SERVICE_NAMES):
+            await self._health.set(name, health_pb2.HealthCheckResponse.SERVING)
+        await self.engine.start()
+        self._watchdog = asyncio.get_running_loop().create_task(self._watch_aggregators())
+        logs.event(log, "coordinator serving", port=self.port, metrics_port=self.metrics_port,
+                   state_dir=str(self.state_dir), aggregators=[a for a, _ in self.aggregators])
+        return self.port
+
+    async def _watch_aggregators(self) -> None:
+        """Keep the aggregators-up gauge current between rounds (rounds check on their own)."""
+        assert self._pool is not None
+        while True:
+            await self._pool.healthy()
+            await asyncio.sleep(HEALTH_INTERVAL_S)
+
+    async def stop(self, grace: float | None = None) -> None:
+        """Stop serving; running jobs stay RUNNING in the store and resume on the next start."""
+        if self._watchdog is not None:
+            self._watchdog.cancel()
+            await asyncio.gather(self._watchdog, return_exceptions=True)
+        if self._health is not None:
+            await self._health.enter_graceful_shutdown()
+        if self.engine is not None:
+            await self.engine.stop()
+        if self._server is not None:
+            await self._server.stop(grace)
+        if self._pool is not None:
+            await self._pool.close()
+        if self._metrics_server is not None:
+            self._metrics_server.stop()
+        if self._store is not None:
+            self._store.close()
+        self._server = self._pool = self._store = self.engine = self._metrics_server = self._watchdog = None
+        logs.event(log, "coordinator stopped", port=self.port)

@@ -1,0 +1,392 @@
+"""The coordinator's durable state: SQLite for jobs, round attempts, model versions and events,
+plus a content-addressed directory of blobs (models, ONNX exports, algorithm states).
+
+Commit protocol: a round's blobs are written first (each atomically: temp file, fsync, rename),
+then one SQLite transaction records the model version, marks the attempt committed and advances
+the job's ``committed_round``. A crash before the transaction leaves unreferenced blobs and an
+uncommitted round, which a restarted coordinator runs again; a crash after it leaves a committed
+round, which is never run again. So no committed round is lost or repeated.
+
+All methods are thread-safe (one connection behind a lock), so large blob writes can run in a
+worker thread while the event loop keeps serving. One coordinator at a time owns a state
+directory (an exclusive lock on ``coordinator.lock``): two would run every job twice.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import json
+import os
+import secrets
+import sqlite3
+import threading
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+BLOB_KINDS = ("model", "broadcast", "onnx", "state")
+# What devices may download; algorithm states stay on the server.
+SERVED_KINDS = ("model", "broadcast", "onnx")
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS jobs (
+    seq INTEGER PRIMARY KEY AUTOINCREMENT,
+    job_id TEXT NOT NULL UNIQUE,
+    name TEXT NOT NULL,
+    algorithm TEXT NOT NULL,
+    population TEXT NOT NULL,
+    spec_yaml TEXT NOT NULL,
+    state TEXT NOT NULL,
+    message TEXT NOT NULL DEFAULT '',
+    committed_round INTEGER NOT NULL DEFAULT 0,
+    created_at REAL NOT NULL,
+    updated_at REAL NOT NULL
+);
+CREATE TABLE IF NOT EXISTS rounds (
+    job_id TEXT NOT NULL,
+    round INTEGER NOT NULL,
+    attempt INTEGER NOT NULL,
+    state TEXT NOT NULL,
+    started_at REAL NOT NULL,
+    finished_at REAL,
+    message TEXT NOT NULL DEFAULT '',
+    metrics TEXT NOT NULL DEFAULT '{}',
+    sessions TEXT NOT NULL DEFAULT '[]',
+    PRIMARY KEY (job_id, round, attempt)
+);
+CREATE TABLE IF NOT EXISTS model_versions (
+    job_id TEXT NOT NULL,
+    round INTEGER NOT NULL,
+    model_digest TEXT NOT NULL,
+    state_digest TEXT,
+    onnx_digest TEXT,
+    created_at REAL NOT NULL,
+    PRIMARY KEY (job_id, round)
+);
+CREATE TABLE IF NOT EXISTS events (
+    id INTEGER PRIMARY KEY AUTOINCREMENT,
+    job_id TEXT NOT NULL,
+    time REAL NOT NULL,
+    round INTEGER NOT NULL,
+    phase TEXT NOT NULL,
+    step TEXT NOT NULL,
+    state TEXT NOT NULL,
+    message TEXT NOT NULL,
+    metrics TEXT NOT NULL
+);
+CREATE TABLE IF NOT EXISTS blobs (
+    digest TEXT NOT NULL,
+    kind TEXT NOT NULL,
+    size INTEGER NOT NULL,
+    PRIMARY KEY (digest, kind)
+);
+CREATE INDEX IF NOT EXISTS events_by_job ON events (job_id, id);
+"""
+
+
+@dataclass(frozen=True)
+class JobRecord:
+    seq: int
+    job_id: str
+    name: str
+    algorithm: str
+    population: str
+    spec_yaml: str
+    state: str  # a JobState name without its prefix: PENDING, RUNNING, SUCCEEDED, ...
+    message: str
+    committed_round: int
+    created_at: float
+    updated_at: float
+
+
+@dataclass(frozen=True)
+class RoundRecord:
+    job_id: str
+    round: int
+    attempt: int
+    state: str  # running, committed, failed
+    started_at: float
+    finished_at: float | None
+    message: str
+    metrics: dict[str, float]
+    sessions: list[dict[str, str]]
+
+
+@dataclass(frozen=True)
+class ModelVersion:
+    job_id: str
+    round: int
+    model_digest: str
+    state_digest: str | None
+    onnx_digest: str | None
+    created_at: float
+
+
+@dataclass(frozen=True)
+class EventRecord:
+    job_id: str
+    time: float
+    round: int
+    phase: str
+    step: str
+    state: str
+    message: str
+    metrics: dict[str, float]
+
+
+@dataclass(frozen=True)
+class BlobInfo:
+    digest: str
+    size: int
+    path: Path
+
+
+class Store:
+    """SQLite database ``coordinator.db`` and ``blobs/`` under one state directory."""
+
+    def __init__(self, directory: Path) -> None:
+        self.directory = Path(directory)
+        self.directory.mkdir(parents=True, exist_ok=True, mode=0o700)
+        self._owner = open(self.directory / "coordinator.lock", "a")
+        try:
+            fcntl.flock(self._owner, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            self._owner.close()
+            raise RuntimeError(f"{self.directory} is in use by another coordinator") from None
+        self._blobs = self.directory / "blobs"
+        self._blobs.mkdir(exist_ok=True, mode=0o700)
+        self._lock = threading.Lock()
+        self._db = sqlite3.connect(
+            self.directory / "coordinator.db", check_same_thread=False, isolation_level=None
+        )
+        self._db.execute("PRAGMA journal_mode=WAL")
+        self._db.execute("PRAGMA synchronous=FULL")
+        self._db.executescript(_SCHEMA)
+
+    def close(self) -> None:
+        with self._lock:
+            self._db.close()
+        self._owner.close()  # releases the directory
+
+    # -- blobs ---------------------------------------------------------------------------------
+
+    def put_blob(self, data: bytes, kind: str) -> str:
+        """Store ``data`` under its SHA-256 (written once, atomically) and return the digest."""
+        if kind not in BLOB_KINDS:
+            raise ValueError(f"unknown blob kind {kind!r}")
+        digest = hashlib.sha256(data).hexdigest()
+        path = self._blob_path(digest)
+        if not path.exists():
+            path.parent.mkdir(exist_ok=True, mode=0o700)
+            tmp = path.with_name(f".{digest}.{secrets.token_hex(4)}.tmp")
+            try:
+                with open(tmp, "wb") as f:
+                    f.write(data)
+                    f.flush()
+                    os.fsync(f.fileno())
+                os.replace(tmp, path)
+            finally:
+                tmp.unlink(missing_ok=True)
+        with self._lock:
+            self._db.execute(
+                "INSERT OR IGNORE INTO blobs (digest, kind, size) VALUES (?, ?, ?)",
+                (digest, kind, len(data)),
+            )
+        return digest
+
+    def blob(self, digest: str, kinds: Iterable[str] = BLOB_KINDS) -> BlobInfo | None:
+        """The stored blob ``digest`` if it was stored as one of ``kinds``, else None."""
+        kinds = tuple(kinds)
+        with self._lock:
+            row = self._db.execute(
+                f"SELECT size FROM blobs WHERE digest = ? AND kind IN ({','.join('?' * len(kinds))})",
+                (digest, *kinds),
+            ).fetchone()
+        path = self._blob_path(digest)
+        if row is None or not path.exists():
+            return None
+        return BlobInfo(digest, int(row[0]), path)
+
+    def read_blob(self, digest: str) -> bytes:
+        data = self._blob_path(digest).read_bytes()
+        if hashlib.sha256(data).hexdigest() != digest:
+            raise ValueError(f"blob {digest} is corrupt on disk")
+        return data
+
+    def _blob_path(self, digest: str) -> Path:
+        if len(digest) != 64 or not all(c in "0123456789abcdef" for c in digest):
+            raise ValueError("a blob digest is 64 lowercase hex characters")
+        return self._blobs / digest[:2] / digest
+
+    # -- jobs ----------------------------------------------------------------------------------
+
+    def create_job(
+        self, job_id: str, name: str, algorithm: str, population: str, spec_yaml: str, now: float
+    ) -> JobRecord:
+        with self._lock:
+            self._db.execute(
+                "INSERT INTO jobs (job_id, name, algorithm, population, spec_yaml, state, "
+                "created_at, updated_at) VALUES (?, ?, ?, ?, ?, 'PENDING', ?, ?)",
+                (job_id, name, algorithm, population, spec_yaml, now, now),
+            )
+        job = self.job(job_id)
+        assert job is not None
+        return job
+
+    def job(self, job_id: str) -> JobRecord | None:
+        with self._lock:
+            row = self._db.execute(f"SELECT {_JOB_COLUMNS} FROM jobs WHERE job_id = ?", (job_id,)).fetchone()
+        return JobRecord(*row) if row else None
+
+    def jobs(
+        self, states: Iterable[str] = (), *, after_seq: int = 0, limit: int | None = None
+    ) -> list[JobRecord]:
+        """Jobs in submission order, optionally only in ``states``, after ``after_seq``."""
+        states = tuple(states)
+        sql = f"SELECT {_JOB_COLUMNS} FROM jobs WHERE seq > ?"
+        args: list[Any] = [after_seq]
+        if states:
+            sql += f" AND state IN ({','.join('?' * len(states))})"
+            args += states
+        sql += " ORDER BY seq"
+        if limit is not None:
+            sql += " LIMIT ?"
+            args.append(limit)
+        with self._lock:
+            return [JobRecord(*row) for row in self._db.execute(sql, args).fetchall()]
+
+    def set_job_state(self, job_id: str, state: str, now: float, message: str = "") -> None:
+        with self._lock:
+            self._db.execute(
+                "UPDATE jobs SET state = ?, message = ?, updated_at = ? WHERE job_id = ?",
+                (state, message, now, job_id),
+            )
+
+    # -- rounds and model versions -------------------------------------------------------------
+
+    def start_attempt(self, job_id: str, round_: int, now: float) -> int:
+        """Record a new attempt of a round; its number (attempts count on across restarts)."""
+        with self._lock:
+            (last,) = self._db.execute(
+                "SELECT COALESCE(MAX(attempt), 0) FROM rounds WHERE job_id = ? AND round = ?",
+                (job_id, round_),
+            ).fetchone()
+            self._db.execute(
+                "INSERT INTO rounds (job_id, round, attempt, state, started_at) "
+                "VALUES (?, ?, ?, 'running', ?)",
+                (job_id, round_, last + 1, now),
+            )
+        return last + 1
+
+    def set_attempt_sessions(
+        self, job_id: str, round_: int, attempt: int, sessions: list[dict[str, str]]
+    ) -> None:
+        """The sessions an attempt opened, so a restarted coordinator can close them."""
+        with self._lock:
+            self._db.execute(
+                "UPDATE rounds SET sessions = ? WHERE job_id = ? AND round = ? AND attempt = ?",
+                (json.dumps(sessions), job_id, round_, attempt),
+            )
+
+    def finish_attempt(self, job_id: str, round_: int, attempt: int, now: float, message: str) -> None:
+        """Mark a running attempt failed (its sessions are closed; its sums are discarded)."""
+        with self._lock:
+            self._db.execute(
+                "UPDATE rounds SET state = 'failed', finished_at = ?, message = ? "
+                "WHERE job_id = ? AND round = ? AND attempt = ? AND state = 'running'",
+                (now, message, job_id, round_, attempt),
+            )
+
+    def running_attempts(self, job_id: str) -> list[RoundRecord]:
+        return [r for r in self.rounds(job_id) if r.state == "running"]
+
+    def rounds(self, job_id: str) -> list[RoundRecord]:
+        with self._lock:
+            rows = self._db.execute(
+                "SELECT job_id, round, attempt, state, started_at, finished_at, message, metrics, "
+                "sessions FROM rounds WHERE job_id = ? ORDER BY round, attempt",
+                (job_id,),
+            ).fetchall()
+        return [RoundRecord(*r[:7], json.loads(r[7]), json.loads(r[8])) for r in rows]
+
+    def add_model_version(self, version: ModelVersion) -> None:
+        """The initial model (round 0), written when a job starts."""
+        with self._lock:
+            self._insert_version(version)
+
+    def commit_round(
+        self,
+        version: ModelVersion,
+        attempt: int,
+        metrics: Mapping[str, float],
+        *,
+        final: bool,
+    ) -> None:
+        """In one transaction: the model version, the attempt committed, the job's committed
+        round advanced (and the job SUCCEEDED when ``final``)."""
+        now = version.created_at
+        with self._lock:
+            self._db.execute("BEGIN IMMEDIATE")
+            try:
+                self._insert_version(version)
+                self._db.execute(
+                    "UPDATE rounds SET state = 'committed', finished_at = ?, metrics = ? "
+                    "WHERE job_id = ? AND round = ? AND attempt = ?",
+                    (now, json.dumps(dict(metrics)), version.job_id, version.round, attempt),
+                )
+                self._db.execute(
+                    "UPDATE jobs SET committed_round = ?, updated_at = ?, state = ? WHERE job_id = ?",
+                    (version.round, now, "SUCCEEDED" if final else "RUNNING", version.job_id),
+                )
+                self._db.execute("COMMIT")
+            except BaseException:
+                self._db.execute("ROLLBACK")
+                raise
+
+    def model_version(self, job_id: str, round_: int | None = None) -> ModelVersion | None:
+        """Version ``round_`` of a job's model, or the latest when None."""
+        sql = (
+            "SELECT job_id, round, model_digest, state_digest, onnx_digest, created_at "
+            "FROM model_versions WHERE job_id = ?"
+        )
+        with self._lock:
+            if round_ is None:
+                row = self._db.execute(sql + " ORDER BY round DESC LIMIT 1", (job_id,)).fetchone()
+            else:
+                row = self._db.execute(sql + " AND round = ?", (job_id, round_)).fetchone()
+        return ModelVersion(*row) if row else None
+
+    def _insert_version(self, v: ModelVersion) -> None:
+        self._db.execute(
+            "INSERT INTO model_versions (job_id, round, model_digest, state_digest, onnx_digest, "
+            "created_at) VALUES (?, ?, ?, ?, ?, ?)",
+            (v.job_id, v.round, v.model_digest, v.state_digest, v.onnx_digest, v.created_at),
+        )
+
+    # -- events --------------------------------------------------------------------------------
+
+    def add_event(self, event: EventRecord) -> None:
+        with self._lock:
+            self._db.execute(
+                "INSERT INTO events (job_id, time, round, phase, step, state, message, metrics) "
+                "VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+                (event.job_id, event.time, event.round, event.phase, event.step, event.state,
+                 event.message, json.dumps(dict(event.metrics))),
+            )
+
+    def events(self, job_id: str) -> list[EventRecord]:
+        with self._lock:
+            rows = self._db.execute(
+                "SELECT job_id, time, round, phase, step, state, message, metrics FROM events "
+                "WHERE job_id = ? ORDER BY id",
+                (job_id,),
+            ).fetchall()
+        return [EventRecord(*r[:7], json.loads(r[7])) for r in rows]
+
+
+_JOB_COLUMNS = (
+    "seq, job_id, name, algorithm, population, spec_yaml, state, message, committed_round, "
+    "created_at, updated_at"
+)
