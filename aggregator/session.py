@@ -150,8 +150,12 @@ class Session:
         return queue
 
     def leave(self, index: int) -> None:
-        """The device's stream ended: nothing more is routed to it."""
-        self._streams.pop(index, None)
+        """The device's stream ended: nothing more is routed to it, and no phase waits for it."""
+        if self._streams.pop(index, None) is not None and not self.finished:
+            self._spawn(self._lost(index))
+
+    async def _lost(self, index: int) -> None:
+        await self._drive(partial(self.server.device_lost, index))
 
     async def submit(self, index: int, message: ClientMessage) -> None:
         """Feed a message of device ``index`` to the server; a refusal is raised."""
@@ -210,11 +214,15 @@ class Session:
             return None
 
     async def _deadline(self, generation: int) -> None:
+        await self._drive(self.server.on_deadline, lambda: generation == self._generation)
+
+    async def _drive(self, call: Callable[[], list[Outgoing]], still_wanted: Callable[[], bool] = lambda: True) -> None:
+        """An event that is not a device message (a deadline, a lost device) into the server."""
         async with self._lock:
-            if generation != self._generation or self.finished:
+            if self.finished or not still_wanted():
                 return
             try:
-                routed, seconds = await asyncio.to_thread(self._call, self.server.on_deadline)
+                routed, seconds = await asyncio.to_thread(self._call, call)
             except Exception as exc:
                 self._fail(exc)
                 return

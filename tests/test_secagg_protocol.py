@@ -178,3 +178,30 @@ def test_ring_wraps_only_mod_2_to_the_bits():
     inputs = {i: {"s": np.full(4, ring_mask(7), dtype=np.uint32)} for i in range(1, 6)}
     run = run_cohort(config, inputs)
     assert [int(v) for v in run.results["s"].total] == [(5 * 127) % 128] * 4
+
+
+def test_a_lost_device_closes_the_phase_without_waiting_for_the_deadline():
+    from tally.secagg import SecAggServer
+    from tally.secagg.client import SecAggClient
+
+    config = make_config(6, 5, 3, sums=(("s", 4, 16),))
+    inputs = random_inputs(config, np.random.default_rng(5))
+    server = SecAggServer(config)
+    clients = {i: SecAggClient(config, i) for i in range(1, 7)}
+    for i, c in clients.items():
+        c.provide_input("s", inputs[i]["s"])
+    pending = [m for i, c in clients.items() if i != 6 for m in c.start()]
+    out = []
+    for m in pending:
+        out += server.receive(m)
+    assert out == [] and server.phase == "advertise_keys"
+    # Device 6's connection drops: the phase closes at once, nobody waits for a deadline.
+    out = server.device_lost(6)
+    assert server.phase == "share_keys" and {o.recipient for o in out} == {1, 2, 3, 4, 5}
+    while out:
+        replies = [r for o in out for r in clients[o.recipient].receive(o.message)]
+        # Once Unmask has t shares per secret the server is done; later answers are late.
+        out = [o for r in replies if not server.finished for o in server.receive(r)]
+    assert server.finished and server.aborted is None
+    expected = sum(inputs[i]["s"].astype(np.int64) for i in range(1, 6)) % (1 << 16)
+    assert np.array_equal(server.results["s"].total.astype(np.int64), expected)

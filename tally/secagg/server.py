@@ -58,6 +58,8 @@ class SecAggServer:
         self.revealed_keys: dict[str, frozenset[int]] = {}
         self.advertised: dict[int, AdvertiseKeys] = {}
         self.sharers: frozenset[int] = frozenset()
+        # Devices whose connection is known to be gone: no phase waits for them.
+        self.lost: set[int] = set()
         self._phase: _Phase = _AdvertiseKeysPhase(self, frozenset(range(1, config.n + 1)))
 
     @property
@@ -71,7 +73,7 @@ class SecAggServer:
     @property
     def awaiting(self) -> frozenset[int]:
         """Devices the current phase still waits for."""
-        return self._phase.expected - self._phase.received.keys()
+        return self._phase.expected - self._phase.received.keys() - self.lost
 
     def receive(self, message: ClientMessage) -> list[Outgoing]:
         if message.ref != self.config.ref:
@@ -81,6 +83,18 @@ class SecAggServer:
         if not 1 <= message.sender <= self.config.n:
             raise UnknownSender(f"device {message.sender} is not in this cohort")
         return self._phase.accept(message)
+
+    def device_lost(self, index: int) -> list[Outgoing]:
+        """The transport saw device ``index`` go: close the phase now if it waited only for it.
+
+        Without this, a known dropout costs the whole phase deadline.
+        """
+        if not 1 <= index <= self.config.n:
+            raise UnknownSender(f"device {index} is not in this cohort")
+        self.lost.add(index)
+        if not self.finished and self._phase.complete():
+            return self._phase.close()
+        return []
 
     def on_deadline(self) -> list[Outgoing]:
         """The caller's clock says the current phase is over: close it with who answered."""
@@ -149,7 +163,7 @@ class _Phase(abc.ABC):
         return []
 
     def complete(self) -> bool:
-        return self.received.keys() == self.expected
+        return self.received.keys() >= self.expected - self.server.lost
 
     def record(self, message: ClientMessage) -> None:
         """Phase-specific bookkeeping of a validated message."""
