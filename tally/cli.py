@@ -6,7 +6,7 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from tally import engine_demo, simulate_cli
+from tally import demo, engine_demo, simulate_cli
 from tally.security import certs_cli
 from aggregator import cli as aggregator_cli
 from client_sdk import cli as client_cli
@@ -20,6 +20,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     engine_demo.register(sub)
+    demo.register(sub)
     simulate_cli.register(sub)
     certs_cli.register(sub)
     aggregator_cli.register(sub)

@@ -1,9 +1,5 @@
-"""``tally sum`` and ``tally demo``: one secure sum over a simulated cohort, in process.
-
-``tally sum`` is the engine on its own (what a researcher uses to see cost and
-correctness for a cohort size); ``tally demo`` runs it on the embedded defaults and
-writes a short report and a plot.
-"""
+"""``tally sum``: one secure sum over a simulated cohort, in process: the engine on its
+own, to see cost and correctness for a cohort size and dropout pattern."""
 
 from __future__ import annotations
 
@@ -41,10 +37,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--json", type=Path, help="write the measurements here as JSON")
     p.set_defaults(run=run_sum)
 
-    d = sub.add_parser("demo", help="the engine demo on embedded defaults, with a report and a plot")
-    _add_cohort_args(d, clients=200, dim=20_000)
-    d.add_argument("--out", type=Path, default=Path("out/demo"), help="report directory")
-    d.set_defaults(run=run_demo)
+    p.add_argument("--plot", type=Path, help="also write a PNG of the per-phase times here")
 
 
 def _add_cohort_args(p: argparse.ArgumentParser, clients: int, dim: int) -> None:
@@ -148,29 +141,12 @@ def _summary(report: dict) -> str:
     )
 
 
-def run_sum(args: argparse.Namespace) -> int:
-    console = Console()
-    report = simulate(args, console)
-    console.print(_table(report))
-    console.print(_summary(report))
-    if args.json:
-        args.json.write_text(json.dumps(report, indent=2))
-        console.print(f"measurements written to {args.json}")
-    return 0 if report["max_abs_error"] <= report["quantisation_bound"] else 1
-
-
-def run_demo(args: argparse.Namespace) -> int:
+def _plot(report: dict, path: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    console = Console()
-    report = simulate(args, console)
-    console.print(_table(report))
-    console.print(_summary(report))
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "report.json").write_text(json.dumps(report, indent=2))
     phases = [p for p in PHASES if p in report["server_seconds"]]
     fig, ax = plt.subplots(figsize=(7, 3.5))
     x = np.arange(len(phases))
@@ -181,6 +157,19 @@ def run_demo(args: argparse.Namespace) -> int:
     ax.set_title(f"secure sum: {report['clients']} devices, {report['dim']:,} values, {report['dropped']} dropped")
     ax.legend()
     fig.tight_layout()
-    fig.savefig(args.out / "phases.png", dpi=120)
-    console.print(f"report: {args.out / 'report.json'}  plot: {args.out / 'phases.png'}")
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def run_sum(args: argparse.Namespace) -> int:
+    console = Console()
+    report = simulate(args, console)
+    console.print(_table(report))
+    console.print(_summary(report))
+    if args.json:
+        args.json.write_text(json.dumps(report, indent=2))
+        console.print(f"measurements written to {args.json}")
+    if args.plot:
+        _plot(report, args.plot)
+        console.print(f"plot written to {args.plot}")
     return 0 if report["max_abs_error"] <= report["quantisation_bound"] else 1
