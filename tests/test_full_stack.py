@@ -1,0 +1,268 @@
+"""The whole system on 127.0.0.1: the real coordinator, two real aggregators and real SDK
+devices over gRPC, against the in-process reference, with dropouts, a killed aggregator,
+a restarted coordinator, and a record of everything the servers received."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import pytest
+from scipy import stats
+
+from aggregator import AggregatorService
+from aggregator import session as aggregator_session
+from client_sdk import DropoutPlan, Fleet
+from coordinator.service import CoordinatorService
+from tally import data, modelio
+from tally.algorithms.fedavg import FedAvgClient, FedAvgConfig, FedAvgServer
+from tally.codec import unpack
+from tally.secagg import SecAggServer
+from tally.secagg.messages import MaskedInputResponse
+from tally.security import TLSConfig, bearer_metadata, load_or_create_ticket_key
+from tally.security.tls import open_channel
+from tally.simulation import plain_sum, run_rounds
+from tally.training import TorchTrainer, get_params, mlp, single_threaded
+from tally.wire.v1 import admin_pb2, admin_pb2_grpc, coordinator_pb2, common_pb2
+
+TIMEOUT = 240
+HIDDEN = 16
+PLAINTEXT = TLSConfig.plaintext()
+
+
+def spec(name: str, rounds: int, cohort: int, over_selection: float = 1.0) -> str:
+    return (
+        f"name: {name}\nalgorithm: fedavg\nrounds: {rounds}\ncohort_size: {cohort}\n"
+        f"over_selection: {over_selection}\nmin_cohort: 5\nretries: 3\n"
+        f"model: {{inputs: 64, classes: 10, hidden: {HIDDEN}, seed: 0}}\n"
+        "config: {local_epochs: 1, local_lr: 0.1, batch_size: 16}\n"
+        "secure: {dropout_rate: 0.1, corrupt_rate: 0.05}\n"
+        "deadlines: {checkin: 10, download: 10, advertise_keys: 4, share_keys: 4, masked_input: 8, unmask: 4}\n"
+    )
+
+
+def trainers(n: int, seed: int = 0) -> tuple[list[TorchTrainer], tuple]:
+    single_threaded()
+    fed = data.digits(n, alpha=0.5, seed=seed)
+    factory = lambda: mlp(64, 10, hidden=HIDDEN, seed=0)  # noqa: E731
+    return [TorchTrainer(factory, X, y, seed=seed + i) for i, (X, y) in enumerate(fed.clients)], fed.test
+
+
+@dataclass
+class Stack:
+    state_dir: Path
+    aggregators: list[AggregatorService]
+    coordinator: CoordinatorService
+
+    @property
+    def target(self) -> str:
+        return f"127.0.0.1:{self.coordinator.port}"
+
+    def admin(self) -> tuple[admin_pb2_grpc.AdminStub, list]:
+        channel = open_channel(self.target, PLAINTEXT)
+        return admin_pb2_grpc.AdminStub(channel), bearer_metadata(self.coordinator.admin_token)
+
+    async def submit(self, text: str) -> str:
+        stub, md = self.admin()
+        return (await asyncio.to_thread(stub.SubmitJob, admin_pb2.SubmitJobRequest(spec_yaml=text), metadata=md,
+                                        timeout=10)).job_id
+
+    async def job(self, job_id: str) -> admin_pb2.Job:
+        stub, md = self.admin()
+        return await asyncio.to_thread(stub.GetJob, admin_pb2.GetJobRequest(job_id=job_id), metadata=md, timeout=10)
+
+    async def committed(self, job_id: str, round_: int) -> None:
+        """Until round ``round_`` is committed (WatchJob streams each change)."""
+        stub, md = self.admin()
+
+        def watch() -> None:
+            for _ in stub.WatchJob(admin_pb2.WatchJobRequest(job_id=job_id), metadata=md, timeout=TIMEOUT):
+                job = stub.GetJob(admin_pb2.GetJobRequest(job_id=job_id), metadata=md, timeout=10)
+                if job.committed_round >= round_:
+                    return
+
+        await asyncio.to_thread(watch)
+
+    def model(self, job_id: str) -> dict:
+        version = self.coordinator.store.model_version(job_id)
+        return modelio.deserialize(self.coordinator.store.read_blob(version.model_digest))
+
+    async def restart_coordinator(self) -> None:
+        port, aggregators = self.coordinator.port, self.coordinator.aggregators
+        await self.coordinator.stop(grace=0)
+        self.coordinator = CoordinatorService(f"127.0.0.1:{port}", PLAINTEXT, self.state_dir, aggregators)
+        await self.coordinator.start()
+
+
+@contextlib.asynccontextmanager
+async def stack(tmp_path: Path) -> AsyncIterator[Stack]:
+    state_dir = tmp_path / "state"
+    public = load_or_create_ticket_key(state_dir).public_key()
+    aggregators = [AggregatorService("127.0.0.1:0", PLAINTEXT, public, f"agg-{i}") for i in (1, 2)]
+    for a in aggregators:
+        await a.start()
+    coordinator = CoordinatorService(
+        "127.0.0.1:0", PLAINTEXT, state_dir, [(a.id, a.address) for a in aggregators], checkin_hold_s=2.0
+    )
+    await coordinator.start()
+    s = Stack(state_dir, aggregators, coordinator)
+    try:
+        yield s
+    finally:
+        await s.coordinator.stop(grace=0)
+        for a in aggregators:
+            await a.stop(grace=0)
+
+
+def run(coro):
+    return asyncio.run(asyncio.wait_for(coro, TIMEOUT))
+
+
+def test_fedavg_through_the_services_equals_the_in_process_result(tmp_path):
+    n, rounds = 12, 2
+    devices, _ = trainers(n)
+
+    async def main():
+        async with stack(tmp_path) as s:
+            job_id = await s.submit(spec("fidelity", rounds, cohort=n))
+            fleet = Fleet(s.target, PLAINTEXT, devices, seed=1)
+            fleet_stats = await fleet.run(until=fleet.until_job_done(job_id, every_seconds=0.2))
+            fleet.close()
+            return await s.job(job_id), s.model(job_id), fleet_stats
+
+    job, model, fleet_stats = run(main())
+    assert job.state == common_pb2.JOB_STATE_SUCCEEDED and job.committed_round == rounds
+    assert fleet_stats.sessions_completed == n * rounds  # every device in every round, both aggregators
+    # The reference: the same devices (fresh, same seeds), exact float sums, in process.
+    config = FedAvgConfig(local_epochs=1, local_lr=0.1, batch_size=16)
+    reference_devices, _ = trainers(n)
+    state, _ = run_rounds(FedAvgServer(config), FedAvgClient(config), reference_devices,
+                          get_params(mlp(64, 10, hidden=HIDDEN, seed=0)), rounds, n, plain_sum)
+    error = max(float(np.max(np.abs(model[k] - state.params[k]))) for k in model)
+    moved = max(float(np.max(np.abs(model[k] - get_params(mlp(64, 10, hidden=HIDDEN, seed=0))[k]))) for k in model)
+    # Each round: Σ w·Δ and Σ w are off by < n·2^-20 (two cohorts decoded apart); float32 model storage.
+    assert error < 1e-4 < moved
+
+
+def test_dropouts_a_killed_aggregator_and_a_restarted_coordinator(tmp_path, monkeypatch):
+    """Devices drop in random phases; aggregator 2 dies after round 1; the coordinator is
+    restarted after round 2; the job still commits every round exactly once."""
+    n, rounds = 24, 4
+    devices, (test_x, test_y) = trainers(n, seed=3)
+    received = []  # everything the aggregators were sent by devices
+    real_submit = aggregator_session.Session.submit
+
+    async def record(self, index, message):
+        received.append((message, self.config))
+        return await real_submit(self, index, message)
+
+    monkeypatch.setattr(aggregator_session.Session, "submit", record)
+    revealed = []
+    real_unmask = SecAggServer.receive
+
+    def watch_reveals(self, message):
+        out = real_unmask(self, message)
+        for sum_id in self.revealed_seeds:
+            revealed.append((self.revealed_seeds[sum_id], self.revealed_keys[sum_id]))
+        return out
+
+    monkeypatch.setattr(SecAggServer, "receive", watch_reveals)
+
+    async def main():
+        async with stack(tmp_path) as s:
+            job_id = await s.submit(spec("resilience", rounds, cohort=18, over_selection=1.3))
+            fleet = Fleet(s.target, PLAINTEXT, devices, dropout=DropoutPlan(0.2, seed=5), seed=2)
+            running = asyncio.create_task(fleet.run(until=fleet.until_job_done(job_id, every_seconds=0.2)))
+            await s.committed(job_id, 1)
+            await s.aggregators[1].stop(grace=0)
+            await s.committed(job_id, 2)
+            await s.restart_coordinator()
+            fleet_stats = await running
+            fleet.close()
+            rows = s.coordinator.store.rounds(job_id)
+            return await s.job(job_id), rows, fleet_stats, s.model(job_id)
+
+    job, rows, fleet_stats, model = run(main())
+    assert job.state == common_pb2.JOB_STATE_SUCCEEDED, job.message
+    committed = sorted(r.round for r in rows if r.state == "committed")
+    assert committed == list(range(1, rounds + 1)), "a committed round was lost or repeated"
+    assert fleet_stats.dropouts > 0 and fleet_stats.sessions_completed > 0
+    # The model still learned: its held-out loss fell from the initial model's.
+    judge = TorchTrainer(lambda: mlp(64, 10, hidden=HIDDEN, seed=0), test_x, test_y)
+    assert judge.evaluate(model)[0] < judge.evaluate(get_params(mlp(64, 10, hidden=HIDDEN, seed=0)))[0] - 0.05
+
+    # The privacy rule, on what was actually received: masked inputs look uniform, and for
+    # no device were both its self-mask seed and its mask key reconstructed.
+    masked = [(m, config) for m, config in received if isinstance(m, MaskedInputResponse)]
+    assert masked
+    for m, config in masked:
+        sum_spec = config.sum_spec(m.sum_id)
+        values = unpack(m.data, sum_spec.wire_bits, sum_spec.dim).astype(np.int64)
+        counts = np.bincount(values >> (sum_spec.bits - 5), minlength=32)
+        assert stats.chisquare(counts).pvalue > 1e-9, "a masked input is not uniform"
+    assert revealed and all(not (seeds & keys) for seeds, keys in revealed)
+
+
+def test_the_coordinator_api_cannot_carry_a_device_contribution():
+    """Structural half of the privacy rule: nothing a device sends the coordinator has room for
+    data (no tensors, no free bytes); contributions only travel to aggregators, masked."""
+    allowed_bytes: set[str] = set()
+    service = coordinator_pb2.DESCRIPTOR.services_by_name["Coordinator"]
+    seen = set()
+
+    def walk(message_type, path):
+        if message_type.full_name in seen:
+            return
+        seen.add(message_type.full_name)
+        for f in message_type.fields:
+            where = f"{path}.{f.name}"
+            assert f.message_type is None or f.message_type.name != "Tensor", f"{where} could carry a tensor"
+            if f.type == f.TYPE_BYTES:
+                assert where in allowed_bytes, f"{where} is free bytes"
+            if f.message_type is not None:
+                walk(f.message_type, where)
+
+    for method in service.methods:
+        walk(method.input_type, method.input_type.name)
+    assert {m.name for m in service.methods} >= {"Register", "CheckIn", "DownloadModel", "GetStep", "RoundStatus"}
+
+
+def test_oversized_messages_get_resource_exhausted_and_the_services_keep_serving(tmp_path):
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    from tally.wire.v1 import coordinator_pb2_grpc, secagg_pb2, secagg_pb2_grpc
+
+    async def main():
+        async with stack(tmp_path) as s:
+            huge = "x" * (65 << 20)  # above the explicit 64 MiB limit
+            codes = []
+            async with grpc.aio.insecure_channel(
+                s.target, options=[("grpc.max_send_message_length", 128 << 20)]
+            ) as channel:
+                with pytest.raises(grpc.aio.AioRpcError) as refused:
+                    await coordinator_pb2_grpc.CoordinatorStub(channel).Register(
+                        coordinator_pb2.RegisterRequest(device_id=huge), timeout=30)
+                codes.append(refused.value.code())
+            async with grpc.aio.insecure_channel(
+                s.aggregators[0].address, options=[("grpc.max_send_message_length", 128 << 20)]
+            ) as channel:
+                call = secagg_pb2_grpc.SecureAggregationStub(channel).Session(timeout=30)
+                await call.write(secagg_pb2.DeviceToAggregator(join=secagg_pb2.Join(session_token=huge)))
+                with pytest.raises(grpc.aio.AioRpcError) as refused:
+                    await call.read()
+                codes.append(refused.value.code())
+            healthy = []
+            for target in (s.target, s.aggregators[0].address):
+                async with grpc.aio.insecure_channel(target) as channel:
+                    reply = await health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=10)
+                    healthy.append(reply.status == health_pb2.HealthCheckResponse.SERVING)
+            return codes, healthy
+
+    codes, healthy = run(main())
+    assert codes == [grpc.StatusCode.RESOURCE_EXHAUSTED] * 2
+    assert healthy == [True, True]
