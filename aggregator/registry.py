@@ -30,8 +30,11 @@ class SessionRegistry:
                            "duplicate_session")
         self._sessions[session.session_id] = session
 
+    def find(self, session_id: str) -> Session | None:
+        return self._sessions.get(session_id)
+
     def get(self, session_id: str) -> Session:
-        session = self._sessions.get(session_id)
+        session = self.find(session_id)
         if session is None:
             raise Rejected("NOT_FOUND", f"no session {session_id!r} on this aggregator",
                            "unknown_session")

@@ -16,7 +16,13 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from tally import logs
-from tally.security import TLSConfig, channel_credentials, channel_options, is_loopback_host
+from tally.security import (
+    TLSConfig,
+    channel_credentials,
+    channel_options,
+    is_loopback_host,
+    ticket_metadata,
+)
 from tally.security.tls import target_hosts
 from tally.wire.v1 import aggregator_pb2, aggregator_pb2_grpc
 
@@ -141,25 +147,35 @@ class AggregatorPool:
         return await self._call(aggregator_id, "OpenSession", request, timeout)
 
     async def await_result(
-        self, aggregator_id: str, session_id: str, sum_id: str, timeout: float
+        self, aggregator_id: str, session_id: str, ticket: bytes, sum_id: str, timeout: float
     ) -> aggregator_pb2.CohortSum:
+        """``ticket``: the one the session was opened with, the aggregator's proof that this
+        call comes from the session's owner."""
         request = aggregator_pb2.AwaitResultRequest(session_id=session_id, sum_id=sum_id)
-        return await self._call(aggregator_id, "AwaitResult", request, timeout)
+        return await self._call(aggregator_id, "AwaitResult", request, timeout, ticket_metadata(ticket))
 
-    async def close_session(self, aggregator_id: str, session_id: str, reason: str, timeout: float) -> None:
-        """Best effort: a session that cannot be closed ends at its own deadlines."""
+    async def close_session(
+        self, aggregator_id: str, session_id: str, ticket: bytes, reason: str, timeout: float
+    ) -> None:
+        """Best effort: a session that cannot be closed ends at its own deadlines. ``ticket`` as
+        for ``await_result``."""
         request = aggregator_pb2.CloseSessionRequest(session_id=session_id, reason=reason)
         try:
-            await self._call(aggregator_id, "CloseSession", request, timeout)
+            await self._call(aggregator_id, "CloseSession", request, timeout, ticket_metadata(ticket))
         except AggregatorCallFailed as exc:
             logs.event(log, "close session failed", logging.WARNING, session_id=session_id, error=str(exc))
 
-    async def _call(self, aggregator_id: str, method: str, request, timeout: float):
+    async def _call(
+        self, aggregator_id: str, method: str, request, timeout: float,
+        metadata: tuple[tuple[str, bytes], ...] = (),
+    ):
         agg = self.members.get(aggregator_id)
         if agg is None:
             raise AggregatorCallFailed(aggregator_id, "unknown aggregator")
         try:
-            return await getattr(agg.control, method)(request, timeout=max(timeout, 0.001))
+            return await getattr(agg.control, method)(
+                request, timeout=max(timeout, 0.001), metadata=metadata
+            )
         except grpc.aio.AioRpcError as exc:
             if exc.code() in _TRANSPORT_CODES:
                 self.mark_down(aggregator_id, f"{method}: {exc.code().name}")

@@ -1,22 +1,33 @@
-"""Which server halves the coordinator can run: the algorithms of ``tally.algorithms`` plus any
-registered here.
+"""Which server halves the coordinator can run, and which models a job may start from: the
+algorithms of ``tally.algorithms`` and the built-in ``mlp``, plus any registered here.
 
-The hook exists so an algorithm can be plugged into the round engine (and job-spec validation)
-without editing ``tally/algorithms``: tests register tiny algorithms that exercise paths FedAvg
-does not (several sums per round), and a deployment can add its own.
+The hooks exist so an algorithm or a model can be plugged into the round engine (and job-spec
+validation) without editing ``tally/algorithms`` or the job-spec format: tests register tiny
+algorithms that exercise paths FedAvg does not (several sums per round), research jobs start from
+a dataset's own model (the toy regression's ``{"w": [5.0]}``), and a deployment can add its own.
+Registration is per process: it must happen in the coordinator's process before jobs naming the
+kind are submitted or resumed.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from tally import algorithms
-from tally.algorithms.base import ServerAlgorithm
+from tally.algorithms.base import Arrays, ServerAlgorithm
+from tally.training import get_params, mlp
+
+if TYPE_CHECKING:  # jobspec validates against this registry
+    from coordinator.jobspec import ModelSpec
 
 ServerFactory = Callable[[Mapping[str, Any] | None], ServerAlgorithm]
+ModelFactory = Callable[["ModelSpec"], Arrays]
+
+BUILTIN_MODEL = "mlp"
 
 _EXTRA: dict[str, ServerFactory] = {}
+_MODELS: dict[str, ModelFactory] = {}
 
 
 def register_algorithm(name: str, factory: ServerFactory) -> None:
@@ -42,3 +53,29 @@ def make_server(name: str, options: Mapping[str, Any] | None) -> ServerAlgorithm
         return factory(options)
     server, _ = algorithms.make(name, options)
     return server
+
+
+def register_model(kind: str, factory: ModelFactory) -> None:
+    """Let jobs say ``model: {kind: <kind>}``; ``factory(model_spec)`` returns the initial
+    parameters (name -> array, in the order the algorithm flattens them)."""
+    if not kind or kind == BUILTIN_MODEL or kind in _MODELS:
+        raise ValueError(f"model kind {kind!r} is empty or already taken")
+    _MODELS[kind] = factory
+
+
+def unregister_model(kind: str) -> None:
+    _MODELS.pop(kind, None)
+
+
+def model_kinds() -> tuple[str, ...]:
+    return (BUILTIN_MODEL, *_MODELS)
+
+
+def initial_model(spec: ModelSpec) -> Arrays:
+    """The parameters a job's first round starts from."""
+    if spec.kind == BUILTIN_MODEL:
+        return get_params(mlp(spec.inputs, spec.classes, spec.hidden, spec.seed))
+    factory = _MODELS.get(spec.kind)
+    if factory is None:
+        raise ValueError(f"model kind {spec.kind!r} is not registered in this coordinator")
+    return dict(factory(spec))

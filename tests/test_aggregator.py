@@ -54,6 +54,7 @@ from tally.security import (
     TicketVerifier,
     TLSConfig,
     config_digest,
+    ticket_metadata,
 )
 from tally.security.certs import write_deployment
 from tally.security.tls import channel_credentials, channel_options, open_channel
@@ -290,18 +291,20 @@ def join(cohort: Cohort, index: int, token: str | None = None,
 
 async def await_sum(stub, cohort: Cohort, sum_id: str, timeout: float = 20.0):
     reply = await stub.AwaitResult(aggregator_pb2.AwaitResultRequest(
-        session_id=cohort.config.ref.session_id, sum_id=sum_id), timeout=timeout)
+        session_id=cohort.config.ref.session_id, sum_id=sum_id), timeout=timeout,
+        metadata=ticket_metadata(cohort.ticket))
     return reply, cohort_sum_from_proto(reply)
 
 
-async def until_not_found(stub, session_id: str, timeout: float = 10.0) -> None:
+async def until_not_found(stub, cohort: Cohort, timeout: float = 10.0) -> None:
     """Ask until the aggregator no longer knows the session (its results expired)."""
     loop = asyncio.get_running_loop()
     end = loop.time() + timeout
+    session_id = cohort.config.ref.session_id
     request = aggregator_pb2.AwaitResultRequest(session_id=session_id, sum_id="update")
     while loop.time() < end:
         try:
-            await stub.AwaitResult(request, timeout=timeout)
+            await stub.AwaitResult(request, timeout=timeout, metadata=ticket_metadata(cohort.ticket))
         except grpc.aio.AioRpcError as exc:
             assert exc.code() == CODE.NOT_FOUND, exc
             return
@@ -450,6 +453,76 @@ def test_bad_tickets_and_bad_devices_get_clear_statuses_and_the_session_still_co
     run(scenario)
 
 
+def test_control_calls_need_the_ticket_the_session_was_opened_with(deployment):
+    async def scenario():
+        async with running(deployment) as service, connected(deployment, service) as (ch, stub):
+            mine, theirs = plan(deployment, "s-mine", seconds=0.3), plan(deployment, "s-theirs")
+            await stub.OpenSession(mine.request)
+            await stub.OpenSession(theirs.request)
+            never_opened = plan(deployment, "s-never")
+
+            def await_mine(metadata=()):
+                return stub.AwaitResult(aggregator_pb2.AwaitResultRequest(
+                    session_id="s-mine", sum_id="update"), metadata=metadata, timeout=10)
+
+            def close(session_id: str, metadata=()):
+                return stub.CloseSession(aggregator_pb2.CloseSessionRequest(
+                    session_id=session_id, reason="test"), metadata=metadata, timeout=10)
+
+            missing = (CODE.UNAUTHENTICATED,
+                       "missing session ticket (metadata 'tally-session-ticket-bin')")
+            assert await rpc_error(await_mine()) == missing
+            assert await rpc_error(close("s-mine")) == missing
+            # Unauthenticated callers cannot tell open sessions from unknown ones.
+            assert await rpc_error(close("s-never")) == missing
+            other_session = (CODE.PERMISSION_DENIED,
+                             "the session ticket is for session 's-theirs', not 's-mine'")
+            assert await rpc_error(await_mine(ticket_metadata(theirs.ticket))) == other_session
+            assert await rpc_error(close("s-mine", ticket_metadata(theirs.ticket))) == other_session
+            # The same fields signed with another key do not verify.
+            fake = TicketSigner(ed25519.Ed25519PrivateKey.generate()).sign(
+                deployment.signer.verifier().verify(mine.ticket, time.time()))
+            assert await rpc_error(await_mine(ticket_metadata(fake))) == (
+                CODE.PERMISSION_DENIED, "session ticket signature invalid")
+            # Genuine, for this session, but not byte-identical to the one it was opened with.
+            resigned = sign(deployment, mine.config, expires_in=100.0)
+            assert resigned != mine.ticket
+            assert await rpc_error(close("s-mine", ticket_metadata(resigned))) == (
+                CODE.PERMISSION_DENIED,
+                "the session ticket is not the one session 's-mine' was opened with")
+            for_b = sign(deployment, mine.config, aggregator_id="agg-b")
+            assert await rpc_error(await_mine(ticket_metadata(for_b))) == (
+                CODE.PERMISSION_DENIED, "session ticket is for another aggregator")
+            expired = sign(deployment, never_opened.config, expires_in=-1)
+            assert await rpc_error(stub.AwaitResult(aggregator_pb2.AwaitResultRequest(
+                session_id="s-never", sum_id="update"), metadata=ticket_metadata(expired))) == (
+                CODE.PERMISSION_DENIED, "session ticket expired")
+            code, _ = await rpc_error(stub.AwaitResult(aggregator_pb2.AwaitResultRequest(
+                session_id="s-never", sum_id="update"),
+                metadata=ticket_metadata(never_opened.ticket)))
+            assert code == CODE.NOT_FOUND
+            # Closing stays idempotent for a ticket holder, even one past its deadline.
+            await close("s-never", ticket_metadata(never_opened.ticket))
+            await close("s-never", ticket_metadata(expired))
+
+            # None of the refusals touched the sessions; the right tickets work.
+            reply, _ = await await_sum(stub, mine, "update")
+            assert "advertise_keys: 0 devices answered" in reply.aborted_reason
+            await close("s-theirs", ticket_metadata(theirs.ticket))
+            code, _ = await rpc_error(stub.AwaitResult(aggregator_pb2.AwaitResultRequest(
+                session_id="s-theirs", sum_id="update"), metadata=ticket_metadata(theirs.ticket)))
+            assert code == CODE.NOT_FOUND
+            await close("s-mine", ticket_metadata(mine.ticket))
+            await close("s-mine", ticket_metadata(mine.ticket))
+            metrics = scrape(service.metrics_port)
+            assert metrics['tally_aggregator_rejected_total{reason="ticket",'
+                           'status="UNAUTHENTICATED"}'] == 3
+            assert metrics['tally_aggregator_rejected_total{reason="ticket_mismatch",'
+                           'status="PERMISSION_DENIED"}'] == 3
+
+    run(scenario)
+
+
 def test_a_session_nobody_joins_aborts_at_its_deadline(deployment):
     async def scenario():
         async with running(deployment) as service, connected(deployment, service) as (ch, stub):
@@ -479,9 +552,10 @@ def test_two_aggregators_run_sessions_at_once_with_metrics_health_and_reflection
                 _, result = await await_sum(stub, cohort, sum_id)
                 assert_sum(cohort, sum_id, result, range(1, 9))
             await stub.CloseSession(aggregator_pb2.CloseSessionRequest(
-                session_id=session_id, reason="round committed"))
+                session_id=session_id, reason="round committed"),
+                metadata=ticket_metadata(cohort.ticket))
             code, _ = await rpc_error(stub.AwaitResult(aggregator_pb2.AwaitResultRequest(
-                session_id=session_id, sum_id="update")))
+                session_id=session_id, sum_id="update"), metadata=ticket_metadata(cohort.ticket)))
             assert code == CODE.NOT_FOUND
 
     async def scenario():
@@ -522,20 +596,22 @@ def test_close_session_aborts_its_devices_and_keeps_nothing(deployment):
                        for i, s in enumerate(seen)]
             await asyncio.gather(*(s.joined.wait() for s in seen))
             await stub.CloseSession(aggregator_pb2.CloseSessionRequest(
-                session_id="s-close", reason="round cancelled"))
+                session_id="s-close", reason="round cancelled"),
+                metadata=ticket_metadata(cohort.ticket))
             for run_ in await asyncio.gather(*devices):
                 assert run_.outcome == "aborted" and "round cancelled" in run_.detail
                 assert run_.code == CODE.OK
             code, _ = await rpc_error(stub.AwaitResult(aggregator_pb2.AwaitResultRequest(
-                session_id="s-close", sum_id="update")))
+                session_id="s-close", sum_id="update"), metadata=ticket_metadata(cohort.ticket)))
             assert code == CODE.NOT_FOUND
             # Closing again is harmless; an unclosed finished session expires after the TTL.
-            await stub.CloseSession(aggregator_pb2.CloseSessionRequest(session_id="s-close"))
+            await stub.CloseSession(aggregator_pb2.CloseSessionRequest(session_id="s-close"),
+                                    metadata=ticket_metadata(cohort.ticket))
             expiring = plan(deployment, "s-expire", seconds=0.1)
             await stub.OpenSession(expiring.request)
             reply, _ = await await_sum(stub, expiring, "update")
             assert reply.aborted_reason
-            await until_not_found(stub, "s-expire")
+            await until_not_found(stub, expiring)
             metrics = scrape(service.metrics_port)
             assert metrics['tally_aggregator_sessions_finished_total{outcome="closed"}'] == 1
 

@@ -60,6 +60,7 @@ from tally.codec import Field, Kind, PayloadSchema, ring_dtype, ring_mask, to_ri
 from tally.secagg import SessionConfig, SumResult
 from tally.security import certs
 from tally.security import (
+    TICKET_METADATA_KEY,
     AuthError,
     TicketVerifier,
     TLSConfig,
@@ -304,7 +305,7 @@ def test_state_codec_round_trips_fedavg_state_without_pickle():
     params = get_params(mlp(64, 10, 8))
     state = FedAvgState(params, round=7)
     data = state_to_bytes(state)
-    assert b"pickle" not in data and data.startswith(b"TALLYS1\n")
+    assert b"pickle" not in data and data.startswith(b"TALLYS2\n")
     back = state_from_bytes(data, FedAvgServer().init(get_params(mlp(64, 10, 8, seed=3))))
     assert back.round == 7 and list(back.params) == list(params)
     assert all(np.array_equal(back.params[k], params[k]) and back.params[k].dtype == params[k].dtype for k in params)
@@ -313,10 +314,10 @@ def test_state_codec_round_trips_fedavg_state_without_pickle():
 
     @dataclass(frozen=True)
     class Odd:
-        history: list
+        history: set
 
     with pytest.raises(UnsupportedState):
-        state_to_bytes(Odd([1, 2]))
+        state_to_bytes(Odd({1, 2}))
 
 
 def test_state_directory_has_one_owner_and_aggregator_flags_are_checked(tmp_path):
@@ -353,6 +354,7 @@ class FakeSession:
     config: SessionConfig
     schemas: dict[str, PayloadSchema]
     grants: dict[int, bytes]
+    ticket: bytes
     inputs: dict[str, dict[int, np.ndarray]] = field(default_factory=lambda: defaultdict(dict))
     dropped: set[int] = field(default_factory=set)
     closed: str | None = None
@@ -399,7 +401,7 @@ class FakeAggregator(aggregator_pb2_grpc.AggregatorControlServicer):
         schemas = dict(schema_from_proto(s) for s in request.schemas)
         assert list(schemas) == [s.sum_id for s in config.sums] == list(ticket.sum_ids)
         assert config.min_survivors >= 5  # the job's privacy floor reaches the aggregator
-        self.sessions[config.ref.session_id] = FakeSession(config, schemas, grants)
+        self.sessions[config.ref.session_id] = FakeSession(config, schemas, grants, request.session_ticket)
         self.opened.set()
         return aggregator_pb2.OpenSessionResponse(session_id=config.ref.session_id, address=self.address)
 
@@ -415,10 +417,17 @@ class FakeAggregator(aggregator_pb2_grpc.AggregatorControlServicer):
             session.inputs[sum_id][index] = ring
             session.changed.notify_all()
 
+    @staticmethod
+    async def check_owner(session: FakeSession, context) -> None:
+        """Control calls must carry the ticket the session was opened with."""
+        if dict(context.invocation_metadata()).get(TICKET_METADATA_KEY) != session.ticket:
+            await context.abort(grpc.StatusCode.PERMISSION_DENIED, "not the session's ticket")
+
     async def AwaitResult(self, request, context):
         session = self.sessions.get(request.session_id)
         if session is None:
             await context.abort(grpc.StatusCode.NOT_FOUND, "no such session")
+        await self.check_owner(session, context)
         spec = session.config.sum_spec(request.sum_id)
         reason = self.abort_reason or (self.aborts.pop(0) if self.aborts else None)
         if reason:
@@ -443,6 +452,7 @@ class FakeAggregator(aggregator_pb2_grpc.AggregatorControlServicer):
     async def CloseSession(self, request, context):
         session = self.sessions.get(request.session_id)
         if session is not None:
+            await self.check_owner(session, context)
             async with session.changed:
                 session.closed = request.reason or "closed"
                 session.changed.notify_all()

@@ -14,6 +14,7 @@ from tally.security.tls import (
     server_credentials,
 )
 from tally.security.tokens import (
+    TICKET_METADATA_KEY,
     DeviceClaims,
     SessionTicket,
     TicketSigner,
@@ -24,10 +25,13 @@ from tally.security.tokens import (
     load_or_create_ticket_key,
     load_or_create_token_secret,
     load_ticket_public_key,
+    ticket_from_metadata,
+    ticket_metadata,
     token_from_metadata,
 )
 
 __all__ = [
+    "TICKET_METADATA_KEY",
     "AuthError",
     "DeviceClaims",
     "SessionTicket",
@@ -46,5 +50,7 @@ __all__ = [
     "load_ticket_public_key",
     "open_channel",
     "server_credentials",
+    "ticket_from_metadata",
+    "ticket_metadata",
     "token_from_metadata",
 ]

@@ -217,8 +217,12 @@ class TicketVerifier:
         self._key = public_key
 
     def verify(
-        self, ticket: bytes, now: float, *, aggregator_id: str | None = None
+        self, ticket: bytes, now: float, *, aggregator_id: str | None = None,
+        expired_ok: bool = False,
     ) -> SessionTicket:
+        """The ticket's contents once its signature, shape, expiry (unless ``expired_ok``: ending
+        a session stays allowed to its owner after the deadline the ticket carries) and, when
+        given, its aggregator check out."""
         if not isinstance(ticket, (bytes, bytearray, memoryview)):
             raise _denied("malformed session ticket")
         data = bytes(ticket)
@@ -239,11 +243,25 @@ class TicketVerifier:
             raise _denied("malformed session ticket") from None
         if not _finite(now):
             raise ValueError("now must be finite")
-        if now >= parsed.expires_at:
+        if now >= parsed.expires_at and not expired_ok:
             raise _denied("session ticket expired")
         if aggregator_id is not None and parsed.aggregator_id != aggregator_id:
             raise _denied("session ticket is for another aggregator")
         return parsed
+
+
+def ticket_metadata(ticket: bytes) -> tuple[tuple[str, bytes], ...]:
+    """Call metadata carrying a session ticket: the coordinator's proof, on its control calls to
+    an aggregator, that it owns the session (pass as ``metadata=`` to a stub call)."""
+    return ((TICKET_METADATA_KEY, bytes(ticket)),)
+
+
+def ticket_from_metadata(metadata: Iterable[tuple[str, str | bytes]] | None) -> bytes:
+    """The session ticket of a call's ``invocation_metadata()``; ``AuthError`` when absent."""
+    for key, value in metadata or ():
+        if key.lower() == TICKET_METADATA_KEY and isinstance(value, bytes) and value:
+            return value
+    raise _unauth(f"missing session ticket (metadata {TICKET_METADATA_KEY!r})")
 
 
 def _encode_ticket(t: SessionTicket) -> bytes:
