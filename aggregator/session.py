@@ -61,6 +61,11 @@ class StreamEnd:
     message: str = ""
 
 
+# A plain session (benchmarks only) waits in this server phase for its devices to join; the window
+# lasts as long as AdvertiseKeys would in a secure session.
+JOIN = "join"
+_DEADLINE_OF = {JOIN: "advertise_keys"}
+
 DeviceQueue = asyncio.Queue  # of secagg_pb2.AggregatorToDevice, then one StreamEnd
 Routed = list[tuple[int, secagg_pb2.AggregatorToDevice]]
 
@@ -106,7 +111,8 @@ class Session:
         return self.outcome is not None
 
     def start(self) -> None:
-        """The session is in AdvertiseKeys from now on; its first deadline starts."""
+        """The session is in AdvertiseKeys (a plain session: in its join window) from now on;
+        its first deadline starts."""
         self._metrics.sessions_opened.inc()
         self._metrics.active_sessions.inc()
         self._enter_phase()
@@ -136,7 +142,7 @@ class Session:
         if self.finished:
             raise Rejected("FAILED_PRECONDITION", f"session {self.session_id} is over",
                            "session_over")
-        if self.server.phase != "advertise_keys":
+        if self.server.phase not in ("advertise_keys", JOIN):
             raise Rejected("FAILED_PRECONDITION",
                            f"session {self.session_id} is past advertise_keys: device {index} "
                            "joined too late", "late_join")
@@ -147,6 +153,8 @@ class Session:
         queue.put_nowait(aggregator_envelope(joined))
         self._streams[index] = queue
         logs.event(log, "device joined", level=logging.DEBUG, device=index, **self.log_fields)
+        if self.server.phase == JOIN and len(self._joined) == self.config.n:
+            self._spawn(self._drive(self._begin_plain))
         return queue
 
     def leave(self, index: int) -> None:
@@ -214,7 +222,16 @@ class Session:
             return None
 
     async def _deadline(self, generation: int) -> None:
-        await self._drive(self.server.on_deadline, lambda: generation == self._generation)
+        call = self._begin_plain if self.server.phase == JOIN else self.server.on_deadline
+        await self._drive(call, lambda: generation == self._generation)
+
+    def _begin_plain(self) -> list[Outgoing]:
+        """A plain session's join window is over (all joined, or its deadline): devices that did
+        not join are gone, and the others are asked for their inputs."""
+        outgoing = []
+        for index in sorted(set(range(1, self.config.n + 1)) - self._joined):
+            outgoing += self.server.device_lost(index)
+        return outgoing + self.server.start()
 
     async def _drive(self, call: Callable[[], list[Outgoing]], still_wanted: Callable[[], bool] = lambda: True) -> None:
         """An event that is not a device message (a deadline, a lost device) into the server."""
@@ -278,7 +295,7 @@ class Session:
         self._phase_started = self._loop.time()
         self._phase_expected = self.server.awaiting
         self._phase_answered = set()
-        seconds = self.plan.deadlines[self.server.phase]
+        seconds = self.plan.deadlines[_DEADLINE_OF.get(self.server.phase, self.server.phase)]
         self._timer = self._loop.call_later(seconds, self._fire, self._generation)
 
     def _fire(self, generation: int) -> None:

@@ -85,6 +85,10 @@ class Engine:
         )
         self.events.publish(job_id, round=0, state="PENDING", message="submitted")
         logs.event(log, "job submitted", job_id=job_id, algorithm=spec.algorithm, rounds=spec.rounds)
+        if spec.secure.plain:
+            self._ctx.metrics.plain_jobs.inc()
+            logs.event(log, "job uses plain sums: the aggregator sees every device's contribution; "
+                       "for benchmarks only", level=logging.WARNING, job_id=job_id)
         self._launch(record.seq, job_id, 0, spec)
         return job_id
 

@@ -19,7 +19,6 @@ PHASE_DEADLINES = (
     "checkin", "download", "advertise_keys", "share_keys", "masked_input", "consistency_check",
     "unmask",
 )
-MODEL_KINDS = ("mlp",)
 REVEALABLE = {"aaggff_s": ("response",)}
 
 
@@ -38,10 +37,19 @@ class ModelSpec:
 
 @dataclass(frozen=True)
 class SecureSpec:
+    """How cohort sums are computed.
+
+    ``plain: true`` replaces the secure sum by a plain sum: every device's contribution is
+    shown to the aggregator in the clear, which breaks the one rule of DESIGN.md section 1.
+    It exists only to measure the cost of secure aggregation (bench/round.py); the
+    coordinator logs a warning and counts every such job it accepts.
+    """
+
     dropout_rate: float = 0.1
     corrupt_rate: float = 0.05
     malicious_server: bool = True
     consistency_check: bool = False
+    plain: bool = False
 
     def threat(self) -> ThreatModel:
         return ThreatModel(self.dropout_rate, self.corrupt_rate, self.malicious_server)
@@ -164,8 +172,8 @@ def from_dict(raw: Mapping[str, Any]) -> JobSpec:
     if not isinstance(over, (int, float)) or not 1.0 <= over <= 3.0:
         errors.append(f"over_selection: must be a number in [1, 3], got {over!r}")
     model = _section(raw.get("model"), ModelSpec, "model", errors)
-    if model.kind not in MODEL_KINDS:
-        errors.append(f"model.kind: {model.kind!r} is not one of {list(MODEL_KINDS)}")
+    if model.kind not in registry.model_kinds():
+        errors.append(f"model.kind: {model.kind!r} is not one of {list(registry.model_kinds())}")
     for key in ("inputs", "classes", "hidden", "seed"):
         value = getattr(model, key)
         if not isinstance(value, int) or isinstance(value, bool) or value < (0 if key == "seed" else 1):
@@ -175,6 +183,10 @@ def from_dict(raw: Mapping[str, Any]) -> JobSpec:
         threat = secure.threat()
     except (UnsafeParameters, ValueError) as exc:
         errors.append(f"secure: {exc}")
+    if not isinstance(secure.plain, bool):
+        errors.append(f"secure.plain: must be true or false, got {secure.plain!r}")
+    elif secure.plain and secure.consistency_check:
+        errors.append("secure.plain: a plain sum has no survivor sets to check; drop consistency_check")
     else:
         # The smallest cohort the coordinator may form must admit a secure threshold.
         if not any(e.startswith("min_cohort") for e in errors):

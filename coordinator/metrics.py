@@ -17,6 +17,11 @@ class CoordinatorMetrics:
         self.devices_selected = Counter(
             "tally_coordinator_devices_selected", "Devices placed in a cohort", registry=registry
         )
+        self.plain_jobs = Counter(
+            "tally_coordinator_plain_jobs",
+            "Jobs accepted with secure.plain: benchmarks only, the aggregator sees each device's "
+            "contribution", registry=registry,
+        )
         self.rounds_committed = Counter(
             "tally_coordinator_rounds_committed", "Rounds whose model was checkpointed", registry=registry
         )

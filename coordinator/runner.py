@@ -63,7 +63,6 @@ from tally.algorithms.base import StepSpec
 from tally.security import SessionTicket, TicketSigner, config_digest
 from tally.secagg import SessionConfig, SessionRef
 from tally.secagg.messages import SessionAborted
-from tally.training import get_params, mlp
 from tally.wire.convert import (
     WireError,
     cohort_sum_from_proto,
@@ -280,7 +279,8 @@ class JobRunner:
         for attempt in store.running_attempts(self.job_id):  # left open by a stopped coordinator
             for s in attempt.sessions:
                 await self.ctx.pool.close_session(
-                    s["aggregator_id"], s["session_id"], "coordinator restarted", CLOSE_TIMEOUT_S
+                    s["aggregator_id"], s["session_id"], bytes.fromhex(s.get("ticket", "")),
+                    "coordinator restarted", CLOSE_TIMEOUT_S,
                 )
             store.finish_attempt(
                 self.job_id, attempt.round, attempt.attempt, self.ctx.clock(),
@@ -288,8 +288,7 @@ class JobRunner:
             )
         version = store.model_version(self.job_id)
         if version is None:
-            spec = self.spec.model
-            state = self.server.init(get_params(mlp(spec.inputs, spec.classes, spec.hidden, spec.seed)))
+            state = self.server.init(registry.initial_model(self.spec.model))
             store.add_model_version(await self._checkpoint(0, state))
             return state
         if version.round != self.committed:
@@ -462,7 +461,8 @@ class JobRunner:
             await self._close_sessions("cohorts reformed")
         ctx.store.set_attempt_sessions(
             self.job_id, round_, attempt,
-            [{"aggregator_id": s.aggregator_id, "session_id": s.session_id} for s in self.sessions],
+            [{"aggregator_id": s.aggregator_id, "session_id": s.session_id, "ticket": s.ticket.hex()}
+             for s in self.sessions],
         )
         ctx.metrics.devices_selected.inc(len(planner.seats))
 
@@ -475,6 +475,7 @@ class JobRunner:
             config = SessionConfig.plan(
                 SessionRef(self.job_id, round_, session_id), [(s.name, s.schema) for s in steps],
                 len(plan.devices), spec.secure.threat(), consistency_check=spec.secure.consistency_check,
+                plain=spec.secure.plain,
             )
             # The privacy floor: the aggregator must abort rather than reveal a sum of fewer.
             config = dataclasses.replace(config, min_survivors=max(config.params.t, spec.min_cohort))
@@ -554,7 +555,7 @@ class JobRunner:
         async def one(session: OpenedSession) -> tuple[OpenedSession, aggregator_pb2.CohortSum]:
             timeout = planner.deadline - ctx.clock()
             result = await ctx.pool.await_result(
-                session.aggregator_id, session.session_id, step.name, timeout
+                session.aggregator_id, session.session_id, session.ticket, step.name, timeout
             )
             return session, result
 
@@ -639,5 +640,5 @@ class JobRunner:
         sessions, self.sessions = self.sessions, []
         close = self.ctx.pool.close_session
         await asyncio.gather(
-            *(close(s.aggregator_id, s.session_id, reason, CLOSE_TIMEOUT_S) for s in sessions)
+            *(close(s.aggregator_id, s.session_id, s.ticket, reason, CLOSE_TIMEOUT_S) for s in sessions)
         )

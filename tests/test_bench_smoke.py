@@ -13,7 +13,7 @@ import pytest
 SCRIPT = Path(__file__).resolve().parents[1] / "bench" / "secagg_engine.py"
 
 KEYS = (
-    "clients", "dim", "dropout", "k", "t", "bits", "client_mask_s", "server_unmask_s",
+    "clients", "dim", "dropout", "k", "t", "bits", "wire_bits", "client_mask_s", "server_unmask_s",
     "limit_client_s", "limit_server_s", "client_ratio", "server_ratio",
     "upload_bytes_per_client", "masked_input_bytes", "plain_bytes_per_client", "upload_ratio",
     "correct", "max_abs_error", "server_phase_s", "client_phase_median_s", "wall_s", "machine",
@@ -38,7 +38,8 @@ def test_engine_bench_smoke(tmp_path, phase):
     assert data["k"] == 11 and 2 <= data["t"] <= data["k"]
     for key in ("client_mask_s", "server_unmask_s", "limit_client_s", "limit_server_s", "wall_s"):
         assert data[key] > 0, key
-    assert data["masked_input_bytes"] == (50 * data["bits"] + 7) // 8
+    assert data["bits"] <= data["wire_bits"] <= 64
+    assert data["masked_input_bytes"] == (50 * data["wire_bits"] + 7) // 8
     assert data["plain_bytes_per_client"] == 4 * 50
     assert data["upload_bytes_per_client"] >= data["masked_input_bytes"]
     # One device drops: after ShareKeys (its pairwise masks must be removed) or after sending.

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -11,6 +13,8 @@ from secagg_helpers import expected_outcome, make_config, random_inputs
 from tally.codec import Field, Kind, OverflowRefused, PayloadSchema, ring_mask
 from tally.secagg import (
     Dropout,
+    SecAggClient,
+    SecAggServer,
     SessionConfig,
     SessionRef,
     ThreatModel,
@@ -205,3 +209,35 @@ def test_a_lost_device_closes_the_phase_without_waiting_for_the_deadline():
     assert server.finished and server.aborted is None
     expected = sum(inputs[i]["s"].astype(np.int64) for i in range(1, 6)) % (1 << 16)
     assert np.array_equal(server.results["s"].total.astype(np.int64), expected)
+
+
+def _plain(config: SessionConfig) -> SessionConfig:
+    return dataclasses.replace(config, plain=True)
+
+
+def test_plain_mode_sums_exactly_the_devices_that_answered():
+    config = _plain(make_config(9, 8, 5, sums=(("losses", 3, 20), ("updates", 6, 33))))
+    inputs = random_inputs(config, np.random.default_rng(11))
+    dropouts = {2: Dropout("masked_input", "losses"), 7: Dropout("masked_input", "updates")}
+    run = run_cohort(config, inputs, dropouts)
+    assert run.aborted is None
+    server = run.server
+    # Only plain-sum phases ran: nothing was advertised, shared or unmasked.
+    assert server.advertised == {} and server.revealed_seeds == {} and server.revealed_keys == {}
+    losses, updates = run.results["losses"], run.results["updates"]
+    assert losses.contributors == (1, 3, 4, 5, 6, 7, 8, 9) and losses.dropped == (2,)
+    assert updates.contributors == (1, 3, 4, 5, 6, 8, 9) and updates.dropped == (2, 7)
+    for result in (losses, updates):
+        bits = config.sum_spec(result.sum_id).bits
+        assert result.total.tolist() == exact_total(inputs, result.contributors, result.sum_id, bits)
+
+
+def test_plain_mode_enforces_min_survivors_and_starts_only_on_request():
+    config = _plain(make_config(4, 3, 2, min_survivors=3))
+    assert SecAggClient(config, 1).start() == []
+    assert SecAggServer(make_config(4, 3, 2)).start() == []
+    inputs = random_inputs(config, np.random.default_rng(5))
+    run = run_cohort(config, inputs, {1: Dropout("masked_input"), 2: Dropout("advertise_keys")})
+    assert run.aborted and "plain_sum" in run.aborted and run.results == {}
+    with pytest.raises(ValueError, match="plain"):
+        dataclasses.replace(config, consistency_check=True)

@@ -72,14 +72,19 @@ class SecAggClient:
         self.config = config
         self.index = index
         self.neighbours = frozenset(int(j) for j in config.neighbours(index))
-        self.secrets = {spec.sum_id: _SumSecrets(entropy) for spec in config.sums}
+        self.secrets = (
+            {} if config.plain else {spec.sum_id: _SumSecrets(entropy) for spec in config.sums}
+        )
         self.signing = (
             crypto.SigningKey.from_private(entropy(32)) if config.consistency_check else None
         )
         self.inputs: dict[str, np.ndarray] = {}
         self.neighbour_signing: dict[int, bytes] = {}
         self.aborted: str | None = None
-        self._phase: _Phase = _AwaitShareKeysRequest(self)
+        # A plain session (benchmarks only) has no keys: it waits for the first input request.
+        self._phase: _Phase = (
+            _AwaitMaskedInputRequest(self, 0) if config.plain else _AwaitShareKeysRequest(self)
+        )
 
     @property
     def phase(self) -> str:
@@ -96,6 +101,8 @@ class SecAggClient:
         return phase.sum_id if isinstance(phase, _AwaitInput) else None
 
     def start(self) -> list[ClientMessage]:
+        if self.config.plain:
+            return []
         keys = tuple(
             SumPublicKeys(spec.sum_id, s.cipher.public, s.mask.public)
             for spec, s in zip(self.config.sums, self.secrets.values())
@@ -255,7 +262,7 @@ class _AwaitMaskedInputRequest(_Phase):
         expected = client.config.sums[self.position].sum_id
         if message.sum_id != expected:
             raise StaleMessage(f"masked input requested for {message.sum_id!r}, expected {expected!r}")
-        phase = _AwaitInput(client, self.position)
+        phase = (_AwaitPlainInput if client.config.plain else _AwaitInput)(client, self.position)
         client._phase = phase
         if expected in client.inputs:
             return phase.send_masked_input()
@@ -276,23 +283,44 @@ class _AwaitInput(_Phase):
 
     def send_masked_input(self) -> list[ClientMessage]:
         client = self.client
+        spec = client.config.sums[self.position]
+        vector = self.protect(client.inputs.pop(spec.sum_id))
+        data = pack(vector, spec.wire_bits)
+        response = MaskedInputResponse(client.config.ref, spec.sum_id, client.index, data)
+        return client._move(self.next_phase(), [response])
+
+    def protect(self, vector: np.ndarray) -> np.ndarray:
+        """The input as it goes on the wire: masked by the self mask and the pairwise masks."""
+        client = self.client
         config = client.config
         spec = config.sums[self.position]
         secrets = client.secrets[spec.sum_id]
         context = config.ref.context(spec.sum_id)
-        masked = client.inputs.pop(spec.sum_id).copy()
+        masked = vector.copy()
         expander = crypto.MaskExpander(spec.dim, masked.dtype)
         expander.apply(masked, crypto.self_mask_key(secrets.seed, context))
         for j, key in secrets.pair_keys.items():
             expander.apply(masked, key, subtract=client.index > j)
         np.bitwise_and(masked, masked.dtype.type(ring_mask(spec.bits)), out=masked)
-        response = MaskedInputResponse(config.ref, spec.sum_id, client.index, pack(masked, spec.wire_bits))
-        next_phase = (
-            _AwaitConsistencyCheck(client, self.position)
-            if config.consistency_check
-            else _AwaitUnmask(client, self.position, None)
-        )
-        return client._move(next_phase, [response])
+        return masked
+
+    def next_phase(self) -> _Phase:
+        client = self.client
+        if client.config.consistency_check:
+            return _AwaitConsistencyCheck(client, self.position)
+        return _AwaitUnmask(client, self.position, None)
+
+
+class _AwaitPlainInput(_AwaitInput):
+    """Benchmark-only plain sum: the input goes out unmasked and nothing is unmasked later."""
+
+    def protect(self, vector: np.ndarray) -> np.ndarray:
+        return vector
+
+    def next_phase(self) -> _Phase:
+        client = self.client
+        nxt = self.position + 1
+        return _AwaitMaskedInputRequest(client, nxt) if nxt < len(client.config.sums) else _Done(client)
 
 
 class _AwaitConsistencyCheck(_Phase):

@@ -30,6 +30,9 @@ class SessionConfig:
     graph_seed: bytes
     consistency_check: bool = False
     min_survivors: int = 2
+    # Benchmark-only: devices send their inputs unmasked, so the aggregator sees every
+    # individual contribution. It exists to measure what secure aggregation costs.
+    plain: bool = False
 
     def __post_init__(self) -> None:
         if not self.sums:
@@ -48,6 +51,8 @@ class SessionConfig:
             raise ValueError("graph_seed must be 32 bytes")
         if not 2 <= self.min_survivors <= self.params.n:
             raise ValueError(f"min_survivors must be in 2..{self.params.n}")
+        if self.plain and self.consistency_check:
+            raise ValueError("a plain-sum session has no survivor sets to check")
 
     @property
     def n(self) -> int:
@@ -87,11 +92,13 @@ class SessionConfig:
         consistency_check: bool = False,
         min_survivors: int | None = None,
         graph_seed: bytes | None = None,
+        plain: bool = False,
     ) -> SessionConfig:
         """Choose graph, threshold and bit widths for a cohort of ``n`` devices.
 
         Refuses, before any device is contacted, a schema whose sum over ``n`` devices
         could wrap 64 bits, and any (k, t) override that is unsafe or infeasible.
+        ``plain`` is for benchmarks only: see the field's comment.
         """
         threat = threat or ThreatModel()
         if k is None and t is None:
@@ -112,4 +119,5 @@ class SessionConfig:
             graph_seed=graph_seed if graph_seed is not None else os.urandom(32),
             consistency_check=consistency_check,
             min_survivors=min_survivors if min_survivors is not None else max(2, params.t),
+            plain=plain,
         )

@@ -156,6 +156,8 @@ def run_cohort(
         run.server_seconds[phase] = run.server_seconds.get(phase, 0.0) + time.perf_counter() - start
         return out
 
+    deliver(timed_server(server.start))
+
     while not server.finished:
         while to_server:
             message = to_server.popleft()

@@ -39,6 +39,7 @@ from tally.secagg.messages import (
     ShareKeysRequest,
     ShareKeysResponse,
     SumResult,
+    SumSpec,
     UnmaskRequest,
     UnmaskResponse,
 )
@@ -47,7 +48,11 @@ from tally.secagg.wire import SHARE_CIPHERTEXT_BYTES, consistency_message
 
 class SecAggServer:
     """One session: AdvertiseKeys -> ShareKeys -> per sum (MaskedInput ->
-    [ConsistencyCheck] -> Unmask)."""
+    [ConsistencyCheck] -> Unmask).
+
+    A plain session (``config.plain``, benchmarks only) is just one plain-sum phase per
+    sum; it starts when the caller calls ``start()``.
+    """
 
     def __init__(self, config: SessionConfig) -> None:
         self.config = config
@@ -60,7 +65,10 @@ class SecAggServer:
         self.sharers: frozenset[int] = frozenset()
         # Devices whose connection is known to be gone: no phase waits for them.
         self.lost: set[int] = set()
-        self._phase: _Phase = _AdvertiseKeysPhase(self, frozenset(range(1, config.n + 1)))
+        everyone = frozenset(range(1, config.n + 1))
+        self._phase: _Phase = (
+            _NotStarted(self, everyone) if config.plain else _AdvertiseKeysPhase(self, everyone)
+        )
 
     @property
     def phase(self) -> str:
@@ -74,6 +82,13 @@ class SecAggServer:
     def awaiting(self) -> frozenset[int]:
         """Devices the current phase still waits for."""
         return self._phase.expected - self._phase.received.keys() - self.lost
+
+    def start(self) -> list[Outgoing]:
+        """The server's opening messages: in a secure session devices speak first (none);
+        a plain session asks every device not known to be lost for its first input."""
+        if not isinstance(self._phase, _NotStarted):
+            return []
+        return self._phase.close()
 
     def receive(self, message: ClientMessage) -> list[Outgoing]:
         if message.ref != self.config.ref:
@@ -125,7 +140,8 @@ class SecAggServer:
             return self._advance(_Finished(self, frozenset()), [])
         sum_id = self.config.sums[position].sum_id
         out = [Outgoing(i, MaskedInputRequest(self.config.ref, sum_id)) for i in sorted(alive)]
-        return self._advance(_MaskedInputPhase(self, alive, position), out)
+        phase = _PlainSumPhase if self.config.plain else _MaskedInputPhase
+        return self._advance(phase(self, alive, position), out)
 
 
 class _Phase(abc.ABC):
@@ -188,6 +204,19 @@ class _Finished(_Phase):
 
     def close(self) -> list[Outgoing]:
         return []
+
+
+class _NotStarted(_Phase):
+    """A plain session before ``start()``, while devices join: they only speak when asked."""
+
+    name = "join"
+    message_type = ()
+
+    def validate(self, message: ClientMessage) -> None:
+        raise OutOfPhase("session has not started")
+
+    def close(self) -> list[Outgoing]:
+        return self.server._start_sum(0, self.expected - self.server.lost)
 
 
 class _AdvertiseKeysPhase(_Phase):
@@ -317,6 +346,33 @@ class _MaskedInputPhase(_SumPhase):
         return server._advance(_UnmaskPhase(server, u3, self.position, masked, u3), out)
 
 
+class _PlainSumPhase(_MaskedInputPhase):
+    """Benchmark-only: the inputs arrive unmasked, so the sum is simply their sum."""
+
+    def close(self) -> list[Outgoing]:
+        server = self.server
+        u3 = frozenset(self.received)
+        refused = server._require(u3, f"plain_sum[{self.sum_id}]", self.expected)
+        if refused is not None:
+            return refused
+        spec = server.config.sums[self.position]
+        total = _add_packed(spec, (self.received[i].data for i in sorted(u3)))
+        np.bitwise_and(total, total.dtype.type(ring_mask(spec.bits)), out=total)
+        dropped = frozenset(range(1, server.config.n + 1)) - u3
+        server.results[self.sum_id] = SumResult(
+            self.sum_id, total, tuple(sorted(u3)), tuple(sorted(dropped))
+        )
+        return server._start_sum(self.position + 1, u3)
+
+
+def _add_packed(spec: SumSpec, vectors: Iterable[bytes]) -> np.ndarray:
+    """The ring sum (not yet reduced) of packed vectors of sum ``spec``."""
+    total = np.zeros(spec.dim, dtype=ring_dtype(spec.bits))
+    for data in vectors:
+        np.add(total, unpack(data, spec.wire_bits, spec.dim), out=total)
+    return total
+
+
 class _ConsistencyPhase(_SumPhase):
     name = "consistency_check"
     message_type = ConsistencyCheckResponse
@@ -438,10 +494,8 @@ class _UnmaskPhase(_SumPhase):
         server.revealed_keys[spec.sum_id] = frozenset(keys)
         assert not (set(seeds) & set(keys)), "a device's seed and key were both reconstructed"
 
-        dtype = ring_dtype(spec.bits)
-        total = np.zeros(spec.dim, dtype=dtype)
-        for i in sorted(self.survivors):
-            np.add(total, unpack(self.masked[i], spec.wire_bits, spec.dim), out=total)
+        total = _add_packed(spec, (self.masked[i] for i in sorted(self.survivors)))
+        dtype = total.dtype
         expander = crypto.MaskExpander(spec.dim, dtype)
         for i, seed in seeds.items():
             expander.apply(total, crypto.self_mask_key(seed, context), subtract=True)

@@ -143,6 +143,7 @@ def _session_config_to(v: SessionConfig, out: secagg_pb2.SessionConfig) -> None:
     out.graph_seed = v.graph_seed
     out.consistency_check = v.consistency_check
     out.min_survivors = v.min_survivors
+    out.plain = v.plain
 
 
 def _session_config_from(p: secagg_pb2.SessionConfig) -> SessionConfig:
@@ -162,6 +163,7 @@ def _session_config_from(p: secagg_pb2.SessionConfig) -> SessionConfig:
             graph_seed=p.graph_seed,
             consistency_check=p.consistency_check,
             min_survivors=int(p.min_survivors),
+            plain=p.plain,
         )
     except ValueError as exc:
         raise WireError(f"SessionConfig: {exc}") from exc

@@ -27,7 +27,7 @@ class SumSpec(_message.Message):
     def __init__(self, sum_id: _Optional[str] = ..., dim: _Optional[int] = ..., bits: _Optional[int] = ...) -> None: ...
 
 class SessionConfig(_message.Message):
-    __slots__ = ("ref", "sums", "n", "k", "t", "graph_seed", "consistency_check", "min_survivors")
+    __slots__ = ("ref", "sums", "n", "k", "t", "graph_seed", "consistency_check", "min_survivors", "plain")
     REF_FIELD_NUMBER: _ClassVar[int]
     SUMS_FIELD_NUMBER: _ClassVar[int]
     N_FIELD_NUMBER: _ClassVar[int]
@@ -36,6 +36,7 @@ class SessionConfig(_message.Message):
     GRAPH_SEED_FIELD_NUMBER: _ClassVar[int]
     CONSISTENCY_CHECK_FIELD_NUMBER: _ClassVar[int]
     MIN_SURVIVORS_FIELD_NUMBER: _ClassVar[int]
+    PLAIN_FIELD_NUMBER: _ClassVar[int]
     ref: SessionRef
     sums: _containers.RepeatedCompositeFieldContainer[SumSpec]
     n: int
@@ -44,7 +45,8 @@ class SessionConfig(_message.Message):
     graph_seed: bytes
     consistency_check: bool
     min_survivors: int
-    def __init__(self, ref: _Optional[_Union[SessionRef, _Mapping]] = ..., sums: _Optional[_Iterable[_Union[SumSpec, _Mapping]]] = ..., n: _Optional[int] = ..., k: _Optional[int] = ..., t: _Optional[int] = ..., graph_seed: _Optional[bytes] = ..., consistency_check: _Optional[bool] = ..., min_survivors: _Optional[int] = ...) -> None: ...
+    plain: bool
+    def __init__(self, ref: _Optional[_Union[SessionRef, _Mapping]] = ..., sums: _Optional[_Iterable[_Union[SumSpec, _Mapping]]] = ..., n: _Optional[int] = ..., k: _Optional[int] = ..., t: _Optional[int] = ..., graph_seed: _Optional[bytes] = ..., consistency_check: _Optional[bool] = ..., min_survivors: _Optional[int] = ..., plain: _Optional[bool] = ...) -> None: ...
 
 class PhaseDeadlines(_message.Message):
     __slots__ = ("advertise_keys_seconds", "share_keys_seconds", "masked_input_seconds", "consistency_check_seconds", "unmask_seconds")
