@@ -33,12 +33,16 @@ import resource
 import statistics
 import sys
 import time
+from collections import defaultdict
 from collections.abc import Callable
 from importlib import metadata
 from pathlib import Path
 
 import numpy as np
+from cryptography.hazmat.primitives import hashes
+from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey, X25519PublicKey
 from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
+from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 from rich.console import Console
 from rich.progress import (
     BarColumn,
@@ -49,9 +53,10 @@ from rich.progress import (
 )
 from rich.table import Table
 
-from tally.codec import Field, Kind, PayloadSchema, packed_size, ring_dtype, ring_mask, to_ring
+from tally.codec import Field, Kind, PayloadSchema, packed_size, ring_dtype, ring_mask, to_ring, wire_width
 from tally.secagg import Dropout, SessionConfig, SessionRef, ThreatModel, run_cohort
 from tally.secagg.driver import PHASES
+from tally.secagg.wire import payload_bytes
 
 SUM_ID = "x"
 CLIP = 1.0
@@ -63,6 +68,11 @@ ADD_POOL_BYTES = 128 << 20
 TARGET_SERVER_RATIO = 2.0
 TARGET_CLIENT_RATIO = 1.5
 PHASE_OF_DROPOUT = {"shares": "masked_input", "masked": "unmask"}
+
+
+def wire_bits(spec) -> int:
+    """Bits per value on the wire (the engine may round a ring up to a machine word)."""
+    return int(getattr(spec, "wire_bits", spec.bits))
 
 
 # ---------------------------------------------------------------------------- arguments
@@ -204,6 +214,42 @@ class MaskLimit:
         return times
 
 
+def time_key_agreement(n_keys: int, n_edges: int, repeats: int = 3,
+                       budget_s: float = 60.0) -> list[float]:
+    """Seconds for the X25519 work behind the server's pairwise masks, per repeat.
+
+    Not part of ``limit_server_s`` (which is the PRG floor), but just as unavoidable: per dropped
+    device, load its reconstructed private key once and check its public key; per (dropped,
+    surviving neighbour) edge, one exchange and one HKDF-SHA256 to a 16-byte mask key.
+    """
+    if n_keys == 0 or n_edges == 0:
+        return [0.0]
+    privates = [X25519PrivateKey.generate().private_bytes_raw() for _ in range(n_keys)]
+    publics = [X25519PrivateKey.generate().public_key().public_bytes_raw()
+               for _ in range(min(n_edges, 256))]
+    per_key = [n_edges // n_keys + (1 if j < n_edges % n_keys else 0) for j in range(n_keys)]
+    times: list[float] = []
+    spent = 0.0
+    for _ in range(repeats):
+        gc.collect()
+        start = time.perf_counter()
+        e = 0
+        for private, count in zip(privates, per_key):
+            sk = X25519PrivateKey.from_private_bytes(private)
+            sk.public_key().public_bytes_raw()
+            for _ in range(count):
+                peer = X25519PublicKey.from_public_bytes(publics[e % len(publics)])
+                secret = sk.exchange(peer)
+                HKDF(hashes.SHA256(), 16, None, b"bench/pairwise-mask").derive(secret)
+                e += 1
+        elapsed = time.perf_counter() - start
+        times.append(elapsed)
+        spent += elapsed
+        if spent > budget_s and len(times) >= 2:
+            break
+    return times
+
+
 # ---------------------------------------------------------------------------- one run
 
 
@@ -234,11 +280,27 @@ def run_once(args: argparse.Namespace, schema: PayloadSchema, rep: int,
     log(f"run {rep}: inputs encoded in {time.perf_counter() - t0:.1f}s "
         f"(k={config.params.k}, t={config.threshold}, bits={spec.bits}, dropped={n_drop})")
 
+    # The client limit is sampled before and after the cohort, so that a machine whose load
+    # drifts (a shared host) is sampled on both sides of the client timings.
+    limit = MaskLimit(dim, ring_dtype(spec.bits), spec.bits)
+    expected_client_masks = 1 + config.params.k  # nobody drops before ShareKeys here
+    limit_client_before = limit.time(expected_client_masks, 0, args.limit_repeat)
+
     profiler = cProfile.Profile() if (args.profile and rep == 0) else None
     t0 = time.perf_counter()
     if profiler:
         profiler.enable()
-    run = run_cohort(config, inputs, dropouts, observe=on_message)
+    # Uploads are counted here, from every message the server receives, rather than with the
+    # driver's measure_bytes: that also walks every download, and each UnmaskRequest carries
+    # the whole survivor list, which makes the accounting itself quadratic in N.
+    upload_bytes: dict[int, int] = defaultdict(int)
+
+    def observe(message) -> None:
+        upload_bytes[message.sender] += payload_bytes(message)
+        if on_message is not None:
+            on_message(message)
+
+    run = run_cohort(config, inputs, dropouts, observe=observe)
     if profiler:
         profiler.disable()
         profiler.dump_stats(str(args.profile))
@@ -251,6 +313,7 @@ def run_once(args: argparse.Namespace, schema: PayloadSchema, rep: int,
     result = run.results.get(SUM_ID)
     out: dict = {
         "k": config.params.k, "t": config.threshold, "bits": spec.bits,
+        "wire_bits": wire_bits(spec),
         "dropped": n_drop, "aborted": run.aborted, "cohort_wall_s": cohort_wall,
         "refused": len(run.refused), "rejected": len(run.rejected),
     }
@@ -287,8 +350,7 @@ def run_once(args: argparse.Namespace, schema: PayloadSchema, rep: int,
     out["client_mask_s"] = _median(run.client_seconds.get("masked_input", []))
     out["server_unmask_s"] = float(run.server_seconds.get("unmask", float("nan")))
     survivors = [i for i in range(1, n + 1) if i not in dropouts]
-    out["upload_bytes_per_client"] = _median(run.upload_bytes[i] for i in survivors)
-    out["download_bytes_per_client"] = _median(run.download_bytes[i] for i in survivors)
+    out["upload_bytes_per_client"] = _median(upload_bytes[i] for i in survivors)
 
     # -- the work nobody can avoid, counted from the run itself.
     sharers = run.server.sharers
@@ -298,8 +360,12 @@ def run_once(args: argparse.Namespace, schema: PayloadSchema, rep: int,
     ]
     out["client_masks"] = int(statistics.median_low(client_masks))
     edges = 0
+    result_dropped_keys = []  # dropped devices with a surviving neighbour: their keys are rebuilt
     for j in result.dropped:
-        edges += sum(1 for i in config.neighbours(j) if int(i) in contributor_set)
+        e = sum(1 for i in config.neighbours(j) if int(i) in contributor_set)
+        edges += e
+        if e:
+            result_dropped_keys.append(j)
     out["server_self_masks"] = len(contributors)
     out["server_pairwise_masks"] = edges
     out["server_adds"] = len(contributors)
@@ -307,14 +373,21 @@ def run_once(args: argparse.Namespace, schema: PayloadSchema, rep: int,
     del run, inputs, result
     gc.collect()
 
-    limit = MaskLimit(dim, ring_dtype(spec.bits), spec.bits)
     t0 = time.perf_counter()
     out["limit_client_samples"] = limit.time(out["client_masks"], 0, args.limit_repeat)
+    if out["client_masks"] == expected_client_masks:
+        out["limit_client_samples"] += limit_client_before
     out["limit_server_samples"] = limit.time(
         len(contributors) + edges, len(contributors), args.limit_repeat
     )
+    out["kex_server_samples"] = time_key_agreement(
+        len(result_dropped_keys), edges, max(1, min(3, args.limit_repeat))
+    )
     out["limit_client_s"] = _median(out["limit_client_samples"])
+    out["limit_server_kex_s"] = _median(out["kex_server_samples"])
     out["limit_server_s"] = _median(out["limit_server_samples"])
+    out["client_ratio"] = out["client_mask_s"] / out["limit_client_s"]
+    out["server_ratio"] = out["server_unmask_s"] / out["limit_server_s"]
     log(f"run {rep}: limits timed in {time.perf_counter() - t0:.1f}s")
     return out
 
@@ -375,6 +448,7 @@ def summarise(args: argparse.Namespace, runs: list[dict], wall: float) -> dict:
         "k": first["k"],
         "t": first["t"],
         "bits": bits,
+        "wire_bits": first["wire_bits"],
         "dropped": first["dropped"],
         "correct": all(r["correct"] for r in runs),
         "max_abs_error": max(r["max_abs_error"] for r in runs),
@@ -394,11 +468,21 @@ def summarise(args: argparse.Namespace, runs: list[dict], wall: float) -> dict:
         )
         summary["client_ratio"] = summary["client_mask_s"] / summary["limit_client_s"]
         summary["server_ratio"] = summary["server_unmask_s"] / summary["limit_server_s"]
+        # Each run's engine and limit times share the machine's load of the moment; on a
+        # shared host the median of per-run ratios is the steadier figure.
+        summary["client_ratio_per_run"] = [r["client_ratio"] for r in ok]
+        summary["server_ratio_per_run"] = [r["server_ratio"] for r in ok]
+        summary["client_ratio_median_of_runs"] = _median(summary["client_ratio_per_run"])
+        summary["server_ratio_median_of_runs"] = _median(summary["server_ratio_per_run"])
+        # Informational: the floor including the X25519 work behind the pairwise masks.
+        summary["limit_server_kex_s"] = med("limit_server_kex_s")
+        summary["server_ratio_with_kex"] = summary["server_unmask_s"] / (
+            summary["limit_server_s"] + summary["limit_server_kex_s"]
+        )
         summary["target_client_ratio"] = TARGET_CLIENT_RATIO
         summary["target_server_ratio"] = TARGET_SERVER_RATIO
         summary["upload_bytes_per_client"] = med("upload_bytes_per_client")
-        summary["download_bytes_per_client"] = med("download_bytes_per_client")
-        summary["masked_input_bytes"] = packed_size(dim, bits)
+        summary["masked_input_bytes"] = packed_size(dim, wire_width(bits))
         summary["plain_bytes_per_client"] = 4 * dim
         summary["upload_ratio"] = summary["upload_bytes_per_client"] / summary["plain_bytes_per_client"]
         phases = [p for p in PHASES if any(p in r["server_seconds"] for r in ok)]
@@ -432,7 +516,8 @@ def _fmt_s(x: float) -> str:
 
 def print_report(console: Console, s: dict) -> None:
     title = (f"SecAgg engine: N={s['clients']} D={s['dim']} dropout={s['dropout']} "
-             f"({s['dropout_at']}) k={s['k']} t={s['t']} bits={s['bits']}")
+             f"({s['dropout_at']}) k={s['k']} t={s['t']} bits={s['bits']} "
+             f"(wire {s['wire_bits']})")
     table = Table(title=title)
     table.add_column("measure")
     table.add_column("engine", justify="right")
@@ -450,6 +535,13 @@ def print_report(console: Console, s: dict) -> None:
             met = s[ratio] <= target
             table.add_row(name, _fmt_s(s[key]), _fmt_s(s[lim]),
                           f"[{'green' if met else 'red'}]{s[ratio]:.2f}x[/]", f"<= {target}x")
+        if len(s["client_ratio_per_run"]) > 1:
+            table.add_row("  per-run ratios (client; server)", "", "",
+                          "; ".join(", ".join(f"{r:.2f}" for r in s[k])
+                                    for k in ("client_ratio_per_run", "server_ratio_per_run")),
+                          "")
+        table.add_row("  + X25519/HKDF for pairwise masks", "",
+                      _fmt_s(s["limit_server_kex_s"]), f"{s['server_ratio_with_kex']:.2f}x", "")
         table.add_row("upload per device", f"{s['upload_bytes_per_client']:,.0f} B",
                       f"{s['plain_bytes_per_client']:,} B (float32)",
                       f"{s['upload_ratio']:.3f}", "")
@@ -512,7 +604,9 @@ class MessageTracker:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    console = Console(stderr=False)
+    console = Console()
+    if not console.is_terminal:  # a log file: room for the table's columns
+        console = Console(width=110)
     schema = build_schema(args.dim)
     start = time.perf_counter()
     runs: list[dict] = []
