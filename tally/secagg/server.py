@@ -81,7 +81,7 @@ class SecAggServer:
     @property
     def awaiting(self) -> frozenset[int]:
         """Devices the current phase still waits for."""
-        return self._phase.expected - self._phase.received.keys() - self.lost
+        return frozenset(self._phase.pending)
 
     def start(self) -> list[Outgoing]:
         """The server's opening messages: in a secure session devices speak first (none);
@@ -107,6 +107,7 @@ class SecAggServer:
         if not 1 <= index <= self.config.n:
             raise UnknownSender(f"device {index} is not in this cohort")
         self.lost.add(index)
+        self._phase.pending.discard(index)
         if not self.finished and self._phase.complete():
             return self._phase.close()
         return []
@@ -152,6 +153,8 @@ class _Phase(abc.ABC):
         self.server = server
         self.expected = expected
         self.received: dict[int, ClientMessage] = {}
+        # Who the phase still waits for: kept incrementally, so a message costs O(1), not O(n).
+        self.pending: set[int] = set(expected) - server.lost
 
     @property
     def sum_id(self) -> str:
@@ -173,13 +176,14 @@ class _Phase(abc.ABC):
             raise OutOfPhase(f"device {message.sender} is not part of {self.name}")
         self.validate(message)
         self.received[message.sender] = message
+        self.pending.discard(message.sender)
         self.record(message)
         if self.complete():
             return self.close()
         return []
 
     def complete(self) -> bool:
-        return self.received.keys() >= self.expected - self.server.lost
+        return not self.pending
 
     def record(self, message: ClientMessage) -> None:
         """Phase-specific bookkeeping of a validated message."""
@@ -244,12 +248,10 @@ class _AdvertiseKeysPhase(_Phase):
         server.advertised = {i: self.received[i] for i in u1}
         reason = f"fewer than t={server.config.threshold} neighbours advertised keys"
         out = [Outgoing(i, Abort(server.config.ref, reason)) for i in sorted(excluded)]
+        # One NeighbourKeys per device, shared by the k requests that list it.
+        keys = {i: NeighbourKeys(i, self.received[i].keys, self.received[i].signing_public) for i in u1}
         for i in sorted(u1):
-            neighbours = tuple(
-                NeighbourKeys(int(j), self.received[j].keys, self.received[j].signing_public)
-                for j in server.config.neighbours(i)
-                if int(j) in u1
-            )
+            neighbours = tuple(keys[j] for j in server.config.neighbours(i).tolist() if j in keys)
             out.append(Outgoing(i, ShareKeysRequest(server.config.ref, neighbours)))
         return server._advance(_ShareKeysPhase(server, u1), out)
 
@@ -342,7 +344,12 @@ class _MaskedInputPhase(_SumPhase):
         if server.config.consistency_check:
             out = [Outgoing(i, ConsistencyCheckRequest(ref, sum_id, survivors)) for i in survivors]
             return server._advance(_ConsistencyPhase(server, u3, self.position, masked), out)
-        out = [Outgoing(i, UnmaskRequest(ref, sum_id, survivors)) for i in survivors]
+        # A device needs only its own neighbourhood's status: the full list would make every
+        # request O(n) and the session O(n^2) bytes. (ConsistencyCheck signs the full list.)
+        out = [
+            Outgoing(i, UnmaskRequest(ref, sum_id, tuple(sorted(u3.intersection(server.config.neighbours(i).tolist()) | {i}))))
+            for i in survivors
+        ]
         return server._advance(_UnmaskPhase(server, u3, self.position, masked, u3), out)
 
 
@@ -411,51 +418,52 @@ class _UnmaskPhase(_SumPhase):
         self.masked = masked
         self.survivors: frozenset[int] = survivors
         self.dropped: frozenset[int] = server.sharers - survivors
-                # Only dropped devices that share an edge with a survivor left masks behind.
+        # Only dropped devices that share an edge with a survivor left masks behind.
         self.needed_keys = frozenset(
             j for j in self.dropped if any(int(i) in survivors for i in server.config.neighbours(j))
         )
         self.seed_shares: dict[int, dict[int, bytes]] = {i: {} for i in survivors}
         self.key_shares: dict[int, dict[int, bytes]] = {j: {} for j in self.needed_keys}
+        # Secrets still below t shares, kept up to date so completion is O(1) per message.
+        self.short: set[tuple[str, int]] = {("seed", i) for i in survivors} | {("key", j) for j in self.needed_keys}
 
     def validate(self, message: UnmaskResponse) -> None:
-        neighbours = {int(j) for j in self.server.config.neighbours(message.sender)}
-        held = neighbours & self.server.sharers
-        seed_owners = [o for o, _ in message.seed_shares]
-        key_owners = [o for o, _ in message.key_shares]
-        if sorted(seed_owners) != sorted(held & self.survivors):
+        held = self.server.sharers.intersection(self.server.config.neighbours(message.sender).tolist())
+        seed_owners = {o for o, _ in message.seed_shares}
+        key_owners = {o for o, _ in message.key_shares}
+        if len(seed_owners) != len(message.seed_shares) or seed_owners != held & self.survivors:
             raise MalformedMessage(
                 f"device {message.sender} must reveal seed shares of exactly its surviving neighbours"
             )
-        if sorted(key_owners) != sorted(held & self.dropped):
+        if len(key_owners) != len(message.key_shares) or key_owners != held & self.dropped:
             raise MalformedMessage(
                 f"device {message.sender} must reveal key shares of exactly its dropped neighbours"
             )
-        for _, share in message.seed_shares + message.key_shares:
-            if len(share) != shamir.SHARE_BYTES:
-                raise MalformedMessage(f"shares must be {shamir.SHARE_BYTES} bytes")
+        if any(len(share) != shamir.SHARE_BYTES for _, share in message.seed_shares + message.key_shares):
+            raise MalformedMessage(f"shares must be {shamir.SHARE_BYTES} bytes")
 
     def record(self, message: UnmaskResponse) -> None:
-        for owner, share in message.seed_shares:
-            self.seed_shares[owner][message.sender] = share
-        for owner, share in message.key_shares:
-            if owner in self.key_shares:
-                self.key_shares[owner][message.sender] = share
+        t = self.server.config.threshold
+        for kind, owners, shares in (
+            ("seed", self.seed_shares, message.seed_shares),
+            ("key", self.key_shares, message.key_shares),
+        ):
+            for owner, share in shares:
+                held = owners.get(owner)
+                if held is None:  # a dropped device with no surviving neighbour: nothing to remove
+                    continue
+                held[message.sender] = share
+                if len(held) == t:
+                    self.short.discard((kind, owner))
 
     def complete(self) -> bool:
         """Done when every needed secret has t shares: stragglers cannot delay the sum."""
-        t = self.server.config.threshold
-        enough = all(len(s) >= t for s in self.seed_shares.values()) and all(
-            len(s) >= t for s in self.key_shares.values()
-        )
-        return enough or super().complete()
+        return not self.short or super().complete()
 
     def close(self) -> list[Outgoing]:
         server = self.server
         t = server.config.threshold
-        short = sorted(
-            o for shares in (self.seed_shares, self.key_shares) for o, s in shares.items() if len(s) < t
-        )
+        short = sorted(owner for _, owner in self.short)
         if short:
             return server._abort(
                 f"unmask[{self.sum_id}]: fewer than t={t} shares for devices {short[:10]}"
