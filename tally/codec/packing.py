@@ -49,7 +49,7 @@ def pack(values: np.ndarray, bits: int) -> bytes:
     if values.size and (int(values.min()) < 0 or int(values.max()) > mask):
         raise CodecError(f"values must lie in [0, 2^{bits}), got [{values.min()}, {values.max()}]")
     if bits in _BYTE_WIDTHS:
-        return values.astype(f"<u{bits // 8}").tobytes()
+        return values.astype(f"<u{bits // 8}", copy=False).tobytes()
     wide = values.astype("<u8")
     out = np.empty(packed_size(values.size, bits), dtype=np.uint8)
     for start in range(0, wide.size, _CHUNK):
