@@ -28,8 +28,6 @@ import asyncio
 import json
 import logging
 import math
-import os
-import platform
 import statistics
 import sys
 import tempfile
@@ -48,6 +46,7 @@ from aggregator import AggregatorService  # noqa: E402
 from client_sdk import DropoutPlan, Fleet  # noqa: E402
 from coordinator.jobspec import parse  # noqa: E402
 from coordinator.service import CoordinatorService  # noqa: E402
+from secagg_engine import machine_info  # noqa: E402  (this folder is on sys.path when run as a script)
 from tally.security import TLSConfig, load_or_create_ticket_key  # noqa: E402
 
 PLAINTEXT = TLSConfig.plaintext()
@@ -188,25 +187,6 @@ async def run_all(args: argparse.Namespace) -> dict:
                 await a.stop(grace=0)
 
 
-def machine_info() -> dict:
-    def version(pkg: str) -> str | None:
-        try:
-            return metadata.version(pkg)
-        except metadata.PackageNotFoundError:
-            return None
-
-    return {
-        "platform": platform.platform(),
-        "processor": platform.processor() or platform.machine(),
-        "cpus": os.cpu_count(),
-        "python": platform.python_version(),
-        "numpy": np.__version__,
-        "grpcio": version("grpcio"),
-        "cryptography": version("cryptography"),
-        "transport": "gRPC plaintext on 127.0.0.1 loopback, all services and the fleet in one process",
-    }
-
-
 def summarise(args: argparse.Namespace, modes: dict, wall: float) -> dict:
     secure, plain = modes.get("secure"), modes.get("plain")
     _, dim = model_shape(args.dim)
@@ -234,7 +214,11 @@ def summarise(args: argparse.Namespace, modes: dict, wall: float) -> dict:
         "float32_update_bytes": 4 * dim,
         "modes": modes,
         "wall_s": wall,
-        "machine": machine_info(),
+        "machine": {
+            **machine_info(),
+            "grpcio": metadata.version("grpcio"),
+            "transport": "gRPC plaintext on 127.0.0.1 loopback, all services and the fleet in one process",
+        },
     }
 
 
