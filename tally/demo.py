@@ -52,7 +52,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         description=__doc__,
     )
     p.add_argument("--devices", type=int, default=60, help="simulated devices (at least 50 for the demo)")
-    p.add_argument("--rounds", type=int, default=20)
+    p.add_argument("--rounds", type=int, default=25)
     p.add_argument("--dropout", type=float, default=0.1, help="probability a device drops in a session")
     p.add_argument("--alpha", type=float, default=0.5, help="Dirichlet label skew of the split")
     p.add_argument("--seed", type=int, default=0)
@@ -187,12 +187,14 @@ def _plot(report: dict, path: Path) -> None:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
 
     fig, ax = plt.subplots(figsize=(6, 3.5))
     rounds = np.arange(1, len(report["accuracy_per_round"]) + 1)
     ax.plot(rounds, report["accuracy_per_round"], marker="o")
     ax.axhline(0.9, color="grey", ls="--", lw=1)
     ax.set_xlabel("round")
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.set_ylabel("test accuracy (ONNX Runtime)")
     ax.set_ylim(0, 1)
     ax.set_title(f"FedAvg over secure sums: {report['devices']} devices, {report['dropouts_handled']} dropouts")
