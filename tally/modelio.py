@@ -16,7 +16,7 @@ _MAGIC = b"TALLYM1\n"
 def serialize(params: Mapping[str, np.ndarray]) -> bytes:
     header, blobs = [], []
     for name, value in params.items():
-        array = np.ascontiguousarray(value)
+        array = np.asarray(value, order="C")  # not ascontiguousarray: it turns a 0-d scalar into shape (1,)
         little = array.astype(array.dtype.newbyteorder("<"), copy=False)
         header.append({"name": name, "dtype": little.dtype.str, "shape": list(array.shape)})
         blobs.append(little.tobytes())
