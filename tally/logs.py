@@ -25,8 +25,21 @@ class JsonFormatter(logging.Formatter):
         return json.dumps(entry, default=str)
 
 
+class _CurrentStderr(logging.StreamHandler):
+    """Writes to whatever ``sys.stderr`` is at emit time, not the one at configure time
+    (a redirected or closed stream must not turn later log lines into errors)."""
+
+    @property
+    def stream(self):  # type: ignore[override]
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, _value) -> None:
+        pass
+
+
 def configure(level: str = "info", json_lines: bool = True) -> None:
-    handler = logging.StreamHandler(sys.stderr)
+    handler = _CurrentStderr()
     handler.setFormatter(
         JsonFormatter() if json_lines else logging.Formatter("%(asctime)s %(levelname)s %(name)s %(message)s")
     )
