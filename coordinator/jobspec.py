@@ -152,6 +152,17 @@ def from_dict(raw: Mapping[str, Any]) -> JobSpec:
     if config is not None and not isinstance(config, Mapping):
         errors.append(f"config: must be a mapping of the algorithm's options, got {type(config).__name__}")
         config = None
+    # The opt-in to reveal per-device values is the job's, at the top level (DESIGN.md section 1);
+    # the algorithm sees it as its `reveal` option, never set on its own.
+    reveal = tuple(raw.get("reveal") or ())
+    if config is not None and "reveal" in config and tuple(config["reveal"] or ()) != reveal:
+        errors.append("config.reveal: the opt-in belongs at the top level of the job spec (reveal: [...])")
+    if reveal:
+        config = {**(config or {}), "reveal": list(reveal)}
+        errors.append(
+            f"reveal: {list(reveal)}: per-device reveal steps run only in `tally simulate` so far; "
+            "through the services use a sums-only variant (aaggff_s: solver: separable)"
+        )
     if algorithm not in registry.algorithm_names():
         errors.append(f"algorithm: {algorithm!r} is not one of {list(registry.algorithm_names())}")
     else:
@@ -206,7 +217,6 @@ def from_dict(raw: Mapping[str, Any]) -> JobSpec:
             errors.append(f"deadlines.{phase}: seconds in (0, 86400], got {seconds!r}")
         else:
             deadlines[phase] = float(seconds)
-    reveal = tuple(raw.get("reveal") or ())
     allowed = REVEALABLE.get(algorithm, ())
     for item in reveal:
         if item not in allowed:

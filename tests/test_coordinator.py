@@ -1209,3 +1209,15 @@ def test_cli_help_and_job_commands(tmp_path, capsys):
     assert "CANCELLED" in cancel and "done here" in cancel
     assert watch_code == 1 and "CANCELLED" in watch
     assert missing_code == 1
+
+
+def test_reveal_opt_in_lives_at_the_top_level_and_is_refused_through_the_services():
+    base = "name: r\nalgorithm: aaggff_s\nrounds: 1\ncohort_size: 8\nmin_cohort: 5\n"
+    with pytest.raises(jobspec.JobSpecError, match="top level"):
+        jobspec.parse(base + "config: {num_clients: 8, reveal: [response]}\n")
+    with pytest.raises(jobspec.JobSpecError, match="only in `tally simulate`"):
+        jobspec.parse(base + "config: {num_clients: 8}\nreveal: [response]\n")
+    with pytest.raises(jobspec.JobSpecError, match="nothing is: the server sees only sums"):
+        jobspec.parse("name: f\nalgorithm: fedavg\nrounds: 1\ncohort_size: 8\nmin_cohort: 5\nreveal: [update]\n")
+    accepted = jobspec.parse(base + "config: {num_clients: 8, solver: separable}\n")
+    assert accepted.reveal == () and "reveal" not in accepted.config
