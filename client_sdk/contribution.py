@@ -72,6 +72,7 @@ class Contribution:
         rng: np.random.Generator,
         load_model: Callable[[], Awaitable[Arrays]],
         fetch_step: Callable[[str], Awaitable[coordinator_pb2.Step]],
+        reveal: Callable[[str, Arrays], Awaitable[None]],
         executor: Executor | None,
         metrics: ClientMetrics,
     ) -> None:
@@ -82,6 +83,7 @@ class Contribution:
         self.clipped = 0
         self._load_model = load_model
         self._fetch_step = fetch_step
+        self._reveal = reveal
         self._executor = executor
         self._metrics = metrics
         self._first: asyncio.Future[np.ndarray] | None = None
@@ -107,6 +109,11 @@ class Contribution:
             assert self._first is not None
             return await self._first
         step = await self._fetch_step(sum_id)
+        while step.reveal:
+            # A reveal step the job opted in to precedes this sum: its payload goes to the
+            # coordinator in the clear, then the sum's own step follows.
+            await self._reveal_step(step)
+            step = await self._fetch_step(sum_id)
         if (step.sum_id or step.schema.sum_id) != sum_id:
             raise TaskError(f"asked for the step of sum {sum_id!r}, got {step.sum_id!r}")
         return await self._compute(step, tensors_from_proto(step.broadcast))
@@ -116,6 +123,15 @@ class Contribution:
         broadcast = dict(await self._load_model())
         broadcast.update(tensors_from_proto(step.broadcast))  # the step's tensors override
         return await self._compute(step, broadcast)
+
+    async def _reveal_step(self, step: coordinator_pb2.Step) -> None:
+        loop = asyncio.get_running_loop()
+        values, state = await loop.run_in_executor(
+            self._executor, self.plan.client_half.contribute, step.name, tensors_from_proto(step.broadcast),
+            self.trainer, self.local_state,
+        )
+        await self._reveal(step.name, values)
+        self.local_state = state
 
     async def _compute(self, step: coordinator_pb2.Step, broadcast: Arrays) -> np.ndarray:
         sum_id, schema = schema_from_proto(step.schema)

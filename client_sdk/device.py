@@ -33,7 +33,7 @@ from client_sdk.session import ABORTED, COMPLETED, DROPPED, SecAggSession
 from tally import logs, modelio
 from tally.algorithms.base import Arrays, LocalTrainer
 from tally.security import TLSConfig, bearer_metadata
-from tally.wire.convert import WireError
+from tally.wire.convert import WireError, tensors_to_proto
 from tally.wire.v1 import coordinator_pb2, coordinator_pb2_grpc
 
 log = logging.getLogger("tally.client_sdk.device")
@@ -203,6 +203,7 @@ class Device:
             self._encode_rng,
             lambda: self._load_model(task),
             lambda sum_id: self._fetch_step(task, sum_id),
+            lambda step, values: self._reveal(task, step, values),
             self.executor,
             self.metrics,
         )
@@ -252,6 +253,14 @@ class Device:
             if response.WhichOneof("result") == "step":
                 return response.step
             await self._pace(response.retry_after)
+
+    async def _reveal(self, task: coordinator_pb2.TaskAssignment, step: str, values: Arrays) -> None:
+        """Send a reveal step's payload in the clear (the job opted in; the coordinator checks)."""
+        request = coordinator_pb2.RevealRequest(
+            job_id=task.job_id, round=task.round, task_id=task.task_id, step=step,
+            values=tensors_to_proto(values),
+        )
+        await self._call("Reveal", request)
 
     # ---- coordinator calls ---------------------------------------------------------------------
 

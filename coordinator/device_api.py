@@ -17,6 +17,7 @@ from coordinator.engine import Engine
 from coordinator.events import job_state, round_phase, timestamp
 from coordinator.metrics import CoordinatorMetrics
 from coordinator.planner import Retry
+from coordinator.reveals import RevealOutOfPhase
 from coordinator.runner import CHUNK_SIZE
 from coordinator.store import SERVED_KINDS, Store
 from tally.security import AuthError, DeviceClaims, TokenIssuer, token_from_metadata
@@ -136,6 +137,24 @@ class DeviceService(coordinator_pb2_grpc.CoordinatorServicer):
         if isinstance(answer, Retry):
             return coordinator_pb2.GetStepResponse(retry_after=retry_proto(answer))
         return coordinator_pb2.GetStepResponse(step=answer)
+
+    async def Reveal(self, request: coordinator_pb2.RevealRequest, context: grpc.aio.ServicerContext):
+        """A device's payload of a reveal step, accepted only under the job's reveal opt-in."""
+        claims = await self._claims(context)
+        runner = self.engine.runner(request.job_id)
+        if runner is None:
+            await context.abort(grpc.StatusCode.NOT_FOUND, f"no running job {request.job_id!r}")
+        try:
+            runner.reveal(claims.device_id, request.round, request.task_id, request.step, list(request.values))
+        except PermissionError as exc:
+            await context.abort(grpc.StatusCode.PERMISSION_DENIED, str(exc))
+        except RevealOutOfPhase as exc:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
+        except LookupError as exc:
+            await context.abort(grpc.StatusCode.NOT_FOUND, str(exc))
+        except ValueError as exc:  # WireError too
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        return coordinator_pb2.RevealResponse()
 
     async def RoundStatus(
         self, request: coordinator_pb2.RoundStatusRequest, context: grpc.aio.ServicerContext

@@ -53,3 +53,8 @@ class CoordinatorMetrics:
             "tally_coordinator_model_served_bytes", "Model and ONNX bytes streamed to devices",
             registry=registry,
         )
+        self.revealed_values = Counter(
+            "tally_coordinator_revealed_values",
+            "Per-device values received in the clear under a job's reveal opt-in (DESIGN.md section 1)",
+            ["job_id", "step"], registry=registry,
+        )

@@ -322,6 +322,9 @@ class RoundPlanner:
         self.delivered.add(device_id)
         return Deliver(seat)
 
+    def seat_of_task(self, task_id: str) -> Seat | None:
+        return self._by_task.get(task_id)
+
     def withdraw(self, device_id: str) -> None:
         """A held check-in ended without its task: free the seat while cohorts are not formed."""
         if self.phase is Phase.SELECTION:

@@ -9,6 +9,9 @@ A round, as the runner drives it:
    cohort is opened with a signed ticket carrying every sum of the round;
 4. each step's cohort sums are awaited, decoded and added, and the server half applies the total;
    the next step's broadcast then becomes available to ``GetStep``;
+   a reveal step (only in a job whose top-level ``reveal:`` opted in, DESIGN.md section 1) is
+   not in the sessions: each device sends its payload with ``Reveal`` and the server half gets
+   the rows by stable silo id; a personal step's broadcast is built per silo at ``GetStep``;
 5. the new state is checkpointed and the round committed.
 
 Any failure of an attempt (an aggregator down, a session aborted, a sum rejected, the deadline)
@@ -56,6 +59,7 @@ from coordinator.planner import (
     RoundPlanner,
     pace,
 )
+from coordinator.reveals import RevealCollector, RevealOutOfPhase, is_personal, reveal_names
 from coordinator.state_codec import UnsupportedState, state_from_bytes, state_to_bytes
 from coordinator.store import ModelVersion, Store
 from tally import logs, modelio
@@ -68,6 +72,7 @@ from tally.wire.convert import (
     cohort_sum_from_proto,
     schema_to_proto,
     session_config_bytes,
+    tensors_from_proto,
     tensors_to_proto,
     to_proto,
 )
@@ -123,7 +128,8 @@ def phase_deadlines(spec: JobSpec) -> secagg_pb2.PhaseDeadlines:
 
 def step_proto(step: StepSpec, broadcast: dict[str, Any] | None = None) -> coordinator_pb2.Step:
     out = coordinator_pb2.Step(
-        name=step.name, sum_id=step.name, schema=schema_to_proto(step.name, step.schema)
+        name=step.name, sum_id=step.name, schema=schema_to_proto(step.name, step.schema),
+        reveal=bool(reveal_names(step)), personal=is_personal(step),
     )
     if broadcast is not None:
         out.broadcast.extend(tensors_to_proto(broadcast))
@@ -165,6 +171,12 @@ class JobRunner:
         self.planner: RoundPlanner | None = None
         self.tasks: dict[str, coordinator_pb2.TaskAssignment] = {}
         self.step_protos: list[coordinator_pb2.Step | None] = []
+        # The state a personal step's broadcasts are built from, per step index.
+        self.step_states: dict[int, Any] = {}
+        self.reveals: dict[int, RevealCollector] = {}  # step index -> the reveal being collected
+        # Devices are addressed by a stable silo id in [0, silo_limit) when a step is personal or
+        # a reveal (AAggFF-S's opt-in path); None for sums-only algorithms.
+        self.silo_limit: int | None = None
         self.waiters: dict[str, asyncio.Future[CheckInResult]] = {}
         self.wake = asyncio.Event()
         self.sessions: list[OpenedSession] = []
@@ -186,6 +198,8 @@ class JobRunner:
         planner = self.planner
         if planner is None:  # between rounds: the next selection opens as soon as the commit is done
             return Retry(MIN_RETRY_S, "next round starting")
+        if self.silo_limit is not None and self.ctx.store.silo(self.job_id, device_id, self.silo_limit) is None:
+            return planner.retry(now, f"all {self.silo_limit} silos of the job are taken")
         decision = planner.check_in(device_id, now)
         if isinstance(decision, Deliver):
             return self.tasks[device_id]
@@ -223,13 +237,61 @@ class JobRunner:
             raise LookupError(
                 f"round {round_} of job {self.job_id} is not in progress (round {self.round} is)"
             )
-        answer = self.planner.step_request(device_id, task_id, sum_id, now)
+        planner = self.planner
+        names = [s.name for s in planner.steps]
+        if sum_id in names:
+            # A reveal step this task still owes comes first: the device learns of it here.
+            for k in range(planner.step_index, names.index(sum_id)):
+                reveal = self.reveals.get(k)
+                if reveal_names(planner.steps[k]) and not (reveal is not None and reveal.revealed(task_id)):
+                    sum_id = names[k]
+                    break
+        answer = planner.step_request(device_id, task_id, sum_id, now)
         if isinstance(answer, Retry):
             return answer
         step = self.step_protos[answer]
         if step is None:  # cannot happen: a step is ready only after its broadcast was built
             raise LookupError(f"sum {sum_id!r} has no broadcast yet")
+        if step.personal:
+            silo = self.ctx.store.silo(self.job_id, device_id, self.silo_limit or 0)
+            if silo is None:
+                raise LookupError(f"device {device_id!r} has no silo id in job {self.job_id}")
+            personal = coordinator_pb2.Step()
+            personal.CopyFrom(step)
+            personal.broadcast.extend(
+                tensors_to_proto(self.server.broadcast_to(self.step_states[answer], step.name, silo))
+            )
+            return personal
         return step
+
+    def reveal(self, device_id: str, round_: int, task_id: str, step_name: str, values: list) -> None:
+        """A device's payload for a reveal step, in the clear. ``PermissionError`` unless the job
+        opted in to every value the step reveals; ``RevealOutOfPhase`` when that step is not being
+        collected; ``LookupError`` for another device's or an unknown task; ``ValueError`` for a
+        payload that does not fit the step."""
+        planner = self.planner
+        steps = {s.name: (k, s) for k, s in enumerate(planner.steps)} if planner is not None else {}
+        found = steps.get(step_name)
+        wanted = reveal_names(found[1]) if found is not None else ()
+        if not self.spec.reveal or not set(wanted) <= set(self.spec.reveal):
+            raise PermissionError(
+                f"job {self.job_id} did not opt in to reveal {list(wanted) or 'anything'} "
+                f"(its reveal list is {list(self.spec.reveal)}): the coordinator receives only sums"
+            )
+        if round_ != self.round or planner is None:
+            raise RevealOutOfPhase(f"round {round_} of job {self.job_id} is not in progress")
+        if found is None or not wanted:
+            raise ValueError(f"{step_name!r} is not a reveal step of this round")
+        seat = planner.seat_of_task(task_id)
+        if seat is None or seat.device_id != device_id:
+            raise LookupError(f"no task {task_id!r} for this device in the current round")
+        collector = self.reveals.get(found[0])
+        if collector is None:
+            raise RevealOutOfPhase(f"step {step_name!r} is not being collected now")
+        silo = self.ctx.store.silo(self.job_id, device_id, self.silo_limit or 0)
+        if silo is None:
+            raise LookupError(f"device {device_id!r} has no silo id in job {self.job_id}")
+        collector.add(task_id, silo, tensors_from_proto(values))
 
     def next_check_in_s(self, now: float) -> float:
         if self.planner is not None and self.phase == "SELECTION":
@@ -333,6 +395,8 @@ class JobRunner:
         self.round_started_at = ctx.clock()
         ctx.metrics.current_round.labels(job_id=self.job_id).set(round_)
         steps = self.server.steps(state)
+        if any(is_personal(s) or reveal_names(s) for s in steps):
+            self.silo_limit = int(self.server.config.num_clients)
         first = modelio.serialize(self.server.broadcast(state, steps[0].name))
         digest = await asyncio.to_thread(ctx.store.put_blob, first, "broadcast")
         blob = RoundBlob(f"{self.job_id}/v{self.committed}", digest, len(first))
@@ -380,6 +444,7 @@ class JobRunner:
         )
         self.planner, self.tasks, self.sessions = planner, {}, []
         self.step_protos = [step_proto(steps[0])] + [None] * (len(steps) - 1)
+        self.step_states, self.reveals = {}, {}
         self._set_phase(
             "SELECTION", "",
             f"round {round_} attempt {attempt}: selecting {self.spec.selection_target} devices",
@@ -471,9 +536,10 @@ class JobRunner:
     ) -> OpenedSession:
         spec = self.spec
         session_id = secrets.token_hex(8)
+        summed = [s for s in steps if not reveal_names(s)]  # reveal steps go to the coordinator
         try:
             config = SessionConfig.plan(
-                SessionRef(self.job_id, round_, session_id), [(s.name, s.schema) for s in steps],
+                SessionRef(self.job_id, round_, session_id), [(s.name, s.schema) for s in summed],
                 len(plan.devices), spec.secure.threat(), consistency_check=spec.secure.consistency_check,
                 plain=spec.secure.plain,
             )
@@ -485,12 +551,12 @@ class JobRunner:
             ) from None
         tokens = {i: secrets.token_urlsafe(24) for i in range(1, len(plan.devices) + 1)}
         ticket = self.ctx.signer.sign(SessionTicket(
-            self.job_id, round_, session_id, tuple(s.name for s in steps), len(plan.devices),
+            self.job_id, round_, session_id, tuple(s.name for s in summed), len(plan.devices),
             config_digest(session_config_bytes(config)), plan.aggregator_id, deadline,
         ))
         request = aggregator_pb2.OpenSessionRequest(
             session_ticket=ticket, config=to_proto(config),
-            schemas=[schema_to_proto(s.name, s.schema) for s in steps], deadlines=self._deadlines,
+            schemas=[schema_to_proto(s.name, s.schema) for s in summed], deadlines=self._deadlines,
             devices=[
                 aggregator_pb2.DeviceGrant(device_index=i, token_sha256=hashlib.sha256(t.encode()).digest())
                 for i, t in tokens.items()
@@ -530,7 +596,7 @@ class JobRunner:
             "AGGREGATION", step.name,
             f"collecting sum {step.name!r} from {len(self.sessions)} cohort(s)",
         )
-        total = await self._collect(planner, step)
+        total = await (self._collect_reveals(planner, k, step) if reveal_names(step) else self._collect(planner, step))
         # Scalar fields of the total (FedAvg's summed weight and examples) are aggregates too:
         # worth reporting, and no more revealing than the sum the server half receives.
         step_metrics = {
@@ -542,12 +608,35 @@ class JobRunner:
         try:
             state = self.server.apply(state, step.name, total)
             following = planner.steps[k + 1] if k + 1 < len(planner.steps) else None
-            if following is not None:
+            if following is not None and is_personal(following):
+                self.step_states[k + 1] = state
+                self.step_protos[k + 1] = step_proto(following)
+            elif following is not None:
                 self.step_protos[k + 1] = step_proto(following, self.server.broadcast(state, following.name))
         except (ValueError, ArithmeticError) as exc:
             raise AttemptFailed(f"{self.spec.algorithm} could not apply sum {step.name!r}: {exc}") from None
         planner.step_applied()
         return state
+
+    async def _collect_reveals(self, planner: RoundPlanner, k: int, step: StepSpec) -> dict[str, Any]:
+        """Every device's payload of reveal step ``k``, until all are in or the masked-input
+        deadline; logged and counted, as the opt-in requires."""
+        collector = RevealCollector(step, [seat.task_id for seat in planner.seats.values()])
+        self.reveals[k] = collector
+        timeout = min(self.spec.deadlines["masked_input"], max(planner.deadline - self.ctx.clock(), 0.0))
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(collector.complete.wait(), timeout)
+        del self.reveals[k]
+        count = len(collector.rows)
+        if count < self.spec.min_cohort:
+            raise AttemptFailed(
+                f"reveal {step.name!r}: {count} device(s) answered, below min_cohort {self.spec.min_cohort}"
+            )
+        names = reveal_names(step)
+        self.ctx.metrics.revealed_values.labels(job_id=self.job_id, step=step.name).inc(count * len(names))
+        logs.event(log, "per-device values revealed (job opt-in)", job_id=self.job_id, round=self.round,
+                   step=step.name, devices=count, values=list(names))
+        return collector.total()
 
     async def _collect(self, planner: RoundPlanner, step: StepSpec) -> dict[str, Any]:
         ctx = self.ctx

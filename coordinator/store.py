@@ -82,6 +82,15 @@ CREATE TABLE IF NOT EXISTS blobs (
     size INTEGER NOT NULL,
     PRIMARY KEY (digest, kind)
 );
+-- Stable silo ids of jobs whose algorithm addresses devices by identity (AAggFF-S's reveal path):
+-- 0, 1, ... in order of a device's first check-in for the job.
+CREATE TABLE IF NOT EXISTS silos (
+    job_id TEXT NOT NULL,
+    device_id TEXT NOT NULL,
+    silo INTEGER NOT NULL,
+    PRIMARY KEY (job_id, device_id),
+    UNIQUE (job_id, silo)
+);
 CREATE INDEX IF NOT EXISTS events_by_job ON events (job_id, id);
 """
 
@@ -234,6 +243,28 @@ class Store:
         job = self.job(job_id)
         assert job is not None
         return job
+
+    def silo(self, job_id: str, device_id: str, limit: int) -> int | None:
+        """The device's silo id in the job, assigning the next free one on first sight; None when
+        all ``limit`` ids are taken by other devices."""
+        with self._lock:
+            row = self._db.execute(
+                "SELECT silo FROM silos WHERE job_id = ? AND device_id = ?", (job_id, device_id)
+            ).fetchone()
+            if row:
+                return int(row[0])
+            (taken,) = self._db.execute("SELECT COUNT(*) FROM silos WHERE job_id = ?", (job_id,)).fetchone()
+            if taken >= limit:
+                return None
+            self._db.execute(
+                "INSERT INTO silos (job_id, device_id, silo) VALUES (?, ?, ?)", (job_id, device_id, taken)
+            )
+            return int(taken)
+
+    def silos(self, job_id: str) -> dict[str, int]:
+        with self._lock:
+            rows = self._db.execute("SELECT device_id, silo FROM silos WHERE job_id = ?", (job_id,)).fetchall()
+        return {device: int(silo) for device, silo in rows}
 
     def job(self, job_id: str) -> JobRecord | None:
         with self._lock:

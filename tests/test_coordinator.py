@@ -1215,9 +1215,41 @@ def test_reveal_opt_in_lives_at_the_top_level_and_is_refused_through_the_service
     base = "name: r\nalgorithm: aaggff_s\nrounds: 1\ncohort_size: 8\nmin_cohort: 5\n"
     with pytest.raises(jobspec.JobSpecError, match="top level"):
         jobspec.parse(base + "config: {num_clients: 8, reveal: [response]}\n")
-    with pytest.raises(jobspec.JobSpecError, match="only in `tally simulate`"):
-        jobspec.parse(base + "config: {num_clients: 8}\nreveal: [response]\n")
+    opted_in = jobspec.parse(base + "config: {num_clients: 8}\nreveal: [response]\n")
+    assert opted_in.reveal == ("response",) and opted_in.config["reveal"] == ["response"]
+    assert jobspec.parse(opted_in.to_yaml()) == opted_in  # a resumed job parses the same
     with pytest.raises(jobspec.JobSpecError, match="nothing is: the server sees only sums"):
         jobspec.parse("name: f\nalgorithm: fedavg\nrounds: 1\ncohort_size: 8\nmin_cohort: 5\nreveal: [update]\n")
     accepted = jobspec.parse(base + "config: {num_clients: 8, solver: separable}\n")
     assert accepted.reveal == () and "reveal" not in accepted.config
+
+
+def test_reveal_collector_builds_the_rows_as_the_simulator_and_refuses_what_does_not_fit():
+    """``RevealCollector`` gives ``apply`` what ``tally.simulation.reveal_values`` gives it (rows by
+    ascending silo id, each through the schema's fixed point); a wrong field or shape is a
+    ValueError (INVALID_ARGUMENT), a task outside the round RevealOutOfPhase (FAILED_PRECONDITION)."""
+    import numpy as np
+
+    from coordinator.reveals import RevealCollector, RevealOutOfPhase
+    from tally import algorithms
+    from tally.simulation import reveal_values
+
+    server, _ = algorithms.make("aaggff_s", {"num_clients": 4, "reveal": ["response"]})
+    step = server.steps(server.init({"w": np.zeros(3)}))[1]
+    payloads = {2: 0.25, 0: -0.5, 3: 1.0}
+    collector = RevealCollector(step, ["a", "b", "c"])
+    for task, (silo, r) in zip("abc", payloads.items()):
+        collector.add(task, silo, {"response": np.float64(r), "count": np.int64(1)})
+    assert collector.complete.is_set()
+    expected, _ = reveal_values(0, step, {d: {"response": np.float64(r), "count": np.int64(1)}
+                                          for d, r in payloads.items()}, ["response"], np.random.default_rng(0))
+    total = collector.total()
+    assert set(total) == set(expected)
+    for name in total:
+        np.testing.assert_allclose(total[name], expected[name], atol=2.0 ** -17)
+    with pytest.raises(ValueError, match="shape"):
+        collector.add("a", 2, {"response": np.zeros(2), "count": np.int64(1)})
+    with pytest.raises(ValueError, match="fields"):
+        collector.add("a", 2, {"response": np.float64(0.0)})
+    with pytest.raises(RevealOutOfPhase):
+        collector.add("z", 1, {"response": np.float64(0.0), "count": np.int64(1)})

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
 import numpy as np
@@ -32,11 +32,19 @@ def job_text(name: str, algorithm: str, rounds: int, cohort: int, kind: str, opt
 
 def through_the_services(tmp_path, algorithm: str, options: Mapping[str, Any], kind: str, initial: dict,
                          devices: list, rounds: int):
-    """Run the job on the real stack; return (job, final server state, fleet stats)."""
+    """Run the job on the real stack; return the final server state."""
+    return run_job(tmp_path, algorithm, options, kind, initial, devices, rounds)[0]
+
+
+def run_job(tmp_path, algorithm: str, options: Mapping[str, Any], kind: str, initial: dict, devices: list,
+            rounds: int, extra: str = "", probe: Callable[[Any, str], Awaitable[Any]] | None = None):
+    """Run the job (its spec plus ``extra`` YAML lines) on the real stack; return the final server
+    state and what ``probe(stack, job_id)`` found once the job was done."""
     from coordinator import registry
+    from coordinator.jobspec import parse
     from coordinator.state_codec import state_from_bytes
 
-    text = job_text(kind, algorithm, rounds, len(devices), kind, options)
+    text = job_text(kind, algorithm, rounds, len(devices), kind, options) + extra
     registry.register_model(kind, lambda _spec: initial)
 
     async def main():
@@ -48,17 +56,18 @@ def through_the_services(tmp_path, algorithm: str, options: Mapping[str, Any], k
             store = s.coordinator.store
             version = store.model_version(job_id)
             model = modelio.deserialize(store.read_blob(version.model_digest))
-            template = algorithms.make(algorithm, options)[0].init(model)
+            template = algorithms.make(algorithm, parse(text).config)[0].init(model)  # with the opt-in
             state = state_from_bytes(store.read_blob(version.state_digest), template)
-            return await s.job(job_id), state, fleet_stats
+            probed = await probe(s, job_id) if probe is not None else None
+            return await s.job(job_id), state, fleet_stats, probed
 
     try:
-        job, state, fleet_stats = run(main())
+        job, state, fleet_stats, probed = run(main())
     finally:
         registry.unregister_model(kind)
     assert job.state == common_pb2.JOB_STATE_SUCCEEDED and job.committed_round == rounds, job.message
     assert fleet_stats.rounds[job.job_id] == list(range(1, rounds + 1))
-    return state
+    return state, probed
 
 
 def max_error(a: Mapping[str, np.ndarray], b: Mapping[str, np.ndarray]) -> float:
@@ -201,3 +210,82 @@ def test_aaggff_s_ons_without_the_reveal_opt_in_is_refused_at_submit(tmp_path):
     assert error.code() == grpc.StatusCode.INVALID_ARGUMENT, error
     assert "reveal" in error.details(), error.details()
     print(f"aaggff_s ons refused: {error.details()!r}")
+
+
+def test_aaggff_s_ons_with_the_reveal_opt_in_through_the_services_equals_the_in_process_result(tmp_path):
+    """AAggFF-S with the online Newton step, the one documented exception to "only sums": the job
+    says ``reveal: [response]``, each device sends its response to the coordinator in the clear
+    (Reveal), the coordinator solves the ONS step and serves each silo its own coefficient
+    (personal GetStep); losses and p_i·Δ still go through secure sums. Silo ids follow check-in
+    order, not the in-process device order, so the decision is compared through the id map."""
+    import urllib.request
+
+    rounds, n = 3, 8
+    options = {"num_clients": n, "local_epochs": 1, "local_lr": 0.3}
+    initial = {"w": np.zeros(3)}
+
+    async def probe(s, job_id):
+        url = f"http://127.0.0.1:{s.coordinator.metrics_port}/metrics"
+        text = await asyncio.to_thread(lambda: urllib.request.urlopen(url, timeout=5).read().decode())
+        line = f'tally_coordinator_revealed_values_total{{job_id="{job_id}",step="response"}}'
+        counted = [float(row.split()[-1]) for row in text.splitlines() if row.startswith(line)]
+        return s.coordinator.store.silos(job_id), counted
+
+    state, (silos, counted) = run_job(tmp_path, "aaggff_s", options, "aaggff-s-ons", initial,
+                                      quadratic_fleet(n, seed=0), rounds, extra="reveal: [response]\n",
+                                      probe=probe)
+    server, client = algorithms.make("aaggff_s", {**options, "reveal": ["response"]})
+    reference, _ = run_rounds(server, client, quadratic_fleet(n, seed=0), initial, rounds, n, plain_sum,
+                              reveal=["response"])
+    assert state.round == reference.round == rounds
+    assert counted == [float(n * rounds)]
+    assert state.revealed == reference.revealed == n * rounds
+    # Fleet device i is "sim-0000i"; its silo id is its place in the first check-ins.
+    order = [silos[f"sim-{i:05d}"] for i in range(n)]
+    assert sorted(order) == list(range(n))
+    error = max_error(state.params, reference.params)
+    moved = max_error(reference.params, initial)
+    decision = float(np.max(np.abs(state.decision[order] - reference.decision)))
+    print(f"aaggff_s ons: max |services - in process| params {error:.3g} (moved {moved:.3g}), decision {decision:.3g}")
+    # Responses are revealed at the schema's fixed point (frac_bits 18, < 2^-18 each) and the
+    # update sum is off by < n·2^-18 ≈ 3e-5; the ONS QP is permutation-equivariant, so the
+    # decision matches silo by silo.
+    assert error < 1e-3 < moved
+    assert decision < 1e-3
+
+
+def test_a_reveal_for_a_job_without_the_opt_in_is_permission_denied(tmp_path):
+    """Reveal is refused unless the job's top-level ``reveal:`` covers it: the separable AAggFF-S
+    job has no reveal list, so any Reveal call for it gets PERMISSION_DENIED."""
+    import grpc
+    import pytest
+
+    from coordinator import registry
+    from tally.security import bearer_metadata
+    from tally.wire.convert import tensors_to_proto
+    from tally.wire.v1 import coordinator_pb2, coordinator_pb2_grpc
+
+    kind = "aaggff-s-no-reveal"
+    text = job_text(kind, "aaggff_s", 2, 8, kind, {"num_clients": 8, "solver": "separable"})
+    registry.register_model(kind, lambda _spec: {"w": np.zeros(3)})
+
+    async def main():
+        async with stack(tmp_path) as s:
+            job_id = await s.submit(text)
+            async with grpc.aio.insecure_channel(s.target) as channel:
+                stub = coordinator_pb2_grpc.CoordinatorStub(channel)
+                token = (await stub.Register(coordinator_pb2.RegisterRequest(
+                    device_id="d0", population="default"))).token
+                request = coordinator_pb2.RevealRequest(
+                    job_id=job_id, round=1, task_id="t", step="response",
+                    values=tensors_to_proto({"response": np.float64(0.5), "count": np.int64(1)}))
+                with pytest.raises(grpc.RpcError) as refused:
+                    await stub.Reveal(request, metadata=bearer_metadata(token))
+            return refused.value
+
+    try:
+        error = run(main())
+    finally:
+        registry.unregister_model(kind)
+    assert error.code() == grpc.StatusCode.PERMISSION_DENIED, error
+    assert "opt in" in error.details(), error.details()

@@ -118,7 +118,7 @@ def test_stubs_import_as_tally_wire_and_keep_the_tally_v1_contract():
     services = {
         secagg_pb2: ("SecureAggregation", ["Session"]),
         coordinator_pb2: ("Coordinator",
-                          ["Register", "CheckIn", "DownloadModel", "GetStep", "RoundStatus"]),
+                          ["Register", "CheckIn", "DownloadModel", "GetStep", "RoundStatus", "Reveal"]),
         aggregator_pb2: ("AggregatorControl", ["OpenSession", "AwaitResult", "CloseSession"]),
     }
     for module, (name, methods) in services.items():

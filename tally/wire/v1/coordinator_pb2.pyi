@@ -53,16 +53,20 @@ class RetryAfter(_message.Message):
     def __init__(self, seconds: _Optional[float] = ..., reason: _Optional[str] = ...) -> None: ...
 
 class Step(_message.Message):
-    __slots__ = ("name", "sum_id", "broadcast", "schema")
+    __slots__ = ("name", "sum_id", "broadcast", "schema", "reveal", "personal")
     NAME_FIELD_NUMBER: _ClassVar[int]
     SUM_ID_FIELD_NUMBER: _ClassVar[int]
     BROADCAST_FIELD_NUMBER: _ClassVar[int]
     SCHEMA_FIELD_NUMBER: _ClassVar[int]
+    REVEAL_FIELD_NUMBER: _ClassVar[int]
+    PERSONAL_FIELD_NUMBER: _ClassVar[int]
     name: str
     sum_id: str
     broadcast: _containers.RepeatedCompositeFieldContainer[_common_pb2.Tensor]
     schema: _aggregator_pb2.PayloadSchemaSpec
-    def __init__(self, name: _Optional[str] = ..., sum_id: _Optional[str] = ..., broadcast: _Optional[_Iterable[_Union[_common_pb2.Tensor, _Mapping]]] = ..., schema: _Optional[_Union[_aggregator_pb2.PayloadSchemaSpec, _Mapping]] = ...) -> None: ...
+    reveal: bool
+    personal: bool
+    def __init__(self, name: _Optional[str] = ..., sum_id: _Optional[str] = ..., broadcast: _Optional[_Iterable[_Union[_common_pb2.Tensor, _Mapping]]] = ..., schema: _Optional[_Union[_aggregator_pb2.PayloadSchemaSpec, _Mapping]] = ..., reveal: _Optional[bool] = ..., personal: _Optional[bool] = ...) -> None: ...
 
 class TaskAssignment(_message.Message):
     __slots__ = ("job_id", "round", "task_id", "algorithm", "step", "model_version", "model_digest", "model_size", "chunk_size", "aggregator_address", "session_ticket", "device_index", "session_token", "session", "deadlines", "algorithm_options")
@@ -171,3 +175,21 @@ class RoundStatusResponse(_message.Message):
     committed_round: int
     next_check_in_seconds: float
     def __init__(self, job_state: _Optional[_Union[_common_pb2.JobState, str]] = ..., round: _Optional[int] = ..., phase: _Optional[_Union[_common_pb2.RoundPhase, str]] = ..., step: _Optional[str] = ..., committed_round: _Optional[int] = ..., next_check_in_seconds: _Optional[float] = ...) -> None: ...
+
+class RevealRequest(_message.Message):
+    __slots__ = ("job_id", "round", "task_id", "step", "values")
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    ROUND_FIELD_NUMBER: _ClassVar[int]
+    TASK_ID_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    VALUES_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    round: int
+    task_id: str
+    step: str
+    values: _containers.RepeatedCompositeFieldContainer[_common_pb2.Tensor]
+    def __init__(self, job_id: _Optional[str] = ..., round: _Optional[int] = ..., task_id: _Optional[str] = ..., step: _Optional[str] = ..., values: _Optional[_Iterable[_Union[_common_pb2.Tensor, _Mapping]]] = ...) -> None: ...
+
+class RevealResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...

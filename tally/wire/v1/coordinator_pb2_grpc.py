@@ -59,6 +59,11 @@ class CoordinatorStub:
                 request_serializer=tally_dot_v1_dot_coordinator__pb2.RoundStatusRequest.SerializeToString,
                 response_deserializer=tally_dot_v1_dot_coordinator__pb2.RoundStatusResponse.FromString,
                 _registered_method=True)
+        self.Reveal = channel.unary_unary(
+                '/tally.v1.Coordinator/Reveal',
+                request_serializer=tally_dot_v1_dot_coordinator__pb2.RevealRequest.SerializeToString,
+                response_deserializer=tally_dot_v1_dot_coordinator__pb2.RevealResponse.FromString,
+                _registered_method=True)
 
 
 class CoordinatorServicer:
@@ -95,6 +100,12 @@ class CoordinatorServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Reveal(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_CoordinatorServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -122,6 +133,11 @@ def add_CoordinatorServicer_to_server(servicer, server):
                     servicer.RoundStatus,
                     request_deserializer=tally_dot_v1_dot_coordinator__pb2.RoundStatusRequest.FromString,
                     response_serializer=tally_dot_v1_dot_coordinator__pb2.RoundStatusResponse.SerializeToString,
+            ),
+            'Reveal': grpc.unary_unary_rpc_method_handler(
+                    servicer.Reveal,
+                    request_deserializer=tally_dot_v1_dot_coordinator__pb2.RevealRequest.FromString,
+                    response_serializer=tally_dot_v1_dot_coordinator__pb2.RevealResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -259,6 +275,33 @@ class Coordinator:
             '/tally.v1.Coordinator/RoundStatus',
             tally_dot_v1_dot_coordinator__pb2.RoundStatusRequest.SerializeToString,
             tally_dot_v1_dot_coordinator__pb2.RoundStatusResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Reveal(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tally.v1.Coordinator/Reveal',
+            tally_dot_v1_dot_coordinator__pb2.RevealRequest.SerializeToString,
+            tally_dot_v1_dot_coordinator__pb2.RevealResponse.FromString,
             options,
             channel_credentials,
             insecure,
