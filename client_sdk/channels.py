@@ -8,25 +8,8 @@ from __future__ import annotations
 
 import grpc
 
-from tally.security import TLSConfig, channel_credentials, channel_options, is_loopback_host
-from tally.security.tls import ChannelOptions, target_hosts
-
-
-def open_aio_channel(target: str, tls: TLSConfig, options: ChannelOptions | None = None) -> grpc.aio.Channel:
-    """The asyncio twin of ``tally.security.open_channel``, with the same loopback-only rule
-    for plaintext."""
-    opts = list(options if options is not None else channel_options())
-    if tls.insecure:
-        hosts = target_hosts(target)
-        if not hosts or not all(h is None or is_loopback_host(h) for h in hosts):
-            raise ValueError(
-                f"refusing a plaintext channel to {target!r}: --insecure is allowed only to "
-                "loopback addresses (127.0.0.0/8, ::1, localhost) or unix: sockets"
-            )
-        return grpc.aio.insecure_channel(target, options=opts)
-    if tls.server_name:
-        opts.append(("grpc.ssl_target_name_override", tls.server_name))
-    return grpc.aio.secure_channel(target, channel_credentials(tls), options=opts)
+from tally.security import TLSConfig, channel_options
+from tally.security.tls import ChannelOptions, open_aio_channel
 
 
 def reconnect_options(initial_seconds: float, max_seconds: float) -> list[tuple[str, int]]:

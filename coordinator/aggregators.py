@@ -16,14 +16,8 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from tally import logs
-from tally.security import (
-    TLSConfig,
-    channel_credentials,
-    channel_options,
-    is_loopback_host,
-    ticket_metadata,
-)
-from tally.security.tls import target_hosts
+from tally.security import TLSConfig, channel_options, ticket_metadata
+from tally.security.tls import open_aio_channel as aio_channel
 from tally.wire.v1 import aggregator_pb2, aggregator_pb2_grpc
 
 log = logging.getLogger("tally.coordinator.aggregators")
@@ -53,20 +47,6 @@ def parse_aggregator(text: str) -> tuple[str, str]:
     if not sep or not ident or not address or ":" not in address:
         raise ValueError(f"expected ID=HOST:PORT, got {text!r}")
     return ident, address
-
-
-def aio_channel(target: str, config: TLSConfig, options: Sequence[tuple[str, object]]) -> grpc.aio.Channel:
-    """An asyncio channel with the same rule as ``tally.security.tls.open_channel``: TLS, or
-    plaintext to loopback targets only."""
-    opts = list(options)
-    if config.insecure:
-        hosts = target_hosts(target)
-        if not hosts or not all(h is None or is_loopback_host(h) for h in hosts):
-            raise ValueError(f"refusing a plaintext channel to {target!r}: --insecure is loopback only")
-        return grpc.aio.insecure_channel(target, options=opts)
-    if config.server_name:
-        opts.append(("grpc.ssl_target_name_override", config.server_name))
-    return grpc.aio.secure_channel(target, channel_credentials(config), options=opts)
 
 
 @dataclass

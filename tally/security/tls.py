@@ -131,18 +131,30 @@ def open_channel(
 ) -> grpc.Channel:
     """A channel to ``target`` with TLS, or plaintext when ``config.insecure`` and the target is a
     loopback address (``ValueError`` otherwise)."""
+    return _channel(grpc, target, config, options)
+
+
+def open_aio_channel(
+    target: str, config: TLSConfig, options: ChannelOptions | None = None
+) -> grpc.aio.Channel:
+    """The asyncio twin of ``open_channel``, under the same loopback-only rule for plaintext."""
+    return _channel(grpc.aio, target, config, options)
+
+
+def _channel(kind, target: str, config: TLSConfig, options: ChannelOptions | None):
+    """``kind`` is ``grpc`` or ``grpc.aio``: one rule for both, so they cannot drift apart."""
     opts = list(options or [])
     if config.insecure:
         hosts = target_hosts(target)
         if not hosts or not all(h is None or is_loopback_host(h) for h in hosts):
             raise ValueError(
-                f"refusing a plaintext channel to {target!r}: --insecure is allowed only to "
-                "loopback addresses (127.0.0.0/8, ::1, localhost) or unix: sockets"
+                f"refusing a plaintext channel to {target!r}: --insecure is loopback only "
+                "(127.0.0.0/8, ::1, localhost or unix: sockets)"
             )
-        return grpc.insecure_channel(target, options=opts)
+        return kind.insecure_channel(target, options=opts)
     if config.server_name:
         opts.append(("grpc.ssl_target_name_override", config.server_name))
-    return grpc.secure_channel(target, channel_credentials(config), options=opts)
+    return kind.secure_channel(target, channel_credentials(config), options=opts)
 
 
 def is_loopback_host(host: str) -> bool:
