@@ -2,11 +2,50 @@
 
 from __future__ import annotations
 
+import functools
+import hashlib
+
 import numpy as np
 
 from tally.codec import ring_dtype, ring_mask
-from tally.secagg import Dropout, SessionConfig, SessionRef, SumSpec
+from tally.secagg import (
+    CohortRun,
+    DevicePolicy,
+    Dropout,
+    SecAggClient,
+    SessionConfig,
+    SessionRef,
+    SigningKey,
+    SumSpec,
+    run_cohort,
+)
 from tally.secagg.params import GraphParams
+
+# The protocol tests use thresholds below what a real device accepts (small t makes dropout
+# patterns easy to reach); devices in them run this policy. The policy tests use the default.
+LAX = DevicePolicy(threat=None)
+# Devices of a benchmark's plain (unmasked) session opt in explicitly.
+PLAIN_OK = DevicePolicy(threat=None, allow_plain=True)
+
+
+@functools.lru_cache(maxsize=None)
+def identities(n: int) -> dict[int, SigningKey]:
+    """Deterministic identity keys of devices 1..n (the roster ``make_config`` lists)."""
+    return {i: SigningKey(hashlib.sha256(b"tally-test-device|%d" % i).digest()) for i in range(1, n + 1)}
+
+
+def roster(n: int) -> tuple[bytes, ...]:
+    return tuple(key.public for key in identities(n).values())
+
+
+def lax_client(config: SessionConfig, index: int, **kwargs) -> SecAggClient:
+    policy = PLAIN_OK if config.plain else LAX
+    return SecAggClient(config, index, identities(config.n)[index], policy=policy, **kwargs)
+
+
+def lax_cohort(config: SessionConfig, inputs, dropouts=None, **kwargs) -> CohortRun:
+    policy = PLAIN_OK if config.plain else LAX
+    return run_cohort(config, inputs, dropouts, identities=identities(config.n), policy=policy, **kwargs)
 
 
 def make_config(
@@ -25,6 +64,7 @@ def make_config(
         graph_seed=seed,
         consistency_check=consistency,
         min_survivors=min_survivors,
+        identities=roster(n),
     )
 
 
@@ -64,7 +104,8 @@ def expected_outcome(config: SessionConfig, dropouts: dict[int, Dropout]):
     u2 = {i for i in u1 if not drops(i, "share_keys")}
     if len(u2) < config.min_survivors:
         return False, {}
-    alive = set(u2)
+    # A device masks only with shares from at least t neighbours delivered to it.
+    alive = {i for i in u2 if len(nb[i] & u2) >= t}
     outcome = {}
     for spec in config.sums:
         s = spec.sum_id

@@ -8,7 +8,7 @@ import dataclasses
 import numpy as np
 import pytest
 
-from secagg_helpers import make_config, random_inputs
+from secagg_helpers import lax_client, lax_cohort, make_config, random_inputs
 from tally.secagg import (
     DuplicateMessage,
     MalformedMessage,
@@ -36,7 +36,7 @@ class Session:
         self.config = make_config(n, n - 1, 3, sums=sums)
         self.inputs = random_inputs(self.config, np.random.default_rng(0))
         self.server = SecAggServer(self.config)
-        self.clients = {i: SecAggClient(self.config, i) for i in range(1, n + 1)}
+        self.clients = {i: lax_client(self.config, i) for i in range(1, n + 1)}
         for i, c in self.clients.items():
             for sum_id, v in self.inputs[i].items():
                 c.provide_input(sum_id, v)

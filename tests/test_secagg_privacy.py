@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from scipy import stats
 
-from secagg_helpers import make_config, random_inputs
+from secagg_helpers import lax_client, lax_cohort, make_config, random_inputs
 from tally.codec import unpack
 from tally.secagg import Dropout, SessionAbortedError, run_cohort
 from tally.secagg.messages import MaskedInputResponse, UnmaskRequest, UnmaskResponse
@@ -29,7 +29,7 @@ def test_server_never_receives_seed_and_key_shares_of_one_device():
     inputs = random_inputs(config, np.random.default_rng(0))
     received = []
     dropouts = {2: Dropout("masked_input", "a"), 5: Dropout("unmask", "a"), 9: Dropout("masked_input", "b")}
-    run = run_cohort(config, inputs, dropouts, observe=received.append)
+    run = lax_cohort(config, inputs, dropouts, observe=received.append)
     assert run.aborted is None
     for spec in config.sums:
         seeds, keys = set(), set()
@@ -45,7 +45,7 @@ def test_server_never_receives_seed_and_key_shares_of_one_device():
 
 def _masked_inputs(config, inputs, seed):
     received = []
-    run_cohort(config, inputs, observe=received.append, entropy=seeded_entropy(seed))
+    lax_cohort(config, inputs, observe=received.append, entropy=seeded_entropy(seed))
     spec = config.sums[0]
     return {
         m.sender: unpack(m.data, spec.wire_bits, spec.dim).astype(np.int64)
@@ -91,7 +91,7 @@ def test_masks_cancel_only_in_the_total():
     config = make_config(8, 7, 5, sums=(("s", 64, 20),))
     inputs = random_inputs(config, np.random.default_rng(2))
     received = []
-    run = run_cohort(config, inputs, observe=received.append, entropy=seeded_entropy(3))
+    run = lax_cohort(config, inputs, observe=received.append, entropy=seeded_entropy(3))
     masked = [m for m in received if isinstance(m, MaskedInputResponse)]
     # Any strict subset of masked inputs sums to something unrelated to the inputs' sum.
     partial_total = sum(unpack(m.data, config.sums[0].wire_bits, 64).astype(np.int64) for m in masked[:-1]) % (1 << 20)
@@ -109,7 +109,7 @@ def test_device_answers_unmask_once_and_refuses_an_isolating_survivor_set():
     config = make_config(6, 5, 3, sums=(("s", 4, 16),))
     inputs = random_inputs(config, np.random.default_rng(4))
     server = SecAggServer(config)
-    clients = {i: SecAggClient(config, i) for i in range(1, 7)}
+    clients = {i: lax_client(config, i) for i in range(1, 7)}
     for i, c in clients.items():
         c.provide_input("s", inputs[i]["s"])
     inbox = [m for c in clients.values() for m in c.start()]

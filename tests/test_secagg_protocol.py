@@ -9,7 +9,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from secagg_helpers import expected_outcome, make_config, random_inputs
+from secagg_helpers import expected_outcome, lax_client, lax_cohort, make_config, random_inputs, roster
 from tally.codec import Field, Kind, OverflowRefused, PayloadSchema, ring_mask
 from tally.secagg import (
     Dropout,
@@ -60,7 +60,7 @@ def cohorts(draw):
 def test_sum_is_exact_whenever_enough_devices_survive(case):
     config, dropouts, seed = case
     inputs = random_inputs(config, np.random.default_rng(seed))
-    run = run_cohort(config, inputs, dropouts)
+    run = lax_cohort(config, inputs, dropouts)
     feasible, outcome = expected_outcome(config, dropouts)
     if feasible:
         assert run.aborted is None, run.aborted
@@ -124,7 +124,7 @@ def test_too_many_dropouts_abort_with_a_clear_reason():
     config = make_config(8, 7, 5)
     inputs = random_inputs(config, np.random.default_rng(0))
     dropouts = {i: Dropout("masked_input") for i in (1, 2, 3, 4)}
-    run = run_cohort(config, inputs, dropouts)
+    run = lax_cohort(config, inputs, dropouts)
     assert run.aborted and "unmask" in run.aborted
     assert run.results == {}
 
@@ -132,7 +132,7 @@ def test_too_many_dropouts_abort_with_a_clear_reason():
 def test_dropout_in_second_sum_keeps_first_sum_and_reveals_only_second_sum_keys():
     config = make_config(10, 9, 5, sums=(("losses", 3, 20), ("updates", 5, 24)))
     inputs = random_inputs(config, np.random.default_rng(3))
-    run = run_cohort(config, inputs, {4: Dropout("masked_input", "updates")})
+    run = lax_cohort(config, inputs, {4: Dropout("masked_input", "updates")})
     assert run.aborted is None
     assert 4 in run.results["losses"].contributors
     assert 4 not in run.results["updates"].contributors
@@ -147,13 +147,13 @@ def test_dropout_in_second_sum_keeps_first_sum_and_reveals_only_second_sum_keys(
 def test_overflow_is_refused_before_any_device_is_asked():
     wide = PayloadSchema((Field("x", (2,), clip=2.0**20, frac_bits=40),))
     with pytest.raises(OverflowRefused, match="64"):
-        SessionConfig.plan(SessionRef("j", 0, "s"), [("s", wide)], 1000)
+        SessionConfig.plan(SessionRef("j", 0, "s"), [("s", wide)], 1000, identities=roster(1000))
 
 
 def test_bit_width_grows_with_cohort_so_the_sum_cannot_wrap():
     schema = PayloadSchema((Field("x", (1,), clip=1.0, frac_bits=19),))
-    small = SessionConfig.plan(SessionRef("j", 0, "s"), [("s", schema)], 10)
-    large = SessionConfig.plan(SessionRef("j", 0, "s"), [("s", schema)], 1024)
+    small = SessionConfig.plan(SessionRef("j", 0, "s"), [("s", schema)], 10, identities=roster(10))
+    large = SessionConfig.plan(SessionRef("j", 0, "s"), [("s", schema)], 1024, identities=roster(1024))
     assert small.sums[0].bits < large.sums[0].bits == 31
     # Every device at +clip: the true total 1024 must come back, not a wrapped value.
     n = 40
@@ -168,19 +168,19 @@ def test_unsafe_overrides_are_refused_with_a_message():
     threat = ThreatModel(dropout_rate=0.1, corrupt_rate=0.05)
     auto = choose_params(1000, threat)
     with pytest.raises(UnsafeParameters):
-        SessionConfig.plan(SessionRef("j", 0, "s"), [("s", schema)], 1000, threat, k=auto.k, t=2)
+        SessionConfig.plan(SessionRef("j", 0, "s"), [("s", schema)], 1000, threat, k=auto.k, t=2, identities=roster(1000))
     with pytest.raises(UnsafeParameters):
-        SessionConfig.plan(SessionRef("j", 0, "s"), [("s", schema)], 1000, threat, k=auto.k, t=auto.k)
+        SessionConfig.plan(SessionRef("j", 0, "s"), [("s", schema)], 1000, threat, k=auto.k, t=auto.k, identities=roster(1000))
     with pytest.raises(UnsafeParameters):
-        SessionConfig.plan(SessionRef("j", 0, "s"), [("s", schema)], 1000, threat, k=auto.k + 1)
-    ok = SessionConfig.plan(SessionRef("j", 0, "s"), [("s", schema)], 1000, threat, k=auto.k, t=auto.t)
+        SessionConfig.plan(SessionRef("j", 0, "s"), [("s", schema)], 1000, threat, k=auto.k + 1, identities=roster(1000))
+    ok = SessionConfig.plan(SessionRef("j", 0, "s"), [("s", schema)], 1000, threat, k=auto.k, t=auto.t, identities=roster(1000))
     assert (ok.params.k, ok.params.t) == (auto.k, auto.t)
 
 
 def test_ring_wraps_only_mod_2_to_the_bits():
     config = make_config(5, 4, 3, sums=(("s", 4, 7),))
     inputs = {i: {"s": np.full(4, ring_mask(7), dtype=np.uint32)} for i in range(1, 6)}
-    run = run_cohort(config, inputs)
+    run = lax_cohort(config, inputs)
     assert [int(v) for v in run.results["s"].total] == [(5 * 127) % 128] * 4
 
 
@@ -191,7 +191,7 @@ def test_a_lost_device_closes_the_phase_without_waiting_for_the_deadline():
     config = make_config(6, 5, 3, sums=(("s", 4, 16),))
     inputs = random_inputs(config, np.random.default_rng(5))
     server = SecAggServer(config)
-    clients = {i: SecAggClient(config, i) for i in range(1, 7)}
+    clients = {i: lax_client(config, i) for i in range(1, 7)}
     for i, c in clients.items():
         c.provide_input("s", inputs[i]["s"])
     pending = [m for i, c in clients.items() if i != 6 for m in c.start()]
@@ -219,7 +219,7 @@ def test_plain_mode_sums_exactly_the_devices_that_answered():
     config = _plain(make_config(9, 8, 5, sums=(("losses", 3, 20), ("updates", 6, 33))))
     inputs = random_inputs(config, np.random.default_rng(11))
     dropouts = {2: Dropout("masked_input", "losses"), 7: Dropout("masked_input", "updates")}
-    run = run_cohort(config, inputs, dropouts)
+    run = lax_cohort(config, inputs, dropouts)
     assert run.aborted is None
     server = run.server
     # Only plain-sum phases ran: nothing was advertised, shared or unmasked.
@@ -234,10 +234,10 @@ def test_plain_mode_sums_exactly_the_devices_that_answered():
 
 def test_plain_mode_enforces_min_survivors_and_starts_only_on_request():
     config = _plain(make_config(4, 3, 2, min_survivors=3))
-    assert SecAggClient(config, 1).start() == []
+    assert lax_client(config, 1).start() == []
     assert SecAggServer(make_config(4, 3, 2)).start() == []
     inputs = random_inputs(config, np.random.default_rng(5))
-    run = run_cohort(config, inputs, {1: Dropout("masked_input"), 2: Dropout("advertise_keys")})
+    run = lax_cohort(config, inputs, {1: Dropout("masked_input"), 2: Dropout("advertise_keys")})
     assert run.aborted and "plain_sum" in run.aborted and run.results == {}
     with pytest.raises(ValueError, match="plain"):
         dataclasses.replace(config, consistency_check=True)

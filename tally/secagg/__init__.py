@@ -2,7 +2,8 @@
 
 from tally.secagg.client import SecAggClient
 from tally.secagg.config import SessionConfig
-from tally.secagg.driver import CohortRun, Dropout, run_cohort, secure_sum
+from tally.secagg.crypto import SigningKey
+from tally.secagg.driver import CohortRun, Dropout, enrol, run_cohort, secure_sum
 from tally.secagg.errors import (
     DuplicateMessage,
     MalformedMessage,
@@ -14,10 +15,12 @@ from tally.secagg.errors import (
 )
 from tally.secagg.messages import SessionRef, SumResult, SumSpec
 from tally.secagg.params import GraphParams, ThreatModel, UnsafeParameters, choose_params
+from tally.secagg.policy import DevicePolicy, UnsafeSession
 from tally.secagg.server import SecAggServer
 
 __all__ = [
     "CohortRun",
+    "DevicePolicy",
     "Dropout",
     "DuplicateMessage",
     "GraphParams",
@@ -29,13 +32,16 @@ __all__ = [
     "SessionAbortedError",
     "SessionConfig",
     "SessionRef",
+    "SigningKey",
     "StaleMessage",
     "SumResult",
     "SumSpec",
     "ThreatModel",
     "UnknownSender",
     "UnsafeParameters",
+    "UnsafeSession",
     "choose_params",
+    "enrol",
     "run_cohort",
     "secure_sum",
 ]

@@ -1,9 +1,11 @@
 """Device half of the secure sum: a sans-IO state machine, one small class per phase.
 
-The device checks what it can check locally: its neighbourhood comes from the public
-graph seed, ciphertexts are bound to their route, it answers Unmask once per sum, and
-it refuses to help unmask when too few of its neighbours survived (which would let a
-server isolate one device's input).
+The device checks what it can check locally: the configuration against its own policy, its
+neighbourhood from the public graph seed, every neighbour's keys against the identity key the
+coordinator's roster lists for it (the aggregator relays them and must not be able to substitute
+its own), ciphertexts bound to their route. It masks its input only once at least t neighbours
+hold its shares, answers Unmask once per sum, and refuses to help unmask when too few of its
+neighbours survived (which would let a server isolate one device's input).
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ from __future__ import annotations
 import abc
 import os
 from collections.abc import Callable
+from typing import NoReturn
 
 import numpy as np
 
@@ -25,6 +28,7 @@ from tally.secagg.errors import (
     StaleMessage,
 )
 from tally.secagg.messages import (
+    NeighbourKeys,
     Abort,
     AdvertiseKeys,
     ClientMessage,
@@ -41,9 +45,12 @@ from tally.secagg.messages import (
     UnmaskRequest,
     UnmaskResponse,
 )
+from tally.secagg.policy import DevicePolicy
 from tally.secagg.wire import (
     SHARE_CIPHERTEXT_BYTES,
+    advertise_statement,
     consistency_message,
+    seed_commitment,
     share_associated_data,
 )
 
@@ -61,25 +68,30 @@ class _SumSecrets:
 
 
 class SecAggClient:
-    """``entropy`` is the source of every key and seed: os.urandom, or a seeded source in
-    tests that must be deterministic."""
+    """``identity`` is the device's enrolled long-term key; ``policy`` what it accepts (checked
+    before anything else); ``entropy`` the source of every session key and seed: os.urandom, or
+    a seeded source in tests that must be deterministic."""
 
     def __init__(
-        self, config: SessionConfig, index: int, entropy: Callable[[int], bytes] = os.urandom
+        self,
+        config: SessionConfig,
+        index: int,
+        identity: crypto.SigningKey,
+        *,
+        policy: DevicePolicy | None = None,
+        entropy: Callable[[int], bytes] = os.urandom,
     ) -> None:
         if not 1 <= index <= config.n:
             raise ValueError(f"index {index} is outside the cohort 1..{config.n}")
+        (policy or DevicePolicy()).check(config, index, identity.public)
         self.config = config
         self.index = index
+        self.identity = identity
         self.neighbours = frozenset(int(j) for j in config.neighbours(index))
         self.secrets = (
             {} if config.plain else {spec.sum_id: _SumSecrets(entropy) for spec in config.sums}
         )
-        self.signing = (
-            crypto.SigningKey.from_private(entropy(32)) if config.consistency_check else None
-        )
         self.inputs: dict[str, np.ndarray] = {}
-        self.neighbour_signing: dict[int, bytes] = {}
         self.aborted: str | None = None
         # A plain session (benchmarks only) has no keys: it waits for the first input request.
         self._phase: _Phase = (
@@ -103,12 +115,15 @@ class SecAggClient:
     def start(self) -> list[ClientMessage]:
         if self.config.plain:
             return []
+        ref = self.config.ref
         keys = tuple(
-            SumPublicKeys(spec.sum_id, s.cipher.public, s.mask.public)
+            SumPublicKeys(
+                spec.sum_id, s.cipher.public, s.mask.public, seed_commitment(ref, spec.sum_id, s.seed)
+            )
             for spec, s in zip(self.config.sums, self.secrets.values())
         )
-        signing = self.signing.public if self.signing else b""
-        return [AdvertiseKeys(self.config.ref, self.index, keys, signing)]
+        signature = self.identity.sign(advertise_statement(ref, self.index, keys))
+        return [AdvertiseKeys(ref, self.index, keys, signature)]
 
     def receive(self, message: ServerMessage) -> list[ClientMessage]:
         if message.ref != self.config.ref:
@@ -142,6 +157,25 @@ class SecAggClient:
         self._phase = phase
         return out
 
+    def _refuse(self, reason: str) -> NoReturn:
+        """Stop for good: the device will not take the step the server asked for."""
+        self.aborted = reason
+        self._phase = _Done(self)
+        raise SessionAbortedError(reason)
+
+
+def _check_neighbour(config: SessionConfig, neighbour: NeighbourKeys) -> None:
+    """A neighbour's keys, as the aggregator relayed them, must be the ones that neighbour
+    signed with the identity key the coordinator's roster lists for it."""
+    j = neighbour.index
+    ids = tuple(k.sum_id for k in neighbour.keys)
+    if ids != tuple(s.sum_id for s in config.sums):
+        raise MalformedMessage(f"neighbour {j} sent keys for sums {ids}")
+    statement = advertise_statement(config.ref, j, neighbour.keys)
+    if not crypto.verify_signature(config.identity(j), neighbour.signature, statement):
+        raise MalformedMessage(
+            f"neighbour {j}'s keys are not signed by its enrolled identity key: refusing them"
+        )
 
 class _Phase(abc.ABC):
     name = ""
@@ -180,9 +214,10 @@ class _AwaitShareKeysRequest(_Phase):
             raise MalformedMessage(
                 f"{len(indices)} neighbours cannot hold shares with threshold {config.threshold}"
             )
+        for nb in message.neighbours:
+            _check_neighbour(config, nb)
         xs = np.array(sorted(indices), dtype=np.int64)
         by_index = {nb.index: nb for nb in message.neighbours}
-        client.neighbour_signing = {nb.index: nb.signing_public for nb in message.neighbours}
         shares_out: list[EncryptedShare] = []
         for position, spec in enumerate(config.sums):
             context = config.ref.context(spec.sum_id)
@@ -192,13 +227,13 @@ class _AwaitShareKeysRequest(_Phase):
             rows = np.ascontiguousarray(shares.astype("<u4").transpose(1, 0, 2)).reshape(len(xs), -1)
             for h, j in enumerate(xs.tolist()):
                 keys = by_index[j].keys[position]
-                if keys.sum_id != spec.sum_id:
-                    raise MalformedMessage(f"neighbour {j} keys are not for sum {spec.sum_id!r}")
-                cipher_secret = secrets.cipher.agree(keys.cipher_public)
+                try:
+                    cipher_secret = secrets.cipher.agree(keys.cipher_public)
+                    mask_secret = secrets.mask.agree(keys.mask_public)
+                except crypto.CryptoError as exc:
+                    raise MalformedMessage(f"neighbour {j}'s keys for sum {spec.sum_id!r}: {exc}") from None
                 secrets.cipher_secrets[j] = cipher_secret
-                secrets.pair_keys[j] = crypto.pairwise_mask_key(
-                    secrets.mask.agree(keys.mask_public), context
-                )
+                secrets.pair_keys[j] = crypto.pairwise_mask_key(mask_secret, context)
                 plaintext = rows[h].tobytes()
                 key = crypto.share_key(cipher_secret, context, client.index, j)
                 ad = share_associated_data(config.ref, spec.sum_id, client.index, j)
@@ -241,6 +276,14 @@ class _AwaitShareDelivery(_Phase):
             senders[share.sum_id].add(share.sender)
         if len({frozenset(s) for s in senders.values()}) > 1:
             raise MalformedMessage("shares of different sums came from different neighbours")
+        delivered = len(next(iter(senders.values())))
+        if delivered < config.threshold:
+            # Fewer than t holders: the server could rebuild nothing of ours, but with fewer
+            # pairwise masks than the threshold assumes our input would be exposed.
+            client._refuse(
+                f"only {delivered} of my neighbours' shares were delivered, below the threshold "
+                f"{config.threshold}: refusing to send my input"
+            )
         # Pairwise masks only with neighbours that finished ShareKeys: exactly the
         # devices whose masks the server can remove if they drop later.
         for spec in config.sums:
@@ -339,9 +382,15 @@ class _AwaitConsistencyCheck(_Phase):
         survivors = tuple(message.survivors)
         if client.index not in survivors or list(survivors) != sorted(set(survivors)):
             raise MalformedMessage("survivor set must be sorted, unique and include me")
+        surviving_neighbours = len(client.neighbours.intersection(survivors))
+        if surviving_neighbours < client.config.threshold:
+            client._refuse(
+                f"the survivor set holds {surviving_neighbours} of my neighbours, below the "
+                f"threshold {client.config.threshold}: refusing to sign it"
+            )
         statement = consistency_message(client.config.ref, sum_id, survivors)
         response = ConsistencyCheckResponse(
-            client.config.ref, sum_id, client.index, client.signing.sign(statement)
+            client.config.ref, sum_id, client.index, client.identity.sign(statement)
         )
         return client._move(_AwaitUnmask(client, self.position, survivors), [response])
 
@@ -369,13 +418,10 @@ class _AwaitUnmask(_Phase):
         secrets = client.secrets[sum_id]
         surviving_neighbours = survivors & secrets.held.keys()
         if len(surviving_neighbours) < config.threshold:
-            reason = (
+            client._refuse(
                 f"only {len(surviving_neighbours)} of my neighbours survived, "
                 f"below the threshold {config.threshold}: refusing to unmask"
             )
-            client.aborted = reason
-            client._phase = _Done(client)
-            raise SessionAbortedError(reason)
         seed_shares = tuple((j, secrets.held[j][1]) for j in sorted(surviving_neighbours))
         key_shares = tuple(
             (j, secrets.held[j][0]) for j in sorted(secrets.held.keys() - survivors)
@@ -389,14 +435,21 @@ class _AwaitUnmask(_Phase):
         client = self.client
         if tuple(message.survivors) != self.signed:
             raise MalformedMessage("unmask survivor set differs from the one I signed")
-        statement = consistency_message(client.config.ref, message.sum_id, self.signed)
-        keys = client.neighbour_signing
-        valid = sum(
-            1
-            for j, signature in message.signatures
-            if j in keys and crypto.verify_signature(keys[j], signature, statement)
-        )
-        if valid < client.config.threshold:
+        config = client.config
+        statement = consistency_message(config.ref, message.sum_id, self.signed)
+        # Distinct signers only, each a surviving neighbour whose enrolled key verifies: one
+        # signature repeated, or signatures of devices outside the set, count once or not at all.
+        eligible = client.neighbours.intersection(self.signed)
+        signers: set[int] = set()
+        for j, signature in message.signatures:
+            if len(signers) >= config.threshold:
+                break
+            if j in eligible and j not in signers and crypto.verify_signature(
+                config.identity(j), signature, statement
+            ):
+                signers.add(j)
+        if len(signers) < config.threshold:
             raise MalformedMessage(
-                f"only {valid} neighbours signed the survivor set, {client.config.threshold} required"
+                f"only {len(signers)} distinct surviving neighbours signed the survivor set, "
+                f"{config.threshold} required"
             )

@@ -2,7 +2,10 @@
 
 It is public: devices receive it with their session ticket and recompute their own
 neighbourhood from ``graph_seed``, so a server cannot quietly hand a device a
-different graph than the one it uses.
+different graph than the one it uses. It also carries the cohort's roster, each index's
+enrolled identity key: the coordinator signs the config (through the session ticket) and hands
+it to every device over the device's own channel, so the aggregator, which relays every
+protocol message, cannot substitute a device's keys.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from tally.secagg.messages import SessionRef, SumSpec
 from tally.secagg.params import GraphParams, ThreatModel, choose_params, validate_params
 
 MAX_BITS = 64
+IDENTITY_BYTES = 32
 
 
 @dataclass(frozen=True)
@@ -30,6 +34,9 @@ class SessionConfig:
     graph_seed: bytes
     consistency_check: bool = False
     min_survivors: int = 2
+    # identities[i - 1]: the Ed25519 identity public key device i enrolled with (empty only
+    # for a plain session, which has no keys to authenticate).
+    identities: tuple[bytes, ...] = ()
     # Benchmark-only: devices send their inputs unmasked, so the aggregator sees every
     # individual contribution. It exists to measure what secure aggregation costs.
     plain: bool = False
@@ -53,6 +60,16 @@ class SessionConfig:
             raise ValueError(f"min_survivors must be in 2..{self.params.n}")
         if self.plain and self.consistency_check:
             raise ValueError("a plain-sum session has no survivor sets to check")
+        object.__setattr__(self, "identities", tuple(bytes(k) for k in self.identities))
+        if (self.identities or not self.plain) and len(self.identities) != self.params.n:
+            raise ValueError(
+                f"a secure session needs one identity key per device: {len(self.identities)} "
+                f"for n={self.params.n}"
+            )
+        if any(len(k) != IDENTITY_BYTES for k in self.identities):
+            raise ValueError(f"identity keys must be {IDENTITY_BYTES}-byte Ed25519 public keys")
+        if len(set(self.identities)) != len(self.identities):
+            raise ValueError("two devices of the cohort have the same identity key")
 
     @property
     def n(self) -> int:
@@ -69,6 +86,9 @@ class SessionConfig:
     def neighbours(self, index: int) -> np.ndarray:
         """1-based indices of the devices holding ``index``'s shares (the graph is 0-based)."""
         return self.graph.neighbours(index - 1) + 1
+
+    def identity(self, index: int) -> bytes:
+        return self.identities[index - 1]
 
     def sum_spec(self, sum_id: str) -> SumSpec:
         for spec in self.sums:
@@ -87,6 +107,7 @@ class SessionConfig:
         n: int,
         threat: ThreatModel | None = None,
         *,
+        identities: Sequence[bytes] = (),
         k: int | None = None,
         t: int | None = None,
         consistency_check: bool = False,
@@ -119,5 +140,6 @@ class SessionConfig:
             graph_seed=graph_seed if graph_seed is not None else os.urandom(32),
             consistency_check=consistency_check,
             min_survivors=min_survivors if min_survivors is not None else max(2, params.t),
+            identities=tuple(identities),
             plain=plain,
         )

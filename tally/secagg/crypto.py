@@ -7,7 +7,7 @@ revealing a dropped device's key for one sum reveals nothing about another.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import os
 
 import numpy as np
 from cryptography.exceptions import InvalidSignature, InvalidTag
@@ -25,6 +25,8 @@ from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 
 KEY_BYTES = 32
+PUBLIC_KEY_BYTES = 32
+SIGNATURE_BYTES = 64
 MASK_KEY_BYTES = 16
 _ZERO_NONCE_12 = bytes(12)
 _ZERO_COUNTER_16 = bytes(16)
@@ -57,6 +59,22 @@ class KeyPair:
             return self._key.exchange(X25519PublicKey.from_public_bytes(peer_public))
         except ValueError as exc:
             raise CryptoError(f"invalid X25519 key: {exc}") from exc
+
+
+# Any scalar works: X25519 clamps it to a multiple of 8, which sends every point of small order
+# (the all-zero key among them) to zero, and cryptography refuses an all-zero shared secret.
+_PROBE = X25519PrivateKey.from_private_bytes(bytes(range(1, 33)))
+
+
+def check_public_key(public: bytes) -> None:
+    """Refuse a key no honest device makes: wrong length, or of small order (zero and the other
+    low-order points), which would give every neighbour a known, all-zero shared secret."""
+    if len(public) != PUBLIC_KEY_BYTES:
+        raise CryptoError(f"X25519 public keys are {PUBLIC_KEY_BYTES} bytes, got {len(public)}")
+    try:
+        _PROBE.exchange(X25519PublicKey.from_public_bytes(public))
+    except ValueError as exc:
+        raise CryptoError("X25519 public key of small order") from exc
 
 
 def derive(secret: bytes, info: bytes, length: int = KEY_BYTES) -> bytes:
@@ -124,23 +142,35 @@ class MaskExpander:
             op(part, self._view[:count], out=part)
 
 
-@dataclass(frozen=True)
 class SigningKey:
-    """Ed25519 key used only for the optional ConsistencyCheck phase."""
+    """A device's long-term Ed25519 identity key, enrolled with the coordinator: it signs the
+    device's session keys (AdvertiseKeys) and survivor sets (ConsistencyCheck)."""
 
-    private: bytes
-    public: bytes
+    __slots__ = ("private", "public", "_key")
+
+    def __init__(self, private: bytes) -> None:
+        try:
+            self._key = Ed25519PrivateKey.from_private_bytes(private)
+        except ValueError as exc:
+            raise CryptoError(f"invalid Ed25519 private key: {exc}") from exc
+        self.private = bytes(private)
+        self.public = self._key.public_key().public_bytes_raw()
 
     @classmethod
     def from_private(cls, private: bytes) -> SigningKey:
-        sk = Ed25519PrivateKey.from_private_bytes(private)
-        return cls(private, sk.public_key().public_bytes_raw())
+        return cls(private)
+
+    @classmethod
+    def generate(cls) -> SigningKey:
+        return cls(os.urandom(KEY_BYTES))
 
     def sign(self, message: bytes) -> bytes:
-        return Ed25519PrivateKey.from_private_bytes(self.private).sign(message)
+        return self._key.sign(message)
 
 
 def verify_signature(public: bytes, signature: bytes, message: bytes) -> bool:
+    if len(public) != PUBLIC_KEY_BYTES or len(signature) != SIGNATURE_BYTES:
+        return False
     try:
         Ed25519PublicKey.from_public_bytes(public).verify(signature, message)
     except (InvalidSignature, ValueError):

@@ -18,6 +18,7 @@ import numpy as np
 
 from tally.codec import PayloadSchema, to_ring
 from tally.secagg.client import SecAggClient
+from tally.secagg.crypto import SigningKey
 from tally.secagg.config import SessionConfig
 from tally.secagg.errors import OutOfPhase, ProtocolError, StaleMessage
 from tally.secagg.messages import (
@@ -32,6 +33,7 @@ from tally.secagg.messages import (
     UnmaskRequest,
 )
 from tally.secagg.params import ThreatModel
+from tally.secagg.policy import DevicePolicy
 from tally.secagg.server import SecAggServer
 from tally.secagg.wire import payload_bytes
 
@@ -78,6 +80,12 @@ def _request_phase(message: ServerMessage) -> tuple[str, str] | None:
     return None
 
 
+def enrol(n: int) -> dict[int, SigningKey]:
+    """Fresh identity keys for devices 1..n: what enrolment gives devices of the services, for
+    runs where one process plays every device."""
+    return {i: SigningKey.generate() for i in range(1, n + 1)}
+
+
 def run_cohort(
     config: SessionConfig,
     inputs: Mapping[int, Mapping[str, np.ndarray]],
@@ -85,19 +93,27 @@ def run_cohort(
     observe: Callable[[ClientMessage], None] | None = None,
     entropy: Callable[[int, int], bytes] | None = None,
     measure_bytes: bool = False,
+    *,
+    identities: Mapping[int, SigningKey],
+    policy: DevicePolicy | None = None,
 ) -> CohortRun:
     """Run devices 1..n with ring-encoded ``inputs``.
 
-    ``observe`` sees every message the server receives; ``entropy(i, size)``, when given,
-    replaces os.urandom as device i's key source (deterministic tests); ``measure_bytes``
-    fills the per-device byte counts (it walks every message, so it is off by default).
+    ``identities[i]`` is device i's enrolled key (the config's roster must list its public
+    half); ``policy`` what every device accepts. ``observe`` sees every message the server
+    receives; ``entropy(i, size)``, when given, replaces os.urandom as device i's key source
+    (deterministic tests); ``measure_bytes`` fills the per-device byte counts (it walks every
+    message, so it is off by default).
     """
     dropouts = dict(dropouts or {})
     first_sum = config.sums[0].sum_id
     server = SecAggServer(config)
     run = CohortRun(config, server, server.results, None)
     clients = {
-        i: SecAggClient(config, i, partial(entropy, i)) if entropy else SecAggClient(config, i)
+        i: SecAggClient(
+            config, i, identities[i], policy=policy,
+            **({"entropy": partial(entropy, i)} if entropy else {}),
+        )
         for i in range(1, config.n + 1)
     }
     for i, client in clients.items():
@@ -193,12 +209,14 @@ def secure_sum(
     n = len(values)
     if set(values) != set(range(1, n + 1)):
         raise ValueError("devices must be numbered 1..n")
+    identities = enrol(n)
     config = SessionConfig.plan(
         ref or SessionRef("local", 0, "s0"),
         list(schemas.items()),
         n,
         threat,
         consistency_check=consistency_check,
+        identities=[identities[i].public for i in range(1, n + 1)],
     )
     inputs = {}
     for i, per_sum in values.items():
@@ -206,7 +224,9 @@ def secure_sum(
         for spec in config.sums:
             encoded = schemas[spec.sum_id].encode(per_sum[spec.sum_id], rng)
             inputs[i][spec.sum_id] = to_ring(encoded.vector, spec.bits)
-    run = run_cohort(config, inputs, dropouts, observe)
+    # The simulated devices assume the job's threat model: the caller chose it for all of them.
+    policy = DevicePolicy(threat=threat) if threat is not None else None
+    run = run_cohort(config, inputs, dropouts, observe, identities=identities, policy=policy)
     decoded = {
         sum_id: schemas[sum_id].decode_sum(result.total, config.sum_spec(sum_id).bits)
         for sum_id, result in run.results.items()

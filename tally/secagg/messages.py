@@ -48,14 +48,20 @@ class SumPublicKeys:
     sum_id: str
     cipher_public: bytes  # encrypts the shares this device sends and receives
     mask_public: bytes  # agrees the pairwise mask seeds
+    # Commits to the self-mask seed, so a seed rebuilt from shares can be checked (and a bad
+    # share detected) before it is used.
+    seed_commitment: bytes
 
 
 @dataclass(frozen=True)
 class AdvertiseKeys:
+    """Signed by the sender's enrolled identity key: the aggregator that relays it to the
+    neighbours cannot substitute keys of its own."""
+
     ref: SessionRef
     sender: int
     keys: tuple[SumPublicKeys, ...]
-    signing_public: bytes = b""
+    signature: bytes
 
 
 @dataclass(frozen=True)
@@ -111,9 +117,11 @@ ClientMessage = (
 
 @dataclass(frozen=True)
 class NeighbourKeys:
+    """A neighbour's AdvertiseKeys as relayed: the recipient checks the signature itself."""
+
     index: int
     keys: tuple[SumPublicKeys, ...]
-    signing_public: bytes = b""
+    signature: bytes
 
 
 @dataclass(frozen=True)

@@ -206,6 +206,25 @@ def choose_params(n: int, threat: ThreatModel) -> GraphParams:
 
 def validate_params(params: GraphParams, threat: ThreatModel) -> None:
     """Refuse a user-supplied (k, t) unless it carries the same guarantees as ``choose_params``."""
+    t_min, t_max = _threshold_range(params, threat)
+    _check_floor(params, t_min, t_max)
+    if params.t > t_max:
+        raise UnsafeParameters(
+            f"t={params.t} too high: too few neighbours may survive dropout to reconstruct; "
+            f"{_safe_range(params, t_min, t_max)}"
+        )
+
+
+def check_privacy(params: GraphParams, threat: ThreatModel) -> None:
+    """Refuse a (k, t) whose privacy guarantee fails under ``threat``; unlike ``validate_params``
+    a threshold that only risks the sum failing (too high for the dropouts) passes. Devices run
+    this on every configuration they receive: liveness is the server's concern, their input's
+    secrecy is theirs."""
+    t_min, t_max = _threshold_range(params, threat)
+    _check_floor(params, t_min, t_max)
+
+
+def _threshold_range(params: GraphParams, threat: ThreatModel) -> tuple[int, int]:
     n, k, t = params.n, params.k, params.t
     if n < 2:
         raise UnsafeParameters(f"a secure sum needs at least 2 devices, got n={n}")
@@ -216,26 +235,29 @@ def validate_params(params: GraphParams, threat: ThreatModel) -> None:
     if not 2 <= t <= k:
         raise UnsafeParameters(f"t={t} must lie in [2, k={k}]")
     if params.full:
-        t_min, t_max = _full_threshold_range(n, threat)
-    elif n < MIN_HARARY_N:
+        return _full_threshold_range(n, threat)
+    if n < MIN_HARARY_N:
         raise UnsafeParameters(
             f"n={n} < {MIN_HARARY_N}: rates are too coarse to trust a Harary graph this small; "
             f"use the full graph k={n - 1}"
         )
-    else:
-        connected, log_p = _connectivity_ok(n, k, threat)
-        if not connected:
-            raise UnsafeParameters(
-                f"k={k} too small for n={n}: the graph disconnects after removing bad nodes with "
-                f"probability up to 2^{log_p / _LOG2:.1f} > 2^-{SECURITY_BITS + 1}"
-            )
-        t_min, t_max = _harary_threshold_range(n, k, threat)
-    safe = f"safe range for k={k}: [{t_min}, {t_max}]" if t_min <= t_max else f"no safe t for k={k}"
-    if t < t_min:
+    connected, log_p = _connectivity_ok(n, k, threat)
+    if not connected:
         raise UnsafeParameters(
-            f"t={t} too low: corrupt neighbours (and a lying server) could reach it; {safe}"
+            f"k={k} too small for n={n}: the graph disconnects after removing bad nodes with "
+            f"probability up to 2^{log_p / _LOG2:.1f} > 2^-{SECURITY_BITS + 1}"
         )
-    if t > t_max:
+    return _harary_threshold_range(n, k, threat)
+
+
+def _safe_range(params: GraphParams, t_min: int, t_max: int) -> str:
+    k = params.k
+    return f"safe range for k={k}: [{t_min}, {t_max}]" if t_min <= t_max else f"no safe t for k={k}"
+
+
+def _check_floor(params: GraphParams, t_min: int, t_max: int) -> None:
+    if params.t < t_min:
         raise UnsafeParameters(
-            f"t={t} too high: too few neighbours may survive dropout to reconstruct; {safe}"
+            f"t={params.t} too low: corrupt neighbours (and a lying server) could reach it; "
+            f"{_safe_range(params, t_min, t_max)}"
         )

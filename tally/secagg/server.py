@@ -4,6 +4,12 @@ Feed it device messages (``receive``) and deadline events (``on_deadline``); it 
 the messages to send. It never sees a device's input in the clear: it holds masked
 vectors and, per sum, reconstructs either a device's self-mask seed (it survived) or
 its mask key (it dropped), never both.
+
+One misbehaving device must not stop the others' sum: keys of small order and keys not signed
+by the sender's enrolled identity are refused at AdvertiseKeys (the sender is left out, the
+session goes on), and every rebuilt secret is checked against what its owner committed to (the
+seed commitment, the mask public key); a wrong share is decoded around with the extra shares of
+the other holders, and its sender is recorded in ``misbehaving``.
 """
 
 from __future__ import annotations
@@ -43,7 +49,13 @@ from tally.secagg.messages import (
     UnmaskRequest,
     UnmaskResponse,
 )
-from tally.secagg.wire import SHARE_CIPHERTEXT_BYTES, consistency_message
+from tally.secagg.wire import (
+    COMMITMENT_BYTES,
+    SHARE_CIPHERTEXT_BYTES,
+    advertise_statement,
+    consistency_message,
+    seed_commitment,
+)
 
 
 class SecAggServer:
@@ -65,6 +77,8 @@ class SecAggServer:
         self.sharers: frozenset[int] = frozenset()
         # Devices whose connection is known to be gone: no phase waits for them.
         self.lost: set[int] = set()
+        # Devices caught sending wrong shares, and what they did: their shares are not trusted.
+        self.misbehaving: dict[int, str] = {}
         everyone = frozenset(range(1, config.n + 1))
         self._phase: _Phase = (
             _NotStarted(self, everyone) if config.plain else _AdvertiseKeysPhase(self, everyone)
@@ -114,7 +128,7 @@ class SecAggServer:
 
     def on_deadline(self) -> list[Outgoing]:
         """The caller's clock says the current phase is over: close it with who answered."""
-        return self._phase.close()
+        return self._phase.expire()
 
     # -- used by the phases ----------------------------------------------------
 
@@ -194,6 +208,10 @@ class _Phase(abc.ABC):
     @abc.abstractmethod
     def close(self) -> list[Outgoing]: ...
 
+    def expire(self) -> list[Outgoing]:
+        """The phase's deadline passed: close it with what arrived; nothing more will."""
+        return self.close()
+
 
 class _Finished(_Phase):
     name = "finished"
@@ -229,15 +247,22 @@ class _AdvertiseKeysPhase(_Phase):
 
     def validate(self, message: AdvertiseKeys) -> None:
         config = self.server.config
+        sender = message.sender
         ids = tuple(k.sum_id for k in message.keys)
         expected_ids = tuple(s.sum_id for s in config.sums)
         if ids != expected_ids:
-            raise MalformedMessage(f"keys for sums {ids}, expected {expected_ids}")
+            raise MalformedMessage(f"device {sender}: keys for sums {ids}, expected {expected_ids}")
         for keys in message.keys:
-            if len(keys.cipher_public) != 32 or len(keys.mask_public) != 32:
-                raise MalformedMessage("public keys must be 32 bytes")
-        if config.consistency_check and len(message.signing_public) != 32:
-            raise MalformedMessage("a 32-byte Ed25519 signing key is required")
+            if len(keys.seed_commitment) != COMMITMENT_BYTES:
+                raise MalformedMessage(f"device {sender}: seed commitment must be {COMMITMENT_BYTES} bytes")
+            try:
+                crypto.check_public_key(keys.cipher_public)
+                crypto.check_public_key(keys.mask_public)
+            except crypto.CryptoError as exc:
+                raise MalformedMessage(f"device {sender}, sum {keys.sum_id!r}: {exc}") from None
+        statement = advertise_statement(config.ref, sender, message.keys)
+        if not crypto.verify_signature(config.identity(sender), message.signature, statement):
+            raise MalformedMessage(f"device {sender}: keys not signed by its enrolled identity key")
 
     def close(self) -> list[Outgoing]:
         server = self.server
@@ -249,7 +274,7 @@ class _AdvertiseKeysPhase(_Phase):
         reason = f"fewer than t={server.config.threshold} neighbours advertised keys"
         out = [Outgoing(i, Abort(server.config.ref, reason)) for i in sorted(excluded)]
         # One NeighbourKeys per device, shared by the k requests that list it.
-        keys = {i: NeighbourKeys(i, self.received[i].keys, self.received[i].signing_public) for i in u1}
+        keys = {i: NeighbourKeys(i, self.received[i].keys, self.received[i].signature) for i in u1}
         for i in sorted(u1):
             neighbours = tuple(keys[j] for j in server.config.neighbours(i).tolist() if j in keys)
             out.append(Outgoing(i, ShareKeysRequest(server.config.ref, neighbours)))
@@ -390,7 +415,7 @@ class _ConsistencyPhase(_SumPhase):
         self.statement = consistency_message(server.config.ref, self.sum_id, sorted(expected))
 
     def validate(self, message: ConsistencyCheckResponse) -> None:
-        public = self.server.advertised[message.sender].signing_public
+        public = self.server.config.identity(message.sender)
         if not crypto.verify_signature(public, message.signature, self.statement):
             raise MalformedMessage(f"device {message.sender}: invalid survivor-set signature")
 
@@ -422,10 +447,15 @@ class _UnmaskPhase(_SumPhase):
         self.needed_keys = frozenset(
             j for j in self.dropped if any(int(i) in survivors for i in server.config.neighbours(j))
         )
-        self.seed_shares: dict[int, dict[int, bytes]] = {i: {} for i in survivors}
-        self.key_shares: dict[int, dict[int, bytes]] = {j: {} for j in self.needed_keys}
-        # Secrets still below t shares, kept up to date so completion is O(1) per message.
-        self.short: set[tuple[str, int]] = {("seed", i) for i in survivors} | {("key", j) for j in self.needed_keys}
+        self.shares: dict[tuple[str, int], dict[int, bytes]] = {
+            **{("seed", i): {} for i in survivors},
+            **{("key", j): {} for j in self.needed_keys},
+        }
+        # Shares each secret still waits for: t, or more once a rebuilt secret failed its check.
+        self.wanted: dict[tuple[str, int], int] = dict.fromkeys(self.shares, server.config.threshold)
+        # Secrets below their wanted count, kept up to date so completion is O(1) per message.
+        self.short: set[tuple[str, int]] = set(self.shares)
+        self.rebuilt: dict[tuple[str, int], bytes] = {}
 
     def validate(self, message: UnmaskResponse) -> None:
         held = self.server.sharers.intersection(self.server.config.neighbours(message.sender).tolist())
@@ -443,37 +473,51 @@ class _UnmaskPhase(_SumPhase):
             raise MalformedMessage(f"shares must be {shamir.SHARE_BYTES} bytes")
 
     def record(self, message: UnmaskResponse) -> None:
-        t = self.server.config.threshold
-        for kind, owners, shares in (
-            ("seed", self.seed_shares, message.seed_shares),
-            ("key", self.key_shares, message.key_shares),
-        ):
+        for kind, shares in (("seed", message.seed_shares), ("key", message.key_shares)):
             for owner, share in shares:
-                held = owners.get(owner)
+                held = self.shares.get((kind, owner))
                 if held is None:  # a dropped device with no surviving neighbour: nothing to remove
                     continue
                 held[message.sender] = share
-                if len(held) == t:
+                if len(held) >= self.wanted[(kind, owner)]:
                     self.short.discard((kind, owner))
 
     def complete(self) -> bool:
-        """Done when every needed secret has t shares: stragglers cannot delay the sum."""
+        """Done when every needed secret has its shares: stragglers cannot delay the sum."""
         return not self.short or super().complete()
 
     def close(self) -> list[Outgoing]:
+        return self._finish(final=not self.pending)
+
+    def expire(self) -> list[Outgoing]:
+        return self._finish(final=True)
+
+    def _finish(self, final: bool) -> list[Outgoing]:
         server = self.server
         t = server.config.threshold
-        short = sorted(owner for _, owner in self.short)
+        short = sorted(owner for key in self.short if len(self.shares[key]) < t for owner in key[1:])
         if short:
             return server._abort(
                 f"unmask[{self.sum_id}]: fewer than t={t} shares for devices {short[:10]}"
                 + (" ..." if len(short) > 10 else ""),
                 self.expected,
             )
-        try:
-            total = self._unmask()
-        except (ValueError, crypto.CryptoError) as exc:
-            return server._abort(f"unmask[{self.sum_id}]: inconsistent shares: {exc}", self.expected)
+        failed = self._rebuild()
+        if failed and not final:
+            # Wait for one more holder's share of each: more shares decode around wrong ones.
+            for key in failed:
+                self.wanted[key] = len(self.shares[key]) + 1
+                self.short.add(key)
+            return []
+        if failed:
+            owners = sorted(owner for _, owner in failed)
+            return server._abort(
+                f"unmask[{self.sum_id}]: the shares of devices {owners[:10]} do not rebuild the "
+                "secrets they committed to, and too few holders answered to decode around the "
+                "wrong ones",
+                self.expected,
+            )
+        total = self._unmask()
         result = SumResult(
             self.sum_id, total, tuple(sorted(self.survivors)), tuple(sorted(self.dropped))
         )
@@ -481,23 +525,57 @@ class _UnmaskPhase(_SumPhase):
         # Stragglers the early close did not wait for are alive: ask every contributor.
         return server._start_sum(self.position + 1, self.survivors)
 
-    def _reconstruct(self, owners_shares: dict[int, dict[int, bytes]]) -> dict[int, bytes]:
+    def _rebuild(self) -> set[tuple[str, int]]:
+        """Rebuild every secret not yet rebuilt; the ones that cannot be rebuilt and checked yet.
+
+        The common case costs one batched interpolation over t shares (preferring holders never
+        caught lying) and one check per secret; only a secret that fails its check is decoded
+        from all of its shares, which also names the holders whose shares were wrong.
+        """
         t = self.server.config.threshold
-        owners = sorted(owners_shares)
+        pending = [key for key in self.shares if key not in self.rebuilt]
         holder_sets, share_arrays = [], []
-        for owner in owners:
-            holders = sorted(owners_shares[owner])[:t]
+        for key in pending:
+            holders = sorted(self.shares[key], key=lambda h: (h in self.server.misbehaving, h))[:t]
             holder_sets.append(tuple(holders))
-            joined = b"".join(owners_shares[owner][h] for h in holders)
-            share_arrays.append(np.frombuffer(joined, dtype="<u4").reshape(t, shamir.CHUNKS))
-        return dict(zip(owners, shamir.reconstruct(holder_sets, share_arrays)))
+            share_arrays.append(_share_matrix(self.shares[key], holders))
+        failed: set[tuple[str, int]] = set()
+        for key, secret in zip(pending, shamir.reconstruct_each(holder_sets, share_arrays)):
+            if secret is not None and self._matches(key, secret):
+                self.rebuilt[key] = secret
+            elif not self._decode(key):
+                failed.add(key)
+        return failed
+
+    def _decode(self, key: tuple[str, int]) -> bool:
+        held = self.shares[key]
+        holders = sorted(held)
+        try:
+            secret, wrong = shamir.decode(holders, _share_matrix(held, holders), self.server.config.threshold)
+        except ValueError:
+            return False
+        if not self._matches(key, secret):
+            return False
+        self.rebuilt[key] = secret
+        kind, owner = key
+        for holder in wrong:
+            self.server.misbehaving[holder] = f"wrong {kind} share of device {owner} in sum {self.sum_id!r}"
+        return True
+
+    def _matches(self, key: tuple[str, int], secret: bytes) -> bool:
+        """Whether a rebuilt secret is the one its owner committed to in its signed keys."""
+        kind, owner = key
+        keys = self.server.advertised[owner].keys[self.position]
+        if kind == "seed":
+            return seed_commitment(self.server.config.ref, self.sum_id, secret) == keys.seed_commitment
+        return crypto.KeyPair(secret).public == keys.mask_public
 
     def _unmask(self) -> np.ndarray:
         server = self.server
         spec = server.config.sums[self.position]
         context = server.config.ref.context(spec.sum_id)
-        seeds = self._reconstruct(self.seed_shares)
-        keys = self._reconstruct(self.key_shares)
+        seeds = {owner: secret for (kind, owner), secret in self.rebuilt.items() if kind == "seed"}
+        keys = {owner: secret for (kind, owner), secret in self.rebuilt.items() if kind == "key"}
         server.revealed_seeds[spec.sum_id] = frozenset(seeds)
         server.revealed_keys[spec.sum_id] = frozenset(keys)
         assert not (set(seeds) & set(keys)), "a device's seed and key were both reconstructed"
@@ -510,8 +588,6 @@ class _UnmaskPhase(_SumPhase):
         position = self.position
         for j, private in keys.items():
             pair = crypto.KeyPair(private)
-            if pair.public != server.advertised[j].keys[position].mask_public:
-                raise ValueError(f"reconstructed mask key of device {j} does not match its public key")
             for i in server.config.neighbours(j):
                 i = int(i)
                 if i not in self.survivors:
@@ -522,3 +598,8 @@ class _UnmaskPhase(_SumPhase):
                 expander.apply(total, key, subtract=i < j)
         np.bitwise_and(total, dtype.type(ring_mask(spec.bits)), out=total)
         return total
+
+
+def _share_matrix(held: dict[int, bytes], holders: list[int]) -> np.ndarray:
+    joined = b"".join(held[h] for h in holders)
+    return np.frombuffer(joined, dtype="<u4").reshape(len(holders), shamir.CHUNKS)

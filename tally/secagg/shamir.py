@@ -172,16 +172,27 @@ def reconstruct(xs_list: Sequence[tuple[int, ...]], shares: Sequence[np.ndarray]
     """Recover one secret per entry from its holders' x-coordinates and their (t, 9) shares.
 
     Every secret may have its own holder set and size (SecAgg+ neighbourhoods all differ); all
-    shares given are used, so pass exactly the t holders chosen. A garbage share (wrong key,
-    wrong owner, corrupted bytes) makes every chunk uniform in GF(p), so some chunk falls out of
-    its 30- or 16-bit range and ValueError is raised, except with probability about 2^-23. A small
-    deliberate offset can pass unnoticed: this guards against mistakes, not tampering, which the
-    authenticated encryption of shares is for.
+    shares given are used, so pass exactly the t holders chosen. A garbage share makes every
+    chunk uniform in GF(p), so some chunk falls out of its 30- or 16-bit range and ValueError is
+    raised, except with probability about 2^-23. A deliberate offset can pass this range check:
+    callers that face tampering check the secret against a commitment (``reconstruct_each``
+    then ``decode`` around the wrong shares).
     """
+    out = reconstruct_each(xs_list, shares)
+    if any(secret is None for secret in out):
+        raise ValueError("value is not a valid secret chunk (inconsistent or corrupted shares?)")
+    return out  # type: ignore[return-value]
+
+
+def reconstruct_each(
+    xs_list: Sequence[tuple[int, ...]], shares: Sequence[np.ndarray]
+) -> list[bytes | None]:
+    """``reconstruct`` that answers None for a secret whose chunks are out of range, instead of
+    failing the whole batch: one device's bad share must not stop everyone else's secret."""
     if len(xs_list) != len(shares):
         raise ValueError(f"{len(xs_list)} holder sets for {len(shares)} share arrays")
     xs_list = [tuple(int(x) for x in xs) for xs in xs_list]
-    out = [b""] * len(xs_list)
+    out: list[bytes | None] = [None] * len(xs_list)
     groups: dict[int, list[int]] = {}
     for i, (xs, sh) in enumerate(zip(xs_list, shares)):
         if np.shape(sh) != (len(xs), CHUNKS) or len(xs) == 0:
@@ -189,11 +200,111 @@ def reconstruct(xs_list: Sequence[tuple[int, ...]], shares: Sequence[np.ndarray]
         groups.setdefault(len(xs), []).append(i)
     for members in groups.values():
         stacked = np.stack([np.asarray(shares[i], dtype=np.uint64) for i in members])
-        if np.any(stacked >= _P):
-            raise ValueError(f"share element not below the field prime {P}")
+        in_field = np.all(stacked < _P, axis=(1, 2))
+        stacked %= _P
         lam = _coefficients([xs_list[i] for i in members])
         # Reduce each product before summing: t terms below p each cannot wrap uint64.
         chunks = (lam[:, :, None] * stacked % _P).sum(axis=1) % _P
-        for i, secret in zip(members, field_to_secrets(chunks)):
-            out[i] = secret
+        valid = in_field & np.all(chunks < _CHUNK_LIMITS, axis=1)
+        for i, ok, row in zip(members, valid, chunks):
+            if ok:
+                out[i] = field_to_secrets(row[None, :])[0]
     return out
+
+
+def decode(xs: Sequence[int], shares: np.ndarray, t: int) -> tuple[bytes, frozenset[int]]:
+    """The secret behind ``shares`` (m, 9) held at ``xs`` when at most (m - t) // 2 of them are
+    wrong, and the holders whose shares were wrong (Berlekamp-Welch on every chunk).
+
+    Shamir shares are a Reed-Solomon codeword, so m >= t + 2e shares correct e errors whatever
+    the wrong values are. Raises ValueError when no polynomial of degree < t agrees with all but
+    (m - t) // 2 shares: too many wrong shares to decode around.
+    """
+    xs = [int(x) for x in xs]
+    shares = np.asarray(shares).astype(np.int64)
+    m = len(xs)
+    if shares.shape != (m, CHUNKS) or len(set(xs)) != m or not 1 <= t <= m:
+        raise ValueError(f"need m >= t distinct holders with one ({CHUNKS},) share each")
+    # An element outside the field is certainly wrong: reduced, it is just another error.
+    shares = shares % P
+    errors = (m - t) // 2
+    x = np.array(xs, dtype=np.int64)
+    wrong: set[int] = set()
+    chunks = np.zeros(CHUNKS, dtype=np.uint64)
+    for c in range(CHUNKS):
+        poly = _berlekamp_welch(x, shares[:, c], t, errors)
+        wrong.update(np.asarray(xs)[_evaluate(poly, x) != shares[:, c]].tolist())
+        chunks[c] = poly[0]
+    if len(wrong) > errors:
+        raise ValueError(f"{len(wrong)} wrong shares among {m}: at most {errors} can be corrected")
+    if np.any(chunks >= _CHUNK_LIMITS):
+        raise ValueError("decoded value is not a valid secret chunk")
+    return field_to_secrets(chunks[None, :])[0], frozenset(wrong)
+
+
+def _powers(x: np.ndarray, count: int) -> np.ndarray:
+    """(len(x), count) matrix of x^j mod p, j < count."""
+    out = np.ones((len(x), count), dtype=np.int64)
+    for j in range(1, count):
+        out[:, j] = out[:, j - 1] * x % P
+    return out
+
+
+def _evaluate(poly: np.ndarray, x: np.ndarray) -> np.ndarray:
+    acc = np.zeros(len(x), dtype=np.int64)
+    for coefficient in poly[::-1]:
+        acc = (acc * x + int(coefficient)) % P
+    return acc
+
+
+def _berlekamp_welch(x: np.ndarray, y: np.ndarray, t: int, errors: int) -> np.ndarray:
+    """Coefficients (low to high) of the degree < t polynomial through all but ``errors`` of
+    the points: solve Q(x_i) = y_i E(x_i) for Q of degree < t + errors and monic E of degree
+    ``errors``; then P = Q / E."""
+    powers = _powers(x, t + 2 * errors + 1)
+    matrix = np.concatenate([powers[:, : t + errors], (P - y[:, None]) * powers[:, :errors] % P], axis=1)
+    rhs = y * powers[:, errors] % P
+    solution = _solve(matrix, rhs)
+    if solution is None:
+        raise ValueError("too many wrong shares to decode")
+    q = [int(v) for v in solution[: t + errors]]
+    e = [int(v) for v in solution[t + errors :]] + [1]
+    quotient = [0] * (len(q) - errors)
+    for i in range(len(quotient) - 1, -1, -1):
+        coefficient = q[i + errors]
+        quotient[i] = coefficient
+        for j, d in enumerate(e):
+            q[i + j] = (q[i + j] - coefficient * d) % P
+    if any(q[:errors]):
+        raise ValueError("too many wrong shares to decode")
+    if any(quotient[t:]):
+        raise ValueError("too many wrong shares to decode")
+    return np.array(quotient[:t], dtype=np.int64)
+
+
+def _solve(matrix: np.ndarray, rhs: np.ndarray) -> np.ndarray | None:
+    """One solution of matrix @ v = rhs over GF(p) (free variables 0); None if there is none."""
+    a = np.concatenate([matrix, rhs[:, None]], axis=1).astype(np.int64) % P
+    rows, cols = a.shape[0], a.shape[1] - 1
+    pivots: list[int] = []
+    r = 0
+    for c in range(cols):
+        if r == rows:
+            break
+        nonzero = np.flatnonzero(a[r:, c])
+        if not len(nonzero):
+            continue
+        p = r + int(nonzero[0])
+        a[[r, p]] = a[[p, r]]
+        a[r] = a[r] * pow(int(a[r, c]), P - 2, P) % P
+        others = np.flatnonzero(a[:, c])
+        others = others[others != r]
+        a[others] = (a[others] - a[others, c : c + 1] * a[r]) % P
+        pivots.append(c)
+        r += 1
+    if np.any(a[r:, cols] != 0):
+        return None
+    solution = np.zeros(cols, dtype=np.int64)
+    for row, c in enumerate(pivots):
+        solution[c] = a[row, cols]
+    return solution

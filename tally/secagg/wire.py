@@ -7,17 +7,42 @@ import hashlib
 from collections.abc import Iterable
 
 from tally.secagg import shamir
-from tally.secagg.messages import SessionRef
+from tally.secagg.messages import SessionRef, SumPublicKeys
 
 GCM_TAG_BYTES = 16
 # A share message carries the mask-key share and the self-mask-seed share of one sum.
 SHARE_PLAINTEXT_BYTES = 2 * shamir.SHARE_BYTES
 SHARE_CIPHERTEXT_BYTES = SHARE_PLAINTEXT_BYTES + GCM_TAG_BYTES
+COMMITMENT_BYTES = 32
 
 
 def share_associated_data(ref: SessionRef, sum_id: str, sender: int, recipient: int) -> bytes:
     """Binds a ciphertext to its session, sum and route: the server cannot re-address it."""
     return ref.context(sum_id) + b"|share|%d>%d" % (sender, recipient)
+
+
+def _fields(*parts: bytes) -> bytes:
+    """Length-prefixed concatenation: no two different field lists encode alike."""
+    return b"".join(len(p).to_bytes(4, "big") + p for p in parts)
+
+
+def _ref_fields(ref: SessionRef, sum_id: str) -> bytes:
+    return _fields(ref.job_id.encode(), str(ref.round).encode(), ref.session_id.encode(), sum_id.encode())
+
+
+def advertise_statement(ref: SessionRef, sender: int, keys: Iterable[SumPublicKeys]) -> bytes:
+    """What a device signs with its identity key in AdvertiseKeys: its session keys and seed
+    commitments, bound to this session and its own index."""
+    parts = [b"tally/advertise", _ref_fields(ref, ""), str(int(sender)).encode()]
+    for k in keys:
+        parts += [k.sum_id.encode(), k.cipher_public, k.mask_public, k.seed_commitment]
+    return _fields(*parts)
+
+
+def seed_commitment(ref: SessionRef, sum_id: str, seed: bytes) -> bytes:
+    """SHA-256 of a 32-byte uniformly random seed in its context: hiding (the seed has full
+    entropy) and binding (collision resistance), so a rebuilt seed can be checked."""
+    return hashlib.sha256(_fields(b"tally/seed-commitment", _ref_fields(ref, sum_id), seed)).digest()
 
 
 def consistency_message(ref: SessionRef, sum_id: str, survivors: Iterable[int]) -> bytes:

@@ -5,9 +5,11 @@ the services call ``to_proto`` on what a state machine emits and ``from_proto`` 
 
 ``from_proto`` is the trust boundary for structure: a message of the wrong type, a missing
 oneof, a missing submessage or a zero where a 1-based device index or a non-empty id is
-required raises ``WireError`` (a ``ValueError``) naming the message and field. Whether a
-message makes sense in its session (byte lengths of keys and ciphertexts, indices within the
-cohort, phase) is left to the state machines, which answer with their own errors.
+required raises ``WireError`` (a ``ValueError``) naming the message and field. So does every
+field of fixed size (keys, commitments, signatures, share ciphertexts) of any other size, and
+any id longer than ``MAX_ID_BYTES``: nothing oversized is ever stored or relayed to another
+device. Whether a message makes sense in its session (indices within the cohort, phase,
+signatures) is left to the state machines, which answer with their own errors.
 
 Encoders fill a message in place, so wrapping a large masked input in its stream envelope
 copies its bytes once, not once per layer.
@@ -46,7 +48,10 @@ from tally.secagg.messages import (
     UnmaskRequest,
     UnmaskResponse,
 )
+from tally.secagg import crypto, shamir
+from tally.secagg.config import IDENTITY_BYTES
 from tally.secagg.params import GraphParams
+from tally.secagg.wire import COMMITMENT_BYTES, SHARE_CIPHERTEXT_BYTES
 from tally.wire.v1 import aggregator_pb2, common_pb2, secagg_pb2
 
 __all__ = [
@@ -86,10 +91,23 @@ def _sub(proto: Message, field: str) -> Message:
     return getattr(proto, field)
 
 
+MAX_ID_BYTES = 256
+
+
 def _text(proto: Message, field: str) -> str:
     value = getattr(proto, field)
     if not value:
         raise WireError(f"{_name(proto)}.{field} is missing (empty)")
+    if len(value) > MAX_ID_BYTES:
+        raise WireError(f"{_name(proto)}.{field}: at most {MAX_ID_BYTES} characters, got {len(value)}")
+    return value
+
+
+def _fixed(proto: Message, field: str, size: int, value: bytes | None = None) -> bytes:
+    """A bytes field of exactly ``size`` bytes."""
+    value = getattr(proto, field) if value is None else value
+    if len(value) != size:
+        raise WireError(f"{_name(proto)}.{field} must be {size} bytes, got {len(value)}")
     return value
 
 
@@ -144,6 +162,7 @@ def _session_config_to(v: SessionConfig, out: secagg_pb2.SessionConfig) -> None:
     out.consistency_check = v.consistency_check
     out.min_survivors = v.min_survivors
     out.plain = v.plain
+    out.identities.extend(v.identities)
 
 
 def _session_config_from(p: secagg_pb2.SessionConfig) -> SessionConfig:
@@ -163,6 +182,7 @@ def _session_config_from(p: secagg_pb2.SessionConfig) -> SessionConfig:
             graph_seed=p.graph_seed,
             consistency_check=p.consistency_check,
             min_survivors=int(p.min_survivors),
+            identities=tuple(_fixed(p, "identities", IDENTITY_BYTES, k) for k in p.identities),
             plain=p.plain,
         )
     except ValueError as exc:
@@ -174,10 +194,16 @@ def _session_config_from(p: secagg_pb2.SessionConfig) -> SessionConfig:
 
 def _sum_keys_to(v: SumPublicKeys, out: secagg_pb2.SumPublicKeys) -> None:
     out.sum_id, out.cipher_public, out.mask_public = v.sum_id, v.cipher_public, v.mask_public
+    out.seed_commitment = v.seed_commitment
 
 
 def _sum_keys_from(p: secagg_pb2.SumPublicKeys) -> SumPublicKeys:
-    return SumPublicKeys(_text(p, "sum_id"), p.cipher_public, p.mask_public)
+    return SumPublicKeys(
+        _text(p, "sum_id"),
+        _fixed(p, "cipher_public", crypto.PUBLIC_KEY_BYTES),
+        _fixed(p, "mask_public", crypto.PUBLIC_KEY_BYTES),
+        _fixed(p, "seed_commitment", COMMITMENT_BYTES),
+    )
 
 
 def _advertise_keys_to(v: AdvertiseKeys, out: secagg_pb2.AdvertiseKeys) -> None:
@@ -185,12 +211,13 @@ def _advertise_keys_to(v: AdvertiseKeys, out: secagg_pb2.AdvertiseKeys) -> None:
     out.sender = v.sender
     for keys in v.keys:
         _sum_keys_to(keys, out.keys.add())
-    out.signing_public = v.signing_public
+    out.signature = v.signature
 
 
 def _advertise_keys_from(p: secagg_pb2.AdvertiseKeys) -> AdvertiseKeys:
     return AdvertiseKeys(
-        _ref(p), _index(p, "sender"), tuple(map(_sum_keys_from, p.keys)), p.signing_public
+        _ref(p), _index(p, "sender"), tuple(map(_sum_keys_from, p.keys)),
+        _fixed(p, "signature", crypto.SIGNATURE_BYTES),
     )
 
 
@@ -202,7 +229,8 @@ def _share_to(v: EncryptedShare, out: secagg_pb2.EncryptedShare) -> None:
 
 def _share_from(p: secagg_pb2.EncryptedShare) -> EncryptedShare:
     return EncryptedShare(
-        _text(p, "sum_id"), _index(p, "sender"), _index(p, "recipient"), p.ciphertext
+        _text(p, "sum_id"), _index(p, "sender"), _index(p, "recipient"),
+        _fixed(p, "ciphertext", SHARE_CIPHERTEXT_BYTES),
     )
 
 
@@ -236,7 +264,9 @@ def _consistency_response_to(
 def _consistency_response_from(
     p: secagg_pb2.ConsistencyCheckResponse,
 ) -> ConsistencyCheckResponse:
-    return ConsistencyCheckResponse(_ref(p), _text(p, "sum_id"), _index(p, "sender"), p.signature)
+    return ConsistencyCheckResponse(
+        _ref(p), _text(p, "sum_id"), _index(p, "sender"), _fixed(p, "signature", crypto.SIGNATURE_BYTES)
+    )
 
 
 def _owned_to(pairs: Iterable[tuple[int, bytes]], out: Any) -> None:
@@ -246,7 +276,10 @@ def _owned_to(pairs: Iterable[tuple[int, bytes]], out: Any) -> None:
 
 
 def _owned_from(p: Message, field: str) -> tuple[tuple[int, bytes], ...]:
-    return tuple((_index(p, f"{field}.owner", o.owner), o.share) for o in getattr(p, field))
+    return tuple(
+        (_index(p, f"{field}.owner", o.owner), _fixed(p, f"{field}.share", shamir.SHARE_BYTES, o.share))
+        for o in getattr(p, field)
+    )
 
 
 def _unmask_response_to(v: UnmaskResponse, out: secagg_pb2.UnmaskResponse) -> None:
@@ -273,11 +306,14 @@ def _neighbour_to(v: NeighbourKeys, out: secagg_pb2.NeighbourKeys) -> None:
     out.index = v.index
     for keys in v.keys:
         _sum_keys_to(keys, out.keys.add())
-    out.signing_public = v.signing_public
+    out.signature = v.signature
 
 
 def _neighbour_from(p: secagg_pb2.NeighbourKeys) -> NeighbourKeys:
-    return NeighbourKeys(_index(p, "index"), tuple(map(_sum_keys_from, p.keys)), p.signing_public)
+    return NeighbourKeys(
+        _index(p, "index"), tuple(map(_sum_keys_from, p.keys)),
+        _fixed(p, "signature", crypto.SIGNATURE_BYTES),
+    )
 
 
 def _share_keys_request_to(v: ShareKeysRequest, out: secagg_pb2.ShareKeysRequest) -> None:
@@ -332,7 +368,8 @@ def _unmask_request_to(v: UnmaskRequest, out: secagg_pb2.UnmaskRequest) -> None:
 
 def _unmask_request_from(p: secagg_pb2.UnmaskRequest) -> UnmaskRequest:
     signatures = tuple(
-        (_index(p, "signatures.signer", s.signer), s.signature) for s in p.signatures
+        (_index(p, "signatures.signer", s.signer), _fixed(p, "signatures.signature", crypto.SIGNATURE_BYTES, s.signature))
+        for s in p.signatures
     )
     return UnmaskRequest(_ref(p), _text(p, "sum_id"), _indices(p, "survivors"), signatures)
 

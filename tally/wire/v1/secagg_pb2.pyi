@@ -27,7 +27,7 @@ class SumSpec(_message.Message):
     def __init__(self, sum_id: _Optional[str] = ..., dim: _Optional[int] = ..., bits: _Optional[int] = ...) -> None: ...
 
 class SessionConfig(_message.Message):
-    __slots__ = ("ref", "sums", "n", "k", "t", "graph_seed", "consistency_check", "min_survivors", "plain")
+    __slots__ = ("ref", "sums", "n", "k", "t", "graph_seed", "consistency_check", "min_survivors", "plain", "identities")
     REF_FIELD_NUMBER: _ClassVar[int]
     SUMS_FIELD_NUMBER: _ClassVar[int]
     N_FIELD_NUMBER: _ClassVar[int]
@@ -37,6 +37,7 @@ class SessionConfig(_message.Message):
     CONSISTENCY_CHECK_FIELD_NUMBER: _ClassVar[int]
     MIN_SURVIVORS_FIELD_NUMBER: _ClassVar[int]
     PLAIN_FIELD_NUMBER: _ClassVar[int]
+    IDENTITIES_FIELD_NUMBER: _ClassVar[int]
     ref: SessionRef
     sums: _containers.RepeatedCompositeFieldContainer[SumSpec]
     n: int
@@ -46,7 +47,8 @@ class SessionConfig(_message.Message):
     consistency_check: bool
     min_survivors: int
     plain: bool
-    def __init__(self, ref: _Optional[_Union[SessionRef, _Mapping]] = ..., sums: _Optional[_Iterable[_Union[SumSpec, _Mapping]]] = ..., n: _Optional[int] = ..., k: _Optional[int] = ..., t: _Optional[int] = ..., graph_seed: _Optional[bytes] = ..., consistency_check: _Optional[bool] = ..., min_survivors: _Optional[int] = ..., plain: _Optional[bool] = ...) -> None: ...
+    identities: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, ref: _Optional[_Union[SessionRef, _Mapping]] = ..., sums: _Optional[_Iterable[_Union[SumSpec, _Mapping]]] = ..., n: _Optional[int] = ..., k: _Optional[int] = ..., t: _Optional[int] = ..., graph_seed: _Optional[bytes] = ..., consistency_check: _Optional[bool] = ..., min_survivors: _Optional[int] = ..., plain: _Optional[bool] = ..., identities: _Optional[_Iterable[bytes]] = ...) -> None: ...
 
 class PhaseDeadlines(_message.Message):
     __slots__ = ("advertise_keys_seconds", "share_keys_seconds", "masked_input_seconds", "consistency_check_seconds", "unmask_seconds")
@@ -63,26 +65,28 @@ class PhaseDeadlines(_message.Message):
     def __init__(self, advertise_keys_seconds: _Optional[float] = ..., share_keys_seconds: _Optional[float] = ..., masked_input_seconds: _Optional[float] = ..., consistency_check_seconds: _Optional[float] = ..., unmask_seconds: _Optional[float] = ...) -> None: ...
 
 class SumPublicKeys(_message.Message):
-    __slots__ = ("sum_id", "cipher_public", "mask_public")
+    __slots__ = ("sum_id", "cipher_public", "mask_public", "seed_commitment")
     SUM_ID_FIELD_NUMBER: _ClassVar[int]
     CIPHER_PUBLIC_FIELD_NUMBER: _ClassVar[int]
     MASK_PUBLIC_FIELD_NUMBER: _ClassVar[int]
+    SEED_COMMITMENT_FIELD_NUMBER: _ClassVar[int]
     sum_id: str
     cipher_public: bytes
     mask_public: bytes
-    def __init__(self, sum_id: _Optional[str] = ..., cipher_public: _Optional[bytes] = ..., mask_public: _Optional[bytes] = ...) -> None: ...
+    seed_commitment: bytes
+    def __init__(self, sum_id: _Optional[str] = ..., cipher_public: _Optional[bytes] = ..., mask_public: _Optional[bytes] = ..., seed_commitment: _Optional[bytes] = ...) -> None: ...
 
 class AdvertiseKeys(_message.Message):
-    __slots__ = ("ref", "sender", "keys", "signing_public")
+    __slots__ = ("ref", "sender", "keys", "signature")
     REF_FIELD_NUMBER: _ClassVar[int]
     SENDER_FIELD_NUMBER: _ClassVar[int]
     KEYS_FIELD_NUMBER: _ClassVar[int]
-    SIGNING_PUBLIC_FIELD_NUMBER: _ClassVar[int]
+    SIGNATURE_FIELD_NUMBER: _ClassVar[int]
     ref: SessionRef
     sender: int
     keys: _containers.RepeatedCompositeFieldContainer[SumPublicKeys]
-    signing_public: bytes
-    def __init__(self, ref: _Optional[_Union[SessionRef, _Mapping]] = ..., sender: _Optional[int] = ..., keys: _Optional[_Iterable[_Union[SumPublicKeys, _Mapping]]] = ..., signing_public: _Optional[bytes] = ...) -> None: ...
+    signature: bytes
+    def __init__(self, ref: _Optional[_Union[SessionRef, _Mapping]] = ..., sender: _Optional[int] = ..., keys: _Optional[_Iterable[_Union[SumPublicKeys, _Mapping]]] = ..., signature: _Optional[bytes] = ...) -> None: ...
 
 class EncryptedShare(_message.Message):
     __slots__ = ("sum_id", "sender", "recipient", "ciphertext")
@@ -153,14 +157,14 @@ class UnmaskResponse(_message.Message):
     def __init__(self, ref: _Optional[_Union[SessionRef, _Mapping]] = ..., sum_id: _Optional[str] = ..., sender: _Optional[int] = ..., seed_shares: _Optional[_Iterable[_Union[OwnedShare, _Mapping]]] = ..., key_shares: _Optional[_Iterable[_Union[OwnedShare, _Mapping]]] = ...) -> None: ...
 
 class NeighbourKeys(_message.Message):
-    __slots__ = ("index", "keys", "signing_public")
+    __slots__ = ("index", "keys", "signature")
     INDEX_FIELD_NUMBER: _ClassVar[int]
     KEYS_FIELD_NUMBER: _ClassVar[int]
-    SIGNING_PUBLIC_FIELD_NUMBER: _ClassVar[int]
+    SIGNATURE_FIELD_NUMBER: _ClassVar[int]
     index: int
     keys: _containers.RepeatedCompositeFieldContainer[SumPublicKeys]
-    signing_public: bytes
-    def __init__(self, index: _Optional[int] = ..., keys: _Optional[_Iterable[_Union[SumPublicKeys, _Mapping]]] = ..., signing_public: _Optional[bytes] = ...) -> None: ...
+    signature: bytes
+    def __init__(self, index: _Optional[int] = ..., keys: _Optional[_Iterable[_Union[SumPublicKeys, _Mapping]]] = ..., signature: _Optional[bytes] = ...) -> None: ...
 
 class ShareKeysRequest(_message.Message):
     __slots__ = ("ref", "neighbours")
