@@ -30,8 +30,10 @@ from client_sdk.dropout import DropoutPlan
 from client_sdk.metrics import ClientMetrics
 from client_sdk.retry import RETRYABLE, RetryPolicy, Stopped, pause
 from client_sdk.session import ABORTED, COMPLETED, DROPPED, SecAggSession
+from client_sdk.trust import check_assignment
 from tally import logs, modelio
 from tally.algorithms.base import Arrays, LocalTrainer
+from tally.secagg import DevicePolicy, SigningKey
 from tally.security import TLSConfig, bearer_metadata
 from tally.wire.convert import WireError, tensors_to_proto
 from tally.wire.v1 import coordinator_pb2, coordinator_pb2_grpc
@@ -90,6 +92,8 @@ class Device:
         executor: Executor | None = None,
         attestation: str = "",
         on_update: Callable[[DeviceStats], None] | None = None,
+        identity: SigningKey | None = None,
+        policy: DevicePolicy | None = None,
     ) -> None:
         self.coordinator = coordinator
         self.device_id = device_id
@@ -115,6 +119,12 @@ class Device:
         self._stop: asyncio.Event | None = None
         self._running = False
         self.stats = DeviceStats(device_id)
+        # The long-term key this device enrols with; it signs the device's session keys.
+        self.identity = identity or SigningKey.generate()
+        # What the device accepts of a session's configuration, whatever the servers say.
+        self.policy = policy or DevicePolicy()
+        # The coordinator's session-ticket key, learnt at registration: it signs the roster.
+        self.coordinator_key: bytes | None = None
 
     # ---- public API ----------------------------------------------------------------------------
 
@@ -191,6 +201,7 @@ class Device:
         logs.event(log, "task assigned", device_id=self.device_id, **fields)
         try:
             plan = plan_task(task)
+            check_assignment(task, plan.config, self.identity, self.policy, self.coordinator_key, time.time())
         except (TaskError, WireError) as exc:
             logs.event(log, "task refused", logging.WARNING, device_id=self.device_id, reason=str(exc), **fields)
             self.stats.tasks_done += 1
@@ -212,6 +223,7 @@ class Device:
         session = SecAggSession(
             self._channels.get(task.aggregator_address), task, plan.config,
             contribution.ring_input, self.metrics, drop_phase,
+            identity=self.identity, policy=self.policy,
         )
         try:
             outcome = await session.run()

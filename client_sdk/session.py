@@ -23,7 +23,7 @@ import numpy as np
 from client_sdk.download import DownloadError
 from client_sdk.metrics import ClientMetrics
 from tally import logs
-from tally.secagg import ProtocolError, SecAggClient, SessionConfig
+from tally.secagg import DevicePolicy, ProtocolError, SecAggClient, SessionConfig, SigningKey
 from tally.secagg.messages import (
     Abort,
     ClientMessage,
@@ -88,7 +88,8 @@ def _phase_of(message: ServerMessage) -> tuple[str, str]:
 
 class SecAggSession:
     """One session; ``run`` never raises for what the network or the aggregator does, it
-    returns the outcome. ``ring_input(sum_id)`` supplies this device's encoded input."""
+    returns the outcome. ``ring_input(sum_id)`` supplies this device's encoded input;
+    ``identity`` signs its keys; ``policy`` is what it accepts of the configuration."""
 
     def __init__(
         self,
@@ -98,9 +99,14 @@ class SecAggSession:
         ring_input: Callable[[str], Awaitable[np.ndarray]],
         metrics: ClientMetrics,
         drop_phase: str | None = None,
+        *,
+        identity: SigningKey,
+        policy: DevicePolicy,
     ) -> None:
         self.task = task
         self.config = config
+        self.identity = identity
+        self.policy = policy
         self.ring_input = ring_input
         self.metrics = metrics
         self.drop_phase = drop_phase
@@ -147,7 +153,7 @@ class SecAggSession:
             return self._outcome(ABORTED, f"expected Joined, got {type(joined).__name__}")
         if from_proto(joined.config) != self.config:
             raise SessionMismatch("the aggregator's session config differs from the assignment")
-        client = SecAggClient(self.config, task.device_index)
+        client = SecAggClient(self.config, task.device_index, self.identity, policy=self.policy)
         if self.drop_phase == "advertise_keys":
             return self._drop()
         await self._send_all(client.start())
