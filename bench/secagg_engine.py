@@ -54,9 +54,19 @@ from rich.progress import (
 from rich.table import Table
 
 from tally.codec import Field, Kind, PayloadSchema, packed_size, ring_dtype, ring_mask, to_ring, wire_width
-from tally.secagg import Dropout, SessionConfig, SessionRef, ThreatModel, run_cohort
+from tally.secagg import (
+    DevicePolicy,
+    Dropout,
+    SessionConfig,
+    SessionRef,
+    SigningKey,
+    ThreatModel,
+    enrol,
+    crypto,
+    run_cohort,
+)
 from tally.secagg.driver import PHASES
-from tally.secagg.wire import payload_bytes
+from tally.secagg.wire import payload_bytes, seed_commitment
 
 SUM_ID = "x"
 CLIP = 1.0
@@ -253,6 +263,43 @@ def time_key_agreement(n_keys: int, n_edges: int, repeats: int = 3,
 # ---------------------------------------------------------------------------- one run
 
 
+def authentication_cost(n: int, k: int, sums: int, survivors: int, repeats: int) -> dict:
+    """What authenticating keys and checking rebuilt secrets costs, from the primitives' own
+    timings (medians) times how often each side runs them per session.
+
+    A device signs its AdvertiseKeys once and commits to one seed per sum, and verifies each of
+    its k neighbours' signatures; the server verifies every AdvertiseKeys signature, checks
+    2 keys per sum and device for small order, and checks one seed commitment per survivor and
+    sum. (ConsistencyCheck adds one signature and up to t verifications per device.)
+    """
+    identity = SigningKey.generate()
+    message = b"x" * 200
+    signature = identity.sign(message)
+    public = crypto.KeyPair(os.urandom(32)).public
+    ref = SessionRef("bench", 0, "auth")
+    seed = os.urandom(32)
+
+    def per_call(fn: Callable[[], object], calls: int = 200) -> float:
+        samples = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            for _ in range(calls):
+                fn()
+            samples.append((time.perf_counter() - start) / calls)
+        return _median(samples)
+
+    sign = per_call(lambda: identity.sign(message))
+    verify = per_call(lambda: crypto.verify_signature(identity.public, signature, message))
+    key_check = per_call(lambda: crypto.check_public_key(public))
+    commit = per_call(lambda: seed_commitment(ref, SUM_ID, seed))
+    client = sign + sums * commit + k * verify
+    server = n * (verify + 2 * sums * key_check) + survivors * sums * commit
+    return {
+        "ed25519_sign_s": sign, "ed25519_verify_s": verify, "x25519_order_check_s": key_check,
+        "seed_commitment_s": commit, "client_per_device_s": client, "server_per_session_s": server,
+    }
+
+
 def _median(xs) -> float:
     xs = list(xs)
     return float(statistics.median(xs)) if xs else float("nan")
@@ -266,9 +313,11 @@ def run_once(args: argparse.Namespace, schema: PayloadSchema, rep: int,
         corrupt_rate=args.corrupt,
     )
     plan_rng = np.random.default_rng([args.seed, rep])
+    identities = enrol(n)
     config = SessionConfig.plan(
         SessionRef("bench", rep, f"engine-{rep}"), [(SUM_ID, schema)], n, threat,
         k=args.k, t=args.t, graph_seed=plan_rng.bytes(32),
+        identities=[identities[i].public for i in range(1, n + 1)],
     )
     spec = config.sum_spec(SUM_ID)
     n_drop = math.floor(round(args.dropout * n, 9))
@@ -300,7 +349,8 @@ def run_once(args: argparse.Namespace, schema: PayloadSchema, rep: int,
         if on_message is not None:
             on_message(message)
 
-    run = run_cohort(config, inputs, dropouts, observe=observe)
+    run = run_cohort(config, inputs, dropouts, observe=observe, identities=identities,
+                     policy=DevicePolicy(threat=threat))
     if profiler:
         profiler.disable()
         profiler.dump_stats(str(args.profile))
@@ -388,6 +438,9 @@ def run_once(args: argparse.Namespace, schema: PayloadSchema, rep: int,
     out["limit_server_s"] = _median(out["limit_server_samples"])
     out["client_ratio"] = out["client_mask_s"] / out["limit_client_s"]
     out["server_ratio"] = out["server_unmask_s"] / out["limit_server_s"]
+    out["authentication"] = authentication_cost(
+        n, config.params.k, len(config.sums), len(contributors), max(1, min(3, args.limit_repeat))
+    )
     log(f"run {rep}: limits timed in {time.perf_counter() - t0:.1f}s")
     return out
 
@@ -468,6 +521,9 @@ def summarise(args: argparse.Namespace, runs: list[dict], wall: float) -> dict:
         )
         summary["client_ratio"] = summary["client_mask_s"] / summary["limit_client_s"]
         summary["server_ratio"] = summary["server_unmask_s"] / summary["limit_server_s"]
+        summary["authentication"] = {
+            key: _median(r["authentication"][key] for r in ok) for key in ok[0]["authentication"]
+        }
         # Each run's engine and limit times share the machine's load of the moment; on a
         # shared host the median of per-run ratios is the steadier figure.
         summary["client_ratio_per_run"] = [r["client_ratio"] for r in ok]
@@ -546,6 +602,11 @@ def print_report(console: Console, s: dict) -> None:
                       f"{s['plain_bytes_per_client']:,} B (float32)",
                       f"{s['upload_ratio']:.3f}", "")
         table.add_row("masked input", f"{s['masked_input_bytes']:,} B", "", "", "")
+        auth = s["authentication"]
+        table.add_row("identity signatures + checks, per device", _fmt_s(auth["client_per_device_s"]),
+                      "", "", "")
+        table.add_row("identity signatures + checks, server", _fmt_s(auth["server_per_session_s"]),
+                      "", "", "")
         for p, v in s["server_phase_s"].items():
             table.add_row(f"server {p}", _fmt_s(v), "", "", "")
         for p, v in s["client_phase_median_s"].items():

@@ -541,7 +541,7 @@ class JobRunner:
             config = SessionConfig.plan(
                 SessionRef(self.job_id, round_, session_id), [(s.name, s.schema) for s in summed],
                 len(plan.devices), spec.secure.threat(), consistency_check=spec.secure.consistency_check,
-                plain=spec.secure.plain,
+                plain=spec.secure.plain, identities=self._roster(plan),
             )
             # The privacy floor: the aggregator must abort rather than reveal a sum of fewer.
             config = dataclasses.replace(config, min_survivors=max(config.params.t, spec.min_cohort))
@@ -570,6 +570,15 @@ class JobRunner:
         if not reply.address:
             raise AggregatorCallFailed(plan.aggregator_id, "OpenSession returned no address")
         return OpenedSession(cohort, plan.aggregator_id, session_id, reply.address, config, ticket, tokens)
+
+    def _roster(self, plan: CohortPlan) -> list[bytes]:
+        """Each seat's enrolled identity key: the config carries it, the ticket signs it, and
+        devices check their neighbours' keys against it."""
+        keys = [self.ctx.store.device_identity(device_id) for device_id in plan.devices]
+        missing = [d for d, key in zip(plan.devices, keys) if key is None]
+        if missing:
+            raise AttemptFailed(f"devices without an enrolled identity key: {missing[:5]}")
+        return keys
 
     def _deliver(self, planner: RoundPlanner, round_: int, blob: RoundBlob) -> None:
         by_cohort = {s.cohort: s for s in self.sessions}

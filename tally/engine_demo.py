@@ -14,7 +14,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from tally.codec import Field, PayloadSchema, to_ring
-from tally.secagg import Dropout, SessionConfig, SessionRef, ThreatModel, run_cohort
+from tally.secagg import DevicePolicy, Dropout, SessionConfig, SessionRef, ThreatModel, enrol, run_cohort
 from tally.secagg.driver import PHASES
 from tally.secagg.messages import (
     AdvertiseKeys,
@@ -60,9 +60,11 @@ def simulate(args: argparse.Namespace, console: Console) -> dict:
     n, dim = args.clients, args.dim
     schema = PayloadSchema((Field("update", (dim,), clip=1.0, frac_bits=19),))
     threat = ThreatModel(dropout_rate=max(args.dropout, 0.0), corrupt_rate=args.corrupt)
+    identities = enrol(n)
     config = SessionConfig.plan(
         SessionRef("demo", 0, "engine"), [("update", schema)], n, threat,
         consistency_check=args.consistency_check,
+        identities=[identities[i].public for i in range(1, n + 1)],
     )
     values = rng.uniform(-1, 1, size=(n, dim))
     bits = config.sums[0].bits
@@ -92,7 +94,8 @@ def simulate(args: argparse.Namespace, console: Console) -> dict:
                 progress.advance(tasks[phase])
 
         start = time.perf_counter()
-        run = run_cohort(config, encoded, dropouts, observe=observe, measure_bytes=True)
+        run = run_cohort(config, encoded, dropouts, observe=observe, measure_bytes=True,
+                         identities=identities, policy=DevicePolicy(threat=threat))
         wall = time.perf_counter() - start
     if run.aborted:
         raise SystemExit(f"session aborted: {run.aborted}")
