@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
 import shutil
 import subprocess
 import sys
@@ -35,7 +37,10 @@ from tally.secagg.messages import (
     UnmaskRequest,
     UnmaskResponse,
 )
+from tally.secagg import shamir
 from tally.secagg.params import GraphParams
+from secagg_helpers import lax_client, roster
+from tally.secagg.wire import SHARE_CIPHERTEXT_BYTES
 from tally.wire import generate
 from tally.wire.convert import (
     WireError,
@@ -136,10 +141,18 @@ def test_stubs_import_as_tally_wire_and_keep_the_tally_v1_contract():
 ids = st.text(min_size=1, max_size=12)
 index = st.integers(1, 2**31 - 1)
 blob = st.binary(max_size=48)
+
+
+def fixed(size: int):
+    return st.binary(min_size=size, max_size=size)
+
+
+key = fixed(32)
+signature = fixed(64)
 refs = st.builds(SessionRef, ids, st.integers(0, 2**63 - 1), ids)
-sum_keys = st.builds(SumPublicKeys, ids, blob, blob)
-shares = st.builds(EncryptedShare, ids, index, index, blob)
-owned = st.lists(st.tuples(index, blob), max_size=5).map(tuple)
+sum_keys = st.builds(SumPublicKeys, ids, key, key, key)
+shares = st.builds(EncryptedShare, ids, index, index, fixed(SHARE_CIPHERTEXT_BYTES))
+owned = st.lists(st.tuples(index, fixed(shamir.SHARE_BYTES)), max_size=5).map(tuple)
 
 
 def tuples(strategy, **kw):
@@ -147,19 +160,21 @@ def tuples(strategy, **kw):
 
 
 CLIENT_MESSAGES = {
-    AdvertiseKeys: st.builds(AdvertiseKeys, refs, index, tuples(sum_keys), blob),
+    AdvertiseKeys: st.builds(AdvertiseKeys, refs, index, tuples(sum_keys), signature),
     ShareKeysResponse: st.builds(ShareKeysResponse, refs, index, tuples(shares)),
     MaskedInputResponse: st.builds(MaskedInputResponse, refs, ids, index, st.binary(max_size=512)),
-    ConsistencyCheckResponse: st.builds(ConsistencyCheckResponse, refs, ids, index, blob),
+    ConsistencyCheckResponse: st.builds(ConsistencyCheckResponse, refs, ids, index, signature),
     UnmaskResponse: st.builds(UnmaskResponse, refs, ids, index, owned, owned),
 }
-neighbours = st.builds(NeighbourKeys, index, tuples(sum_keys), blob)
+neighbours = st.builds(NeighbourKeys, index, tuples(sum_keys), signature)
 SERVER_MESSAGES = {
     ShareKeysRequest: st.builds(ShareKeysRequest, refs, tuples(neighbours)),
     ShareDelivery: st.builds(ShareDelivery, refs, tuples(shares)),
     MaskedInputRequest: st.builds(MaskedInputRequest, refs, ids),
     ConsistencyCheckRequest: st.builds(ConsistencyCheckRequest, refs, ids, tuples(index)),
-    UnmaskRequest: st.builds(UnmaskRequest, refs, ids, tuples(index), owned),
+    UnmaskRequest: st.builds(
+        UnmaskRequest, refs, ids, tuples(index), st.lists(st.tuples(index, signature), max_size=5).map(tuple)
+    ),
     Abort: st.builds(Abort, refs, st.text(max_size=40)),
 }
 
@@ -178,7 +193,12 @@ def session_configs(draw):
         graph_seed=draw(st.binary(min_size=32, max_size=32)),
         consistency_check=draw(st.booleans()),
         min_survivors=draw(st.integers(2, n)),
+        identities=_roster(n, draw(st.binary(max_size=8))),
     )
+
+
+def _roster(n: int, salt: bytes) -> tuple[bytes, ...]:
+    return tuple(hashlib.sha256(salt + b"|%d" % i).digest() for i in range(n))
 
 
 VALUES = {
@@ -227,9 +247,11 @@ def test_session_config_bytes_are_canonical(config):
     again = from_proto(secagg_pb2.SessionConfig.FromString(canonical))
     assert session_config_bytes(again) == canonical
     seed = bytes(32) if config.graph_seed != bytes(32) else b"\x01" * 32
-    other = SessionConfig(config.ref, config.sums, config.params, seed,
-                          config.consistency_check, config.min_survivors)
+    other = dataclasses.replace(config, graph_seed=seed)
     assert session_config_bytes(other) != canonical
+    # The roster is part of what the ticket signs: another key at one index is another config.
+    swapped = dataclasses.replace(config, identities=(bytes(32),) + config.identities[1:])
+    assert session_config_bytes(swapped) != canonical
 
 
 @settings(max_examples=150, deadline=None)
@@ -345,12 +367,13 @@ def test_a_cohort_runs_through_serialized_messages():
         graph_seed=bytes(range(32)),
         consistency_check=True,
         min_survivors=3,
+        identities=roster(5),
     ))))
     rng = np.random.default_rng(0)
     inputs = {i: {s.sum_id: rng.integers(0, 2**s.bits, s.dim, dtype=np.uint64).astype(
         ring_dtype(s.bits)) for s in config.sums} for i in range(1, 6)}
     server = SecAggServer(config)
-    clients = {i: SecAggClient(config, i) for i in range(1, 6)}
+    clients = {i: lax_client(config, i) for i in range(1, 6)}
     uplink = deque()
     for i, client in clients.items():
         for sum_id, vector in inputs[i].items():
@@ -397,6 +420,24 @@ REF = secagg_pb2.SessionRef(job_id="j", round=1, session_id="s")
     (secagg_pb2.ConsistencyCheckRequest(ref=REF, sum_id="a", survivors=[1, 0]), r"survivors"),
     (secagg_pb2.UnmaskRequest(ref=REF, sum_id="a", signatures=[secagg_pb2.SurvivorSignature()]),
      r"signatures\.signer"),
+    # Fixed-size fields of any other size are refused before anything stores or relays them.
+    (secagg_pb2.AdvertiseKeys(ref=REF, sender=1, keys=[secagg_pb2.SumPublicKeys(
+        sum_id="a", cipher_public=bytes(32), mask_public=bytes(32), seed_commitment=bytes(32))],
+        signature=bytes(20 << 20)), r"AdvertiseKeys\.signature must be 64 bytes, got 20971520"),
+    (secagg_pb2.AdvertiseKeys(ref=REF, sender=1, keys=[secagg_pb2.SumPublicKeys(
+        sum_id="a", cipher_public=bytes(33), mask_public=bytes(32), seed_commitment=bytes(32))],
+        signature=bytes(64)), r"SumPublicKeys\.cipher_public must be 32 bytes, got 33"),
+    (secagg_pb2.AdvertiseKeys(ref=REF, sender=1, keys=[secagg_pb2.SumPublicKeys(
+        sum_id="a", cipher_public=bytes(32), mask_public=bytes(32))], signature=bytes(64)),
+     r"SumPublicKeys\.seed_commitment must be 32 bytes, got 0"),
+    (secagg_pb2.ConsistencyCheckResponse(ref=REF, sum_id="a", sender=1, signature=bytes(65)),
+     r"ConsistencyCheckResponse\.signature must be 64 bytes"),
+    (secagg_pb2.UnmaskResponse(ref=REF, sum_id="a", sender=1, seed_shares=[
+        secagg_pb2.OwnedShare(owner=2, share=bytes(1000))]), r"seed_shares\.share must be 36 bytes"),
+    (secagg_pb2.ShareKeysResponse(ref=REF, sender=1, shares=[
+        secagg_pb2.EncryptedShare(sum_id="a", sender=1, recipient=2, ciphertext=bytes(10))]),
+     r"EncryptedShare\.ciphertext must be 88 bytes"),
+    (secagg_pb2.MaskedInputRequest(ref=REF, sum_id="x" * 257), r"sum_id: at most 256 characters"),
     (secagg_pb2.DeviceToAggregator(), r"DeviceToAggregator carries no message"),
     (secagg_pb2.AggregatorToDevice(), r"AggregatorToDevice carries no message"),
     (secagg_pb2.SumSpec(sum_id="a", dim=0, bits=8), r"dim must be >= 1"),
@@ -411,11 +452,11 @@ def test_malformed_protos_are_refused_clearly(proto, match):
 def _config_proto(**changes):
     proto = secagg_pb2.SessionConfig(
         ref=REF, sums=[secagg_pb2.SumSpec(sum_id="a", dim=4, bits=20)], n=5, k=4, t=3,
-        graph_seed=bytes(32), min_survivors=3)
+        graph_seed=bytes(32), min_survivors=3, identities=roster(5))
     for name, value in changes.items():
-        if name == "sums":
-            del proto.sums[:]
-            proto.sums.extend(value)
+        if name in ("sums", "identities"):
+            del getattr(proto, name)[:]
+            getattr(proto, name).extend(value)
         else:
             setattr(proto, name, value)
     return proto
@@ -429,6 +470,9 @@ def _config_proto(**changes):
     ({"k": 5}, r"SessionConfig\.k"),
     ({"t": 0}, r"SessionConfig\.t"),
     ({"min_survivors": 0}, "min_survivors"),
+    ({"identities": roster(4)}, "one identity key per device: 4 for n=5"),
+    ({"identities": roster(4) + (b"x" * 33,)}, r"SessionConfig\.identities must be 32 bytes, got 33"),
+    ({"identities": roster(4) + roster(1)}, "same identity key"),
 ])
 def test_malformed_session_configs_are_refused(changes, match):
     assert isinstance(from_proto(_config_proto()), SessionConfig)
@@ -510,7 +554,7 @@ def test_stubs_serve_a_session_stream_over_real_grpc():
     import grpc
 
     config = SessionConfig(SessionRef("j", 1, "s"), (SumSpec("a", 4, 20),), GraphParams(3, 2, 2),
-                           bytes(32), min_survivors=2)
+                           bytes(32), min_survivors=2, identities=roster(3))
 
     class Servicer(secagg_pb2_grpc.SecureAggregationServicer):
         def Session(self, request_iterator, context):
@@ -530,7 +574,9 @@ def test_stubs_serve_a_session_stream_over_real_grpc():
             outgoing = [
                 device_envelope(secagg_pb2.Join(session_ticket=b"t", device_index=2,
                                                 session_token="x")),
-                device_envelope(AdvertiseKeys(config.ref, 2, (SumPublicKeys("a", b"c", b"m"),))),
+                device_envelope(AdvertiseKeys(
+                    config.ref, 2, (SumPublicKeys("a", bytes(32), bytes(32), bytes(32)),), bytes(64)
+                )),
             ]
             replies = [open_envelope(m) for m in stub.Session(iter(outgoing), timeout=10)]
     finally:
