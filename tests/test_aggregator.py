@@ -36,7 +36,8 @@ from aggregator.errors import Rejected
 from aggregator.metrics import AggregatorMetrics
 from aggregator.session import Session
 from tally.codec import Field, Kind, PayloadSchema, to_ring
-from tally.secagg import SecAggClient, SessionConfig, SessionRef, ThreatModel
+from secagg_helpers import identities, roster
+from tally.secagg import DevicePolicy, SecAggClient, SessionConfig, SessionRef, ThreatModel
 from tally.secagg.messages import (
     Abort,
     AdvertiseKeys,
@@ -153,7 +154,7 @@ def deadlines(seconds: float, **by_phase: float) -> secagg_pb2.PhaseDeadlines:
 def plan(deployment: Deployment, session_id: str, *, n: int = 8, seconds: float = 2.0,
          aggregator_id: str = "agg-a", phase_seconds: dict | None = None) -> Cohort:
     config = SessionConfig.plan(SessionRef("job-1", 3, session_id), list(SCHEMAS.items()), n,
-                                THREAT)
+                                THREAT, identities=roster(n))
     rng = np.random.default_rng(abs(hash(session_id)) % 2**32)
     values = {
         i: {"update": {"w": rng.integers(0, 1000, size=40)},
@@ -231,7 +232,8 @@ async def device(channel: grpc.aio.Channel, cohort: Cohort, index: int,
     stream when that phase's request arrives (AdvertiseKeys: right after Joined)."""
     seen = seen or DeviceRun()
     call = secagg_pb2_grpc.SecureAggregationStub(channel).Session()
-    client = SecAggClient(cohort.config, index)
+    client = SecAggClient(cohort.config, index, identities(cohort.config.n)[index],
+                          policy=DevicePolicy(threat=THREAT))
     for sum_id, vector in cohort.ring_inputs(index).items():
         client.provide_input(sum_id, vector)
     try:
@@ -384,7 +386,7 @@ def test_bad_tickets_and_bad_devices_get_clear_statuses_and_the_session_still_co
                           sum_ids=("update", "count"), cohort_size=8,
                           config_digest=config_digest(session_config_bytes(config)),
                           aggregator_id="agg-a", expires_at=time.time() + 60)
-            other = SessionConfig.plan(config.ref, list(SCHEMAS.items()), 8, THREAT)
+            other = SessionConfig.plan(config.ref, list(SCHEMAS.items()), 8, THREAT, identities=roster(8))
             assert await refused(forged.sign(SessionTicket(**ticket))) == (
                 CODE.PERMISSION_DENIED, "session ticket signature invalid")
             assert await refused(sign(deployment, config, expires_in=-1)) == (
@@ -418,15 +420,15 @@ def test_bad_tickets_and_bad_devices_get_clear_statuses_and_the_session_still_co
             code, _ = await misbehave(ch, join(cohort, 2, ticket=forged.sign(
                 SessionTicket(**ticket))))
             assert code == CODE.PERMISSION_DENIED
-            code, message = await misbehave(ch, AdvertiseKeys(config.ref, 2, ()))
+            code, message = await misbehave(ch, AdvertiseKeys(config.ref, 2, (), bytes(64)))
             assert code == CODE.FAILED_PRECONDITION and "must be Join" in message
             # Devices 6, 7 and 8 join and misbehave: each loses its own stream only.
             malformed = secagg_pb2.DeviceToAggregator(
                 advertise_keys=secagg_pb2.AdvertiseKeys(sender=6))
             code, message = await misbehave(ch, join(cohort, 6), malformed)
             assert code == CODE.INVALID_ARGUMENT and "AdvertiseKeys.ref is missing" in message
-            keys = tuple(SumPublicKeys(s.sum_id, bytes(32), bytes(32)) for s in config.sums)
-            assert await misbehave(ch, join(cohort, 7), AdvertiseKeys(config.ref, 1, keys)) == (
+            keys = tuple(SumPublicKeys(s.sum_id, bytes(32), bytes(32), bytes(32)) for s in config.sums)
+            assert await misbehave(ch, join(cohort, 7), AdvertiseKeys(config.ref, 1, keys, bytes(64))) == (
                 CODE.PERMISSION_DENIED, "device 7 cannot send as device 1")
             code, message = await misbehave(
                 ch, join(cohort, 8), MaskedInputResponse(config.ref, "update", 8, b"\0" * 8))
