@@ -10,6 +10,7 @@ that device, which keeps the tests free of timers.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import asyncio
 import hashlib
 import io
@@ -29,6 +30,7 @@ import grpc
 import numpy as np
 import pytest
 import torch
+from secagg_helpers import LAX, identities, roster
 from google.protobuf.timestamp_pb2 import Timestamp
 from rich.console import Console
 
@@ -136,6 +138,7 @@ def make_plan(
         params=GraphParams(n, n - 1, t or max(2, n - 2)),
         graph_seed=b"\x05" * 32,
         min_survivors=min_survivors,
+        identities=roster(n),
     )
     steps = []
     for position, (name, sum_id, schema) in enumerate(step_schemas):
@@ -395,7 +398,7 @@ async def run_cohort(plan: Plan, trainers: dict[int, Any], *, dropouts: Mapping[
     coordinator.aggregator = f"127.0.0.1:{port}"
     devices = {
         i: device(f"127.0.0.1:{port}", f"dev-{i}", t, seed=100 + i, dropout=(dropouts or {}).get(i),
-                  cache_dir=(cache_dirs or {}).get(i))
+                  cache_dir=(cache_dirs or {}).get(i), identity=identities(plan.config.n)[i], policy=LAX)
         for i, t in trainers.items()
     }
     try:
@@ -525,8 +528,7 @@ def test_multi_sum_session_fetches_later_steps_with_get_step(monkeypatch):
 
 def test_session_config_other_than_assigned_is_refused():
     plan = fedavg_plan(3)
-    other = SessionConfig(plan.config.ref, plan.config.sums, plan.config.params, b"\x06" * 32,
-                          min_survivors=plan.config.min_survivors)
+    other = dataclasses.replace(plan.config, graph_seed=b"\x06" * 32)
     aggregator, _, devices, stats = run(run_cohort(plan, {1: ShiftTrainer(0.1, 4), 2: ShiftTrainer(0.2, 4),
                                                           3: ShiftTrainer(0.3, 4)}, announced=other))
     assert aggregator.received == []  # nobody advertised keys into the wrong session
