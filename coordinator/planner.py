@@ -254,7 +254,9 @@ class StepSums:
                 f"below the privacy floor of {self.min_contributors}"
             )
         try:
-            self._decoded[cohort] = self.step.schema.decode_sum(result.total, bits)
+            self._decoded[cohort] = self.step.schema.decode_sum(
+                result.total, bits, contributors=len(result.contributors)
+            )
         except CodecError as exc:
             raise CohortRejected(f"cohort {cohort}: sum {self.step.name!r} is malformed: {exc}") from None
         self.contributors += len(result.contributors)

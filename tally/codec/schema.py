@@ -198,8 +198,19 @@ class PayloadSchema:
             parts.append(encoded)
         return Encoded(vector=np.concatenate(parts), clipped=clipped)
 
-    def decode_sum(self, total: np.ndarray, bits: int) -> dict[str, np.ndarray]:
-        """Turn a ring sum back into per-field sums: reals as float64, counts as int64."""
+    def decode_sum(
+        self, total: np.ndarray, bits: int, contributors: int | None = None
+    ) -> dict[str, np.ndarray]:
+        """Turn a ring sum back into per-field sums: reals as float64, counts as int64.
+
+        With ``contributors``, also refuse a total that no honest cohort of that size can
+        produce: each real field's total within contributors x its clip, each count's within
+        [0, contributors x its maximum]. Honest encoding never leaves those bounds, so the check
+        costs nothing but one pass; a device that sent values far outside them (a sum cannot
+        hide that, whatever the masking) fails the whole total loudly instead of skewing it.
+        It proves nothing about one device's values within the bounds: see the README's threat
+        model.
+        """
         total = np.asarray(total)
         if total.dtype.kind != "u" or total.shape != (self.dim,):
             raise CodecError(f"sum must be an unsigned vector of length {self.dim}, "
@@ -215,6 +226,8 @@ class PayloadSchema:
         for f in self.fields:
             chunk = signed[offset:offset + f.size].reshape(f.shape)
             offset += f.size
+            if contributors is not None:
+                _check_range(f, chunk, contributors, self.max_abs(f))
             out[f.name] = (np.ldexp(chunk.astype(np.float64), -f.frac_bits)
                            if f.kind is Kind.REAL else chunk)
         return out
@@ -237,6 +250,20 @@ class PayloadSchema:
                              for d in data["fields"]))
         except (KeyError, TypeError) as exc:
             raise CodecError(f"malformed schema dict: {exc!r}") from exc
+
+
+def _check_range(f: Field, total: np.ndarray, contributors: int, max_abs: int) -> None:
+    low, high = (0, contributors * int(f.clip)) if f.kind is Kind.COUNT else (
+        -contributors * max_abs, contributors * max_abs)
+    outside = (total < low) | (total > high)
+    if np.any(outside):
+        worst = int(total[outside].flat[0])
+        unit = 1 if f.kind is Kind.COUNT else 2.0**-f.frac_bits
+        raise CodecError(
+            f"field {f.name!r}: {int(np.count_nonzero(outside))} totals outside "
+            f"[{low * unit:g}, {high * unit:g}], the range {contributors} contributors can reach "
+            f"(first: {worst * unit:g}); a contribution was out of bounds"
+        )
 
 
 def _as_array(f: Field, value: ArrayLike) -> np.ndarray:
