@@ -58,6 +58,11 @@ class AggregatorMetrics:
             "Requests and device messages refused, by reason and gRPC status",
             ["reason", "status"], registry=r,
         )
+        self.misbehaving_devices = Counter(
+            "tally_aggregator_misbehaving_devices_total",
+            "Devices caught sending shares that do not rebuild their owner's committed secret "
+            "(decoded around; the sum went on without trusting them)", registry=r,
+        )
         self.late_messages = Counter(
             "tally_aggregator_late_messages_total",
             "Unmask answers that arrived after their sum was already unmasked (ignored)",

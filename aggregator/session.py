@@ -345,6 +345,11 @@ class Session:
                 future.set_result(self.server.results.get(sum_id) or SessionAborted(reason))
         self._metrics.sessions_finished.labels(outcome=outcome).inc()
         self._metrics.active_sessions.dec()
+        if self.server.misbehaving:
+            self._metrics.misbehaving_devices.inc(len(self.server.misbehaving))
+            logs.event(log, "devices sent wrong shares", logging.WARNING,
+                       devices={str(i): why for i, why in sorted(self.server.misbehaving.items())},
+                       **self.log_fields)
         logs.event(log, "session finished", level=logging.INFO if outcome == COMPLETED
                    else logging.WARNING, outcome=outcome, reason=reason,
                    sums=sorted(self.server.results), **self.log_fields)
