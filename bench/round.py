@@ -47,6 +47,7 @@ from client_sdk import DropoutPlan, Fleet  # noqa: E402
 from coordinator.jobspec import parse  # noqa: E402
 from coordinator.service import CoordinatorService  # noqa: E402
 from secagg_engine import machine_info  # noqa: E402  (this folder is on sys.path when run as a script)
+from tally.secagg import DevicePolicy  # noqa: E402
 from tally.security import TLSConfig, load_or_create_ticket_key  # noqa: E402
 
 PLAINTEXT = TLSConfig.plaintext()
@@ -139,7 +140,9 @@ async def run_mode(args: argparse.Namespace, coordinator: CoordinatorService,
     # The same devices in both modes: same ids, same seeds, same dropout draws.
     fleet = Fleet(f"127.0.0.1:{coordinator.port}", PLAINTEXT, trainers, seed=args.seed,
                   dropout=DropoutPlan(args.dropout, DROPOUT_PHASES, seed=args.seed) if args.dropout else None,
-                  training_threads=1)
+                  training_threads=1,
+                  # The plain-sum job exists only here: these devices opt in to it.
+                  device_policy=DevicePolicy(allow_plain=True))
     before = phase_totals(aggregators)
     start = time.perf_counter()
     stats = await fleet.run(until=fleet.until_job_done(job_id, every_seconds=0.5))

@@ -28,6 +28,7 @@ from client_sdk.dropout import DropoutPlan
 from client_sdk.metrics import ClientMetrics
 from client_sdk.retry import RetryPolicy
 from tally.algorithms.base import LocalTrainer
+from tally.secagg import DevicePolicy
 from tally.security import TLSConfig
 from tally.wire.v1 import common_pb2
 
@@ -120,6 +121,7 @@ class Fleet:
         metrics: ClientMetrics | None = None,
         id_prefix: str = "sim",
         training_threads: int | None = None,
+        device_policy: DevicePolicy | None = None,
     ) -> None:
         if not trainers:
             raise ValueError("a fleet needs at least one device")
@@ -146,6 +148,7 @@ class Fleet:
                 metrics=self.metrics,
                 executor=self.executor,
                 on_update=self._updated,
+                policy=device_policy,
             )
             for i, trainer in enumerate(trainers)
         ]
