@@ -21,6 +21,7 @@ from client_sdk.fleet import Fleet
 from client_sdk.metrics import ClientMetrics
 from tally import data, logs
 from tally.metrics import MetricsServer
+from tally.secagg import DevicePolicy
 from tally.security.tls import add_tls_arguments, tls_config_from_args
 from tally.training import TorchTrainer, mlp, single_threaded
 
@@ -61,6 +62,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     until.add_argument("--max-tasks-per-device", type=int, help="each device stops after this many tasks")
     until.add_argument("--until-job-done", metavar="JOB_ID", help="stop when the coordinator reports the job finished")
     f.add_argument("--json", type=Path, help="write the fleet's statistics here as JSON")
+    f.add_argument(
+        "--allow-plain", action="store_true",
+        help="let the devices join benchmark-only plain (unmasked) sessions; without it they refuse",
+    )
     f.add_argument("--progress", action=argparse.BooleanOptionalAction, default=True, help="live progress display")
     f.set_defaults(run=run_fleet)
 
@@ -123,6 +128,7 @@ def run_fleet(args: argparse.Namespace) -> int:
         seed=args.seed,
         cache_dir=args.cache_dir,
         id_prefix=args.id_prefix,
+        device_policy=DevicePolicy(allow_plain=args.allow_plain),
     )
     until = fleet.until_job_done(args.until_job_done) if args.until_job_done else None
     try:
