@@ -17,6 +17,7 @@ import sys
 import time
 import urllib.request
 from collections.abc import AsyncIterator, Callable
+from typing import Any
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -226,10 +227,11 @@ def _request_phase(message) -> tuple[str, str]:
 
 
 async def device(channel: grpc.aio.Channel, cohort: Cohort, index: int,
-                 drop_at: tuple[str, str] | None = None, seen: DeviceRun | None = None
-                 ) -> DeviceRun:
+                 drop_at: tuple[str, str] | None = None, seen: DeviceRun | None = None,
+                 tamper: Callable[[Any], Any] = lambda message: message) -> DeviceRun:
     """Run device ``index`` through the session; with ``drop_at`` (phase, sum id), cancel the
-    stream when that phase's request arrives (AdvertiseKeys: right after Joined)."""
+    stream when that phase's request arrives (AdvertiseKeys: right after Joined); ``tamper``
+    rewrites what the device sends (a misbehaving device)."""
     seen = seen or DeviceRun()
     call = secagg_pb2_grpc.SecureAggregationStub(channel).Session()
     client = SecAggClient(cohort.config, index, identities(cohort.config.n)[index],
@@ -257,7 +259,7 @@ async def device(channel: grpc.aio.Channel, cohort: Cohort, index: int,
                     seen.outcome, seen.detail = "aborted", message.reason
                 outgoing = client.receive(message)
             for m in outgoing:
-                await call.write(device_envelope(m))
+                await call.write(device_envelope(tamper(m)))
         seen.code = await call.code()
     except grpc.aio.AioRpcError as exc:
         seen.outcome, seen.code, seen.detail = "error", exc.code(), exc.details()
