@@ -17,11 +17,14 @@ from rich.console import Console
 
 from client_sdk.device import Device
 from client_sdk.dropout import DEFAULT_PHASES, DropoutPlan
+from client_sdk.enrolment import load_or_create_identity
 from client_sdk.fleet import Fleet
 from client_sdk.metrics import ClientMetrics
 from tally import data, logs
 from tally.metrics import MetricsServer
 from tally.secagg import DevicePolicy
+from tally.security import load_ticket_public_key
+from tally.security.enrolment import read_enrolment_key
 from tally.security.tls import add_tls_arguments, tls_config_from_args
 from tally.training import TorchTrainer, mlp, single_threaded
 
@@ -42,6 +45,16 @@ def register(sub: argparse._SubParsersAction) -> None:
     c.add_argument("--shards", type=int, required=True, help="number of shards the dataset is split into")
     c.add_argument("--cache-dir", type=Path, help="keep downloaded models here, by digest")
     c.add_argument("--max-tasks", type=int, help="exit after this many tasks (default: run until interrupted)")
+    c.add_argument(
+        "--identity", type=Path,
+        help="the device's identity key file, created 0600 on first use and kept across restarts "
+        "(default: ~/.tally/<device-id>.identity)",
+    )
+    c.add_argument("--credential", type=_hex, default=b"", help="enrolment credential from `tally enrol` (hex)")
+    c.add_argument(
+        "--coordinator-key", type=Path,
+        help="pin the coordinator's ticket.pub instead of learning it at registration",
+    )
     c.set_defaults(run=run_client)
 
     f = sub.add_parser(
@@ -66,6 +79,10 @@ def register(sub: argparse._SubParsersAction) -> None:
         "--allow-plain", action="store_true",
         help="let the devices join benchmark-only plain (unmasked) sessions; without it they refuse",
     )
+    f.add_argument(
+        "--enrolment-key", type=Path,
+        help="the coordinator's enrolment.key: the fleet provisions its simulated devices with it",
+    )
     f.add_argument("--progress", action=argparse.BooleanOptionalAction, default=True, help="live progress display")
     f.set_defaults(run=run_fleet)
 
@@ -82,6 +99,21 @@ def _add_common(p: argparse.ArgumentParser) -> None:
     add_tls_arguments(p, identity="client")
 
 
+def _load(flag: str, load: Callable[[Path], T], path: Path) -> T:
+    """``load(path)``, with a failure turned into a ValueError naming the flag."""
+    try:
+        return load(path)
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"{flag} {path}: {getattr(exc, 'strerror', None) or exc}") from None
+
+
+def _hex(text: str) -> bytes:
+    try:
+        return bytes.fromhex(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError("not hexadecimal") from None
+
+
 def _trainers(args: argparse.Namespace, shards: int) -> list[TorchTrainer]:
     fed = data.digits(shards, alpha=args.alpha, seed=args.seed)
     factory = lambda: mlp(fed.num_features, fed.num_classes, hidden=args.hidden, seed=args.seed)  # noqa: E731
@@ -91,6 +123,16 @@ def _trainers(args: argparse.Namespace, shards: int) -> list[TorchTrainer]:
 def run_client(args: argparse.Namespace) -> int:
     if not 0 <= args.shard < args.shards:
         print(f"--shard must be in 0..{args.shards - 1}", file=sys.stderr)
+        return 2
+    try:
+        identity = _load("--identity", load_or_create_identity,
+                         args.identity or Path.home() / ".tally" / f"{args.device_id}.identity")
+        coordinator_key = (
+            _load("--coordinator-key", load_ticket_public_key, args.coordinator_key).public_bytes_raw()
+            if args.coordinator_key else None
+        )
+    except ValueError as exc:
+        print(exc, file=sys.stderr)
         return 2
     logs.configure(args.log_level)
     metrics = ClientMetrics()
@@ -103,6 +145,9 @@ def run_client(args: argparse.Namespace) -> int:
         cache_dir=args.cache_dir,
         rng_seed=args.seed,
         metrics=metrics,
+        identity=identity,
+        enrolment_credential=args.credential,
+        coordinator_key=coordinator_key,
     )
     with _metrics_server(args.metrics_port, metrics):
         stats = _run_until_signal(lambda stop: device.run(stop, args.max_tasks))
@@ -113,6 +158,11 @@ def run_client(args: argparse.Namespace) -> int:
 def run_fleet(args: argparse.Namespace) -> int:
     if args.devices < 1:
         print("--devices must be at least 1", file=sys.stderr)
+        return 2
+    try:
+        enrolment_key = _load("--enrolment-key", read_enrolment_key, args.enrolment_key) if args.enrolment_key else None
+    except ValueError as exc:
+        print(exc, file=sys.stderr)
         return 2
     logs.configure(args.log_level)
     single_threaded()  # many small models: one torch thread each beats thread handoffs
@@ -129,6 +179,7 @@ def run_fleet(args: argparse.Namespace) -> int:
         cache_dir=args.cache_dir,
         id_prefix=args.id_prefix,
         device_policy=DevicePolicy(allow_plain=args.allow_plain),
+        enrolment_key=enrolment_key,
     )
     until = fleet.until_job_done(args.until_job_done) if args.until_job_done else None
     try:

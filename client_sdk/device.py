@@ -27,6 +27,7 @@ from client_sdk.channels import Channels, reconnect_options
 from client_sdk.contribution import Contribution, TaskError, plan_task
 from client_sdk.download import Downloader, ModelCache
 from client_sdk.dropout import DropoutPlan
+from client_sdk.enrolment import register_request
 from client_sdk.metrics import ClientMetrics
 from client_sdk.retry import RETRYABLE, RetryPolicy, Stopped, pause
 from client_sdk.session import ABORTED, COMPLETED, DROPPED, SecAggSession
@@ -94,6 +95,8 @@ class Device:
         on_update: Callable[[DeviceStats], None] | None = None,
         identity: SigningKey | None = None,
         policy: DevicePolicy | None = None,
+        enrolment_credential: bytes = b"",
+        coordinator_key: bytes | None = None,
     ) -> None:
         self.coordinator = coordinator
         self.device_id = device_id
@@ -121,10 +124,13 @@ class Device:
         self.stats = DeviceStats(device_id)
         # The long-term key this device enrols with; it signs the device's session keys.
         self.identity = identity or SigningKey.generate()
+        # Proof of provisioning for the coordinator's enrolment verifier (``tally enrol``).
+        self.enrolment_credential = enrolment_credential
         # What the device accepts of a session's configuration, whatever the servers say.
         self.policy = policy or DevicePolicy()
-        # The coordinator's session-ticket key, learnt at registration: it signs the roster.
-        self.coordinator_key: bytes | None = None
+        # The coordinator's session-ticket key: it signs the roster. Pinned when provisioned,
+        # else learnt at the first registration over the coordinator's own TLS channel.
+        self.coordinator_key = coordinator_key
 
     # ---- public API ----------------------------------------------------------------------------
 
@@ -342,10 +348,15 @@ class Device:
         async with self._register_lock:
             if self._token is not None and self._token != stale:
                 return  # another caller already renewed it
-            request = coordinator_pb2.RegisterRequest(
-                device_id=self.device_id, population=self.population, attestation=self.attestation
+            request = register_request(
+                self.identity, self.device_id, self.population, self.enrolment_credential,
+                time.time(), self.attestation,
             )
             response = await self._call("Register", request, authenticated=False)
+            if self.coordinator_key is None:
+                self.coordinator_key = response.coordinator_key
+            elif response.coordinator_key != self.coordinator_key:
+                raise PermissionError("the coordinator's ticket key is not the one this device was provisioned with")
             self._token = response.token
             self._token_renew_at = 0.0
             if response.HasField("expires_at"):

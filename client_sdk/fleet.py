@@ -25,11 +25,13 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn
 from client_sdk.channels import Channels, reconnect_options
 from client_sdk.device import Device, DeviceStats
 from client_sdk.dropout import DropoutPlan
+from client_sdk.enrolment import simulated_identity
 from client_sdk.metrics import ClientMetrics
 from client_sdk.retry import RetryPolicy
 from tally.algorithms.base import LocalTrainer
 from tally.secagg import DevicePolicy
 from tally.security import TLSConfig
+from tally.security.enrolment import SharedKeyEnrolment
 from tally.wire.v1 import common_pb2
 
 FINISHED_JOB_STATES = frozenset(
@@ -122,6 +124,7 @@ class Fleet:
         id_prefix: str = "sim",
         training_threads: int | None = None,
         device_policy: DevicePolicy | None = None,
+        enrolment_key: bytes | None = None,
     ) -> None:
         if not trainers:
             raise ValueError("a fleet needs at least one device")
@@ -133,11 +136,15 @@ class Fleet:
         )
         self._changed: asyncio.Event | None = None
         self._last_version = ""
+        # The fleet stands in for the operator's provisioning: with the coordinator's enrolment
+        # key it hands each simulated device its credential.
+        enrolment = SharedKeyEnrolment(enrolment_key) if enrolment_key is not None else None
+        ids = [f"{id_prefix}-{i:05d}" for i in range(len(trainers))]
         self.devices = [
             Device(
                 coordinator,
                 tls,
-                f"{id_prefix}-{i:05d}",
+                ids[i],
                 trainer,
                 population=population,
                 cache_dir=cache_dir,
@@ -149,6 +156,8 @@ class Fleet:
                 executor=self.executor,
                 on_update=self._updated,
                 policy=device_policy,
+                identity=simulated_identity(enrolment_key, ids[i]) if enrolment_key else None,
+                enrolment_credential=enrolment.credential(population, ids[i]) if enrolment else b"",
             )
             for i, trainer in enumerate(trainers)
         ]

@@ -1,8 +1,10 @@
 """The device-facing ``tally.v1.Coordinator`` service: registration, check-in, model download,
 later steps' broadcasts and round status.
 
-Every call but ``Register`` must carry the device token ``Register`` issued; the token names the
-device and its population, which is all selection uses.
+``Register`` admits only provisioned devices that prove they hold the identity key they enrol
+(``tally.security.enrolment``); every later call must carry the device token it issued, which
+names the device and its population, all selection uses. Register and CheckIn are rate limited
+per source address.
 """
 
 from __future__ import annotations
@@ -17,13 +19,24 @@ from coordinator.engine import Engine
 from coordinator.events import job_state, round_phase, timestamp
 from coordinator.metrics import CoordinatorMetrics
 from coordinator.planner import Retry
+from coordinator.ratelimit import SourceRateLimiter, source_of
 from coordinator.reveals import RevealOutOfPhase
 from coordinator.runner import CHUNK_SIZE
-from coordinator.store import SERVED_KINDS, Store
+from coordinator.store import SERVED_KINDS, EnrolmentRefused, Store
+from tally.secagg.crypto import PUBLIC_KEY_BYTES, SIGNATURE_BYTES, verify_signature
 from tally.security import AuthError, DeviceClaims, TokenIssuer, token_from_metadata
+from tally.security.tokens import MAX_ID_CHARS
+from tally.security.enrolment import (
+    REGISTRATION_WINDOW_S,
+    EnrolmentClaim,
+    EnrolmentVerifier,
+    registration_statement,
+)
 from tally.wire.v1 import coordinator_pb2, coordinator_pb2_grpc
 
-MAX_ID_CHARS = 256
+
+MAX_ATTESTATION_CHARS = 16 << 10
+MAX_CREDENTIAL_BYTES = 1024
 _DIGEST = re.compile(r"[0-9a-f]{64}")
 
 
@@ -40,9 +53,16 @@ class DeviceService(coordinator_pb2_grpc.CoordinatorServicer):
         metrics: CoordinatorMetrics,
         clock: Callable[[], float],
         token_ttl_s: float,
+        *,
+        enrolment: EnrolmentVerifier,
+        coordinator_key: bytes,
+        register_limit: SourceRateLimiter,
+        checkin_limit: SourceRateLimiter,
     ) -> None:
         self.engine, self.store, self.issuer, self.metrics = engine, store, issuer, metrics
         self.clock, self.token_ttl_s = clock, token_ttl_s
+        self.enrolment, self.coordinator_key = enrolment, coordinator_key
+        self._limits = {"Register": register_limit, "CheckIn": checkin_limit}
 
     async def _claims(self, context: grpc.aio.ServicerContext) -> DeviceClaims:
         try:
@@ -51,18 +71,60 @@ class DeviceService(coordinator_pb2_grpc.CoordinatorServicer):
             await context.abort(exc.code, exc.message)
             raise  # unreachable: abort raises
 
+    async def _refuse(
+        self, context: grpc.aio.ServicerContext, rpc: str, reason: str, code: grpc.StatusCode, message: str
+    ) -> None:
+        self.metrics.refusals.labels(rpc=rpc, reason=reason).inc()
+        await context.abort(code, message)
+
+    async def _limit(self, rpc: str, context: grpc.aio.ServicerContext) -> None:
+        if not self._limits[rpc].allow(source_of(context.peer())):
+            limit = self._limits[rpc].limit
+            await self._refuse(
+                context, rpc, "rate_limited", grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"{rpc} rate limit: {limit.rate_per_s:g}/s per source (burst {limit.burst:g}); retry later",
+            )
+
     async def Register(self, request: coordinator_pb2.RegisterRequest, context: grpc.aio.ServicerContext):
-        for field in ("device_id", "population"):
-            value = getattr(request, field)
-            if not value or len(value) > MAX_ID_CHARS:
-                await context.abort(
-                    grpc.StatusCode.INVALID_ARGUMENT, f"RegisterRequest.{field}: 1..{MAX_ID_CHARS} characters"
-                )
+        await self._limit("Register", context)
+        problem = _malformed_registration(request)
+        if problem is not None:
+            await self._refuse(context, "Register", "malformed", grpc.StatusCode.INVALID_ARGUMENT, problem)
         now = self.clock()
+        if abs(request.timestamp - now) > REGISTRATION_WINDOW_S:
+            await self._refuse(
+                context, "Register", "stale", grpc.StatusCode.INVALID_ARGUMENT,
+                f"RegisterRequest.timestamp is more than {REGISTRATION_WINDOW_S:g} s from the "
+                "coordinator's clock",
+            )
+        try:
+            self.enrolment.admit(EnrolmentClaim(
+                request.device_id, request.population, request.identity_public,
+                request.enrolment_credential, request.attestation,
+            ))
+        except AuthError as exc:
+            await self._refuse(context, "Register", "not_enrolled", exc.code, exc.message)
+        statement = registration_statement(
+            request.device_id, request.population, request.identity_public, request.timestamp
+        )
+        if not verify_signature(request.identity_public, request.signature, statement):
+            await self._refuse(
+                context, "Register", "bad_signature", grpc.StatusCode.UNAUTHENTICATED,
+                "RegisterRequest.signature does not verify with identity_public",
+            )
+        try:
+            self.store.enrol_device(
+                request.device_id, request.population, request.identity_public, request.timestamp, now
+            )
+        except EnrolmentRefused as exc:
+            await self._refuse(context, "Register", exc.reason, grpc.StatusCode.PERMISSION_DENIED, exc.message)
         token = self.issuer.issue(request.device_id, request.population, self.token_ttl_s, now)
-        return coordinator_pb2.RegisterResponse(token=token, expires_at=timestamp(now + self.token_ttl_s))
+        return coordinator_pb2.RegisterResponse(
+            token=token, expires_at=timestamp(now + self.token_ttl_s), coordinator_key=self.coordinator_key
+        )
 
     async def CheckIn(self, request: coordinator_pb2.CheckInRequest, context: grpc.aio.ServicerContext):
+        await self._limit("CheckIn", context)
         claims = await self._claims(context)
         try:
             result = await self.engine.check_in(claims, context.time_remaining())
@@ -174,3 +236,19 @@ class DeviceService(coordinator_pb2_grpc.CoordinatorServicer):
             step=runner.step, committed_round=runner.committed,
             next_check_in_seconds=runner.next_check_in_s(self.clock()),
         )
+
+
+def _malformed_registration(request: coordinator_pb2.RegisterRequest) -> str | None:
+    """The first field of a RegisterRequest out of bounds, as a message naming it."""
+    for field in ("device_id", "population"):
+        if not 0 < len(getattr(request, field)) <= MAX_ID_CHARS:
+            return f"RegisterRequest.{field}: 1..{MAX_ID_CHARS} characters"
+    if len(request.attestation) > MAX_ATTESTATION_CHARS:
+        return f"RegisterRequest.attestation: at most {MAX_ATTESTATION_CHARS} characters"
+    if len(request.enrolment_credential) > MAX_CREDENTIAL_BYTES:
+        return f"RegisterRequest.enrolment_credential: at most {MAX_CREDENTIAL_BYTES} bytes"
+    if len(request.identity_public) != PUBLIC_KEY_BYTES:
+        return f"RegisterRequest.identity_public: exactly {PUBLIC_KEY_BYTES} bytes"
+    if len(request.signature) != SIGNATURE_BYTES:
+        return f"RegisterRequest.signature: exactly {SIGNATURE_BYTES} bytes"
+    return None

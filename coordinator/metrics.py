@@ -14,6 +14,12 @@ class CoordinatorMetrics:
             "tally_coordinator_checkins", "Device check-ins by outcome (task, retry, cancelled)",
             ["outcome"], registry=registry,
         )
+        self.refusals = Counter(
+            "tally_coordinator_refusals",
+            "Device calls refused before any work, by RPC and reason (rate_limited, malformed, stale, "
+            "not_enrolled, bad_signature, id_taken, key_taken, population_mismatch, replay)",
+            ["rpc", "reason"], registry=registry,
+        )
         self.devices_selected = Counter(
             "tally_coordinator_devices_selected", "Devices placed in a cohort", registry=registry
         )

@@ -22,9 +22,11 @@ from coordinator.aggregators import AggregatorPool
 from coordinator.device_api import DeviceService
 from coordinator.engine import Engine
 from coordinator.metrics import CoordinatorMetrics
+from coordinator.ratelimit import RateLimit, SourceRateLimiter
 from coordinator.store import Store
 from tally import logs
 from tally.metrics import MetricsServer
+from tally.security.enrolment import EnrolmentVerifier, SharedKeyEnrolment, load_or_create_enrolment_key
 from tally.security import (
     TicketSigner,
     TLSConfig,
@@ -43,15 +45,24 @@ SERVICE_NAMES = (
     admin_pb2.DESCRIPTOR.services_by_name["Admin"].full_name,
 )
 DEFAULT_TOKEN_TTL_S = 24 * 3600.0
+# Nothing a device or an operator sends the coordinator is large (models travel the other way),
+# so requests are capped well below what it sends: an unauthenticated Register cannot make the
+# coordinator buffer megabytes.
+DEFAULT_MAX_REQUEST_BYTES = 1 << 20
+# Per source address. Generous enough for a simulated fleet on one host; a deployment behind a
+# NAT or load balancer that hides device addresses should raise them.
+DEFAULT_REGISTER_LIMIT = RateLimit(rate_per_s=50.0, burst=2000.0)
+DEFAULT_CHECKIN_LIMIT = RateLimit(rate_per_s=500.0, burst=5000.0)
 HEALTH_INTERVAL_S = 15.0
 
 
 class CoordinatorService:
     """Serves devices and operators on ``listen``; talks to ``aggregators`` ((id, host:port)).
 
-    ``secrets_dir`` holds ``token.secret`` (device tokens) and ``ticket.key``/``ticket.pub``
-    (session tickets; aggregators need ``ticket.pub``); it defaults to ``state_dir``, and a
-    ``tally certs`` directory works too. ``aggregator_tls`` defaults to plaintext when ``tls``
+    ``secrets_dir`` holds ``token.secret`` (device tokens), ``ticket.key``/``ticket.pub``
+    (session tickets; aggregators need ``ticket.pub``) and ``enrolment.key`` (device credentials,
+    ``tally enrol``); it defaults to ``state_dir``, and a ``tally certs`` directory works too.
+    ``enrolment`` replaces the enrolment-key check (an attestation service, say). ``aggregator_tls`` defaults to plaintext when ``tls``
     is plaintext, else to verifying aggregators with ``tls``'s CA; pass a client identity
     (``TLSConfig.from_dir(dir, "client")``) for aggregators that demand mutual TLS (the
     coordinator's own certificate is for serving only).
@@ -72,6 +83,10 @@ class CoordinatorService:
         secrets_dir: Path | None = None,
         checkin_hold_s: float = 20.0,
         token_ttl_s: float = DEFAULT_TOKEN_TTL_S,
+        enrolment: EnrolmentVerifier | None = None,
+        max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
+        register_limit: RateLimit = DEFAULT_REGISTER_LIMIT,
+        checkin_limit: RateLimit = DEFAULT_CHECKIN_LIMIT,
     ) -> None:
         self.listen, self.tls, self.state_dir = listen, tls, Path(state_dir)
         self.aggregators = list(aggregators)
@@ -80,8 +95,12 @@ class CoordinatorService:
         self.max_message_bytes, self.clock = max_message_bytes, clock
         self.secrets_dir = Path(secrets_dir) if secrets_dir is not None else self.state_dir
         self.checkin_hold_s, self.token_ttl_s = checkin_hold_s, token_ttl_s
+        self.enrolment, self.max_request_bytes = enrolment, max_request_bytes
+        self.register_limit, self.checkin_limit = register_limit, checkin_limit
         self.port: int | None = None
         self.admin_token: str | None = None
+        # The key `tally enrol` derives device credentials from (None with a custom verifier).
+        self.enrolment_key: bytes | None = None
         self.engine: Engine | None = None
         self._server: grpc.aio.Server | None = None
         self._metrics_server: MetricsServer | None = None
@@ -111,9 +130,20 @@ class CoordinatorService:
             self._store, self._pool, signer, metrics, self.clock, checkin_hold_s=self.checkin_hold_s
         )
 
-        server = grpc.aio.server(options=channel_options(self.max_message_bytes))
+        options = dict(channel_options(self.max_message_bytes))
+        options["grpc.max_receive_message_length"] = self.max_request_bytes
+        server = grpc.aio.server(options=list(options.items()))
+        if self.enrolment is None:
+            self.enrolment_key = load_or_create_enrolment_key(self.secrets_dir)
+        enrolment = self.enrolment or SharedKeyEnrolment(self.enrolment_key)
         coordinator_pb2_grpc.add_CoordinatorServicer_to_server(
-            DeviceService(self.engine, self._store, issuer, metrics, self.clock, self.token_ttl_s), server
+            DeviceService(
+                self.engine, self._store, issuer, metrics, self.clock, self.token_ttl_s,
+                enrolment=enrolment, coordinator_key=signer.public_key.public_bytes_raw(),
+                register_limit=SourceRateLimiter(self.register_limit, self.clock),
+                checkin_limit=SourceRateLimiter(self.checkin_limit, self.clock),
+            ),
+            server,
         )
         admin_pb2_grpc.add_AdminServicer_to_server(
             AdminService(self.engine, self._store, self.admin_token), server

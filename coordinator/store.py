@@ -91,6 +91,16 @@ CREATE TABLE IF NOT EXISTS silos (
     PRIMARY KEY (job_id, device_id),
     UNIQUE (job_id, silo)
 );
+-- Enrolled devices: a device id is bound for good to the identity key it first registered with,
+-- and one key names one device (so one key cannot fill a cohort under many ids).
+CREATE TABLE IF NOT EXISTS devices (
+    device_id TEXT PRIMARY KEY,
+    population TEXT NOT NULL,
+    identity_public BLOB NOT NULL UNIQUE,
+    enrolled_at REAL NOT NULL,
+    -- the timestamp of its latest registration statement: an older or equal one is a replay
+    registered_at REAL NOT NULL
+);
 CREATE INDEX IF NOT EXISTS events_by_job ON events (job_id, id);
 """
 
@@ -145,6 +155,14 @@ class EventRecord:
     metrics: dict[str, float]
 
 
+class EnrolmentRefused(Exception):
+    """A registration the device table refuses; ``reason`` labels the refusal metric."""
+
+    def __init__(self, reason: str, message: str) -> None:
+        super().__init__(message)
+        self.reason, self.message = reason, message
+
+
 @dataclass(frozen=True)
 class BlobInfo:
     digest: str
@@ -158,7 +176,7 @@ class Store:
     def __init__(self, directory: Path) -> None:
         self.directory = Path(directory)
         self.directory.mkdir(parents=True, exist_ok=True, mode=0o700)
-        self._owner = open(self.directory / "coordinator.lock", "a")
+        self._owner = open(os.open(self.directory / "coordinator.lock", os.O_WRONLY | os.O_CREAT, 0o600), "a")
         try:
             fcntl.flock(self._owner, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -167,12 +185,18 @@ class Store:
         self._blobs = self.directory / "blobs"
         self._blobs.mkdir(exist_ok=True, mode=0o700)
         self._lock = threading.Lock()
+        # Created 0600 before SQLite opens it: SQLite gives its -wal and -shm files the
+        # database's mode, and the database names devices and their keys.
+        os.close(os.open(self.directory / "coordinator.db", os.O_RDWR | os.O_CREAT, 0o600))
         self._db = sqlite3.connect(
             self.directory / "coordinator.db", check_same_thread=False, isolation_level=None
         )
         self._db.execute("PRAGMA journal_mode=WAL")
         self._db.execute("PRAGMA synchronous=FULL")
         self._db.executescript(_SCHEMA)
+        # Tighten what an older version (or another umask) left behind.
+        for path in (self.directory, self._blobs, *self.directory.glob("coordinator.*")):
+            os.chmod(path, 0o700 if path.is_dir() else 0o600)
 
     def close(self) -> None:
         with self._lock:
@@ -191,7 +215,7 @@ class Store:
             path.parent.mkdir(exist_ok=True, mode=0o700)
             tmp = path.with_name(f".{digest}.{secrets.token_hex(4)}.tmp")
             try:
-                with open(tmp, "wb") as f:
+                with open(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "wb") as f:
                     f.write(data)
                     f.flush()
                     os.fsync(f.fileno())
@@ -228,6 +252,70 @@ class Store:
         if len(digest) != 64 or not all(c in "0123456789abcdef" for c in digest):
             raise ValueError("a blob digest is 64 lowercase hex characters")
         return self._blobs / digest[:2] / digest
+
+    # -- devices -------------------------------------------------------------------------------
+
+    def enrol_device(
+        self, device_id: str, population: str, identity_public: bytes, statement_at: float, now: float
+    ) -> bool:
+        """Record a verified registration; True when the device is new. Raises
+        ``EnrolmentRefused`` for a taken id under another key or population, a key already
+        naming another device, or a statement no later than the device's last one (a replay)."""
+        with self._lock:
+            self._db.execute("BEGIN IMMEDIATE")
+            try:
+                new = self._enrol(device_id, population, identity_public, statement_at, now)
+                self._db.execute("COMMIT")
+            except BaseException:
+                self._db.execute("ROLLBACK")
+                raise
+        return new
+
+    def _enrol(
+        self, device_id: str, population: str, identity_public: bytes, statement_at: float, now: float
+    ) -> bool:
+        row = self._db.execute(
+            "SELECT population, identity_public, registered_at FROM devices WHERE device_id = ?",
+            (device_id,),
+        ).fetchone()
+        if row is None:
+            owner = self._db.execute(
+                "SELECT device_id FROM devices WHERE identity_public = ?", (identity_public,)
+            ).fetchone()
+            if owner is not None:
+                raise EnrolmentRefused("key_taken", "this identity key is enrolled for another device id")
+            self._db.execute(
+                "INSERT INTO devices (device_id, population, identity_public, enrolled_at, "
+                "registered_at) VALUES (?, ?, ?, ?, ?)",
+                (device_id, population, identity_public, now, statement_at),
+            )
+            return True
+        enrolled_population, enrolled_key, registered_at = row
+        if bytes(enrolled_key) != identity_public:
+            raise EnrolmentRefused(
+                "id_taken", f"device id {device_id!r} is enrolled with another identity key"
+            )
+        if enrolled_population != population:
+            raise EnrolmentRefused(
+                "population_mismatch",
+                f"device id {device_id!r} is enrolled in population {enrolled_population!r}",
+            )
+        if statement_at <= registered_at:
+            raise EnrolmentRefused(
+                "replay", "RegisterRequest.timestamp is not later than this device's last registration"
+            )
+        self._db.execute(
+            "UPDATE devices SET registered_at = ? WHERE device_id = ?", (statement_at, device_id)
+        )
+        return False
+
+    def device_identity(self, device_id: str) -> bytes | None:
+        """The identity key the device enrolled with, or None for a device never enrolled."""
+        with self._lock:
+            row = self._db.execute(
+                "SELECT identity_public FROM devices WHERE device_id = ?", (device_id,)
+            ).fetchone()
+        return bytes(row[0]) if row else None
 
     # -- jobs ----------------------------------------------------------------------------------
 

@@ -11,6 +11,7 @@ from tally.security import certs_cli
 from aggregator import cli as aggregator_cli
 from client_sdk import cli as client_cli
 from coordinator import cli as coordinator_cli
+from coordinator import enrol_cli
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -26,6 +27,7 @@ def build_parser() -> argparse.ArgumentParser:
     aggregator_cli.register(sub)
     client_cli.register(sub)
     coordinator_cli.register(sub)
+    enrol_cli.register(sub)
     return parser
 
 

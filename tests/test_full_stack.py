@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import time
 import urllib.request
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -19,13 +20,15 @@ from scipy import stats
 from aggregator import AggregatorService
 from aggregator import session as aggregator_session
 from client_sdk import DropoutPlan, Fleet
+from client_sdk.enrolment import register_request
 from coordinator.service import CoordinatorService
 from tally import data, modelio
 from tally.algorithms.fedavg import FedAvgClient, FedAvgConfig, FedAvgServer
 from tally.codec import unpack
-from tally.secagg import SecAggServer
+from tally.secagg import DevicePolicy, SecAggServer, SigningKey
 from tally.secagg.messages import MaskedInputResponse
 from tally.security import TLSConfig, bearer_metadata, load_or_create_ticket_key
+from tally.security.enrolment import SharedKeyEnrolment
 from tally.security.tls import open_channel
 from tally.simulation import plain_sum, run_rounds
 from tally.training import TorchTrainer, get_params, mlp, single_threaded
@@ -63,6 +66,17 @@ class Stack:
     @property
     def target(self) -> str:
         return f"127.0.0.1:{self.coordinator.port}"
+
+    def fleet(self, trainers, **kwargs) -> Fleet:
+        """A fleet provisioned with the coordinator's enrolment key."""
+        return Fleet(self.target, PLAINTEXT, trainers, enrolment_key=self.coordinator.enrolment_key, **kwargs)
+
+    def register_request(
+        self, device_id: str, population: str = "default", identity: SigningKey | None = None
+    ) -> coordinator_pb2.RegisterRequest:
+        """A valid registration of a provisioned device (a fresh identity key unless given)."""
+        credential = SharedKeyEnrolment(self.coordinator.enrolment_key).credential(population, device_id)
+        return register_request(identity or SigningKey.generate(), device_id, population, credential, time.time())
 
     def admin(self) -> tuple[admin_pb2_grpc.AdminStub, list]:
         channel = open_channel(self.target, PLAINTEXT)
@@ -131,7 +145,7 @@ def test_fedavg_through_the_services_equals_the_in_process_result(tmp_path):
     async def main():
         async with stack(tmp_path) as s:
             job_id = await s.submit(spec("fidelity", rounds, cohort=n))
-            fleet = Fleet(s.target, PLAINTEXT, devices, seed=1)
+            fleet = s.fleet(devices, seed=1)
             fleet_stats = await fleet.run(until=fleet.until_job_done(job_id, every_seconds=0.2))
             fleet.close()
             return await s.job(job_id), s.model(job_id), fleet_stats
@@ -177,7 +191,7 @@ def test_dropouts_a_killed_aggregator_and_a_restarted_coordinator(tmp_path, monk
     async def main():
         async with stack(tmp_path) as s:
             job_id = await s.submit(spec("resilience", rounds, cohort=18, over_selection=1.3))
-            fleet = Fleet(s.target, PLAINTEXT, devices, dropout=DropoutPlan(0.2, seed=5), seed=2)
+            fleet = s.fleet(devices, dropout=DropoutPlan(0.2, seed=5), seed=2)
             running = asyncio.create_task(fleet.run(until=fleet.until_job_done(job_id, every_seconds=0.2)))
             await s.committed(job_id, 1)
             await s.aggregators[1].stop(grace=0)
@@ -214,7 +228,9 @@ def test_the_coordinator_api_cannot_carry_a_device_contribution():
     data (no tensors, no free bytes); contributions only travel to aggregators, masked. The one
     documented exception is ``Reveal``, refused unless the job opted in (DESIGN.md section 1;
     tests/test_full_stack_algorithms.py checks the refusal and the count)."""
-    allowed_bytes: set[str] = set()
+    # Register's fixed-size credentials, refused unless they verify (identity key 32 bytes,
+    # signature 64, credential matching the enrolment key): no room for a contribution.
+    allowed_bytes = {f"RegisterRequest.{f}" for f in ("identity_public", "enrolment_credential", "signature")}
     allowed_tensors = {"RevealRequest.values"}
     service = coordinator_pb2.DESCRIPTOR.services_by_name["Coordinator"]
     seen = set()
@@ -246,14 +262,16 @@ def test_oversized_messages_get_resource_exhausted_and_the_services_keep_serving
 
     async def main():
         async with stack(tmp_path) as s:
-            huge = "x" * (65 << 20)  # above the explicit 64 MiB limit
+            huge = "x" * (65 << 20)  # above the aggregator's explicit 64 MiB limit
             codes = []
             async with grpc.aio.insecure_channel(
                 s.target, options=[("grpc.max_send_message_length", 128 << 20)]
             ) as channel:
+                # The coordinator takes no request above 1 MiB: an unauthenticated Register of
+                # 2 MiB is refused by gRPC before the service sees it.
                 with pytest.raises(grpc.aio.AioRpcError) as refused:
                     await coordinator_pb2_grpc.CoordinatorStub(channel).Register(
-                        coordinator_pb2.RegisterRequest(device_id=huge), timeout=30)
+                        coordinator_pb2.RegisterRequest(device_id="d", attestation="x" * (2 << 20)), timeout=30)
                 codes.append(refused.value.code())
             async with grpc.aio.insecure_channel(
                 s.aggregators[0].address, options=[("grpc.max_send_message_length", 128 << 20)]
@@ -293,7 +311,7 @@ def test_plain_sum_job_runs_through_the_services_without_any_key_exchange(tmp_pa
     async def main():
         async with stack(tmp_path) as s:
             job_id = await s.submit(text)
-            fleet = Fleet(s.target, PLAINTEXT, devices, seed=1)
+            fleet = s.fleet(devices, seed=1, device_policy=DevicePolicy(allow_plain=True))
             fleet_stats = await fleet.run(until=fleet.until_job_done(job_id, every_seconds=0.2))
             fleet.close()
             phases = {
@@ -319,6 +337,34 @@ def test_plain_sum_job_runs_through_the_services_without_any_key_exchange(tmp_pa
     state, _ = run_rounds(FedAvgServer(config), FedAvgClient(config), reference_devices,
                           get_params(mlp(64, 10, hidden=HIDDEN, seed=0)), rounds, n, plain_sum)
     assert max(float(np.max(np.abs(model[k] - state.params[k]))) for k in model) < 1e-4
+
+
+def test_devices_refuse_a_plain_job_they_did_not_opt_into(tmp_path, monkeypatch):
+    """A coordinator (or whoever forged its config) that asks for a plain sum gets nothing: the
+    SDK refuses plain sessions unless the device itself opted in for benchmarking."""
+    n = 6
+    devices, _ = trainers(n)
+    received = []
+    real_submit = aggregator_session.Session.submit
+
+    async def record(self, index, message):
+        received.append(type(message).__name__)
+        return await real_submit(self, index, message)
+
+    monkeypatch.setattr(aggregator_session.Session, "submit", record)
+    text = spec("plain", 1, cohort=n).replace("corrupt_rate: 0.05}", "corrupt_rate: 0.05, plain: true}")
+
+    async def main():
+        async with stack(tmp_path) as s:
+            await s.submit(text)
+            fleet = s.fleet(devices, seed=1)
+            fleet_stats = await fleet.run(max_tasks_per_device=1)
+            fleet.close()
+            return fleet_stats
+
+    fleet_stats = run(main())
+    assert fleet_stats.sessions_aborted == n and fleet_stats.sessions_completed == 0
+    assert received == []
 
 
 def test_agnostic_fedavg_through_the_services_with_a_coordinator_restart(tmp_path):
@@ -351,7 +397,7 @@ def test_agnostic_fedavg_through_the_services_with_a_coordinator_restart(tmp_pat
     async def main():
         async with stack(tmp_path) as s:
             job_id = await s.submit(text)
-            fleet = Fleet(s.target, PLAINTEXT, toy.devices(0), seed=1)
+            fleet = s.fleet(toy.devices(0), seed=1)
             running = asyncio.create_task(fleet.run(until=fleet.until_job_done(job_id, every_seconds=0.2)))
             await s.committed(job_id, 1)
             await s.restart_coordinator()

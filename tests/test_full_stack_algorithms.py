@@ -12,9 +12,8 @@ from typing import Any
 
 import numpy as np
 
-from client_sdk import Fleet
 from test_aaggff import quadratic_fleet
-from test_full_stack import PLAINTEXT, run, stack
+from test_full_stack import run, stack
 from tally import algorithms, modelio
 from tally.simulation import plain_sum, run_rounds
 from tally.wire.v1 import common_pb2
@@ -50,7 +49,7 @@ def run_job(tmp_path, algorithm: str, options: Mapping[str, Any], kind: str, ini
     async def main():
         async with stack(tmp_path) as s:
             job_id = await s.submit(text)
-            fleet = Fleet(s.target, PLAINTEXT, devices, seed=1)
+            fleet = s.fleet(devices, seed=1)
             fleet_stats = await fleet.run(until=fleet.until_job_done(job_id, every_seconds=0.2))
             fleet.close()
             store = s.coordinator.store
@@ -274,8 +273,7 @@ def test_a_reveal_for_a_job_without_the_opt_in_is_permission_denied(tmp_path):
             job_id = await s.submit(text)
             async with grpc.aio.insecure_channel(s.target) as channel:
                 stub = coordinator_pb2_grpc.CoordinatorStub(channel)
-                token = (await stub.Register(coordinator_pb2.RegisterRequest(
-                    device_id="d0", population="default"))).token
+                token = (await stub.Register(s.register_request("d0"))).token
                 request = coordinator_pb2.RevealRequest(
                     job_id=job_id, round=1, task_id="t", step="response",
                     values=tensors_to_proto({"response": np.float64(0.5), "count": np.int64(1)}))

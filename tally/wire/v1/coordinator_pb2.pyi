@@ -13,22 +13,32 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class RegisterRequest(_message.Message):
-    __slots__ = ("device_id", "population", "attestation")
+    __slots__ = ("device_id", "population", "attestation", "identity_public", "enrolment_credential", "timestamp", "signature")
     DEVICE_ID_FIELD_NUMBER: _ClassVar[int]
     POPULATION_FIELD_NUMBER: _ClassVar[int]
     ATTESTATION_FIELD_NUMBER: _ClassVar[int]
+    IDENTITY_PUBLIC_FIELD_NUMBER: _ClassVar[int]
+    ENROLMENT_CREDENTIAL_FIELD_NUMBER: _ClassVar[int]
+    TIMESTAMP_FIELD_NUMBER: _ClassVar[int]
+    SIGNATURE_FIELD_NUMBER: _ClassVar[int]
     device_id: str
     population: str
     attestation: str
-    def __init__(self, device_id: _Optional[str] = ..., population: _Optional[str] = ..., attestation: _Optional[str] = ...) -> None: ...
+    identity_public: bytes
+    enrolment_credential: bytes
+    timestamp: float
+    signature: bytes
+    def __init__(self, device_id: _Optional[str] = ..., population: _Optional[str] = ..., attestation: _Optional[str] = ..., identity_public: _Optional[bytes] = ..., enrolment_credential: _Optional[bytes] = ..., timestamp: _Optional[float] = ..., signature: _Optional[bytes] = ...) -> None: ...
 
 class RegisterResponse(_message.Message):
-    __slots__ = ("token", "expires_at")
+    __slots__ = ("token", "expires_at", "coordinator_key")
     TOKEN_FIELD_NUMBER: _ClassVar[int]
     EXPIRES_AT_FIELD_NUMBER: _ClassVar[int]
+    COORDINATOR_KEY_FIELD_NUMBER: _ClassVar[int]
     token: str
     expires_at: _timestamp_pb2.Timestamp
-    def __init__(self, token: _Optional[str] = ..., expires_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ...) -> None: ...
+    coordinator_key: bytes
+    def __init__(self, token: _Optional[str] = ..., expires_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., coordinator_key: _Optional[bytes] = ...) -> None: ...
 
 class Capabilities(_message.Message):
     __slots__ = ("accelerator", "sdk_version")
