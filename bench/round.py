@@ -140,7 +140,7 @@ async def run_mode(args: argparse.Namespace, coordinator: CoordinatorService,
     # The same devices in both modes: same ids, same seeds, same dropout draws.
     fleet = Fleet(f"127.0.0.1:{coordinator.port}", PLAINTEXT, trainers, seed=args.seed,
                   dropout=DropoutPlan(args.dropout, DROPOUT_PHASES, seed=args.seed) if args.dropout else None,
-                  training_threads=1,
+                  training_threads=1, enrolment_key=coordinator.enrolment_key,
                   # The plain-sum job exists only here: these devices opt in to it.
                   device_policy=DevicePolicy(allow_plain=True))
     before = phase_totals(aggregators)

@@ -27,6 +27,7 @@ from client_sdk import Device, DropoutPlan, Fleet, OnnxModel
 from tally import data
 from tally.security import TLSConfig, bearer_metadata
 from tally.security.certs import write_deployment
+from tally.security.enrolment import ENROLMENT_KEY_FILE, SharedKeyEnrolment, read_enrolment_key
 from tally.security.tls import open_channel
 from tally.training import TorchTrainer, mlp, single_threaded
 from tally.wire.v1 import admin_pb2, admin_pb2_grpc, common_pb2
@@ -149,14 +150,18 @@ async def _demo(args: argparse.Namespace, console: Console) -> dict:
         fed = data.digits(args.devices, alpha=args.alpha, seed=args.seed)
         factory = lambda: mlp(fed.num_features, fed.num_classes, hidden=64, seed=0)  # noqa: E731
         trainers = [TorchTrainer(factory, X, y, seed=args.seed + i) for i, (X, y) in enumerate(fed.clients)]
-        fleet = Fleet(target, tls, trainers, dropout=DropoutPlan(args.dropout, seed=args.seed), seed=args.seed)
+        # The demo provisions its simulated devices with the coordinator's enrolment key.
+        enrolment_key = read_enrolment_key(certs / ENROLMENT_KEY_FILE)
+        fleet = Fleet(target, tls, trainers, dropout=DropoutPlan(args.dropout, seed=args.seed), seed=args.seed,
+                      enrolment_key=enrolment_key)
         start = time.perf_counter()
         stats = await fleet.run(until=fleet.until_job_done(job_id), progress=True, console=console)
         elapsed = time.perf_counter() - start
         fleet.close()
         job = await _job(target, tls, token, job_id)
 
-        evaluator = Device(target, tls, "demo-evaluator", trainers[0])
+        evaluator = Device(target, tls, "demo-evaluator", trainers[0], enrolment_credential=SharedKeyEnrolment(
+            enrolment_key).credential("default", "demo-evaluator"))
         test_x, test_y = fed.test
         accuracy = []
         for r in range(1, job.committed_round + 1):

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import asyncio
 import hashlib
 import io
@@ -32,22 +33,35 @@ import pytest
 import torch
 from secagg_helpers import LAX, identities, roster
 from google.protobuf.timestamp_pb2 import Timestamp
+from cryptography.hazmat.primitives.asymmetric import ed25519
 from rich.console import Console
 
 from client_sdk import ClientMetrics, Device, DropoutPlan, Fleet, ModelCache, OnnxModel, RetryPolicy
 from client_sdk import cli as client_cli
 from client_sdk.channels import open_aio_channel
+from client_sdk.enrolment import simulated_identity
 from client_sdk.session import stream_timeout
 from tally import algorithms, data, modelio
 from tally.codec import Field, Kind, PayloadSchema, ring_mask, to_ring
 from tally.secagg import GraphParams, ProtocolError, SecAggServer, SessionConfig, SessionRef, SumSpec
-from tally.security import AuthError, TokenIssuer, bind, certs, channel_options, token_from_metadata
+from tally.security import (
+    AuthError,
+    SessionTicket,
+    TicketSigner,
+    TokenIssuer,
+    bind,
+    certs,
+    channel_options,
+    config_digest,
+    token_from_metadata,
+)
 from tally.security.tls import TLSConfig
 from tally.training import TorchTrainer, get_params, mlp
 from tally.wire.convert import (
     aggregator_envelope,
     open_envelope,
     schema_to_proto,
+    session_config_bytes,
     tensors_to_proto,
     to_proto,
 )
@@ -64,6 +78,8 @@ FAST = RetryPolicy(initial_seconds=0.01, max_seconds=0.2, call_timeout=10.0)
 FEDAVG_OPTIONS = {"local_epochs": 1, "local_lr": 0.1, "batch_size": 8, "delta_clip": 1.0, "frac_bits": 16,
                   "example_cap": 100}
 JOB = "job-1"
+TICKET_SIGNER = TicketSigner(ed25519.Ed25519PrivateKey.generate())
+ENROLMENT_KEY = hashlib.sha256(b"test enrolment key").digest()
 TIMEOUT = 30.0
 
 
@@ -111,8 +127,17 @@ class Plan:
     steps: list[coordinator_pb2.Step]  # in sum order
     schemas: dict[str, PayloadSchema]
     blob: bytes
-    ticket: bytes = b"signed-ticket"
     tokens: dict[int, str] = field(default_factory=dict)
+
+    @functools.cached_property
+    def ticket(self) -> bytes:
+        """Signed by the fake coordinator's key over the config and its roster, as the real one
+        signs: devices check it before they join."""
+        ref = self.config.ref
+        return TICKET_SIGNER.sign(SessionTicket(
+            ref.job_id, ref.round, ref.session_id, tuple(s.sum_id for s in self.config.sums), self.config.n,
+            config_digest(session_config_bytes(self.config)), "agg", time.time() + 3600,
+        ))
 
     @property
     def digest(self) -> str:
@@ -130,6 +155,7 @@ def make_plan(
     later_broadcasts: dict[str, dict[str, np.ndarray]] | None = None,
     t: int | None = None,
     min_survivors: int = 2,
+    roster_keys: tuple[bytes, ...] | None = None,
 ) -> Plan:
     sums = tuple(SumSpec(sum_id, schema.dim, schema.required_bits(n)) for _, sum_id, schema in step_schemas)
     config = SessionConfig(
@@ -138,7 +164,7 @@ def make_plan(
         params=GraphParams(n, n - 1, t or max(2, n - 2)),
         graph_seed=b"\x05" * 32,
         min_survivors=min_survivors,
-        identities=roster(n),
+        identities=roster_keys or roster(n),
     )
     steps = []
     for position, (name, sum_id, schema) in enumerate(step_schemas):
@@ -223,7 +249,9 @@ class FakeCoordinator(coordinator_pb2_grpc.CoordinatorServicer):
         expires = Timestamp()
         expires.FromSeconds(int(time.time()) + 3600)
         token = self.issuer.issue(request.device_id, request.population, 3600, time.time())
-        return coordinator_pb2.RegisterResponse(token=token, expires_at=expires)
+        return coordinator_pb2.RegisterResponse(
+            token=token, expires_at=expires, coordinator_key=TICKET_SIGNER.public_key.public_bytes_raw()
+        )
 
     async def CheckIn(self, request, context):
         device = await self._device(context)
@@ -647,17 +675,20 @@ def test_fleet_of_torch_devices_on_digits_shards(one_torch_thread):
     params = get_params(factory())
     server_half, client_half = algorithms.make("fedavg", FEDAVG_OPTIONS)
     step = server_half.steps(server_half.init(params))[0]
-    plan = make_plan(4, params, [(step.name, step.name, step.schema)])
+    ids = [f"sim-{i:05d}" for i in range(4)]
+    plan = make_plan(4, params, [(step.name, step.name, step.schema)],
+                     roster_keys=tuple(simulated_identity(ENROLMENT_KEY, d).public for d in ids))
 
     def trainers():
         return [TorchTrainer(factory, X, y, seed=i, device=torch.device("cpu")) for i, (X, y) in enumerate(fed.clients)]
 
     async def scenario():
         aggregator = FakeAggregator(plan)
-        coordinator = FakeCoordinator(plan, {f"sim-{i:05d}": i + 1 for i in range(4)})
+        coordinator = FakeCoordinator(plan, {d: i + 1 for i, d in enumerate(ids)})
         server, port = await serve(coordinator, aggregator)
         coordinator.aggregator = f"127.0.0.1:{port}"
-        fleet = Fleet(f"127.0.0.1:{port}", PLAIN, trainers(), seed=5, retry=FAST, training_threads=2)
+        fleet = Fleet(f"127.0.0.1:{port}", PLAIN, trainers(), seed=5, retry=FAST, training_threads=2,
+                      enrolment_key=ENROLMENT_KEY, device_policy=LAX)
         out = io.StringIO()
         try:
             stats = await fleet.run(max_tasks_per_device=1, progress=True, console=Console(file=out, width=200))
@@ -816,11 +847,14 @@ def test_fleet_command_runs_devices_against_a_coordinator(tmp_path, one_torch_th
     params = get_params(mlp(64, 10, hidden=8))
     server_half, _ = algorithms.make("fedavg", FEDAVG_OPTIONS)
     step = server_half.steps(server_half.init(params))[0]
-    plan = make_plan(3, params, [(step.name, step.name, step.schema)])
+    ids = [f"cli-{i:05d}" for i in range(3)]
+    plan = make_plan(3, params, [(step.name, step.name, step.schema)],
+                     roster_keys=tuple(simulated_identity(ENROLMENT_KEY, d).public for d in ids))
+    (tmp_path / "enrolment.key").write_bytes(ENROLMENT_KEY)
 
     async def start():
         aggregator = FakeAggregator(plan)
-        coordinator = FakeCoordinator(plan, {f"cli-{i:05d}": i + 1 for i in range(3)})
+        coordinator = FakeCoordinator(plan, {d: i + 1 for i, d in enumerate(ids)})
         server, port = await serve(coordinator, aggregator)
         coordinator.aggregator = f"127.0.0.1:{port}"
         return aggregator, server, port
@@ -833,7 +867,7 @@ def test_fleet_command_runs_devices_against_a_coordinator(tmp_path, one_torch_th
         args = parser.parse_args([
             "fleet", "--coordinator", f"127.0.0.1:{port}", "--insecure", "--devices", "3", "--hidden", "8",
             "--id-prefix", "cli", "--dropout", "0", "--max-tasks-per-device", "1", "--no-progress",
-            "--json", str(tmp_path / "fleet.json"),
+            "--json", str(tmp_path / "fleet.json"), "--enrolment-key", str(tmp_path / "enrolment.key"),
         ])
         assert args.run(args) == 0
         background.call(server.stop(None))

@@ -33,6 +33,7 @@ import torch
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
+from enrolment_helpers import provisioned_request
 from coordinator import cli as coordinator_cli
 from coordinator import jobspec, registry
 from coordinator.aggregators import aio_channel, parse_aggregator
@@ -497,7 +498,7 @@ class Device:
 
     async def register(self) -> Device:
         reply = await self.stub.Register(
-            coordinator_pb2.RegisterRequest(device_id=self.device_id, population=self.population), timeout=5
+            provisioned_request(self.stack.service, self.device_id, self.population), timeout=5
         )
         self.token = reply.token
         return self
@@ -1147,7 +1148,7 @@ def test_tls_to_devices_and_mutual_tls_to_aggregators_from_tally_certs(tmp_path)
             )
             async with channel:
                 stub = coordinator_pb2_grpc.CoordinatorStub(channel)
-                reply = await stub.Register(coordinator_pb2.RegisterRequest(device_id="d", population="p"), timeout=5)
+                reply = await stub.Register(provisioned_request(service, "d", "p"), timeout=5)
                 metadata = bearer_metadata(reply.token)
                 answer = await stub.CheckIn(coordinator_pb2.CheckInRequest(), metadata=metadata, timeout=5)
             without_client_cert = CoordinatorService(

@@ -7,7 +7,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import time
 import urllib.request
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -20,15 +19,13 @@ from scipy import stats
 from aggregator import AggregatorService
 from aggregator import session as aggregator_session
 from client_sdk import DropoutPlan, Fleet
-from client_sdk.enrolment import register_request
 from coordinator.service import CoordinatorService
 from tally import data, modelio
 from tally.algorithms.fedavg import FedAvgClient, FedAvgConfig, FedAvgServer
 from tally.codec import unpack
-from tally.secagg import DevicePolicy, SecAggServer, SigningKey
+from tally.secagg import DevicePolicy, SecAggServer
 from tally.secagg.messages import MaskedInputResponse
 from tally.security import TLSConfig, bearer_metadata, load_or_create_ticket_key
-from tally.security.enrolment import SharedKeyEnrolment
 from tally.security.tls import open_channel
 from tally.simulation import plain_sum, run_rounds
 from tally.training import TorchTrainer, get_params, mlp, single_threaded
@@ -70,13 +67,6 @@ class Stack:
     def fleet(self, trainers, **kwargs) -> Fleet:
         """A fleet provisioned with the coordinator's enrolment key."""
         return Fleet(self.target, PLAINTEXT, trainers, enrolment_key=self.coordinator.enrolment_key, **kwargs)
-
-    def register_request(
-        self, device_id: str, population: str = "default", identity: SigningKey | None = None
-    ) -> coordinator_pb2.RegisterRequest:
-        """A valid registration of a provisioned device (a fresh identity key unless given)."""
-        credential = SharedKeyEnrolment(self.coordinator.enrolment_key).credential(population, device_id)
-        return register_request(identity or SigningKey.generate(), device_id, population, credential, time.time())
 
     def admin(self) -> tuple[admin_pb2_grpc.AdminStub, list]:
         channel = open_channel(self.target, PLAINTEXT)

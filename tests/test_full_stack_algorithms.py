@@ -13,6 +13,7 @@ from typing import Any
 import numpy as np
 
 from test_aaggff import quadratic_fleet
+from enrolment_helpers import provisioned_request
 from test_full_stack import run, stack
 from tally import algorithms, modelio
 from tally.simulation import plain_sum, run_rounds
@@ -273,7 +274,7 @@ def test_a_reveal_for_a_job_without_the_opt_in_is_permission_denied(tmp_path):
             job_id = await s.submit(text)
             async with grpc.aio.insecure_channel(s.target) as channel:
                 stub = coordinator_pb2_grpc.CoordinatorStub(channel)
-                token = (await stub.Register(s.register_request("d0"))).token
+                token = (await stub.Register(provisioned_request(s.coordinator, "d0"))).token
                 request = coordinator_pb2.RevealRequest(
                     job_id=job_id, round=1, task_id="t", step="response",
                     values=tensors_to_proto({"response": np.float64(0.5), "count": np.int64(1)}))
