@@ -1,0 +1,287 @@
+"""Enrolment (issue 12, attack 4): registering needs a provisioning credential and a signature by
+the identity key being enrolled; a taken device id cannot be registered under another key, a
+recorded registration cannot be replayed, one key cannot name many devices, and a source that
+floods Register or CheckIn is refused. Each refusal is a gRPC status naming the field or rule,
+and is counted in ``tally_coordinator_refusals_total``."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import dataclasses
+import json
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import grpc
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from client_sdk.enrolment import load_or_create_identity, register_request
+from coordinator import enrol_cli
+from coordinator.ratelimit import RateLimit, SourceRateLimiter, source_of
+from coordinator.service import CoordinatorService
+from enrolment_helpers import provisioned_request
+from tally.secagg import SigningKey
+from tally.security import TLSConfig, bearer_metadata, load_or_create_ticket_key
+from tally.security.enrolment import (
+    REGISTRATION_WINDOW_S,
+    EnrolmentClaim,
+    SharedKeyEnrolment,
+    load_or_create_enrolment_key,
+)
+from tally.wire.v1 import coordinator_pb2, coordinator_pb2_grpc
+
+PLAIN = TLSConfig.plaintext()
+
+
+class Clock:
+    """The coordinator's clock, moved by the test (rate limits refill with it)."""
+
+    def __init__(self) -> None:
+        self.now = time.time()
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@dataclasses.dataclass
+class Coordinator:
+    service: CoordinatorService
+    stub: coordinator_pb2_grpc.CoordinatorStub
+    clock: Clock
+
+    async def register(self, request: coordinator_pb2.RegisterRequest) -> tuple[grpc.StatusCode, str, object]:
+        try:
+            reply = await self.stub.Register(request, timeout=10)
+        except grpc.aio.AioRpcError as exc:
+            return exc.code(), exc.details(), None
+        return grpc.StatusCode.OK, "", reply
+
+    def refusals(self, reason: str, rpc: str = "Register") -> float:
+        value = self.service._metrics_server.registry.get_sample_value(
+            "tally_coordinator_refusals_total", {"rpc": rpc, "reason": reason}
+        )
+        return value or 0.0
+
+
+@contextlib.asynccontextmanager
+async def coordinator(tmp_path: Path, **kwargs) -> AsyncIterator[Coordinator]:
+    clock = Clock()
+    service = CoordinatorService("127.0.0.1:0", PLAIN, tmp_path / "state", [], clock=clock, **kwargs)
+    port = await service.start()
+    channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
+    try:
+        yield Coordinator(service, coordinator_pb2_grpc.CoordinatorStub(channel), clock)
+    finally:
+        await channel.close()
+        await service.stop(grace=0)
+
+
+def run(coro):
+    return asyncio.run(asyncio.wait_for(coro, 60))
+
+
+def test_a_provisioned_device_registers_and_learns_the_coordinators_ticket_key(tmp_path):
+    async def main():
+        async with coordinator(tmp_path) as c:
+            code, _, reply = await c.register(provisioned_request(c.service, "d1"))
+            checkin = await c.stub.CheckIn(coordinator_pb2.CheckInRequest(), metadata=bearer_metadata(reply.token),
+                                           timeout=10)
+            return code, reply, checkin
+
+    code, reply, checkin = run(main())
+    assert code == grpc.StatusCode.OK and reply.token
+    assert reply.coordinator_key == load_or_create_ticket_key(tmp_path / "state").public_key().public_bytes_raw()
+    assert checkin.WhichOneof("result") == "retry_after"
+
+
+def test_registration_without_a_valid_credential_or_signature_is_refused(tmp_path):
+    async def main():
+        async with coordinator(tmp_path) as c:
+            good = provisioned_request(c.service, "d1")
+            cases = {
+                "no credential": with_fields(good, enrolment_credential=b""),
+                "another device's credential": with_fields(
+                    good, enrolment_credential=provisioned_request(c.service, "d2").enrolment_credential),
+                "another population": with_fields(good, population="other"),
+                "forged signature": with_fields(good, signature=bytes(64)),
+                "short key": with_fields(good, identity_public=good.identity_public[:31]),
+                "no device id": with_fields(good, device_id=""),
+                "stale": provisioned_request(c.service, "d1", now=c.clock.now - 2 * REGISTRATION_WINDOW_S),
+            }
+            answers = {name: (await c.register(request))[:2] for name, request in cases.items()}
+            counted = {r: c.refusals(r) for r in ("not_enrolled", "bad_signature", "malformed", "stale")}
+            # None of those enrolled the id: the genuine device still can.
+            code, _, _ = await c.register(good)
+            return answers, counted, code
+
+    answers, counted, code = run(main())
+    assert answers["no credential"] == (grpc.StatusCode.UNAUTHENTICATED,
+                                        "RegisterRequest.enrolment_credential is required")
+    for name in ("another device's credential", "another population"):
+        assert answers[name][0] == grpc.StatusCode.PERMISSION_DENIED and "enrolment_credential" in answers[name][1]
+    assert answers["forged signature"] == (grpc.StatusCode.UNAUTHENTICATED,
+                                           "RegisterRequest.signature does not verify with identity_public")
+    assert answers["short key"] == (grpc.StatusCode.INVALID_ARGUMENT,
+                                    "RegisterRequest.identity_public: exactly 32 bytes")
+    assert answers["no device id"][0] == grpc.StatusCode.INVALID_ARGUMENT and "device_id" in answers["no device id"][1]
+    assert answers["stale"][0] == grpc.StatusCode.INVALID_ARGUMENT and "timestamp" in answers["stale"][1]
+    assert counted == {"not_enrolled": 3, "bad_signature": 1, "malformed": 2, "stale": 1}
+    assert code == grpc.StatusCode.OK
+
+
+def test_a_taken_device_id_cannot_be_registered_again_without_its_key(tmp_path):
+    """Attack 4: impersonation. The victim's credential alone (say, leaked) does not let another
+    key take over its id; the victim itself re-registers (token renewal) with a fresh statement,
+    while a recorded registration replayed verbatim is refused."""
+
+    async def main():
+        async with coordinator(tmp_path) as c:
+            victim = SigningKey.generate()
+            first = provisioned_request(c.service, "victim", identity=victim)
+            answers = {"first": await c.register(first)}
+            answers["another key, valid credential"] = await c.register(provisioned_request(c.service, "victim"))
+            answers["replayed"] = await c.register(first)
+            c.clock.now += 1
+            answers["renewal"] = await c.register(provisioned_request(c.service, "victim", identity=victim,
+                                                                      now=c.clock.now))
+            answers["same key, second id"] = await c.register(provisioned_request(c.service, "sybil", identity=victim))
+            stored = c.service.store.device_identity("victim") == victim.public
+            return ({name: a[:2] for name, a in answers.items()}, stored,
+                    {r: c.refusals(r) for r in ("id_taken", "replay", "key_taken")})
+
+    answers, stored, counted = run(main())
+    assert answers["first"][0] == answers["renewal"][0] == grpc.StatusCode.OK
+    assert answers["another key, valid credential"] == (
+        grpc.StatusCode.PERMISSION_DENIED, "device id 'victim' is enrolled with another identity key")
+    assert answers["replayed"][0] == grpc.StatusCode.PERMISSION_DENIED and "timestamp" in answers["replayed"][1]
+    assert answers["same key, second id"] == (
+        grpc.StatusCode.PERMISSION_DENIED, "this identity key is enrolled for another device id")
+    assert counted == {"id_taken": 1, "replay": 1, "key_taken": 1}
+    assert stored, "the id must stay bound to the victim's key"
+
+
+def test_register_and_checkin_are_rate_limited_per_source(tmp_path):
+    """A burst of 3 then 1 per second: the fourth Register from the same address is refused with
+    RESOURCE_EXHAUSTED and counted, and allowed again once the bucket refills."""
+    limit = RateLimit(rate_per_s=1.0, burst=3.0)
+
+    async def main():
+        async with coordinator(tmp_path, register_limit=limit, checkin_limit=limit) as c:
+            codes = [(await c.register(provisioned_request(c.service, f"d{i}")))[0] for i in range(4)]
+            c.clock.now += 1.0
+            code, _, reply = await c.register(provisioned_request(c.service, "d4", now=c.clock.now))
+            codes.append(code)
+            checkins = []
+            for _ in range(4):
+                try:
+                    await c.stub.CheckIn(coordinator_pb2.CheckInRequest(), metadata=bearer_metadata(reply.token),
+                                         timeout=10)
+                    checkins.append(grpc.StatusCode.OK)
+                except grpc.aio.AioRpcError as exc:
+                    checkins.append(exc.code())
+            return codes, checkins, c.refusals("rate_limited"), c.refusals("rate_limited", "CheckIn")
+
+    codes, checkins, register_refused, checkin_refused = run(main())
+    ok, exhausted = grpc.StatusCode.OK, grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert codes == [ok, ok, ok, exhausted, ok]
+    assert checkins == [ok, ok, ok, exhausted]
+    assert (register_refused, checkin_refused) == (1, 1)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    rate=st.floats(0.5, 50), burst=st.integers(1, 20),
+    gaps=st.lists(st.floats(0, 2), min_size=1, max_size=200),
+)
+def test_a_source_never_gets_more_than_burst_plus_rate_times_elapsed(rate, burst, gaps):
+    now = [0.0]
+    limiter = SourceRateLimiter(RateLimit(rate, burst), lambda: now[0])
+    allowed = []
+    for gap in gaps:
+        now[0] += gap
+        if limiter.allow("ipv4:10.0.0.1"):
+            allowed.append(now[0])
+    for i, start in enumerate(allowed):
+        for j in range(i, len(allowed)):
+            assert j - i + 1 <= burst + rate * (allowed[j] - start) + 1e-6
+    # Another source has its own bucket.
+    assert limiter.allow("ipv4:10.0.0.2")
+
+
+def test_the_source_table_is_bounded():
+    now = [0.0]
+    limiter = SourceRateLimiter(RateLimit(1.0, 5.0), lambda: now[0], max_sources=3)
+    assert all(limiter.allow(f"ipv4:10.0.0.{i}") for i in range(3))
+    assert not limiter.allow("ipv4:10.0.0.9")  # a fourth source while three are active
+    now[0] += 10.0  # every bucket is full again: forgotten
+    assert limiter.allow("ipv4:10.0.0.9")
+
+
+def test_source_of_drops_the_port():
+    assert source_of("ipv4:127.0.0.1:5000") == "ipv4:127.0.0.1"
+    assert source_of("ipv6:[::1]:5000") == "ipv6:[::1]"
+    assert source_of("unix:/tmp/s") == "unix:/tmp/s"
+
+
+@settings(max_examples=100, deadline=None)
+@given(a=st.tuples(st.text(min_size=1, max_size=20), st.text(min_size=1, max_size=20)),
+       b=st.tuples(st.text(min_size=1, max_size=20), st.text(min_size=1, max_size=20)))
+def test_a_credential_admits_only_its_own_device_and_population(a, b):
+    enrolment = SharedKeyEnrolment(b"k" * 32)
+    identity = bytes(32)
+    credential = enrolment.credential(*a)
+    enrolment.admit(EnrolmentClaim(a[1], a[0], identity, credential, ""))
+    if a != b:
+        with pytest.raises(Exception, match="not valid"):
+            enrolment.admit(EnrolmentClaim(b[1], b[0], identity, credential, ""))
+
+
+def test_tally_enrol_prints_credentials_a_device_registers_with(tmp_path, capsys):
+    parser = argparse.ArgumentParser(prog="tally")
+    enrol_cli.register(parser.add_subparsers())
+    state = tmp_path / "state"
+    load_or_create_enrolment_key(state)
+    args = parser.parse_args(["enrol", "--key", str(state / "enrolment.key"), "--population", "p", "phone-1"])
+    assert args.run(args) == 0
+    line = json.loads(capsys.readouterr().out)
+    assert line["device_id"] == "phone-1" and line["population"] == "p"
+    identity = load_or_create_identity(tmp_path / "phone-1.identity")
+    assert oct((tmp_path / "phone-1.identity").stat().st_mode & 0o777) == "0o600"
+
+    async def main():
+        async with coordinator(tmp_path) as c:
+            request = register_request(identity, "phone-1", "p", bytes.fromhex(line["credential"]), c.clock.now)
+            return (await c.register(request))[0]
+
+    assert run(main()) == grpc.StatusCode.OK
+    missing = parser.parse_args(["enrol", "--key", str(tmp_path / "nope"), "d"])
+    assert missing.run(missing) == 2
+    assert "--key" in capsys.readouterr().err
+
+
+def test_the_coordinator_state_is_private(tmp_path):
+    async def main():
+        async with coordinator(tmp_path) as c:
+            await c.register(provisioned_request(c.service, "d1"))
+
+    run(main())
+    state = tmp_path / "state"
+    assert state.stat().st_mode & 0o777 == 0o700
+    for path in state.rglob("*"):
+        expected = 0o700 if path.is_dir() else 0o600
+        if path.name == "ticket.pub":
+            expected = 0o644  # the aggregators' copy of the ticket key: public by design
+        assert path.stat().st_mode & 0o777 == expected, path
+
+
+def with_fields(request: coordinator_pb2.RegisterRequest, **fields) -> coordinator_pb2.RegisterRequest:
+    copy = coordinator_pb2.RegisterRequest()
+    copy.CopyFrom(request)
+    for name, value in fields.items():
+        setattr(copy, name, value)
+    return copy
