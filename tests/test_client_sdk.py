@@ -23,7 +23,7 @@ import sys
 import threading
 import time
 from collections import Counter
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -43,7 +43,16 @@ from client_sdk.enrolment import simulated_identity
 from client_sdk.session import stream_timeout
 from tally import algorithms, data, modelio
 from tally.codec import Field, Kind, PayloadSchema, ring_mask, to_ring
-from tally.secagg import GraphParams, ProtocolError, SecAggServer, SessionConfig, SessionRef, SumSpec
+from tally.secagg import (
+    GraphParams,
+    ProtocolError,
+    SecAggClient,
+    SecAggServer,
+    SessionConfig,
+    SessionRef,
+    SumSpec,
+)
+from tally.secagg.messages import ShareKeysRequest, ShareKeysResponse
 from tally.security import (
     AuthError,
     SessionTicket,
@@ -317,9 +326,16 @@ class FakeAggregator(secagg_pb2_grpc.SecureAggregationServicer):
     """One session. A device whose stream breaks is dead; when the current phase waits only for
     dead devices, the phase's deadline is taken as passed (no clock needed)."""
 
-    def __init__(self, plan: Plan, announced: SessionConfig | None = None) -> None:
+    def __init__(
+        self,
+        plan: Plan,
+        announced: SessionConfig | None = None,
+        rewrite: Callable[[int, Any], Any] = lambda recipient, message: message,
+    ) -> None:
+        """``rewrite(recipient, message)``: what a malicious aggregator sends in its place."""
         self.plan = plan
         self.announced = announced or plan.config
+        self.rewrite = rewrite
         self.server = SecAggServer(plan.config)
         self.outboxes = {i: asyncio.Queue() for i in range(1, plan.config.n + 1)}
         self.dead: set[int] = set()
@@ -363,7 +379,7 @@ class FakeAggregator(secagg_pb2_grpc.SecureAggregationServicer):
     def _route(self, outgoing) -> None:
         for o in outgoing:
             if o.recipient not in self.dead:
-                self.outboxes[o.recipient].put_nowait(aggregator_envelope(o.message))
+                self.outboxes[o.recipient].put_nowait(aggregator_envelope(self.rewrite(o.recipient, o.message)))
 
     def _settle(self) -> None:
         server = self.server
@@ -413,19 +429,21 @@ def reference_ring(plan: Plan, trainers: Mapping[int, Any], seeds: Mapping[int, 
     return totals
 
 
-def device(address: str, name: str, trainer: Any, seed: int, **kwargs: Any) -> Device:
-    return Device(address, PLAIN, name, trainer, rng_seed=seed, retry=FAST, **kwargs)
+def device(address: str, name: str, trainer: Any, seed: int, tls: TLSConfig = PLAIN, **kwargs: Any) -> Device:
+    return Device(address, tls, name, trainer, rng_seed=seed, retry=FAST, **kwargs)
 
 
 async def run_cohort(plan: Plan, trainers: dict[int, Any], *, dropouts: Mapping[int, DropoutPlan] | None = None,
                      coordinator_options: Mapping[str, Any] | None = None, announced: SessionConfig | None = None,
-                     cache_dirs: Mapping[int, Any] | None = None):
-    aggregator = FakeAggregator(plan, announced)
+                     cache_dirs: Mapping[int, Any] | None = None, aggregator: FakeAggregator | None = None,
+                     tls: tuple[TLSConfig, TLSConfig] = (PLAIN, PLAIN)):
+    """``tls``: the servers' and the devices' TLS configuration."""
+    aggregator = aggregator or FakeAggregator(plan, announced)
     coordinator = FakeCoordinator(plan, {f"dev-{i}": i for i in trainers}, **(coordinator_options or {}))
-    server, port = await serve(coordinator, aggregator)
+    server, port = await serve(coordinator, aggregator, tls=tls[0])
     coordinator.aggregator = f"127.0.0.1:{port}"
     devices = {
-        i: device(f"127.0.0.1:{port}", f"dev-{i}", t, seed=100 + i, dropout=(dropouts or {}).get(i),
+        i: device(f"127.0.0.1:{port}", f"dev-{i}", t, seed=100 + i, tls=tls[1], dropout=(dropouts or {}).get(i),
                   cache_dir=(cache_dirs or {}).get(i), identity=identities(plan.config.n)[i], policy=LAX)
         for i, t in trainers.items()
     }
@@ -658,6 +676,36 @@ def test_device_speaks_mutual_tls_with_deployment_certificates(tmp_path):
 
     coordinator, stats = run(scenario())
     assert coordinator.registrations["tls-dev"] == 1 and stats.checkins >= 1 and stats.retries == 0
+
+
+def test_a_device_refuses_neighbour_keys_the_aggregator_substituted(tmp_path):
+    """Attack 1 against the real SDK over TLS: the aggregator hands device 1 its own keys in place
+    of neighbour 2's. Device 1 checks them against the coordinator-signed roster, refuses, and
+    sends no share at all (so nothing of its mask key or seed reaches the aggregator); the
+    others' session completes without it and their sum is exact."""
+    certs.write_deployment(tmp_path)
+    plan = fedavg_plan(5)
+    # Fresh session key pairs of the aggregator's own, posing as device 2's (it keeps device 2's
+    # signature: it has no identity key that the roster lists).
+    forged_keys = SecAggClient(plan.config, 2, identities(5)[2], policy=LAX).start()[0].keys
+
+    def substitute(recipient: int, message: Any) -> Any:
+        if recipient != 1 or not isinstance(message, ShareKeysRequest):
+            return message
+        return dataclasses.replace(message, neighbours=tuple(
+            dataclasses.replace(n, keys=forged_keys) if n.index == 2 else n for n in message.neighbours))
+
+    trainers = {i: ShiftTrainer(0.1 * i, 4) for i in range(1, 6)}
+    aggregator = FakeAggregator(plan, rewrite=substitute)
+    tls = (TLSConfig.from_dir(tmp_path, "coordinator"), TLSConfig.from_dir(tmp_path, "client"))
+    aggregator, _, _, stats = run(run_cohort(plan, trainers, aggregator=aggregator, tls=tls))
+    assert stats[1].sessions_aborted == 1 and stats[1].sessions_completed == 0
+    assert not any(isinstance(m, ShareKeysResponse) and m.sender == 1 for m in aggregator.received)
+    assert all(stats[i].sessions_completed == 1 for i in range(2, 6))
+    result = aggregator.server.results["update"]
+    assert result.contributors == (2, 3, 4, 5)
+    expected = reference_ring(plan, trainers, {i: 100 + i for i in trainers}, {2, 3, 4, 5}, {"update": small_model()})
+    np.testing.assert_array_equal(result.total.astype(np.uint64), expected["update"])
 
 
 def test_plaintext_channels_only_to_loopback():
