@@ -10,6 +10,18 @@ An attempt goes SELECTION -> OPENING -> AGGREGATION (one step after the other) -
 FAILED from anywhere. **A failed attempt is discarded whole**: cohort sums already received for
 it, even for completed steps, are dropped with it and the round restarts from the state it began
 with, so a round is never applied from a subset of its cohorts.
+
+Two rules stop a privacy attack on the cohorts themselves:
+
+- **Cohorts are a uniformly random partition of the selection**, drawn once the selection closes
+  from the operating system's CSPRNG: arriving together (as sybils can) says nothing about
+  landing together, so k sybils share a victim's cohort only as often as chance allows.
+- **A retry never re-sums a device already summed in the round.** Sums of a failed attempt did
+  reach the coordinator (they are dropped, not unseen); a retry over an overlapping cohort would
+  let the two sums be subtracted, isolating whoever is in one and not the other. So devices
+  whose inputs are in any cohort sum received for the round (``excluded``) are not selected again
+  in that round: the round's sums cover disjoint sets of devices, and differencing yields nothing
+  finer than one cohort sum. Devices of a failed attempt whose sums never arrived may retry.
 """
 
 from __future__ import annotations
@@ -177,12 +189,21 @@ class Selection:
     ``extensions`` last (each one is a retry of the round); then the selection gives up.
     """
 
-    def __init__(self, target: int, min_devices: int, window_s: float, extensions: int, now: float) -> None:
+    def __init__(
+        self,
+        target: int,
+        min_devices: int,
+        window_s: float,
+        extensions: int,
+        now: float,
+        excluded: frozenset[str] = frozenset(),
+    ) -> None:
         self.target, self.min_devices, self.window_s = target, min_devices, window_s
+        self.excluded = excluded
         self.extensions_left = extensions
         self.extensions_used = 0
         self.closes_at = now + window_s
-        self.seated: dict[str, None] = {}  # insertion-ordered: first come, first placed
+        self.seated: dict[str, None] = {}
         self.closed = False
 
     @property
@@ -192,7 +213,7 @@ class Selection:
     def offer(self, device_id: str) -> bool:
         if device_id in self.seated:
             return True
-        if self.closed or self.full:
+        if self.closed or self.full or device_id in self.excluded:
             return False
         self.seated[device_id] = None
         return True
@@ -286,14 +307,18 @@ class RoundPlanner:
         attempt_key: str,
         expected_round_s: float = FIRST_ROUND_GUESS_S,
         rng: random.Random | None = None,
+        excluded: frozenset[str] = frozenset(),
+        cohort_rng: random.Random | None = None,
     ) -> None:
+        """``rng`` jitters pace steering; ``cohort_rng`` draws the cohorts (the OS CSPRNG unless a
+        test fixes it); ``excluded``: devices already summed in this round."""
         self.spec, self.steps = spec, list(steps)
         self.attempt_key = attempt_key
         self.started_at = now
         self.expected_round_s = expected_round_s
         self.phase = Phase.SELECTION
         self.selection = Selection(
-            spec.selection_target, spec.min_cohort, spec.deadlines["checkin"], extensions, now
+            spec.selection_target, spec.min_cohort, spec.deadlines["checkin"], extensions, now, excluded
         )
         self.cohorts: list[CohortPlan] = []
         self.seats: dict[str, Seat] = {}
@@ -304,6 +329,7 @@ class RoundPlanner:
         self.sums: StepSums | None = None
         self.failure: str | None = None
         self._rng = rng or random.Random()
+        self._cohort_rng = cohort_rng or random.SystemRandom()
 
     # -- devices -------------------------------------------------------------------------------
 
@@ -311,6 +337,8 @@ class RoundPlanner:
         if self.phase is Phase.SELECTION:
             if self.selection.offer(device_id):
                 return Hold(device_id)
+            if device_id in self.selection.excluded:
+                return self.retry(now, "already summed in this round")
             return self.retry(now, "cohort full")
         if self.phase in (Phase.DONE, Phase.FAILED):  # a new selection follows shortly
             return Retry(MIN_RETRY_S, "round attempt ending")
@@ -380,10 +408,11 @@ class RoundPlanner:
         open its session); ``NoCapacity`` fails the attempt."""
         if self.phase not in (Phase.SELECTION, Phase.OPENING) or not self.selection.closed:
             raise RuntimeError(f"cannot form cohorts in phase {self.phase.value}")
+        selected = list(self.selection.seated)
+        self._cohort_rng.shuffle(selected)
         try:
             self.cohorts = split_cohorts(
-                list(self.selection.seated), aggregators, self.spec.min_cohort,
-                self.spec.max_cohort_per_aggregator,
+                selected, aggregators, self.spec.min_cohort, self.spec.max_cohort_per_aggregator,
             )
         except NoCapacity as exc:
             self.fail(str(exc))

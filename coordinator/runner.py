@@ -441,6 +441,7 @@ class JobRunner:
             self.spec, steps, ctx.clock(), extensions=budget,
             attempt_key=f"r{round_}a{attempt}-{secrets.token_hex(4)}",
             expected_round_s=self.expected_round_s, rng=ctx.rng,
+            excluded=ctx.store.summed(self.job_id, round_),
         )
         self.planner, self.tasks, self.sessions = planner, {}, []
         self.step_protos = [step_proto(steps[0])] + [None] * (len(steps) - 1)
@@ -696,6 +697,8 @@ class JobRunner:
                 f"{where}: sum {proto.sum_id!r} at {proto.bits} bits x {proto.dim} does not match the "
                 f"session's {step.name!r} at {spec.bits} bits x {spec.dim}"
             )
+        cohort = planner.cohorts[session.cohort].devices
+        self.ctx.store.add_summed(self.job_id, self.round, (cohort[i - 1] for i in result.contributors))
         try:
             total = planner.cohort_sum(session.cohort, result, spec.bits)
         except CohortRejected as exc:

@@ -101,6 +101,14 @@ CREATE TABLE IF NOT EXISTS devices (
     -- the timestamp of its latest registration statement: an older or equal one is a replay
     registered_at REAL NOT NULL
 );
+-- Devices whose inputs are in a cohort sum the coordinator received, per round: a retry of the
+-- round seats none of them again (so no two sums of one round can be differenced).
+CREATE TABLE IF NOT EXISTS summed (
+    job_id TEXT NOT NULL,
+    round INTEGER NOT NULL,
+    device_id TEXT NOT NULL,
+    PRIMARY KEY (job_id, round, device_id)
+);
 CREATE INDEX IF NOT EXISTS events_by_job ON events (job_id, id);
 """
 
@@ -430,6 +438,21 @@ class Store:
                 (job_id,),
             ).fetchall()
         return [RoundRecord(*r[:7], json.loads(r[7]), json.loads(r[8])) for r in rows]
+
+    def add_summed(self, job_id: str, round_: int, device_ids: Iterable[str]) -> None:
+        """Record, before the sum is used, whose inputs a received cohort sum covers."""
+        with self._lock:
+            self._db.executemany(
+                "INSERT OR IGNORE INTO summed (job_id, round, device_id) VALUES (?, ?, ?)",
+                [(job_id, round_, d) for d in device_ids],
+            )
+
+    def summed(self, job_id: str, round_: int) -> frozenset[str]:
+        with self._lock:
+            rows = self._db.execute(
+                "SELECT device_id FROM summed WHERE job_id = ? AND round = ?", (job_id, round_)
+            ).fetchall()
+        return frozenset(d for (d,) in rows)
 
     def add_model_version(self, version: ModelVersion) -> None:
         """The initial model (round 0), written when a job starts."""

@@ -370,6 +370,7 @@ class FakeAggregator(aggregator_pb2_grpc.AggregatorControlServicer):
         self.sessions: dict[str, FakeSession] = {}
         self.abort_reason: str | None = None  # every session aborts
         self.aborts: list[str] = []  # the next sessions abort, one reason each
+        self.abort_sum: str | None = None  # the next result of this sum aborts (once)
         self.hang = False
         self.opened = asyncio.Event()
         self.address = ""
@@ -431,6 +432,8 @@ class FakeAggregator(aggregator_pb2_grpc.AggregatorControlServicer):
         await self.check_owner(session, context)
         spec = session.config.sum_spec(request.sum_id)
         reason = self.abort_reason or (self.aborts.pop(0) if self.aborts else None)
+        if spec.sum_id == self.abort_sum:
+            reason, self.abort_sum = f"{spec.sum_id}: too few survivors (test)", None
         if reason:
             return aggregator_pb2.CohortSum(session_id=request.session_id, sum_id=spec.sum_id, aborted_reason=reason)
         if self.hang:
