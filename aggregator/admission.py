@@ -41,6 +41,7 @@ class SessionPlan:
     deadlines: dict[str, float]  # seconds per phase name
     deadlines_proto: secagg_pb2.PhaseDeadlines
     grants: dict[int, bytes]  # device index -> SHA-256 of its session token
+    owner_sha256: bytes  # SHA-256 of the coordinator's owner token for this session
 
     @property
     def session_id(self) -> str:
@@ -65,6 +66,10 @@ def admit(
     except WireError as exc:
         raise Rejected.of(exc) from None
     _match_ticket(ticket, config)
+    if len(request.owner_token_sha256) != 32:
+        raise Rejected(
+            "INVALID_ARGUMENT", "OpenSessionRequest.owner_token_sha256: exactly 32 bytes", "malformed"
+        )
     return SessionPlan(
         ticket=bytes(request.session_ticket),
         config=config,
@@ -72,6 +77,7 @@ def admit(
         deadlines=_deadlines(request, config),
         deadlines_proto=request.deadlines,
         grants=_grants(request, config),
+        owner_sha256=bytes(request.owner_token_sha256),
     )
 
 

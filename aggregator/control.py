@@ -4,15 +4,16 @@ Only cohort sums leave this way (``CohortSum``): the packed total, who contribut
 dropped, or why the session aborted.
 
 AwaitResult and CloseSession act on an open session, so they must prove they come from whoever
-opened it: the call carries the session's ticket in ``tally-session-ticket-bin`` metadata, which
-must verify for this aggregator, name the session asked about, and be byte-identical to the ticket
-the session was opened with. The checks run before the session is looked up, so a caller without
-a ticket cannot even learn which sessions exist.
+opened it. The session ticket cannot: every cohort member holds it. So the call carries the
+session's owner token (``tally-owner-token-bin`` metadata), which only the coordinator can derive;
+the aggregator compares its SHA-256 with the hash the session was opened with, in constant time.
+A call without a well-formed token is refused before any session is looked up.
 """
 
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import hmac
 import logging
 from collections.abc import Callable
@@ -21,7 +22,7 @@ from typing import NoReturn
 import grpc
 
 from tally import logs
-from tally.security import AuthError, TicketVerifier, ticket_from_metadata
+from tally.security import AuthError, TicketVerifier, owner_token_from_metadata
 from tally.wire.convert import cohort_sum_to_proto
 from tally.wire.v1 import aggregator_pb2, aggregator_pb2_grpc
 
@@ -71,7 +72,7 @@ class ControlServicer(aggregator_pb2_grpc.AggregatorControlServicer):
         self, request: aggregator_pb2.AwaitResultRequest, context: grpc.aio.ServicerContext
     ) -> aggregator_pb2.CohortSum:
         try:
-            presented = self._ticket(context, request.session_id, closing=False)
+            presented = self._owner_token(context)
             session = self._registry.get(request.session_id)
             self._check_owner(session, presented)
             future = session.result(request.sum_id)
@@ -86,7 +87,7 @@ class ControlServicer(aggregator_pb2_grpc.AggregatorControlServicer):
         self, request: aggregator_pb2.CloseSessionRequest, context: grpc.aio.ServicerContext
     ) -> aggregator_pb2.CloseSessionResponse:
         try:
-            presented = self._ticket(context, request.session_id, closing=True)
+            presented = self._owner_token(context)
             session = self._registry.find(request.session_id)
             if session is not None:  # closing what is already gone is a no-op, so it may be retried
                 self._check_owner(session, presented)
@@ -98,32 +99,21 @@ class ControlServicer(aggregator_pb2_grpc.AggregatorControlServicer):
         logs.event(log, "session closed", session_id=request.session_id, reason=request.reason)
         return aggregator_pb2.CloseSessionResponse()
 
-    def _ticket(self, context: grpc.aio.ServicerContext, session_id: str, *, closing: bool) -> bytes:
-        """The ticket the call presents, once it verifies for this aggregator and names
-        ``session_id``. Closing accepts an expired ticket: an attempt past its deadline must
-        still be able to end its sessions."""
+    @staticmethod
+    def _owner_token(context: grpc.aio.ServicerContext) -> bytes:
         try:
-            presented = ticket_from_metadata(context.invocation_metadata())
-            ticket = self._verifier.verify(
-                presented, self._clock(), aggregator_id=self._id, expired_ok=closing
-            )
+            return owner_token_from_metadata(context.invocation_metadata())
         except AuthError as exc:
-            raise Rejected.of(exc) from None
-        if ticket.session_id != session_id:
-            raise Rejected(
-                "PERMISSION_DENIED",
-                f"the session ticket is for session {ticket.session_id!r}, not {session_id!r}",
-                "ticket_mismatch",
-            )
-        return presented
+            raise Rejected(exc.status, exc.message, "not_owner") from None
 
     @staticmethod
     def _check_owner(session: Session, presented: bytes) -> None:
-        if not hmac.compare_digest(presented, session.plan.ticket):
+        if not hmac.compare_digest(hashlib.sha256(presented).digest(), session.plan.owner_sha256):
             raise Rejected(
                 "PERMISSION_DENIED",
-                f"the session ticket is not the one session {session.session_id!r} was opened with",
-                "ticket_mismatch",
+                f"not the owner of session {session.session_id!r}: only the coordinator that opened "
+                "it may await or close it",
+                "not_owner",
             )
 
     async def _refuse(

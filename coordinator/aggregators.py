@@ -8,6 +8,7 @@ until a later health check finds it serving again.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -16,7 +17,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from tally import logs
-from tally.security import TLSConfig, channel_options, ticket_metadata
+from tally.security import OwnerTokens, TLSConfig, channel_options, owner_metadata
 from tally.security.tls import open_aio_channel as aio_channel
 from tally.wire.v1 import aggregator_pb2, aggregator_pb2_grpc
 
@@ -65,13 +66,16 @@ class AggregatorPool:
         aggregators: Sequence[tuple[str, str]],
         tls: TLSConfig,
         max_message_bytes: int,
+        owner_tokens: OwnerTokens,
         on_change: Callable[[int], None] = lambda up: None,
     ) -> None:
+        """``owner_tokens``: the coordinator's proof of owning the sessions it opens."""
         ids = [a for a, _ in aggregators]
         if len(set(ids)) != len(ids):
             raise ValueError(f"aggregator ids must be unique, got {ids}")
         options = channel_options(max_message_bytes)
         self._on_change = on_change
+        self._owner = owner_tokens
         self.members: dict[str, Aggregator] = {}
         for ident, address in aggregators:
             channel = aio_channel(address, tls, options)
@@ -124,26 +128,27 @@ class AggregatorPool:
     async def open_session(
         self, aggregator_id: str, request: aggregator_pb2.OpenSessionRequest, timeout: float
     ) -> aggregator_pb2.OpenSessionResponse:
+        """Opens ``request``'s session, registering the hash of its owner token with it."""
+        token = self._owner.token(aggregator_id, request.config.ref.session_id)
+        request.owner_token_sha256 = hashlib.sha256(token).digest()
         return await self._call(aggregator_id, "OpenSession", request, timeout)
 
     async def await_result(
-        self, aggregator_id: str, session_id: str, ticket: bytes, sum_id: str, timeout: float
+        self, aggregator_id: str, session_id: str, sum_id: str, timeout: float
     ) -> aggregator_pb2.CohortSum:
-        """``ticket``: the one the session was opened with, the aggregator's proof that this
-        call comes from the session's owner."""
         request = aggregator_pb2.AwaitResultRequest(session_id=session_id, sum_id=sum_id)
-        return await self._call(aggregator_id, "AwaitResult", request, timeout, ticket_metadata(ticket))
+        return await self._call(aggregator_id, "AwaitResult", request, timeout, self._as_owner(aggregator_id, session_id))
 
-    async def close_session(
-        self, aggregator_id: str, session_id: str, ticket: bytes, reason: str, timeout: float
-    ) -> None:
-        """Best effort: a session that cannot be closed ends at its own deadlines. ``ticket`` as
-        for ``await_result``."""
+    async def close_session(self, aggregator_id: str, session_id: str, reason: str, timeout: float) -> None:
+        """Best effort: a session that cannot be closed ends at its own deadlines."""
         request = aggregator_pb2.CloseSessionRequest(session_id=session_id, reason=reason)
         try:
-            await self._call(aggregator_id, "CloseSession", request, timeout, ticket_metadata(ticket))
+            await self._call(aggregator_id, "CloseSession", request, timeout, self._as_owner(aggregator_id, session_id))
         except AggregatorCallFailed as exc:
             logs.event(log, "close session failed", logging.WARNING, session_id=session_id, error=str(exc))
+
+    def _as_owner(self, aggregator_id: str, session_id: str) -> tuple[tuple[str, bytes], ...]:
+        return owner_metadata(self._owner.token(aggregator_id, session_id))
 
     async def _call(
         self, aggregator_id: str, method: str, request, timeout: float,

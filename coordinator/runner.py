@@ -341,8 +341,7 @@ class JobRunner:
         for attempt in store.running_attempts(self.job_id):  # left open by a stopped coordinator
             for s in attempt.sessions:
                 await self.ctx.pool.close_session(
-                    s["aggregator_id"], s["session_id"], bytes.fromhex(s.get("ticket", "")),
-                    "coordinator restarted", CLOSE_TIMEOUT_S,
+                    s["aggregator_id"], s["session_id"], "coordinator restarted", CLOSE_TIMEOUT_S
                 )
             store.finish_attempt(
                 self.job_id, attempt.round, attempt.attempt, self.ctx.clock(),
@@ -527,8 +526,7 @@ class JobRunner:
             await self._close_sessions("cohorts reformed")
         ctx.store.set_attempt_sessions(
             self.job_id, round_, attempt,
-            [{"aggregator_id": s.aggregator_id, "session_id": s.session_id, "ticket": s.ticket.hex()}
-             for s in self.sessions],
+            [{"aggregator_id": s.aggregator_id, "session_id": s.session_id} for s in self.sessions],
         )
         ctx.metrics.devices_selected.inc(len(planner.seats))
 
@@ -654,7 +652,7 @@ class JobRunner:
         async def one(session: OpenedSession) -> tuple[OpenedSession, aggregator_pb2.CohortSum]:
             timeout = planner.deadline - ctx.clock()
             result = await ctx.pool.await_result(
-                session.aggregator_id, session.session_id, session.ticket, step.name, timeout
+                session.aggregator_id, session.session_id, step.name, timeout
             )
             return session, result
 
@@ -741,5 +739,5 @@ class JobRunner:
         sessions, self.sessions = self.sessions, []
         close = self.ctx.pool.close_session
         await asyncio.gather(
-            *(close(s.aggregator_id, s.session_id, s.ticket, reason, CLOSE_TIMEOUT_S) for s in sessions)
+            *(close(s.aggregator_id, s.session_id, reason, CLOSE_TIMEOUT_S) for s in sessions)
         )

@@ -28,6 +28,7 @@ from tally import logs
 from tally.metrics import MetricsServer
 from tally.security.enrolment import EnrolmentVerifier, SharedKeyEnrolment, load_or_create_enrolment_key
 from tally.security import (
+    OwnerTokens,
     TicketSigner,
     TLSConfig,
     TokenIssuer,
@@ -124,7 +125,8 @@ class CoordinatorService:
         metrics = CoordinatorMetrics(self._metrics_server.registry)
         self.metrics_port = self._metrics_server.start(self.metrics_port, self.metrics_addr)
         self._pool = AggregatorPool(
-            self.aggregators, self.aggregator_tls, self.max_message_bytes, metrics.aggregators_up.set
+            self.aggregators, self.aggregator_tls, self.max_message_bytes,
+            OwnerTokens(load_or_create_token_secret(self.secrets_dir)), metrics.aggregators_up.set,
         )
         self.engine = Engine(
             self._store, self._pool, signer, metrics, self.clock, checkin_hold_s=self.checkin_hold_s

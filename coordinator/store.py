@@ -410,8 +410,8 @@ class Store:
     def set_attempt_sessions(
         self, job_id: str, round_: int, attempt: int, sessions: list[dict[str, str]]
     ) -> None:
-        """The sessions an attempt opened (aggregator_id, session_id and the hex ticket that
-        proves the coordinator owns them), so a restarted coordinator can close them."""
+        """The sessions an attempt opened (aggregator_id and session_id), so a restarted
+        coordinator can close them (with owner tokens it derives again: nothing secret is stored)."""
         with self._lock:
             self._db.execute(
                 "UPDATE rounds SET sessions = ? WHERE job_id = ? AND round = ? AND attempt = ?",

@@ -56,7 +56,8 @@ from tally.security import (
     TicketVerifier,
     TLSConfig,
     config_digest,
-    ticket_metadata,
+    OwnerTokens,
+    owner_metadata,
 )
 from tally.security.certs import write_deployment
 from tally.security.tls import channel_credentials, channel_options, open_channel
@@ -99,6 +100,9 @@ class Deployment:
         return grpc.aio.secure_channel(target, credentials, options=channel_options(8 << 20))
 
 
+OWNER_TOKENS = OwnerTokens(b"coordinator token secret for tests")
+
+
 @pytest.fixture(scope="module")
 def deployment(tmp_path_factory) -> Deployment:
     directory = tmp_path_factory.mktemp("tls")
@@ -119,6 +123,11 @@ class Cohort:
     tokens: dict[int, str]
     values: dict[int, dict[str, dict[str, np.ndarray]]]
     request: aggregator_pb2.OpenSessionRequest
+    owner: bytes  # the coordinator's owner token for the session
+
+    @property
+    def owner_md(self) -> tuple[tuple[str, bytes], ...]:
+        return owner_metadata(self.owner)
 
     def ring_inputs(self, index: int) -> dict[str, np.ndarray]:
         rng = np.random.default_rng(index)
@@ -173,7 +182,9 @@ def plan(deployment: Deployment, session_id: str, *, n: int = 8, seconds: float 
                                             token_sha256=hashlib.sha256(t.encode()).digest())
                  for i, t in tokens.items()],
     )
-    return Cohort(config, ticket, tokens, values, request)
+    owner = OWNER_TOKENS.token(aggregator_id, session_id)
+    request.owner_token_sha256 = hashlib.sha256(owner).digest()
+    return Cohort(config, ticket, tokens, values, request, owner)
 
 
 @asynccontextmanager
@@ -296,7 +307,7 @@ def join(cohort: Cohort, index: int, token: str | None = None,
 async def await_sum(stub, cohort: Cohort, sum_id: str, timeout: float = 20.0):
     reply = await stub.AwaitResult(aggregator_pb2.AwaitResultRequest(
         session_id=cohort.config.ref.session_id, sum_id=sum_id), timeout=timeout,
-        metadata=ticket_metadata(cohort.ticket))
+        metadata=cohort.owner_md)
     return reply, cohort_sum_from_proto(reply)
 
 
@@ -308,7 +319,7 @@ async def until_not_found(stub, cohort: Cohort, timeout: float = 10.0) -> None:
     request = aggregator_pb2.AwaitResultRequest(session_id=session_id, sum_id="update")
     while loop.time() < end:
         try:
-            await stub.AwaitResult(request, timeout=timeout, metadata=ticket_metadata(cohort.ticket))
+            await stub.AwaitResult(request, timeout=timeout, metadata=cohort.owner_md)
         except grpc.aio.AioRpcError as exc:
             assert exc.code() == CODE.NOT_FOUND, exc
             return
@@ -457,7 +468,10 @@ def test_bad_tickets_and_bad_devices_get_clear_statuses_and_the_session_still_co
     run(scenario)
 
 
-def test_control_calls_need_the_ticket_the_session_was_opened_with(deployment):
+def test_control_calls_need_the_owner_token_the_session_was_opened_with(deployment):
+    """Attack 2: every cohort member holds the session ticket (and its own session token), so
+    neither lets a caller await or close a session; only the coordinator's owner token does."""
+
     async def scenario():
         async with running(deployment) as service, connected(deployment, service) as (ch, stub):
             mine, theirs = plan(deployment, "s-mine", seconds=0.3), plan(deployment, "s-theirs")
@@ -474,55 +488,42 @@ def test_control_calls_need_the_ticket_the_session_was_opened_with(deployment):
                     session_id=session_id, reason="test"), metadata=metadata, timeout=10)
 
             missing = (CODE.UNAUTHENTICATED,
-                       "missing session ticket (metadata 'tally-session-ticket-bin')")
+                       "control calls need the session's owner token (32 bytes in tally-owner-token-bin)")
             assert await rpc_error(await_mine()) == missing
             assert await rpc_error(close("s-mine")) == missing
             # Unauthenticated callers cannot tell open sessions from unknown ones.
             assert await rpc_error(close("s-never")) == missing
-            other_session = (CODE.PERMISSION_DENIED,
-                             "the session ticket is for session 's-theirs', not 's-mine'")
-            assert await rpc_error(await_mine(ticket_metadata(theirs.ticket))) == other_session
-            assert await rpc_error(close("s-mine", ticket_metadata(theirs.ticket))) == other_session
-            # The same fields signed with another key do not verify.
-            fake = TicketSigner(ed25519.Ed25519PrivateKey.generate()).sign(
-                deployment.signer.verifier().verify(mine.ticket, time.time()))
-            assert await rpc_error(await_mine(ticket_metadata(fake))) == (
-                CODE.PERMISSION_DENIED, "session ticket signature invalid")
-            # Genuine, for this session, but not byte-identical to the one it was opened with.
-            resigned = sign(deployment, mine.config, expires_in=100.0)
-            assert resigned != mine.ticket
-            assert await rpc_error(close("s-mine", ticket_metadata(resigned))) == (
-                CODE.PERMISSION_DENIED,
-                "the session ticket is not the one session 's-mine' was opened with")
-            for_b = sign(deployment, mine.config, aggregator_id="agg-b")
-            assert await rpc_error(await_mine(ticket_metadata(for_b))) == (
-                CODE.PERMISSION_DENIED, "session ticket is for another aggregator")
-            expired = sign(deployment, never_opened.config, expires_in=-1)
-            assert await rpc_error(stub.AwaitResult(aggregator_pb2.AwaitResultRequest(
-                session_id="s-never", sum_id="update"), metadata=ticket_metadata(expired))) == (
-                CODE.PERMISSION_DENIED, "session ticket expired")
+            # What a device holds: the ticket (where the old API wanted it, or as the token) and
+            # its session token.
+            device_ticket = (("tally-session-ticket-bin", mine.ticket),)
+            assert await rpc_error(await_mine(device_ticket)) == missing
+            assert await rpc_error(close("s-mine", owner_metadata(mine.ticket))) == missing
+            device_token = owner_metadata(hashlib.sha256(mine.tokens[1].encode()).digest())
+            not_owner = (CODE.PERMISSION_DENIED,
+                         "not the owner of session 's-mine': only the coordinator that opened it may "
+                         "await or close it")
+            assert await rpc_error(close("s-mine", device_token)) == not_owner
+            assert await rpc_error(await_mine(theirs.owner_md)) == not_owner
             code, _ = await rpc_error(stub.AwaitResult(aggregator_pb2.AwaitResultRequest(
-                session_id="s-never", sum_id="update"),
-                metadata=ticket_metadata(never_opened.ticket)))
+                session_id="s-never", sum_id="update"), metadata=never_opened.owner_md))
             assert code == CODE.NOT_FOUND
-            # Closing stays idempotent for a ticket holder, even one past its deadline.
-            await close("s-never", ticket_metadata(never_opened.ticket))
-            await close("s-never", ticket_metadata(expired))
+            # Closing stays idempotent for the owner.
+            await close("s-never", never_opened.owner_md)
 
-            # None of the refusals touched the sessions; the right tickets work.
+            # None of the refusals touched the sessions; the right tokens work.
             reply, _ = await await_sum(stub, mine, "update")
             assert "advertise_keys: 0 devices answered" in reply.aborted_reason
-            await close("s-theirs", ticket_metadata(theirs.ticket))
+            await close("s-theirs", theirs.owner_md)
             code, _ = await rpc_error(stub.AwaitResult(aggregator_pb2.AwaitResultRequest(
-                session_id="s-theirs", sum_id="update"), metadata=ticket_metadata(theirs.ticket)))
+                session_id="s-theirs", sum_id="update"), metadata=theirs.owner_md))
             assert code == CODE.NOT_FOUND
-            await close("s-mine", ticket_metadata(mine.ticket))
-            await close("s-mine", ticket_metadata(mine.ticket))
+            await close("s-mine", mine.owner_md)
+            await close("s-mine", mine.owner_md)
             metrics = scrape(service.metrics_port)
-            assert metrics['tally_aggregator_rejected_total{reason="ticket",'
-                           'status="UNAUTHENTICATED"}'] == 3
-            assert metrics['tally_aggregator_rejected_total{reason="ticket_mismatch",'
-                           'status="PERMISSION_DENIED"}'] == 3
+            assert metrics['tally_aggregator_rejected_total{reason="not_owner",'
+                           'status="UNAUTHENTICATED"}'] == 5
+            assert metrics['tally_aggregator_rejected_total{reason="not_owner",'
+                           'status="PERMISSION_DENIED"}'] == 2
 
     run(scenario)
 
@@ -557,9 +558,9 @@ def test_two_aggregators_run_sessions_at_once_with_metrics_health_and_reflection
                 assert_sum(cohort, sum_id, result, range(1, 9))
             await stub.CloseSession(aggregator_pb2.CloseSessionRequest(
                 session_id=session_id, reason="round committed"),
-                metadata=ticket_metadata(cohort.ticket))
+                metadata=cohort.owner_md)
             code, _ = await rpc_error(stub.AwaitResult(aggregator_pb2.AwaitResultRequest(
-                session_id=session_id, sum_id="update"), metadata=ticket_metadata(cohort.ticket)))
+                session_id=session_id, sum_id="update"), metadata=cohort.owner_md))
             assert code == CODE.NOT_FOUND
 
     async def scenario():
@@ -601,16 +602,16 @@ def test_close_session_aborts_its_devices_and_keeps_nothing(deployment):
             await asyncio.gather(*(s.joined.wait() for s in seen))
             await stub.CloseSession(aggregator_pb2.CloseSessionRequest(
                 session_id="s-close", reason="round cancelled"),
-                metadata=ticket_metadata(cohort.ticket))
+                metadata=cohort.owner_md)
             for run_ in await asyncio.gather(*devices):
                 assert run_.outcome == "aborted" and "round cancelled" in run_.detail
                 assert run_.code == CODE.OK
             code, _ = await rpc_error(stub.AwaitResult(aggregator_pb2.AwaitResultRequest(
-                session_id="s-close", sum_id="update"), metadata=ticket_metadata(cohort.ticket)))
+                session_id="s-close", sum_id="update"), metadata=cohort.owner_md))
             assert code == CODE.NOT_FOUND
             # Closing again is harmless; an unclosed finished session expires after the TTL.
             await stub.CloseSession(aggregator_pb2.CloseSessionRequest(session_id="s-close"),
-                                    metadata=ticket_metadata(cohort.ticket))
+                                    metadata=cohort.owner_md)
             expiring = plan(deployment, "s-expire", seconds=0.1)
             await stub.OpenSession(expiring.request)
             reply, _ = await await_sum(stub, expiring, "update")

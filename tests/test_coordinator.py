@@ -61,7 +61,6 @@ from tally.codec import Field, Kind, PayloadSchema, ring_dtype, ring_mask, to_ri
 from tally.secagg import SessionConfig, SumResult
 from tally.security import certs
 from tally.security import (
-    TICKET_METADATA_KEY,
     AuthError,
     TicketVerifier,
     TLSConfig,
@@ -73,6 +72,7 @@ from tally.security import (
     load_or_create_ticket_key,
 )
 from tally.security.tls import tls_config_from_args
+from tally.security.tokens import OWNER_METADATA_KEY
 from tally.simulation import plain_sum, run_rounds
 from tally.training import get_params, mlp, set_params
 from tally.wire.convert import (
@@ -356,6 +356,7 @@ class FakeSession:
     schemas: dict[str, PayloadSchema]
     grants: dict[int, bytes]
     ticket: bytes
+    owner_sha256: bytes
     inputs: dict[str, dict[int, np.ndarray]] = field(default_factory=lambda: defaultdict(dict))
     dropped: set[int] = field(default_factory=set)
     closed: str | None = None
@@ -403,7 +404,10 @@ class FakeAggregator(aggregator_pb2_grpc.AggregatorControlServicer):
         schemas = dict(schema_from_proto(s) for s in request.schemas)
         assert list(schemas) == [s.sum_id for s in config.sums] == list(ticket.sum_ids)
         assert config.min_survivors >= 5  # the job's privacy floor reaches the aggregator
-        self.sessions[config.ref.session_id] = FakeSession(config, schemas, grants, request.session_ticket)
+        assert len(request.owner_token_sha256) == 32
+        self.sessions[config.ref.session_id] = FakeSession(
+            config, schemas, grants, request.session_ticket, request.owner_token_sha256
+        )
         self.opened.set()
         return aggregator_pb2.OpenSessionResponse(session_id=config.ref.session_id, address=self.address)
 
@@ -421,9 +425,10 @@ class FakeAggregator(aggregator_pb2_grpc.AggregatorControlServicer):
 
     @staticmethod
     async def check_owner(session: FakeSession, context) -> None:
-        """Control calls must carry the ticket the session was opened with."""
-        if dict(context.invocation_metadata()).get(TICKET_METADATA_KEY) != session.ticket:
-            await context.abort(grpc.StatusCode.PERMISSION_DENIED, "not the session's ticket")
+        """Control calls must carry the owner token whose hash the session was opened with."""
+        token = dict(context.invocation_metadata()).get(OWNER_METADATA_KEY, b"")
+        if hashlib.sha256(token).digest() != session.owner_sha256:
+            await context.abort(grpc.StatusCode.PERMISSION_DENIED, "not the session's owner")
 
     async def AwaitResult(self, request, context):
         session = self.sessions.get(request.session_id)

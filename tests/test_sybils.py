@@ -7,7 +7,6 @@ anyone."""
 
 from __future__ import annotations
 
-import asyncio
 import random
 from collections import defaultdict
 

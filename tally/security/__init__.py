@@ -14,8 +14,8 @@ from tally.security.tls import (
     server_credentials,
 )
 from tally.security.tokens import (
-    TICKET_METADATA_KEY,
     DeviceClaims,
+    OwnerTokens,
     SessionTicket,
     TicketSigner,
     TicketVerifier,
@@ -25,15 +25,15 @@ from tally.security.tokens import (
     load_or_create_ticket_key,
     load_or_create_token_secret,
     load_ticket_public_key,
-    ticket_from_metadata,
-    ticket_metadata,
+    owner_metadata,
+    owner_token_from_metadata,
     token_from_metadata,
 )
 
 __all__ = [
-    "TICKET_METADATA_KEY",
     "AuthError",
     "DeviceClaims",
+    "OwnerTokens",
     "SessionTicket",
     "TLSConfig",
     "TicketSigner",
@@ -49,8 +49,8 @@ __all__ = [
     "load_or_create_token_secret",
     "load_ticket_public_key",
     "open_channel",
+    "owner_metadata",
+    "owner_token_from_metadata",
     "server_credentials",
-    "ticket_from_metadata",
-    "ticket_metadata",
     "token_from_metadata",
 ]

@@ -158,7 +158,6 @@ def token_from_metadata(metadata: Iterable[tuple[str, str | bytes]] | None) -> s
 
 TICKET_MAGIC = b"TLYT"
 TICKET_VERSION = 1
-TICKET_METADATA_KEY = "tally-session-ticket-bin"  # gRPC binary metadata keys end in -bin
 MAX_TICKET_BYTES = 64 * 1024
 SIGNATURE_BYTES = 64
 _TICKET_DOMAIN = b"tally-session-ticket\x00"
@@ -216,13 +215,9 @@ class TicketVerifier:
             raise TypeError("TicketVerifier needs an Ed25519 public key")
         self._key = public_key
 
-    def verify(
-        self, ticket: bytes, now: float, *, aggregator_id: str | None = None,
-        expired_ok: bool = False,
-    ) -> SessionTicket:
-        """The ticket's contents once its signature, shape, expiry (unless ``expired_ok``: ending
-        a session stays allowed to its owner after the deadline the ticket carries) and, when
-        given, its aggregator check out."""
+    def verify(self, ticket: bytes, now: float, *, aggregator_id: str | None = None) -> SessionTicket:
+        """The ticket's contents once its signature, shape, expiry and, when given, its
+        aggregator check out."""
         if not isinstance(ticket, (bytes, bytearray, memoryview)):
             raise _denied("malformed session ticket")
         data = bytes(ticket)
@@ -243,25 +238,52 @@ class TicketVerifier:
             raise _denied("malformed session ticket") from None
         if not _finite(now):
             raise ValueError("now must be finite")
-        if now >= parsed.expires_at and not expired_ok:
+        if now >= parsed.expires_at:
             raise _denied("session ticket expired")
         if aggregator_id is not None and parsed.aggregator_id != aggregator_id:
             raise _denied("session ticket is for another aggregator")
         return parsed
 
 
-def ticket_metadata(ticket: bytes) -> tuple[tuple[str, bytes], ...]:
-    """Call metadata carrying a session ticket: the coordinator's proof, on its control calls to
-    an aggregator, that it owns the session (pass as ``metadata=`` to a stub call)."""
-    return ((TICKET_METADATA_KEY, bytes(ticket)),)
+# -- owner tokens --------------------------------------------------------------------------------
+
+OWNER_METADATA_KEY = "tally-owner-token-bin"
+OWNER_TOKEN_BYTES = 32
+_OWNER_DOMAIN = b"tally-session-owner\x00"
 
 
-def ticket_from_metadata(metadata: Iterable[tuple[str, str | bytes]] | None) -> bytes:
-    """The session ticket of a call's ``invocation_metadata()``; ``AuthError`` when absent."""
+class OwnerTokens:
+    """The coordinator's proof, on AggregatorControl, that it opened a session.
+
+    Every cohort member holds the session ticket, so the ticket cannot prove ownership. The owner
+    token is derived (HMAC-SHA256 of the coordinator's token secret over the aggregator and
+    session ids, domain-separated from device tokens) rather than stored: a restarted coordinator
+    can still close the sessions it opened, and the secret never leaves it. Aggregators receive
+    and keep only its SHA-256."""
+
+    def __init__(self, secret: bytes) -> None:
+        if len(secret) < MIN_SECRET_BYTES:
+            raise ValueError(f"an owner-token secret has at least {MIN_SECRET_BYTES} bytes")
+        self._secret = secret
+
+    def token(self, aggregator_id: str, session_id: str) -> bytes:
+        message = _OWNER_DOMAIN + _pack_str(aggregator_id, "aggregator_id") + _pack_str(session_id, "session_id")
+        return hmac.new(self._secret, message, hashlib.sha256).digest()
+
+
+def owner_metadata(token: bytes) -> tuple[tuple[str, bytes], ...]:
+    return ((OWNER_METADATA_KEY, token),)
+
+
+def owner_token_from_metadata(metadata: Iterable[tuple[str, str | bytes]] | None) -> bytes:
+    """The owner token a control call presents; ``AuthError`` when it is missing or malformed."""
     for key, value in metadata or ():
-        if key.lower() == TICKET_METADATA_KEY and isinstance(value, bytes) and value:
+        if key == OWNER_METADATA_KEY and isinstance(value, bytes) and len(value) == OWNER_TOKEN_BYTES:
             return value
-    raise _unauth(f"missing session ticket (metadata {TICKET_METADATA_KEY!r})")
+    raise AuthError(
+        "UNAUTHENTICATED",
+        f"control calls need the session's owner token ({OWNER_TOKEN_BYTES} bytes in {OWNER_METADATA_KEY})",
+    )
 
 
 def _encode_ticket(t: SessionTicket) -> bytes:

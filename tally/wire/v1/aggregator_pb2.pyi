@@ -48,18 +48,20 @@ class DeviceGrant(_message.Message):
     def __init__(self, device_index: _Optional[int] = ..., token_sha256: _Optional[bytes] = ...) -> None: ...
 
 class OpenSessionRequest(_message.Message):
-    __slots__ = ("session_ticket", "config", "schemas", "deadlines", "devices")
+    __slots__ = ("session_ticket", "config", "schemas", "deadlines", "devices", "owner_token_sha256")
     SESSION_TICKET_FIELD_NUMBER: _ClassVar[int]
     CONFIG_FIELD_NUMBER: _ClassVar[int]
     SCHEMAS_FIELD_NUMBER: _ClassVar[int]
     DEADLINES_FIELD_NUMBER: _ClassVar[int]
     DEVICES_FIELD_NUMBER: _ClassVar[int]
+    OWNER_TOKEN_SHA256_FIELD_NUMBER: _ClassVar[int]
     session_ticket: bytes
     config: _secagg_pb2.SessionConfig
     schemas: _containers.RepeatedCompositeFieldContainer[PayloadSchemaSpec]
     deadlines: _secagg_pb2.PhaseDeadlines
     devices: _containers.RepeatedCompositeFieldContainer[DeviceGrant]
-    def __init__(self, session_ticket: _Optional[bytes] = ..., config: _Optional[_Union[_secagg_pb2.SessionConfig, _Mapping]] = ..., schemas: _Optional[_Iterable[_Union[PayloadSchemaSpec, _Mapping]]] = ..., deadlines: _Optional[_Union[_secagg_pb2.PhaseDeadlines, _Mapping]] = ..., devices: _Optional[_Iterable[_Union[DeviceGrant, _Mapping]]] = ...) -> None: ...
+    owner_token_sha256: bytes
+    def __init__(self, session_ticket: _Optional[bytes] = ..., config: _Optional[_Union[_secagg_pb2.SessionConfig, _Mapping]] = ..., schemas: _Optional[_Iterable[_Union[PayloadSchemaSpec, _Mapping]]] = ..., deadlines: _Optional[_Union[_secagg_pb2.PhaseDeadlines, _Mapping]] = ..., devices: _Optional[_Iterable[_Union[DeviceGrant, _Mapping]]] = ..., owner_token_sha256: _Optional[bytes] = ...) -> None: ...
 
 class OpenSessionResponse(_message.Message):
     __slots__ = ("session_id", "address")
