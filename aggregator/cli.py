@@ -12,6 +12,7 @@ from cryptography.hazmat.primitives.asymmetric import ed25519
 
 from tally import logs
 from tally.security import TLSConfig, load_ticket_public_key
+from tally.security.certs import COORDINATOR_CN
 from tally.security.tls import DEFAULT_MAX_MESSAGE_BYTES, add_tls_arguments, tls_config_from_args
 from tally.security.tokens import TICKET_PUB_FILE
 
@@ -40,6 +41,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="the coordinator's ticket verification key "
                         f"(default: <tls-dir>/{TICKET_PUB_FILE})")
     add_tls_arguments(p, "aggregator")
+    p.add_argument("--controller-cn", default=COORDINATOR_CN, metavar="NAME",
+                   help="with --require-client-cert, the only certificate CN admitted to "
+                        "AggregatorControl (default: %(default)s)")
     p.add_argument("--metrics-port", type=int, default=0,
                    help="Prometheus /metrics port (default: 0, a free port, printed at start)")
     p.add_argument("--metrics-addr", default="127.0.0.1",
@@ -81,6 +85,7 @@ async def _serve(
         metrics_addr=args.metrics_addr,
         max_message_bytes=args.max_message_bytes,
         result_ttl_s=args.result_ttl,
+        controller=args.controller_cn,
     )
     try:
         await service.start()

@@ -8,6 +8,11 @@ opened it. The session ticket cannot: every cohort member holds it. So the call 
 session's owner token (``tally-owner-token-bin`` metadata), which only the coordinator can derive;
 the aggregator compares its SHA-256 with the hash the session was opened with, in constant time.
 A call without a well-formed token is refused before any session is looked up.
+
+Under mutual TLS the certificate is checked first: control calls are admitted only from the
+coordinator's identity (``controller``, the CN ``tally certs`` gives it), so a device presenting
+its own certificate cannot reach this API at all. Without mutual TLS the owner token (and, for
+OpenSession, the coordinator-signed ticket) is the boundary.
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ import grpc
 
 from tally import logs
 from tally.security import AuthError, TicketVerifier, owner_token_from_metadata
+from tally.security.tls import peer_identity
 from tally.wire.convert import cohort_sum_to_proto
 from tally.wire.v1 import aggregator_pb2, aggregator_pb2_grpc
 
@@ -46,8 +52,10 @@ class ControlServicer(aggregator_pb2_grpc.AggregatorControlServicer):
         metrics: AggregatorMetrics,
         clock: Callable[[], float],
         address: Callable[[], str],
+        controller: str,
     ) -> None:
         self._id = aggregator_id
+        self._controller = controller
         self._verifier = verifier
         self._registry = registry
         self._metrics = metrics
@@ -58,6 +66,7 @@ class ControlServicer(aggregator_pb2_grpc.AggregatorControlServicer):
         self, request: aggregator_pb2.OpenSessionRequest, context: grpc.aio.ServicerContext
     ) -> aggregator_pb2.OpenSessionResponse:
         try:
+            self._check_peer(context)
             plan = admit(request, self._verifier, self._id, self._clock())
             session = Session(plan, self._metrics, self._registry.finished)
             self._registry.add(session)
@@ -72,6 +81,7 @@ class ControlServicer(aggregator_pb2_grpc.AggregatorControlServicer):
         self, request: aggregator_pb2.AwaitResultRequest, context: grpc.aio.ServicerContext
     ) -> aggregator_pb2.CohortSum:
         try:
+            self._check_peer(context)
             presented = self._owner_token(context)
             session = self._registry.get(request.session_id)
             self._check_owner(session, presented)
@@ -87,6 +97,7 @@ class ControlServicer(aggregator_pb2_grpc.AggregatorControlServicer):
         self, request: aggregator_pb2.CloseSessionRequest, context: grpc.aio.ServicerContext
     ) -> aggregator_pb2.CloseSessionResponse:
         try:
+            self._check_peer(context)
             presented = self._owner_token(context)
             session = self._registry.find(request.session_id)
             if session is not None:  # closing what is already gone is a no-op, so it may be retried
@@ -98,6 +109,16 @@ class ControlServicer(aggregator_pb2_grpc.AggregatorControlServicer):
         )
         logs.event(log, "session closed", session_id=request.session_id, reason=request.reason)
         return aggregator_pb2.CloseSessionResponse()
+
+    def _check_peer(self, context: grpc.aio.ServicerContext) -> None:
+        peer = peer_identity(context)
+        if peer is not None and peer != self._controller:
+            raise Rejected(
+                "PERMISSION_DENIED",
+                f"AggregatorControl admits only the coordinator's certificate ({self._controller}), "
+                f"not {peer!r}",
+                "not_controller",
+            )
 
     @staticmethod
     def _owner_token(context: grpc.aio.ServicerContext) -> bytes:

@@ -21,6 +21,7 @@ from grpc_reflection.v1alpha import reflection
 from tally import logs
 from tally.metrics import MetricsServer
 from tally.security import TicketVerifier, TLSConfig, bind, channel_options
+from tally.security.certs import COORDINATOR_CN
 from tally.wire.v1 import aggregator_pb2, aggregator_pb2_grpc, secagg_pb2, secagg_pb2_grpc
 
 from aggregator.control import ControlServicer
@@ -40,7 +41,8 @@ _WILDCARD_HOSTS = {"", "0.0.0.0", "[::]", "::"}
 class AggregatorService:
     """``ticket_public_key``: the coordinator's Ed25519 ticket key (raw 32 bytes or a key
     object). ``advertised_address``: what devices should dial, when it differs from ``listen``
-    (behind a Service or NAT)."""
+    (behind a Service or NAT). ``controller``: the certificate CN the control API admits when
+    ``tls`` demands client certificates."""
 
     def __init__(
         self,
@@ -55,6 +57,7 @@ class AggregatorService:
         max_message_bytes: int = 64 << 20,
         result_ttl_s: float = 600.0,
         clock: Callable[[], float] = time.time,
+        controller: str = COORDINATOR_CN,
     ) -> None:
         if not aggregator_id:
             raise ValueError("aggregator_id must be non-empty")
@@ -68,6 +71,7 @@ class AggregatorService:
         self._verifier = TicketVerifier(ticket_public_key)
         self._registry = SessionRegistry(result_ttl_s)
         self._clock = clock
+        self._controller = controller
         self._server: grpc.aio.Server | None = None
         self._health: health.aio.HealthServicer | None = None
         self._metrics_server = MetricsServer(self.metrics.registry)
@@ -117,7 +121,7 @@ class AggregatorService:
         server = grpc.aio.server(options=self._options)
         aggregator_pb2_grpc.add_AggregatorControlServicer_to_server(
             ControlServicer(self.id, self._verifier, self._registry, self.metrics, self._clock,
-                            lambda: self.address),
+                            lambda: self.address, self._controller),
             server,
         )
         secagg_pb2_grpc.add_SecureAggregationServicer_to_server(

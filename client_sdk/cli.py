@@ -96,7 +96,7 @@ def _add_common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--hidden", type=int, default=64, help="hidden units of the mlp (must match the job's model)")
     p.add_argument("--metrics-port", type=int, help="serve tally_client_* metrics on this port (0: any free port)")
     p.add_argument("--log-level", default="warning", help="structured JSON logs on stderr at this level")
-    add_tls_arguments(p, identity="client")
+    add_tls_arguments(p, identity="device")
 
 
 def _load(flag: str, load: Callable[[Path], T], path: Path) -> T:

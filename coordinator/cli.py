@@ -16,7 +16,7 @@ from coordinator.admin_api import ADMIN_TOKEN_FILE
 from coordinator.aggregators import parse_aggregator
 from coordinator.service import CoordinatorService
 from tally import logs
-from tally.security import TLSConfig, bearer_metadata, channel_options, open_channel
+from tally.security import bearer_metadata, channel_options, open_channel
 from tally.security.tls import add_tls_arguments, tls_config_from_args
 from tally.wire.v1 import admin_pb2, admin_pb2_grpc, common_pb2
 
@@ -108,25 +108,13 @@ def run_coordinator(args: argparse.Namespace) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     service = CoordinatorService(
-        args.listen, tls, args.state_dir, args.aggregator, aggregator_tls=aggregator_tls(args, tls),
+        args.listen, tls, args.state_dir, args.aggregator,
         metrics_port=args.metrics_port, metrics_addr=args.metrics_addr,
         max_message_bytes=args.max_message_bytes,
         secrets_dir=args.secrets_dir or args.tls_dir or args.state_dir,
         checkin_hold_s=args.checkin_hold,
     )
     return asyncio.run(_serve(service))
-
-
-def aggregator_tls(args: argparse.Namespace, tls: TLSConfig) -> TLSConfig:
-    """Channels to aggregators: plaintext with --insecure, else the deployment CA, presenting
-    the ``client`` certificate of --tls-dir (``tally certs``) when there is one, for aggregators
-    that demand mutual TLS."""
-    if tls.insecure:
-        return tls
-    client = args.tls_dir / "client.pem" if args.tls_dir else None
-    if client is not None and client.exists():
-        return TLSConfig(ca=tls.ca, cert=client, key=args.tls_dir / "client.key")
-    return TLSConfig(ca=tls.ca)
 
 
 async def _serve(service: CoordinatorService) -> int:

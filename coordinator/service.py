@@ -63,10 +63,11 @@ class CoordinatorService:
     ``secrets_dir`` holds ``token.secret`` (device tokens), ``ticket.key``/``ticket.pub``
     (session tickets; aggregators need ``ticket.pub``) and ``enrolment.key`` (device credentials,
     ``tally enrol``); it defaults to ``state_dir``, and a ``tally certs`` directory works too.
-    ``enrolment`` replaces the enrolment-key check (an attestation service, say). ``aggregator_tls`` defaults to plaintext when ``tls``
-    is plaintext, else to verifying aggregators with ``tls``'s CA; pass a client identity
-    (``TLSConfig.from_dir(dir, "client")``) for aggregators that demand mutual TLS (the
-    coordinator's own certificate is for serving only).
+    ``enrolment`` replaces the enrolment-key check (an attestation service, say).
+    ``aggregator_tls`` defaults to plaintext when ``tls`` is plaintext, else to verifying
+    aggregators with ``tls``'s CA while presenting the coordinator's own certificate (``tally
+    certs`` makes it valid for serving and for mutual TLS toward aggregators, whose control API
+    admits that identity only).
     """
 
     def __init__(
@@ -91,7 +92,9 @@ class CoordinatorService:
     ) -> None:
         self.listen, self.tls, self.state_dir = listen, tls, Path(state_dir)
         self.aggregators = list(aggregators)
-        self.aggregator_tls = aggregator_tls or (tls if tls.insecure else TLSConfig(ca=tls.ca))
+        self.aggregator_tls = aggregator_tls or (
+            tls if tls.insecure else TLSConfig(ca=tls.ca, cert=tls.cert, key=tls.key)
+        )
         self.metrics_port, self.metrics_addr = metrics_port, metrics_addr
         self.max_message_bytes, self.clock = max_message_bytes, clock
         self.secrets_dir = Path(secrets_dir) if secrets_dir is not None else self.state_dir

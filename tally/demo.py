@@ -116,11 +116,12 @@ async def _job(target: str, tls: TLSConfig, token: str, job_id: str) -> admin_pb
 async def _demo(args: argparse.Namespace, console: Console) -> dict:
     out = args.out.resolve()
     certs, state = out / "certs", out / "state"
-    write_deployment(certs, force=True)
-    tls = TLSConfig.from_dir(certs, "client")
+    # One identity per process, as a deployment would hand them out.
+    write_deployment(certs, aggregators=2, force=True)
+    tls = TLSConfig.from_dir(certs / "device", "device")
     processes = [
         Process(f"aggregator-{i}", ["aggregator", "--listen", "127.0.0.1:0", "--id", f"agg-{i}",
-                                    "--tls-dir", str(certs)],
+                                    "--tls-dir", str(certs / f"aggregator-{i}")],
                 out / "logs" / f"aggregator-{i}.log")
         for i in (1, 2)
     ]
@@ -132,7 +133,8 @@ async def _demo(args: argparse.Namespace, console: Console) -> dict:
         console.print(f"aggregators up: {', '.join(aggregators)}")
         coordinator = Process(
             "coordinator",
-            ["coordinator", "--listen", "127.0.0.1:0", "--state-dir", str(state), "--tls-dir", str(certs),
+            ["coordinator", "--listen", "127.0.0.1:0", "--state-dir", str(state),
+             "--tls-dir", str(certs / "coordinator"),
              *[a for agg in aggregators for a in ("--aggregator", agg)]],
             out / "logs" / "coordinator.log",
         )
@@ -151,7 +153,7 @@ async def _demo(args: argparse.Namespace, console: Console) -> dict:
         factory = lambda: mlp(fed.num_features, fed.num_classes, hidden=64, seed=0)  # noqa: E731
         trainers = [TorchTrainer(factory, X, y, seed=args.seed + i) for i, (X, y) in enumerate(fed.clients)]
         # The demo provisions its simulated devices with the coordinator's enrolment key.
-        enrolment_key = read_enrolment_key(certs / ENROLMENT_KEY_FILE)
+        enrolment_key = read_enrolment_key(certs / "coordinator" / ENROLMENT_KEY_FILE)
         fleet = Fleet(target, tls, trainers, dropout=DropoutPlan(args.dropout, seed=args.seed), seed=args.seed,
                       enrolment_key=enrolment_key)
         start = time.perf_counter()

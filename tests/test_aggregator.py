@@ -92,11 +92,13 @@ class Deployment:
     signer: TicketSigner
     public_key: bytes
 
-    def server_tls(self) -> TLSConfig:
-        return TLSConfig.from_dir(self.tls_dir, "aggregator")
+    def server_tls(self, require_client_auth: bool = False) -> TLSConfig:
+        return TLSConfig.from_dir(self.tls_dir / "aggregator-1", "aggregator", require_client_auth=require_client_auth)
 
-    def channel(self, target: str) -> grpc.aio.Channel:
-        credentials = channel_credentials(TLSConfig.from_dir(self.tls_dir, None))
+    def channel(self, target: str, identity: str | None = None) -> grpc.aio.Channel:
+        """A channel presenting ``identity``'s certificate (``coordinator`` or ``device``), or none."""
+        directory = self.tls_dir / (identity or "device")
+        credentials = channel_credentials(TLSConfig.from_dir(directory, identity))
         return grpc.aio.secure_channel(target, credentials, options=channel_options(8 << 20))
 
 
@@ -107,7 +109,7 @@ OWNER_TOKENS = OwnerTokens(b"coordinator token secret for tests")
 def deployment(tmp_path_factory) -> Deployment:
     directory = tmp_path_factory.mktemp("tls")
     write_deployment(directory)
-    signer = TicketSigner(load_or_create_ticket_key(directory))
+    signer = TicketSigner(load_or_create_ticket_key(directory / "coordinator"))
     public = signer.public_key.public_bytes(
         serialization.Encoding.Raw, serialization.PublicFormat.Raw
     )
@@ -188,9 +190,10 @@ def plan(deployment: Deployment, session_id: str, *, n: int = 8, seconds: float 
 
 
 @asynccontextmanager
-async def running(deployment: Deployment, aggregator_id: str = "agg-a",
+async def running(deployment: Deployment, aggregator_id: str = "agg-a", mutual: bool = False,
                   **options) -> AsyncIterator[AggregatorService]:
-    service = AggregatorService("127.0.0.1:0", deployment.server_tls(), deployment.public_key,
+    """``mutual``: the aggregator demands client certificates."""
+    service = AggregatorService("127.0.0.1:0", deployment.server_tls(mutual), deployment.public_key,
                                 aggregator_id, **options)
     await service.start()
     try:
@@ -200,8 +203,8 @@ async def running(deployment: Deployment, aggregator_id: str = "agg-a",
 
 
 @asynccontextmanager
-async def connected(deployment: Deployment, service: AggregatorService):
-    async with deployment.channel(f"127.0.0.1:{service.port}") as channel:
+async def connected(deployment: Deployment, service: AggregatorService, identity: str | None = None):
+    async with deployment.channel(f"127.0.0.1:{service.port}", identity) as channel:
         yield channel, aggregator_pb2_grpc.AggregatorControlStub(channel)
 
 
@@ -666,7 +669,7 @@ def test_cli_serves_until_sigterm_and_stops_gracefully(deployment):
                 "p = argparse.ArgumentParser(prog='tally'); register(p.add_subparsers()); "
                 "a = p.parse_args(sys.argv[1:]); sys.exit(a.run(a))")
     command = [sys.executable, "-c", launcher, "aggregator", "--listen", "127.0.0.1:0",
-               "--id", "agg-cli", "--tls-dir", str(deployment.tls_dir), "--metrics-port", "0",
+               "--id", "agg-cli", "--tls-dir", str(deployment.tls_dir / "aggregator-1"), "--metrics-port", "0",
                "--log-level", "warning"]
     with subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                           text=True) as process:
@@ -674,7 +677,7 @@ def test_cli_serves_until_sigterm_and_stops_gracefully(deployment):
             line = process.stdout.readline()
             assert "aggregator agg-cli serving on 127.0.0.1:" in line, process.stderr.read()
             port = int(line.split("(port ")[1].split(")")[0])
-            tls = TLSConfig.from_dir(deployment.tls_dir, None)
+            tls = TLSConfig.from_dir(deployment.tls_dir / "device", None)
             with open_channel(f"127.0.0.1:{port}", tls) as channel:
                 reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(),
                                                                   timeout=10)

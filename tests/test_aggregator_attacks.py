@@ -1,5 +1,6 @@
-"""Misbehaving devices against the real aggregator over gRPC with TLS (issue 12, item 3): a key
-of small order or wrong Unmask shares from one device leave the others' sum exact."""
+"""Attacks on the real aggregator over gRPC with TLS (issue 12): a key of small order or wrong
+Unmask shares from one device leave the others' sum exact (item 3); under mutual TLS a device's
+certificate cannot reach the control API (item 12)."""
 
 from __future__ import annotations
 
@@ -10,9 +11,11 @@ import numpy as np
 
 from secagg_helpers import identities
 from tally.secagg.messages import AdvertiseKeys, UnmaskResponse
+from tally.wire.v1.aggregator_pb2 import AwaitResultRequest, CloseSessionRequest
 from tally.secagg.wire import advertise_statement
 from test_aggregator import (  # noqa: F401  (deployment is a fixture)
     CODE,
+    rpc_error,
     assert_sum,
     await_sum,
     connected,
@@ -64,5 +67,35 @@ def test_a_zero_key_excludes_its_sender_and_wrong_shares_are_decoded_around(depl
             metrics = scrape(service.metrics_port)
             assert metrics["tally_aggregator_misbehaving_devices_total"] == 1
             assert metrics['tally_aggregator_sessions_finished_total{outcome="completed"}'] == 1
+
+    run(scenario)
+
+
+def test_under_mutual_tls_the_control_api_admits_only_the_coordinators_certificate(deployment):
+    """Attack 12: a device's certificate (valid, same CA) is refused on every AggregatorControl
+    call; the coordinator's is admitted; devices still join and the sum is exact."""
+
+    async def scenario():
+        async with running(deployment, mutual=True) as service, \
+                connected(deployment, service, "coordinator") as (_, control), \
+                connected(deployment, service, "device") as (devices, as_device):
+            cohort = plan(deployment, "s-mtls")
+            refused = (CODE.PERMISSION_DENIED,
+                       "AggregatorControl admits only the coordinator's certificate (tally-coordinator), "
+                       "not 'tally-device'")
+            assert await rpc_error(as_device.OpenSession(cohort.request)) == refused
+            await control.OpenSession(cohort.request)
+            assert await rpc_error(as_device.AwaitResult(
+                AwaitResultRequest(session_id="s-mtls", sum_id="update"), metadata=cohort.owner_md)) == refused
+            assert await rpc_error(as_device.CloseSession(
+                CloseSessionRequest(session_id="s-mtls"), metadata=cohort.owner_md)) == refused
+            runs = await asyncio.gather(
+                *(device(devices, cohort, i) for i in range(1, 9)),
+                await_sum(control, cohort, "update"),
+            )
+            assert [r.outcome for r in runs[:8]] == ["done"] * 8
+            assert_sum(cohort, "update", runs[8][1], range(1, 9))
+            metrics = scrape(service.metrics_port)
+            assert metrics['tally_aggregator_rejected_total{reason="not_controller",status="PERMISSION_DENIED"}'] == 3
 
     run(scenario)

@@ -660,10 +660,10 @@ def test_device_speaks_mutual_tls_with_deployment_certificates(tmp_path):
 
     async def scenario():
         coordinator = FakeCoordinator(assign=False)
-        server_tls = TLSConfig.from_dir(tmp_path, "coordinator", require_client_auth=True)
+        server_tls = TLSConfig.from_dir(tmp_path / "coordinator", "coordinator", require_client_auth=True)
         server, port = await serve(coordinator, tls=server_tls)
         stop = asyncio.Event()
-        d = Device(f"localhost:{port}", TLSConfig.from_dir(tmp_path, "client"), "tls-dev", ShiftTrainer(0, 1),
+        d = Device(f"localhost:{port}", TLSConfig.from_dir(tmp_path / "device", "device"), "tls-dev", ShiftTrainer(0, 1),
                    retry=FAST)
         runner = asyncio.ensure_future(d.run(stop))
         try:
@@ -697,7 +697,7 @@ def test_a_device_refuses_neighbour_keys_the_aggregator_substituted(tmp_path):
 
     trainers = {i: ShiftTrainer(0.1 * i, 4) for i in range(1, 6)}
     aggregator = FakeAggregator(plan, rewrite=substitute)
-    tls = (TLSConfig.from_dir(tmp_path, "coordinator"), TLSConfig.from_dir(tmp_path, "client"))
+    tls = (TLSConfig.from_dir(tmp_path / "coordinator", "coordinator"), TLSConfig.from_dir(tmp_path / "device", "device"))
     aggregator, _, _, stats = run(run_cohort(plan, trainers, aggregator=aggregator, tls=tls))
     assert stats[1].sessions_aborted == 1 and stats[1].sessions_completed == 0
     assert not any(isinstance(m, ShareKeysResponse) and m.sender == 1 for m in aggregator.received)

@@ -1133,26 +1133,31 @@ def test_round_deadline_bounds_a_silent_aggregator(tmp_path):
 
 
 def test_tls_to_devices_and_mutual_tls_to_aggregators_from_tally_certs(tmp_path):
+    """`tally coordinator --tls-dir <certs>/coordinator`: devices reach it over TLS, and it
+    presents its own certificate to an aggregator that demands mutual TLS; without a client
+    certificate (an explicit aggregator_tls of CA only) the aggregator refuses it."""
     pki = tmp_path / "pki"
     certs.write_deployment(pki)
+    own = pki / "coordinator"
     parser = argparse.ArgumentParser(prog="tally")
     coordinator_cli.register(parser.add_subparsers(dest="command", required=True))
-    args = parser.parse_args(["coordinator", "--state-dir", str(tmp_path / "state"), "--tls-dir", str(pki)])
-    client_tls = coordinator_cli.aggregator_tls(args, tls_config_from_args(args))
-    assert client_tls.cert == pki / "client.pem" and client_tls.ca == pki / "ca.pem"
+    args = parser.parse_args(["coordinator", "--state-dir", str(tmp_path / "state"), "--tls-dir", str(own)])
+    tls = tls_config_from_args(args)
+    assert tls.cert == own / "coordinator.pem" and tls.ca == own / "ca.pem"
 
     async def main():
-        fake = FakeAggregator("agg0", TicketVerifier(load_or_create_ticket_key(pki).public_key()))
-        await fake.start(TLSConfig.from_dir(pki, "aggregator", require_client_auth=True), host="localhost")
+        fake = FakeAggregator("agg0", TicketVerifier(load_or_create_ticket_key(own).public_key()))
+        await fake.start(TLSConfig.from_dir(pki / "aggregator-1", "aggregator", require_client_auth=True),
+                         host="localhost")
         service = CoordinatorService(
-            "127.0.0.1:0", TLSConfig.from_dir(pki, "coordinator"), tmp_path / "state", [("agg0", fake.address)],
-            secrets_dir=pki, aggregator_tls=client_tls,
+            "127.0.0.1:0", tls, tmp_path / "state", [("agg0", fake.address)], secrets_dir=own,
         )
         port = await service.start()
         try:
             healthy = await service.engine.pool.healthy()
             channel = grpc.aio.secure_channel(
-                f"localhost:{port}", channel_credentials(TLSConfig.from_dir(pki, None)), options=channel_options()
+                f"localhost:{port}", channel_credentials(TLSConfig.from_dir(pki / "device", None)),
+                options=channel_options(),
             )
             async with channel:
                 stub = coordinator_pb2_grpc.CoordinatorStub(channel)
@@ -1160,8 +1165,8 @@ def test_tls_to_devices_and_mutual_tls_to_aggregators_from_tally_certs(tmp_path)
                 metadata = bearer_metadata(reply.token)
                 answer = await stub.CheckIn(coordinator_pb2.CheckInRequest(), metadata=metadata, timeout=5)
             without_client_cert = CoordinatorService(
-                "127.0.0.1:0", TLSConfig.from_dir(pki, "coordinator"), tmp_path / "other", [("agg0", fake.address)],
-                secrets_dir=pki,
+                "127.0.0.1:0", tls, tmp_path / "other", [("agg0", fake.address)], secrets_dir=own,
+                aggregator_tls=TLSConfig(ca=tls.ca),
             )
             await without_client_cert.start()
             refused = await without_client_cert.engine.pool.healthy()

@@ -85,14 +85,14 @@ def _start(config: TLSConfig, address: str = "127.0.0.1:0"):
 
 @pytest.fixture
 def tls_server(pki):
-    server, port = _start(TLSConfig.from_dir(pki, "aggregator"))
+    server, port = _start(TLSConfig.from_dir(pki / "aggregator-1", "aggregator"))
     yield port
     server.stop(None)
 
 
 @pytest.fixture
 def mtls_server(pki):
-    server, port = _start(TLSConfig.from_dir(pki, "aggregator", require_client_auth=True))
+    server, port = _start(TLSConfig.from_dir(pki / "aggregator-1", "aggregator", require_client_auth=True))
     yield port
     server.stop(None)
 
@@ -116,24 +116,24 @@ def _fails_with(target: str, config: TLSConfig) -> grpc.StatusCode:
 
 @pytest.mark.parametrize("host", ["localhost", "127.0.0.1"])
 def test_tls_health_check_verifies_ca_and_san(pki, tls_server, host):
-    status = _check(f"{host}:{tls_server}", TLSConfig.from_dir(pki, None))
+    status = _check(f"{host}:{tls_server}", TLSConfig.from_dir(pki / "device", None))
     assert status == health_pb2.HealthCheckResponse.SERVING
 
 
 def test_tls_kubernetes_service_name_verified(pki, tls_server):
-    config = TLSConfig(ca=pki / "ca.pem", server_name="tally-aggregator.prod.svc")
+    config = TLSConfig(ca=pki / "ca" / "ca.pem", server_name="tally-aggregator.prod.svc")
     assert _check(f"127.0.0.1:{tls_server}", config) == health_pb2.HealthCheckResponse.SERVING
 
 
 def test_tls_wrong_ca_is_unavailable(other_pki, tls_server):
-    assert _fails_with(f"localhost:{tls_server}", TLSConfig.from_dir(other_pki, None)) == (
+    assert _fails_with(f"localhost:{tls_server}", TLSConfig.from_dir(other_pki / "device", None)) == (
         grpc.StatusCode.UNAVAILABLE
     )
 
 
 def test_tls_wrong_server_name_is_unavailable(pki, tls_server):
     # The aggregator's certificate does not vouch for the coordinator's name.
-    config = TLSConfig(ca=pki / "ca.pem", server_name="tally-coordinator.prod.svc")
+    config = TLSConfig(ca=pki / "ca" / "ca.pem", server_name="tally-coordinator.prod.svc")
     assert _fails_with(f"127.0.0.1:{tls_server}", config) == grpc.StatusCode.UNAVAILABLE
 
 
@@ -142,22 +142,23 @@ def test_plaintext_client_cannot_talk_to_tls_server(tls_server):
 
 
 def test_mtls_rejects_client_without_certificate(pki, mtls_server):
-    assert _fails_with(f"localhost:{mtls_server}", TLSConfig.from_dir(pki, None)) == (
+    assert _fails_with(f"localhost:{mtls_server}", TLSConfig.from_dir(pki / "device", None)) == (
         grpc.StatusCode.UNAVAILABLE
     )
 
 
 def test_mtls_rejects_client_cert_from_other_ca(other_pki, pki, mtls_server):
-    config = TLSConfig(ca=pki / "ca.pem", cert=other_pki / "client.pem", key=other_pki / "client.key")
+    config = TLSConfig(ca=pki / "ca" / "ca.pem", cert=other_pki / "device" / "device.pem",
+                       key=other_pki / "device" / "device.key")
     assert _fails_with(f"localhost:{mtls_server}", config) == grpc.StatusCode.UNAVAILABLE
 
 
 def test_mtls_accepts_client_certificate_and_reports_identity(pki, mtls_server):
-    config = TLSConfig.from_dir(pki, "client")
+    config = TLSConfig.from_dir(pki / "device", "device")
     assert _check(f"localhost:{mtls_server}", config) == health_pb2.HealthCheckResponse.SERVING
     with open_channel(f"localhost:{mtls_server}", config) as channel:
         who = channel.unary_unary("/test.Who/Am")(b"", timeout=TIMEOUT)
-    assert who == b"tally-client"
+    assert who == b"tally-device"
 
 
 def test_plaintext_loopback_server_works():
@@ -235,12 +236,36 @@ def test_certs_cli_writes_files_with_permissions(pki):
         mode = stat.S_IMODE((pki / name).stat().st_mode)
         secret = name.endswith((".key", ".secret"))
         assert mode == (0o600 if secret else 0o644), (name, oct(mode))
+        assert stat.S_IMODE((pki / name).parent.stat().st_mode) == 0o700
+
+
+def test_each_role_gets_its_own_identity_and_only_its_own_secrets(tmp_path):
+    """Attack 12: aggregators receive no CA key, ticket key, token secret or enrolment key, each
+    aggregator has its own key pair, and devices a client-only certificate of their own."""
+    certs.write_deployment(tmp_path, aggregators=3)
+    roles = {p.name: {f.name for f in p.iterdir()} for p in tmp_path.iterdir()}
+    assert set(roles) == {"ca", "coordinator", "aggregator-1", "aggregator-2", "aggregator-3", "device"}
+    secrets_ = {"ca.key", "ticket.key", "token.secret", "enrolment.key"}
+    for role, files in roles.items():
+        if role.startswith("aggregator-"):
+            assert files == {"ca.pem", "aggregator.pem", "aggregator.key", "ticket.pub"}
+        if role != "coordinator":
+            assert not files & (secrets_ - {"ca.key"}), role
+        if role != "ca":
+            assert "ca.key" not in files, role
+    keys = {(tmp_path / f"aggregator-{i}" / "aggregator.key").read_bytes() for i in (1, 2, 3)}
+    assert len(keys) == 3
+    names = {role: certs.load_certificate(tmp_path / role / f"{stem}.pem").subject.rfc4514_string()
+             for role, stem in (("coordinator", "coordinator"), ("aggregator-2", "aggregator"),
+                                ("device", "device"))}
+    assert names == {"coordinator": "CN=tally-coordinator,O=Tally", "aggregator-2": "CN=tally-aggregator-2,O=Tally",
+                     "device": "CN=tally-device,O=Tally"}
 
 
 def test_certificate_contents(pki):
-    ca = certs.load_certificate(pki / "ca.pem")
+    ca = certs.load_certificate(pki / "ca" / "ca.pem")
     assert ca.extensions.get_extension_for_class(x509.BasicConstraints).value.ca
-    leaf = certs.load_certificate(pki / "aggregator.pem")
+    leaf = certs.load_certificate(pki / "aggregator-1" / "aggregator.pem")
     assert leaf.issuer == ca.subject
     san = leaf.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
     names = set(san.get_values_for_type(x509.DNSName))
@@ -253,12 +278,14 @@ def test_certificate_contents(pki):
     assert list(eku) == [ExtendedKeyUsageOID.SERVER_AUTH]
     life = leaf.not_valid_after_utc - leaf.not_valid_before_utc
     assert dt.timedelta(days=30) <= life <= dt.timedelta(days=30, minutes=10)
-    coord = certs.load_certificate(pki / "coordinator.pem")
+    coord = certs.load_certificate(pki / "coordinator" / "coordinator.pem")
     assert "tally-coordinator.prod.svc" in coord.extensions.get_extension_for_class(
         x509.SubjectAlternativeName
     ).value.get_values_for_type(x509.DNSName)
-    client = certs.load_certificate(pki / "client.pem")
-    eku = client.extensions.get_extension_for_class(x509.ExtendedKeyUsage).value
+    eku = coord.extensions.get_extension_for_class(x509.ExtendedKeyUsage).value
+    assert list(eku) == [ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH]
+    device = certs.load_certificate(pki / "device" / "device.pem")
+    eku = device.extensions.get_extension_for_class(x509.ExtendedKeyUsage).value
     assert list(eku) == [ExtendedKeyUsageOID.CLIENT_AUTH]
 
 
@@ -272,13 +299,14 @@ def test_certs_cli_refuses_overwrite_without_force(tmp_path, capsys):
     # A single stray file is enough to refuse, and nothing else gets written.
     lone = tmp_path / "lone"
     lone.mkdir()
-    (lone / "client.key").write_text("mine")
+    (lone / "device").mkdir()
+    (lone / "device" / "device.key").write_text("mine")
     assert _run_certs(["certs", "--out", str(lone)]) == 1
-    assert sorted(p.name for p in lone.iterdir()) == ["client.key"]
+    assert sorted(str(p.relative_to(lone)) for p in lone.rglob("*")) == ["device", "device/device.key"]
     assert _run_certs(["certs", "--out", str(out), "--force"]) == 0
-    assert (out / "ca.pem").read_bytes() != before["ca.pem"]
-    assert stat.S_IMODE((out / "ca.key").stat().st_mode) == 0o600
-    assert not [p for p in out.iterdir() if p.name.endswith(".tmp")]
+    assert (out / "ca" / "ca.pem").read_bytes() != before["ca/ca.pem"]
+    assert stat.S_IMODE((out / "ca" / "ca.key").stat().st_mode) == 0o600
+    assert not [p for p in out.rglob("*") if p.name.endswith(".tmp")]
 
 
 def test_certs_cli_help_and_bad_input(tmp_path, capsys):
@@ -286,7 +314,7 @@ def test_certs_cli_help_and_bad_input(tmp_path, capsys):
         _run_certs(["certs", "--help"])
     assert done.value.code == 0
     text = capsys.readouterr().out
-    for flag in ("--out", "--namespace", "--dns", "--ip", "--days", "--force"):
+    for flag in ("--out", "--namespace", "--dns", "--ip", "--days", "--aggregators", "--force"):
         assert flag in text
     with pytest.raises(SystemExit):
         _run_certs(["certs", "--out", str(tmp_path), "--days", "0"])
@@ -462,8 +490,8 @@ def test_key_persistence(tmp_path):
 
 
 def test_certs_keys_work_with_persistence_helpers(pki):
-    key = load_or_create_ticket_key(pki)  # written by `tally certs`, only read here
+    key = load_or_create_ticket_key(pki / "coordinator")  # written by `tally certs`, only read here
     blob = TicketSigner(key).sign(_ticket())
-    assert TicketVerifier(load_ticket_public_key(pki / "ticket.pub")).verify(blob, NOW)
-    issuer = TokenIssuer(load_or_create_token_secret(pki))
+    assert TicketVerifier(load_ticket_public_key(pki / "aggregator-1" / "ticket.pub")).verify(blob, NOW)
+    issuer = TokenIssuer(load_or_create_token_secret(pki / "coordinator"))
     assert issuer.verify(issuer.issue("d", "p", 60, NOW), NOW).device_id == "d"

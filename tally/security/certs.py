@@ -1,20 +1,26 @@
-"""A deployment's private CA and the certificates its services present.
+"""A deployment's private CA and one identity per service.
 
-One CA (ECDSA P-256, which every gRPC/BoringSSL build and every client library accepts) signs:
+One CA (ECDSA P-256, which every gRPC/BoringSSL build and every client library accepts) signs a
+certificate per role, each in its own directory, so each machine receives only what it needs and
+every party is told apart by its certificate:
 
-- ``coordinator`` and ``aggregator``: server certificates (extended key usage serverAuth) whose
-  subject alternative names cover loopback (``localhost``, ``127.0.0.1``, ``::1``), the Kubernetes
-  service names of the service (``tally-<role>``, ``tally-<role>.<ns>``, ``tally-<role>.<ns>.svc``,
-  ``tally-<role>.<ns>.svc.cluster.local``, plus the wildcard ``*.tally-<role>.<ns>.svc`` for the
-  pods of a headless service) and whatever DNS names and IP addresses the operator adds;
-- ``client``: a client certificate (clientAuth) the coordinator presents to aggregators when they
-  require mutual TLS.
+- ``ca/``: ``ca.pem`` and ``ca.key``, the only copy of the CA key (keep it offline);
+- ``coordinator/``: ``coordinator.pem``/``.key`` (CN ``tally-coordinator``, serverAuth for devices
+  and operators, clientAuth toward aggregators, whose control API admits this CN only), the
+  session-ticket key pair, the device-token secret and the enrolment key;
+- ``aggregator-<i>/`` (one per aggregator): its own ``aggregator.pem``/``.key`` (CN
+  ``tally-aggregator-<i>``, serverAuth) and ``ticket.pub``; no CA key and no coordinator secret,
+  so a compromised aggregator can neither mint certificates nor tickets nor device tokens;
+- ``device/``: ``device.pem``/``.key`` (CN ``tally-device``, clientAuth only) for devices that
+  must present a certificate, which never passes for the coordinator.
 
-``write_deployment`` writes PEM files into one directory: certificates 0644, private keys 0600,
-and never overwrites an existing file unless ``force`` is given (nothing is written at all when
-any target exists). It also writes the coordinator's session-ticket signing key pair and the
-device-token secret (``tally.security.tokens``), so one command produces everything a deployment
-needs; ``ca.key``, ``ticket.key`` and ``token.secret`` are the secrets to keep off aggregators.
+Server certificates cover loopback (``localhost``, ``127.0.0.1``, ``::1``), the Kubernetes service
+names of their role (``tally-<role>``, ``tally-<role>.<ns>``, ``tally-<role>.<ns>.svc``,
+``tally-<role>.<ns>.svc.cluster.local``, plus ``*.tally-<role>.<ns>.svc`` for the pods of a
+headless service) and whatever DNS names and IP addresses the operator adds. Every role directory
+holds ``ca.pem`` and the role's default file names, so ``--tls-dir <out>/<role>`` just works.
+Certificates are written 0644, keys and secrets 0600, directories 0700, and nothing is
+overwritten unless ``force`` is given (nothing at all is written when any target exists).
 """
 
 from __future__ import annotations
@@ -33,8 +39,11 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec, ed25519
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
+from tally.security.enrolment import ENROLMENT_KEY_FILE
+
 SERVER_ROLES = ("coordinator", "aggregator")
-CLIENT_ROLE = "client"
+COORDINATOR_CN = "tally-coordinator"
+DEVICE_ROLE = "device"
 DEFAULT_NAMESPACE = "tally"
 DEFAULT_DAYS = 365
 LOOPBACK_DNS = ("localhost",)
@@ -129,12 +138,13 @@ def make_leaf(
     common_name: str,
     *,
     server: bool,
+    client: bool = False,
     dns: Sequence[str] = (),
     ips: Sequence[ipaddress.IPv4Address | ipaddress.IPv6Address] = (),
     days: int = DEFAULT_DAYS,
     now: dt.datetime | None = None,
 ) -> tuple[ec.EllipticCurvePrivateKey, x509.Certificate]:
-    """A leaf certificate signed by the CA: serverAuth when ``server``, else clientAuth.
+    """A leaf certificate signed by the CA for serverAuth and/or clientAuth.
 
     Its validity never outlasts the CA's."""
     _check_days(days)
@@ -169,7 +179,8 @@ def make_leaf(
         )
         .add_extension(
             x509.ExtendedKeyUsage(
-                [ExtendedKeyUsageOID.SERVER_AUTH if server else ExtendedKeyUsageOID.CLIENT_AUTH]
+                [*([ExtendedKeyUsageOID.SERVER_AUTH] if server else []),
+                 *([ExtendedKeyUsageOID.CLIENT_AUTH] if client else [])]
             ),
             critical=False,
         )
@@ -183,17 +194,24 @@ def make_leaf(
     return key, builder.sign(ca_key, hashes.SHA256())
 
 
-def deployment_files() -> list[str]:
-    """Every file ``write_deployment`` writes, in order."""
-    names = [CA_CERT, CA_KEY]
-    for role in (*SERVER_ROLES, CLIENT_ROLE):
-        names += [f"{role}.pem", f"{role}.key"]
-    return names + [TICKET_KEY, TICKET_PUB, TOKEN_SECRET]
+def aggregator_dir(i: int) -> str:
+    return f"aggregator-{i}"
+
+
+def deployment_files(aggregators: int = 1) -> list[str]:
+    """Every file ``write_deployment`` writes, relative to its output directory, in order."""
+    names = [f"ca/{CA_CERT}", f"ca/{CA_KEY}"]
+    names += [f"coordinator/{n}" for n in (CA_CERT, "coordinator.pem", "coordinator.key", TICKET_KEY,
+                                           TICKET_PUB, TOKEN_SECRET, ENROLMENT_KEY_FILE)]
+    for i in range(1, aggregators + 1):
+        names += [f"{aggregator_dir(i)}/{n}" for n in (CA_CERT, "aggregator.pem", "aggregator.key", TICKET_PUB)]
+    return names + [f"{DEVICE_ROLE}/{n}" for n in (CA_CERT, "device.pem", "device.key")]
 
 
 def write_deployment(
     out: str | os.PathLike[str],
     *,
+    aggregators: int = 1,
     namespace: str = DEFAULT_NAMESPACE,
     dns: Iterable[str] = (),
     ips: Iterable[str] = (),
@@ -201,15 +219,17 @@ def write_deployment(
     force: bool = False,
     now: dt.datetime | None = None,
 ) -> Deployment:
-    """Create the CA, the three leaf certificates and the token/ticket keys in ``out``.
+    """Create the CA and one directory per role in ``out`` (see the module docstring).
 
     Refuses (``CertificateError``, nothing written) when any target file exists, unless ``force``.
     """
     directory = Path(out)
     dns, ips = list(dns), list(ips)
     _check_days(days)
+    if not isinstance(aggregators, int) or aggregators < 1:
+        raise CertificateError(f"aggregators must be at least 1, got {aggregators!r}")
     names_by_role = {role: server_sans(role, namespace, dns, ips) for role in SERVER_ROLES}
-    targets = [directory / n for n in deployment_files()]
+    targets = [directory / n for n in deployment_files(aggregators)]
     existing = [p for p in targets if p.exists() or p.is_symlink()]
     if existing and not force:
         raise CertificateError(
@@ -218,39 +238,48 @@ def write_deployment(
 
     stamp = _now(now)
     ca_key, ca_cert = make_ca(namespace=namespace, days=days, now=stamp)
-    contents: dict[str, tuple[bytes, int]] = {
-        CA_CERT: (_cert_pem(ca_cert), 0o644),
-        CA_KEY: (_key_pem(ca_key), 0o600),
-    }
-    for role in SERVER_ROLES:
-        names, addresses = names_by_role[role]
-        key, cert = make_leaf(
-            ca_key, ca_cert, f"tally-{role}", server=True, dns=names, ips=addresses, days=days,
-            now=stamp,
-        )
-        contents[f"{role}.pem"] = (_cert_pem(cert), 0o644)
-        contents[f"{role}.key"] = (_key_pem(key), 0o600)
-    key, cert = make_leaf(
-        ca_key, ca_cert, f"tally-{CLIENT_ROLE}", server=False, dns=[f"tally-{CLIENT_ROLE}"],
-        days=days, now=stamp,
-    )
-    contents[f"{CLIENT_ROLE}.pem"] = (_cert_pem(cert), 0o644)
-    contents[f"{CLIENT_ROLE}.key"] = (_key_pem(key), 0o600)
+    ca_pem = (_cert_pem(ca_cert), 0o644)
+
+    def leaf(cn: str, role: str | None, *, server: bool, client: bool) -> tuple[tuple[bytes, int], tuple[bytes, int]]:
+        names, addresses = names_by_role[role] if role else ([cn], [])
+        key, cert = make_leaf(ca_key, ca_cert, cn, server=server, client=client, dns=names, ips=addresses,
+                              days=days, now=stamp)
+        return (_cert_pem(cert), 0o644), (_key_pem(key), 0o600)
+
     ticket_key = ed25519.Ed25519PrivateKey.generate()
-    contents[TICKET_KEY] = (_key_pem(ticket_key), 0o600)
-    contents[TICKET_PUB] = (
+    ticket_pub = (
         ticket_key.public_key().public_bytes(
             serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo
         ),
         0o644,
     )
-    contents[TOKEN_SECRET] = (secrets.token_bytes(32), 0o600)
+    cert, key = leaf(COORDINATOR_CN, "coordinator", server=True, client=True)
+    contents: dict[str, tuple[bytes, int]] = {
+        f"ca/{CA_CERT}": ca_pem,
+        f"ca/{CA_KEY}": (_key_pem(ca_key), 0o600),
+        f"coordinator/{CA_CERT}": ca_pem,
+        "coordinator/coordinator.pem": cert,
+        "coordinator/coordinator.key": key,
+        f"coordinator/{TICKET_KEY}": (_key_pem(ticket_key), 0o600),
+        f"coordinator/{TICKET_PUB}": ticket_pub,
+        f"coordinator/{TOKEN_SECRET}": (secrets.token_bytes(32), 0o600),
+        f"coordinator/{ENROLMENT_KEY_FILE}": (secrets.token_bytes(32), 0o600),
+    }
+    for i in range(1, aggregators + 1):
+        cert, key = leaf(f"tally-aggregator-{i}", "aggregator", server=True, client=False)
+        d = aggregator_dir(i)
+        contents.update({f"{d}/{CA_CERT}": ca_pem, f"{d}/aggregator.pem": cert, f"{d}/aggregator.key": key,
+                         f"{d}/{TICKET_PUB}": ticket_pub})
+    cert, key = leaf(f"tally-{DEVICE_ROLE}", None, server=False, client=True)
+    contents.update({f"{DEVICE_ROLE}/{CA_CERT}": ca_pem, f"{DEVICE_ROLE}/device.pem": cert,
+                     f"{DEVICE_ROLE}/device.key": key})
 
-    directory.mkdir(mode=0o700, parents=True, exist_ok=True)
     files = {}
-    for name in deployment_files():
+    for name in deployment_files(aggregators):
         data, mode = contents[name]
-        files[name] = write_file_atomic(directory / name, data, mode)
+        path = directory / name
+        path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+        files[name] = write_file_atomic(path, data, mode)
     return Deployment(
         directory=directory,
         files=files,

@@ -1,4 +1,4 @@
-"""``tally certs``: create a deployment's CA, service certificates and auth keys in one directory."""
+"""``tally certs``: create a deployment's CA and one directory of certificates and keys per role."""
 
 from __future__ import annotations
 
@@ -12,19 +12,20 @@ from tally.security import certs
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "certs",
-        help="create a CA, TLS certificates and auth keys for a deployment",
+        help="create a CA and per-role TLS certificates and keys for a deployment",
         description=(
-            "Create a private CA (ECDSA P-256) and, signed by it, server certificates for the "
-            "coordinator and the aggregator, a client certificate (mutual TLS from coordinator to "
-            "aggregators), the coordinator's session-ticket signing key pair and the device-token "
-            "secret. Server certificates cover localhost, 127.0.0.1, ::1 and the Kubernetes "
-            "service names tally-<role>[.<namespace>[.svc[.cluster.local]]] plus anything given "
-            "with --dns/--ip. Private keys are written 0600. Existing files are never replaced "
-            "unless --force is given."
+            "Create a private CA (ECDSA P-256) and one directory per role: coordinator/ (its "
+            "certificate, for serving and for mutual TLS toward aggregators, the session-ticket key "
+            "pair, the device-token secret and the enrolment key), aggregator-<i>/ (each aggregator "
+            "its own certificate and ticket.pub), device/ (a client certificate for devices) and "
+            "ca/ (the CA key). Server certificates cover localhost, 127.0.0.1, ::1 and the "
+            "Kubernetes service names tally-<role>[.<namespace>[.svc[.cluster.local]]] plus anything "
+            "given with --dns/--ip. Keys are written 0600, directories 0700. Existing files are "
+            "never replaced unless --force is given."
         ),
         epilog=(
-            "Secrets: ca.key (keep offline), ticket.key and token.secret (coordinator only). "
-            "Aggregators need ca.pem, aggregator.pem/.key and ticket.pub."
+            "Give each machine only its directory: --tls-dir OUT/coordinator, OUT/aggregator-<i>, "
+            "OUT/device. Keep OUT/ca offline."
         ),
     )
     p.add_argument("--out", type=Path, required=True, help="directory to write the PEM files into")
@@ -44,6 +45,10 @@ def register(sub: argparse._SubParsersAction) -> None:
         "--days", type=_positive_int, default=certs.DEFAULT_DAYS,
         help="validity in days (default: %(default)s)",
     )
+    p.add_argument(
+        "--aggregators", type=_positive_int, default=1,
+        help="how many aggregator identities to create (default: %(default)s)",
+    )
     p.add_argument("--force", action="store_true", help="replace existing files")
     p.set_defaults(run=run)
 
@@ -51,8 +56,8 @@ def register(sub: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     try:
         deployment = certs.write_deployment(
-            args.out, namespace=args.namespace, dns=args.dns, ips=args.ip, days=args.days,
-            force=args.force,
+            args.out, aggregators=args.aggregators, namespace=args.namespace, dns=args.dns,
+            ips=args.ip, days=args.days, force=args.force,
         )
     except certs.CertificateError as exc:
         print(f"tally certs: {exc}", file=sys.stderr)
@@ -60,7 +65,7 @@ def run(args: argparse.Namespace) -> int:
     print(f"wrote {len(deployment.files)} files to {deployment.directory}")
     for name, path in deployment.files.items():
         mode = path.stat().st_mode & 0o777
-        print(f"  {name:<16} {mode:04o}")
+        print(f"  {name:<32} {mode:04o}")
     for role, names in deployment.server_names.items():
         print(f"{role} certificate covers: {', '.join(names)}")
     if deployment.not_after is not None:
