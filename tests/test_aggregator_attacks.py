@@ -7,7 +7,6 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 
-import numpy as np
 
 from secagg_helpers import identities
 from tally.secagg.messages import AdvertiseKeys, UnmaskResponse
