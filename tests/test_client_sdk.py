@@ -52,7 +52,7 @@ from tally.secagg import (
     SessionRef,
     SumSpec,
 )
-from tally.secagg.messages import ShareKeysRequest, ShareKeysResponse
+from tally.secagg.messages import MaskedInputResponse, ShareDelivery, ShareKeysRequest, ShareKeysResponse
 from tally.security import (
     AuthError,
     SessionTicket,
@@ -706,6 +706,27 @@ def test_a_device_refuses_neighbour_keys_the_aggregator_substituted(tmp_path):
     assert result.contributors == (2, 3, 4, 5)
     expected = reference_ring(plan, trainers, {i: 100 + i for i in trainers}, {2, 3, 4, 5}, {"update": small_model()})
     np.testing.assert_array_equal(result.total.astype(np.uint64), expected["update"])
+
+
+def test_a_device_whose_shares_were_withheld_sends_no_input(tmp_path):
+    """Attack 8 against the real SDK over TLS: the aggregator delivers device 1 only one share
+    (t is 3). Had device 1 masked its input anyway, its neighbours would later release its seed
+    and its input would be exposed; it refuses instead, and never sends a masked input."""
+    certs.write_deployment(tmp_path)
+    plan = fedavg_plan(5)
+    assert plan.config.params.t > 1
+
+    def withhold(recipient: int, message: Any) -> Any:
+        if recipient != 1 or not isinstance(message, ShareDelivery):
+            return message
+        return dataclasses.replace(message, shares=message.shares[:1])
+
+    trainers = {i: ShiftTrainer(0.1 * i, 4) for i in range(1, 6)}
+    tls = (TLSConfig.from_dir(tmp_path / "coordinator", "coordinator"), TLSConfig.from_dir(tmp_path / "device", "device"))
+    aggregator, _, _, stats = run(run_cohort(plan, trainers, aggregator=FakeAggregator(plan, rewrite=withhold), tls=tls))
+    assert stats[1].sessions_aborted == 1 and stats[1].sessions_completed == 0
+    assert not any(isinstance(m, MaskedInputResponse) and m.sender == 1 for m in aggregator.received)
+    assert aggregator.server.results["update"].contributors == (2, 3, 4, 5)
 
 
 def test_plaintext_channels_only_to_loopback():

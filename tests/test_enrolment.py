@@ -20,6 +20,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from client_sdk.channels import open_aio_channel
 from client_sdk.enrolment import load_or_create_identity, register_request
 from coordinator import enrol_cli
 from coordinator.ratelimit import RateLimit, SourceRateLimiter, source_of
@@ -27,6 +28,7 @@ from coordinator.service import CoordinatorService
 from enrolment_helpers import provisioned_request
 from tally.secagg import SigningKey
 from tally.security import TLSConfig, bearer_metadata, load_or_create_ticket_key
+from tally.security.certs import write_deployment
 from tally.security.enrolment import (
     REGISTRATION_WINDOW_S,
     EnrolmentClaim,
@@ -34,9 +36,6 @@ from tally.security.enrolment import (
     load_or_create_enrolment_key,
 )
 from tally.wire.v1 import coordinator_pb2, coordinator_pb2_grpc
-
-PLAIN = TLSConfig.plaintext()
-
 
 class Clock:
     """The coordinator's clock, moved by the test (rate limits refill with it)."""
@@ -70,10 +69,17 @@ class Coordinator:
 
 @contextlib.asynccontextmanager
 async def coordinator(tmp_path: Path, **kwargs) -> AsyncIterator[Coordinator]:
+    """A real coordinator over TLS (``tally certs`` identities), devices dialling it as devices do."""
+    pki = tmp_path / "pki"
+    if not pki.exists():
+        write_deployment(pki)
     clock = Clock()
-    service = CoordinatorService("127.0.0.1:0", PLAIN, tmp_path / "state", [], clock=clock, **kwargs)
+    service = CoordinatorService(
+        "127.0.0.1:0", TLSConfig.from_dir(pki / "coordinator", "coordinator"), tmp_path / "state", [],
+        clock=clock, **kwargs,
+    )
     port = await service.start()
-    channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
+    channel = open_aio_channel(f"localhost:{port}", TLSConfig.from_dir(pki / "device", "device"))
     try:
         yield Coordinator(service, coordinator_pb2_grpc.CoordinatorStub(channel), clock)
     finally:
