@@ -14,7 +14,13 @@ import grpc
 
 from coordinator.admin_api import ADMIN_TOKEN_FILE
 from coordinator.aggregators import parse_aggregator
-from coordinator.service import CoordinatorService
+from coordinator.ratelimit import RateLimit
+from coordinator.service import (
+    DEFAULT_CHECKIN_LIMIT,
+    DEFAULT_MAX_REQUEST_BYTES,
+    DEFAULT_REGISTER_LIMIT,
+    CoordinatorService,
+)
 from tally import logs
 from tally.security import bearer_metadata, channel_options, open_channel
 from tally.security.tls import add_tls_arguments, tls_config_from_args
@@ -39,11 +45,22 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument(
         "--secrets-dir", type=Path,
-        help="where token.secret and ticket.key live (default: --tls-dir, else --state-dir)",
+        help="where token.secret, ticket.key and enrolment.key live (default: --tls-dir, else --state-dir)",
     )
     p.add_argument("--metrics-port", type=int, default=0, help="Prometheus /metrics port (0: any free port)")
     p.add_argument("--metrics-addr", default="127.0.0.1", help="address of the /metrics server")
-    p.add_argument("--max-message-bytes", type=int, default=64 << 20, help="gRPC message size limit")
+    p.add_argument("--max-message-bytes", type=int, default=64 << 20, help="largest gRPC message sent")
+    p.add_argument(
+        "--max-request-bytes", type=int, default=DEFAULT_MAX_REQUEST_BYTES,
+        help="largest request accepted, from devices and operators alike (default: %(default)s)",
+    )
+    for flag, rpc, default in (("register", "Register", DEFAULT_REGISTER_LIMIT),
+                               ("checkin", "CheckIn", DEFAULT_CHECKIN_LIMIT)):
+        p.add_argument(
+            f"--{flag}-limit", type=_rate_limit, default=default, metavar="RATE/BURST",
+            help=f"per-source rate limit of {rpc} calls, per second and burst "
+            f"(default: {default.rate_per_s:g}/{default.burst:g})",
+        )
     p.add_argument(
         "--checkin-hold", type=float, default=20.0,
         help="longest a check-in is held while a selection fills (s)",
@@ -100,6 +117,14 @@ def _aggregator(text: str) -> tuple[str, str]:
 # -- the service ---------------------------------------------------------------------------------
 
 
+def _rate_limit(text: str) -> RateLimit:
+    rate, _, burst = text.partition("/")
+    try:
+        return RateLimit(float(rate), float(burst))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected RATE/BURST, rate > 0 and burst >= 1") from None
+
+
 def run_coordinator(args: argparse.Namespace) -> int:
     logs.configure(args.log_level)
     try:
@@ -113,6 +138,9 @@ def run_coordinator(args: argparse.Namespace) -> int:
         max_message_bytes=args.max_message_bytes,
         secrets_dir=args.secrets_dir or args.tls_dir or args.state_dir,
         checkin_hold_s=args.checkin_hold,
+        max_request_bytes=args.max_request_bytes,
+        register_limit=args.register_limit,
+        checkin_limit=args.checkin_limit,
     )
     return asyncio.run(_serve(service))
 

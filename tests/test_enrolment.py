@@ -22,6 +22,7 @@ from hypothesis import strategies as st
 
 from client_sdk.channels import open_aio_channel
 from client_sdk.enrolment import load_or_create_identity, register_request
+from coordinator import cli as coordinator_cli
 from coordinator import enrol_cli
 from coordinator.ratelimit import RateLimit, SourceRateLimiter, source_of
 from coordinator.service import CoordinatorService
@@ -217,6 +218,16 @@ def test_a_source_never_gets_more_than_burst_plus_rate_times_elapsed(rate, burst
             assert j - i + 1 <= burst + rate * (allowed[j] - start) + 1e-6
     # Another source has its own bucket.
     assert limiter.allow("ipv4:10.0.0.2")
+
+
+def test_coordinator_cli_takes_rate_limits_and_names_a_bad_one(capsys):
+    parser = argparse.ArgumentParser(prog="tally")
+    coordinator_cli.register(parser.add_subparsers())
+    args = parser.parse_args(["coordinator", "--state-dir", "s", "--register-limit", "5/10"])
+    assert args.register_limit == RateLimit(5.0, 10.0) and args.checkin_limit.burst >= 1
+    with pytest.raises(SystemExit):
+        parser.parse_args(["coordinator", "--state-dir", "s", "--checkin-limit", "0/10"])
+    assert "--checkin-limit" in capsys.readouterr().err
 
 
 def test_the_source_table_is_bounded():
