@@ -262,6 +262,12 @@ def test_each_role_gets_its_own_identity_and_only_its_own_secrets(tmp_path):
                      "device": "CN=tally-device,O=Tally"}
 
 
+def test_a_new_output_directory_is_private(tmp_path):
+    out = tmp_path / "fresh"
+    certs.write_deployment(out)
+    assert stat.S_IMODE(out.stat().st_mode) == 0o700
+
+
 def test_certificate_contents(pki):
     ca = certs.load_certificate(pki / "ca" / "ca.pem")
     assert ca.extensions.get_extension_for_class(x509.BasicConstraints).value.ca

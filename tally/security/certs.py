@@ -274,11 +274,13 @@ def write_deployment(
     contents.update({f"{DEVICE_ROLE}/{CA_CERT}": ca_pem, f"{DEVICE_ROLE}/device.pem": cert,
                      f"{DEVICE_ROLE}/device.key": key})
 
+    # The output directory too: it holds the CA key and every role's secrets until handed out.
+    directory.mkdir(mode=0o700, parents=True, exist_ok=True)
     files = {}
     for name in deployment_files(aggregators):
         data, mode = contents[name]
         path = directory / name
-        path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+        path.parent.mkdir(mode=0o700, exist_ok=True)
         files[name] = write_file_atomic(path, data, mode)
     return Deployment(
         directory=directory,

@@ -57,8 +57,9 @@ class TLSConfig:
     def from_dir(
         cls, directory: str | os.PathLike[str], identity: str | None, *, require_client_auth: bool = False
     ) -> TLSConfig:
-        """``ca.pem`` plus ``<identity>.pem``/``<identity>.key`` from a ``tally certs`` directory
-        (``identity`` None: CA only, a client that presents no certificate)."""
+        """``ca.pem`` plus ``<identity>.pem``/``<identity>.key`` from one role's directory of
+        ``tally certs`` output, e.g. ``(out / "device", "device")`` (``identity`` None: CA only, a
+        client that presents no certificate)."""
         d = Path(directory)
         if identity is None:
             return cls(ca=d / "ca.pem", require_client_auth=require_client_auth)
@@ -221,7 +222,7 @@ def add_tls_arguments(parser: argparse.ArgumentParser, identity: str | None) -> 
     """``--tls-dir``, ``--ca``, ``--cert``, ``--key``, ``--insecure`` and
     ``--require-client-cert``; ``identity`` is the default certificate name in ``--tls-dir``."""
     g = parser.add_argument_group("TLS")
-    g.add_argument("--tls-dir", type=Path, help="a `tally certs` output directory")
+    g.add_argument("--tls-dir", type=Path, help="this role's directory of `tally certs` output")
     g.add_argument("--ca", type=Path, help="CA certificate (overrides --tls-dir)")
     g.add_argument("--cert", type=Path, help="certificate (overrides --tls-dir)")
     g.add_argument("--key", type=Path, help="private key (overrides --tls-dir)")
