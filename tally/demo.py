@@ -121,7 +121,7 @@ async def _demo(args: argparse.Namespace, console: Console) -> dict:
     tls = TLSConfig.from_dir(certs / "device", "device")
     processes = [
         Process(f"aggregator-{i}", ["aggregator", "--listen", "127.0.0.1:0", "--id", f"agg-{i}",
-                                    "--tls-dir", str(certs / f"aggregator-{i}")],
+                                    "--tls-dir", str(certs / f"aggregator-{i}"), "--require-client-cert"],
                 out / "logs" / f"aggregator-{i}.log")
         for i in (1, 2)
     ]
