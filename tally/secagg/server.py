@@ -535,10 +535,13 @@ class _UnmaskPhase(_SumPhase):
         t = self.server.config.threshold
         pending = [key for key in self.shares if key not in self.rebuilt]
         holder_sets, share_arrays = [], []
+        suspects = self.server.misbehaving
         for key in pending:
-            holders = sorted(self.shares[key], key=lambda h: (h in self.server.misbehaving, h))[:t]
+            held = self.shares[key]
+            # Any t holders interpolate; honest-looking ones first once someone was caught.
+            holders = sorted(held, key=lambda h: (h in suspects, h))[:t] if suspects else list(held)[:t]
             holder_sets.append(tuple(holders))
-            share_arrays.append(_share_matrix(self.shares[key], holders))
+            share_arrays.append(_share_matrix(held, holders))
         failed: set[tuple[str, int]] = set()
         for key, secret in zip(pending, shamir.reconstruct_each(holder_sets, share_arrays)):
             if secret is not None and self._matches(key, secret):

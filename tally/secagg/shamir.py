@@ -206,9 +206,9 @@ def reconstruct_each(
         # Reduce each product before summing: t terms below p each cannot wrap uint64.
         chunks = (lam[:, :, None] * stacked % _P).sum(axis=1) % _P
         valid = in_field & np.all(chunks < _CHUNK_LIMITS, axis=1)
-        for i, ok, row in zip(members, valid, chunks):
-            if ok:
-                out[i] = field_to_secrets(row[None, :])[0]
+        good = [i for i, ok in zip(members, valid) if ok]
+        for i, secret in zip(good, field_to_secrets(chunks[valid]) if good else ()):
+            out[i] = secret
     return out
 
 
