@@ -20,7 +20,8 @@ from grpc_reflection.v1alpha import reflection
 
 from tally import logs
 from tally.metrics import MetricsServer
-from tally.security import TicketVerifier, TLSConfig, bind, channel_options
+from tally.security import TicketVerifier, TLSConfig, bind
+from tally.security.tls import server_options
 from tally.security.certs import COORDINATOR_CN
 from tally.wire.v1 import aggregator_pb2, aggregator_pb2_grpc, secagg_pb2, secagg_pb2_grpc
 
@@ -67,7 +68,7 @@ class AggregatorService:
         self._tls = tls
         self._advertised = advertised_address
         self._metrics_request = (metrics_port, metrics_addr)
-        self._options = channel_options(max_message_bytes)
+        self._options = server_options(max_message_bytes)
         self._verifier = TicketVerifier(ticket_public_key)
         self._registry = SessionRegistry(result_ttl_s)
         self._clock = clock

@@ -26,17 +26,17 @@ from coordinator.ratelimit import RateLimit, SourceRateLimiter
 from coordinator.store import Store
 from tally import logs
 from tally.metrics import MetricsServer
-from tally.security.enrolment import EnrolmentVerifier, SharedKeyEnrolment, load_or_create_enrolment_key
 from tally.security import (
     OwnerTokens,
     TicketSigner,
     TLSConfig,
     TokenIssuer,
     bind,
-    channel_options,
     load_or_create_ticket_key,
     load_or_create_token_secret,
 )
+from tally.security.enrolment import EnrolmentVerifier, SharedKeyEnrolment, load_or_create_enrolment_key
+from tally.security.tls import server_options
 from tally.wire.v1 import admin_pb2, admin_pb2_grpc, coordinator_pb2, coordinator_pb2_grpc
 
 log = logging.getLogger("tally.coordinator")
@@ -135,7 +135,7 @@ class CoordinatorService:
             self._store, self._pool, signer, metrics, self.clock, checkin_hold_s=self.checkin_hold_s
         )
 
-        options = dict(channel_options(self.max_message_bytes))
+        options = dict(server_options(self.max_message_bytes))
         options["grpc.max_receive_message_length"] = self.max_request_bytes
         server = grpc.aio.server(options=list(options.items()))
         if self.enrolment is None:

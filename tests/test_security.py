@@ -5,6 +5,7 @@ that reject every forgery, truncation and expiry."""
 from __future__ import annotations
 
 import argparse
+import asyncio
 import datetime as dt
 import ipaddress
 import stat
@@ -37,7 +38,13 @@ from tally.security import (
     token_from_metadata,
 )
 from tally.security import certs, certs_cli
-from tally.security.tls import add_tls_arguments, peer_identity, target_hosts, tls_config_from_args
+from tally.security.tls import (
+    add_tls_arguments,
+    peer_identity,
+    server_options,
+    target_hosts,
+    tls_config_from_args,
+)
 
 TIMEOUT = 5.0
 
@@ -226,6 +233,36 @@ def test_tls_config_validation_and_args(pki):
     cfg = tls_config_from_args(parser.parse_args(["--tls-dir", str(pki), "--require-client-cert"]))
     assert cfg == TLSConfig.from_dir(pki, "aggregator", require_client_auth=True)
     assert tls_config_from_args(parser.parse_args(["--insecure"])).insecure
+
+
+def test_a_second_service_cannot_take_a_port_in_use(tmp_path):
+    """Issue 9, item 1: gRPC's default SO_REUSEPORT let a second coordinator or aggregator bind
+    a port in use and silently take half its connections. Both services now refuse."""
+    from aggregator import AggregatorService
+    from coordinator.service import CoordinatorService
+
+    first = grpc.server(futures.ThreadPoolExecutor(max_workers=1), options=server_options())
+    port = bind(first, "127.0.0.1:0", TLSConfig.plaintext())
+    first.start()
+    try:
+        second = grpc.server(futures.ThreadPoolExecutor(max_workers=1), options=server_options())
+        with pytest.raises(RuntimeError, match=f"could not bind '127.0.0.1:{port}'"):
+            bind(second, f"127.0.0.1:{port}", TLSConfig.plaintext())
+
+        async def start_services():
+            key = load_or_create_ticket_key(tmp_path / "s")
+            aggregator = AggregatorService(f"127.0.0.1:{port}", TLSConfig.plaintext(),
+                                           key.public_key(), "agg")
+            with pytest.raises(RuntimeError, match="another service"):
+                await aggregator.start()
+            coordinator = CoordinatorService(f"127.0.0.1:{port}", TLSConfig.plaintext(), tmp_path / "s", [])
+            with pytest.raises(RuntimeError, match="another service"):
+                await coordinator.start()
+            await coordinator.stop(grace=0)
+
+        asyncio.run(start_services())
+    finally:
+        first.stop(None)
 
 
 # -- certificates and the CLI --------------------------------------------------------------------

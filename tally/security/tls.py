@@ -108,6 +108,12 @@ def channel_options(max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> list[
     ]
 
 
+def server_options(max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> list[tuple[str, int]]:
+    """``channel_options`` plus exclusive ports: gRPC sets SO_REUSEPORT by default, so a second
+    service started on a port in use would share it silently, each getting some connections."""
+    return [*channel_options(max_message_bytes), ("grpc.so_reuseport", 0)]
+
+
 def bind(server: grpc.Server, address: str, config: TLSConfig) -> int:
     """Add a listening port to ``server``; returns the bound port (useful with ``:0``).
 
@@ -119,11 +125,16 @@ def bind(server: grpc.Server, address: str, config: TLSConfig) -> int:
                 f"refusing to serve without TLS on {address!r}: --insecure is allowed only on "
                 "loopback addresses (127.0.0.0/8, ::1, localhost) or unix: sockets"
             )
-        port = server.add_insecure_port(address)
+        add = server.add_insecure_port
     else:
-        port = server.add_secure_port(address, server_credentials(config))
+        credentials = server_credentials(config)
+        add = lambda a: server.add_secure_port(a, credentials)  # noqa: E731
+    try:
+        port = add(address)
+    except RuntimeError:
+        port = 0
     if port == 0 and not address.startswith("unix"):
-        raise RuntimeError(f"could not bind {address!r}")
+        raise RuntimeError(f"could not bind {address!r}: is another service listening on it?")
     return port
 
 
