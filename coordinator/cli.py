@@ -127,10 +127,15 @@ def _rate_limit(text: str) -> RateLimit:
 
 def run_coordinator(args: argparse.Namespace) -> int:
     logs.configure(args.log_level)
+    for flag, path in (("--tls-dir", args.tls_dir), ("--secrets-dir", args.secrets_dir)):
+        # Never create a mistyped directory and write fresh secrets into it.
+        if path is not None and not path.is_dir():
+            print(f"tally coordinator: {flag} {path}: no such directory", file=sys.stderr)
+            return 2
     try:
         tls = tls_config_from_args(args)
     except ValueError as exc:
-        print(f"error: {exc}", file=sys.stderr)
+        print(f"tally coordinator: {exc}", file=sys.stderr)
         return 2
     service = CoordinatorService(
         args.listen, tls, args.state_dir, args.aggregator,
@@ -150,7 +155,12 @@ async def _serve(service: CoordinatorService) -> int:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stopping.set)
-    port = await service.start()
+    try:
+        port = await service.start()
+    except (OSError, RuntimeError, ValueError) as exc:  # a port or state dir in use, bad TLS files
+        await service.stop(grace=0)
+        print(f"tally coordinator: {exc}", file=sys.stderr)
+        return 1
     print(
         f"coordinator on port {port}, metrics on port {service.metrics_port}, admin token in "
         f"{service.state_dir / ADMIN_TOKEN_FILE}",

@@ -15,6 +15,7 @@ never expose a service on a network interface by accident.
 from __future__ import annotations
 
 import argparse
+import re
 import ipaddress
 import os
 from collections.abc import Sequence
@@ -118,6 +119,8 @@ def bind(server: grpc.Server, address: str, config: TLSConfig) -> int:
     """Add a listening port to ``server``; returns the bound port (useful with ``:0``).
 
     Plaintext only on loopback; anything else raises ``ValueError`` before binding."""
+    if not address.startswith("unix") and not re.fullmatch(r".+:\d{1,5}", address):
+        raise ValueError(f"{address!r} is not HOST:PORT")
     if config.insecure:
         host = _address_host(address)
         if not (host is None or is_loopback_host(host)):
