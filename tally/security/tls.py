@@ -119,7 +119,7 @@ def bind(server: grpc.Server, address: str, config: TLSConfig) -> int:
     """Add a listening port to ``server``; returns the bound port (useful with ``:0``).
 
     Plaintext only on loopback; anything else raises ``ValueError`` before binding."""
-    if not address.startswith("unix") and not re.fullmatch(r".+:\d{1,5}", address):
+    if not address.startswith("unix") and not re.fullmatch(r".*:\d{1,5}", address):
         raise ValueError(f"{address!r} is not HOST:PORT")
     if config.insecure:
         host = _address_host(address)
