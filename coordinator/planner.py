@@ -16,12 +16,20 @@ Two rules stop a privacy attack on the cohorts themselves:
 - **Cohorts are a uniformly random partition of the selection**, drawn once the selection closes
   from the operating system's CSPRNG: arriving together (as sybils can) says nothing about
   landing together, so k sybils share a victim's cohort only as often as chance allows.
-- **A retry never re-sums a device already summed in the round.** Sums of a failed attempt did
-  reach the coordinator (they are dropped, not unseen); a retry over an overlapping cohort would
-  let the two sums be subtracted, isolating whoever is in one and not the other. So devices
-  whose inputs are in any cohort sum received for the round (``excluded``) are not selected again
-  in that round: the round's sums cover disjoint sets of devices, and differencing yields nothing
-  finer than one cohort sum. Devices of a failed attempt whose sums never arrived may retry.
+- **A retry of a round never seats a device seated in an earlier attempt of that round.**
+  Two sums over cohorts that differ by one device isolate that device's input; sums over
+  disjoint sets of devices cannot be differenced into anything finer than one of them. A failed
+  attempt's sums cannot be assumed unseen: sums that reached the coordinator are only dropped,
+  and the aggregator computes every sum itself, so a malicious one can unmask a cohort, report an
+  abort (or fewer contributors than it used), then in the retry of the same cohort pretend the
+  victim dropped out: sum(C) - sum(C - {v}) = x_v, with no sybil needed. The coordinator cannot
+  tell which sums an aggregator computed, so it assumes the worst of every device that could
+  have sent an input: all devices seated in an attempt whose sessions opened (``excluded``,
+  recorded before any task is handed out and kept across restarts) are turned away for the
+  rest of the round. The round's attempts then cover pairwise disjoint sets of devices.
+  The price is liveness: a retry needs devices not yet seated in the round, so a population
+  no larger than one selection cannot retry a round once its sessions opened. Attempts that fail
+  before their sessions open (too few check-ins, no aggregator) seat nobody and cost nothing.
 """
 
 from __future__ import annotations
@@ -311,7 +319,8 @@ class RoundPlanner:
         cohort_rng: random.Random | None = None,
     ) -> None:
         """``rng`` jitters pace steering; ``cohort_rng`` draws the cohorts (the OS CSPRNG unless a
-        test fixes it); ``excluded``: devices already summed in this round."""
+        test fixes it); ``excluded``: devices seated in an earlier attempt of this round, which
+        this attempt never selects (see the module docstring)."""
         self.spec, self.steps = spec, list(steps)
         self.attempt_key = attempt_key
         self.started_at = now
@@ -338,7 +347,7 @@ class RoundPlanner:
             if self.selection.offer(device_id):
                 return Hold(device_id)
             if device_id in self.selection.excluded:
-                return self.retry(now, "already summed in this round")
+                return self.retry(now, "seated in an earlier attempt of this round")
             return self.retry(now, "cohort full")
         if self.phase in (Phase.DONE, Phase.FAILED):  # a new selection follows shortly
             return Retry(MIN_RETRY_S, "round attempt ending")

@@ -440,7 +440,7 @@ class JobRunner:
             self.spec, steps, ctx.clock(), extensions=budget,
             attempt_key=f"r{round_}a{attempt}-{secrets.token_hex(4)}",
             expected_round_s=self.expected_round_s, rng=ctx.rng,
-            excluded=ctx.store.summed(self.job_id, round_),
+            excluded=ctx.store.seated(self.job_id, round_),
         )
         self.planner, self.tasks, self.sessions = planner, {}, []
         self.step_protos = [step_proto(steps[0])] + [None] * (len(steps) - 1)
@@ -580,6 +580,8 @@ class JobRunner:
         return keys
 
     def _deliver(self, planner: RoundPlanner, round_: int, blob: RoundBlob) -> None:
+        # Before any task goes out: from here on a seat may become an input in a sum.
+        self.ctx.store.add_seated(self.job_id, round_, planner.seats)
         by_cohort = {s.cohort: s for s in self.sessions}
         for seat in planner.seats.values():
             session = by_cohort[seat.cohort]
@@ -695,8 +697,6 @@ class JobRunner:
                 f"{where}: sum {proto.sum_id!r} at {proto.bits} bits x {proto.dim} does not match the "
                 f"session's {step.name!r} at {spec.bits} bits x {spec.dim}"
             )
-        cohort = planner.cohorts[session.cohort].devices
-        self.ctx.store.add_summed(self.job_id, self.round, (cohort[i - 1] for i in result.contributors))
         try:
             total = planner.cohort_sum(session.cohort, result, spec.bits)
         except CohortRejected as exc:

@@ -101,9 +101,10 @@ CREATE TABLE IF NOT EXISTS devices (
     -- the timestamp of its latest registration statement: an older or equal one is a replay
     registered_at REAL NOT NULL
 );
--- Devices whose inputs are in a cohort sum the coordinator received, per round: a retry of the
--- round seats none of them again (so no two sums of one round can be differenced).
-CREATE TABLE IF NOT EXISTS summed (
+-- Devices seated in an attempt of a round whose sessions opened: a retry of the round seats
+-- none of them again (so no two sums of one round can be differenced). Rows of a committed
+-- round are deleted with the commit.
+CREATE TABLE IF NOT EXISTS seated (
     job_id TEXT NOT NULL,
     round INTEGER NOT NULL,
     device_id TEXT NOT NULL,
@@ -439,18 +440,19 @@ class Store:
             ).fetchall()
         return [RoundRecord(*r[:7], json.loads(r[7]), json.loads(r[8])) for r in rows]
 
-    def add_summed(self, job_id: str, round_: int, device_ids: Iterable[str]) -> None:
-        """Record, before the sum is used, whose inputs a received cohort sum covers."""
+    def add_seated(self, job_id: str, round_: int, device_ids: Iterable[str]) -> None:
+        """Record, before any of them gets its task, the devices of an attempt's cohorts: a
+        restarted coordinator must keep them out of the round's retries too."""
         with self._lock:
             self._db.executemany(
-                "INSERT OR IGNORE INTO summed (job_id, round, device_id) VALUES (?, ?, ?)",
+                "INSERT OR IGNORE INTO seated (job_id, round, device_id) VALUES (?, ?, ?)",
                 [(job_id, round_, d) for d in device_ids],
             )
 
-    def summed(self, job_id: str, round_: int) -> frozenset[str]:
+    def seated(self, job_id: str, round_: int) -> frozenset[str]:
         with self._lock:
             rows = self._db.execute(
-                "SELECT device_id FROM summed WHERE job_id = ? AND round = ?", (job_id, round_)
+                "SELECT device_id FROM seated WHERE job_id = ? AND round = ?", (job_id, round_)
             ).fetchall()
         return frozenset(d for (d,) in rows)
 
@@ -482,6 +484,9 @@ class Store:
                 self._db.execute(
                     "UPDATE jobs SET committed_round = ?, updated_at = ?, state = ? WHERE job_id = ?",
                     (version.round, now, "SUCCEEDED" if final else "RUNNING", version.job_id),
+                )
+                self._db.execute(  # a committed round is never retried
+                    "DELETE FROM seated WHERE job_id = ? AND round = ?", (version.job_id, version.round)
                 )
                 self._db.execute("COMMIT")
             except BaseException:

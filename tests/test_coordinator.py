@@ -371,7 +371,11 @@ class FakeAggregator(aggregator_pb2_grpc.AggregatorControlServicer):
         self.sessions: dict[str, FakeSession] = {}
         self.abort_reason: str | None = None  # every session aborts
         self.aborts: list[str] = []  # the next sessions abort, one reason each
-        self.abort_sum: str | None = None  # the next result of this sum aborts (once)
+        # A malicious aggregator: it unmasks the next sum it is asked for, keeps it, and reports
+        # an abort instead (once).
+        self.withhold_next = False
+        # Every sum this aggregator computed, withheld or not: (session id, sum id, device indices).
+        self.computed: list[tuple[str, str, tuple[int, ...]]] = []
         self.hang = False
         self.opened = asyncio.Event()
         self.address = ""
@@ -437,8 +441,6 @@ class FakeAggregator(aggregator_pb2_grpc.AggregatorControlServicer):
         await self.check_owner(session, context)
         spec = session.config.sum_spec(request.sum_id)
         reason = self.abort_reason or (self.aborts.pop(0) if self.aborts else None)
-        if spec.sum_id == self.abort_sum:
-            reason, self.abort_sum = f"{spec.sum_id}: too few survivors (test)", None
         if reason:
             return aggregator_pb2.CohortSum(session_id=request.session_id, sum_id=spec.sum_id, aborted_reason=reason)
         if self.hang:
@@ -456,6 +458,11 @@ class FakeAggregator(aggregator_pb2_grpc.AggregatorControlServicer):
             total += ring.astype(np.uint64)  # uint64 wraps: the sum mod 2^64, then mod 2^bits
         total = (total & np.uint64(ring_mask(spec.bits))).astype(ring_dtype(spec.bits))
         result = SumResult(spec.sum_id, total, tuple(sorted(inputs)), tuple(sorted(session.dropped)))
+        self.computed.append((request.session_id, spec.sum_id, result.contributors))
+        if self.withhold_next:
+            self.withhold_next = False
+            return aggregator_pb2.CohortSum(session_id=request.session_id, sum_id=spec.sum_id,
+                                            aborted_reason=f"{spec.sum_id}: too few survivors (a lie)")
         return cohort_sum_to_proto(request.session_id, spec, result)
 
     async def CloseSession(self, request, context):
@@ -1001,13 +1008,22 @@ def test_restarted_coordinator_resumes_at_the_next_round(tmp_path):
     async def main():
         async with stack(tmp_path, aggregators=1) as s:
             devices = await s.devices(6)
+            # The interrupted attempt's devices may not be seated again in round 2, not even by a
+            # restarted coordinator: six spares with the same data take round 2 and then stop,
+            # so every round still sums the same six contributions.
+            spares = await s.devices(6, prefix="spare")
             job_id = await s.submit(spec_yaml("resume", rounds=rounds, cohort=6))
             release = asyncio.Event()
             held = []
             all_held = asyncio.Event()
+            spare_done = {d.device_id: asyncio.Event() for d in spares}
+            seated: dict[tuple[int, str], set[str]] = defaultdict(set)  # (round, attempt key) -> devices
 
             async def before(device, task):
-                if task.round == 2 and not release.is_set():
+                seated[task.round, task.task_id.split(".")[0]].add(device.device_id)
+                if device.device_id in spare_done:
+                    spare_done[device.device_id].set()  # its loop ends after this task
+                elif task.round == 2 and not release.is_set():
                     held.append(device.device_id)
                     if len(held) == len(devices):
                         all_held.set()
@@ -1018,6 +1034,10 @@ def test_restarted_coordinator_resumes_at_the_next_round(tmp_path):
             await all_held.wait()  # round 1 committed; round 2's sessions open and waiting
             await s.restart()
             mid = s.service.store.job(job_id)
+            loops += [
+                asyncio.create_task(d.loop(fedavg_contribution(config), spare_done[d.device_id], before))
+                for d in spares
+            ]
             release.set()
             events = await s.until_done(job_id)
             done.set()
@@ -1025,9 +1045,13 @@ def test_restarted_coordinator_resumes_at_the_next_round(tmp_path):
             model, rows = committed_model(s.service.store, job_id)
             versions = [s.service.store.model_version(job_id, r) for r in range(rounds + 1)]
             closed = [sess.closed for sess in s.aggregators[0].sessions.values()]
-        return mid, events, model, rows, versions, closed
+        return mid, events, model, rows, versions, closed, seated
 
-    mid, events, model, rows, versions, closed = run(main())
+    mid, events, model, rows, versions, closed, seated = run(main())
+    round_two = [devices for (round_, _), devices in seated.items() if round_ == 2]
+    assert sorted(sorted(d) for d in round_two) == [
+        [f"dev{i}" for i in range(6)], [f"spare{i}" for i in range(6)]
+    ]
     assert mid.committed_round == 1 and mid.state == "RUNNING"
     assert events[-1].state == SUCCEEDED
     committed = [(r.round, r.attempt) for r in rows if r.state == "committed"]
@@ -1048,7 +1072,8 @@ def test_failed_cohort_round_is_retried_and_the_job_goes_on(tmp_path, failure):
 
     async def main():
         async with stack(tmp_path, aggregators=2) as s:
-            devices = await s.devices(10)
+            # Twice the cohort: a retry never seats a device the failed attempt seated.
+            devices = await s.devices(20)
             job_id = await s.submit(spec_yaml("failover", rounds=2))
             victim = s.aggregators[1]
             ready = asyncio.Event()
@@ -1092,7 +1117,7 @@ def test_exhausted_retries_fail_the_job_with_the_reason(tmp_path):
         async with stack(tmp_path, aggregators=2) as s:
             for fake in s.aggregators:
                 fake.abort_reason = "too few survivors: 3 < 5"
-            devices = await s.devices(10)
+            devices = await s.devices(20)  # the retry's cohort is other devices
             aborting = await s.submit(spec_yaml("aborts", extra="retries: 1\n"))
             events = await run_devices(devices, fedavg_contribution(FedAvgConfig()), s.until_done(aborting))
             extra = "retries: 1\ndeadlines: {checkin: 0.2}\n"
