@@ -29,7 +29,8 @@ Two rules stop a privacy attack on the cohorts themselves:
   rest of the round. The round's attempts then cover pairwise disjoint sets of devices.
   The price is liveness: a retry needs devices not yet seated in the round, so a population
   no larger than one selection cannot retry a round once its sessions opened. Attempts that fail
-  before their sessions open (too few check-ins, no aggregator) seat nobody and cost nothing.
+  before their sessions open (too few check-ins, no aggregator) seat nobody and cost nothing,
+  and a ``plain`` job (benchmarks only) excludes nobody: its aggregator sees every input anyway.
 """
 
 from __future__ import annotations
@@ -327,7 +328,8 @@ class RoundPlanner:
         self.expected_round_s = expected_round_s
         self.phase = Phase.SELECTION
         self.selection = Selection(
-            spec.selection_target, spec.min_cohort, spec.deadlines["checkin"], extensions, now, excluded
+            spec.selection_target, spec.min_cohort, spec.deadlines["checkin"], extensions, now,
+            frozenset() if spec.secure.plain else excluded,
         )
         self.cohorts: list[CohortPlan] = []
         self.seats: dict[str, Seat] = {}

@@ -86,6 +86,9 @@ def test_a_device_seated_earlier_in_the_round_is_not_selected_again():
     assert isinstance(answer, Retry) and answer.reason == "seated in an earlier attempt of this round"
     assert isinstance(planner.check_in("fresh", 0.0), Hold)
     assert list(planner.selection.seated) == ["fresh"]
+    plain = RoundPlanner(_spec(secure={"plain": True}), [STEP], 0.0, extensions=0, attempt_key="k",
+                         excluded=frozenset({"seated"}))
+    assert isinstance(plain.check_in("seated", 0.0), Hold)  # no masked input to protect
 
 
 def test_a_withheld_sum_cannot_be_differenced_with_the_retry(tmp_path):
