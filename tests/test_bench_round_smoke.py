@@ -16,10 +16,13 @@ KEYS = {
 
 
 def test_round_bench_commits_every_round_in_both_modes(tmp_path):
+    """No dropouts at this size: cohorts of 6 abort on a single dropout, and a round's retry may
+    not reuse devices seated in an opened attempt (issue 12), so a 12-device population could not
+    retry. The engine and full-stack tests cover dropouts."""
     out = tmp_path / "round.json"
     subprocess.run(
         [sys.executable, str(ROOT / "bench" / "round.py"), "--devices", "12", "--dim", "100",
-         "--rounds", "2", "--dropout", "0.1", "--deadline", "10", "--json", str(out)],
+         "--rounds", "2", "--dropout", "0", "--deadline", "10", "--json", str(out)],
         cwd=tmp_path, check=True, timeout=120, capture_output=True,
     )
     summary = json.loads(out.read_text())

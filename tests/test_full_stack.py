@@ -156,8 +156,10 @@ def test_fedavg_through_the_services_equals_the_in_process_result(tmp_path):
 
 def test_dropouts_a_killed_aggregator_and_a_restarted_coordinator(tmp_path, monkeypatch):
     """Devices drop in random phases; aggregator 2 dies after round 1; the coordinator is
-    restarted after round 2; the job still commits every round exactly once."""
-    n, rounds = 24, 4
+    restarted after round 2; the job still commits every round exactly once. Twice the
+    selection's devices: a failed attempt's devices may not serve the round's retry (issue 12),
+    so a retry needs spares."""
+    n, rounds = 48, 4
     devices, (test_x, test_y) = trainers(n, seed=3)
     received = []  # everything the aggregators were sent by devices
     real_submit = aggregator_session.Session.submit
