@@ -177,6 +177,7 @@ def _check_neighbour(config: SessionConfig, neighbour: NeighbourKeys) -> None:
             f"neighbour {j}'s keys are not signed by its enrolled identity key: refusing them"
         )
 
+
 class _Phase(abc.ABC):
     name = ""
     accepts: type = object

@@ -18,12 +18,12 @@ from functools import cached_property
 import numpy as np
 
 from tally.codec import OverflowRefused, PayloadSchema
+from tally.secagg.crypto import PUBLIC_KEY_BYTES
 from tally.secagg.graph import HararyGraph
 from tally.secagg.messages import SessionRef, SumSpec
 from tally.secagg.params import GraphParams, ThreatModel, choose_params, validate_params
 
 MAX_BITS = 64
-IDENTITY_BYTES = 32
 
 
 @dataclass(frozen=True)
@@ -66,8 +66,8 @@ class SessionConfig:
                 f"a secure session needs one identity key per device: {len(self.identities)} "
                 f"for n={self.params.n}"
             )
-        if any(len(k) != IDENTITY_BYTES for k in self.identities):
-            raise ValueError(f"identity keys must be {IDENTITY_BYTES}-byte Ed25519 public keys")
+        if any(len(k) != PUBLIC_KEY_BYTES for k in self.identities):
+            raise ValueError(f"identity keys must be {PUBLIC_KEY_BYTES}-byte Ed25519 public keys")
         if len(set(self.identities)) != len(self.identities):
             raise ValueError("two devices of the cohort have the same identity key")
 

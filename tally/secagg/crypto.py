@@ -146,19 +146,14 @@ class SigningKey:
     """A device's long-term Ed25519 identity key, enrolled with the coordinator: it signs the
     device's session keys (AdvertiseKeys) and survivor sets (ConsistencyCheck)."""
 
-    __slots__ = ("private", "public", "_key")
+    __slots__ = ("public", "_key")
 
     def __init__(self, private: bytes) -> None:
         try:
             self._key = Ed25519PrivateKey.from_private_bytes(private)
         except ValueError as exc:
             raise CryptoError(f"invalid Ed25519 private key: {exc}") from exc
-        self.private = bytes(private)
         self.public = self._key.public_key().public_bytes_raw()
-
-    @classmethod
-    def from_private(cls, private: bytes) -> SigningKey:
-        return cls(private)
 
     @classmethod
     def generate(cls) -> SigningKey:

@@ -455,7 +455,9 @@ class _UnmaskPhase(_SumPhase):
         self.wanted: dict[tuple[str, int], int] = dict.fromkeys(self.shares, server.config.threshold)
         # Secrets below their wanted count, kept up to date so completion is O(1) per message.
         self.short: set[tuple[str, int]] = set(self.shares)
-        self.rebuilt: dict[tuple[str, int], bytes] = {}
+        # Checked secrets: a survivor's seed (bytes), a dropout's mask key (parsed once, as the
+        # check needs it parsed anyway).
+        self.rebuilt: dict[tuple[str, int], bytes | crypto.KeyPair] = {}
 
     def validate(self, message: UnmaskResponse) -> None:
         held = self.server.sharers.intersection(self.server.config.neighbours(message.sender).tolist())
@@ -544,8 +546,9 @@ class _UnmaskPhase(_SumPhase):
             share_arrays.append(_share_matrix(held, holders))
         failed: set[tuple[str, int]] = set()
         for key, secret in zip(pending, shamir.reconstruct_each(holder_sets, share_arrays)):
-            if secret is not None and self._matches(key, secret):
-                self.rebuilt[key] = secret
+            checked = self._checked(key, secret) if secret is not None else None
+            if checked is not None:
+                self.rebuilt[key] = checked
             elif not self._decode(key):
                 failed.add(key)
         return failed
@@ -557,21 +560,28 @@ class _UnmaskPhase(_SumPhase):
             secret, wrong = shamir.decode(holders, _share_matrix(held, holders), self.server.config.threshold)
         except ValueError:
             return False
-        if not self._matches(key, secret):
+        checked = self._checked(key, secret)
+        if checked is None:
             return False
-        self.rebuilt[key] = secret
+        self.rebuilt[key] = checked
         kind, owner = key
         for holder in wrong:
             self.server.misbehaving[holder] = f"wrong {kind} share of device {owner} in sum {self.sum_id!r}"
         return True
 
-    def _matches(self, key: tuple[str, int], secret: bytes) -> bool:
-        """Whether a rebuilt secret is the one its owner committed to in its signed keys."""
+    def _checked(self, key: tuple[str, int], secret: bytes) -> bytes | crypto.KeyPair | None:
+        """The rebuilt secret, ready to use, if it is the one its owner committed to in its
+        signed keys; else None."""
         kind, owner = key
         keys = self.server.advertised[owner].keys[self.position]
         if kind == "seed":
-            return seed_commitment(self.server.config.ref, self.sum_id, secret) == keys.seed_commitment
-        return crypto.KeyPair(secret).public == keys.mask_public
+            ok = seed_commitment(self.server.config.ref, self.sum_id, secret) == keys.seed_commitment
+            return secret if ok else None
+        try:
+            pair = crypto.KeyPair(secret)
+        except crypto.CryptoError:
+            return None
+        return pair if pair.public == keys.mask_public else None
 
     def _unmask(self) -> np.ndarray:
         server = self.server
@@ -589,8 +599,7 @@ class _UnmaskPhase(_SumPhase):
         for i, seed in seeds.items():
             expander.apply(total, crypto.self_mask_key(seed, context), subtract=True)
         position = self.position
-        for j, private in keys.items():
-            pair = crypto.KeyPair(private)
+        for j, pair in keys.items():
             for i in server.config.neighbours(j):
                 i = int(i)
                 if i not in self.survivors:

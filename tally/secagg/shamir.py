@@ -261,7 +261,7 @@ def _berlekamp_welch(x: np.ndarray, y: np.ndarray, t: int, errors: int) -> np.nd
     """Coefficients (low to high) of the degree < t polynomial through all but ``errors`` of
     the points: solve Q(x_i) = y_i E(x_i) for Q of degree < t + errors and monic E of degree
     ``errors``; then P = Q / E."""
-    powers = _powers(x, t + 2 * errors + 1)
+    powers = _powers(x, t + errors)
     matrix = np.concatenate([powers[:, : t + errors], (P - y[:, None]) * powers[:, :errors] % P], axis=1)
     rhs = y * powers[:, errors] % P
     solution = _solve(matrix, rhs)
@@ -275,9 +275,7 @@ def _berlekamp_welch(x: np.ndarray, y: np.ndarray, t: int, errors: int) -> np.nd
         quotient[i] = coefficient
         for j, d in enumerate(e):
             q[i + j] = (q[i + j] - coefficient * d) % P
-    if any(q[:errors]):
-        raise ValueError("too many wrong shares to decode")
-    if any(quotient[t:]):
+    if any(q[:errors]) or any(quotient[t:]):  # E does not divide Q, or P has degree >= t
         raise ValueError("too many wrong shares to decode")
     return np.array(quotient[:t], dtype=np.int64)
 

@@ -49,7 +49,6 @@ from tally.secagg.messages import (
     UnmaskResponse,
 )
 from tally.secagg import crypto, shamir
-from tally.secagg.config import IDENTITY_BYTES
 from tally.secagg.params import GraphParams
 from tally.secagg.wire import COMMITMENT_BYTES, SHARE_CIPHERTEXT_BYTES
 from tally.wire.v1 import aggregator_pb2, common_pb2, secagg_pb2
@@ -182,7 +181,7 @@ def _session_config_from(p: secagg_pb2.SessionConfig) -> SessionConfig:
             graph_seed=p.graph_seed,
             consistency_check=p.consistency_check,
             min_survivors=int(p.min_survivors),
-            identities=tuple(_fixed(p, "identities", IDENTITY_BYTES, k) for k in p.identities),
+            identities=tuple(_fixed(p, "identities", crypto.PUBLIC_KEY_BYTES, k) for k in p.identities),
             plain=p.plain,
         )
     except ValueError as exc:
