@@ -10,12 +10,10 @@ from __future__ import annotations
 import hashlib
 import hmac
 import os
-import secrets
-from pathlib import Path
 
 from tally.secagg import SigningKey
 from tally.security.enrolment import registration_statement
-from tally.security.tokens import _load_or_create
+from tally.security.tokens import load_or_create_secret
 from tally.wire.v1 import coordinator_pb2
 
 
@@ -41,7 +39,7 @@ def register_request(
 def load_or_create_identity(path: str | os.PathLike[str]) -> SigningKey:
     """The device's identity key from ``path`` (32 raw bytes, 0600), created on first use. It must
     outlive restarts: the coordinator binds the device id to it for good."""
-    data = _load_or_create(Path(path), lambda: secrets.token_bytes(32))
+    data = load_or_create_secret(path)
     if len(data) != 32:
         raise ValueError(f"{path} is not a device identity key (32 raw bytes)")
     return SigningKey(data)

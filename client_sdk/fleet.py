@@ -156,7 +156,7 @@ class Fleet:
                 executor=self.executor,
                 on_update=self._updated,
                 policy=device_policy,
-                identity=simulated_identity(enrolment_key, ids[i]) if enrolment_key else None,
+                identity=simulated_identity(enrolment_key, ids[i]) if enrolment else None,
                 enrolment_credential=enrolment.credential(population, ids[i]) if enrolment else b"",
             )
             for i, trainer in enumerate(trainers)

@@ -573,11 +573,11 @@ class JobRunner:
     def _roster(self, plan: CohortPlan) -> list[bytes]:
         """Each seat's enrolled identity key: the config carries it, the ticket signs it, and
         devices check their neighbours' keys against it."""
-        keys = [self.ctx.store.device_identity(device_id) for device_id in plan.devices]
-        missing = [d for d, key in zip(plan.devices, keys) if key is None]
+        keys = self.ctx.store.device_identities(plan.devices)
+        missing = [d for d in plan.devices if d not in keys]
         if missing:
             raise AttemptFailed(f"devices without an enrolled identity key: {missing[:5]}")
-        return keys
+        return [keys[d] for d in plan.devices]
 
     def _deliver(self, planner: RoundPlanner, round_: int, blob: RoundBlob) -> None:
         # Before any task goes out: from here on a seat may become an input in a sum.

@@ -122,14 +122,15 @@ class CoordinatorService:
         """Resume unfinished jobs and start serving; returns the bound port."""
         self._store = Store(self.state_dir)
         self.admin_token = load_or_create_admin_token(self.state_dir)
-        issuer = TokenIssuer(load_or_create_token_secret(self.secrets_dir))
+        token_secret = load_or_create_token_secret(self.secrets_dir)
+        issuer = TokenIssuer(token_secret)
         signer = TicketSigner(load_or_create_ticket_key(self.secrets_dir))
         self._metrics_server = MetricsServer()
         metrics = CoordinatorMetrics(self._metrics_server.registry)
         self.metrics_port = self._metrics_server.start(self.metrics_port, self.metrics_addr)
         self._pool = AggregatorPool(
             self.aggregators, self.aggregator_tls, self.max_message_bytes,
-            OwnerTokens(load_or_create_token_secret(self.secrets_dir)), metrics.aggregators_up.set,
+            OwnerTokens(token_secret), metrics.aggregators_up.set,
         )
         self.engine = Engine(
             self._store, self._pool, signer, metrics, self.clock, checkin_hold_s=self.checkin_hold_s

@@ -14,6 +14,7 @@ directory (an exclusive lock on ``coordinator.lock``): two would run every job t
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import hashlib
 import json
@@ -21,7 +22,7 @@ import os
 import secrets
 import sqlite3
 import threading
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -29,6 +30,8 @@ from typing import Any
 BLOB_KINDS = ("model", "broadcast", "onnx", "state")
 # What devices may download; algorithm states stay on the server.
 SERVED_KINDS = ("model", "broadcast", "onnx")
+# Well below SQLite's limit on bound parameters per statement (32,766).
+_IDS_PER_QUERY = 10_000
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS jobs (
@@ -264,25 +267,30 @@ class Store:
 
     # -- devices -------------------------------------------------------------------------------
 
-    def enrol_device(
-        self, device_id: str, population: str, identity_public: bytes, statement_at: float, now: float
-    ) -> bool:
-        """Record a verified registration; True when the device is new. Raises
-        ``EnrolmentRefused`` for a taken id under another key or population, a key already
-        naming another device, or a statement no later than the device's last one (a replay)."""
+    @contextlib.contextmanager
+    def _transaction(self) -> Iterator[None]:
+        """One write transaction under the lock: all of the block's statements or none."""
         with self._lock:
             self._db.execute("BEGIN IMMEDIATE")
             try:
-                new = self._enrol(device_id, population, identity_public, statement_at, now)
+                yield
                 self._db.execute("COMMIT")
             except BaseException:
                 self._db.execute("ROLLBACK")
                 raise
-        return new
+
+    def enrol_device(
+        self, device_id: str, population: str, identity_public: bytes, statement_at: float, now: float
+    ) -> None:
+        """Record a verified registration. Raises ``EnrolmentRefused`` for a taken id under
+        another key or population, a key already naming another device, or a statement no later
+        than the device's last one (a replay)."""
+        with self._transaction():
+            self._enrol(device_id, population, identity_public, statement_at, now)
 
     def _enrol(
         self, device_id: str, population: str, identity_public: bytes, statement_at: float, now: float
-    ) -> bool:
+    ) -> None:
         row = self._db.execute(
             "SELECT population, identity_public, registered_at FROM devices WHERE device_id = ?",
             (device_id,),
@@ -298,7 +306,7 @@ class Store:
                 "registered_at) VALUES (?, ?, ?, ?, ?)",
                 (device_id, population, identity_public, now, statement_at),
             )
-            return True
+            return
         enrolled_population, enrolled_key, registered_at = row
         if bytes(enrolled_key) != identity_public:
             raise EnrolmentRefused(
@@ -316,15 +324,21 @@ class Store:
         self._db.execute(
             "UPDATE devices SET registered_at = ? WHERE device_id = ?", (statement_at, device_id)
         )
-        return False
 
-    def device_identity(self, device_id: str) -> bytes | None:
-        """The identity key the device enrolled with, or None for a device never enrolled."""
+    def device_identities(self, device_ids: Iterable[str]) -> dict[str, bytes]:
+        """The identity keys the given devices enrolled with (devices never enrolled are left
+        out), a batch of ids per query: a cohort's roster is built per session."""
+        ids, out = list(device_ids), {}
         with self._lock:
-            row = self._db.execute(
-                "SELECT identity_public FROM devices WHERE device_id = ?", (device_id,)
-            ).fetchone()
-        return bytes(row[0]) if row else None
+            for start in range(0, len(ids), _IDS_PER_QUERY):
+                batch = ids[start:start + _IDS_PER_QUERY]
+                rows = self._db.execute(
+                    "SELECT device_id, identity_public FROM devices "
+                    f"WHERE device_id IN ({','.join('?' * len(batch))})",
+                    batch,
+                ).fetchall()
+                out.update((device, bytes(key)) for device, key in rows)
+        return out
 
     # -- jobs ----------------------------------------------------------------------------------
 
@@ -472,26 +486,20 @@ class Store:
         """In one transaction: the model version, the attempt committed, the job's committed
         round advanced (and the job SUCCEEDED when ``final``)."""
         now = version.created_at
-        with self._lock:
-            self._db.execute("BEGIN IMMEDIATE")
-            try:
-                self._insert_version(version)
-                self._db.execute(
-                    "UPDATE rounds SET state = 'committed', finished_at = ?, metrics = ? "
-                    "WHERE job_id = ? AND round = ? AND attempt = ?",
-                    (now, json.dumps(dict(metrics)), version.job_id, version.round, attempt),
-                )
-                self._db.execute(
-                    "UPDATE jobs SET committed_round = ?, updated_at = ?, state = ? WHERE job_id = ?",
-                    (version.round, now, "SUCCEEDED" if final else "RUNNING", version.job_id),
-                )
-                self._db.execute(  # a committed round is never retried
-                    "DELETE FROM seated WHERE job_id = ? AND round = ?", (version.job_id, version.round)
-                )
-                self._db.execute("COMMIT")
-            except BaseException:
-                self._db.execute("ROLLBACK")
-                raise
+        with self._transaction():
+            self._insert_version(version)
+            self._db.execute(
+                "UPDATE rounds SET state = 'committed', finished_at = ?, metrics = ? "
+                "WHERE job_id = ? AND round = ? AND attempt = ?",
+                (now, json.dumps(dict(metrics)), version.job_id, version.round, attempt),
+            )
+            self._db.execute(
+                "UPDATE jobs SET committed_round = ?, updated_at = ?, state = ? WHERE job_id = ?",
+                (version.round, now, "SUCCEEDED" if final else "RUNNING", version.job_id),
+            )
+            self._db.execute(  # a committed round is never retried
+                "DELETE FROM seated WHERE job_id = ? AND round = ?", (version.job_id, version.round)
+            )
 
     def model_version(self, job_id: str, round_: int | None = None) -> ModelVersion | None:
         """Version ``round_`` of a job's model, or the latest when None."""

@@ -21,14 +21,13 @@ from __future__ import annotations
 import hashlib
 import hmac
 import os
-import secrets
 import struct
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
 from tally.security.errors import AuthError
-from tally.security.tokens import MIN_SECRET_BYTES, _load_or_create
+from tally.security.tokens import MIN_SECRET_BYTES, _pack_bytes, _pack_str, load_or_create_secret
 
 ENROLMENT_KEY_FILE = "enrolment.key"
 CREDENTIAL_BYTES = 32
@@ -81,25 +80,24 @@ class SharedKeyEnrolment:
 
 
 def enrolment_credential(key: bytes, population: str, device_id: str) -> bytes:
-    return hmac.new(key, _CREDENTIAL_DOMAIN + _fields(population, device_id), hashlib.sha256).digest()
+    message = _CREDENTIAL_DOMAIN + _pack_str(population, "population") + _pack_str(device_id, "device_id")
+    return hmac.new(key, message, hashlib.sha256).digest()
 
 
 def registration_statement(
     device_id: str, population: str, identity_public: bytes, timestamp: float
 ) -> bytes:
-    """What a device signs with its identity key to register."""
-    return _STATEMENT_DOMAIN + _fields(device_id, population) + _field(identity_public) + struct.pack(
-        ">d", timestamp
+    """What a device signs with its identity key to register (length-prefixed fields, as the
+    session tickets encode theirs)."""
+    return (
+        _STATEMENT_DOMAIN + _pack_str(device_id, "device_id") + _pack_str(population, "population")
+        + _pack_bytes(identity_public, "identity_public") + struct.pack(">d", timestamp)
     )
 
 
 def load_or_create_enrolment_key(directory: str | os.PathLike[str]) -> bytes:
-    """``<directory>/enrolment.key`` (32 random bytes, 0600), created on first use."""
-    path = Path(directory) / ENROLMENT_KEY_FILE
-    data = _load_or_create(path, lambda: secrets.token_bytes(32))
-    if len(data) < MIN_SECRET_BYTES:
-        raise ValueError(f"{path} holds fewer than {MIN_SECRET_BYTES} bytes")
-    return data
+    """``<directory>/enrolment.key``, created on first use."""
+    return load_or_create_secret(Path(directory) / ENROLMENT_KEY_FILE)
 
 
 def read_enrolment_key(path: str | os.PathLike[str]) -> bytes:
@@ -110,10 +108,3 @@ def read_enrolment_key(path: str | os.PathLike[str]) -> bytes:
         raise ValueError(f"{path} holds fewer than {MIN_SECRET_BYTES} bytes: not an enrolment key")
     return data
 
-
-def _fields(*texts: str) -> bytes:
-    return b"".join(_field(t.encode("utf-8")) for t in texts)
-
-
-def _field(data: bytes) -> bytes:
-    return struct.pack(">I", len(data)) + data

@@ -369,13 +369,18 @@ TICKET_KEY_FILE = "ticket.key"
 TICKET_PUB_FILE = "ticket.pub"
 
 
-def load_or_create_token_secret(directory: str | os.PathLike[str]) -> bytes:
-    """``<directory>/token.secret`` (32 random bytes, 0600), created on first use."""
-    path = Path(directory) / TOKEN_SECRET_FILE
-    data = _load_or_create(path, lambda: secrets.token_bytes(32))
+def load_or_create_secret(path: str | os.PathLike[str]) -> bytes:
+    """``path`` (32 random bytes, 0600), created on first use; refused when it holds fewer than
+    ``MIN_SECRET_BYTES``. Every raw secret Tally keeps on disk goes through here."""
+    data = _load_or_create(Path(path), lambda: secrets.token_bytes(32))
     if len(data) < MIN_SECRET_BYTES:
         raise ValueError(f"{path} holds fewer than {MIN_SECRET_BYTES} bytes")
     return data
+
+
+def load_or_create_token_secret(directory: str | os.PathLike[str]) -> bytes:
+    """``<directory>/token.secret``: device tokens and session owner tokens derive from it."""
+    return load_or_create_secret(Path(directory) / TOKEN_SECRET_FILE)
 
 
 def load_or_create_ticket_key(directory: str | os.PathLike[str]) -> ed25519.Ed25519PrivateKey:
