@@ -285,12 +285,9 @@ def test_oversized_messages_get_resource_exhausted_and_the_services_keep_serving
     assert healthy == [True, True]
 
 
-def test_plain_sum_job_runs_through_the_services_without_any_key_exchange(tmp_path, monkeypatch):
-    """The benchmark baseline: ``secure: {plain: true}`` gives the same model as the in-process
-    reference, and the aggregators only ever receive plain inputs."""
-    n, rounds = 12, 2
-    devices, _ = trainers(n)
-    received = []
+def received_types(monkeypatch) -> list[str]:
+    """The type names of the messages the aggregators receive from devices, as they arrive."""
+    received: list[str] = []
     real_submit = aggregator_session.Session.submit
 
     async def record(self, index, message):
@@ -298,7 +295,20 @@ def test_plain_sum_job_runs_through_the_services_without_any_key_exchange(tmp_pa
         return await real_submit(self, index, message)
 
     monkeypatch.setattr(aggregator_session.Session, "submit", record)
-    text = spec("plain", rounds, cohort=n).replace("corrupt_rate: 0.05}", "corrupt_rate: 0.05, plain: true}")
+    return received
+
+
+def plain_spec(rounds: int, n: int) -> str:
+    return spec("plain", rounds, cohort=n).replace("corrupt_rate: 0.05}", "corrupt_rate: 0.05, plain: true}")
+
+
+def test_plain_sum_job_runs_through_the_services_without_any_key_exchange(tmp_path, monkeypatch):
+    """The benchmark baseline: ``secure: {plain: true}`` gives the same model as the in-process
+    reference, and the aggregators only ever receive plain inputs."""
+    n, rounds = 12, 2
+    devices, _ = trainers(n)
+    received = received_types(monkeypatch)
+    text = plain_spec(rounds, n)
 
     async def main():
         async with stack(tmp_path) as s:
@@ -336,15 +346,8 @@ def test_devices_refuse_a_plain_job_they_did_not_opt_into(tmp_path, monkeypatch)
     SDK refuses plain sessions unless the device itself opted in for benchmarking."""
     n = 6
     devices, _ = trainers(n)
-    received = []
-    real_submit = aggregator_session.Session.submit
-
-    async def record(self, index, message):
-        received.append(type(message).__name__)
-        return await real_submit(self, index, message)
-
-    monkeypatch.setattr(aggregator_session.Session, "submit", record)
-    text = spec("plain", 1, cohort=n).replace("corrupt_rate: 0.05}", "corrupt_rate: 0.05, plain: true}")
+    received = received_types(monkeypatch)
+    text = plain_spec(1, n)
 
     async def main():
         async with stack(tmp_path) as s:
