@@ -16,7 +16,7 @@ from tally.security.certs import COORDINATOR_CN
 from tally.security.tls import DEFAULT_MAX_MESSAGE_BYTES, add_tls_arguments, tls_config_from_args
 from tally.security.tokens import TICKET_PUB_FILE
 
-from aggregator.service import AggregatorService
+from aggregator.service import DEFAULT_MAX_REQUEST_BYTES, AggregatorService
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -49,7 +49,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--metrics-addr", default="127.0.0.1",
                    help="address the metrics endpoint binds (default: %(default)s)")
     p.add_argument("--max-message-bytes", type=int, default=DEFAULT_MAX_MESSAGE_BYTES,
-                   help="largest gRPC message sent or received (default: %(default)s)")
+                   help="largest gRPC message sent (default: %(default)s)")
+    p.add_argument("--max-request-bytes", type=int, default=DEFAULT_MAX_REQUEST_BYTES,
+                   help="largest gRPC message received, before the sender is authenticated; "
+                        "raise it only for cohorts above ~40,000 devices (default: %(default)s)")
     p.add_argument("--result-ttl", type=float, default=600.0, metavar="SECONDS",
                    help="drop a finished session's sums after this long if nobody closes it "
                         "(default: %(default)s)")
@@ -84,6 +87,7 @@ async def _serve(
         metrics_port=args.metrics_port,
         metrics_addr=args.metrics_addr,
         max_message_bytes=args.max_message_bytes,
+        max_request_bytes=args.max_request_bytes,
         result_ttl_s=args.result_ttl,
         controller=args.controller_cn,
     )

@@ -37,13 +37,18 @@ SERVICE_NAMES = (
     secagg_pb2.DESCRIPTOR.services_by_name["SecureAggregation"].full_name,
 )
 _WILDCARD_HOSTS = {"", "0.0.0.0", "[::]", "::"}
+# What an unauthenticated peer can make the aggregator buffer: gRPC reads a message whole before
+# the Join in it is checked. Four masked-input chunks, and an OpenSession of ~40,000 devices.
+DEFAULT_MAX_REQUEST_BYTES = 4 << 20
 
 
 class AggregatorService:
     """``ticket_public_key``: the coordinator's Ed25519 ticket key (raw 32 bytes or a key
     object). ``advertised_address``: what devices should dial, when it differs from ``listen``
     (behind a Service or NAT). ``controller``: the certificate CN the control API admits when
-    ``tls`` demands client certificates."""
+    ``tls`` demands client certificates. ``max_request_bytes``: the largest message received;
+    masked inputs arrive in chunks (``tally.wire.chunks``), so only a very large cohort's
+    OpenSession needs more than the default."""
 
     def __init__(
         self,
@@ -56,6 +61,7 @@ class AggregatorService:
         metrics_port: int = 0,
         metrics_addr: str = "127.0.0.1",
         max_message_bytes: int = 64 << 20,
+        max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
         result_ttl_s: float = 600.0,
         clock: Callable[[], float] = time.time,
         controller: str = COORDINATOR_CN,
@@ -68,7 +74,7 @@ class AggregatorService:
         self._tls = tls
         self._advertised = advertised_address
         self._metrics_request = (metrics_port, metrics_addr)
-        self._options = server_options(max_message_bytes)
+        self._options = server_options(max_message_bytes, max_request_bytes)
         self._verifier = TicketVerifier(ticket_public_key)
         self._registry = SessionRegistry(result_ttl_s)
         self._clock = clock

@@ -31,6 +31,7 @@ from functools import partial
 from typing import Any, TypeVar
 
 from tally import logs
+from tally.codec import packed_size
 from tally.secagg import ProtocolError, SecAggServer, SessionConfig
 from tally.secagg.messages import (
     Abort,
@@ -156,6 +157,11 @@ class Session:
         if self.server.phase == JOIN and len(self._joined) == self.config.n:
             self._spawn(self._drive(self._begin_plain))
         return queue
+
+    def packed_bytes(self, sum_id: str) -> int | None:
+        """The size of a masked input for ``sum_id`` on the wire; None if there is no such sum."""
+        spec = next((s for s in self.config.sums if s.sum_id == sum_id), None)
+        return None if spec is None else packed_size(spec.dim, spec.wire_bits)
 
     def leave(self, index: int) -> None:
         """The device's stream ended: nothing more is routed to it, and no phase waits for it."""

@@ -18,6 +18,7 @@ import grpc
 
 from tally import logs
 from tally.security import TicketVerifier
+from tally.wire.chunks import MaskedInputAssembler
 from tally.wire.convert import open_envelope
 from tally.wire.v1 import secagg_pb2, secagg_pb2_grpc
 
@@ -96,8 +97,11 @@ class DeviceStreams(secagg_pb2_grpc.SecureAggregationServicer):
         queue: DeviceQueue,
     ) -> None:
         """Device -> session, until the device half-closes or a message is refused."""
+        chunks = MaskedInputAssembler(session.packed_bytes)
         try:
             while (envelope := await self._read(context)) is not None:
+                if (envelope := chunks.add(envelope)) is None:
+                    continue  # a masked input's chunk: wait for the rest
                 message = open_envelope(envelope)
                 if isinstance(message, secagg_pb2.Join):
                     raise Rejected("FAILED_PRECONDITION",

@@ -34,6 +34,7 @@ from tally.secagg.messages import (
     ShareKeysRequest,
     UnmaskRequest,
 )
+from tally.wire.chunks import split_masked_input
 from tally.wire.convert import WireError, device_envelope, from_proto, open_envelope
 from tally.wire.v1 import coordinator_pb2, secagg_pb2, secagg_pb2_grpc
 
@@ -213,9 +214,9 @@ class SecAggSession:
         return self._outcome(DROPPED, f"planned dropout in {self.drop_phase}")
 
     async def _send(self, message: ClientMessage | secagg_pb2.Join) -> None:
-        envelope = device_envelope(message)
-        self._up += envelope.ByteSize()
-        await self._call.write(envelope)
+        for envelope in split_masked_input(device_envelope(message)):
+            self._up += envelope.ByteSize()
+            await self._call.write(envelope)
 
     async def _send_all(self, messages: list[ClientMessage]) -> None:
         for message in messages:

@@ -136,9 +136,8 @@ class CoordinatorService:
             self._store, self._pool, signer, metrics, self.clock, checkin_hold_s=self.checkin_hold_s
         )
 
-        options = dict(server_options(self.max_message_bytes))
-        options["grpc.max_receive_message_length"] = self.max_request_bytes
-        server = grpc.aio.server(options=list(options.items()))
+        server = grpc.aio.server(
+            options=server_options(self.max_message_bytes, self.max_request_bytes))
         if self.enrolment is None:
             self.enrolment_key = load_or_create_enrolment_key(self.secrets_dir)
         enrolment = self.enrolment or SharedKeyEnrolment(self.enrolment_key)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+from functools import partial
 import hashlib
 import secrets
 import signal
@@ -36,7 +37,7 @@ from aggregator.cli import register
 from aggregator.errors import Rejected
 from aggregator.metrics import AggregatorMetrics
 from aggregator.session import Session
-from tally.codec import Field, Kind, PayloadSchema, to_ring
+from tally.codec import Field, Kind, PayloadSchema, packed_size, to_ring
 from secagg_helpers import identities, roster
 from tally.secagg import DevicePolicy, SecAggClient, SessionConfig, SessionRef, ThreatModel
 from tally.secagg.messages import (
@@ -62,6 +63,7 @@ from tally.security import (
 from tally.security.certs import write_deployment
 from tally.security.tls import channel_credentials, channel_options, open_channel
 from tally.security.tokens import load_or_create_ticket_key
+from tally.wire.chunks import split_masked_input
 from tally.wire.convert import (
     cohort_sum_from_proto,
     device_envelope,
@@ -242,10 +244,12 @@ def _request_phase(message) -> tuple[str, str]:
 
 async def device(channel: grpc.aio.Channel, cohort: Cohort, index: int,
                  drop_at: tuple[str, str] | None = None, seen: DeviceRun | None = None,
-                 tamper: Callable[[Any], Any] = lambda message: message) -> DeviceRun:
+                 tamper: Callable[[Any], Any] = lambda message: message,
+                 split: Callable[[Any], list] = split_masked_input) -> DeviceRun:
     """Run device ``index`` through the session; with ``drop_at`` (phase, sum id), cancel the
     stream when that phase's request arrives (AdvertiseKeys: right after Joined); ``tamper``
-    rewrites what the device sends (a misbehaving device)."""
+    rewrites what the device sends (a misbehaving device); ``split`` turns an envelope into the
+    envelopes that go on the stream (masked inputs in chunks)."""
     seen = seen or DeviceRun()
     call = secagg_pb2_grpc.SecureAggregationStub(channel).Session()
     client = SecAggClient(cohort.config, index, identities(cohort.config.n)[index],
@@ -273,7 +277,8 @@ async def device(channel: grpc.aio.Channel, cohort: Cohort, index: int,
                     seen.outcome, seen.detail = "aborted", message.reason
                 outgoing = client.receive(message)
             for m in outgoing:
-                await call.write(device_envelope(tamper(m)))
+                for envelope in split(device_envelope(tamper(m))):
+                    await call.write(envelope)
         seen.code = await call.code()
     except grpc.aio.AioRpcError as exc:
         seen.outcome, seen.code, seen.detail = "error", exc.code(), exc.details()
@@ -378,6 +383,67 @@ def test_a_session_sums_exactly_the_survivors_of_dropouts_in_every_phase(deploym
             assert metrics['tally_aggregator_dropouts_total{phase="masked_input"}'] == 2
             assert metrics["tally_aggregator_late_messages_total"] >= 1
             assert metrics["tally_aggregator_active_sessions"] == 0
+
+    run(scenario)
+
+
+def _bad_chunks(spoil: Callable[[list], None]) -> Callable[[Any], list]:
+    """A ``split`` that chunks masked inputs into 16 bytes and then lets ``spoil`` break them."""
+    def split(envelope):
+        parts = split_masked_input(envelope, chunk_bytes=16)
+        if len(parts) > 1:
+            spoil(parts)
+        return parts
+    return split
+
+
+def _one_chunk_too_many(parts: list) -> None:
+    last = parts[-1].masked_input_response
+    last.more = True
+    parts.append(secagg_pb2.DeviceToAggregator(masked_input_response=secagg_pb2.MaskedInputResponse(
+        ref=last.ref, sum_id=last.sum_id, sender=last.sender, data=b"\0" * 16,
+        offset=last.offset + len(last.data))))
+
+
+def test_masked_inputs_travel_in_chunks_and_bad_chunks_end_only_their_stream(deployment):
+    """Issue 12, finding 10: masked inputs arrive in chunks, so the device port's receive limit
+    (4 MiB by default) is far below the largest vector; a bigger message is refused before its
+    Join is even read, and a device whose chunks are out of order, of another sum or too many
+    loses its own stream only."""
+    async def scenario():
+        async with running(deployment) as service, connected(deployment, service) as (ch, stub):
+            cohort = plan(deployment, "s-chunks")
+            await stub.OpenSession(cohort.request)
+            huge = secagg_pb2.Join(session_ticket=b"\0" * (5 << 20), device_index=1)
+            code, message = await misbehave(ch, huge)
+            assert code == CODE.RESOURCE_EXHAUSTED, message
+            update_spec = cohort.config.sum_spec("update")
+            assert packed_size(update_spec.dim, update_spec.wire_bits) > 16  # several chunks
+
+            def gap(parts):
+                parts[1].masked_input_response.offset += 1
+
+            def other_sum(parts):
+                parts[1].masked_input_response.sum_id = "count"
+
+            spoilt = {6: gap, 7: other_sum, 8: _one_chunk_too_many}
+            runs = await asyncio.gather(
+                *(device(ch, cohort, i, split=partial(split_masked_input, chunk_bytes=7))
+                  for i in range(1, 6)),
+                *(device(ch, cohort, i, split=_bad_chunks(spoil)) for i, spoil in spoilt.items()),
+                await_sum(stub, cohort, "update"), await_sum(stub, cohort, "count"),
+            )
+            devices, (_, update), (_, count) = runs[:8], runs[8], runs[9]
+            assert_sum(cohort, "update", update, [1, 2, 3, 4, 5], [6, 7, 8])
+            assert_sum(cohort, "count", count, [1, 2, 3, 4, 5], [6, 7, 8])
+            assert [d.outcome for d in devices] == ["done"] * 5 + ["error"] * 3
+            assert {d.code for d in devices[5:]} == {CODE.INVALID_ARGUMENT}
+            assert "offset 17, expected 16" in devices[5].detail
+            assert "chunk for sum 'count' arrived before the last chunk" in devices[6].detail
+            assert "larger than its" in devices[7].detail
+            metrics = scrape(service.metrics_port)
+            assert metrics['tally_aggregator_rejected_total{reason="malformed",'
+                           'status="INVALID_ARGUMENT"}'] == 3
 
     run(scenario)
 

@@ -42,6 +42,7 @@ from tally.secagg.params import GraphParams
 from secagg_helpers import lax_client, roster
 from tally.secagg.wire import SHARE_CIPHERTEXT_BYTES
 from tally.wire import generate
+from tally.wire.chunks import ChunkError, MaskedInputAssembler, split_masked_input
 from tally.wire.convert import (
     WireError,
     aggregator_envelope,
@@ -583,3 +584,51 @@ def test_stubs_serve_a_session_stream_over_real_grpc():
         server.stop(None)
     assert from_proto(replies[0].config) == config
     assert replies[1] == Abort(config.ref, "test ends after 2")
+
+
+# ---- masked inputs in chunks (tally.wire.chunks) -----------------------------------------------
+
+
+def _masked_envelope(data: bytes, sum_id: str = "update") -> secagg_pb2.DeviceToAggregator:
+    ref = secagg_pb2.SessionRef(job_id="j", round=1, session_id="s")
+    return secagg_pb2.DeviceToAggregator(masked_input_response=secagg_pb2.MaskedInputResponse(
+        ref=ref, sum_id=sum_id, sender=3, data=data))
+
+
+@given(st.binary(min_size=0, max_size=300), st.integers(1, 64))
+def test_chunks_reassemble_to_the_masked_input_they_were_split_from(data, chunk_bytes):
+    envelope = _masked_envelope(data)
+    parts = split_masked_input(envelope, chunk_bytes)
+    assert all(len(p.masked_input_response.data) <= chunk_bytes for p in parts)
+    assert [p.masked_input_response.more for p in parts] == [True] * (len(parts) - 1) + [False]
+    assembler = MaskedInputAssembler(lambda sum_id: len(data) if sum_id == "update" else None)
+    outputs = [assembler.add(p) for p in parts]
+    assert outputs[:-1] == [None] * (len(parts) - 1)
+    assert outputs[-1] == envelope
+    other = secagg_pb2.DeviceToAggregator(join=secagg_pb2.Join(device_index=3))
+    assert assembler.add(other) is other  # nothing left pending
+
+
+@pytest.mark.parametrize("spoil, message", [
+    (lambda parts: parts.pop(0), "starts at offset 4, not 0"),
+    (lambda parts: parts.__setitem__(1, parts[2]), "offset 8, expected 4"),
+    (lambda parts: parts[1].masked_input_response.__setattr__("sender", 4),
+     "arrived before the last chunk"),
+    (lambda parts: parts.insert(1, secagg_pb2.DeviceToAggregator(
+        join=secagg_pb2.Join(device_index=3))), "join arrived before the last chunk"),
+    (lambda parts: parts[-1].masked_input_response.__setattr__("data", b"\0" * 5),
+     "larger than its 10 packed bytes"),
+])
+def test_chunks_out_of_order_interleaved_or_oversized_are_refused(spoil, message):
+    parts = split_masked_input(_masked_envelope(bytes(range(10))), 4)
+    spoil(parts)
+    assembler = MaskedInputAssembler(lambda sum_id: 10)
+    with pytest.raises(ChunkError, match=message):
+        for part in parts:
+            assembler.add(part)
+
+
+def test_a_chunked_input_for_an_unknown_sum_is_refused():
+    parts = split_masked_input(_masked_envelope(bytes(10), sum_id="nope"), 4)
+    with pytest.raises(ChunkError, match="'nope', which this session does not have"):
+        MaskedInputAssembler(lambda sum_id: None).add(parts[0])

@@ -101,18 +101,30 @@ def channel_credentials(config: TLSConfig) -> grpc.ChannelCredentials:
 def channel_options(max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> list[tuple[str, int]]:
     """Explicit send/receive size limits, for channels and servers alike (gRPC's defaults are
     unlimited send and 4 MiB receive; services set both on purpose)."""
-    if not isinstance(max_message_bytes, int) or max_message_bytes < 1:
-        raise ValueError(f"max_message_bytes must be a positive int, got {max_message_bytes!r}")
-    return [
-        ("grpc.max_send_message_length", max_message_bytes),
-        ("grpc.max_receive_message_length", max_message_bytes),
-    ]
+    limit = _message_limit("max_message_bytes", max_message_bytes)
+    return [("grpc.max_send_message_length", limit), ("grpc.max_receive_message_length", limit)]
 
 
-def server_options(max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> list[tuple[str, int]]:
+def _message_limit(name: str, value: int) -> int:
+    if not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be a positive int, got {value!r}")
+    return value
+
+
+def server_options(
+    max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES, max_request_bytes: int | None = None
+) -> list[tuple[str, int]]:
     """``channel_options`` plus exclusive ports: gRPC sets SO_REUSEPORT by default, so a second
-    service started on a port in use would share it silently, each getting some connections."""
-    return [*channel_options(max_message_bytes), ("grpc.so_reuseport", 0)]
+    service started on a port in use would share it silently, each getting some connections.
+
+    ``max_request_bytes`` caps what the server receives below what it sends: a request is read
+    whole before any handler can check who sent it, so this bounds what an anonymous peer can make
+    the server buffer."""
+    options = dict(channel_options(max_message_bytes))
+    if max_request_bytes is not None:
+        options["grpc.max_receive_message_length"] = _message_limit("max_request_bytes",
+                                                                    max_request_bytes)
+    return [*options.items(), ("grpc.so_reuseport", 0)]
 
 
 def bind(server: grpc.Server, address: str, config: TLSConfig) -> int:

@@ -111,16 +111,20 @@ class ShareKeysResponse(_message.Message):
     def __init__(self, ref: _Optional[_Union[SessionRef, _Mapping]] = ..., sender: _Optional[int] = ..., shares: _Optional[_Iterable[_Union[EncryptedShare, _Mapping]]] = ...) -> None: ...
 
 class MaskedInputResponse(_message.Message):
-    __slots__ = ("ref", "sum_id", "sender", "data")
+    __slots__ = ("ref", "sum_id", "sender", "data", "offset", "more")
     REF_FIELD_NUMBER: _ClassVar[int]
     SUM_ID_FIELD_NUMBER: _ClassVar[int]
     SENDER_FIELD_NUMBER: _ClassVar[int]
     DATA_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    MORE_FIELD_NUMBER: _ClassVar[int]
     ref: SessionRef
     sum_id: str
     sender: int
     data: bytes
-    def __init__(self, ref: _Optional[_Union[SessionRef, _Mapping]] = ..., sum_id: _Optional[str] = ..., sender: _Optional[int] = ..., data: _Optional[bytes] = ...) -> None: ...
+    offset: int
+    more: bool
+    def __init__(self, ref: _Optional[_Union[SessionRef, _Mapping]] = ..., sum_id: _Optional[str] = ..., sender: _Optional[int] = ..., data: _Optional[bytes] = ..., offset: _Optional[int] = ..., more: _Optional[bool] = ...) -> None: ...
 
 class ConsistencyCheckResponse(_message.Message):
     __slots__ = ("ref", "sum_id", "sender", "signature")
