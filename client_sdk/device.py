@@ -29,6 +29,7 @@ from client_sdk.download import Downloader, ModelCache
 from client_sdk.dropout import DropoutPlan
 from client_sdk.enrolment import register_request
 from client_sdk.metrics import ClientMetrics
+from client_sdk.reports import InputLedger, Outcome, TaskReports
 from client_sdk.retry import RETRYABLE, RetryPolicy, Stopped, pause
 from client_sdk.session import ABORTED, COMPLETED, DROPPED, SecAggSession
 from client_sdk.trust import check_assignment
@@ -46,6 +47,7 @@ try:
 except package_metadata.PackageNotFoundError:  # running from a source tree that is not installed
     SDK_VERSION = "0+unknown"
 
+_REPORTED = {COMPLETED: Outcome.COMPLETED, DROPPED: Outcome.DROPPED, ABORTED: Outcome.ABORTED}
 # Renew the token this long before it expires, so no call races its expiry.
 TOKEN_RENEW_MARGIN_SECONDS = 60.0
 # Floor on a retry_after wait: a coordinator answering 0 must not turn devices into a busy loop.
@@ -116,6 +118,8 @@ class Device:
         self._dropouts: Iterator[str | None] | None = dropout.draws(device_id) if dropout else None
         self._on_update = on_update or (lambda stats: None)
         self._local: dict[str, Any] = {}
+        self._reports = TaskReports()
+        self._inputs = InputLedger()
         self._token: str | None = None
         self._token_renew_at = 0.0
         self._register_lock = asyncio.Lock()
@@ -185,10 +189,13 @@ class Device:
     # ---- check-in loop -------------------------------------------------------------------------
 
     async def _check_in_once(self) -> None:
+        reports = self._reports.pending()
         request = coordinator_pb2.CheckInRequest(
-            capabilities=coordinator_pb2.Capabilities(accelerator=self._accelerator(), sdk_version=SDK_VERSION)
+            capabilities=coordinator_pb2.Capabilities(accelerator=self._accelerator(), sdk_version=SDK_VERSION),
+            reports=reports,
         )
         response = await self._call("CheckIn", request)
+        self._reports.delivered(reports)
         self.stats.checkins += 1
         which = response.WhichOneof("result")
         self.metrics.checkins.labels(which or "empty").inc()
@@ -205,14 +212,19 @@ class Device:
     async def _do_task(self, task: coordinator_pb2.TaskAssignment) -> None:
         fields = {"job_id": task.job_id, "round": task.round, "task_id": task.task_id}
         logs.event(log, "task assigned", device_id=self.device_id, **fields)
+        if self._inputs.already_sent(task.job_id, task.round):
+            # Whoever asks: two sums of one round that differ by this device isolate its input.
+            return self._refuse(task, "already_sent_input",
+                                f"this device already sent an input in round {task.round} of job "
+                                f"{task.job_id}", fields)
         try:
             plan = plan_task(task)
+        except (TaskError, WireError) as exc:
+            return self._refuse(task, "invalid_task", exc, fields)
+        try:
             check_assignment(task, plan.config, self.identity, self.policy, self.coordinator_key, time.time())
         except (TaskError, WireError) as exc:
-            logs.event(log, "task refused", logging.WARNING, device_id=self.device_id, reason=str(exc), **fields)
-            self.stats.tasks_done += 1
-            self.stats.sessions_aborted += 1
-            return
+            return self._refuse(task, "policy", exc, fields)
         contribution = Contribution(
             plan,
             self.trainer,
@@ -251,6 +263,18 @@ class Device:
             # Local state advances only when this device's input is in the round's sums.
             self._local[task.job_id] = contribution.local_state
             stats.contributed.append((task.job_id, task.round))
+        if outcome.sent_input:
+            self._inputs.sent(task.job_id, task.round)
+        self._reports.add(task, _REPORTED[outcome.status], outcome.label, outcome.reason,
+                          sent_input=outcome.sent_input)
+
+    def _refuse(self, task: coordinator_pb2.TaskAssignment, label: str, reason: Exception | str,
+                fields: dict[str, Any]) -> None:
+        logs.event(log, "task refused", logging.WARNING, device_id=self.device_id, reason=str(reason), **fields)
+        self.stats.tasks_done += 1
+        self.stats.sessions_aborted += 1
+        self._reports.add(task, Outcome.REFUSED, label, str(reason),
+                          sent_input=label == "already_sent_input")
 
     async def _load_model(self, task: coordinator_pb2.TaskAssignment) -> Arrays:
         start = time.perf_counter()

@@ -20,15 +20,18 @@ from dataclasses import dataclass
 import grpc
 import numpy as np
 
+from client_sdk.contribution import TaskError
 from client_sdk.download import DownloadError
 from client_sdk.metrics import ClientMetrics
 from tally import logs
+from tally.algorithms.base import ModelMismatch
 from tally.secagg import DevicePolicy, ProtocolError, SecAggClient, SessionConfig, SigningKey
 from tally.secagg.messages import (
     Abort,
     ClientMessage,
     ConsistencyCheckRequest,
     MaskedInputRequest,
+    MaskedInputResponse,
     ServerMessage,
     ShareDelivery,
     ShareKeysRequest,
@@ -59,6 +62,10 @@ class SessionOutcome:
     contributed: bool = False
     bytes_up: int = 0
     bytes_down: int = 0
+    # True once a masked input left the device: from then on it may be in a sum of the round.
+    sent_input: bool = False
+    # Why it did not complete, as a ``client_sdk.reports.REASONS`` label.
+    label: str = ""
 
 
 class SessionMismatch(Exception):
@@ -72,6 +79,17 @@ def stream_timeout(deadlines: secagg_pb2.PhaseDeadlines, sums: int) -> float | N
         d.masked_input_seconds + d.consistency_check_seconds + d.unmask_seconds
     )
     return total + STREAM_SLACK_SECONDS if total > 0 else None
+
+
+def input_failure_label(error: BaseException) -> str:
+    """The report label of a failure to produce this device's input."""
+    if isinstance(error, ModelMismatch):
+        return "model_mismatch"
+    if isinstance(error, (grpc.RpcError, DownloadError)):
+        return "download_failed"
+    if isinstance(error, TaskError):
+        return "invalid_task"
+    return "training_error"
 
 
 def _phase_of(message: ServerMessage) -> tuple[str, str]:
@@ -115,6 +133,7 @@ class SecAggSession:
         self._call: grpc.aio.StreamStreamCall | None = None
         self._up = 0
         self._down = 0
+        self._sent_input = False
 
     async def run(self) -> SessionOutcome:
         start = time.perf_counter()
@@ -174,10 +193,11 @@ class SecAggSession:
                     sum_id = client.awaiting_input
                     try:
                         vector = computing.result()
-                    except (grpc.RpcError, DownloadError, ValueError) as exc:
+                    except Exception as exc:  # noqa: BLE001  (the application's training code)
                         # No input, no place in the sum: leave now rather than at the deadline.
                         self._cancel()
-                        return self._outcome(ABORTED, f"no input for sum {sum_id!r}: {type(exc).__name__}: {exc}")
+                        return self._outcome(ABORTED, f"no input for sum {sum_id!r}: {type(exc).__name__}: {exc}",
+                                             label=input_failure_label(exc))
                     computing = None
                     await self._send_all(await asyncio.to_thread(client.provide_input, sum_id, vector))
                 if reading not in done:
@@ -214,6 +234,8 @@ class SecAggSession:
         return self._outcome(DROPPED, f"planned dropout in {self.drop_phase}")
 
     async def _send(self, message: ClientMessage | secagg_pb2.Join) -> None:
+        if isinstance(message, MaskedInputResponse):
+            self._sent_input = True  # before the write: once it may have left, it counts as sent
         for envelope in split_masked_input(device_envelope(message)):
             self._up += envelope.ByteSize()
             await self._call.write(envelope)
@@ -242,5 +264,9 @@ class SecAggSession:
         if self._call is not None and not self._call.done():
             self._call.cancel()
 
-    def _outcome(self, status: str, reason: str, contributed: bool = False) -> SessionOutcome:
-        return SessionOutcome(status, reason, contributed, self._up, self._down)
+    def _outcome(self, status: str, reason: str, contributed: bool = False, *,
+                 label: str | None = None) -> SessionOutcome:
+        if label is None:
+            label = {COMPLETED: "", DROPPED: "dropped"}.get(status, "session_aborted")
+        return SessionOutcome(status, reason, contributed, self._up, self._down, self._sent_input,
+                              label)

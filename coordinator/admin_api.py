@@ -81,6 +81,11 @@ class AdminService(admin_pb2_grpc.AdminServicer):
         )
         if runner is not None:
             out.round, out.phase, out.step = runner.round, round_phase(runner.phase), runner.step
+        counts = self.store.task_report_counts(record.job_id, out.round)
+        out.task_reports.extend(
+            admin_pb2.TaskReportCount(outcome=outcome, reason=reason, count=count)
+            for (outcome, reason), count in sorted(counts.items())
+        )
         return out
 
     async def _record(self, job_id: str, context: grpc.aio.ServicerContext) -> JobRecord:

@@ -32,6 +32,7 @@ from tally.security.enrolment import (
     EnrolmentVerifier,
     registration_statement,
 )
+from tally.wire.task_reports import MAX_REPORTS
 from tally.wire.v1 import coordinator_pb2, coordinator_pb2_grpc
 
 
@@ -126,6 +127,10 @@ class DeviceService(coordinator_pb2_grpc.CoordinatorServicer):
     async def CheckIn(self, request: coordinator_pb2.CheckInRequest, context: grpc.aio.ServicerContext):
         await self._limit("CheckIn", context)
         claims = await self._claims(context)
+        if len(request.reports) > MAX_REPORTS:
+            await self._refuse(context, "CheckIn", "malformed", grpc.StatusCode.INVALID_ARGUMENT,
+                               f"reports: at most {MAX_REPORTS} per check-in, got {len(request.reports)}")
+        self.engine.record_reports(claims, request.reports)
         try:
             result = await self.engine.check_in(claims, context.time_remaining())
         except asyncio.CancelledError:

@@ -7,7 +7,7 @@ import asyncio
 import logging
 import random
 import secrets
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 from coordinator.aggregators import AggregatorPool
 from coordinator.events import TERMINAL_STATES, EventHub
@@ -16,8 +16,11 @@ from coordinator.metrics import CoordinatorMetrics
 from coordinator.planner import IDLE_RETRY_S, Hold, Retry
 from coordinator.runner import CheckInResult, JobRunner, RunnerContext
 from coordinator.store import Store
+from coordinator.task_reports import outcome_name
 from tally import logs
 from tally.security import DeviceClaims, TicketSigner
+from tally.wire.task_reports import reason_label
+from tally.wire.v1 import coordinator_pb2
 
 log = logging.getLogger("tally.coordinator")
 
@@ -110,6 +113,16 @@ class Engine:
         await asyncio.gather(runner.task, return_exceptions=True)
 
     # -- devices -------------------------------------------------------------------------------
+
+    def record_reports(self, claims: DeviceClaims, reports: Iterable[coordinator_pb2.TaskReport]) -> None:
+        """Count what a check-in says of the device's earlier tasks (``coordinator.task_reports``)."""
+        for report in reports:
+            runner = self.runners.get(report.job_id)
+            matched = (runner is not None and runner.population == claims.population
+                       and runner.report(claims.device_id, report))
+            outcome = outcome_name(report) if matched else "unmatched"
+            reason = reason_label(report.reason) if matched else ""
+            self._ctx.metrics.task_reports.labels(outcome, reason).inc()
 
     async def check_in(
         self, claims: DeviceClaims, caller_timeout_s: float | None = None

@@ -20,6 +20,13 @@ class CoordinatorMetrics:
             "not_enrolled, bad_signature, id_taken, key_taken, population_mismatch, replay)",
             ["rpc", "reason"], registry=registry,
         )
+        self.task_reports = Counter(
+            "tally_coordinator_task_reports",
+            "Devices' reports on their tasks, by outcome (completed, dropped, aborted, refused; "
+            "unmatched: not a task of the reporting device) and reason (training_error, "
+            "model_mismatch, policy, already_sent_input, ...)",
+            ["outcome", "reason"], registry=registry,
+        )
         self.devices_selected = Counter(
             "tally_coordinator_devices_selected", "Devices placed in a cohort", registry=registry
         )

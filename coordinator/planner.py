@@ -16,7 +16,7 @@ Two rules stop a privacy attack on the cohorts themselves:
 - **Cohorts are a uniformly random partition of the selection**, drawn once the selection closes
   from the operating system's CSPRNG: arriving together (as sybils can) says nothing about
   landing together, so k sybils share a victim's cohort only as often as chance allows.
-- **A retry of a round never seats a device seated in an earlier attempt of that round.**
+- **A retry of a round never seats a device that may have sent an input in an earlier attempt.**
   Two sums over cohorts that differ by one device isolate that device's input; sums over
   disjoint sets of devices cannot be differenced into anything finer than one of them. A failed
   attempt's sums cannot be assumed unseen: sums that reached the coordinator are only dropped,
@@ -26,11 +26,17 @@ Two rules stop a privacy attack on the cohorts themselves:
   tell which sums an aggregator computed, so it assumes the worst of every device that could
   have sent an input: all devices seated in an attempt whose sessions opened (``excluded``,
   recorded before any task is handed out and kept across restarts) are turned away for the
-  rest of the round. The round's attempts then cover pairwise disjoint sets of devices.
-  The price is liveness: a retry needs devices not yet seated in the round, so a population
-  no larger than one selection cannot retry a round once its sessions opened. Attempts that fail
-  before their sessions open (too few check-ins, no aggregator) seat nobody and cost nothing,
-  and a ``plain`` job (benchmarks only) excludes nobody: its aggregator sees every input anyway.
+  rest of the round, unless the seat is released because its device cannot have sent an input:
+  its task never reached it (released when the attempt fails), or it reported that it sent none
+  (``coordinator.task_reports``; a device can only release its own seat, and lying exposes
+  only itself). The device enforces the rule too: one that sent an input in a round refuses to
+  send another in it, whatever the coordinator asks (``client_sdk.reports``). So any two sums
+  of a round are over equal or disjoint sets of the devices that sent inputs.
+  The price is liveness where inputs were sent: a retry after a failure past MaskedInput needs
+  devices that sent none, so a population no larger than one selection cannot retry such a
+  round. A failure before MaskedInput (a cohort below threshold in ShareKeys, an aggregator lost
+  early) costs nothing once the devices report, and a ``plain`` job (benchmarks only) excludes
+  nobody: its aggregator sees every input anyway.
 """
 
 from __future__ import annotations
@@ -208,7 +214,7 @@ class Selection:
         excluded: frozenset[str] = frozenset(),
     ) -> None:
         self.target, self.min_devices, self.window_s = target, min_devices, window_s
-        self.excluded = excluded
+        self.excluded = set(excluded)
         self.extensions_left = extensions
         self.extensions_used = 0
         self.closes_at = now + window_s
@@ -362,6 +368,10 @@ class RoundPlanner:
             return self.retry(now, "already assigned")
         self.delivered.add(device_id)
         return Deliver(seat)
+
+    def readmit(self, device_id: str) -> None:
+        """``device_id``'s earlier seat in the round was released: it may be selected again."""
+        self.selection.excluded.discard(device_id)
 
     def seat_of_task(self, task_id: str) -> Seat | None:
         return self._by_task.get(task_id)

@@ -62,6 +62,7 @@ from coordinator.planner import (
 from coordinator.reveals import RevealCollector, RevealOutOfPhase, is_personal, reveal_names
 from coordinator.state_codec import UnsupportedState, state_from_bytes, state_to_bytes
 from coordinator.store import ModelVersion, Store
+from coordinator.task_reports import Recorded, TaskReportBook
 from tally import logs, modelio
 from tally.algorithms.base import StepSpec
 from tally.security import SessionTicket, TicketSigner, config_digest
@@ -170,6 +171,7 @@ class JobRunner:
         self.phase, self.step = "", ""
         self.planner: RoundPlanner | None = None
         self.tasks: dict[str, coordinator_pb2.TaskAssignment] = {}
+        self.reports = TaskReportBook(ctx.store, job_id)
         self.step_protos: list[coordinator_pb2.Step | None] = []
         # The state a personal step's broadcasts are built from, per step index.
         self.step_states: dict[int, Any] = {}
@@ -193,6 +195,13 @@ class JobRunner:
         return self.spec.population
 
     # -- device-facing ------------------------------------------------------------------------
+
+    def report(self, device_id: str, report: coordinator_pb2.TaskReport) -> bool:
+        """A device's report on one of its tasks; False when it is not one (nothing counted)."""
+        recorded = self.reports.record(device_id, report)
+        if recorded is Recorded.RELEASED and report.round == self.round and self.planner is not None:
+            self.planner.readmit(device_id)
+        return recorded is not Recorded.UNMATCHED
 
     def offer(self, device_id: str, now: float) -> Hold | coordinator_pb2.TaskAssignment | Retry:
         planner = self.planner
@@ -464,6 +473,11 @@ class JobRunner:
             return state, metrics
         except AttemptFailed as exc:
             planner.fail(str(exc))
+            # A seat whose task never reached its device cannot be in any sum of the round.
+            ctx.store.release_seats(self.job_id, round_, [
+                (s.device_id, s.task_id) for s in planner.seats.values()
+                if s.device_id not in planner.delivered
+            ])
             self._release_waiters(f"round attempt failed: {exc}")
             await self._close_sessions(f"round attempt failed: {exc}")
             raise
@@ -581,7 +595,9 @@ class JobRunner:
 
     def _deliver(self, planner: RoundPlanner, round_: int, blob: RoundBlob) -> None:
         # Before any task goes out: from here on a seat may become an input in a sum.
-        self.ctx.store.add_seated(self.job_id, round_, planner.seats)
+        self.ctx.store.add_seated(
+            self.job_id, round_, [(s.device_id, s.task_id) for s in planner.seats.values()])
+        self.reports.issue(round_, planner.seats.values())
         by_cohort = {s.cohort: s for s in self.sessions}
         for seat in planner.seats.values():
             session = by_cohort[seat.cohort]

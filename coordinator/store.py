@@ -105,13 +105,24 @@ CREATE TABLE IF NOT EXISTS devices (
     registered_at REAL NOT NULL
 );
 -- Devices seated in an attempt of a round whose sessions opened: a retry of the round seats
--- none of them again (so no two sums of one round can be differenced). Rows of a committed
--- round are deleted with the commit.
+-- none of them again (so no two sums of one round can be differenced), unless the seat is
+-- released: its task was never handed out, or the device reported that it sent no input.
+-- Rows of a committed round are deleted with the commit.
 CREATE TABLE IF NOT EXISTS seated (
     job_id TEXT NOT NULL,
     round INTEGER NOT NULL,
     device_id TEXT NOT NULL,
+    task_id TEXT NOT NULL DEFAULT '',
     PRIMARY KEY (job_id, round, device_id)
+);
+-- What devices reported about their tasks (TaskReport), counted per round and reason.
+CREATE TABLE IF NOT EXISTS task_reports (
+    job_id TEXT NOT NULL,
+    round INTEGER NOT NULL,
+    outcome TEXT NOT NULL,
+    reason TEXT NOT NULL,
+    count INTEGER NOT NULL,
+    PRIMARY KEY (job_id, round, outcome, reason)
 );
 CREATE INDEX IF NOT EXISTS events_by_job ON events (job_id, id);
 """
@@ -206,6 +217,10 @@ class Store:
         self._db.execute("PRAGMA journal_mode=WAL")
         self._db.execute("PRAGMA synchronous=FULL")
         self._db.executescript(_SCHEMA)
+        if "task_id" not in {c[1] for c in self._db.execute("PRAGMA table_info(seated)")}:
+            # A state directory of an earlier version: its seats have no task id and so can
+            # never be released, which errs on the safe side.
+            self._db.execute("ALTER TABLE seated ADD COLUMN task_id TEXT NOT NULL DEFAULT ''")
         # Tighten what an older version (or another umask) left behind.
         for path in (self.directory, self._blobs, *self.directory.glob("coordinator.*")):
             os.chmod(path, 0o700 if path.is_dir() else 0o600)
@@ -454,14 +469,44 @@ class Store:
             ).fetchall()
         return [RoundRecord(*r[:7], json.loads(r[7]), json.loads(r[8])) for r in rows]
 
-    def add_seated(self, job_id: str, round_: int, device_ids: Iterable[str]) -> None:
-        """Record, before any of them gets its task, the devices of an attempt's cohorts: a
-        restarted coordinator must keep them out of the round's retries too."""
+    def add_seated(self, job_id: str, round_: int, seats: Iterable[tuple[str, str]]) -> None:
+        """Record, before any of them gets its task, the (device id, task id) seats of an
+        attempt's cohorts: a restarted coordinator must keep them out of the round's retries too."""
         with self._lock:
             self._db.executemany(
-                "INSERT OR IGNORE INTO seated (job_id, round, device_id) VALUES (?, ?, ?)",
-                [(job_id, round_, d) for d in device_ids],
+                "INSERT OR REPLACE INTO seated (job_id, round, device_id, task_id) VALUES (?, ?, ?, ?)",
+                [(job_id, round_, device, task) for device, task in seats],
             )
+
+    def release_seats(self, job_id: str, round_: int, seats: Iterable[tuple[str, str]]) -> int:
+        """Let (device id, task id) seats whose device cannot have sent an input be seated again
+        in the round's retries; a seat of another task (a later attempt's) stays. The count
+        released."""
+        with self._transaction():
+            return sum(
+                self._db.execute(
+                    "DELETE FROM seated WHERE job_id = ? AND round = ? AND device_id = ? "
+                    "AND task_id = ?", (job_id, round_, device, task),
+                ).rowcount
+                for device, task in seats
+            )
+
+    def count_task_report(self, job_id: str, round_: int, outcome: str, reason: str) -> None:
+        with self._lock:
+            self._db.execute(
+                "INSERT INTO task_reports (job_id, round, outcome, reason, count) "
+                "VALUES (?, ?, ?, ?, 1) ON CONFLICT (job_id, round, outcome, reason) "
+                "DO UPDATE SET count = count + 1", (job_id, round_, outcome, reason),
+            )
+
+    def task_report_counts(self, job_id: str, round_: int) -> dict[tuple[str, str], int]:
+        """{(outcome, reason): count} of the reports on a round's tasks."""
+        with self._lock:
+            rows = self._db.execute(
+                "SELECT outcome, reason, count FROM task_reports WHERE job_id = ? AND round = ?",
+                (job_id, round_),
+            ).fetchall()
+        return {(outcome, reason): count for outcome, reason, count in rows}
 
     def seated(self, job_id: str, round_: int) -> frozenset[str]:
         with self._lock:

@@ -25,6 +25,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from tally.algorithms.base import check_fits
 from tally.algorithms.feddar import HEADS, encoder_part
 from tally.training import default_device
 
@@ -197,9 +198,7 @@ class DomainTrainer:
 
     def _load(self, params: Mapping[str, np.ndarray]) -> None:
         state = self.encoder.state_dict()
-        missing = {PREFIX + k for k in state} - set(params)
-        if missing:
-            raise ValueError(f"encoder parameters missing: {sorted(missing)}")
+        check_fits(params, {PREFIX + k: tuple(v.shape) for k, v in state.items()})
         self.encoder.load_state_dict({k: self._tensor(params[PREFIX + k]) for k in state})
 
     def _export(self, like: Mapping[str, np.ndarray], values: Mapping[str, np.ndarray]) -> Arrays:

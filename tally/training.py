@@ -12,6 +12,8 @@ import numpy as np
 import torch
 from torch import nn
 
+from tally.algorithms.base import check_fits
+
 Arrays = dict[str, np.ndarray]
 
 
@@ -31,9 +33,7 @@ def get_params(model: nn.Module) -> Arrays:
 
 def set_params(model: nn.Module, params: Mapping[str, np.ndarray]) -> None:
     state = model.state_dict()
-    missing = set(state) - set(params)
-    if missing:
-        raise ValueError(f"parameters missing: {sorted(missing)}")
+    check_fits(params, {k: tuple(v.shape) for k, v in state.items()})
     model.load_state_dict({k: torch.as_tensor(np.asarray(params[k]), dtype=state[k].dtype) for k in state})
 
 

@@ -22,7 +22,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections import Counter
+from collections import Counter, defaultdict
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -225,6 +225,7 @@ class FakeCoordinator(coordinator_pb2_grpc.CoordinatorServicer):
         files: Mapping[str, bytes] | None = None,
         assign: bool = True,
         cancel_checkins: bool = False,
+        reassign: str | None = None,
     ) -> None:
         self.plan = plan
         self.cohort = dict(cohort or {})
@@ -238,6 +239,9 @@ class FakeCoordinator(coordinator_pb2_grpc.CoordinatorServicer):
             self.files["v3"] = plan.blob
         self.assign = assign
         self.cancel_checkins = cancel_checkins
+        # A malicious coordinator: the same round's task again and again, on this aggregator.
+        self.reassign = reassign
+        self.reports: dict[str, list[coordinator_pb2.TaskReport]] = defaultdict(list)
         self.issuer = TokenIssuer(os.urandom(32))
         self.registrations: Counter[str] = Counter()
         self.checkins: Counter[str] = Counter()
@@ -266,13 +270,18 @@ class FakeCoordinator(coordinator_pb2_grpc.CoordinatorServicer):
         device = await self._device(context)
         assert request.capabilities.accelerator in ("cpu", "cuda") and request.capabilities.sdk_version
         self.checkins[device] += 1
+        self.reports[device].extend(request.reports)
         self.checked_in.set()
         if self.cancel_checkins:  # what a coordinator shutting down does to held check-ins
             await context.abort(grpc.StatusCode.CANCELLED, "server shutting down")
-        if self.checkins[device] == 1 or not self.assign or device not in self.cohort or device in self.assigned:
+        if (self.checkins[device] == 1 or not self.assign or device not in self.cohort
+                or (device in self.assigned and not self.reassign)):
             return coordinator_pb2.CheckInResponse(retry_after=coordinator_pb2.RetryAfter(seconds=0.01, reason="wait"))
+        task = self.task(self.cohort[device])
+        if device in self.assigned:
+            task.aggregator_address = self.reassign
         self.assigned.add(device)
-        return coordinator_pb2.CheckInResponse(task=self.task(self.cohort[device]))
+        return coordinator_pb2.CheckInResponse(task=task)
 
     def task(self, index: int) -> coordinator_pb2.TaskAssignment:
         plan = self.plan
@@ -527,6 +536,47 @@ def test_aggregator_abort_ends_the_session_without_advancing_local_state():
         assert (stats[i].sessions_aborted, stats[i].sessions_completed, stats[i].contributed) == (1, 0, [])
         assert devices[i].local_state(JOB) is None
         assert devices[i].metrics.registry.get_sample_value("tally_client_sessions_total", {"outcome": "aborted"}) == 1
+
+
+def test_a_device_sends_one_input_per_round_whatever_it_is_asked_and_reports_every_task():
+    """Issue 12 (the retry rule, device side) and issue 9 item 2: a coordinator that assigns the
+    same round again is refused by every device that already sent an input in it (dev-3 left in
+    Unmask, after its input), while dev-2, which left before sending one, may take it. Each
+    task's end reaches the coordinator at the next check-in, with whether an input was sent."""
+    plan = fedavg_plan(6, t=3, min_survivors=3)
+    trainers = {i: ShiftTrainer(0.02 * i - 0.05, examples=5 + i) for i in range(1, 7)}
+    aggregator = FakeAggregator(plan)
+    # Repeated tasks name an aggregator that is gone: a device that takes one fails fast.
+    coordinator = FakeCoordinator(plan, {f"dev-{i}": i for i in trainers}, reassign="127.0.0.1:1")
+    dropouts = {2: DropoutPlan(1.0, ("masked_input",), seed=1), 3: DropoutPlan(1.0, ("unmask",), seed=1)}
+
+    async def scenario():
+        server, port = await serve(coordinator, aggregator)
+        coordinator.aggregator = f"127.0.0.1:{port}"
+        devices = {i: device(f"127.0.0.1:{port}", f"dev-{i}", t, seed=100 + i, dropout=dropouts.get(i),
+                             identity=identities(6)[i], policy=LAX) for i, t in trainers.items()}
+        try:
+            stats = await asyncio.gather(*(d.run(max_tasks=3) for d in devices.values()))
+            await asyncio.wait_for(aggregator.done.wait(), TIMEOUT)
+            return stats
+        finally:
+            await server.stop(None)
+
+    stats = run(scenario())
+    assert aggregator.server.aborted is None, aggregator.server.aborted
+    assert set(aggregator.server.results["update"].contributors) == {1, 3, 4, 5, 6}
+    TR = coordinator_pb2.TaskReport
+    seen = {d: [(TR.Outcome.Name(r.outcome), r.reason, r.sent_input, r.round) for r in reports]
+            for d, reports in coordinator.reports.items()}
+    refused = ("REFUSED", "already_sent_input", True, 3)
+    for i in (1, 4, 5, 6):
+        assert seen[f"dev-{i}"] == [("COMPLETED", "", True, 3), refused]
+        assert stats[i - 1].sessions_completed == 1 and stats[i - 1].tasks_done == 3
+    assert seen["dev-3"] == [("DROPPED", "dropped", True, 3), refused]
+    first, second = seen["dev-2"]
+    assert first == ("DROPPED", "dropped", False, 3)
+    assert second == ("ABORTED", "session_aborted", False, 3)  # it took the task; no input left
+    assert all(r.task_id == f"task-{d[-1]}" for d, rs in coordinator.reports.items() for r in rs)
 
 
 class TwoStepConfig:

@@ -505,6 +505,7 @@ class Device:
         self.stack, self.device_id, self.trainer, self.population = stack, device_id, trainer, population
         self.stub = stack.device_stub
         self.token = ""
+        self.reports: list[coordinator_pb2.TaskReport] = []  # go out with the next check-in
         self.rng = np.random.default_rng(abs(hash(device_id)) % 2**32)
 
     @property
@@ -529,11 +530,13 @@ class Device:
     async def task(self, done: asyncio.Event | None = None) -> coordinator_pb2.TaskAssignment | None:
         while done is None or not done.is_set():
             try:
-                reply = await self.stub.CheckIn(coordinator_pb2.CheckInRequest(), metadata=self.md, timeout=30)
+                reply = await self.stub.CheckIn(coordinator_pb2.CheckInRequest(reports=self.reports),
+                                                metadata=self.md, timeout=30)
             except grpc.aio.AioRpcError as exc:  # the coordinator restarting
                 assert exc.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED), exc
                 await self._pause(0.05, done)
                 continue
+            self.reports = []
             if reply.HasField("task"):
                 return reply.task
             await self._pause(reply.retry_after.seconds, done)

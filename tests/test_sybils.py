@@ -6,6 +6,7 @@ round, so no two sums of a round (whoever computed them) can be subtracted to is
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import random
 from collections import defaultdict
@@ -16,6 +17,7 @@ from hypothesis import strategies as st
 from coordinator.planner import FormCohorts, Hold, Retry, RoundPlanner
 from tally.algorithms.fedavg import FedAvgConfig
 from tally.wire.convert import from_proto
+from tally.wire.v1 import coordinator_pb2
 from test_coordinator import (
     SUCCEEDED,
     STEP,
@@ -23,6 +25,7 @@ from test_coordinator import (
     fedavg_contribution,
     run,
     run_devices,
+    scrape,
     spec_yaml,
     stack,
 )
@@ -134,3 +137,61 @@ def test_a_withheld_sum_cannot_be_differenced_with_the_retry(tmp_path):
     assert len(computed) >= 2  # the withheld sum and the retry's
     for a, b in itertools.combinations(computed, 2):
         assert a == b or not a & b, (sorted(a), sorted(b))
+
+
+def test_a_retry_reseats_the_devices_that_report_they_sent_no_input(tmp_path):
+    """The retry rule's price was liveness: a population of one selection could not retry a round
+    at all once its sessions opened. Ten devices, one cohort of ten; attempt 1 aborts before any
+    input is sent (the aggregator reports ShareKeys below threshold) and the devices say so at
+    their next check-in. Each report frees only its sender's own seat: dev0 says it did send an
+    input, dev1 reports dev2's task instead of its own, and both stay out of the retry, which
+    seats the other eight."""
+    ABORTED = coordinator_pb2.TaskReport.ABORTED
+
+    async def main():
+        async with stack(tmp_path, aggregators=1) as s:
+            devices = await s.devices(10)
+            s.aggregators[0].aborts = ["share_keys: 4 devices sent shares, below t = 6"]
+            job_id = await s.submit(spec_yaml("live", extra="deadlines: {checkin: 0.5}\n"))
+            first_tasks: dict[str, str] = {}
+            dev2_known = asyncio.Event()
+            attempts: dict[str, set[str]] = defaultdict(set)
+            contribute = fedavg_contribution(FedAvgConfig())
+
+            async def device_loop(device, done):
+                while (task := await device.task(done)) is not None:
+                    attempts[task.task_id.split("-")[0]].add(device.device_id)
+                    if device.device_id in first_tasks:
+                        await device.participate(task, contribute)
+                        continue
+                    first_tasks[device.device_id] = task.task_id
+                    if device.device_id == "dev2":
+                        dev2_known.set()
+                    if device.device_id == "dev1":
+                        await dev2_known.wait()
+                    device.reports = [coordinator_pb2.TaskReport(
+                        job_id=task.job_id, round=task.round, outcome=ABORTED,
+                        reason="session_aborted", detail="aborted in share_keys",
+                        task_id=first_tasks["dev2" if device.device_id == "dev1" else device.device_id],
+                        sent_input=device.device_id == "dev0")]
+
+            done = asyncio.Event()
+            loops = [asyncio.create_task(device_loop(d, done)) for d in devices]
+            try:
+                await s.until_done(job_id)
+            finally:
+                done.set()
+                await asyncio.gather(*loops)
+            job = await s.job(job_id)
+            return (job, s.service.store.rounds(job_id), dict(attempts),
+                    scrape(s.service.metrics_port))
+
+    job, rows, attempts, metrics = run(main())
+    assert job.state == SUCCEEDED
+    assert [(r.attempt, r.state) for r in rows] == [(1, "failed"), (2, "committed")]
+    everyone = {f"dev{i}" for i in range(10)}
+    assert attempts["r1a1"] == everyone
+    assert attempts["r1a2"] == everyone - {"dev0", "dev1"}
+    assert 'tally_coordinator_task_reports_total{outcome="aborted",reason="session_aborted"} 9.0' in metrics
+    assert 'tally_coordinator_task_reports_total{outcome="unmatched",reason=""} 1.0' in metrics
+    assert [(c.outcome, c.reason, c.count) for c in job.task_reports] == [("aborted", "session_aborted", 9)]

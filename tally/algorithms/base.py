@@ -27,6 +27,26 @@ class StepSpec:
     schema: PayloadSchema
 
 
+class ModelMismatch(ValueError):
+    """The parameters a trainer was given do not fit its model (names or shapes).
+
+    A device whose model is not the job's must refuse the task with this reason, which it
+    reports to the coordinator, rather than fail inside training with a framework error."""
+
+
+def check_fits(given: Mapping[str, np.ndarray], model: Mapping[str, tuple[int, ...]]) -> None:
+    """Raise ``ModelMismatch`` naming every parameter of ``model`` that ``given`` lacks or
+    shapes differently."""
+    problems = []
+    for name, shape in model.items():
+        if name not in given:
+            problems.append(f"{name} missing")
+        elif tuple(np.shape(given[name])) != tuple(shape):
+            problems.append(f"{name} is {tuple(np.shape(given[name]))}, the device's model {tuple(shape)}")
+    if problems:
+        raise ModelMismatch("the job's model does not fit this device's model: " + "; ".join(problems))
+
+
 class LocalTrainer(Protocol):
     """What a device offers an algorithm: training and evaluation on its own data.
 

@@ -5,6 +5,7 @@ from tally.wire.v1 import aggregator_pb2 as _aggregator_pb2
 from tally.wire.v1 import common_pb2 as _common_pb2
 from tally.wire.v1 import secagg_pb2 as _secagg_pb2
 from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
 from collections.abc import Iterable as _Iterable, Mapping as _Mapping
@@ -48,11 +49,43 @@ class Capabilities(_message.Message):
     sdk_version: str
     def __init__(self, accelerator: _Optional[str] = ..., sdk_version: _Optional[str] = ...) -> None: ...
 
+class TaskReport(_message.Message):
+    __slots__ = ("job_id", "round", "task_id", "outcome", "reason", "detail", "sent_input")
+    class Outcome(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+        __slots__ = ()
+        OUTCOME_UNSPECIFIED: _ClassVar[TaskReport.Outcome]
+        COMPLETED: _ClassVar[TaskReport.Outcome]
+        DROPPED: _ClassVar[TaskReport.Outcome]
+        ABORTED: _ClassVar[TaskReport.Outcome]
+        REFUSED: _ClassVar[TaskReport.Outcome]
+    OUTCOME_UNSPECIFIED: TaskReport.Outcome
+    COMPLETED: TaskReport.Outcome
+    DROPPED: TaskReport.Outcome
+    ABORTED: TaskReport.Outcome
+    REFUSED: TaskReport.Outcome
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    ROUND_FIELD_NUMBER: _ClassVar[int]
+    TASK_ID_FIELD_NUMBER: _ClassVar[int]
+    OUTCOME_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    DETAIL_FIELD_NUMBER: _ClassVar[int]
+    SENT_INPUT_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    round: int
+    task_id: str
+    outcome: TaskReport.Outcome
+    reason: str
+    detail: str
+    sent_input: bool
+    def __init__(self, job_id: _Optional[str] = ..., round: _Optional[int] = ..., task_id: _Optional[str] = ..., outcome: _Optional[_Union[TaskReport.Outcome, str]] = ..., reason: _Optional[str] = ..., detail: _Optional[str] = ..., sent_input: _Optional[bool] = ...) -> None: ...
+
 class CheckInRequest(_message.Message):
-    __slots__ = ("capabilities",)
+    __slots__ = ("capabilities", "reports")
     CAPABILITIES_FIELD_NUMBER: _ClassVar[int]
+    REPORTS_FIELD_NUMBER: _ClassVar[int]
     capabilities: Capabilities
-    def __init__(self, capabilities: _Optional[_Union[Capabilities, _Mapping]] = ...) -> None: ...
+    reports: _containers.RepeatedCompositeFieldContainer[TaskReport]
+    def __init__(self, capabilities: _Optional[_Union[Capabilities, _Mapping]] = ..., reports: _Optional[_Iterable[_Union[TaskReport, _Mapping]]] = ...) -> None: ...
 
 class RetryAfter(_message.Message):
     __slots__ = ("seconds", "reason")

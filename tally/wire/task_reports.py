@@ -1,0 +1,17 @@
+"""The vocabulary of ``TaskReport.reason``, shared by the devices that send it and the coordinator
+that counts it: a fixed set keeps the per-round counts and the metric's labels bounded, whatever a
+device sends."""
+
+from __future__ import annotations
+
+REASONS = frozenset({
+    "", "invalid_task", "policy", "already_sent_input", "model_mismatch", "training_error",
+    "download_failed", "session_aborted", "dropped",
+})
+# The most reports one check-in may carry.
+MAX_REPORTS = 16
+
+
+def reason_label(reason: str) -> str:
+    """``reason`` when it is one of ``REASONS``, else "other"."""
+    return reason if reason in REASONS else "other"
