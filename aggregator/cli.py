@@ -35,6 +35,10 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="gRPC address to bind (port 0 picks a free port)")
     p.add_argument("--id", required=True, dest="aggregator_id", metavar="NAME",
                    help="this aggregator's name; session tickets must be issued for it")
+    p.add_argument("--control-listen", metavar="HOST:PORT",
+                   help="serve the coordinator's control API on this address instead of --listen, "
+                        "so devices never reach it and a firewall can admit only the coordinator "
+                        "(the coordinator's --aggregator then names this address)")
     p.add_argument("--advertise", metavar="HOST:PORT",
                    help="address devices should dial (default: the bound address)")
     p.add_argument("--ticket-public-key", type=Path, metavar="PATH",
@@ -90,6 +94,7 @@ async def _serve(
         max_request_bytes=args.max_request_bytes,
         result_ttl_s=args.result_ttl,
         controller=args.controller_cn,
+        control_listen=args.control_listen,
     )
     try:
         await service.start()
@@ -100,7 +105,8 @@ async def _serve(
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
-    print(f"aggregator {service.id} serving on {service.address} (port {service.port}); "
+    control = "" if args.control_listen is None else f", control API on port {service.control_port}"
+    print(f"aggregator {service.id} serving on {service.address} (port {service.port}{control}); "
           f"metrics on http://{args.metrics_addr}:{service.metrics_port}/metrics", flush=True)
     await stop.wait()
     await service.stop(args.grace)

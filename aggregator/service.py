@@ -1,13 +1,17 @@
-"""The secure-aggregator service: both gRPC services, health and reflection on one port, and
-Prometheus metrics on another.
+"""The secure-aggregator service: both gRPC services, health and reflection, and Prometheus
+metrics on a port of their own.
 
-``AggregatorControl`` (the coordinator) and ``SecureAggregation`` (devices) share the port, so one
-address per replica is all the coordinator hands devices. Any number of replicas can run side by
-side: each holds only the sessions the coordinator opened on it, and only until they end.
+``AggregatorControl`` (the coordinator) and ``SecureAggregation`` (devices) share one port unless
+``control_listen`` gives the control API its own: then devices never reach it, a network policy
+can admit only the coordinator there, and only the control port takes messages larger than
+``max_request_bytes`` (a very large cohort's OpenSession). The coordinator learns the device
+address from OpenSession either way. Any number of replicas can run side by side: each holds only
+the sessions the coordinator opened on it, and only until they end.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import socket
 import time
@@ -32,10 +36,9 @@ from aggregator.stream import DeviceStreams
 
 log = logging.getLogger("tally.aggregator")
 
-SERVICE_NAMES = (
-    aggregator_pb2.DESCRIPTOR.services_by_name["AggregatorControl"].full_name,
-    secagg_pb2.DESCRIPTOR.services_by_name["SecureAggregation"].full_name,
-)
+CONTROL_SERVICE = aggregator_pb2.DESCRIPTOR.services_by_name["AggregatorControl"].full_name
+DEVICE_SERVICE = secagg_pb2.DESCRIPTOR.services_by_name["SecureAggregation"].full_name
+SERVICE_NAMES = (CONTROL_SERVICE, DEVICE_SERVICE)
 _WILDCARD_HOSTS = {"", "0.0.0.0", "[::]", "::"}
 # What an unauthenticated peer can make the aggregator buffer: gRPC reads a message whole before
 # the Join in it is checked. Four masked-input chunks, and an OpenSession of ~40,000 devices.
@@ -65,6 +68,7 @@ class AggregatorService:
         result_ttl_s: float = 600.0,
         clock: Callable[[], float] = time.time,
         controller: str = COORDINATOR_CN,
+        control_listen: str | None = None,
     ) -> None:
         if not aggregator_id:
             raise ValueError("aggregator_id must be non-empty")
@@ -75,14 +79,17 @@ class AggregatorService:
         self._advertised = advertised_address
         self._metrics_request = (metrics_port, metrics_addr)
         self._options = server_options(max_message_bytes, max_request_bytes)
+        self._control_listen = control_listen
+        self._control_options = server_options(max_message_bytes)
         self._verifier = TicketVerifier(ticket_public_key)
         self._registry = SessionRegistry(result_ttl_s)
         self._clock = clock
         self._controller = controller
-        self._server: grpc.aio.Server | None = None
-        self._health: health.aio.HealthServicer | None = None
+        self._servers: list[grpc.aio.Server] = []
+        self._health: list[health.aio.HealthServicer] = []
         self._metrics_server = MetricsServer(self.metrics.registry)
         self._port: int | None = None
+        self._control_port: int | None = None
         self._metrics_port: int | None = None
 
     @property
@@ -90,6 +97,13 @@ class AggregatorService:
         if self._port is None:
             raise RuntimeError("the aggregator is not started")
         return self._port
+
+    @property
+    def control_port(self) -> int:
+        """The port of AggregatorControl: the device port unless ``control_listen`` was given."""
+        if self._control_port is None:
+            raise RuntimeError("the aggregator is not started")
+        return self._control_port
 
     @property
     def metrics_port(self) -> int:
@@ -107,49 +121,64 @@ class AggregatorService:
 
     async def start(self) -> int:
         """Bind, serve, and return the bound gRPC port."""
-        if self._server is not None:
+        if self._servers:
             raise RuntimeError("the aggregator is already started")
-        server = self._build()
-        self._port = bind(server, self._listen, self._tls)
+        if self._control_listen is None:
+            ports = [(SERVICE_NAMES, self._listen, self._options)]
+        else:
+            ports = [((DEVICE_SERVICE,), self._listen, self._options),
+                     ((CONTROL_SERVICE,), self._control_listen, self._control_options)]
+        servers = [(self._build(names, options), names) for names, _, options in ports]
+        bound = [bind(server, listen, self._tls) for (server, _), (_, listen, _) in zip(servers, ports)]
+        self._port, self._control_port = bound[0], bound[-1]
         self._metrics_port = self._metrics_server.start(*self._metrics_request)
         try:
-            await server.start()
+            for server, _ in servers:
+                await server.start()
+                self._servers.append(server)
         except BaseException:
-            self._metrics_server.stop()
+            await self._stop_servers(None)
             raise
-        self._server = server
-        for name in ("", *SERVICE_NAMES):
-            await self._health.set(name, health_pb2.HealthCheckResponse.SERVING)
+        for checker, (_, names) in zip(self._health, servers):
+            for name in ("", *names):
+                await checker.set(name, health_pb2.HealthCheckResponse.SERVING)
         logs.event(log, "aggregator started", aggregator_id=self.id, address=self.address,
-                   port=self._port, metrics_port=self._metrics_port)
+                   port=self._port, control_port=self._control_port, metrics_port=self._metrics_port)
         return self._port
 
-    def _build(self) -> grpc.aio.Server:
-        server = grpc.aio.server(options=self._options)
-        aggregator_pb2_grpc.add_AggregatorControlServicer_to_server(
-            ControlServicer(self.id, self._verifier, self._registry, self.metrics, self._clock,
-                            lambda: self.address, self._controller),
-            server,
-        )
-        secagg_pb2_grpc.add_SecureAggregationServicer_to_server(
-            DeviceStreams(self.id, self._verifier, self._registry, self.metrics, self._clock),
-            server,
-        )
-        self._health = health.aio.HealthServicer()
-        health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
+    def _build(self, services: tuple[str, ...], options: list[tuple[str, int]]) -> grpc.aio.Server:
+        server = grpc.aio.server(options=options)
+        if CONTROL_SERVICE in services:
+            aggregator_pb2_grpc.add_AggregatorControlServicer_to_server(
+                ControlServicer(self.id, self._verifier, self._registry, self.metrics, self._clock,
+                                lambda: self.address, self._controller),
+                server,
+            )
+        if DEVICE_SERVICE in services:
+            secagg_pb2_grpc.add_SecureAggregationServicer_to_server(
+                DeviceStreams(self.id, self._verifier, self._registry, self.metrics, self._clock),
+                server,
+            )
+        checker = health.aio.HealthServicer()
+        self._health.append(checker)
+        health_pb2_grpc.add_HealthServicer_to_server(checker, server)
         reflection.enable_server_reflection(
-            (*SERVICE_NAMES, health.SERVICE_NAME, reflection.SERVICE_NAME), server
+            (*services, health.SERVICE_NAME, reflection.SERVICE_NAME), server
         )
         return server
 
     async def stop(self, grace: float | None = None) -> None:
         """Stop taking work, abort running sessions for their devices, and let RPCs in flight
         finish for up to ``grace`` seconds."""
-        if self._server is None:
+        if not self._servers:
             return
-        await self._health.enter_graceful_shutdown()
+        for checker in self._health:
+            await checker.enter_graceful_shutdown()
         self._registry.close_all("the aggregator is shutting down")
-        await self._server.stop(grace)
-        self._metrics_server.stop()
-        self._server = None
+        await self._stop_servers(grace)
         logs.event(log, "aggregator stopped", aggregator_id=self.id)
+
+    async def _stop_servers(self, grace: float | None) -> None:
+        await asyncio.gather(*(server.stop(grace) for server in self._servers))
+        self._metrics_server.stop()
+        self._servers, self._health = [], []

@@ -448,6 +448,34 @@ def test_masked_inputs_travel_in_chunks_and_bad_chunks_end_only_their_stream(dep
     run(scenario)
 
 
+def test_the_control_api_can_have_a_port_of_its_own(deployment):
+    """With --control-listen, devices' port serves no control API and the control port no device
+    streams; only the control port takes messages above the 4 MiB request cap (a very large
+    cohort's OpenSession), and a session runs across the two."""
+    async def scenario():
+        async with running(deployment, control_listen="127.0.0.1:0") as service:
+            assert service.control_port != service.port
+            big = aggregator_pb2.OpenSessionRequest(session_ticket=b"\0" * (5 << 20))
+            async with connected(deployment, service) as (device_channel, on_device_port):
+                code, _ = await rpc_error(on_device_port.OpenSession(big))
+                assert code == CODE.UNIMPLEMENTED
+                async with deployment.channel(f"127.0.0.1:{service.control_port}") as control:
+                    stub = aggregator_pb2_grpc.AggregatorControlStub(control)
+                    code, message = await rpc_error(stub.OpenSession(big))
+                    assert code == CODE.PERMISSION_DENIED, message  # read whole, then refused
+                    code, _ = await misbehave(control, join(plan(deployment, "unused"), 1))
+                    assert code == CODE.UNIMPLEMENTED
+                    cohort = plan(deployment, "s-split")
+                    opened = await stub.OpenSession(cohort.request)
+                    assert opened.address == f"127.0.0.1:{service.port}"
+                    runs = await asyncio.gather(
+                        *(device(device_channel, cohort, i) for i in range(1, 9)),
+                        await_sum(stub, cohort, "update"))
+            assert_sum(cohort, "update", runs[-1][1], list(range(1, 9)))
+
+    run(scenario)
+
+
 def test_bad_tickets_and_bad_devices_get_clear_statuses_and_the_session_still_completes(
         deployment):
     async def scenario():
