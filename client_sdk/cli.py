@@ -18,7 +18,7 @@ from rich.console import Console
 from client_sdk.device import Device
 from client_sdk.dropout import DEFAULT_PHASES, DropoutPlan
 from client_sdk.enrolment import load_or_create_identity
-from client_sdk.fleet import Fleet
+from client_sdk.fleet import CoordinatorUnreachable, Fleet
 from client_sdk.metrics import ClientMetrics
 from tally import data, logs
 from tally.metrics import MetricsServer
@@ -74,6 +74,16 @@ def register(sub: argparse._SubParsersAction) -> None:
     until = f.add_mutually_exclusive_group()
     until.add_argument("--max-tasks-per-device", type=int, help="each device stops after this many tasks")
     until.add_argument("--until-job-done", metavar="JOB_ID", help="stop when the coordinator reports the job finished")
+    until.add_argument(
+        "--stay", action="store_true",
+        help="keep running after the jobs the fleet worked on end (default: exit when every job it "
+        "was given tasks of has finished)",
+    )
+    f.add_argument(
+        "--connect-timeout", type=float, default=30.0, metavar="SECONDS",
+        help="exit with an error if no device reaches the coordinator within this time "
+        "(default: %(default)s; 0: wait forever)",
+    )
     f.add_argument("--json", type=Path, help="write the fleet's statistics here as JSON")
     f.add_argument(
         "--allow-plain", action="store_true",
@@ -181,15 +191,22 @@ def run_fleet(args: argparse.Namespace) -> int:
         device_policy=DevicePolicy(allow_plain=args.allow_plain),
         enrolment_key=enrolment_key,
     )
-    until = fleet.until_job_done(args.until_job_done) if args.until_job_done else None
+    if args.until_job_done:
+        until = fleet.until_job_done(args.until_job_done)
+    else:
+        until = None if args.stay or args.max_tasks_per_device else fleet.until_jobs_done()
     try:
         with _metrics_server(args.metrics_port, fleet.metrics):
             stats = _run_until_signal(
                 lambda stop: fleet.run(
                     stop, until, max_tasks_per_device=args.max_tasks_per_device,
                     progress=args.progress, console=console,
+                    connect_timeout=args.connect_timeout or None,
                 )
             )
+    except CoordinatorUnreachable as exc:
+        console.print(f"tally fleet: {exc}")
+        return 1
     finally:
         fleet.close()
     console.print(f"fleet of {stats.devices}: {stats.summary()} in {stats.elapsed_seconds:.1f} s")

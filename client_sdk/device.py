@@ -71,6 +71,10 @@ class DeviceStats:
     last_model_version: str = ""
     # (job_id, round) of each session that completed with this device's input in the sum.
     contributed: list[tuple[str, int]] = field(default_factory=list)
+    # Jobs this device was given tasks of, in order.
+    jobs: list[str] = field(default_factory=list)
+    # The last coordinator call that had to be retried, and why ("CheckIn: UNAVAILABLE").
+    last_error: str = ""
 
 
 class Device:
@@ -211,6 +215,8 @@ class Device:
 
     async def _do_task(self, task: coordinator_pb2.TaskAssignment) -> None:
         fields = {"job_id": task.job_id, "round": task.round, "task_id": task.task_id}
+        if task.job_id not in self.stats.jobs:
+            self.stats.jobs.append(task.job_id)
         logs.event(log, "task assigned", device_id=self.device_id, **fields)
         if self._inputs.already_sent(task.job_id, task.round):
             # Whoever asks: two sums of one round that differ by this device isolate its input.
@@ -351,6 +357,7 @@ class Device:
 
     def _count_retry(self, method: str, code: grpc.StatusCode) -> None:
         self.stats.retries += 1
+        self.stats.last_error = f"{method}: {code.name}"
         self.metrics.retries.labels(method, code.name).inc()
         logs.event(log, "rpc retry", device_id=self.device_id, method=method, code=code.name)
 

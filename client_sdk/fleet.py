@@ -57,6 +57,10 @@ class FleetStats:
     # job_id -> rounds in which at least one of the fleet's devices contributed to the sum.
     rounds: dict[str, list[int]]
     elapsed_seconds: float
+    # Jobs any device was given tasks of, in the order first seen.
+    jobs: list[str]
+    # A device's last retried coordinator call and why ("" when none was retried).
+    last_error: str
 
     @classmethod
     def collect(cls, stats: Sequence[DeviceStats], last_model_version: str, elapsed: float) -> FleetStats:
@@ -79,6 +83,8 @@ class FleetStats:
             last_model_version=last_model_version,
             rounds={job: sorted(r) for job, r in rounds.items()},
             elapsed_seconds=elapsed,
+            jobs=list(dict.fromkeys(job for s in stats for job in s.jobs)),
+            last_error=next((s.last_error for s in stats if s.last_error), ""),
         )
 
     @property
@@ -90,6 +96,8 @@ class FleetStats:
         return asdict(self)
 
     def summary(self) -> str:
+        if self.checkins == 0 and self.last_error:
+            return f"waiting for the coordinator ({self.retries} retries, last {self.last_error})"
         return (
             f"tasks {self.tasks_done} · sessions ok {self.sessions_completed} "
             f"aborted {self.sessions_aborted} · dropouts {self.dropouts} · "
@@ -103,6 +111,10 @@ def _human_bytes(n: float) -> str:
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
         n /= 1024
     raise AssertionError("unreachable")
+
+
+class CoordinatorUnreachable(ConnectionError):
+    """No device of the fleet completed a single check-in within the connect timeout."""
 
 
 class Fleet:
@@ -136,6 +148,7 @@ class Fleet:
         )
         self._changed: asyncio.Event | None = None
         self._last_version = ""
+        self.coordinator = coordinator
         # The fleet stands in for the operator's provisioning: with the coordinator's enrolment
         # key it hands each simulated device its credential.
         enrolment = SharedKeyEnrolment(enrolment_key) if enrolment_key is not None else None
@@ -174,10 +187,13 @@ class Fleet:
         progress: bool = False,
         console: Console | None = None,
         poll_seconds: float = 0.5,
+        connect_timeout: float | None = None,
     ) -> FleetStats:
         """Run every device until ``stop`` is set, ``until`` holds (an int: that many rounds
         contributed to; a predicate on the stats, possibly async) or each device has done
-        ``max_tasks_per_device`` tasks. ``progress`` shows a live display."""
+        ``max_tasks_per_device`` tasks. ``progress`` shows a live display. With
+        ``connect_timeout``, raise ``CoordinatorUnreachable`` when no device has completed a
+        check-in by then, rather than retry in silence forever."""
         predicate = _rounds_reached(until) if isinstance(until, int) else until
         self._changed = asyncio.Event()
         halt = asyncio.Event()
@@ -191,6 +207,11 @@ class Fleet:
                     await self._wake(everyone, stop, poll_seconds)
                     stats = self.stats(time.perf_counter() - start)
                     show(stats)
+                    if stats.checkins == 0 and connect_timeout is not None and stats.elapsed_seconds > connect_timeout:
+                        raise CoordinatorUnreachable(
+                            f"no device reached the coordinator at {self.coordinator} within "
+                            f"{connect_timeout:g} s (last error: {stats.last_error or 'none yet'}); "
+                            "is it running, and is the address right?")
                     if halt.is_set():
                         continue  # devices are finishing their tasks
                     if (stop is not None and stop.is_set()) or (predicate and await _holds(predicate, stats)):
@@ -207,19 +228,34 @@ class Fleet:
     def until_job_done(self, job_id: str, every_seconds: float = 1.0) -> Callable[[FleetStats], Awaitable[bool]]:
         """A predicate for ``run``: the coordinator reports ``job_id`` finished (asked at most
         every ``every_seconds``)."""
-        last = [float("-inf")]
+        return self._until_finished(lambda stats: [job_id], every_seconds)
 
-        async def done(_: FleetStats) -> bool:
-            if time.perf_counter() - last[0] < every_seconds:
+    def until_jobs_done(self, every_seconds: float = 1.0) -> Callable[[FleetStats], Awaitable[bool]]:
+        """A predicate for ``run``: the fleet was given tasks of some job, and every job it was
+        given tasks of is finished (a fleet that ends when its work does)."""
+        return self._until_finished(lambda stats: stats.jobs, every_seconds)
+
+    def _until_finished(
+        self, jobs: Callable[[FleetStats], list[str]], every_seconds: float
+    ) -> Callable[[FleetStats], Awaitable[bool]]:
+        last = [float("-inf")]
+        finished: set[str] = set()
+
+        async def done(stats: FleetStats) -> bool:
+            wanted = jobs(stats)
+            if not wanted or time.perf_counter() - last[0] < every_seconds:
                 return False
             last[0] = time.perf_counter()
-            try:
-                status = await self.devices[0].round_status(job_id)
-            except grpc.aio.AioRpcError as exc:
-                if exc.code() == grpc.StatusCode.NOT_FOUND:
-                    return False  # not submitted yet
-                raise
-            return status.job_state in FINISHED_JOB_STATES
+            for job_id in set(wanted) - finished:
+                try:
+                    status = await self.devices[0].round_status(job_id)
+                except grpc.aio.AioRpcError as exc:
+                    if exc.code() == grpc.StatusCode.NOT_FOUND:
+                        return False  # not submitted yet
+                    raise
+                if status.job_state in FINISHED_JOB_STATES:
+                    finished.add(job_id)
+            return finished >= set(wanted)
 
         return done
 

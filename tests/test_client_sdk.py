@@ -18,6 +18,7 @@ import io
 import json
 import logging
 import os
+import socket
 import subprocess
 import sys
 import threading
@@ -250,6 +251,7 @@ class FakeCoordinator(coordinator_pb2_grpc.CoordinatorServicer):
         self.polls: Counter[tuple[str, str]] = Counter()
         self.assigned: set[str] = set()
         self.checked_in = asyncio.Event()
+        self.job_state: Callable[[], int] = lambda: common_pb2.JOB_STATE_SUCCEEDED
 
     async def _device(self, context: grpc.aio.ServicerContext) -> str:
         try:
@@ -325,7 +327,7 @@ class FakeCoordinator(coordinator_pb2_grpc.CoordinatorServicer):
 
     async def RoundStatus(self, request, context):
         await self._device(context)
-        return coordinator_pb2.RoundStatusResponse(job_state=common_pb2.JOB_STATE_SUCCEEDED, round=3)
+        return coordinator_pb2.RoundStatusResponse(job_state=self.job_state(), round=3)
 
 
 # ---- fake aggregator: the real SecAggServer behind the device streams -------------------------
@@ -804,6 +806,8 @@ def test_fleet_of_torch_devices_on_digits_shards(one_torch_thread):
     async def scenario():
         aggregator = FakeAggregator(plan)
         coordinator = FakeCoordinator(plan, {d: i + 1 for i, d in enumerate(ids)})
+        coordinator.job_state = lambda: (common_pb2.JOB_STATE_SUCCEEDED if aggregator.done.is_set()
+                                         else common_pb2.JOB_STATE_RUNNING)
         server, port = await serve(coordinator, aggregator)
         coordinator.aggregator = f"127.0.0.1:{port}"
         fleet = Fleet(f"127.0.0.1:{port}", PLAIN, trainers(), seed=5, retry=FAST, training_threads=2,
@@ -962,7 +966,10 @@ class BackgroundLoop:
         self.loop.close()
 
 
-def test_fleet_command_runs_devices_against_a_coordinator(tmp_path, one_torch_thread, tally_logger):
+@pytest.mark.parametrize("until", [["--max-tasks-per-device", "1"], []], ids=["max-tasks", "job-done"])
+def test_fleet_command_runs_devices_against_a_coordinator(until, tmp_path, one_torch_thread, tally_logger):
+    """Without a stopping flag the fleet exits once every job it was given tasks of has
+    finished (issue 9, item 6: it used to run forever)."""
     params = get_params(mlp(64, 10, hidden=8))
     server_half, _ = algorithms.make("fedavg", FEDAVG_OPTIONS)
     step = server_half.steps(server_half.init(params))[0]
@@ -985,7 +992,7 @@ def test_fleet_command_runs_devices_against_a_coordinator(tmp_path, one_torch_th
         client_cli.register(parser.add_subparsers())
         args = parser.parse_args([
             "fleet", "--coordinator", f"127.0.0.1:{port}", "--insecure", "--devices", "3", "--hidden", "8",
-            "--id-prefix", "cli", "--dropout", "0", "--max-tasks-per-device", "1", "--no-progress",
+            "--id-prefix", "cli", "--dropout", "0", *until, "--no-progress",
             "--json", str(tmp_path / "fleet.json"), "--enrolment-key", str(tmp_path / "enrolment.key"),
         ])
         assert args.run(args) == 0
@@ -995,6 +1002,21 @@ def test_fleet_command_runs_devices_against_a_coordinator(tmp_path, one_torch_th
     report = json.loads((tmp_path / "fleet.json").read_text())
     assert (report["devices"], report["tasks_done"], report["sessions_completed"]) == (3, 3, 3)
     assert report["rounds"] == {JOB: [3]} and aggregator.server.results[step.name].contributors == (1, 2, 3)
+
+
+def test_a_fleet_pointed_at_nothing_says_so_and_exits(capsys, tally_logger):
+    """Issue 9, item 6: a fleet pointed at a dead address printed nothing, forever."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        dead = f"127.0.0.1:{probe.getsockname()[1]}"
+    parser = argparse.ArgumentParser(prog="tally")
+    client_cli.register(parser.add_subparsers())
+    args = parser.parse_args(["fleet", "--coordinator", dead, "--insecure", "--devices", "2", "--hidden", "8",
+                              "--connect-timeout", "1", "--no-progress"])
+    assert args.run(args) == 1
+    err = " ".join(capsys.readouterr().err.split())
+    assert f"no device reached the coordinator at {dead} within 1 s" in err
+    assert "Register: UNAVAILABLE" in err
 
 
 def test_cli_rejects_bad_shard(capsys):
