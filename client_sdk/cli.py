@@ -20,13 +20,13 @@ from client_sdk.dropout import DEFAULT_PHASES, DropoutPlan
 from client_sdk.enrolment import load_or_create_identity
 from client_sdk.fleet import CoordinatorUnreachable, Fleet
 from client_sdk.metrics import ClientMetrics
-from tally import data, logs
+from tally import data, logs, models
 from tally.metrics import MetricsServer
 from tally.secagg import DevicePolicy
 from tally.security import load_ticket_public_key
 from tally.security.enrolment import read_enrolment_key
 from tally.security.tls import add_tls_arguments, tls_config_from_args
-from tally.training import TorchTrainer, mlp, single_threaded
+from tally.training import TorchTrainer, single_threaded
 
 DATASETS = ("digits",)
 
@@ -74,6 +74,11 @@ def register(sub: argparse._SubParsersAction) -> None:
     until = f.add_mutually_exclusive_group()
     until.add_argument("--max-tasks-per-device", type=int, help="each device stops after this many tasks")
     until.add_argument("--until-job-done", metavar="JOB_ID", help="stop when the coordinator reports the job finished")
+    f.add_argument(
+        "--shard", type=_shard, default=(0, 1), metavar="I/N",
+        help="play only shard I (0-based) of N of the --devices devices, e.g. a Kubernetes indexed "
+        "Job's $(JOB_COMPLETION_INDEX)/<completions>; ids are <prefix>-<I>of<N>-<j> (default: 0/1, all)",
+    )
     until.add_argument(
         "--stay", action="store_true",
         help="keep running after the jobs the fleet worked on end (default: exit when every job it "
@@ -103,7 +108,13 @@ def _add_common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dataset", choices=DATASETS, default="digits", help="bundled dataset to train on")
     p.add_argument("--alpha", type=float, default=0.5, help="Dirichlet label skew of the split (smaller: more skew)")
     p.add_argument("--seed", type=int, default=0, help="seed of the split, the training order and the encoding")
-    p.add_argument("--hidden", type=int, default=64, help="hidden units of the mlp (must match the job's model)")
+    p.add_argument("--model", default="mlp", metavar="KIND",
+                   help="model kind the devices train (must match the job's model.kind): mlp, cnn, or "
+                   "one of a --model-plugin's (default: %(default)s)")
+    p.add_argument("--model-plugin", action="append", default=[], metavar="MODULE",
+                   help="import this module's TALLY_MODELS, as the coordinator does (repeatable)")
+    p.add_argument("--hidden", type=int, default=64,
+                   help="hidden units of the mlp, channels of the cnn (must match the job's model)")
     p.add_argument("--metrics-port", type=int, help="serve tally_client_* metrics on this port (0: any free port)")
     p.add_argument("--log-level", default="warning", help="structured JSON logs on stderr at this level")
     add_tls_arguments(p, identity="device")
@@ -124,9 +135,24 @@ def _hex(text: str) -> bytes:
         raise argparse.ArgumentTypeError("not hexadecimal") from None
 
 
+def _shard(text: str) -> tuple[int, int]:
+    index, sep, count = text.partition("/")
+    try:
+        i, n = int(index), int(count)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected I/N, e.g. 0/4") from None
+    if not sep or n < 1 or not 0 <= i < n:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected I/N with 0 <= I < N")
+    return i, n
+
+
 def _trainers(args: argparse.Namespace, shards: int) -> list[TorchTrainer]:
+    """Raises ValueError naming --model or --model-plugin when the model cannot be built."""
+    models.load_plugins(args.model_plugin)
+    if args.model not in models.kinds():
+        raise ValueError(f"--model: {args.model!r} is not one of {list(models.kinds())}")
     fed = data.digits(shards, alpha=args.alpha, seed=args.seed)
-    factory = lambda: mlp(fed.num_features, fed.num_classes, hidden=args.hidden, seed=args.seed)  # noqa: E731
+    factory = lambda: models.build(args.model, fed.num_features, fed.num_classes, args.hidden, args.seed)  # noqa: E731
     return [TorchTrainer(factory, X, y, seed=args.seed + i) for i, (X, y) in enumerate(fed.clients)]
 
 
@@ -141,6 +167,7 @@ def run_client(args: argparse.Namespace) -> int:
             _load("--coordinator-key", load_ticket_public_key, args.coordinator_key).public_bytes_raw()
             if args.coordinator_key else None
         )
+        trainer = _trainers(args, args.shards)[args.shard]
     except ValueError as exc:
         print(exc, file=sys.stderr)
         return 2
@@ -150,7 +177,7 @@ def run_client(args: argparse.Namespace) -> int:
         args.coordinator,
         tls_config_from_args(args),
         args.device_id,
-        _trainers(args, args.shards)[args.shard],
+        trainer,
         population=args.population,
         cache_dir=args.cache_dir,
         rng_seed=args.seed,
@@ -166,28 +193,34 @@ def run_client(args: argparse.Namespace) -> int:
 
 
 def run_fleet(args: argparse.Namespace) -> int:
-    if args.devices < 1:
-        print("--devices must be at least 1", file=sys.stderr)
+    shard, shards = args.shard
+    if args.devices < shards:
+        print(f"--devices must be at least the number of shards ({shards})", file=sys.stderr)
         return 2
     try:
         enrolment_key = _load("--enrolment-key", read_enrolment_key, args.enrolment_key) if args.enrolment_key else None
+        # Shard I of N plays a contiguous block of the one split of --devices, so N processes
+        # together are the same fleet as one (seeds differ per shard, so dropouts differ per block).
+        trainers = _trainers(args, args.devices)[
+            shard * args.devices // shards:(shard + 1) * args.devices // shards
+        ]
     except ValueError as exc:
         print(exc, file=sys.stderr)
         return 2
     logs.configure(args.log_level)
     single_threaded()  # many small models: one torch thread each beats thread handoffs
     phases = tuple(p.strip() for p in args.dropout_phases.split(",") if p.strip())
-    plan = DropoutPlan(args.dropout, phases, seed=args.seed) if args.dropout > 0 else None
+    plan = DropoutPlan(args.dropout, phases, seed=args.seed + shard) if args.dropout > 0 else None
     console = Console(stderr=True)
     fleet = Fleet(
         args.coordinator,
         tls_config_from_args(args),
-        _trainers(args, args.devices),
+        trainers,
         dropout=plan,
         population=args.population,
-        seed=args.seed,
+        seed=args.seed + shard,
         cache_dir=args.cache_dir,
-        id_prefix=args.id_prefix,
+        id_prefix=args.id_prefix if shards == 1 else f"{args.id_prefix}-{shard}of{shards}",
         device_policy=DevicePolicy(allow_plain=args.allow_plain),
         enrolment_key=enrolment_key,
     )

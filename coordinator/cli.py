@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import logging
 import signal
 import sys
 from collections.abc import Callable
@@ -21,10 +22,12 @@ from coordinator.service import (
     DEFAULT_REGISTER_LIMIT,
     CoordinatorService,
 )
-from tally import logs
+from tally import logs, models
 from tally.security import bearer_metadata, channel_options, open_channel
 from tally.security.tls import add_tls_arguments, tls_config_from_args
 from tally.wire.v1 import admin_pb2, admin_pb2_grpc, common_pb2
+
+log = logging.getLogger("tally.coordinator.cli")
 
 DEFAULT_ADDRESS = "127.0.0.1:50051"
 
@@ -64,6 +67,11 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--checkin-hold", type=float, default=20.0,
         help="longest a check-in is held while a selection fills (s)",
+    )
+    p.add_argument(
+        "--model-plugin", action="append", default=[], metavar="MODULE",
+        help="import this Python module's TALLY_MODELS so jobs may name its model kinds "
+        "(repeatable; only the operator can add code to the coordinator, never a job spec)",
     )
     p.add_argument("--log-level", default="info", help="debug, info, warning or error")
     add_tls_arguments(p, "coordinator")
@@ -134,9 +142,12 @@ def run_coordinator(args: argparse.Namespace) -> int:
             return 2
     try:
         tls = tls_config_from_args(args)
-    except ValueError as exc:
+        plugged = models.load_plugins(args.model_plugin)
+    except ValueError as exc:  # PluginError is a ValueError
         print(f"tally coordinator: {exc}", file=sys.stderr)
         return 2
+    if plugged:
+        logs.event(log, "model plug-ins loaded", modules=args.model_plugin, kinds=plugged)
     service = CoordinatorService(
         args.listen, tls, args.state_dir, args.aggregator,
         metrics_port=args.metrics_port, metrics_addr=args.metrics_addr,

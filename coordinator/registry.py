@@ -1,5 +1,6 @@
 """Which server halves the coordinator can run, and which models a job may start from: the
-algorithms of ``tally.algorithms`` and the built-in ``mlp``, plus any registered here.
+algorithms of ``tally.algorithms`` and the torch models of ``tally.models`` (built in or plugged
+in with ``--model-plugin``), plus any registered here.
 
 The hooks exist so an algorithm or a model can be plugged into the round engine (and job-spec
 validation) without editing ``tally/algorithms`` or the job-spec format: tests register tiny
@@ -14,17 +15,15 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
-from tally import algorithms
+from tally import algorithms, models
 from tally.algorithms.base import Arrays, ServerAlgorithm
-from tally.training import get_params, mlp
+from tally.training import get_params
 
 if TYPE_CHECKING:  # jobspec validates against this registry
     from coordinator.jobspec import ModelSpec
 
 ServerFactory = Callable[[Mapping[str, Any] | None], ServerAlgorithm]
 ModelFactory = Callable[["ModelSpec"], Arrays]
-
-BUILTIN_MODEL = "mlp"
 
 _EXTRA: dict[str, ServerFactory] = {}
 _MODELS: dict[str, ModelFactory] = {}
@@ -57,8 +56,9 @@ def make_server(name: str, options: Mapping[str, Any] | None) -> ServerAlgorithm
 
 def register_model(kind: str, factory: ModelFactory) -> None:
     """Let jobs say ``model: {kind: <kind>}``; ``factory(model_spec)`` returns the initial
-    parameters (name -> array, in the order the algorithm flattens them)."""
-    if not kind or kind == BUILTIN_MODEL or kind in _MODELS:
+    parameters (name -> array, in the order the algorithm flattens them). Such a model has no
+    torch module, hence no ONNX export: a torch model is a ``tally.models`` plug-in instead."""
+    if not kind or kind in models.kinds() or kind in _MODELS:
         raise ValueError(f"model kind {kind!r} is empty or already taken")
     _MODELS[kind] = factory
 
@@ -68,13 +68,13 @@ def unregister_model(kind: str) -> None:
 
 
 def model_kinds() -> tuple[str, ...]:
-    return (BUILTIN_MODEL, *_MODELS)
+    return (*models.kinds(), *_MODELS)
 
 
 def initial_model(spec: ModelSpec) -> Arrays:
     """The parameters a job's first round starts from."""
-    if spec.kind == BUILTIN_MODEL:
-        return get_params(mlp(spec.inputs, spec.classes, spec.hidden, spec.seed))
+    if spec.kind in models.kinds():
+        return get_params(models.build(spec.kind, spec.inputs, spec.classes, spec.hidden, spec.seed))
     factory = _MODELS.get(spec.kind)
     if factory is None:
         raise ValueError(f"model kind {spec.kind!r} is not registered in this coordinator")

@@ -14,13 +14,14 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 from scipy import stats
 
 from aggregator import AggregatorService
 from aggregator import session as aggregator_session
-from client_sdk import DropoutPlan, Fleet
+from client_sdk import DropoutPlan, Fleet, OnnxModel
 from coordinator.service import CoordinatorService
-from tally import data, modelio
+from tally import data, modelio, models
 from tally.algorithms.fedavg import FedAvgClient, FedAvgConfig, FedAvgServer
 from tally.codec import unpack
 from tally.secagg import DevicePolicy, SecAggServer
@@ -28,7 +29,7 @@ from tally.secagg.messages import MaskedInputResponse
 from tally.security import TLSConfig, bearer_metadata, load_or_create_ticket_key
 from tally.security.tls import open_channel
 from tally.simulation import plain_sum, run_rounds
-from tally.training import TorchTrainer, get_params, mlp, single_threaded
+from tally.training import TorchTrainer, get_params, mlp, set_params, single_threaded
 from tally.wire.v1 import admin_pb2, admin_pb2_grpc, coordinator_pb2, common_pb2
 
 TIMEOUT = 240
@@ -251,6 +252,41 @@ def test_devices_that_cannot_train_report_why_and_keep_running(tmp_path):
     assert counts[("aborted", "model_mismatch")] == len(bad)
     assert ('tally_coordinator_task_reports_total{outcome="aborted",reason="model_mismatch"} 2.0'
             in metrics)
+
+
+def test_a_cnn_job_trains_through_the_services_and_exports_to_onnx(tmp_path):
+    """Issue 9, item 9: a model other than the built-in mlp through the services (it used to be
+    'model.kind: cnn is not one of [mlp]'); the committed model's ONNX export computes what torch
+    does, and the held-out loss fell."""
+    n, rounds, channels = 10, 2, 8
+    fed = data.digits(n, alpha=0.5, seed=4)
+    cnn = lambda: models.build("cnn", 64, 10, channels, 0)  # noqa: E731
+    single_threaded()
+    devices = [TorchTrainer(cnn, X, y, seed=i) for i, (X, y) in enumerate(fed.clients)]
+    text = (spec("cnn", rounds, cohort=n).replace(f"hidden: {HIDDEN}", f"kind: cnn, hidden: {channels}")
+            .replace("local_epochs: 1", "local_epochs: 4"))
+
+    async def main():
+        async with stack(tmp_path) as s:
+            job_id = await s.submit(text)
+            fleet = s.fleet(devices, seed=1)
+            await fleet.run(until=fleet.until_job_done(job_id, every_seconds=0.2))
+            fleet.close()
+            version = s.coordinator.store.model_version(job_id)
+            return (await s.job(job_id), s.model(job_id),
+                    s.coordinator.store.read_blob(version.onnx_digest))
+
+    job, model, onnx = run(main())
+    assert job.state == common_pb2.JOB_STATE_SUCCEEDED and job.committed_round == rounds, job.message
+    test_x, test_y = fed.test
+    judge = TorchTrainer(cnn, test_x, test_y)
+    assert judge.evaluate(model)[0] < judge.evaluate(get_params(cnn()))[0] - 0.05
+    net = cnn()
+    set_params(net, model)
+    with torch.no_grad():
+        expected = net(torch.as_tensor(test_x[:20], dtype=torch.float32)).numpy()
+    got = OnnxModel.from_bytes(onnx).logits(test_x[:20].astype(np.float32))
+    np.testing.assert_allclose(got, expected, rtol=1e-4, atol=1e-4)
 
 
 def test_the_coordinator_api_cannot_carry_a_device_contribution():
