@@ -15,6 +15,7 @@ import grpc
 
 from coordinator.admin_api import ADMIN_TOKEN_FILE
 from coordinator.aggregators import parse_aggregator
+from coordinator.jobspec import JobSpec, JobSpecError, parse as parse_job_spec
 from coordinator.ratelimit import RateLimit
 from coordinator.service import (
     DEFAULT_CHECKIN_LIMIT,
@@ -45,6 +46,22 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--aggregator", action="append", default=[], type=_aggregator, metavar="ID=HOST:PORT",
         help="an aggregator's control endpoint (repeatable)",
+    )
+    p.add_argument(
+        "--aggregator-template", type=_aggregator_template, metavar="ID=HOST:PORT",
+        help="aggregators 0 .. --aggregator-count - 1, '{i}' standing for the number, e.g. a "
+        "StatefulSet behind a headless Service: 'tally-aggregator-{i}=tally-aggregator-{i}."
+        "tally-aggregator.NAMESPACE.svc:7002'; those not running are skipped until they answer "
+        "health checks, so the count may be an autoscaler's maximum",
+    )
+    p.add_argument(
+        "--aggregator-count", type=int, default=1, metavar="N",
+        help="how many aggregators --aggregator-template names (default: %(default)s)",
+    )
+    p.add_argument(
+        "--jobs-dir", type=Path, metavar="DIR",
+        help="submit each *.yaml job spec in DIR (e.g. a mounted ConfigMap) whose job name has no "
+        "job yet, at every start; every spec is checked before the service starts",
     )
     p.add_argument(
         "--secrets-dir", type=Path,
@@ -115,6 +132,48 @@ def register(sub: argparse._SubParsersAction) -> None:
     watch.set_defaults(run=_job(_watch))
 
 
+def _aggregator_template(text: str) -> tuple[str, str]:
+    ident, address = _aggregator(text)
+    try:
+        if ident.format(i=0) == ident.format(i=1):
+            raise ValueError
+        address.format(i=0)
+    except (ValueError, KeyError, IndexError):
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: the ID must contain {{i}} and nothing else in braces"
+        ) from None
+    return ident, address
+
+
+def _aggregators(args: argparse.Namespace) -> list[tuple[str, str]]:
+    listed = list(args.aggregator)
+    if args.aggregator_template is not None:
+        ident, address = args.aggregator_template
+        listed += [(ident.format(i=i), address.format(i=i)) for i in range(args.aggregator_count)]
+    return listed
+
+
+def _job_specs(directory: Path) -> list[tuple[Path, JobSpec]]:
+    """Every ``*.yaml`` spec in ``directory``, all checked (``ValueError`` naming the file)."""
+    if not directory.is_dir():
+        raise ValueError(f"--jobs-dir {directory}: no such directory")
+    specs = []
+    for path in sorted(directory.glob("*.yaml")):
+        try:
+            specs.append((path, parse_job_spec(path.read_text())))
+        except (OSError, JobSpecError) as exc:
+            raise ValueError(f"--jobs-dir {path}: {exc}") from None
+    return specs
+
+
+def _submit_new(service: CoordinatorService, specs: list[tuple[Path, JobSpec]]) -> None:
+    """Submit the specs whose name no job has: a restart does not submit a job twice."""
+    known = {record.name for record in service.engine.store.jobs()}
+    for path, spec in specs:
+        if spec.name not in known:
+            print(f"submitted {path.name} as job {service.engine.submit(spec)}", flush=True)
+
+
 def _aggregator(text: str) -> tuple[str, str]:
     try:
         return parse_aggregator(text)
@@ -143,13 +202,14 @@ def run_coordinator(args: argparse.Namespace) -> int:
     try:
         tls = tls_config_from_args(args)
         plugged = models.load_plugins(args.model_plugin)
+        specs = _job_specs(args.jobs_dir) if args.jobs_dir is not None else []
     except ValueError as exc:  # PluginError is a ValueError
         print(f"tally coordinator: {exc}", file=sys.stderr)
         return 2
     if plugged:
         logs.event(log, "model plug-ins loaded", modules=args.model_plugin, kinds=plugged)
     service = CoordinatorService(
-        args.listen, tls, args.state_dir, args.aggregator,
+        args.listen, tls, args.state_dir, _aggregators(args),
         metrics_port=args.metrics_port, metrics_addr=args.metrics_addr,
         max_message_bytes=args.max_message_bytes,
         secrets_dir=args.secrets_dir or args.tls_dir or args.state_dir,
@@ -158,10 +218,10 @@ def run_coordinator(args: argparse.Namespace) -> int:
         register_limit=args.register_limit,
         checkin_limit=args.checkin_limit,
     )
-    return asyncio.run(_serve(service))
+    return asyncio.run(_serve(service, specs))
 
 
-async def _serve(service: CoordinatorService) -> int:
+async def _serve(service: CoordinatorService, specs: list[tuple[Path, JobSpec]]) -> int:
     stopping = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -177,6 +237,7 @@ async def _serve(service: CoordinatorService) -> int:
         f"{service.state_dir / ADMIN_TOKEN_FILE}",
         flush=True,
     )
+    _submit_new(service, specs)
     await stopping.wait()
     await service.stop(grace=5.0)
     return 0
