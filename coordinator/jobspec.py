@@ -1,18 +1,29 @@
 """Job specifications: YAML in, a validated ``JobSpec`` out, or one error naming every problem.
 
-A spec is checked completely before anything is stored, so a typo in round 1 never
-becomes a failed job in round 40.
+A spec is checked completely before anything is stored, so a typo in round 1 never becomes a
+failed job in round 40, and a wrongly typed option (``local_epochs: "5"``) never reaches a
+device. The sections are pydantic models: strict types (a string is never read as a number, nor
+``"yes"`` as true), unknown keys refused with the valid ones listed, and every field's problem
+reported at once. Each algorithm's options are typed from its own config dataclass, so the spec
+cannot drift from what the algorithm accepts. Relations between fields (``min_cohort`` against
+``cohort_size``, the secure threshold, what may be revealed) are checked on the fields that are
+individually valid, in the same pass.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+import types
+import typing
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Annotated, Any
 
 import yaml
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, create_model
 
 from coordinator import registry
+from tally import algorithms
 from tally.secagg import ThreatModel, UnsafeParameters, choose_params
 
 PHASE_DEADLINES = (
@@ -20,74 +31,6 @@ PHASE_DEADLINES = (
     "unmask",
 )
 REVEALABLE = {"aaggff_s": ("response",)}
-
-
-class JobSpecError(ValueError):
-    """Every problem of a spec, one per line, each naming its field."""
-
-
-@dataclass(frozen=True)
-class ModelSpec:
-    kind: str = "mlp"
-    inputs: int = 64
-    classes: int = 10
-    hidden: int = 64
-    seed: int = 0
-
-
-@dataclass(frozen=True)
-class SecureSpec:
-    """How cohort sums are computed.
-
-    ``plain: true`` replaces the secure sum by a plain sum: every device's contribution is
-    shown to the aggregator in the clear, which breaks the one rule of DESIGN.md section 1.
-    It exists only to measure the cost of secure aggregation (bench/round.py); the
-    coordinator logs a warning and counts every such job it accepts.
-    """
-
-    dropout_rate: float = 0.1
-    corrupt_rate: float = 0.05
-    malicious_server: bool = True
-    consistency_check: bool = False
-    plain: bool = False
-
-    def threat(self) -> ThreatModel:
-        return ThreatModel(self.dropout_rate, self.corrupt_rate, self.malicious_server)
-
-
-@dataclass(frozen=True)
-class JobSpec:
-    name: str
-    algorithm: str
-    rounds: int
-    cohort_size: int
-    model: ModelSpec = field(default_factory=ModelSpec)
-    config: Mapping[str, Any] = field(default_factory=dict)
-    population: str = "default"
-    over_selection: float = 1.3
-    min_cohort: int = 10
-    max_cohort_per_aggregator: int = 1000
-    secure: SecureSpec = field(default_factory=SecureSpec)
-    deadlines: Mapping[str, float] = field(default_factory=lambda: dict(DEFAULT_DEADLINES))
-    retries: int = 2
-    reveal: tuple[str, ...] = ()
-
-    @property
-    def selection_target(self) -> int:
-        """Devices to accept at check-in: the cohort plus over-selection for stragglers."""
-        return int(round(self.cohort_size * self.over_selection))
-
-    def to_dict(self) -> dict[str, Any]:
-        out = asdict(self)
-        out["reveal"] = list(self.reveal)
-        out["config"] = dict(self.config)
-        out["deadlines"] = dict(self.deadlines)
-        return out
-
-    def to_yaml(self) -> str:
-        return yaml.safe_dump(self.to_dict(), sort_keys=False)
-
-
 DEFAULT_DEADLINES = {
     "checkin": 30.0,
     "download": 60.0,
@@ -97,22 +40,209 @@ DEFAULT_DEADLINES = {
     "consistency_check": 20.0,
     "unmask": 20.0,
 }
+DEFAULT_MIN_COHORT = 10
+STRICT = ConfigDict(extra="forbid", strict=True, frozen=True)
 
 
-def _section(raw: Any, cls: type, where: str, errors: list[str]) -> Any:
-    if raw is None:
-        return cls()
-    if not isinstance(raw, Mapping):
-        errors.append(f"{where}: must be a mapping, got {type(raw).__name__}")
-        return cls()
-    unknown = set(raw) - set(cls.__dataclass_fields__)
-    if unknown:
-        errors.append(f"{where}: unknown keys {sorted(unknown)}")
+class JobSpecError(ValueError):
+    """Every problem of a spec, one per line, each naming its field."""
+
+
+class ModelSpec(BaseModel):
+    """The model a job starts from: a kind the coordinator knows (built in or plugged in by its
+    operator) and its shape."""
+
+    model_config = STRICT
+    kind: str = Field("mlp", description="model kind: built in (mlp, cnn) or plugged in with --model-plugin")
+    inputs: int = Field(64, ge=1, description="input features")
+    classes: int = Field(10, ge=1, description="output classes")
+    hidden: int = Field(64, ge=1, description="hidden width (mlp) or channels (cnn)")
+    seed: int = Field(0, ge=0, description="seed of the initial weights")
+
+
+class SecureSpec(BaseModel):
+    """How cohort sums are computed.
+
+    ``plain: true`` replaces the secure sum by a plain sum: every device's contribution is
+    shown to the aggregator in the clear, which breaks the one rule of DESIGN.md section 1.
+    It exists only to measure the cost of secure aggregation (bench/round.py); the
+    coordinator logs a warning and counts every such job it accepts.
+    """
+
+    model_config = STRICT
+    dropout_rate: float = Field(0.1, ge=0, lt=1, description="fraction of a cohort expected to drop out")
+    corrupt_rate: float = Field(0.05, ge=0, lt=1, description="fraction that may collude with the server")
+    malicious_server: bool = Field(True, description="defend against a server that lies about survivors")
+    consistency_check: bool = Field(False, description="run SecAgg's consistency-check phase")
+    plain: bool = Field(False, description="benchmarks only: sums in the clear, no privacy")
+
+    def threat(self) -> ThreatModel:
+        return ThreatModel(self.dropout_rate, self.corrupt_rate, self.malicious_server)
+
+
+Seconds = Annotated[float, Field(gt=0, le=86400)]
+Deadlines = create_model(  # one optional field per phase, so a mistyped phase lists the others
+    "Deadlines", __config__=STRICT, __doc__="Seconds each phase of a round may take.",
+    **{phase: (Seconds, Field(seconds, description=f"seconds for {phase}"))
+       for phase, seconds in DEFAULT_DEADLINES.items()},
+)
+Name = Annotated[str, Field(min_length=1, max_length=100, pattern=r"^[A-Za-z0-9_-]+$")]
+
+
+class JobSpec(BaseModel):
+    """A federated training job: which algorithm, how many rounds over cohorts of how many devices,
+    from which model, with which privacy settings."""
+
+    model_config = STRICT
+    name: Name = Field(description="letters, digits, '-' and '_' (1-100); job ids start with it")
+    algorithm: str = Field(description="an algorithm the coordinator runs: " + ", ".join(algorithms.NAMES))
+    rounds: int = Field(ge=1, description="rounds to train")
+    cohort_size: int = Field(ge=2, description="devices whose contributions are summed each round")
+    model: ModelSpec = Field(default_factory=ModelSpec, description="the model trained")
+    config: dict[str, Any] = Field(default_factory=dict, description="the algorithm's options")
+    population: str = Field("default", description="which enrolled devices may take part")
+    over_selection: float = Field(1.3, ge=1, le=3, description="devices selected per cohort place")
+    min_cohort: int = Field(
+        DEFAULT_MIN_COHORT, ge=2,
+        description="fewest devices in a cohort sum, per aggregator (the privacy floor); "
+        f"default {DEFAULT_MIN_COHORT} or cohort_size if smaller",
+    )
+    max_cohort_per_aggregator: int = Field(1000, ge=2, description="most devices one aggregator sums")
+    secure: SecureSpec = Field(default_factory=SecureSpec, description="secure-sum settings")
+    deadlines: dict[str, float] = Field(
+        default_factory=lambda: dict(DEFAULT_DEADLINES), description="seconds per phase of a round",
+    )
+    retries: int = Field(2, ge=0, description="attempts of a round after the first")
+    reveal: tuple[str, ...] = Field(
+        (), strict=False, description="per-device values the job opts in to reveal (only aaggff_s: response)",
+    )
+
+    @property
+    def selection_target(self) -> int:
+        """Devices to accept at check-in: the cohort plus over-selection for stragglers."""
+        return int(round(self.cohort_size * self.over_selection))
+
+    def to_dict(self) -> dict[str, Any]:
+        out = self.model_dump()
+        out["reveal"] = list(self.reveal)
+        return out
+
+    def to_yaml(self) -> str:
+        return yaml.safe_dump(self.to_dict(), sort_keys=False)
+
+
+SECTIONS: dict[str, type[BaseModel]] = {"model": ModelSpec, "secure": SecureSpec, "deadlines": Deadlines}
+REQUIRED = tuple(name for name, info in JobSpec.model_fields.items() if info.is_required())
+
+
+# -- algorithm options ---------------------------------------------------------------------------
+
+
+def _strict_type(hint: Any) -> Any:
+    """A config dataclass's annotation as the job spec accepts it: YAML has lists, not tuples."""
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin is tuple and len(args) == 2 and args[1] is Ellipsis:
+        return list[_strict_type(args[0])]
+    if origin in (typing.Union, types.UnionType):
+        return functools.reduce(lambda a, b: a | b, (_strict_type(a) for a in args))
+    return hint
+
+
+@functools.cache
+def options_model(algorithm: str) -> type[BaseModel] | None:
+    """The typed options of a built-in algorithm, from its config dataclass; ``None`` for one
+    registered at run time (its factory checks its own options)."""
+    if algorithm not in algorithms.NAMES:
+        return None
+    config = algorithms.options_type(algorithm)
+    hints = typing.get_type_hints(config)
+    fields = {
+        f.name: (_strict_type(hints[f.name]), f.default)
+        for f in dataclasses.fields(config) if f.init and f.name != "reveal"  # reveal: top level
+    }
+    return create_model(f"{algorithm}_options", __config__=STRICT, __doc__=config.__doc__, **fields)
+
+
+def option_fields(algorithm: str) -> dict[str, Any]:
+    """Option name -> accepted type of ``algorithm`` (empty for a run-time registered one)."""
+    model = options_model(algorithm)
+    return {} if model is None else {name: info.annotation for name, info in model.model_fields.items()}
+
+
+# -- validation ----------------------------------------------------------------------------------
+
+_TYPE_NAMES = {
+    "float_type": "a number", "float_parsing": "a number", "int_type": "an integer",
+    "int_from_float": "an integer", "bool_type": "true or false", "string_type": "a string",
+    "list_type": "a list", "tuple_type": "a list", "dict_type": "a mapping", "model_type": "a mapping",
+    "model_attributes_type": "a mapping", "finite_number": "a finite number",
+}
+_BOUNDS = {"greater_than_equal": ">=", "greater_than": ">", "less_than_equal": "<=", "less_than": "<"}
+
+
+def _got(value: Any) -> str:
+    return f"got {value!r} ({type(value).__name__})"
+
+
+@dataclasses.dataclass(frozen=True)
+class _Keys:
+    """The valid keys at each place of a spec, for errors that name an unknown one."""
+
+    algorithm: Any
+    at: Mapping[str, list[str]]
+
+    @classmethod
+    def of(cls, algorithm: Any) -> _Keys:
+        options = list(option_fields(algorithm)) if isinstance(algorithm, str) else []
+        sections = {name: list(model.model_fields) for name, model in SECTIONS.items()}
+        return cls(algorithm, {"": list(JobSpec.model_fields), **sections, "config": options})
+
+    def unknown(self, where: str, names: list[str]) -> str:
+        """One line for the unknown keys at ``where``, listing the valid ones."""
+        if where == "config":
+            return f"config: unknown {self.algorithm} options {sorted(names)}; its options: {self.at[where]}"
+        return f"{where + ': ' if where else ''}unknown keys {sorted(names)}; valid keys: {self.at[where]}"
+
+
+def _describe(error: Mapping[str, Any], where: str, keys: _Keys) -> str:
+    kind, value = error["type"], error.get("input")
+    if kind == "missing":
+        return f"{where}: required"
+    if kind in _TYPE_NAMES:
+        return f"{where}: must be {_TYPE_NAMES[kind]}, {_got(value)}"
+    if kind in _BOUNDS:
+        bound = next(iter(error["ctx"].values()))
+        return f"{where}: must be {_BOUNDS[kind]} {bound:g}, got {value!r}"
+    if kind == "string_pattern_mismatch" and where == "name":
+        return f"name: letters, digits, '-' and '_' only (1-100), got {value!r}"
+    return f"{where}: {error['msg'][0].lower()}{error['msg'][1:]}, {_got(value)}"
+
+
+def _check(adapter: TypeAdapter | type[BaseModel], value: Any, where: str, errors: list[str],
+           keys: _Keys) -> Any:
+    """``value`` validated, or ``None`` with its problems appended to ``errors``."""
     try:
-        return cls(**{k: v for k, v in raw.items() if k in cls.__dataclass_fields__})
-    except TypeError as exc:
-        errors.append(f"{where}: {exc}")
-        return cls()
+        if isinstance(adapter, TypeAdapter):
+            return adapter.validate_python(value)
+        return adapter.model_validate(value)
+    except ValidationError as exc:
+        unknown = [str(e["loc"][-1]) for e in exc.errors() if e["type"] == "extra_forbidden"]
+        if unknown:
+            errors.append(keys.unknown(where, unknown))
+        for error in exc.errors():
+            if error["type"] != "extra_forbidden":
+                loc = ".".join(str(part) for part in (where, *error["loc"]) if part != "")
+                errors.append(_describe(error, loc, keys))
+        return None
+
+
+@functools.cache
+def _field_adapter(name: str) -> TypeAdapter:
+    info = JobSpec.model_fields[name]
+    if name in SECTIONS:
+        return TypeAdapter(SECTIONS[name])
+    annotated = Annotated[info.annotation, *info.metadata] if info.metadata else info.annotation
+    return TypeAdapter(annotated, config=ConfigDict(strict=True))
 
 
 def parse(text: str) -> JobSpec:
@@ -126,105 +256,96 @@ def parse(text: str) -> JobSpec:
 
 
 def from_dict(raw: Mapping[str, Any]) -> JobSpec:
+    """The validated spec, or ``JobSpecError`` listing every problem, each naming its field."""
     errors: list[str] = []
-    known = set(JobSpec.__dataclass_fields__)
-    unknown = set(raw) - known
+    # `key: null` (or an empty YAML key) means the default, as if the key were absent.
+    raw = {k: v for k, v in raw.items() if v is not None or k in REQUIRED}
+    keys = _Keys.of(raw.get("algorithm"))
+    unknown = [str(key) for key in raw if key not in JobSpec.model_fields]
     if unknown:
-        errors.append(f"unknown keys {sorted(unknown)}; known: {sorted(known)}")
-    for required in ("name", "algorithm", "rounds", "cohort_size"):
-        if required not in raw:
-            errors.append(f"{required}: required")
-    if errors and any("required" in e for e in errors):
-        raise JobSpecError("\n".join(errors))
-
-    def integer(key: str, low: int, default: int | None = None) -> int:
-        value = raw.get(key, default)
-        if not isinstance(value, int) or isinstance(value, bool) or value < low:
-            errors.append(f"{key}: must be an integer >= {low}, got {value!r}")
-            return low
-        return value
-
-    name = raw["name"]
-    if not isinstance(name, str) or not name or len(name) > 100 or not name.replace("-", "").replace("_", "").isalnum():
-        errors.append(f"name: letters, digits, '-' and '_' only (1-100), got {name!r}")
-    algorithm = raw["algorithm"]
-    config = raw.get("config")
-    if config is not None and not isinstance(config, Mapping):
-        errors.append(f"config: must be a mapping of the algorithm's options, got {type(config).__name__}")
-        config = None
-    # The opt-in to reveal per-device values is the job's, at the top level (DESIGN.md section 1);
-    # the algorithm sees it as its `reveal` option, never set on its own.
-    reveal = tuple(raw.get("reveal") or ())
-    if config is not None and "reveal" in config and tuple(config["reveal"] or ()) != reveal:
-        errors.append("config.reveal: the opt-in belongs at the top level of the job spec (reveal: [...])")
-    if reveal:
-        config = {**(config or {}), "reveal": list(reveal)}
-    if algorithm not in registry.algorithm_names():
-        errors.append(f"algorithm: {algorithm!r} is not one of {list(registry.algorithm_names())}")
-    else:
-        try:
-            registry.make_server(algorithm, config)
-        except (TypeError, ValueError) as exc:
-            errors.append(f"config: {exc}")
-    rounds = integer("rounds", 1)
-    cohort = integer("cohort_size", 2)
-    min_cohort = integer("min_cohort", 2, default=min(10, cohort))
-    per_aggregator = integer("max_cohort_per_aggregator", 2, default=1000)
-    retries = integer("retries", 0, default=2)
-    if min_cohort > cohort:
-        errors.append(f"min_cohort: {min_cohort} exceeds cohort_size {cohort}")
-    if per_aggregator < min_cohort:
-        errors.append(f"max_cohort_per_aggregator: {per_aggregator} is below min_cohort {min_cohort}")
-    over = raw.get("over_selection", 1.3)
-    if not isinstance(over, (int, float)) or not 1.0 <= over <= 3.0:
-        errors.append(f"over_selection: must be a number in [1, 3], got {over!r}")
-    model = _section(raw.get("model"), ModelSpec, "model", errors)
-    if model.kind not in registry.model_kinds():
-        errors.append(f"model.kind: {model.kind!r} is not one of {list(registry.model_kinds())}")
-    for key in ("inputs", "classes", "hidden", "seed"):
-        value = getattr(model, key)
-        if not isinstance(value, int) or isinstance(value, bool) or value < (0 if key == "seed" else 1):
-            errors.append(f"model.{key}: must be an integer >= {0 if key == 'seed' else 1}, got {value!r}")
-    secure = _section(raw.get("secure"), SecureSpec, "secure", errors)
-    try:
-        threat = secure.threat()
-    except (UnsafeParameters, ValueError) as exc:
-        errors.append(f"secure: {exc}")
-    if not isinstance(secure.plain, bool):
-        errors.append(f"secure.plain: must be true or false, got {secure.plain!r}")
-    elif secure.plain and secure.consistency_check:
-        errors.append("secure.plain: a plain sum has no survivor sets to check; drop consistency_check")
-    else:
-        # The smallest cohort the coordinator may form must admit a secure threshold.
-        if not any(e.startswith("min_cohort") for e in errors):
-            try:
-                choose_params(min_cohort, threat)
-            except UnsafeParameters as exc:
-                errors.append(f"min_cohort: {min_cohort} is too small for the secure settings: {exc}")
-    deadlines = dict(DEFAULT_DEADLINES)
-    given = raw.get("deadlines") or {}
-    if not isinstance(given, Mapping):
-        errors.append("deadlines: must be a mapping of phase to seconds")
-        given = {}
-    for phase, seconds in given.items():
-        if phase not in PHASE_DEADLINES:
-            errors.append(f"deadlines.{phase}: unknown phase; phases: {list(PHASE_DEADLINES)}")
-        elif not isinstance(seconds, (int, float)) or not 0 < seconds <= 86400:
-            errors.append(f"deadlines.{phase}: seconds in (0, 86400], got {seconds!r}")
-        else:
-            deadlines[phase] = float(seconds)
-    allowed = REVEALABLE.get(algorithm, ())
-    for item in reveal:
-        if item not in allowed:
-            errors.append(
-                f"reveal: {item!r} is not revealable for {algorithm!r}"
-                + (f" (only {list(allowed)})" if allowed else "; nothing is: the server sees only sums")
-            )
+        errors.append(keys.unknown("", unknown))
+    valid: dict[str, Any] = {}
+    for name in JobSpec.model_fields:
+        if name not in raw:
+            if name in REQUIRED:
+                errors.append(f"{name}: required")
+            continue
+        checked = _check(_field_adapter(name), raw[name], name, errors, keys)
+        if checked is not None:
+            valid[name] = checked
+    _check_relations(raw, valid, errors, keys)
     if errors:
         raise JobSpecError("\n".join(errors))
-    return JobSpec(
-        name=name, algorithm=algorithm, rounds=rounds, cohort_size=cohort, model=model,
-        config=dict(config or {}), population=str(raw.get("population", "default")),
-        over_selection=float(over), min_cohort=min_cohort, max_cohort_per_aggregator=per_aggregator,
-        secure=secure, deadlines=deadlines, retries=retries, reveal=reveal,
-    )
+    valid.setdefault("min_cohort", min(DEFAULT_MIN_COHORT, valid["cohort_size"]))
+    valid["deadlines"] = {**DEFAULT_DEADLINES, **valid.get("deadlines", Deadlines()).model_dump(exclude_unset=True)}
+    if valid.get("reveal"):
+        valid["config"] = {**valid.get("config", {}), "reveal": list(valid["reveal"])}
+    return JobSpec.model_validate(valid, strict=False)
+
+
+def _check_relations(raw: Mapping[str, Any], valid: dict[str, Any], errors: list[str], keys: _Keys) -> None:
+    """What no single field shows, checked only where the fields involved are valid."""
+    cohort = valid.get("cohort_size")
+    min_cohort = valid.get("min_cohort", None if cohort is None else min(DEFAULT_MIN_COHORT, cohort))
+    if min_cohort is not None and cohort is not None and min_cohort > cohort:
+        errors.append(f"min_cohort: {min_cohort} exceeds cohort_size {cohort}")
+        min_cohort = None
+    per_aggregator = valid.get("max_cohort_per_aggregator", 1000)
+    if min_cohort is not None and "max_cohort_per_aggregator" in raw and per_aggregator < min_cohort:
+        errors.append(f"max_cohort_per_aggregator: {per_aggregator} is below min_cohort {min_cohort}")
+    model = valid.get("model", ModelSpec() if "model" not in raw else None)
+    if model is not None and model.kind not in registry.model_kinds():
+        errors.append(f"model.kind: {model.kind!r} is not one of {list(registry.model_kinds())}")
+    secure = valid.get("secure", SecureSpec() if "secure" not in raw else None)
+    if secure is not None:
+        _check_secure(secure, min_cohort, errors)
+    algorithm = valid.get("algorithm")
+    if algorithm is not None and algorithm not in registry.algorithm_names():
+        errors.append(f"algorithm: {algorithm!r} is not one of {list(registry.algorithm_names())}")
+        algorithm = None
+    reveal = valid.get("reveal", () if "reveal" not in raw else None)
+    if algorithm is not None and reveal is not None:
+        allowed = REVEALABLE.get(algorithm, ())
+        for item in reveal:
+            if item not in allowed:
+                errors.append(
+                    f"reveal: {item!r} is not revealable for {algorithm!r}"
+                    + (f" (only {list(allowed)})" if allowed else "; nothing is: the server sees only sums")
+                )
+    config = valid.get("config", {} if "config" not in raw else None)
+    if algorithm is not None and config is not None and reveal is not None:
+        _check_options(algorithm, config, tuple(reveal), errors, keys)
+
+
+def _check_secure(secure: SecureSpec, min_cohort: int | None, errors: list[str]) -> None:
+    try:
+        threat = secure.threat()
+    except UnsafeParameters as exc:
+        errors.append(f"secure: {exc}")
+        return
+    if secure.plain:
+        if secure.consistency_check:
+            errors.append("secure.plain: a plain sum has no survivor sets to check; drop consistency_check")
+        return
+    if min_cohort is not None:  # the smallest cohort the coordinator may form must admit a threshold
+        try:
+            choose_params(min_cohort, threat)
+        except UnsafeParameters as exc:
+            errors.append(f"min_cohort: {min_cohort} is too small for the secure settings: {exc}")
+
+
+def _check_options(algorithm: str, config: dict[str, Any], reveal: tuple[str, ...], errors: list[str],
+                   keys: _Keys) -> None:
+    # The opt-in to reveal per-device values is the job's, at the top level (DESIGN.md section 1);
+    # the algorithm sees it as its `reveal` option, never set on its own.
+    if "reveal" in config:
+        if tuple(config["reveal"] or ()) != reveal:
+            errors.append("config.reveal: the opt-in belongs at the top level of the job spec (reveal: [...])")
+        config = {k: v for k, v in config.items() if k != "reveal"}
+    typed = options_model(algorithm)
+    if typed is not None and _check(typed, config, "config", errors, keys) is None:
+        return
+    try:
+        registry.make_server(algorithm, {**config, "reveal": list(reveal)} if reveal else config)
+    except (TypeError, ValueError) as exc:
+        errors.append(f"config: {exc}")

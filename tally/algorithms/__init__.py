@@ -41,12 +41,18 @@ NAMES = tuple(_REGISTRY)
 
 def make(name: str, options: Mapping[str, Any] | None = None) -> tuple[ServerAlgorithm, ClientAlgorithm]:
     """The two halves of algorithm ``name`` with the job's options (validated)."""
-    try:
-        config_type, server, client = _REGISTRY[name]
-    except KeyError:
-        raise ValueError(f"unknown algorithm {name!r}; available: {', '.join(NAMES)}") from None
-    config = config_type.from_dict(options)
+    config = options_type(name).from_dict(options)
+    _, server, client = _REGISTRY[name]
     return server(config), client(config)
 
 
-__all__ = ["NAMES", "ClientAlgorithm", "LocalTrainer", "ServerAlgorithm", "StepSpec", "make"]
+def options_type(name: str) -> type:
+    """The config dataclass of algorithm ``name``: its options and their types (job specs are
+    validated against it)."""
+    try:
+        return _REGISTRY[name][0]
+    except KeyError:
+        raise ValueError(f"unknown algorithm {name!r}; available: {', '.join(NAMES)}") from None
+
+
+__all__ = ["NAMES", "ClientAlgorithm", "LocalTrainer", "ServerAlgorithm", "StepSpec", "make", "options_type"]
