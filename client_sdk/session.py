@@ -48,6 +48,8 @@ COMPLETED, ABORTED, DROPPED = "completed", "aborted", "dropped"
 STREAM_SLACK_SECONDS = 30.0
 # How long the device waits for the aggregator to end the call after SessionDone.
 FINISH_SECONDS = 5.0
+# How long a device whose write failed waits for the stream's status, to report the real reason.
+STATUS_WAIT_SECONDS = 2.0
 
 # Server messages whose handling is real work (key agreement, Shamir sharing, share decryption):
 # run off the event loop so that many simulated devices share it.
@@ -79,6 +81,24 @@ def stream_timeout(deadlines: secagg_pb2.PhaseDeadlines, sums: int) -> float | N
         d.masked_input_seconds + d.consistency_check_seconds + d.unmask_seconds
     )
     return total + STREAM_SLACK_SECONDS if total > 0 else None
+
+
+async def stream_status(
+    call: grpc.aio.Call | None, error: grpc.aio.AioRpcError | asyncio.InvalidStateError
+) -> tuple[grpc.StatusCode, str]:
+    """The status the server ended the stream with. A write that races the server's end of the
+    stream fails with a generic error (INTERNAL "Internal error from Core", or "RPC already
+    finished") while the call itself holds the server's status and message, which is what the
+    device should report."""
+    if call is not None:
+        with contextlib.suppress(TimeoutError):
+            # The server's status follows its end of the stream at once; wait briefly for it.
+            code = await asyncio.wait_for(call.code(), STATUS_WAIT_SECONDS)
+            if code != grpc.StatusCode.OK:
+                return code, await call.details()
+    if isinstance(error, grpc.aio.AioRpcError):
+        return error.code(), error.details()
+    return grpc.StatusCode.UNKNOWN, "the aggregator ended the stream"
 
 
 def input_failure_label(error: BaseException) -> str:
@@ -139,10 +159,9 @@ class SecAggSession:
         start = time.perf_counter()
         try:
             outcome = await self._run()
-        except grpc.aio.AioRpcError as exc:
-            outcome = self._outcome(ABORTED, f"stream ended: {exc.code().name}: {exc.details()}")
-        except asyncio.InvalidStateError:
-            outcome = self._outcome(ABORTED, "the aggregator ended the stream")
+        except (grpc.aio.AioRpcError, asyncio.InvalidStateError) as exc:
+            code, details = await stream_status(self._call, exc)
+            outcome = self._outcome(ABORTED, f"stream ended: {code.name}: {details}")
         except (ProtocolError, WireError, SessionMismatch) as exc:
             outcome = self._outcome(ABORTED, f"{type(exc).__name__}: {exc}")
         finally:
