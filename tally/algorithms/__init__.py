@@ -26,6 +26,7 @@ from tally.algorithms.feddar import (
     FedDARSAServer,
     FedDARWAServer,
 )
+from tally.algorithms.lg_fedavg import LGFedAvgClient, LGFedAvgConfig, LGFedAvgServer
 
 _REGISTRY = {
     "fedavg": (FedAvgConfig, FedAvgServer, FedAvgClient),
@@ -34,6 +35,7 @@ _REGISTRY = {
     "aaggff_s": (AAggFFSConfig, AAggFFSServer, AAggFFClient),
     "feddar_wa": (FedDARConfig, FedDARWAServer, FedDARClient),
     "feddar_sa": (FedDARSAConfig, FedDARSAServer, FedDARClient),
+    "lg_fedavg": (LGFedAvgConfig, LGFedAvgServer, LGFedAvgClient),
 }
 
 NAMES = tuple(_REGISTRY)
