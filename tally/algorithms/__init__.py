@@ -27,6 +27,7 @@ from tally.algorithms.feddar import (
     FedDARWAServer,
 )
 from tally.algorithms.lg_fedavg import LGFedAvgClient, LGFedAvgConfig, LGFedAvgServer
+from tally.algorithms.superfed import SuPerFedClient, SuPerFedConfig, SuPerFedServer
 
 _REGISTRY = {
     "fedavg": (FedAvgConfig, FedAvgServer, FedAvgClient),
@@ -36,6 +37,7 @@ _REGISTRY = {
     "feddar_wa": (FedDARConfig, FedDARWAServer, FedDARClient),
     "feddar_sa": (FedDARSAConfig, FedDARSAServer, FedDARClient),
     "lg_fedavg": (LGFedAvgConfig, LGFedAvgServer, LGFedAvgClient),
+    "superfed": (SuPerFedConfig, SuPerFedServer, SuPerFedClient),
 }
 
 NAMES = tuple(_REGISTRY)
