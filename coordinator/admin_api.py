@@ -8,42 +8,30 @@ state directory can operate it and nobody else (devices' tokens are refused).
 from __future__ import annotations
 
 import hmac
-import os
-import secrets
+import logging
 from collections.abc import AsyncIterator, Mapping
-from pathlib import Path
 from typing import Any
 
 import grpc
+import yaml
 from google.protobuf import json_format
 
 from coordinator import jobspec
+from coordinator.admin_token import ADMIN_TOKEN_FILE, load_or_create_admin_token  # noqa: F401 (re-exported)
+from coordinator.cohort_risk import cohort_warnings
 from coordinator.engine import Engine
 from coordinator.events import TERMINAL_STATES, event_to_proto, job_state, round_phase, timestamp
 from coordinator.store import JobRecord, Store
+from tally import logs
 from tally.security import AuthError, token_from_metadata
 from tally.wire.v1 import admin_pb2, admin_pb2_grpc, common_pb2
 
-ADMIN_TOKEN_FILE = "admin.token"
+log = logging.getLogger("tally.coordinator.admin")
+
 DEFAULT_PAGE_SIZE = 50
 MAX_PAGE_SIZE = 1000
 MAX_SPEC_CHARS = 1 << 20
-
-
-def load_or_create_admin_token(directory: Path) -> str:
-    """``<directory>/admin.token``: 32 random bytes as URL-safe text, mode 0600, made once."""
-    path = Path(directory) / ADMIN_TOKEN_FILE
-    try:
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    except FileExistsError:
-        token = path.read_text().strip()
-        if len(token) < 32:
-            raise ValueError(f"{path} holds no usable admin token") from None
-        return token
-    token = secrets.token_urlsafe(32)
-    with os.fdopen(fd, "w") as f:
-        f.write(token + "\n")
-    return token
+MODEL_CHUNK_BYTES = 1 << 20
 
 
 def integral(value: Any) -> Any:
@@ -78,6 +66,7 @@ class AdminService(admin_pb2_grpc.AdminServicer):
             state=job_state(record.state), committed_round=record.committed_round,
             round=record.committed_round, spec_yaml=record.spec_yaml, message=record.message,
             created_at=timestamp(record.created_at), updated_at=timestamp(record.updated_at),
+            rounds=int(yaml.safe_load(record.spec_yaml)["rounds"]),
         )
         if runner is not None:
             out.round, out.phase, out.step = runner.round, round_phase(runner.phase), runner.step
@@ -109,7 +98,12 @@ class AdminService(admin_pb2_grpc.AdminServicer):
         except jobspec.JobSpecError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"invalid job spec:\n{exc}")
         job_id = self.engine.submit(spec)
-        return self.job_proto(await self._record(job_id, context))
+        warnings = cohort_warnings(spec, len(self.engine.pool.members))
+        for warning in warnings:
+            logs.event(log, "job spec warning", logging.WARNING, job_id=job_id, warning=warning)
+        job = self.job_proto(await self._record(job_id, context))
+        job.warnings.extend(warnings)
+        return job
 
     async def GetJob(self, request: admin_pb2.GetJobRequest, context: grpc.aio.ServicerContext):
         await self._authorize(context)
@@ -168,3 +162,29 @@ class AdminService(admin_pb2_grpc.AdminServicer):
                     return
         finally:
             self.engine.events.unsubscribe(request.job_id, queue)
+
+    async def GetModel(
+        self, request: admin_pb2.GetModelRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[admin_pb2.ModelFileChunk]:
+        """The ONNX export of a committed round, so an operator can take the trained model away
+        (``tally job model``) without posing as a device of the job's population."""
+        await self._authorize(context)
+        await self._record(request.job_id, context)
+        wanted = request.round if request.HasField("round") else None
+        if wanted is not None and wanted < 0:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "round must be >= 0 (0: the initial model)")
+        version = self.store.model_version(request.job_id, wanted)
+        if version is None:
+            if wanted is not None:
+                await context.abort(grpc.StatusCode.NOT_FOUND, f"job {request.job_id!r} has no committed round {wanted}")
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"job {request.job_id!r} has no model yet")
+        if version.onnx_digest is None:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                                f"model {request.job_id}/v{version.round} has no ONNX export (its model kind "
+                                "has no torch module)")
+        data = self.store.read_blob(version.onnx_digest)
+        for offset in range(0, max(len(data), 1), MODEL_CHUNK_BYTES):
+            yield admin_pb2.ModelFileChunk(
+                round=version.round, digest=version.onnx_digest, total_bytes=len(data), offset=offset,
+                data=data[offset:offset + MODEL_CHUNK_BYTES],
+            )

@@ -1,5 +1,4 @@
-"""``tally coordinator`` (run the service) and ``tally job submit|status|list|cancel|watch``
-(operate it through the Admin API)."""
+"""``tally coordinator``: run the service (``tally job``, which operates it, is ``job_cli``)."""
 
 from __future__ import annotations
 
@@ -8,13 +7,12 @@ import asyncio
 import logging
 import signal
 import sys
-from collections.abc import Callable
 from pathlib import Path
 
-import grpc
-
-from coordinator.admin_api import ADMIN_TOKEN_FILE
+from coordinator import job_cli
+from coordinator.admin_token import ADMIN_TOKEN_FILE
 from coordinator.aggregators import parse_aggregator
+from coordinator.job_cli import DEFAULT_ADDRESS
 from coordinator.jobspec import JobSpec, JobSpecError, parse as parse_job_spec
 from coordinator.ratelimit import RateLimit
 from coordinator.service import (
@@ -24,13 +22,9 @@ from coordinator.service import (
     CoordinatorService,
 )
 from tally import logs, models
-from tally.security import bearer_metadata, channel_options, open_channel
 from tally.security.tls import add_tls_arguments, tls_config_from_args
-from tally.wire.v1 import admin_pb2, admin_pb2_grpc, common_pb2
 
 log = logging.getLogger("tally.coordinator.cli")
-
-DEFAULT_ADDRESS = "127.0.0.1:50051"
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -39,7 +33,9 @@ def register(sub: argparse._SubParsersAction) -> None:
         description="Owns jobs and rounds: check-in, selection, cohorts across the aggregators, the "
         "algorithm's server half on cohort sums, checkpoints; resumes unfinished jobs on start.",
     )
-    p.add_argument("--listen", default=DEFAULT_ADDRESS, help="HOST:PORT to serve devices and operators on")
+    p.add_argument(
+        "--listen", default=DEFAULT_ADDRESS, help="HOST:PORT to serve devices and operators on (default: %(default)s)"
+    )
     p.add_argument(
         "--state-dir", type=Path, required=True, help="SQLite database, checkpoints and admin.token"
     )
@@ -94,42 +90,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     add_tls_arguments(p, "coordinator")
     p.set_defaults(run=run_coordinator)
 
-    job = sub.add_parser(
-        "job", help="submit, inspect, cancel and watch jobs", description="Operate a coordinator's jobs."
-    )
-    actions = job.add_subparsers(dest="action", required=True, metavar="ACTION")
-    client = argparse.ArgumentParser(add_help=False)
-    client.add_argument("--coordinator", default=DEFAULT_ADDRESS, help="coordinator HOST:PORT")
-    client.add_argument(
-        "--admin-token-file", type=Path,
-        help=f"file with the admin token (default: <state-dir>/{ADMIN_TOKEN_FILE})",
-    )
-    client.add_argument(
-        "--state-dir", type=Path, help="the coordinator's state directory, to find admin.token"
-    )
-    client.add_argument("--timeout", type=float, default=30.0, help="seconds per call (watch: none)")
-    add_tls_arguments(client, None)
-
-    submit = actions.add_parser("submit", parents=[client], help="submit a job spec (YAML)")
-    submit.add_argument("spec", type=Path, help="job spec YAML file")
-    submit.set_defaults(run=_job(_submit))
-    status = actions.add_parser("status", parents=[client], help="show one job")
-    status.add_argument("job_id")
-    status.set_defaults(run=_job(_status))
-    listing = actions.add_parser("list", parents=[client], help="list jobs")
-    listing.add_argument(
-        "--state", action="append", default=[],
-        choices=["PENDING", "RUNNING", "SUCCEEDED", "FAILED", "CANCELLED"],
-        help="only jobs in this state (repeatable)",
-    )
-    listing.set_defaults(run=_job(_list))
-    cancel = actions.add_parser("cancel", parents=[client], help="cancel a job")
-    cancel.add_argument("job_id")
-    cancel.add_argument("--reason", default="", help="recorded with the job")
-    cancel.set_defaults(run=_job(_cancel))
-    watch = actions.add_parser("watch", parents=[client], help="follow a job until it ends")
-    watch.add_argument("job_id")
-    watch.set_defaults(run=_job(_watch))
+    if "job" not in sub.choices:  # `tally` may have registered it alone (it needs none of the service)
+        job_cli.register(sub)
 
 
 def _aggregator_template(text: str) -> tuple[str, str]:
@@ -241,97 +203,3 @@ async def _serve(service: CoordinatorService, specs: list[tuple[Path, JobSpec]])
     await stopping.wait()
     await service.stop(grace=5.0)
     return 0
-
-
-# -- operator commands ---------------------------------------------------------------------------
-
-
-Action = Callable[[admin_pb2_grpc.AdminStub, argparse.Namespace, tuple], int]
-
-
-def _job(action: Action) -> Callable[[argparse.Namespace], int]:
-    """Wrap an action with the channel, the admin token and readable errors."""
-
-    def run(args: argparse.Namespace) -> int:
-        token_file = args.admin_token_file or (args.state_dir / ADMIN_TOKEN_FILE if args.state_dir else None)
-        if token_file is None:
-            print("error: give --admin-token-file or --state-dir", file=sys.stderr)
-            return 2
-        try:
-            token = token_file.read_text().strip()
-            channel = open_channel(args.coordinator, tls_config_from_args(args), channel_options())
-        except (OSError, ValueError) as exc:
-            print(f"error: {exc}", file=sys.stderr)
-            return 2
-        with channel:
-            try:
-                return action(admin_pb2_grpc.AdminStub(channel), args, bearer_metadata(token))
-            except grpc.RpcError as exc:
-                print(f"error: {exc.code().name}: {exc.details()}", file=sys.stderr)
-                return 1
-
-    return run
-
-
-def _state(value: int) -> str:
-    return common_pb2.JobState.Name(value).removeprefix("JOB_STATE_")
-
-
-def _phase(value: int) -> str:
-    return common_pb2.RoundPhase.Name(value).removeprefix("ROUND_PHASE_")
-
-
-def _show(job: admin_pb2.Job) -> str:
-    text = (
-        f"{job.job_id}  {_state(job.state)}  {job.algorithm}  round {job.round} ({_phase(job.phase)}"
-        f"{' ' + job.step if job.step else ''})  committed {job.committed_round}"
-    )
-    return text + (f"  {job.message}" if job.message else "")
-
-
-def _submit(stub: admin_pb2_grpc.AdminStub, args: argparse.Namespace, metadata: tuple) -> int:
-    try:
-        text = args.spec.read_text()
-    except OSError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    job = stub.SubmitJob(admin_pb2.SubmitJobRequest(spec_yaml=text), metadata=metadata, timeout=args.timeout)
-    print(job.job_id)
-    return 0
-
-
-def _status(stub: admin_pb2_grpc.AdminStub, args: argparse.Namespace, metadata: tuple) -> int:
-    request = admin_pb2.GetJobRequest(job_id=args.job_id)
-    print(_show(stub.GetJob(request, metadata=metadata, timeout=args.timeout)))
-    return 0
-
-
-def _list(stub: admin_pb2_grpc.AdminStub, args: argparse.Namespace, metadata: tuple) -> int:
-    states = [common_pb2.JobState.Value(f"JOB_STATE_{s}") for s in args.state]
-    token = ""
-    while True:
-        request = admin_pb2.ListJobsRequest(states=states, page_token=token)
-        page = stub.ListJobs(request, metadata=metadata, timeout=args.timeout)
-        for job in page.jobs:
-            print(_show(job))
-        token = page.next_page_token
-        if not token:
-            return 0
-
-
-def _cancel(stub: admin_pb2_grpc.AdminStub, args: argparse.Namespace, metadata: tuple) -> int:
-    request = admin_pb2.CancelJobRequest(job_id=args.job_id, reason=args.reason)
-    job = stub.CancelJob(request, metadata=metadata, timeout=args.timeout)
-    print(_show(job))
-    return 0
-
-
-def _watch(stub: admin_pb2_grpc.AdminStub, args: argparse.Namespace, metadata: tuple) -> int:
-    state = common_pb2.JOB_STATE_UNSPECIFIED
-    for event in stub.WatchJob(admin_pb2.WatchJobRequest(job_id=args.job_id), metadata=metadata):
-        state = event.state
-        metrics = " ".join(f"{k}={v:g}" for k, v in sorted(event.metrics.items()))
-        step = f" {event.step}" if event.step else ""
-        line = f"round {event.round} {_phase(event.phase)}{step} {_state(event.state)}  {event.message}"
-        print(f"{line}  {metrics}".rstrip(), flush=True)
-    return 0 if state == common_pb2.JOB_STATE_SUCCEEDED else 1

@@ -1,38 +1,66 @@
-"""The ``tally`` command. Each subcommand lives in its own module; this file only routes."""
+"""The ``tally`` command. Each subcommand lives in its own module; this file only routes.
+
+Only the module of the command being run is imported: most pull in torch or the services, which
+would make ``tally --help`` take seconds. The index below carries each command's one-line help
+for the overview; a test keeps it equal to the modules' own.
+"""
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import sys
 from collections.abc import Sequence
+from importlib import metadata
 
-from tally import demo, engine_demo, simulate_cli
-from tally.security import certs_cli
-from aggregator import cli as aggregator_cli
-from client_sdk import cli as client_cli
-from coordinator import cli as coordinator_cli
-from coordinator import enrol_cli
+# command -> (module whose register(sub) adds it, one-line help); in the order `tally --help` lists them
+COMMANDS: dict[str, tuple[str, str]] = {
+    "sum": ("tally.engine_demo", "run one secure sum over a simulated cohort, in process"),
+    "demo": ("tally.demo", "coordinator, two aggregators and a simulated fleet on 127.0.0.1, with a report"),
+    "simulate": ("tally.simulate_cli", "run an algorithm in process (no network) and write metrics as JSON"),
+    "certs": ("tally.security.certs_cli", "create a CA and per-role TLS certificates and keys for a deployment"),
+    "aggregator": ("aggregator.cli", "run a secure aggregator: secure-sum sessions for cohorts, cohort sums only"),
+    "client": ("client_sdk.cli", "run one device on a shard of a dataset against a coordinator"),
+    "fleet": ("client_sdk.cli", "run N simulated devices in one process (load tests, demos)"),
+    "coordinator": ("coordinator.cli", "run the coordinator service"),
+    "job": ("coordinator.job_cli", "write, check, submit, inspect, cancel and watch jobs; fetch trained models"),
+    "enrol": ("coordinator.enrol_cli",
+              "print enrolment credentials for devices (what `tally client --credential` takes)"),
+}
 
 
-def build_parser() -> argparse.ArgumentParser:
+def _version() -> str:
+    try:
+        return metadata.version("tally")
+    except metadata.PackageNotFoundError:  # run from a source tree that was never installed
+        return "unknown (not installed)"
+
+
+def build_parser(command: str | None = "*") -> argparse.ArgumentParser:
+    """The parser with ``command``'s module loaded ("*": every module; None or an unknown name:
+    none, each command listed with its help only)."""
     parser = argparse.ArgumentParser(
         prog="tally",
-        description="Federated learning in which the server side only ever sees sums.",
+        description="Federated learning in which the server side only ever sees sums. "
+        "`tally COMMAND --help` describes each command.",
     )
+    parser.add_argument("--version", action="version", version=f"tally {_version()}",
+                        help="print the version and exit")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    engine_demo.register(sub)
-    demo.register(sub)
-    simulate_cli.register(sub)
-    certs_cli.register(sub)
-    aggregator_cli.register(sub)
-    client_cli.register(sub)
-    coordinator_cli.register(sub)
-    enrol_cli.register(sub)
+    for name, (module, summary) in COMMANDS.items():
+        if name in sub.choices:  # a module registering several commands added it
+            continue
+        if command == "*" or command == name:
+            importlib.import_module(module).register(sub)
+        elif command not in COMMANDS:
+            sub.add_parser(name, help=summary)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    command = next((a for a in argv if not a.startswith("-")), None)
+    args = build_parser(command).parse_args(argv)
     return int(args.run(args) or 0)
 
 

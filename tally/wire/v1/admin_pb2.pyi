@@ -20,7 +20,7 @@ class SubmitJobRequest(_message.Message):
     def __init__(self, spec_yaml: _Optional[str] = ..., spec_struct: _Optional[_Union[_struct_pb2.Struct, _Mapping]] = ...) -> None: ...
 
 class Job(_message.Message):
-    __slots__ = ("job_id", "name", "algorithm", "state", "round", "phase", "step", "committed_round", "spec_yaml", "created_at", "updated_at", "message", "task_reports")
+    __slots__ = ("job_id", "name", "algorithm", "state", "round", "phase", "step", "committed_round", "spec_yaml", "created_at", "updated_at", "message", "task_reports", "rounds", "warnings")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     NAME_FIELD_NUMBER: _ClassVar[int]
     ALGORITHM_FIELD_NUMBER: _ClassVar[int]
@@ -34,6 +34,8 @@ class Job(_message.Message):
     UPDATED_AT_FIELD_NUMBER: _ClassVar[int]
     MESSAGE_FIELD_NUMBER: _ClassVar[int]
     TASK_REPORTS_FIELD_NUMBER: _ClassVar[int]
+    ROUNDS_FIELD_NUMBER: _ClassVar[int]
+    WARNINGS_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     name: str
     algorithm: str
@@ -47,7 +49,9 @@ class Job(_message.Message):
     updated_at: _timestamp_pb2.Timestamp
     message: str
     task_reports: _containers.RepeatedCompositeFieldContainer[TaskReportCount]
-    def __init__(self, job_id: _Optional[str] = ..., name: _Optional[str] = ..., algorithm: _Optional[str] = ..., state: _Optional[_Union[_common_pb2.JobState, str]] = ..., round: _Optional[int] = ..., phase: _Optional[_Union[_common_pb2.RoundPhase, str]] = ..., step: _Optional[str] = ..., committed_round: _Optional[int] = ..., spec_yaml: _Optional[str] = ..., created_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., updated_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., message: _Optional[str] = ..., task_reports: _Optional[_Iterable[_Union[TaskReportCount, _Mapping]]] = ...) -> None: ...
+    rounds: int
+    warnings: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, job_id: _Optional[str] = ..., name: _Optional[str] = ..., algorithm: _Optional[str] = ..., state: _Optional[_Union[_common_pb2.JobState, str]] = ..., round: _Optional[int] = ..., phase: _Optional[_Union[_common_pb2.RoundPhase, str]] = ..., step: _Optional[str] = ..., committed_round: _Optional[int] = ..., spec_yaml: _Optional[str] = ..., created_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., updated_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., message: _Optional[str] = ..., task_reports: _Optional[_Iterable[_Union[TaskReportCount, _Mapping]]] = ..., rounds: _Optional[int] = ..., warnings: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class TaskReportCount(_message.Message):
     __slots__ = ("outcome", "reason", "count")
@@ -123,3 +127,25 @@ class JobEvent(_message.Message):
     message: str
     time: _timestamp_pb2.Timestamp
     def __init__(self, job_id: _Optional[str] = ..., round: _Optional[int] = ..., phase: _Optional[_Union[_common_pb2.RoundPhase, str]] = ..., step: _Optional[str] = ..., state: _Optional[_Union[_common_pb2.JobState, str]] = ..., metrics: _Optional[_Mapping[str, float]] = ..., message: _Optional[str] = ..., time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ...) -> None: ...
+
+class GetModelRequest(_message.Message):
+    __slots__ = ("job_id", "round")
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    ROUND_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    round: int
+    def __init__(self, job_id: _Optional[str] = ..., round: _Optional[int] = ...) -> None: ...
+
+class ModelFileChunk(_message.Message):
+    __slots__ = ("round", "digest", "total_bytes", "offset", "data")
+    ROUND_FIELD_NUMBER: _ClassVar[int]
+    DIGEST_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    round: int
+    digest: str
+    total_bytes: int
+    offset: int
+    data: bytes
+    def __init__(self, round: _Optional[int] = ..., digest: _Optional[str] = ..., total_bytes: _Optional[int] = ..., offset: _Optional[int] = ..., data: _Optional[bytes] = ...) -> None: ...

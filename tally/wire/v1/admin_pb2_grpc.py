@@ -59,6 +59,11 @@ class AdminStub:
                 request_serializer=tally_dot_v1_dot_admin__pb2.WatchJobRequest.SerializeToString,
                 response_deserializer=tally_dot_v1_dot_admin__pb2.JobEvent.FromString,
                 _registered_method=True)
+        self.GetModel = channel.unary_stream(
+                '/tally.v1.Admin/GetModel',
+                request_serializer=tally_dot_v1_dot_admin__pb2.GetModelRequest.SerializeToString,
+                response_deserializer=tally_dot_v1_dot_admin__pb2.ModelFileChunk.FromString,
+                _registered_method=True)
 
 
 class AdminServicer:
@@ -96,6 +101,14 @@ class AdminServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def GetModel(self, request, context):
+        """A committed model exported to ONNX, in pieces of at most 1 MiB; NOT_FOUND for an unknown job
+        or round, FAILED_PRECONDITION while no round is committed or when the model kind has no export.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_AdminServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -123,6 +136,11 @@ def add_AdminServicer_to_server(servicer, server):
                     servicer.WatchJob,
                     request_deserializer=tally_dot_v1_dot_admin__pb2.WatchJobRequest.FromString,
                     response_serializer=tally_dot_v1_dot_admin__pb2.JobEvent.SerializeToString,
+            ),
+            'GetModel': grpc.unary_stream_rpc_method_handler(
+                    servicer.GetModel,
+                    request_deserializer=tally_dot_v1_dot_admin__pb2.GetModelRequest.FromString,
+                    response_serializer=tally_dot_v1_dot_admin__pb2.ModelFileChunk.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -260,6 +278,33 @@ class Admin:
             '/tally.v1.Admin/WatchJob',
             tally_dot_v1_dot_admin__pb2.WatchJobRequest.SerializeToString,
             tally_dot_v1_dot_admin__pb2.JobEvent.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetModel(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/tally.v1.Admin/GetModel',
+            tally_dot_v1_dot_admin__pb2.GetModelRequest.SerializeToString,
+            tally_dot_v1_dot_admin__pb2.ModelFileChunk.FromString,
             options,
             channel_credentials,
             insecure,

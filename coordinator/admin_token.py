@@ -1,0 +1,27 @@
+"""The admin token: the secret that lets whoever can read the coordinator's state directory operate
+it (``tally job``). Kept apart from the Admin service so the CLI finds the file without importing
+the service."""
+
+from __future__ import annotations
+
+import os
+import secrets
+from pathlib import Path
+
+ADMIN_TOKEN_FILE = "admin.token"
+
+
+def load_or_create_admin_token(directory: Path) -> str:
+    """``<directory>/admin.token``: 32 random bytes as URL-safe text, mode 0600, made once."""
+    path = Path(directory) / ADMIN_TOKEN_FILE
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    except FileExistsError:
+        token = path.read_text().strip()
+        if len(token) < 32:
+            raise ValueError(f"{path} holds no usable admin token") from None
+        return token
+    token = secrets.token_urlsafe(32)
+    with os.fdopen(fd, "w") as f:
+        f.write(token + "\n")
+    return token

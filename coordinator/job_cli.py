@@ -1,0 +1,336 @@
+"""``tally job``: write and check job specs offline (``init``, ``validate``, ``schema``) and operate
+a coordinator's jobs through its Admin API (``submit``, ``status``, ``list``, ``cancel``,
+``watch``, ``model``). Every command takes ``--json`` for scripts."""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import sys
+from collections.abc import Callable
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+from coordinator.admin_token import ADMIN_TOKEN_FILE
+
+DEFAULT_ADDRESS = "127.0.0.1:50051"  # where `tally coordinator` listens unless told otherwise
+STATES = ["PENDING", "RUNNING", "SUCCEEDED", "FAILED", "CANCELLED"]
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    job = sub.add_parser(
+        "job", help="write, check, submit, inspect, cancel and watch jobs; fetch trained models",
+        description="Job specs offline (init, validate, schema) and a coordinator's jobs through its "
+        "Admin API (submit, status, list, cancel, watch, model).",
+    )
+    actions = job.add_subparsers(dest="action", required=True, metavar="ACTION")
+    output = argparse.ArgumentParser(add_help=False)
+    output.add_argument("--json", action="store_true", help="print JSON (one object per line for watch)")
+    client = argparse.ArgumentParser(add_help=False, parents=[output])
+    client.add_argument(
+        "--coordinator", default=DEFAULT_ADDRESS, metavar="HOST:PORT",
+        help="the coordinator's address (default: %(default)s, where `tally coordinator` listens by default)",
+    )
+    client.add_argument(
+        "--admin-token-file", type=Path,
+        help=f"file with the admin token (default: <state-dir>/{ADMIN_TOKEN_FILE})",
+    )
+    client.add_argument(
+        "--state-dir", type=Path, help="the coordinator's state directory, to find admin.token"
+    )
+    client.add_argument("--timeout", type=float, default=30.0, help="seconds per call (watch: none)")
+    from tally.security.tls import add_tls_arguments
+
+    add_tls_arguments(client, None)
+
+    init = actions.add_parser("init", parents=[output], help="print a commented, valid spec for an algorithm")
+    init.add_argument("algorithm", help="fedavg, agnostic_fedavg, aaggff_d, aaggff_s, feddar_wa, feddar_sa, ...")
+    init.set_defaults(run=_offline(_init))
+    validate = actions.add_parser("validate", parents=[output], help="check a spec offline (no coordinator)")
+    validate.add_argument("spec", type=Path, help="job spec YAML file")
+    validate.add_argument(
+        "--aggregators", type=int, default=0, metavar="N",
+        help="also warn about cohorts split over N aggregators too close to min_cohort (0: skip)",
+    )
+    validate.set_defaults(run=_offline(_validate))
+    schema = actions.add_parser("schema", parents=[output], help="print the job-spec field reference")
+    schema.set_defaults(run=_offline(_schema))
+
+    submit = actions.add_parser("submit", parents=[client], help="submit a job spec (YAML)")
+    submit.add_argument("spec", type=Path, help="job spec YAML file")
+    submit.set_defaults(run=_job(_submit))
+    status = actions.add_parser("status", parents=[client], help="show one job")
+    status.add_argument("job_id", help="the id `tally job submit` printed")
+    status.set_defaults(run=_job(_status))
+    listing = actions.add_parser("list", parents=[client], help="list jobs")
+    listing.add_argument(
+        "--state", action="append", default=[], choices=STATES, help="only jobs in this state (repeatable)",
+    )
+    listing.set_defaults(run=_job(_list))
+    cancel = actions.add_parser("cancel", parents=[client], help="cancel a job")
+    cancel.add_argument("job_id", help="the job to cancel")
+    cancel.add_argument("--reason", default="", help="recorded with the job")
+    cancel.set_defaults(run=_job(_cancel))
+    watch = actions.add_parser("watch", parents=[client], help="follow a job until it ends")
+    watch.add_argument("job_id", help="the job to follow")
+    watch.set_defaults(run=_job(_watch))
+    model = actions.add_parser("model", parents=[client], help="download a trained model as ONNX")
+    model.add_argument("job_id", help="the job whose model to fetch")
+    model.add_argument("--out", type=Path, required=True, help="file to write the ONNX model to")
+    model.add_argument("--round", type=int, help="a committed round, 0 for the initial model (default: the latest)")
+    model.set_defaults(run=_job(_model))
+
+
+def _print_json(value: Any) -> None:
+    print(json.dumps(value, indent=None, sort_keys=False), flush=True)
+
+
+# -- offline -------------------------------------------------------------------------------------
+
+
+def _offline(action: Callable[[argparse.Namespace], int]) -> Callable[[argparse.Namespace], int]:
+    """Spec errors and unreadable files as one message each, never a traceback."""
+
+    def run(args: argparse.Namespace) -> int:
+        try:
+            return action(args)
+        except OSError as exc:
+            print(f"tally job {args.action}: {exc.filename}: {exc.strerror}", file=sys.stderr)
+            return 2
+        except ValueError as exc:
+            print(f"tally job {args.action}: {exc}", file=sys.stderr)
+            return 2
+
+    return run
+
+
+def _init(args: argparse.Namespace) -> int:
+    import yaml
+
+    from coordinator.jobspec_docs import template
+
+    text = template(args.algorithm)
+    if args.json:
+        _print_json(yaml.safe_load(text))
+    else:
+        sys.stdout.write(text)
+    return 0
+
+
+def _validate(args: argparse.Namespace) -> int:
+    from coordinator import jobspec
+    from coordinator.cohort_risk import cohort_warnings
+
+    if args.aggregators < 0:
+        raise ValueError(f"--aggregators must be >= 0, got {args.aggregators}")
+    text = args.spec.read_text()
+    try:
+        spec = jobspec.parse(text)
+    except jobspec.JobSpecError as exc:
+        problems = str(exc).splitlines()
+        if args.json:
+            _print_json({"valid": False, "errors": problems, "warnings": []})
+        else:
+            print(f"{args.spec}: {len(problems)} problem(s)", file=sys.stderr)
+            for line in problems:
+                print(f"  {line}", file=sys.stderr)
+        return 1
+    warnings = cohort_warnings(spec, args.aggregators)
+    if args.json:
+        _print_json({"valid": True, "errors": [], "warnings": warnings, "spec": spec.to_dict()})
+    else:
+        for warning in warnings:
+            print(f"warning: {warning}", file=sys.stderr)
+        print(f"{args.spec}: valid ({spec.algorithm}, {spec.rounds} rounds, cohorts of {spec.cohort_size})")
+    return 0
+
+
+def _schema(args: argparse.Namespace) -> int:
+    from coordinator import jobspec
+    from coordinator.jobspec_docs import reference
+
+    if args.json:
+        _print_json(jobspec.JobSpec.model_json_schema())
+    else:
+        sys.stdout.write(reference())
+    return 0
+
+
+# -- through the Admin API -----------------------------------------------------------------------
+
+Action = Callable[[Any, argparse.Namespace, tuple], int]
+
+
+def _job(action: Action) -> Callable[[argparse.Namespace], int]:
+    """Wrap an action with the channel, the admin token and readable errors."""
+
+    def run(args: argparse.Namespace) -> int:
+        import grpc
+
+        from tally.security import bearer_metadata, channel_options, open_channel
+        from tally.security.tls import tls_config_from_args
+        from tally.wire.v1 import admin_pb2_grpc
+
+        token_file = args.admin_token_file or (args.state_dir / ADMIN_TOKEN_FILE if args.state_dir else None)
+        if token_file is None:
+            print("error: give --admin-token-file or --state-dir", file=sys.stderr)
+            return 2
+        try:
+            token = token_file.read_text().strip()
+            channel = open_channel(args.coordinator, tls_config_from_args(args), channel_options())
+        except (OSError, ValueError) as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 2
+        with channel:
+            try:
+                return action(admin_pb2_grpc.AdminStub(channel), args, bearer_metadata(token))
+            except grpc.RpcError as exc:
+                if args.json:
+                    _print_json({"error": exc.code().name, "message": exc.details()})
+                print(f"error: {exc.code().name}: {exc.details()}", file=sys.stderr)
+                return 1
+
+    return run
+
+
+def _name(enum: Any, value: int, prefix: str) -> str:
+    return enum.Name(value).removeprefix(prefix)
+
+
+def _time(stamp: Any) -> str:
+    """A protobuf Timestamp as ISO-8601 UTC to the second ('' when unset)."""
+    if not stamp.seconds and not stamp.nanos:
+        return ""
+    return datetime.fromtimestamp(stamp.seconds, UTC).isoformat().replace("+00:00", "Z")
+
+
+def job_dict(job: Any) -> dict[str, Any]:
+    """A Job as JSON-ready fields: state and phase by name, times as ISO-8601."""
+    from tally.wire.v1 import common_pb2
+
+    phase = _name(common_pb2.RoundPhase, job.phase, "ROUND_PHASE_") if job.phase else ""
+    return {
+        "job_id": job.job_id, "name": job.name, "algorithm": job.algorithm,
+        "state": _name(common_pb2.JobState, job.state, "JOB_STATE_"),
+        "round": job.round, "rounds": job.rounds, "phase": phase, "step": job.step,
+        "committed_round": job.committed_round, "message": job.message,
+        "created_at": _time(job.created_at), "updated_at": _time(job.updated_at),
+        "task_reports": [{"outcome": r.outcome, "reason": r.reason, "count": r.count} for r in job.task_reports],
+        "warnings": list(job.warnings),
+    }
+
+
+def show(job: dict[str, Any]) -> str:
+    """One line per job: id, state, algorithm, progress, times, and why devices failed."""
+    where = f"round {job['round']} of {job['rounds']}" if job["rounds"] else f"round {job['round']}"
+    if job["phase"]:
+        where += f" ({job['phase']}{' ' + job['step'] if job['step'] else ''})"
+    parts = [job["job_id"], job["state"], job["algorithm"], where, f"committed {job['committed_round']}",
+             f"created {job['created_at']}", f"updated {job['updated_at']}"]
+    failures = [f"{r['reason']} {r['count']}" for r in job["task_reports"] if r["outcome"] != "completed"]
+    if failures:
+        parts.append("device failures: " + ", ".join(failures))
+    if job["message"]:
+        parts.append(job["message"])
+    return "  ".join(parts)
+
+
+def _one(job: Any, args: argparse.Namespace) -> int:
+    fields = job_dict(job)
+    _print_json(fields) if args.json else print(show(fields))
+    return 0
+
+
+def _submit(stub: Any, args: argparse.Namespace, metadata: tuple) -> int:
+    from tally.wire.v1 import admin_pb2
+
+    try:
+        text = args.spec.read_text()
+    except OSError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    job = stub.SubmitJob(admin_pb2.SubmitJobRequest(spec_yaml=text), metadata=metadata, timeout=args.timeout)
+    if args.json:
+        return _one(job, args)
+    for warning in job.warnings:
+        print(f"warning: {warning}", file=sys.stderr)
+    print(job.job_id)
+    return 0
+
+
+def _status(stub: Any, args: argparse.Namespace, metadata: tuple) -> int:
+    from tally.wire.v1 import admin_pb2
+
+    return _one(stub.GetJob(admin_pb2.GetJobRequest(job_id=args.job_id), metadata=metadata, timeout=args.timeout), args)
+
+
+def _list(stub: Any, args: argparse.Namespace, metadata: tuple) -> int:
+    from tally.wire.v1 import admin_pb2, common_pb2
+
+    states = [common_pb2.JobState.Value(f"JOB_STATE_{s}") for s in args.state]
+    token, jobs = "", []
+    while True:
+        request = admin_pb2.ListJobsRequest(states=states, page_token=token)
+        page = stub.ListJobs(request, metadata=metadata, timeout=args.timeout)
+        jobs += [job_dict(job) for job in page.jobs]
+        token = page.next_page_token
+        if not token:
+            break
+    if args.json:
+        _print_json(jobs)
+    else:
+        for job in jobs:
+            print(show(job))
+    return 0
+
+
+def _cancel(stub: Any, args: argparse.Namespace, metadata: tuple) -> int:
+    from tally.wire.v1 import admin_pb2
+
+    request = admin_pb2.CancelJobRequest(job_id=args.job_id, reason=args.reason)
+    return _one(stub.CancelJob(request, metadata=metadata, timeout=args.timeout), args)
+
+
+def _watch(stub: Any, args: argparse.Namespace, metadata: tuple) -> int:
+    from tally.wire.v1 import admin_pb2, common_pb2
+
+    state = common_pb2.JOB_STATE_UNSPECIFIED
+    for event in stub.WatchJob(admin_pb2.WatchJobRequest(job_id=args.job_id), metadata=metadata):
+        state = event.state
+        fields = {
+            "time": _time(event.time), "round": event.round,
+            "phase": _name(common_pb2.RoundPhase, event.phase, "ROUND_PHASE_") if event.phase else "",
+            "step": event.step, "state": _name(common_pb2.JobState, event.state, "JOB_STATE_"),
+            "message": event.message, "metrics": dict(sorted(event.metrics.items())),
+        }
+        if args.json:
+            _print_json(fields)
+            continue
+        metrics = " ".join(f"{k}={v:g}" for k, v in fields["metrics"].items())
+        where = " ".join(filter(None, (f"round {event.round}", fields["phase"], event.step)))
+        print(f"{fields['time']}  {where}  {fields['state']}  {event.message}  {metrics}".rstrip(), flush=True)
+    return 0 if state == common_pb2.JOB_STATE_SUCCEEDED else 1
+
+
+def _model(stub: Any, args: argparse.Namespace, metadata: tuple) -> int:
+    """Write the ONNX file only once every piece arrived and its digest matched."""
+    from tally.wire.v1 import admin_pb2
+
+    request = admin_pb2.GetModelRequest(job_id=args.job_id, round=args.round)  # round=None: absent
+    data, digest, round_ = bytearray(), "", 0
+    for chunk in stub.GetModel(request, metadata=metadata, timeout=args.timeout):
+        if chunk.offset != len(data):
+            print(f"error: a piece of the model at offset {chunk.offset}, expected {len(data)}", file=sys.stderr)
+            return 1
+        data += chunk.data
+        digest, round_ = chunk.digest, chunk.round
+    if hashlib.sha256(data).hexdigest() != digest:
+        print(f"error: the model of {args.job_id} round {round_} arrived damaged (digest mismatch)", file=sys.stderr)
+        return 1
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_bytes(data)
+    fields = {"job_id": args.job_id, "round": round_, "path": str(args.out), "bytes": len(data), "sha256": digest}
+    _print_json(fields) if args.json else print(f"{args.out}: {args.job_id} round {round_}, {len(data)} bytes")
+    return 0
