@@ -28,6 +28,7 @@ from client_sdk.contribution import Contribution, TaskError, plan_task
 from client_sdk.download import Downloader, ModelCache
 from client_sdk.dropout import DropoutPlan
 from client_sdk.enrolment import register_request
+from client_sdk.local_state import LocalStateStore
 from client_sdk.metrics import ClientMetrics
 from client_sdk.reports import InputLedger, Outcome, TaskReports
 from client_sdk.retry import RETRYABLE, RetryPolicy, Stopped, pause
@@ -91,6 +92,7 @@ class Device:
         *,
         population: str = "default",
         cache_dir: Path | None = None,
+        state_dir: Path | None = None,
         rng_seed: int | None = None,
         dropout: DropoutPlan | None = None,
         retry: RetryPolicy | None = None,
@@ -121,7 +123,8 @@ class Device:
         self._jitter = random.Random(None if rng_seed is None else f"jitter-{rng_seed}")
         self._dropouts: Iterator[str | None] | None = dropout.draws(device_id) if dropout else None
         self._on_update = on_update or (lambda stats: None)
-        self._local: dict[str, Any] = {}
+        # Per-job algorithm state; on disk under ``state_dir`` so it survives a restart.
+        self._local = LocalStateStore(state_dir)
         self._reports = TaskReports()
         self._inputs = InputLedger()
         self._token: str | None = None
