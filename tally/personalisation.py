@@ -17,12 +17,13 @@ from torch import nn
 
 from tally.algorithms.base import Arrays, ClientAlgorithm
 from tally.datasets.personal import PersonalData
+from tally.personal_training import MixingTrainer
 from tally.training import TorchTrainer, get_params
 
 
 @dataclass
 class PersonalFleet:
-    devices: list[TorchTrainer]  # each device's training split: what the algorithms train on
+    devices: list[MixingTrainer]  # each device's training split: what the algorithms train on
     validation: list[TorchTrainer]
     test: list[TorchTrainer]
     initial: Arrays
@@ -30,10 +31,13 @@ class PersonalFleet:
 
 
 def personal_fleet(data: PersonalData, factory: Callable[[], nn.Module], seed: int = 0) -> PersonalFleet:
-    def trainers(part: str) -> list[TorchTrainer]:
-        return [TorchTrainer(factory, *getattr(d, part), seed=seed + i) for i, d in enumerate(data.devices)]
+    """Trainers for every device's three splits; the training ones can also train SuPerFed's pair."""
 
-    return PersonalFleet(trainers("train"), trainers("validation"), trainers("test"), get_params(factory()), factory)
+    def trainers(part: str, kind: type[TorchTrainer] = TorchTrainer) -> list:
+        return [kind(factory, *getattr(d, part), seed=seed + i) for i, d in enumerate(data.devices)]
+
+    return PersonalFleet(trainers("train", MixingTrainer), trainers("validation"), trainers("test"),
+                         get_params(factory()), factory)
 
 
 def personal_params(client: ClientAlgorithm, model: Mapping[str, np.ndarray], local_state: Any,

@@ -29,6 +29,7 @@ class TaskArgs:
     partition: str | None = None
     seed: int = 0
     algorithm: str = "fedavg"
+    classes_per_device: int = 2
 
 
 @dataclass
@@ -42,6 +43,9 @@ class Task:
     injected: dict[str, dict[str, Any]] = field(default_factory=dict)
     # Options that suit the dataset's scale, overridable by --option.
     defaults: dict[str, dict[str, Any]] = field(default_factory=dict)
+    # Devices with their own validation and test splits (a ``PersonalFleet``): set, the run also
+    # judges each device's personal model on its own test split.
+    fleet: Any = None
 
     def options(self, algorithm: str, given: dict[str, Any]) -> dict[str, Any]:
         merged = {**self.defaults.get(algorithm, {}), **given}
@@ -155,12 +159,43 @@ def domain_linear_task(args: TaskArgs) -> Task:
                 data_.domains, _population_options(args), defaults)
 
 
+def personal_digits_task(args: TaskArgs, domains: int = 1) -> Task:
+    """Digits with ``classes_per_device`` classes per device (pathological non-IID), each device's
+    own train / validation / test split; ``domains`` > 1 turns device i's images by 90° x (i mod
+    domains). The global model is tested on the union of the devices' test splits."""
+    from tally.datasets.personal import pathological_digits
+    from tally.personalisation import personal_fleet
+
+    data = pathological_digits(args.clients, args.classes_per_device, domains, seed=args.seed)
+    factory = lambda: mlp(data.num_features, data.num_classes, seed=args.seed)  # noqa: E731
+    fleet = personal_fleet(data, factory, seed=args.seed)
+    pooled = TorchTrainer(factory, np.concatenate([d.test[0] for d in data.devices]),
+                          np.concatenate([d.test[1] for d in data.devices]))
+
+    def final(model: Arrays) -> dict[str, Any]:
+        loss, accuracy = pooled.evaluate(model)
+        per_device = np.array([t.evaluate(model)[1] for t in fleet.test])
+        return {"test_loss": loss, "test_accuracy": accuracy, **_device_fairness(per_device)}
+
+    # The LG-FedAvg paper's MNIST settings: one local epoch, batch 10, lr 0.05.
+    paper = {"local_epochs": 1, "batch_size": 10, "local_lr": 0.05}
+    defaults = {"fedavg": paper, "lg_fedavg": paper, "superfed": paper}
+    return Task(fleet.devices, fleet.initial, pooled.evaluate, final, domains, _population_options(args), defaults,
+                fleet=fleet)
+
+
+def rotated_digits_task(args: TaskArgs) -> Task:
+    return personal_digits_task(args, args.domains)
+
+
 BUILDERS: dict[str, Callable[[TaskArgs], Task]] = {
     "digits": digits_task,
     "toy-regression": toy_regression_task,
     "domain-digits": domain_digits_task,
     "heterogeneous-digits": heterogeneous_digits_task,
     "domain-linear": domain_linear_task,
+    "pathological-digits": personal_digits_task,
+    "rotated-digits": rotated_digits_task,
 }
 
 

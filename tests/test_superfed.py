@@ -15,8 +15,8 @@ from tally import algorithms
 from tally.algorithms.base import flatten
 from tally.algorithms.superfed import CONTROL, LAMBDA_GRID, SuPerFedClient, SuPerFedConfig, mix
 from tally.datasets.personal import gaussian_classes, pathological_digits
-from tally.personal_training import MixingTrainer, cos_squared, mixed_objective, module_of
-from tally.personalisation import PersonalFleet, personal_accuracy
+from tally.personal_training import cos_squared, mixed_objective, module_of
+from tally.personalisation import personal_accuracy, personal_fleet
 from tally.secagg import ThreatModel
 from tally.simulation import SecureSum, plain_sum, run_rounds
 from tally.training import TorchTrainer, get_params, mlp, single_threaded
@@ -27,15 +27,8 @@ def _one_thread():
     single_threaded()
 
 
-def mixing_fleet(data, factory) -> PersonalFleet:
-    def trainers(part):
-        return [MixingTrainer(factory, *getattr(d, part), seed=i) for i, d in enumerate(data.devices)]
-
-    return PersonalFleet(trainers("train"), trainers("validation"), trainers("test"), get_params(factory()), factory)
-
-
 def _digits(devices=6):
-    return mixing_fleet(pathological_digits(devices, 2, seed=0), lambda: mlp(64, 10, seed=0))
+    return personal_fleet(pathological_digits(devices, 2, seed=0), lambda: mlp(64, 10, seed=0))
 
 
 def test_chain_rule_on_one_sample_linear_regression():
@@ -241,11 +234,11 @@ def test_toy_personal_accuracy_is_far_above_fedavg_and_the_models_stay_orthogona
     data = gaussian_classes(20, 2, 200, seed=0)
     factory = lambda: mlp(20, 10, seed=0)  # noqa: E731
     common = {"local_epochs": 2, "batch_size": 10, "local_lr": 0.05}
-    fleet = mixing_fleet(data, factory)
+    fleet = personal_fleet(data, factory)
     server, client = algorithms.make("fedavg", common)
     state, _ = run_rounds(server, client, fleet.devices, fleet.initial, 60, 5, plain_sum)
     fedavg = np.mean([t.evaluate(server.model(state))[1] for t in fleet.test])
-    fleet = mixing_fleet(data, factory)
+    fleet = personal_fleet(data, factory)
     server, client = algorithms.make("superfed", {**common, "start_round": 24, "momentum": 0.9,
                                                   "weight_decay": 1e-4})
     local: dict = {}
