@@ -19,7 +19,7 @@ from scipy import stats
 
 from aggregator import AggregatorService
 from aggregator import session as aggregator_session
-from client_sdk import DropoutPlan, Fleet, OnnxModel
+from client_sdk import DropoutPlan, Fleet, FleetStats, OnnxModel
 from coordinator.service import CoordinatorService
 from tally import data, modelio, models
 from tally.algorithms.fedavg import FedAvgClient, FedAvgConfig, FedAvgServer
@@ -77,6 +77,15 @@ class Stack:
         stub, md = self.admin()
         return (await asyncio.to_thread(stub.SubmitJob, admin_pb2.SubmitJobRequest(spec_yaml=text), metadata=md,
                                         timeout=10)).job_id
+
+    async def run_job(self, text: str, devices, **fleet_options) -> tuple[str, FleetStats]:
+        """Submit ``text`` and run ``devices`` as a fleet until the coordinator says it is done."""
+        job_id = await self.submit(text)
+        fleet = self.fleet(devices, **{"seed": 1, **fleet_options})
+        try:
+            return job_id, await fleet.run(until=fleet.until_job_done(job_id, every_seconds=0.2))
+        finally:
+            fleet.close()
 
     async def job(self, job_id: str) -> admin_pb2.Job:
         stub, md = self.admin()
@@ -140,10 +149,7 @@ def test_fedavg_through_the_services_equals_the_in_process_result(tmp_path):
 
     async def main():
         async with stack(tmp_path) as s:
-            job_id = await s.submit(spec("fidelity", rounds, cohort=n))
-            fleet = s.fleet(devices, seed=1)
-            fleet_stats = await fleet.run(until=fleet.until_job_done(job_id, every_seconds=0.2))
-            fleet.close()
+            job_id, fleet_stats = await s.run_job(spec("fidelity", rounds, cohort=n), devices)
             return await s.job(job_id), s.model(job_id), fleet_stats
 
     job, model, fleet_stats = run(main())
@@ -238,10 +244,7 @@ def test_devices_that_cannot_train_report_why_and_keep_running(tmp_path):
 
     async def main():
         async with stack(tmp_path) as s:
-            job_id = await s.submit(text)
-            fleet = s.fleet(devices, seed=1)
-            fleet_stats = await fleet.run(until=fleet.until_job_done(job_id, every_seconds=0.2))
-            fleet.close()
+            job_id, fleet_stats = await s.run_job(text, devices)
             return await s.job(job_id), fleet_stats, scrape_text(s.coordinator.metrics_port)
 
     job, fleet_stats, metrics = run(main())
@@ -268,10 +271,7 @@ def test_a_cnn_job_trains_through_the_services_and_exports_to_onnx(tmp_path):
 
     async def main():
         async with stack(tmp_path) as s:
-            job_id = await s.submit(text)
-            fleet = s.fleet(devices, seed=1)
-            await fleet.run(until=fleet.until_job_done(job_id, every_seconds=0.2))
-            fleet.close()
+            job_id, _ = await s.run_job(text, devices)
             version = s.coordinator.store.model_version(job_id)
             return (await s.job(job_id), s.model(job_id),
                     s.coordinator.store.read_blob(version.onnx_digest))
@@ -386,10 +386,7 @@ def test_plain_sum_job_runs_through_the_services_without_any_key_exchange(tmp_pa
 
     async def main():
         async with stack(tmp_path) as s:
-            job_id = await s.submit(text)
-            fleet = s.fleet(devices, seed=1, device_policy=DevicePolicy(allow_plain=True))
-            fleet_stats = await fleet.run(until=fleet.until_job_done(job_id, every_seconds=0.2))
-            fleet.close()
+            job_id, fleet_stats = await s.run_job(text, devices, device_policy=DevicePolicy(allow_plain=True))
             phases = {
                 sample.labels["phase"]
                 for a in s.aggregators

@@ -49,10 +49,7 @@ def run_job(tmp_path, algorithm: str, options: Mapping[str, Any], kind: str, ini
 
     async def main():
         async with stack(tmp_path) as s:
-            job_id = await s.submit(text)
-            fleet = s.fleet(devices, seed=1)
-            fleet_stats = await fleet.run(until=fleet.until_job_done(job_id, every_seconds=0.2))
-            fleet.close()
+            job_id, fleet_stats = await s.run_job(text, devices)
             store = s.coordinator.store
             version = store.model_version(job_id)
             model = modelio.deserialize(store.read_blob(version.model_digest))
