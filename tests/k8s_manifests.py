@@ -27,6 +27,13 @@ from deploy_helpers import ROOT, free_port
 
 K8S = ROOT / "k8s"
 OVERLAYS = ("dev", "prod")
+kubernetes_validate = pytest.importorskip("kubernetes_validate.utils", reason="kubernetes-validate not installed")
+
+
+def versions() -> list[str]:
+    """Kubernetes 1.29 through the newest version kubernetes-validate bundles."""
+    found = {v for v in kubernetes_validate.all_versions() if tuple(map(int, v.split(".")[:2])) >= (1, 29)}
+    return sorted(found, key=lambda v: tuple(map(int, v.split("."))))
 
 
 def kubectl() -> str:

@@ -16,10 +16,11 @@ import pytest
 import yaml
 
 from deploy_helpers import ROOT, Service, clean_env, poll_until_ok
-from k8s_manifests import K8S, OVERLAYS, Cluster, LocalPod, find, load_secrets, one, env_value, render
+from k8s_manifests import (
+    K8S, OVERLAYS, Cluster, LocalPod, env_value, find, kubernetes_validate, load_secrets, one, render, versions,
+)
 from tally.cli import main as tally_main
 
-kubernetes_validate = pytest.importorskip("kubernetes_validate.utils", reason="kubernetes-validate not installed")
 
 DOCKERFILES = {role: ROOT / "docker" / f"{role}.Dockerfile" for role in ("aggregator", "coordinator", "client")}
 CHECKOV = ROOT / ".venv" / "checkov" / "bin" / "checkov"
@@ -33,13 +34,6 @@ SKIPPED_CHECKS = {
     "CKV_K8S_15",
 }
 CRD_GROUPS = ("cert-manager.io/", "monitoring.coreos.com/")
-
-
-def versions() -> list[str]:
-    """Kubernetes 1.29 through the newest version kubernetes-validate bundles."""
-    found = {v for v in kubernetes_validate.all_versions()
-             if tuple(map(int, v.split(".")[:2])) >= (1, 29)}
-    return sorted(found, key=lambda v: tuple(map(int, v.split("."))))
 
 
 @pytest.fixture(scope="module")
@@ -158,6 +152,32 @@ def _secret_references(objects: list[dict[str, Any]]) -> list[tuple[str, str, se
                     items = {i["key"] for i in source["secret"].get("items", [])}
                     out.append((f"{obj['kind']}/{obj['metadata']['name']}", name, items))
     return out
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_job_specs_fit_the_fleet(rendered: dict[str, list[dict[str, Any]]], overlay: str) -> None:
+    """Every spec in the jobs ConfigMap is valid, trains the model the fleet trains, and can be
+    filled by the overlay's fleet."""
+    from coordinator.jobspec import parse
+
+    objects = rendered[overlay]
+    (fleet,) = one(objects, "Job", "tally-fleet")["spec"]["template"]["spec"]["containers"]
+    hidden = int(next(a for a in fleet["args"] if a.startswith("--hidden=")).split("=")[1])
+    devices = int(env_value(fleet, "FLEET_DEVICES"))
+    specs = [parse(text) for text in one(objects, "ConfigMap", _jobs_config_map(objects))["data"].values()]
+    assert specs
+    for spec in specs:
+        assert spec.model.hidden == hidden
+        assert spec.cohort_size * spec.over_selection <= devices
+
+
+def _jobs_config_map(objects: list[dict[str, Any]]) -> str:
+    (container,) = one(objects, "StatefulSet", "tally-coordinator")["spec"]["template"]["spec"]["containers"]
+    mount = next(m["mountPath"] for m in container["volumeMounts"]
+                 if any(a == f"--jobs-dir={m['mountPath']}" for a in container["args"]))
+    volume_name = next(m["name"] for m in container["volumeMounts"] if m["mountPath"] == mount)
+    volumes = one(objects, "StatefulSet", "tally-coordinator")["spec"]["template"]["spec"]["volumes"]
+    return next(v["configMap"]["name"] for v in volumes if v["name"] == volume_name)
 
 
 # -- policy ----------------------------------------------------------------------------------

@@ -13,14 +13,12 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from deploy_helpers import JOB_SPEC, Service, clean_env, poll_until_ok
-from k8s_manifests import K8S, render
+from k8s_manifests import K8S, kubernetes_validate, render, versions
 from tally.cli import main as tally_main
 from tally.ops import k8s
 from tally.ops.k8s_cli import coordinator_jobs
 from tally.security import certs
 
-kubernetes_validate = pytest.importorskip("kubernetes_validate.utils", reason="kubernetes-validate not installed")
-from test_k8s import versions  # noqa: E402  (after the importorskip above)
 
 
 @pytest.fixture(scope="module")
