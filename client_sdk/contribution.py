@@ -22,7 +22,8 @@ import numpy as np
 from client_sdk.metrics import ClientMetrics
 from tally import algorithms
 from tally.algorithms.base import Arrays, ClientAlgorithm, LocalTrainer
-from tally.codec import PayloadSchema, to_ring
+from tally.codec import PayloadSchema
+from tally.privacy.payload import PrivateClient, ring_encode
 from tally.secagg import SessionConfig
 from tally.wire.convert import from_proto, schema_from_proto, tensors_from_proto
 from tally.wire.v1 import coordinator_pb2
@@ -57,7 +58,8 @@ def plan_task(task: coordinator_pb2.TaskAssignment) -> TaskPlan:
         _, client_half = algorithms.make(task.algorithm, options)
     except (ValueError, TypeError) as exc:
         raise TaskError(f"algorithm {task.algorithm!r}: {exc}") from exc
-    return TaskPlan(task, config, first_sum, client_half)
+    # Applies the differential privacy a step's broadcast asks for (tally/privacy), none otherwise.
+    return TaskPlan(task, config, first_sum, PrivateClient(client_half))
 
 
 class Contribution:
@@ -157,5 +159,5 @@ class Contribution:
         self, step: str, broadcast: Arrays, schema: PayloadSchema, bits: int
     ) -> tuple[np.ndarray, Any, int]:
         values, state = self.plan.client_half.contribute(step, broadcast, self.trainer, self.local_state)
-        encoded = schema.encode(values, self.rng)
-        return to_ring(encoded.vector, bits), state, sum(encoded.clipped.values())
+        vector, clipped = ring_encode(schema, values, self.rng, bits)
+        return vector, state, clipped

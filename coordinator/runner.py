@@ -65,6 +65,8 @@ from coordinator.store import ModelVersion, Store
 from coordinator.task_reports import Recorded, TaskReportBook
 from tally import logs, modelio
 from tally.algorithms.base import StepSpec
+from tally.privacy import metrics as privacy_metrics
+from tally.privacy.spec import private_job_server
 from tally.security import SessionTicket, TicketSigner, config_digest
 from tally.secagg import SessionConfig, SessionRef
 from tally.secagg.messages import SessionAborted
@@ -165,7 +167,11 @@ class JobRunner:
     ) -> None:
         self.ctx, self.seq, self.job_id, self.spec = ctx, seq, job_id, spec
         self._on_done = on_done
-        self.server = registry.make_server(spec.algorithm, spec.config)
+        # A job with a privacy: section releases noisy sums only (tally/privacy).
+        self.server = private_job_server(registry.make_server(spec.algorithm, spec.config), spec)
+        self.ledger = getattr(self.server, "ledger", None)
+        if self.ledger is not None:
+            privacy_metrics.publish(job_id, self.ledger)
         self.committed = committed
         self.round = committed + 1
         self.phase, self.step = "", ""
@@ -356,6 +362,10 @@ class JobRunner:
                 self.job_id, attempt.round, attempt.attempt, self.ctx.clock(),
                 "interrupted: coordinator stopped",
             )
+        if self.ledger is not None:  # the epsilon spent before a restart is still spent
+            for record in store.rounds(self.job_id):
+                if record.state == "committed":
+                    self.ledger.replay(record.round, record.metrics)
         version = store.model_version(self.job_id)
         if version is None:
             state = self.server.init(registry.initial_model(self.spec.model))
@@ -623,11 +633,15 @@ class JobRunner:
             f"collecting sum {step.name!r} from {len(self.sessions)} cohort(s)",
         )
         total = await (self._collect_reveals(planner, k, step) if reveal_names(step) else self._collect(planner, step))
+        if self.ledger is not None:  # decoded here, so spent here, whatever happens to the attempt
+            self.server.account(self.round, step.name, int(planner.sums.contributors))
         # Scalar fields of the total (FedAvg's summed weight and examples) are aggregates too:
-        # worth reporting, and no more revealing than the sum the server half receives.
+        # worth reporting, and no more revealing than the sum the server half receives (unless the
+        # job is private: a central-DP total is noised only inside the server half).
         step_metrics = {
             **planner.step_metrics(),
-            **{f"{step.name}.{name}": float(v) for name, v in total.items() if np.ndim(v) == 0},
+            **{f"{step.name}.{name}": float(v) for name, v in total.items()
+               if np.ndim(v) == 0 and self.ledger is None},
         }
         metrics.update(step_metrics)
         self._set_phase("UPDATE", step.name, metrics=step_metrics)
@@ -725,6 +739,8 @@ class JobRunner:
         ctx = self.ctx
         duration = ctx.clock() - self.round_started_at
         metrics["duration_seconds"] = duration
+        if self.ledger is not None:
+            metrics.update(self.ledger.commit())
         version = await self._checkpoint(round_, state)
         final = round_ == self.spec.rounds
         ctx.store.commit_round(version, attempt, metrics, final=final)

@@ -8,6 +8,8 @@ from wsgiref.simple_server import WSGIServer
 
 from prometheus_client import CollectorRegistry, start_http_server
 
+from tally.privacy.metrics import PrivacyCollector
+
 # Phase durations span milliseconds (keys) to minutes (local training).
 DURATION_BUCKETS = (0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
 
@@ -16,6 +18,10 @@ DURATION_BUCKETS = (0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30,
 class MetricsServer:
     registry: CollectorRegistry = field(default_factory=CollectorRegistry)
     _server: WSGIServer | None = None
+
+    def __post_init__(self) -> None:
+        # Jobs' privacy ledgers (tally/privacy/metrics.py) are read at scrape time.
+        self.registry.register(PrivacyCollector())
 
     def start(self, port: int = 0, addr: str = "127.0.0.1") -> int:
         """Serve /metrics; port 0 picks a free port, which is returned."""

@@ -1,0 +1,80 @@
+"""A device's side of differential privacy: the DP parameters a step's broadcast carries, the
+client wrapper that applies them, and ring encoding of a payload already in the ring.
+
+The parameters travel with the step's broadcast (``dp.*`` tensors), so a device needs no
+configuration: it applies what the server's step asks for, and strips those tensors before its
+algorithm sees the broadcast. Nothing here needs the accountant (devices do not install it).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+
+from tally.algorithms.base import Arrays, ClientAlgorithm, LocalTrainer
+from tally.codec import CodecError, PayloadSchema, to_ring
+from tally.privacy import mechanisms
+from tally.privacy.planning import DP_FIELD
+
+SEED = "dp.seed"
+PARAMS = "dp.params"
+FIELD_PREFIX = "dp.field."
+CENTRAL, DISTRIBUTED = "central", "distributed"
+MECHANISM_CODES = {CENTRAL: 0.0, DISTRIBUTED: 1.0}
+
+
+def split(vector: np.ndarray, shapes: list[tuple[str, tuple[int, ...]]]) -> dict[str, np.ndarray]:
+    """The flat vector back into named arrays, in order."""
+    out, offset = {}, 0
+    for name, shape in shapes:
+        size = int(np.prod(shape, dtype=np.int64))
+        out[name] = vector[offset:offset + size].reshape(shape)
+        offset += size
+    return out
+
+
+class PrivateClient:
+    """A client half that applies whatever DP the step's broadcast asks for (nothing if none)."""
+
+    def __init__(self, inner: ClientAlgorithm) -> None:
+        self.inner = inner
+
+    def contribute(
+        self, step: str, broadcast: Mapping[str, np.ndarray], device: LocalTrainer, local_state: Any
+    ) -> tuple[Arrays, Any]:
+        public = {k: v for k, v in broadcast.items() if k.startswith("dp.")}
+        plain = {k: v for k, v in broadcast.items() if not k.startswith("dp.")}
+        values, state = self.inner.contribute(step, plain, device, local_state)
+        return (privatise(values, public) if public else values), state
+
+
+def privatise(values: Mapping[str, np.ndarray], public: Mapping[str, np.ndarray]) -> Arrays:
+    """A payload clipped (central) or encoded in the ring with noise (distributed)."""
+    order = sorted((int(v[0]), k[len(FIELD_PREFIX):]) for k, v in public.items() if k.startswith(FIELD_PREFIX))
+    names = [name for _, name in order]
+    missing = [n for n in names if n not in values]
+    if missing:
+        raise CodecError(f"the step asks for DP over fields {missing} the payload does not have")
+    shapes = [(n, np.shape(values[n])) for n in names]
+    vector = np.concatenate([np.asarray(values[n], dtype=np.float64).ravel() for n in names])
+    code, clip, scale, bound_sq, sigma = (float(x) for x in public[PARAMS])
+    if code == MECHANISM_CODES[CENTRAL]:
+        return split(mechanisms.clip_l2(vector, clip), shapes)
+    share = mechanisms.DeviceShare(clip, scale, bound_sq, sigma)
+    return {DP_FIELD: mechanisms.encode_distributed(vector, share, int(public[SEED][0]))}
+
+
+def ring_encode(schema: PayloadSchema, values: Mapping[str, Any], rng: np.random.Generator,
+                bits: int) -> tuple[np.ndarray, int]:
+    """A payload as ring elements, and how many values the codec clipped. A distributed-DP
+    payload is already integer: it is reduced mod 2^bits as it is (modular clipping), since its
+    noise share may exceed the per-device bound that the codec's clip would cut it to."""
+    if [f.name for f in schema.fields] == [DP_FIELD]:
+        ints = np.asarray(values[DP_FIELD])
+        if ints.dtype.kind not in "iu" or ints.shape != (schema.dim,):
+            raise CodecError(f"{DP_FIELD}: expected {schema.dim} integers, got {ints.dtype} {ints.shape}")
+        return to_ring(ints, bits), 0
+    encoded = schema.encode(values, rng)
+    return to_ring(encoded.vector, bits), sum(encoded.clipped.values())

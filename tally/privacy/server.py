@@ -1,0 +1,136 @@
+"""Any algorithm's server half made differentially private.
+
+The wrapper sits between an algorithm and the secure sum, so the algorithm's halves stay as they
+are: the server half still receives a total (now noisy) of the fields it reads; the client half
+still returns its payload, which ``payload.PrivateClient`` clips (and for distributed DP rotates,
+rounds and noises) on the device.
+"""
+
+from __future__ import annotations
+
+import secrets
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from tally.algorithms.base import Arrays, StepSpec
+from tally.codec import PayloadSchema
+from tally.privacy import mechanisms
+from tally.privacy.accounting import PrivacyLedger, RoundPrivacy
+from tally.privacy.payload import CENTRAL, FIELD_PREFIX, MECHANISM_CODES, PARAMS, SEED, split
+from tally.privacy.planning import DP_FIELD, DistributedPlan, corrupt_devices, plan_distributed
+from tally.privacy.sensitivity import Layout, layout
+
+
+@dataclass(frozen=True)
+class PrivacySettings:
+    """A job's resolved DP settings (a target epsilon already calibrated to a noise multiplier)."""
+
+    mechanism: str
+    clip: float
+    noise_multiplier: float
+    delta: float
+    cohort_size: int
+    dropout_rate: float = 0.0
+    corrupt_rate: float = 0.0
+    min_survivors: int = 1
+    sampling_rate: float = 1.0
+    bits: int | None = None
+    wrap_probability: float = 1e-6
+
+
+@dataclass(frozen=True)
+class _Prepared:
+    layout: Layout
+    plan: DistributedPlan | None
+
+    @property
+    def wire(self) -> PayloadSchema:
+        return self.plan.wire_schema() if self.plan is not None else self.layout.schema()
+
+
+class PrivateServer:
+    """The algorithm's server half with DP: same state, same model, steps with DP schemas.
+    ``account`` records a released sum in the job's ledger (call it once per decoded total)."""
+
+    def __init__(self, inner: Any, algorithm: str, settings: PrivacySettings) -> None:
+        self.inner, self.algorithm, self.settings = inner, algorithm, settings
+        self.ledger = PrivacyLedger(settings.delta, settings.sampling_rate)
+        self._prepared: dict[str, _Prepared] = {}
+        self._seeds: dict[str, int] = {}
+
+    def __getattr__(self, attr: str) -> Any:  # config, num_clients, broadcast_to, ...
+        if attr == "inner":
+            raise AttributeError(attr)
+        return getattr(self.inner, attr)
+
+    @property
+    def name(self) -> str:
+        return self.inner.name
+
+    def init(self, params: Arrays) -> Any:
+        return self.inner.init(params)
+
+    def model(self, state: Any) -> Arrays:
+        return self.inner.model(state)
+
+    def steps(self, state: Any) -> list[StepSpec]:
+        return [StepSpec(s.name, self.prepare(s).wire) for s in self.inner.steps(state)]
+
+    def prepare(self, step: StepSpec) -> _Prepared:
+        """The step's DP layout and plan; ``PrivacyRefused`` when it cannot be made private."""
+        cached = self._prepared.get(step.name)
+        if cached is not None and cached.layout.dim == sum(
+                f.size for f in step.schema.fields if f.name in {c.name for c in cached.layout.clipped}):
+            return cached
+        fields = layout(self.algorithm, self.inner, step)
+        s = self.settings
+        plan = None if s.mechanism == CENTRAL else plan_distributed(
+            clip=s.clip, dim=fields.dim, noise_multiplier=s.noise_multiplier, cohort_size=s.cohort_size,
+            dropout_rate=s.dropout_rate, corrupt_rate=s.corrupt_rate, min_survivors=s.min_survivors,
+            bits=s.bits, wrap_probability=s.wrap_probability,
+        )
+        self._prepared[step.name] = prepared = _Prepared(fields, plan)
+        return prepared
+
+    def broadcast(self, state: Any, step: str) -> Arrays:
+        return {**self.inner.broadcast(state, step), **self._public(step)}
+
+    def broadcast_to(self, state: Any, step: str, device: int) -> Arrays:
+        return {**self.inner.broadcast_to(state, step, device), **self._public(step)}
+
+    def _public(self, step: str) -> Arrays:
+        """A fresh rotation seed per broadcast (remembered for ``apply``) and the device's share."""
+        prepared = self._prepared[step]
+        seed = self._seeds[step] = secrets.randbits(63)
+        plan = prepared.plan
+        share = (0.0, 0.0, 0.0) if plan is None else (plan.scale, plan.bound_sq, plan.sigma_device)
+        out: Arrays = {
+            SEED: np.array([seed], dtype=np.int64),
+            PARAMS: np.array([MECHANISM_CODES[self.settings.mechanism], self.settings.clip, *share]),
+        }
+        out.update({FIELD_PREFIX + f.name: np.array([i], dtype=np.int64)
+                    for i, f in enumerate(prepared.layout.clipped)})
+        return out
+
+    def apply(self, state: Any, step: str, total: Mapping[str, np.ndarray]) -> Any:
+        prepared = self._prepared[step]
+        fields = prepared.layout.clipped
+        if prepared.plan is not None:
+            vector = mechanisms.decode_distributed(total[DP_FIELD], prepared.plan, self._seeds[step])
+        else:
+            vector = np.concatenate([np.asarray(total[f.name], dtype=np.float64).ravel() for f in fields])
+            vector = vector + mechanisms.central_noise(self.settings.noise_multiplier, self.settings.clip, vector.size)
+        return self.inner.apply(state, step, split(vector, [(f.name, f.shape) for f in fields]))
+
+    def account(self, round_: int, step: str, survivors: int) -> RoundPrivacy:
+        """The sum of ``step`` over ``survivors`` devices was decoded: record what it cost.
+        Distributed: only the honest survivors' noise counts (the job's corrupt fraction of the
+        cohort may subtract theirs); fewer survivors, less noise, a larger epsilon."""
+        plan = self._prepared[step].plan
+        if plan is None:
+            return self.ledger.record(round_, self.settings.noise_multiplier)
+        honest = survivors - corrupt_devices(self.settings.cohort_size, self.settings.corrupt_rate)
+        return self.ledger.record(round_, 1.0 / plan.epsilon_zcdp(honest), honest)
