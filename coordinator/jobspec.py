@@ -24,6 +24,7 @@ from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError,
 
 from coordinator import registry
 from tally import algorithms
+from tally.privacy import spec as privacy_spec
 from tally.secagg import ThreatModel, UnsafeParameters, choose_params
 
 PHASE_DEADLINES = (
@@ -116,6 +117,7 @@ class JobSpec(BaseModel):
     reveal: tuple[str, ...] = Field(
         (), strict=False, description="per-device values the job opts in to reveal (only aaggff_s: response)",
     )
+    privacy: privacy_spec.PrivacySpec | None = Field(None, description="differential privacy of the released sums")
 
     @property
     def selection_target(self) -> int:
@@ -131,7 +133,9 @@ class JobSpec(BaseModel):
         return yaml.safe_dump(self.to_dict(), sort_keys=False)
 
 
-SECTIONS: dict[str, type[BaseModel]] = {"model": ModelSpec, "secure": SecureSpec, "deadlines": Deadlines}
+SECTIONS: dict[str, type[BaseModel]] = {
+    "model": ModelSpec, "secure": SecureSpec, "deadlines": Deadlines, "privacy": privacy_spec.PrivacySpec,
+}
 REQUIRED = tuple(name for name, info in JobSpec.model_fields.items() if info.is_required())
 
 
@@ -315,6 +319,13 @@ def _check_relations(raw: Mapping[str, Any], valid: dict[str, Any], errors: list
     config = valid.get("config", {} if "config" not in raw else None)
     if algorithm is not None and config is not None and reveal is not None:
         _check_options(algorithm, config, tuple(reveal), errors, keys)
+    privacy = valid.get("privacy")
+    if privacy is not None and None not in (algorithm, config, model, secure, min_cohort) and "rounds" in valid:
+        errors += privacy_spec.job_problems(
+            privacy, algorithm=algorithm, make_server=lambda: registry.make_server(algorithm, config),
+            initial=lambda: registry.initial_model(model), secure=secure, rounds=valid["rounds"],
+            cohort_size=cohort, min_cohort=min_cohort,
+        )
 
 
 def _check_secure(secure: SecureSpec, min_cohort: int | None, errors: list[str]) -> None:
