@@ -167,6 +167,16 @@ def options_model(algorithm: str) -> type[BaseModel] | None:
     return create_model(f"{algorithm}_options", __config__=STRICT, __doc__=config.__doc__, **fields)
 
 
+def option_type_errors(algorithm: str, options: Mapping[str, Any], where: str = "config") -> list[str]:
+    """Options of the wrong type or unknown to ``algorithm``, one line each naming
+    ``<where>.<option>`` (what the algorithm refuses of well-typed values is its own check)."""
+    errors: list[str] = []
+    typed = options_model(algorithm)
+    if typed is not None:
+        _check(typed, dict(options), where, errors, _Keys.of(algorithm, where))
+    return errors
+
+
 def option_fields(algorithm: str) -> dict[str, Any]:
     """Option name -> accepted type of ``algorithm`` (empty for a run-time registered one)."""
     model = options_model(algorithm)
@@ -194,21 +204,22 @@ class _Keys:
 
     algorithm: Any
     at: Mapping[str, list[str]]
+    options_at: str = "config"
 
     @classmethod
-    def of(cls, algorithm: Any) -> _Keys:
+    def of(cls, algorithm: Any, options_at: str = "config") -> _Keys:
         options = list(option_fields(algorithm)) if isinstance(algorithm, str) else []
         sections = {name: list(model.model_fields) for name, model in SECTIONS.items()}
-        return cls(algorithm, {"": list(JobSpec.model_fields), **sections, "config": options})
+        return cls(algorithm, {"": list(JobSpec.model_fields), **sections, options_at: options}, options_at)
 
     def unknown(self, where: str, names: list[str]) -> str:
         """One line for the unknown keys at ``where``, listing the valid ones."""
-        if where == "config":
-            return f"config: unknown {self.algorithm} options {sorted(names)}; its options: {self.at[where]}"
+        if where == self.options_at:
+            return f"{where}: unknown {self.algorithm} options {sorted(names)}; its options: {self.at[where]}"
         return f"{where + ': ' if where else ''}unknown keys {sorted(names)}; valid keys: {self.at[where]}"
 
 
-def _describe(error: Mapping[str, Any], where: str, keys: _Keys) -> str:
+def _describe(error: Mapping[str, Any], where: str) -> str:
     kind, value = error["type"], error.get("input")
     if kind == "missing":
         return f"{where}: required"
@@ -236,7 +247,7 @@ def _check(adapter: TypeAdapter | type[BaseModel], value: Any, where: str, error
         for error in exc.errors():
             if error["type"] != "extra_forbidden":
                 loc = ".".join(str(part) for part in (where, *error["loc"]) if part != "")
-                errors.append(_describe(error, loc, keys))
+                errors.append(_describe(error, loc))
         return None
 
 
@@ -277,7 +288,7 @@ def from_dict(raw: Mapping[str, Any]) -> JobSpec:
         checked = _check(_field_adapter(name), raw[name], name, errors, keys)
         if checked is not None:
             valid[name] = checked
-    _check_relations(raw, valid, errors, keys)
+    _check_relations(raw, valid, errors)
     if errors:
         raise JobSpecError("\n".join(errors))
     valid.setdefault("min_cohort", min(DEFAULT_MIN_COHORT, valid["cohort_size"]))
@@ -287,7 +298,7 @@ def from_dict(raw: Mapping[str, Any]) -> JobSpec:
     return JobSpec.model_validate(valid, strict=False)
 
 
-def _check_relations(raw: Mapping[str, Any], valid: dict[str, Any], errors: list[str], keys: _Keys) -> None:
+def _check_relations(raw: Mapping[str, Any], valid: dict[str, Any], errors: list[str]) -> None:
     """What no single field shows, checked only where the fields involved are valid."""
     cohort = valid.get("cohort_size")
     min_cohort = valid.get("min_cohort", None if cohort is None else min(DEFAULT_MIN_COHORT, cohort))
@@ -318,7 +329,7 @@ def _check_relations(raw: Mapping[str, Any], valid: dict[str, Any], errors: list
                 )
     config = valid.get("config", {} if "config" not in raw else None)
     if algorithm is not None and config is not None and reveal is not None:
-        _check_options(algorithm, config, tuple(reveal), errors, keys)
+        _check_options(algorithm, config, tuple(reveal), errors)
     privacy = valid.get("privacy")
     if privacy is not None and None not in (algorithm, config, model, secure, min_cohort) and "rounds" in valid:
         errors += privacy_spec.job_problems(
@@ -345,16 +356,16 @@ def _check_secure(secure: SecureSpec, min_cohort: int | None, errors: list[str])
             errors.append(f"min_cohort: {min_cohort} is too small for the secure settings: {exc}")
 
 
-def _check_options(algorithm: str, config: dict[str, Any], reveal: tuple[str, ...], errors: list[str],
-                   keys: _Keys) -> None:
+def _check_options(algorithm: str, config: dict[str, Any], reveal: tuple[str, ...], errors: list[str]) -> None:
     # The opt-in to reveal per-device values is the job's, at the top level (DESIGN.md section 1);
     # the algorithm sees it as its `reveal` option, never set on its own.
     if "reveal" in config:
         if tuple(config["reveal"] or ()) != reveal:
             errors.append("config.reveal: the opt-in belongs at the top level of the job spec (reveal: [...])")
         config = {k: v for k, v in config.items() if k != "reveal"}
-    typed = options_model(algorithm)
-    if typed is not None and _check(typed, config, "config", errors, keys) is None:
+    typed_errors = option_type_errors(algorithm, config)
+    errors += typed_errors
+    if typed_errors:
         return
     try:
         registry.make_server(algorithm, {**config, "reveal": list(reveal)} if reveal else config)

@@ -15,16 +15,22 @@ import asyncio
 import contextlib
 import json
 import re
+import shutil
+import signal
 import sys
 import time
+from collections.abc import Coroutine
 from pathlib import Path
+from typing import Any
 
 import numpy as np
+import yaml
 from rich.console import Console
 from rich.table import Table
 
 from client_sdk import Device, DropoutPlan, Fleet, OnnxModel
 from tally import data
+from tally.argtypes import FRACTION, POSITIVE, integer
 from tally.security import TLSConfig, bearer_metadata
 from tally.security.certs import write_deployment
 from tally.security.enrolment import ENROLMENT_KEY_FILE, SharedKeyEnrolment, read_enrolment_key
@@ -52,13 +58,29 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="coordinator, two aggregators and a simulated fleet on 127.0.0.1, with a report",
         description=__doc__,
     )
-    p.add_argument("--devices", type=int, default=60, help="simulated devices (at least 50 for the demo)")
-    p.add_argument("--rounds", type=int, default=25)
-    p.add_argument("--dropout", type=float, default=0.1, help="probability a device drops in a session")
-    p.add_argument("--alpha", type=float, default=0.5, help="Dirichlet label skew of the split")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--devices", type=_devices, default=60,
+                   help=f"simulated devices (at least {MIN_DEVICES}: {WHY_MIN_DEVICES})")
+    p.add_argument("--rounds", type=integer(1), default=25, help="rounds of the job")
+    p.add_argument("--dropout", type=FRACTION, default=0.1, help="probability a device drops in a session, in [0, 1)")
+    p.add_argument("--alpha", type=POSITIVE, default=0.5, help="Dirichlet label skew of the split")
+    p.add_argument("--seed", type=integer(0), default=0, help="seed of the split, training and dropouts")
     p.add_argument("--out", type=Path, default=Path("out/demo"), help="report, plot, state and certificates")
+    p.add_argument(
+        "--resume", action="store_true",
+        help="continue the job an interrupted demo left in OUT/state (default: start from a fresh state)",
+    )
     p.set_defaults(run=run)
+
+
+MIN_DEVICES = 50
+WHY_MIN_DEVICES = "each of the two aggregators sums cohorts of at least 10 devices after over-selection and dropouts"
+
+
+def _devices(text: str) -> int:
+    value = integer(1)(text)
+    if value < MIN_DEVICES:
+        raise argparse.ArgumentTypeError(f"the demo needs at least {MIN_DEVICES} devices ({WHY_MIN_DEVICES}), got {value}")
+    return value
 
 
 class Process:
@@ -113,11 +135,72 @@ async def _job(target: str, tls: TLSConfig, token: str, job_id: str) -> admin_pb
         channel.close()
 
 
-async def _demo(args: argparse.Namespace, console: Console) -> dict:
-    out = args.out.resolve()
+class Stopped(Exception):
+    """A signal ended the demo; its processes were stopped."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+async def _until_signal(work: Coroutine[Any, Any, dict]) -> dict:
+    """Run ``work``; SIGTERM or SIGINT cancels it, so its ``finally`` stops every child process
+    (they would otherwise outlive the demo, orphaned, holding their ports)."""
+    loop = asyncio.get_running_loop()
+    task = asyncio.ensure_future(work)
+    received: list[int] = []
+
+    def stop(signum: int) -> None:
+        received.append(signum)
+        task.cancel()
+
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(signum, stop, signum)
+    try:
+        return await task
+    except asyncio.CancelledError:
+        if received:
+            raise Stopped(received[0]) from None
+        raise
+    finally:
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            loop.remove_signal_handler(signum)
+
+
+def _prepare(out: Path, resume: bool, console: Console) -> tuple[Path, Path]:
+    """Certificates and state for this run: fresh unless ``resume``, so an interrupted run's job
+    never continues silently beside the new one."""
     certs, state = out / "certs", out / "state"
+    if resume:
+        if not (state / "admin.token").exists():
+            raise ValueError(f"--resume: no earlier demo state in {state}")
+        console.print(f"resuming from {state}")
+        return certs, state
+    if state.exists():
+        shutil.rmtree(state)
+        console.print(f"fresh state: removed the previous run's {state} (--resume continues its job instead)")
     # One identity per process, as a deployment would hand them out.
     write_deployment(certs, aggregators=2, force=True)
+    return certs, state
+
+
+async def _unfinished_job(target: str, tls: TLSConfig, token: str) -> admin_pb2.Job | None:
+    """The newest job a resumed coordinator is still running."""
+    channel = open_channel(target, tls)
+    try:
+        stub = admin_pb2_grpc.AdminStub(channel)
+        states = [common_pb2.JOB_STATE_PENDING, common_pb2.JOB_STATE_RUNNING]
+        page = await asyncio.to_thread(
+            stub.ListJobs, admin_pb2.ListJobsRequest(states=states), metadata=bearer_metadata(token), timeout=30
+        )
+        return page.jobs[-1] if page.jobs else None
+    finally:
+        channel.close()
+
+
+async def _demo(args: argparse.Namespace, console: Console) -> dict:
+    out = args.out.resolve()
+    certs, state = _prepare(out, args.resume, console)
     tls = TLSConfig.from_dir(certs / "device", "device")
     processes = [
         Process(f"aggregator-{i}", ["aggregator", "--listen", "127.0.0.1:0", "--id", f"agg-{i}",
@@ -144,9 +227,14 @@ async def _demo(args: argparse.Namespace, console: Console) -> dict:
         console.print(f"coordinator up on {target} (TLS, CA in {certs})")
         token = (state / "admin.token").read_text().strip()
         cohort = max(10, int(args.devices / 1.3 / 1.1))
-        spec = JOB_SPEC.format(rounds=args.rounds, cohort=cohort, dropout_rate=max(args.dropout, 0.05))
-        job_id = await _submit(target, tls, token, spec)
-        console.print(f"job {job_id}: fedavg, {args.rounds} rounds, cohorts of {cohort} of {args.devices} devices")
+        resumed = await _unfinished_job(target, tls, token) if args.resume else None
+        if resumed is not None:
+            job_id, cohort = resumed.job_id, int(yaml.safe_load(resumed.spec_yaml)["cohort_size"])
+            console.print(f"job {job_id}: resumed after round {resumed.committed_round}")
+        else:
+            spec = JOB_SPEC.format(rounds=args.rounds, cohort=cohort, dropout_rate=max(args.dropout, 0.05))
+            job_id = await _submit(target, tls, token, spec)
+            console.print(f"job {job_id}: fedavg, {args.rounds} rounds, cohorts of {cohort} of {args.devices} devices")
 
         single_threaded()
         fed = data.digits(args.devices, alpha=args.alpha, seed=args.seed)
@@ -174,7 +262,8 @@ async def _demo(args: argparse.Namespace, console: Console) -> dict:
             await p.stop()
     return {
         "job_id": job_id,
-        "job_state": common_pb2.JobState.Name(job.state),
+        "job_state": common_pb2.JobState.Name(job.state).removeprefix("JOB_STATE_"),
+        "job_message": job.message,
         "devices": args.devices,
         "rounds": len(accuracy),
         "cohort_size": cohort,
@@ -212,7 +301,14 @@ def _plot(report: dict, path: Path) -> None:
 
 def run(args: argparse.Namespace) -> int:
     console = Console()
-    report = asyncio.run(_demo(args, console))
+    try:
+        report = asyncio.run(_until_signal(_demo(args, console)))
+    except Stopped as stopped:
+        print(f"tally demo: stopped by {stopped}; its coordinator and aggregators were stopped", file=sys.stderr)
+        return 128 + stopped.signum
+    except (ValueError, RuntimeError) as exc:  # --resume with nothing to resume, a service that did not start
+        print(f"tally demo: {exc}", file=sys.stderr)
+        return 1
     table = Table(title="demo")
     table.add_column("round", justify="right")
     table.add_column("test accuracy", justify="right")
@@ -230,4 +326,8 @@ def run(args: argparse.Namespace) -> int:
     _plot(report, plot_path)
     ok = report["final_accuracy"] is not None and report["final_accuracy"] >= 0.9
     print(f"report: {report_path}  plot: {plot_path}")
+    if not ok:
+        why = (f"job {report['job_state']}: {report['job_message']}" if report["job_state"] != "SUCCEEDED"
+               else f"final accuracy {report['final_accuracy']:.3f} is below 0.9")
+        print(f"tally demo: {why} (logs in {args.out / 'logs'})", file=sys.stderr)
     return 0 if ok else 1

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -13,49 +14,73 @@ from rich.console import Console
 from rich.progress import Progress
 
 from tally import algorithms, tasks
+from tally.argtypes import FRACTION, POSITIVE, integer, number
 from tally.algorithms import aaggff
-from tally.secagg import ThreatModel
+from tally.secagg import ThreatModel, UnsafeParameters
 from tally.simulation import SecureSum, plain_sum, run_rounds
 from tally.training import single_threaded
 
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("simulate", help="run an algorithm in process (no network) and write metrics as JSON")
-    p.add_argument("--algorithm", choices=algorithms.NAMES, default="fedavg")
-    p.add_argument("--dataset", choices=tuple(tasks.BUILDERS), default="digits")
-    p.add_argument("--clients", type=int, default=50, help="devices in the population")
-    p.add_argument("--cohort", type=int, default=None, help="devices per round (default: all)")
-    p.add_argument("--rounds", type=int, default=20)
-    p.add_argument("--domains", type=int, default=4, help="domains (domain datasets)")
-    p.add_argument("--alpha", type=float, default=0.5, help="Dirichlet skew (smaller: more skew)")
-    p.add_argument("--samples", type=int, default=100, help="samples per client (generated datasets)")
-    p.add_argument("--noise", type=float, default=None, help="noise (dataset default when omitted)")
+    p.add_argument("--algorithm", choices=algorithms.NAMES, default="fedavg", help="algorithm to run")
+    p.add_argument("--dataset", choices=tuple(tasks.BUILDERS), default="digits", help="bundled or generated data")
+    p.add_argument("--clients", type=integer(2), default=50, help="devices in the population")
+    p.add_argument("--cohort", type=integer(2), default=None, help="devices per round (default: all)")
+    p.add_argument("--rounds", type=integer(1), default=20, help="rounds to run")
+    p.add_argument("--domains", type=integer(1), default=4, help="domains (domain datasets)")
+    p.add_argument("--alpha", type=POSITIVE, default=0.5, help="Dirichlet skew (smaller: more skew)")
+    p.add_argument("--samples", type=integer(1), default=100, help="samples per client (generated datasets)")
+    p.add_argument("--noise", type=number(0.0), default=None, help="noise (dataset default when omitted)")
     p.add_argument("--partition", choices=("client", "data"), default=None, help="domain partition type")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=integer(0), default=0, help="seed of the data split, training and dropouts")
     mode = p.add_mutually_exclusive_group()
     mode.add_argument("--secure", dest="secure", action="store_true", default=True, help="real secure sums (default)")
     mode.add_argument("--plain", dest="secure", action="store_false", help="plain float sums (baseline)")
-    p.add_argument("--dropout", type=float, default=0.0, help="fraction of each cohort dropping (secure mode)")
+    p.add_argument("--dropout", type=FRACTION, default=0.0, help="fraction of each cohort dropping (secure mode), in [0, 1)")
     p.add_argument("--option", action="append", default=[], metavar="KEY=VALUE", help="algorithm option (JSON value)")
     p.add_argument("--reveal", action="append", default=[], metavar="NAME",
                    help="opt in to revealing a per-device value (only aaggff_s: response)")
     p.add_argument("--json", type=Path, required=True, help="where to write the metrics")
     p.add_argument("--report", type=Path, default=None, help="also write per-round JSON and PNG plots here")
-    p.add_argument("--baseline", default="fedavg", help="algorithm the report compares against ('none': no baseline)")
+    p.add_argument("--baseline", default="fedavg", choices=(*algorithms.NAMES, "none"),
+                   help="algorithm the report compares against ('none': no baseline)")
     p.set_defaults(run=run)
 
 
-def _options(pairs: list[str]) -> dict[str, Any]:
+class UsageError(ValueError):
+    """A mistake in the command line, reported as one line naming the option."""
+
+
+def _options(algorithm: str, pairs: list[str]) -> dict[str, Any]:
+    """``--option KEY=VALUE`` pairs (values as JSON, else strings), type-checked against the
+    algorithm's options as a job spec's ``config`` is."""
+    from coordinator.jobspec import option_type_errors
+
     options = {}
     for pair in pairs:
         key, sep, value = pair.partition("=")
-        if not sep:
-            raise SystemExit(f"--option needs KEY=VALUE, got {pair!r}")
+        if not sep or not key:
+            raise UsageError(f"--option needs KEY=VALUE, got {pair!r}")
         try:
             options[key] = json.loads(value)
         except json.JSONDecodeError:
             options[key] = value
+    errors = option_type_errors(algorithm, options, where="--option")
+    if errors:
+        raise UsageError("; ".join(e.replace("--option.", "--option ", 1) for e in errors))
     return options
+
+
+def _check(args: argparse.Namespace) -> None:
+    """What argparse cannot see option by option."""
+    if args.cohort is not None and args.cohort > args.clients:
+        raise UsageError(f"--cohort {args.cohort} exceeds --clients {args.clients}")
+    if args.reveal and args.algorithm != "aaggff_s":
+        raise UsageError(f"--reveal: {args.algorithm} reveals nothing (only aaggff_s can reveal: response)")
+    unknown = sorted(set(args.reveal) - {"response"})
+    if unknown:
+        raise UsageError(f"--reveal: {unknown} cannot be revealed (only: response)")
 
 
 def _trace(algorithm: str, server: Any, clients: int):
@@ -78,11 +103,14 @@ def _trace(algorithm: str, server: Any, clients: int):
 def simulate_one(args: argparse.Namespace, algorithm: str, given: dict[str, Any], console: Console) -> dict:
     task_args = tasks.TaskArgs(args.clients, args.cohort, args.domains, args.alpha, args.samples,
                                args.noise, args.partition, args.seed, algorithm)
-    task = tasks.build(args.dataset, task_args)
-    options = task.options(algorithm, given)
-    if algorithm == "aaggff_s" and args.reveal:
-        options.setdefault("reveal", list(args.reveal))
-    server, client = algorithms.make(algorithm, options)
+    try:  # the dataset and the algorithm refuse what does not fit them (num_clients, domains, ...)
+        task = tasks.build(args.dataset, task_args)
+        options = task.options(algorithm, given)
+        if algorithm == "aaggff_s" and args.reveal:
+            options.setdefault("reveal", list(args.reveal))
+        server, client = algorithms.make(algorithm, options)
+    except (TypeError, ValueError) as exc:
+        raise UsageError(f"{algorithm} on {args.dataset}: {exc}") from None
     sum_fn = (
         SecureSum(ThreatModel(dropout_rate=max(args.dropout, 0.05)), args.dropout, args.seed)
         if args.secure
@@ -115,9 +143,21 @@ def simulate_one(args: argparse.Namespace, algorithm: str, given: dict[str, Any]
 
 
 def run(args: argparse.Namespace) -> int:
-    console = Console()
+    try:
+        return _run(args, Console())
+    except (UsageError, UnsafeParameters) as exc:
+        print(f"tally simulate: {exc}", file=sys.stderr)
+        return 2
+    except OSError as exc:  # --json or --report where nothing can be written
+        print(f"tally simulate: {exc.filename}: {exc.strerror}", file=sys.stderr)
+        return 2
+
+
+def _run(args: argparse.Namespace, console: Console) -> int:
+    _check(args)
+    given = _options(args.algorithm, args.option)
     single_threaded()
-    report = simulate_one(args, args.algorithm, _options(args.option), console)
+    report = simulate_one(args, args.algorithm, given, console)
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(report, indent=2))
     f = report["final"]

@@ -44,3 +44,73 @@ def test_a_state_dir_in_use_is_a_message(tmp_path, capsys):
         holder.close()
     err = capsys.readouterr().err
     assert "is in use by another coordinator" in err and "Traceback" not in err
+
+
+def _tally(argv: list[str]) -> int:
+    from tally.cli import main
+
+    try:
+        return main(argv)
+    except SystemExit as exc:  # argparse's own one-line errors
+        return int(exc.code)
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--dropout", "1.5"], "argument --dropout: must be a number in [0, 1), got '1.5'"),
+        (["--option", "lr=0.1"], "--option: unknown fedavg options ['lr']; its options: ['local_epochs',"),
+        (["--option", "local_epochs=x"], "--option local_epochs: must be an integer, got 'x' (str)"),
+        (["--option", "local_epochs"], "--option needs KEY=VALUE, got 'local_epochs'"),
+        (["--rounds", "-1"], "argument --rounds: must be an integer >= 1, got '-1'"),
+        (["--clients", "1"], "argument --clients: must be an integer >= 2, got '1'"),
+        (["--cohort", "100"], "--cohort 100 exceeds --clients 10"),
+        (["--alpha", "-1"], "argument --alpha: must be a number in (0, ∞), got '-1'"),
+        (["--reveal", "response"], "--reveal: fedavg reveals nothing"),
+        (["--algorithm", "aaggff_d", "--option", "num_clients=3"], "option num_clients=3 contradicts the dataset"),
+        (["--baseline", "nope"], "argument --baseline: invalid choice: 'nope'"),
+    ],
+)
+def test_simulate_mistakes_are_one_line_naming_the_option(tmp_path, capsys, argv, message):
+    out = tmp_path / "m.json"
+    assert _tally(["simulate", "--clients", "10", "--rounds", "1", "--json", str(out), *argv]) == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err, err
+    assert not out.exists()
+
+
+def test_every_option_of_every_command_has_help():
+    """Walks the whole `tally` parser, subcommands of subcommands included (issue 9, item 10)."""
+    import argparse as ap
+
+    from tally.cli import COMMANDS, build_parser
+
+    def walk(parser: ap.ArgumentParser, path: str):
+        for action in parser._actions:
+            if isinstance(action, ap._SubParsersAction):
+                helps = {a.dest: a.help for a in action._choices_actions}
+                for name, child in action.choices.items():
+                    yield f"{path} {name}", helps.get(name)
+                    yield from walk(child, f"{path} {name}")
+            elif not isinstance(action, ap._HelpAction):
+                yield f"{path} {'/'.join(action.option_strings) or action.dest}", action.help
+
+    missing = [where for where, text in walk(build_parser("*"), "tally") if not text]
+    assert not missing, missing
+    full = {a.dest: a.help for a in build_parser("*")._subparsers._group_actions[0]._choices_actions}
+    assert full == {name: summary for name, (_, summary) in COMMANDS.items()}  # the index tally --help shows
+
+
+def test_tally_help_imports_no_command_module():
+    """`tally --help` answers without importing torch or the services (2.4 s before, issue 9)."""
+    import subprocess
+    import sys
+
+    code = ("import sys; from tally.cli import main\n"
+            "try: main(['--help'])\nexcept SystemExit: pass\n"
+            "heavy = [m for m in ('torch', 'coordinator.service', 'client_sdk', 'aggregator') if m in sys.modules]\n"
+            "print('HEAVY', heavy)")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert "HEAVY []" in done.stdout, done.stdout + done.stderr
+    version = subprocess.run([sys.executable, "-m", "tally.cli", "--version"], capture_output=True, text=True, timeout=60)
+    assert version.returncode == 0 and version.stdout.startswith("tally ")
