@@ -323,6 +323,7 @@ class JobRunner:
             ctx.events.publish(self.job_id, round=self.committed, state="RUNNING", message="running")
             while self.committed < self.spec.rounds:  # the last commit marks the job SUCCEEDED
                 state = await self._round(state)
+            logs.event(log, "job succeeded", job_id=self.job_id, rounds=self.committed)
         except asyncio.CancelledError:
             if self.cancel_reason is None:
                 raise  # the coordinator is stopping: the job stays RUNNING and resumes later

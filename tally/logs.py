@@ -9,12 +9,19 @@ from __future__ import annotations
 import json
 import logging
 import sys
+from datetime import UTC, datetime
+
+
+def timestamp(seconds: float) -> str:
+    """ISO-8601 UTC to the millisecond (``2026-11-24T19:42:23.120Z``): what log tools parse, and
+    what a person reads, unlike seconds since the epoch."""
+    return datetime.fromtimestamp(seconds, UTC).isoformat(timespec="milliseconds").replace("+00:00", "Z")
 
 
 class JsonFormatter(logging.Formatter):
     def format(self, record: logging.LogRecord) -> str:
         entry = {
-            "ts": round(record.created, 3),
+            "ts": timestamp(record.created),
             "level": record.levelname.lower(),
             "logger": record.name,
             "event": record.getMessage(),

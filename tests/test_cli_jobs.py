@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import json
+import logging
 import os
 import sys
 from datetime import datetime
@@ -88,7 +89,8 @@ def _iso(text: str) -> datetime:
     return datetime.fromisoformat(text.replace("Z", "+00:00"))
 
 
-def test_job_commands_as_processes_against_the_services(tmp_path):
+def test_job_commands_as_processes_against_the_services(tmp_path, caplog):
+    caplog.set_level(logging.INFO, logger="tally")
     n, rounds = 10, 2
     devices, (test_x, _) = trainers(n)
     good, mistyped, split = tmp_path / "good.yaml", tmp_path / "mistyped.yaml", tmp_path / "split.yaml"
@@ -129,6 +131,8 @@ def test_job_commands_as_processes_against_the_services(tmp_path):
     code, out, err = r["split"]
     assert code == 0 and out.strip().startswith("split-")
     assert "warning: min_cohort: 26 selected devices are split 13/13 over 2 aggregator cohort(s)" in err
+    succeeded = [rec for rec in caplog.records if rec.getMessage() == "job succeeded"]
+    assert [rec.fields for rec in succeeded] == [{"job_id": job_id, "rounds": rounds}]  # a log event on success
     code, out, err = r["early"]
     assert code == 0 and json.loads(out)["round"] == 0, err  # before training: the initial model
 
