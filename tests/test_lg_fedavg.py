@@ -321,3 +321,79 @@ def test_lg_fedavg_beats_fedavg_per_device_at_under_half_the_upload():
           f"local-only {local_only.mean():.3f}; upload ratio {ratio:.3f}")
     assert ratio <= 0.5
     assert results["lg_fedavg"].mean() > results["fedavg"].mean() + 0.15
+
+
+def _fair_batch(lam=0.0, seed=0):
+    from tally.datasets.personal import fair_toy
+    from tally.fair_training import fair_model
+
+    (x, y, p), _ = fair_toy(devices=1, train=64, test=1, seed=seed)[0]
+    model = fair_model(6, seed=seed).double()
+    return model, torch.as_tensor(x, dtype=torch.float64), torch.as_tensor(y, dtype=torch.float64), \
+        torch.as_tensor(p, dtype=torch.float64)
+
+
+def test_fair_encoder_gradient_is_task_minus_lambda_adversary_and_the_adversary_step_is_detached():
+    """11.A.8: λ = 0 gives the plain task gradient; λ > 0 gives ∇L^g − λ∇L^a (checked by finite
+    differences), which is *not* ∇L^g (the [C] bug); the adversary's loss never reaches the encoder."""
+    from tally.fair_training import adversary_objective, encoder_objective
+
+    model, x, y, p = _fair_batch()
+    bce = torch.nn.functional.binary_cross_entropy_with_logits
+
+    def encoder_grad(loss_fn):
+        model.zero_grad()
+        loss_fn().backward()
+        return model.encoder.weight.grad.clone()
+
+    task = encoder_grad(lambda: bce(model(x), y))
+    adversary = encoder_grad(lambda: bce(model.adversary(model.represent(x)).squeeze(-1), p))
+    np.testing.assert_allclose(encoder_grad(lambda: encoder_objective(model, x, y, p, 0.0)), task, atol=1e-12)
+    lam = 2.0
+    combined = encoder_grad(lambda: encoder_objective(model, x, y, p, lam))
+    np.testing.assert_allclose(combined, task - lam * adversary, atol=1e-12)
+    assert not np.allclose(combined, task, atol=1e-4)
+    h = 1e-6
+    with torch.no_grad():
+        for (i, j) in ((0, 0), (2, 3), (3, 5)):
+            w = model.encoder.weight
+            w[i, j] += h
+            up = encoder_objective(model, x, y, p, lam).item()
+            w[i, j] -= 2 * h
+            down = encoder_objective(model, x, y, p, lam).item()
+            w[i, j] += h
+            assert (up - down) / (2 * h) == pytest.approx(combined[i, j].item(), abs=1e-7)
+    model.zero_grad()
+    adversary_objective(model, x, p).backward()
+    assert model.encoder.weight.grad is None or not model.encoder.weight.grad.any()
+    assert model.adversary.weight.grad.abs().sum() > 0
+
+
+def test_fair_variant_hides_the_protected_attribute_from_a_post_hoc_probe():
+    """11.E (seed 0, 10 rounds instead of 40): at λ > 0 the probe's AUC for p falls by at least
+    0.15 from its λ = 0 value while class accuracy falls by less than 0.05; the co-trained
+    adversary's AUC is at most the probe's. Only the head ("head.*") is summed."""
+    from tally.algorithms.lg_fedavg import personal_model
+    from tally.datasets.personal import fair_toy
+    from tally.fair_training import GLOBAL_PATTERNS, FairTrainer, fair_model, fairness_metrics
+
+    data = fair_toy(seed=0)
+    results = {}
+    for lam in (0.0, 1.0, 3.0):
+        devices = [FairTrainer(fair_model(6), *d[0], lam=lam, seed=i) for i, d in enumerate(data)]
+        tests = [FairTrainer(fair_model(6), *d[1], lam=lam) for d in data]
+        options = {"global_patterns": list(GLOBAL_PATTERNS), "local_epochs": 5, "local_lr": 0.1, "batch_size": 32}
+        server, client = algorithms.make("lg_fedavg", options)
+        local: dict = {}
+        initial = get_params(fair_model(6))
+        state, _ = run_rounds(server, client, devices, initial, 10, 10, plain_sum, local_states=local)
+        assert server.steps(state)[0].schema.dim == 5 + 2  # the head's 4 weights and bias
+        split = Split(GLOBAL_PATTERNS)
+        metrics = [fairness_metrics(personal_model(split, server.model(state), local[i]), devices[i], tests[i])
+                   for i in range(len(data))]
+        results[lam] = {k: float(np.mean([m[k] for m in metrics])) for k in metrics[0]}
+    print(f"fair toy: {results}")
+    for lam in (1.0, 3.0):
+        assert results[lam]["probe_auc"] <= results[0.0]["probe_auc"] - 0.15
+        assert results[lam]["class_accuracy"] >= results[0.0]["class_accuracy"] - 0.05
+        assert results[lam]["adversary_auc"] <= results[lam]["probe_auc"]

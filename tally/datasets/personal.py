@@ -146,3 +146,21 @@ def alpha_sweep(data: list[tuple[Split, Split]], alphas: np.ndarray) -> np.ndarr
         for i, a in enumerate(alphas):
             errors[i] += np.mean((Xt @ (a * u + (1 - a) * pooled) - yt) ** 2)
     return errors / len(data)
+
+
+def fair_toy(devices: int = 10, train: int = 600, test: int = 600, seed: int = 0
+             ) -> list[tuple[tuple[np.ndarray, np.ndarray, np.ndarray], tuple[np.ndarray, np.ndarray, np.ndarray]]]:
+    """LG-FedAvg's fair toy (spec 11.E): p ~ Bernoulli(1/2), s = 2p − 1,
+    x = [u1, u2, u3 + s, s + 0.5n, n2, n3], y = 1[u1 + u2 + 0.7s + 0.5n′ > 0]; per device
+    ((x, y, p) train, (x, y, p) test). A perfectly fair encoder exists (h = f(u1, u2))."""
+    rng = np.random.default_rng(seed)
+
+    def draw(n: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        p = rng.integers(0, 2, n)
+        s = 2.0 * p - 1
+        u, noise = rng.standard_normal((n, 3)), rng.standard_normal((n, 4))
+        x = np.column_stack([u[:, 0], u[:, 1], u[:, 2] + s, s + 0.5 * noise[:, 0], noise[:, 1], noise[:, 2]])
+        y = (u[:, 0] + u[:, 1] + 0.7 * s + 0.5 * noise[:, 3] > 0).astype(np.int64)
+        return x.astype(np.float32), y, p
+
+    return [(draw(train), draw(test)) for _ in range(devices)]
