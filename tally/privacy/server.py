@@ -125,11 +125,15 @@ class PrivateServer:
             vector = vector + mechanisms.central_noise(self.settings.noise_multiplier, self.settings.clip, vector.size)
         return self.inner.apply(state, step, split(vector, [(f.name, f.shape) for f in fields]))
 
+    def plan_of(self, step: str) -> DistributedPlan | None:
+        """The distributed plan of a step laid out by ``steps`` (None for central DP)."""
+        return self._prepared[step].plan
+
     def account(self, round_: int, step: str, survivors: int) -> RoundPrivacy:
         """The sum of ``step`` over ``survivors`` devices was decoded: record what it cost.
         Distributed: only the honest survivors' noise counts (the job's corrupt fraction of the
         cohort may subtract theirs); fewer survivors, less noise, a larger epsilon."""
-        plan = self._prepared[step].plan
+        plan = self.plan_of(step)
         if plan is None:
             return self.ledger.record(round_, self.settings.noise_multiplier)
         honest = survivors - corrupt_devices(self.settings.cohort_size, self.settings.corrupt_rate)
