@@ -1,23 +1,23 @@
 """``tally_privacy_*`` gauges: the epsilon each running job has spent, at its delta.
 
-Ledgers live in the job runners; a collector reads them at scrape time, so a job's gauges exist
-exactly while its runner does (a finished job's final epsilon stays in its round metrics).
+Ledgers live in the job runners; a collector reads them at scrape time. A finished job's ledger
+stays published (its final epsilon is still worth a dashboard) until the process ends; a
+restarted coordinator publishes the ledgers of the jobs it resumes, rebuilt from their rounds.
 """
 
 from __future__ import annotations
 
-import weakref
 from collections.abc import Iterator
 from typing import Any
 
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-_LEDGERS: weakref.WeakValueDictionary[str, Any] = weakref.WeakValueDictionary()
+_LEDGERS: dict[str, Any] = {}
 
 
 def publish(job_id: str, ledger: Any) -> None:
-    """Expose ``ledger`` (a ``PrivacyLedger``) under ``job_id`` while it is alive."""
+    """Expose ``ledger`` (a ``PrivacyLedger``) under ``job_id``."""
     _LEDGERS[job_id] = ledger
 
 
