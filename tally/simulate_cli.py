@@ -20,6 +20,9 @@ from tally.secagg import ThreatModel, UnsafeParameters
 from tally.simulation import SecureSum, plain_sum, run_rounds
 from tally.training import single_threaded
 
+# client_sdk.adaptation's methods, named here so --help does not import the SDK.
+ADAPTATIONS = ("finetune", "freeze_base", "ewc", "distill")
+
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("simulate", help="run an algorithm in process (no network) and write metrics as JSON")
@@ -45,6 +48,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--report", type=Path, default=None, help="also write per-round JSON and PNG plots here")
     p.add_argument("--baseline", default="fedavg", choices=(*algorithms.NAMES, "none"),
                    help="algorithm the report compares against ('none': no baseline)")
+    p.add_argument("--classes-per-device", type=integer(1), default=2,
+                   help="classes each device holds (pathological-digits, rotated-digits)")
+    p.add_argument("--adapt", action="append", default=[], choices=ADAPTATIONS, metavar="METHOD",
+                   help="after the run, adapt each device's model locally and report who gains from federated "
+                        f"learning (repeatable; one of {', '.join(ADAPTATIONS)}; personal datasets)")
+    p.add_argument("--adapt-epochs", type=integer(1), default=10, help="epochs of local adaptation")
     p.set_defaults(run=run)
 
 
@@ -102,7 +111,8 @@ def _trace(algorithm: str, server: Any, clients: int):
 
 def simulate_one(args: argparse.Namespace, algorithm: str, given: dict[str, Any], console: Console) -> dict:
     task_args = tasks.TaskArgs(args.clients, args.cohort, args.domains, args.alpha, args.samples,
-                               args.noise, args.partition, args.seed, algorithm)
+                               args.noise, args.partition, args.seed, algorithm,
+                               classes_per_device=args.classes_per_device)
     try:  # the dataset and the algorithm refuse what does not fit them (num_clients, domains, ...)
         task = tasks.build(args.dataset, task_args)
         options = task.options(algorithm, given)
@@ -111,11 +121,18 @@ def simulate_one(args: argparse.Namespace, algorithm: str, given: dict[str, Any]
         server, client = algorithms.make(algorithm, options)
     except (TypeError, ValueError) as exc:
         raise UsageError(f"{algorithm} on {args.dataset}: {exc}") from None
+    if args.adapt and task.fleet is None:
+        raise UsageError(f"--adapt: the devices of {args.dataset} have no validation and test splits of their "
+                         "own (use pathological-digits or rotated-digits)")
     sum_fn = (
         SecureSum(ThreatModel(dropout_rate=max(args.dropout, 0.05)), args.dropout, args.seed)
         if args.secure
         else plain_sum
     )
+    from tally.personal_report import UploadCounter
+
+    sum_fn = uploads = UploadCounter(sum_fn)
+    local: dict[int, Any] = {}
     with Progress(console=console, transient=True) as progress:
         bar = progress.add_task(f"{algorithm} rounds", total=args.rounds)
         state, logs = run_rounds(
@@ -123,8 +140,9 @@ def simulate_one(args: argparse.Namespace, algorithm: str, given: dict[str, Any]
             seed=args.seed, evaluate=task.evaluate, reveal=args.reveal,
             trace=_trace(algorithm, server, args.clients),
             on_round=lambda log: progress.update(bar, advance=1, description=f"{algorithm} round {log.round}"),
+            local_states=local,
         )
-    return {
+    out = {
         "algorithm": algorithm,
         "options": options,
         "dataset": args.dataset,
@@ -139,7 +157,15 @@ def simulate_one(args: argparse.Namespace, algorithm: str, given: dict[str, Any]
             for log in logs
         ],
         "final": task.final(server.model(state)),
+        "uploaded_values": uploads.values,
     }
+    if task.fleet is not None:
+        from tally.personal_report import personal_results
+
+        plot = (args.report or args.json.parent) / f"who-gains-{algorithm}.png"
+        out.update(personal_results(client, server.model(state), local, task.fleet, uploads, args.adapt,
+                                    args.adapt_epochs, plot))
+    return out
 
 
 def run(args: argparse.Namespace) -> int:
@@ -165,6 +191,10 @@ def _run(args: argparse.Namespace, console: Console) -> int:
         f"{key} {f[key]:.4g}" for key in ("test_accuracy", "worst_domain_loss", "worst10_accuracy", "gini") if key in f
     )
     console.print(f"{args.algorithm} on {args.dataset}: {summary}")
+    if "personal" in report:
+        from tally.personal_report import summary_line
+
+        console.print(f"{args.algorithm} on {args.dataset}: {summary_line(report)}")
     if args.report is not None:
         baseline = None
         if args.baseline != "none" and args.baseline != args.algorithm:

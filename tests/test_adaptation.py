@@ -209,3 +209,24 @@ def test_who_gains_adaptation_cuts_the_share_worse_off_than_local_only(tmp_path)
     json.dumps(report)
     path = plot(report, tmp_path / "who_gains.png")
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_simulate_reports_personal_accuracy_uploads_and_who_gains(tmp_path, capsys):
+    """``tally simulate`` on a personal dataset: each device's personal model on its own test split,
+    the values uploaded, and with --adapt the who-gains JSON and plot; --adapt elsewhere is refused."""
+    from tally.cli import main
+
+    base = ["simulate", "--dataset", "pathological-digits", "--clients", "10", "--rounds", "4", "--plain"]
+    assert main([*base, "--algorithm", "lg_fedavg", "--option", "warmup_rounds=2", "--json", str(tmp_path / "lg.json")]) == 0
+    assert main([*base, "--adapt", "finetune", "--adapt", "ewc", "--adapt-epochs", "3",
+                 "--json", str(tmp_path / "fedavg.json")]) == 0
+    lg, fedavg = (json.loads((tmp_path / f"{n}.json").read_text()) for n in ("lg", "fedavg"))
+    assert len(lg["personal"]["per_device_accuracy"]) == 10
+    assert lg["uploaded_values"] == 10 * (2 * 4_812 + 2 * 652) and fedavg["uploaded_values"] == 10 * 4 * 4_812
+    who = fedavg["who_gains"]
+    assert set(who["per_method_test_accuracy"]) == {"finetune", "ewc"} and who["devices"] == 10
+    assert (tmp_path / "who-gains-fedavg.png").read_bytes()[:4] == b"\x89PNG"
+    assert "worse off than local-only" in capsys.readouterr().out
+    assert main(["simulate", "--adapt", "finetune", "--clients", "10", "--rounds", "1",
+                 "--json", str(tmp_path / "x.json")]) == 2
+    assert "--adapt" in capsys.readouterr().err
