@@ -114,3 +114,16 @@ def test_tally_help_imports_no_command_module():
     assert "HEAVY []" in done.stdout, done.stdout + done.stderr
     version = subprocess.run([sys.executable, "-m", "tally.cli", "--version"], capture_output=True, text=True, timeout=60)
     assert version.returncode == 0 and version.stdout.startswith("tally ")
+
+
+def test_the_readme_deploy_directory_with_its_keys_is_git_ignored():
+    import shutil
+    import subprocess
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[1]
+    if shutil.which("git") is None or not (repo / ".git").exists():
+        pytest.skip("needs git and a git checkout")
+    done = subprocess.run(["git", "check-ignore", "deploy/certs/ca/ca.key", "deploy/state/admin.token"],
+                          cwd=repo, capture_output=True, text=True)
+    assert done.returncode == 0 and len(done.stdout.split()) == 2, done.stdout + done.stderr
