@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import fnmatch
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
 from typing import Any
 
 import numpy as np
@@ -45,16 +45,15 @@ GLOBAL = "global"
 
 
 @dataclass(frozen=True)
-class LGFedAvgConfig:
-    global_patterns: tuple[str, ...] = ("2.*",)
-    warmup_rounds: int = 0
+class LGFedAvgConfig(FedAvgConfig):
+    """FedAvg's options (its sums over the global part) with the paper's MNIST defaults, plus
+    the split and the warm-up length."""
+
     local_epochs: int = 1
     local_lr: float = 0.05
     batch_size: int = 10
-    server_lr: float = 1.0
-    delta_clip: float = 4.0
-    frac_bits: int = 20
-    example_cap: int = 1000
+    global_patterns: tuple[str, ...] = ("2.*",)
+    warmup_rounds: int = 0
 
     def __post_init__(self) -> None:
         if not self.global_patterns or not all(isinstance(p, str) and p for p in self.global_patterns):
@@ -73,10 +72,10 @@ class LGFedAvgConfig:
             raw["global_patterns"] = (value,) if isinstance(value, str) else tuple(value)
         return cls(**raw)
 
-    def fedavg(self) -> FedAvgConfig:
-        """FedAvg's options for the sums this algorithm shares with it."""
-        return FedAvgConfig(self.local_epochs, self.local_lr, self.batch_size, self.server_lr,
-                            self.delta_clip, self.frac_bits, self.example_cap)
+
+def fedavg_options(config: FedAvgConfig) -> FedAvgConfig:
+    """The FedAvg part of a config that extends FedAvg's."""
+    return FedAvgConfig(**{f.name: getattr(config, f.name) for f in fields(FedAvgConfig)})
 
 
 @dataclass(frozen=True)
@@ -112,7 +111,7 @@ class LGFedAvgServer:
     def __init__(self, config: LGFedAvgConfig | None = None) -> None:
         self.config = config or LGFedAvgConfig()
         self.split = Split(self.config.global_patterns)
-        self._fedavg = FedAvgServer(self.config.fedavg())
+        self._fedavg = FedAvgServer(fedavg_options(self.config))
 
     def init(self, params: Arrays) -> LGFedAvgState:
         self.split.check(params)
@@ -192,7 +191,7 @@ class LGFedAvgClient:
     def __init__(self, config: LGFedAvgConfig | None = None) -> None:
         self.config = config or LGFedAvgConfig()
         self.split = Split(self.config.global_patterns)
-        self._fedavg = FedAvgClient(self.config.fedavg())
+        self._fedavg = FedAvgClient(fedavg_options(self.config))
 
     def contribute(
         self, step: str, broadcast: Mapping[str, np.ndarray], device: LocalTrainer, local_state: Any

@@ -30,6 +30,7 @@ import numpy as np
 
 from tally.algorithms.base import Arrays, LocalTrainer, StepSpec
 from tally.algorithms.fedavg import FedAvgClient, FedAvgConfig, FedAvgServer, FedAvgState
+from tally.algorithms.lg_fedavg import fedavg_options
 
 STEP = "update"
 CONTROL = "superfed.control"  # [mixing on (0/1), learning-rate factor]
@@ -53,22 +54,20 @@ class MixingDevice(Protocol):
 
 
 @dataclass(frozen=True)
-class SuPerFedConfig:
+class SuPerFedConfig(FedAvgConfig):
+    """FedAvg's options (the federated model's sums) with the spec's toy defaults, plus mixing."""
+
+    local_epochs: int = 2
+    local_lr: float = 0.05
+    batch_size: int = 10
     mixing: str = "model"  # "model" (MM) or "layer" (LM)
     start_round: int = 0  # L: rounds before it are FedProx with the personal model frozen
     mu: float = 0.01
     nu: float = 1.0
     prox_form: str = "thesis"
-    local_epochs: int = 2
-    local_lr: float = 0.05
     lr_decay: float = 0.99
     momentum: float = 0.0
     weight_decay: float = 0.0
-    batch_size: int = 10
-    server_lr: float = 1.0
-    delta_clip: float = 4.0
-    frac_bits: int = 20
-    example_cap: int = 1000
 
     def __post_init__(self) -> None:
         if self.mixing not in ("model", "layer"):
@@ -86,10 +85,6 @@ class SuPerFedConfig:
             raise ValueError(f"unknown superfed options {sorted(unknown)}")
         return cls(**raw)
 
-    def fedavg(self) -> FedAvgConfig:
-        return FedAvgConfig(self.local_epochs, self.local_lr, self.batch_size, self.server_lr,
-                            self.delta_clip, self.frac_bits, self.example_cap)
-
 
 class SuPerFedServer:
     """Plain FedAvg over the federated model's sums, plus the round's control broadcast."""
@@ -98,7 +93,7 @@ class SuPerFedServer:
 
     def __init__(self, config: SuPerFedConfig | None = None) -> None:
         self.config = config or SuPerFedConfig()
-        self._fedavg = FedAvgServer(self.config.fedavg())
+        self._fedavg = FedAvgServer(fedavg_options(self.config))
 
     def init(self, params: Arrays) -> FedAvgState:
         if CONTROL in params:
@@ -151,7 +146,7 @@ class _MixingAsTrainer:
 class SuPerFedClient:
     def __init__(self, config: SuPerFedConfig | None = None) -> None:
         self.config = config or SuPerFedConfig()
-        self._fedavg = FedAvgClient(self.config.fedavg())
+        self._fedavg = FedAvgClient(fedavg_options(self.config))
 
     def contribute(
         self, step: str, broadcast: Mapping[str, np.ndarray], device: MixingDevice, local_state: Any
