@@ -18,12 +18,14 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from tally import logs
 from tally.security import OwnerTokens, TLSConfig, channel_options, owner_metadata
-from tally.security.tls import open_aio_channel as aio_channel
+from tally.security.tls import file_stamps, open_aio_channel as aio_channel
 from tally.wire.v1 import aggregator_pb2, aggregator_pb2_grpc
 
 log = logging.getLogger("tally.coordinator.aggregators")
 
 HEALTH_TIMEOUT_S = 2.0
+# How long calls in flight on a channel replaced by a certificate renewal may go on.
+RETIRE_GRACE_S = 600.0
 CONTROL_SERVICE = aggregator_pb2.DESCRIPTOR.services_by_name["AggregatorControl"].full_name
 
 
@@ -73,25 +75,55 @@ class AggregatorPool:
         ids = [a for a, _ in aggregators]
         if len(set(ids)) != len(ids):
             raise ValueError(f"aggregator ids must be unique, got {ids}")
-        options = channel_options(max_message_bytes)
+        self._tls, self._options = tls, channel_options(max_message_bytes)
         self._on_change = on_change
         self._owner = owner_tokens
-        self.members: dict[str, Aggregator] = {}
-        for ident, address in aggregators:
-            channel = aio_channel(address, tls, options)
-            self.members[ident] = Aggregator(
-                ident, address, channel,
-                aggregator_pb2_grpc.AggregatorControlStub(channel), health_pb2_grpc.HealthStub(channel),
-            )
+        self._stamp = None if tls.insecure else file_stamps(tls)
+        self._retired: dict[grpc.aio.Channel, asyncio.Task[None]] = {}
+        self.members = {ident: self._connect(ident, address) for ident, address in aggregators}
+
+    def _connect(self, ident: str, address: str, up: bool = False) -> Aggregator:
+        channel = aio_channel(address, self._tls, self._options)
+        return Aggregator(
+            ident, address, channel,
+            aggregator_pb2_grpc.AggregatorControlStub(channel), health_pb2_grpc.HealthStub(channel), up,
+        )
+
+    def _follow_certificates(self) -> None:
+        """Reconnect with the coordinator's renewed client certificate once its files change
+        (channel credentials are read once); calls in flight finish on the old channels."""
+        if self._stamp is None:
+            return
+        try:
+            stamp = file_stamps(self._tls)
+        except OSError:
+            return  # mid-renewal: keep the channels that work
+        if stamp == self._stamp:
+            return
+        self._stamp = stamp
+        old = list(self.members.values())
+        self.members = {a.aggregator_id: self._connect(a.aggregator_id, a.address, a.up) for a in old}
+        logs.event(log, "client certificate changed: reconnecting to the aggregators",
+                   aggregators=[a.aggregator_id for a in old])
+        for agg in old:
+            task = asyncio.ensure_future(agg.channel.close(grace=RETIRE_GRACE_S))
+            self._retired[agg.channel] = task
+            task.add_done_callback(lambda _, channel=agg.channel: self._retired.pop(channel, None))
 
     async def close(self) -> None:
-        await asyncio.gather(*(a.channel.close() for a in self.members.values()))
+        """Close every channel now, those retired by a renewal included."""
+        retired = list(self._retired)
+        for task in self._retired.values():
+            task.cancel()
+        await asyncio.gather(*(c.close() for c in [*retired, *(a.channel for a in self.members.values())]))
 
     def up_count(self) -> int:
         return sum(a.up for a in self.members.values())
 
     async def healthy(self, exclude: Sequence[str] = ()) -> list[str]:
-        """Health-check every aggregator now; the ids of those serving, in configured order."""
+        """Health-check every aggregator now; the ids of those serving, in configured order.
+        Called before each attempt and periodically, it also picks up a renewed certificate."""
+        self._follow_certificates()
         candidates = [a for a in self.members.values() if a.aggregator_id not in exclude]
         results = await asyncio.gather(*(self._check(a) for a in candidates))
         for agg, ok in zip(candidates, results):

@@ -61,7 +61,7 @@ from tally.security import (
     OwnerTokens,
     owner_metadata,
 )
-from tally.security.certs import write_deployment
+from tally.security.certs import write_deployment, write_file_atomic
 from tally.security.tls import channel_credentials, channel_options, open_channel
 from tally.security.tokens import load_or_create_ticket_key
 from client_sdk.session import stream_status
@@ -797,3 +797,41 @@ def test_cli_refuses_to_start_without_a_ticket_key(capsys):
     for flag in ("--listen", "--id", "--advertise", "--ticket-public-key", "--tls-dir",
                  "--insecure", "--metrics-port", "--metrics-addr"):
         assert flag in help_text
+
+
+def test_the_coordinator_follows_a_certificate_rotation_without_a_restart(tmp_path):
+    """Issue 7: certificates are renewed in place (cert-manager rewrites the mounted Secrets).
+    Here even the CA rotates: the aggregator serves the new files from its next handshake, and
+    the coordinator's pool reconnects with its renewed client certificate at its next health
+    check, so an aggregator restarted after the rotation is reachable at once."""
+    from coordinator.aggregators import AggregatorPool
+
+    old, new = tmp_path / "old", tmp_path / "new"
+    write_deployment(old)
+    write_deployment(new)
+    public = load_or_create_ticket_key(old / "coordinator").public_key()
+    served = TLSConfig.from_dir(old / "aggregator-1", "aggregator", require_client_auth=True)
+
+    async def scenario():
+        first = AggregatorService("127.0.0.1:0", served, public, "agg-1")
+        port = await first.start()
+        pool = AggregatorPool([("agg-1", f"localhost:{port}")], TLSConfig.from_dir(old / "coordinator", "coordinator"),
+                              1 << 20, OWNER_TOKENS)
+        try:
+            assert await pool.healthy() == ["agg-1"]
+            for role, names in (("aggregator-1", ("ca.pem", "aggregator.pem", "aggregator.key")),
+                                ("coordinator", ("ca.pem", "coordinator.pem", "coordinator.key"))):
+                for name in names:
+                    source = new / role / name
+                    write_file_atomic(old / role / name, source.read_bytes(), source.stat().st_mode & 0o777)
+            await first.stop(0)
+            second = AggregatorService(f"127.0.0.1:{port}", served, public, "agg-1")
+            await second.start()
+            try:
+                assert await pool.healthy() == ["agg-1"]
+            finally:
+                await second.stop(0)
+        finally:
+            await pool.close()
+
+    run(scenario)

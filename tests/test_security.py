@@ -8,12 +8,16 @@ import argparse
 import asyncio
 import datetime as dt
 import ipaddress
+import socket
+import ssl
 import stat
 from concurrent import futures
+from pathlib import Path
 
 import grpc
 import pytest
 from cryptography import x509
+from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import ed25519
 from cryptography.x509.oid import ExtendedKeyUsageOID
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -142,6 +146,53 @@ def test_tls_wrong_server_name_is_unavailable(pki, tls_server):
     # The aggregator's certificate does not vouch for the coordinator's name.
     config = TLSConfig(ca=pki / "ca" / "ca.pem", server_name="tally-coordinator.prod.svc")
     assert _fails_with(f"127.0.0.1:{tls_server}", config) == grpc.StatusCode.UNAVAILABLE
+
+
+def _served_certificate(port: int, ca: Path) -> bytes:
+    """The DER certificate the server presents in a fresh TLS handshake."""
+    context = ssl.create_default_context(cafile=str(ca))
+    context.set_alpn_protocols(["h2"])
+    with socket.create_connection(("127.0.0.1", port), timeout=TIMEOUT) as raw:
+        with context.wrap_socket(raw, server_hostname="localhost") as tls:
+            return tls.getpeercert(binary_form=True)
+
+
+def test_a_renewed_certificate_is_served_without_a_restart(tmp_path):
+    """Issue 7: cert-manager renews before expiry by rewriting the mounted files. New handshakes
+    get the new certificate at once; a connection already open keeps working; a half-written
+    renewal (a new certificate beside the old key) is not served."""
+    certs.write_deployment(tmp_path)
+    served = tmp_path / "aggregator-1"
+    ca_key = serialization.load_pem_private_key((tmp_path / "ca" / "ca.key").read_bytes(), None)
+    ca_cert = certs.load_certificate(tmp_path / "ca" / "ca.pem")
+
+    def renewed() -> tuple[bytes, bytes]:
+        key, cert = certs.make_leaf(ca_key, ca_cert, "tally-aggregator-1", server=True,
+                                    dns=["localhost"], ips=[ipaddress.ip_address("127.0.0.1")])
+        return (cert.public_bytes(serialization.Encoding.PEM),
+                key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                                  serialization.NoEncryption()))
+
+    server, port = _start(TLSConfig.from_dir(served, "aggregator"))
+    try:
+        first = (served / "aggregator.pem").read_bytes()
+        assert _served_certificate(port, served / "ca.pem") == ssl.PEM_cert_to_DER_cert(first.decode())
+        with open_channel(f"localhost:{port}", TLSConfig.from_dir(tmp_path / "device", None)) as open_one:
+            health_check = health_pb2_grpc.HealthStub(open_one).Check
+            health_check(health_pb2.HealthCheckRequest(), timeout=TIMEOUT)
+
+            cert_pem, key_pem = renewed()
+            certs.write_file_atomic(served / "aggregator.key", key_pem, 0o600)
+            certs.write_file_atomic(served / "aggregator.pem", cert_pem, 0o644)
+            assert _served_certificate(port, served / "ca.pem") == ssl.PEM_cert_to_DER_cert(cert_pem.decode())
+            assert health_check(health_pb2.HealthCheckRequest(), timeout=TIMEOUT).status == \
+                health_pb2.HealthCheckResponse.SERVING  # the open connection was not cut
+
+            half, _ = renewed()  # a certificate whose key has not been written yet
+            certs.write_file_atomic(served / "aggregator.pem", half, 0o644)
+            assert _served_certificate(port, served / "ca.pem") == ssl.PEM_cert_to_DER_cert(cert_pem.decode())
+    finally:
+        server.stop(None)
 
 
 def test_plaintext_client_cannot_talk_to_tls_server(tls_server):

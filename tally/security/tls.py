@@ -24,6 +24,8 @@ from pathlib import Path
 from typing import Any
 
 import grpc
+from cryptography import x509
+from cryptography.hazmat.primitives import serialization
 
 DEFAULT_MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 
@@ -76,16 +78,66 @@ class TLSConfig:
 
 
 def server_credentials(config: TLSConfig) -> grpc.ServerCredentials:
+    """Credentials that follow the files: a renewed certificate (cert-manager rewriting a mounted
+    Secret, or ``tally certs`` run again) is served from the next handshake on, without a
+    restart; connections already open keep theirs, so no session in flight is cut."""
     if config.insecure:
         raise ValueError("server_credentials called with an insecure TLSConfig")
     if config.cert is None or config.key is None:
         raise ValueError("a TLS server needs cert and key")
-    root = _read(config.ca) if config.ca is not None else None
-    return grpc.ssl_server_credentials(
-        [(_read(config.key), _read(config.cert))],
-        root_certificates=root,
-        require_client_auth=config.require_client_auth,
+    files = ServerCertificateFiles(config)
+    return grpc.dynamic_ssl_server_credentials(
+        files.current, files.changed, require_client_authentication=config.require_client_auth
     )
+
+
+class ServerCertificateFiles:
+    """The server's key pair and client CA as they are on disk, re-read when one changes.
+
+    gRPC asks ``changed`` at every handshake: it stats the files and, when they differ from what
+    it serves, reads them again. A half-written renewal (the new certificate beside the old key)
+    is not served: the pair must match, else the current one stays until the next handshake."""
+
+    def __init__(self, config: TLSConfig) -> None:
+        self._config = config
+        self._stamp = file_stamps(config)
+        self.current = self._configuration()
+
+    def _configuration(self) -> grpc.ServerCertificateConfiguration:
+        config = self._config
+        assert config.cert is not None and config.key is not None
+        key, cert = _read(config.key), _read(config.cert)
+        if not _pair_matches(key, cert):
+            raise ValueError(f"{config.key} is not the key of {config.cert}")
+        return grpc.ssl_server_certificate_configuration(
+            [(key, cert)], root_certificates=_read(config.ca) if config.ca is not None else None
+        )
+
+    def changed(self) -> grpc.ServerCertificateConfiguration | None:
+        """A new configuration when the files changed and make a usable pair, else None."""
+        try:
+            stamp = file_stamps(self._config)
+            if stamp == self._stamp:
+                return None
+            configuration = self._configuration()
+        except (OSError, ValueError):
+            return None  # mid-renewal, or a broken file: keep serving what works
+        self._stamp, self.current = stamp, configuration
+        return configuration
+
+
+def file_stamps(config: TLSConfig) -> tuple[tuple[int, int], ...]:
+    """(mtime, size) of the config's files: what tells a renewal (``OSError`` if one is missing)."""
+    paths = [p for p in (config.cert, config.key, config.ca) if p is not None]
+    return tuple((s.st_mtime_ns, s.st_size) for s in map(os.stat, paths))
+
+
+def _pair_matches(key_pem: bytes, cert_pem: bytes) -> bool:
+    public = serialization.PublicFormat.SubjectPublicKeyInfo
+    der = serialization.Encoding.DER
+    key = serialization.load_pem_private_key(key_pem, password=None)
+    cert = x509.load_pem_x509_certificate(cert_pem)
+    return key.public_key().public_bytes(der, public) == cert.public_key().public_bytes(der, public)
 
 
 def channel_credentials(config: TLSConfig) -> grpc.ChannelCredentials:
