@@ -32,6 +32,8 @@ def type_name(hint: Any) -> str:
     origin, args = typing.get_origin(hint), typing.get_args(hint)
     if origin in (typing.Union, types.UnionType):
         return " or ".join("null" if a is type(None) else type_name(a) for a in args)
+    if origin is typing.Literal:
+        return "one of " + ", ".join(f"`{a}`" for a in args)
     if origin in (list, tuple):
         return f"list of {type_name(args[0])}s"
     if origin is dict:
