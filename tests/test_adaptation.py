@@ -230,3 +230,22 @@ def test_simulate_reports_personal_accuracy_uploads_and_who_gains(tmp_path, caps
     assert main(["simulate", "--adapt", "finetune", "--clients", "10", "--rounds", "1",
                  "--json", str(tmp_path / "x.json")]) == 2
     assert "--adapt" in capsys.readouterr().err
+
+
+def test_adapt_then_average_is_one_full_participation_fedavg_round():
+    """12.E: fine-tuning every device k epochs from G^T and averaging (example-weighted) is one
+    FedAvg round with every device, E = k, from G^T, given the same shuffling streams."""
+    data = pathological_digits(6, 2, seed=1)
+    factory = lambda: mlp(64, 10, seed=0)  # noqa: E731
+    fleet = personal_fleet(data, factory)
+    start = fleet.initial
+    server, client = algorithms.make("fedavg", {"local_epochs": 3, "local_lr": 0.01, "batch_size": 10})
+    state, _ = run_rounds(server, client, fleet.devices, start, 1, 6, plain_sum)
+    fresh = personal_fleet(data, factory)
+    adapted = [adapt(factory(), start, d.features.numpy(), d.labels.numpy(),
+                     AdaptationConfig("finetune", epochs=3, lr=0.01, batch_size=10, seed=i))
+               for i, d in enumerate(fresh.devices)]
+    sizes = np.array([d.num_examples for d in fresh.devices], dtype=np.float64)
+    average = sum(n * flatten(a) for n, a in zip(sizes, adapted)) / sizes.sum()
+    np.testing.assert_allclose(flatten(server.model(state)), average, atol=1e-6)
+    assert np.max(np.abs(average - flatten(start))) > 1e-3
