@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from coordinator.admin_token import ADMIN_TOKEN_FILE
+from tally.argtypes import POSITIVE
 
 DEFAULT_ADDRESS = "127.0.0.1:50051"  # where `tally coordinator` listens unless told otherwise
 STATES = ["PENDING", "RUNNING", "SUCCEEDED", "FAILED", "CANCELLED"]
@@ -40,7 +41,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     client.add_argument(
         "--state-dir", type=Path, help="the coordinator's state directory, to find admin.token"
     )
-    client.add_argument("--timeout", type=float, default=30.0, help="seconds per call (watch: none)")
+    client.add_argument("--timeout", type=POSITIVE, default=30.0, help="seconds per call (watch: none)")
     from tally.security.tls import add_tls_arguments
 
     add_tls_arguments(client, None)
@@ -173,24 +174,31 @@ def _job(action: Action) -> Callable[[argparse.Namespace], int]:
         from tally.security.tls import tls_config_from_args
         from tally.wire.v1 import admin_pb2_grpc
 
+        def fail(message: str, code: int) -> int:
+            print(f"tally job {args.action}: {message}", file=sys.stderr)
+            return code
+
         token_file = args.admin_token_file or (args.state_dir / ADMIN_TOKEN_FILE if args.state_dir else None)
         if token_file is None:
-            print("error: give --admin-token-file or --state-dir", file=sys.stderr)
-            return 2
+            return fail("give --admin-token-file or --state-dir (the coordinator's, holding admin.token)", 2)
         try:
             token = token_file.read_text().strip()
             channel = open_channel(args.coordinator, tls_config_from_args(args), channel_options())
-        except (OSError, ValueError) as exc:
-            print(f"error: {exc}", file=sys.stderr)
-            return 2
+        except OSError as exc:
+            return fail(f"{exc.filename}: {exc.strerror}", 2)
+        except ValueError as exc:
+            return fail(str(exc), 2)
         with channel:
             try:
                 return action(admin_pb2_grpc.AdminStub(channel), args, bearer_metadata(token))
+            except OSError as exc:  # a spec that cannot be read, an --out that cannot be written
+                return fail(f"{exc.filename}: {exc.strerror}", 2)
             except grpc.RpcError as exc:
                 if args.json:
                     _print_json({"error": exc.code().name, "message": exc.details()})
-                print(f"error: {exc.code().name}: {exc.details()}", file=sys.stderr)
-                return 1
+                hint = (f" (is a coordinator listening at {args.coordinator}? --coordinator sets the address)"
+                        if exc.code() == grpc.StatusCode.UNAVAILABLE else "")
+                return fail(f"{exc.code().name}: {exc.details()}{hint}", 1)
 
     return run
 
@@ -246,11 +254,7 @@ def _one(job: Any, args: argparse.Namespace) -> int:
 def _submit(stub: Any, args: argparse.Namespace, metadata: tuple) -> int:
     from tally.wire.v1 import admin_pb2
 
-    try:
-        text = args.spec.read_text()
-    except OSError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
+    text = args.spec.read_text()
     job = stub.SubmitJob(admin_pb2.SubmitJobRequest(spec_yaml=text), metadata=metadata, timeout=args.timeout)
     if args.json:
         return _one(job, args)
@@ -322,12 +326,13 @@ def _model(stub: Any, args: argparse.Namespace, metadata: tuple) -> int:
     data, digest, round_ = bytearray(), "", 0
     for chunk in stub.GetModel(request, metadata=metadata, timeout=args.timeout):
         if chunk.offset != len(data):
-            print(f"error: a piece of the model at offset {chunk.offset}, expected {len(data)}", file=sys.stderr)
+            print(f"tally job model: a piece at offset {chunk.offset}, expected {len(data)}", file=sys.stderr)
             return 1
         data += chunk.data
         digest, round_ = chunk.digest, chunk.round
     if hashlib.sha256(data).hexdigest() != digest:
-        print(f"error: the model of {args.job_id} round {round_} arrived damaged (digest mismatch)", file=sys.stderr)
+        print(f"tally job model: the model of {args.job_id} round {round_} arrived damaged (digest mismatch)",
+              file=sys.stderr)
         return 1
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_bytes(data)

@@ -127,3 +127,31 @@ def test_the_readme_deploy_directory_with_its_keys_is_git_ignored():
     done = subprocess.run(["git", "check-ignore", "deploy/certs/ca/ca.key", "deploy/state/admin.token"],
                           cwd=repo, capture_output=True, text=True)
     assert done.returncode == 0 and len(done.stdout.split()) == 2, done.stdout + done.stderr
+
+
+@pytest.mark.parametrize(
+    ("argv", "code", "message"),
+    [
+        (["status", "j"], 2, "tally job status: give --admin-token-file or --state-dir"),
+        (["list", "--admin-token-file", "{tmp}/none"], 2, "tally job list: {tmp}/none: No such file or directory"),
+        (["status", "j", "--timeout", "-1"], 2, "argument --timeout: must be a number in (0, ∞), got '-1'"),
+        (["submit", "{tmp}/none.yaml", "--admin-token-file", "{tmp}/token"], 2,
+         "tally job submit: {tmp}/none.yaml: No such file or directory"),
+        (["status", "j", "--admin-token-file", "{tmp}/token", "--coordinator", "127.0.0.1:{port}", "--timeout", "5"],
+         1, "UNAVAILABLE: "),
+    ],
+)
+def test_job_command_mistakes_are_one_line(tmp_path, capsys, argv, code, message):
+    import socket
+
+    with socket.socket() as probe:  # a port nothing listens on
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    (tmp_path / "token").write_text("t" * 40)
+    fill = {"tmp": tmp_path, "port": port}
+    argv = [a.format(**fill) for a in argv]
+    assert _tally(["job", *argv, "--insecure"]) == code
+    err = capsys.readouterr().err
+    assert message.format(**fill) in err and "Traceback" not in err, err
+    if message == "UNAVAILABLE: ":
+        assert f"is a coordinator listening at 127.0.0.1:{port}?" in err
