@@ -429,3 +429,52 @@ def test_toy_network_orderings_homogeneous_and_rotated_devices():
     same, rotated = results[0], results[10]
     assert same["fedavg"] > same["lg_fedavg"] > same["local"]
     assert rotated["lg_fedavg"] > rotated["local"] > rotated["fedavg"]
+
+
+def test_online_rotated_device_fedavg_forgets_and_lg_fedavg_does_not():
+    """11.D online, C = 0 (the rotated-MNIST analogue, seed 0): after 200 rounds on 20 normal
+    devices one rotated device trains alone for 100 rounds. FedAvg's normal accuracy drops by
+    more than 0.5; LG-FedAvg's (old devices keep their encoders; the new one gets its own, fitted
+    first with the head frozen for 20 epochs) by less than 0.03, and its rotated accuracy is at
+    least FedAvg's − 0.01."""
+    from client_sdk.adaptation import AdaptationConfig, adapt
+    from tally.algorithms.lg_fedavg import personal_model
+    from tally.datasets.personal import rotated_gaussian
+
+    def factory():
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(10, 10), nn.Linear(10, 4))
+
+    fleet = personal_fleet(rotated_gaussian(devices=21, rotated=1, seed=0), factory)
+    old, new = fleet.devices[1:], fleet.devices[0]
+    split = Split(("1.*",))
+    options = {"local_epochs": 1, "local_lr": 0.1, "batch_size": 10}
+
+    def normal(model, local=None):
+        return np.mean([t.evaluate(model if local is None else personal_model(split, model, local[k]))[1]
+                        for k, t in enumerate(fleet.test[1:])])
+
+    server, client = algorithms.make("fedavg", options)
+    state, _ = run_rounds(server, client, old, fleet.initial, 200, 10, plain_sum)
+    before = normal(server.model(state))
+    state, _ = run_rounds(server, client, [new], server.model(state), 100, 1, plain_sum)
+    fedavg = (before, normal(server.model(state)), fleet.test[0].evaluate(server.model(state))[1])
+
+    lg = {**options, "global_patterns": ["1.*"]}
+    server, client = algorithms.make("lg_fedavg", {**lg, "warmup_rounds": 50})
+    local: dict = {}
+    state, _ = run_rounds(server, client, old, fleet.initial, 200, 10, plain_sum, local_states=local)
+    model = server.model(state)
+    lg_before = normal(model, local)
+    encoder = adapt(factory(), model, new.features.numpy(), new.labels.numpy(),
+                    AdaptationConfig("freeze_base", epochs=20, lr=0.1, batch_size=10, trainable=("0.*",)))
+    server, client = algorithms.make("lg_fedavg", lg)
+    newcomer = {0: split.local_part(encoder)}
+    state, _ = run_rounds(server, client, [new], model, 100, 1, plain_sum, local_states=newcomer)
+    model = server.model(state)
+    lg_after, lg_rotated = normal(model, local), fleet.test[0].evaluate(personal_model(split, model, newcomer[0]))[1]
+    print(f"online: FedAvg normal {fedavg[0]:.3f} -> {fedavg[1]:.3f}, rotated {fedavg[2]:.3f}; "
+          f"LG normal {lg_before:.3f} -> {lg_after:.3f}, rotated {lg_rotated:.3f}")
+    assert fedavg[0] - fedavg[1] > 0.5
+    assert lg_before - lg_after < 0.03
+    assert lg_rotated >= fedavg[2] - 0.01
