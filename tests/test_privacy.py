@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 
 from coordinator.jobspec import JobSpecError, parse
 from tally.algorithms.fedavg import FedAvgClient, FedAvgConfig, FedAvgServer
+from tally.codec import CodecError
 from tally.codec.schema import ring_mask
 from tally.privacy import randomness
 from tally.privacy.accounting import PrivacyLedger, calibrate, epsilon_of
@@ -30,12 +31,12 @@ from tally.privacy.server import PrivacySettings, PrivateServer
 class ShiftTrainer:
     """A device whose training moves every parameter by ``shift`` (its update is known)."""
 
-    def __init__(self, shift: float) -> None:
-        self.shift = shift
+    def __init__(self, shift: float, examples: int = 1) -> None:
+        self.shift, self.examples = shift, examples
 
     @property
     def num_examples(self) -> int:
-        return 1
+        return self.examples
 
     def train(self, params, epochs, lr, batch_size):
         return {k: v + self.shift for k, v in params.items()}, 0.0
@@ -82,8 +83,9 @@ def released_noise(mechanism: str, cohort: int, survivors: int, z: float, **extr
     private.account(1, "update", survivors)
     private.apply(state, "update", total)
     released = private.inner.received
-    noise = np.concatenate([released["weighted_delta"] - survivors * 0.001, [released["weight"] - survivors]])
-    return noise, private
+    # FedAvg's weight is 1 per device (example_cap 1): its total is the contributor count.
+    assert released["weight"] == survivors
+    return released["weighted_delta"].ravel() - survivors * 0.001, private
 
 
 def test_discrete_gaussian_sampler_has_the_declared_variance():
@@ -113,7 +115,7 @@ def test_the_decoded_sum_carries_the_declared_noise(mechanism):
         # All 20 devices' discrete noise, plus conditional rounding (variance <= 1/4 per device).
         declared = math.sqrt(20 * plan.sigma_device**2) / plan.scale
         assert math.sqrt(20 * plan.sigma_device**2 + 20 / 4) / plan.scale < declared * 1.001
-    # 16385 coordinates: the sample std is within 5 standard errors (0.55% each) of the declared
+    # 16384 coordinates: the sample std is within 5 standard errors (0.55% each) of the declared
     # one, tight enough to tell 20 devices' noise from the 17 the plan assumed.
     assert abs(noise.std() / declared - 1) < 5 / math.sqrt(2 * noise.size)
     assert abs(noise.mean()) < 5 * declared / math.sqrt(noise.size)
@@ -250,3 +252,23 @@ def test_refused_plan_reports_kls_requirement():
     with pytest.raises(PrivacyRefused):
         plan_distributed(clip=1.0, dim=10, noise_multiplier=1.0, cohort_size=3, dropout_rate=0.0,
                          corrupt_rate=0.9, min_survivors=1)
+
+
+def test_a_counted_field_must_be_one_on_every_device():
+    private, client, state = fedavg_job("central", 20, 1.0)
+    private.steps(state)
+    broadcast = private.broadcast(state, "update")
+    with pytest.raises(CodecError, match="'weight' is counted"):
+        client.contribute("update", broadcast, ShiftTrainer(0.001, examples=0), None)
+
+
+def test_without_example_cap_one_the_weight_is_clipped_with_the_update():
+    server, client = FedAvgServer(FedAvgConfig(example_cap=4)), PrivateClient(FedAvgClient(FedAvgConfig(example_cap=4)))
+    private = PrivateServer(server, "fedavg", PrivacySettings("central", 1.0, 1.0, 1e-5, cohort_size=5))
+    state = private.init({"w": np.zeros(100)})
+    (step,) = private.steps(state)
+    assert [f.name for f in step.schema.fields] == ["weighted_delta", "weight"]
+    payload, _ = client.contribute("update", private.broadcast(state, "update"), ShiftTrainer(1.0), None)
+    joint = np.concatenate([payload["weighted_delta"], [payload["weight"]]])
+    assert np.linalg.norm(joint) == pytest.approx(1.0)  # (0.25 * 1, 0.25) scaled onto the unit ball
+    assert payload["weighted_delta"][0] / payload["weight"] == pytest.approx(1.0)  # the mean update kept

@@ -4,7 +4,9 @@ Nothing here composes or converts privacy losses by hand: each round becomes a `
 whose noise multiplier is the noise *actually present* in that round's sum (for distributed
 DP: the honest survivors' noise, KLS Theorem 1, so dropouts show up as a larger epsilon), and
 the library composes the events and converts RDP to (epsilon, delta). Neighbouring jobs differ
-by one device (add or remove one), the unit a device's L2 clip bounds.
+by one device's contribution replaced by nothing (dp-accounting's REPLACE_SPECIAL, the "zero-out"
+relation): who took part is no secret from a server that seated the cohort, what they sent is,
+and a device moves the sum by at most its L2 clip.
 
 Sampling: the coordinator seats whichever devices check in, which is not a random sample, so by
 default no amplification is claimed (q = 1). A job may state its population; then each round is
@@ -42,7 +44,8 @@ def round_event(noise_multiplier: float, sampling_rate: float = 1.0) -> dp_accou
 
 
 def _accountant() -> rdp_privacy_accountant.RdpAccountant:
-    return rdp_privacy_accountant.RdpAccountant(ORDERS)
+    return rdp_privacy_accountant.RdpAccountant(
+        ORDERS, dp_accounting.NeighboringRelation.REPLACE_SPECIAL)
 
 
 def epsilon_of(noise_multiplier: float, rounds: int, delta: float, sampling_rate: float = 1.0) -> float:

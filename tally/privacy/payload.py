@@ -21,6 +21,7 @@ from tally.privacy.planning import DP_FIELD
 SEED = "dp.seed"
 PARAMS = "dp.params"
 FIELD_PREFIX = "dp.field."
+COUNTED_PREFIX = "dp.counted."
 CENTRAL, DISTRIBUTED = "central", "distributed"
 MECHANISM_CODES = {CENTRAL: 0.0, DISTRIBUTED: 1.0}
 
@@ -54,6 +55,10 @@ def privatise(values: Mapping[str, np.ndarray], public: Mapping[str, np.ndarray]
     """A payload clipped (central) or encoded in the ring with noise (distributed)."""
     order = sorted((int(v[0]), k[len(FIELD_PREFIX):]) for k, v in public.items() if k.startswith(FIELD_PREFIX))
     names = [name for _, name in order]
+    for name in (k[len(COUNTED_PREFIX):] for k in public if k.startswith(COUNTED_PREFIX)):
+        if name not in values or not np.all(np.asarray(values[name]) == 1):
+            raise CodecError(f"{name!r} is counted under DP (the server uses the number of contributors), "
+                             f"so it must be 1 on every device")
     missing = [n for n in names if n not in values]
     if missing:
         raise CodecError(f"the step asks for DP over fields {missing} the payload does not have")

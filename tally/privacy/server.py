@@ -19,7 +19,7 @@ from tally.algorithms.base import Arrays, StepSpec
 from tally.codec import PayloadSchema
 from tally.privacy import mechanisms
 from tally.privacy.accounting import PrivacyLedger, RoundPrivacy
-from tally.privacy.payload import CENTRAL, FIELD_PREFIX, MECHANISM_CODES, PARAMS, SEED, split
+from tally.privacy.payload import CENTRAL, COUNTED_PREFIX, FIELD_PREFIX, MECHANISM_CODES, PARAMS, SEED, split
 from tally.privacy.planning import DP_FIELD, DistributedPlan, corrupt_devices, plan_distributed
 from tally.privacy.sensitivity import Layout, layout
 
@@ -53,13 +53,15 @@ class _Prepared:
 
 class PrivateServer:
     """The algorithm's server half with DP: same state, same model, steps with DP schemas.
-    ``account`` records a released sum in the job's ledger (call it once per decoded total)."""
+    ``account`` records a released sum in the job's ledger; call it once per decoded total,
+    before ``apply`` (a counted field's total is the number of contributors it records)."""
 
     def __init__(self, inner: Any, algorithm: str, settings: PrivacySettings) -> None:
         self.inner, self.algorithm, self.settings = inner, algorithm, settings
         self.ledger = PrivacyLedger(settings.delta, settings.sampling_rate)
         self._prepared: dict[str, _Prepared] = {}
         self._seeds: dict[str, int] = {}
+        self._survivors: dict[str, int] = {}  # per step: contributors of the last accounted sum
 
     def __getattr__(self, attr: str) -> Any:  # config, num_clients, broadcast_to, ...
         if attr == "inner":
@@ -113,6 +115,7 @@ class PrivateServer:
         }
         out.update({FIELD_PREFIX + f.name: np.array([i], dtype=np.int64)
                     for i, f in enumerate(prepared.layout.clipped)})
+        out.update({COUNTED_PREFIX + f.name: np.ones(1) for f in prepared.layout.counted})
         return out
 
     def apply(self, state: Any, step: str, total: Mapping[str, np.ndarray]) -> Any:
@@ -123,7 +126,12 @@ class PrivateServer:
         else:
             vector = np.concatenate([np.asarray(total[f.name], dtype=np.float64).ravel() for f in fields])
             vector = vector + mechanisms.central_noise(self.settings.noise_multiplier, self.settings.clip, vector.size)
-        return self.inner.apply(state, step, split(vector, [(f.name, f.shape) for f in fields]))
+        released = split(vector, [(f.name, f.shape) for f in fields])
+        if prepared.layout.counted:
+            if step not in self._survivors:
+                raise ValueError(f"sum {step!r} applied before it was accounted: its contributors are unknown")
+            released.update({f.name: np.full(f.shape, float(self._survivors[step])) for f in prepared.layout.counted})
+        return self.inner.apply(state, step, released)
 
     def plan_of(self, step: str) -> DistributedPlan | None:
         """The distributed plan of a step laid out by ``steps`` (None for central DP)."""
@@ -133,6 +141,7 @@ class PrivateServer:
         """The sum of ``step`` over ``survivors`` devices was decoded: record what it cost.
         Distributed: only the honest survivors' noise counts (the job's corrupt fraction of the
         cohort may subtract theirs); fewer survivors, less noise, a larger epsilon."""
+        self._survivors[step] = survivors
         plan = self.plan_of(step)
         if plan is None:
             return self.ledger.record(round_, self.settings.noise_multiplier)
