@@ -16,8 +16,8 @@ from importlib import metadata
 # command -> (module whose register(sub) adds it, one-line help); in the order `tally --help` lists them
 COMMANDS: dict[str, tuple[str, str]] = {
     "sum": ("tally.engine_demo", "run one secure sum over a simulated cohort, in process"),
-    "demo": ("tally.demo", "coordinator, two aggregators and a simulated fleet on 127.0.0.1, with a report"),
-    "simulate": ("tally.simulate_cli", "run an algorithm in process (no network) and write metrics as JSON"),
+    "demo": ("tally.cli.demo", "coordinator, two aggregators and a simulated fleet on 127.0.0.1, with a report"),
+    "simulate": ("tally.cli.simulate", "run an algorithm in process (no network) and write metrics as JSON"),
     "certs": ("tally.security.certs_cli", "create a CA and per-role TLS certificates and keys for a deployment"),
     "aggregator": ("aggregator.cli", "run a secure aggregator: secure-sum sessions for cohorts, cohort sums only"),
     "client": ("client_sdk.cli", "run one device on a shard of a dataset against a coordinator"),
@@ -63,7 +63,3 @@ def main(argv: Sequence[str] | None = None) -> int:
     command = next((a for a in argv if not a.startswith("-")), None)
     args = build_parser(command).parse_args(argv)
     return int(args.run(args) or 0)
-
-
-if __name__ == "__main__":
-    sys.exit(main())
