@@ -112,14 +112,13 @@ class Process:
                 await self.proc.wait()
 
 
-async def _submit(target: str, tls: TLSConfig, token: str, spec: str) -> str:
+async def _submit(target: str, tls: TLSConfig, token: str, spec: str) -> admin_pb2.Job:
     channel = open_channel(target, tls)
     try:
         stub = admin_pb2_grpc.AdminStub(channel)
-        job = await asyncio.to_thread(
+        return await asyncio.to_thread(
             stub.SubmitJob, admin_pb2.SubmitJobRequest(spec_yaml=spec), metadata=bearer_metadata(token), timeout=30
         )
-        return job.job_id
     finally:
         channel.close()
 
@@ -233,7 +232,10 @@ async def _demo(args: argparse.Namespace, console: Console) -> dict:
             console.print(f"job {job_id}: resumed after round {resumed.committed_round}")
         else:
             spec = JOB_SPEC.format(rounds=args.rounds, cohort=cohort, dropout_rate=max(args.dropout, 0.05))
-            job_id = await _submit(target, tls, token, spec)
+            submitted = await _submit(target, tls, token, spec)
+            job_id = submitted.job_id
+            for warning in submitted.warnings:  # e.g. cohorts split too close to min_cohort
+                console.print(f"warning: {warning}")
             console.print(f"job {job_id}: fedavg, {args.rounds} rounds, cohorts of {cohort} of {args.devices} devices")
 
         single_threaded()
