@@ -144,6 +144,10 @@ def test_freeze_base_moves_only_the_top_layer(device):
 
 
 def test_options_are_validated():
+    from client_sdk.adaptation import METHODS
+    from tally.cli.simulate import ADAPTATIONS
+
+    assert ADAPTATIONS == METHODS  # --adapt's choices, named without importing the SDK
     with pytest.raises(ValueError, match="method"):
         AdaptationConfig("retrain")
     with pytest.raises(ValueError, match="unknown adaptation options"):
