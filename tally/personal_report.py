@@ -10,6 +10,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from client_sdk.adaptation import AdaptationConfig
 from tally.algorithms.base import Arrays, ClientAlgorithm, StepSpec
 from tally.personalisation import (PersonalFleet, local_only_accuracy, personal_accuracy, personal_params,
@@ -40,6 +42,8 @@ def personal_results(client: ClientAlgorithm, model: Arrays, local: Mapping[int,
         "personal": summary(personal_accuracy(client, model, local, fleet)),
         "uploaded_values_per_step": dict(uploads.per_step),
     }
+    if hasattr(client, "choose_lambda"):
+        out["lambda_protocols"] = lambda_protocols(client, model, local, fleet)
     if adapt:
         # Local-only uses the same local training settings as the adaptation (lr 0.05, batch 10),
         # for as many epochs as the adaptation has, three times over.
@@ -52,6 +56,21 @@ def personal_results(client: ClientAlgorithm, model: Arrays, local: Mapping[int,
             report["plot"] = str(plot(report, plot_path))
         out["who_gains"] = report
     return out
+
+
+def lambda_protocols(client: Any, model: Arrays, local: Mapping[int, Any], fleet: PersonalFleet) -> dict[str, float]:
+    """SuPerFed's mixing weight three ways (spec 9): chosen on each device's validation split (what
+    a device can do), fixed at 0.5, and the paper's protocol, the best λ on each device's *test*
+    split (optimistic: it selects on the data it reports)."""
+    fixed, best = [], []
+    for i, test in enumerate(fleet.test):
+        _, curve = client.choose_lambda(model, local.get(i), test)
+        federated = test.evaluate(model)[1]
+        fixed.append(curve[len(curve) // 2] if curve else federated)
+        best.append(max(curve) if curve else federated)
+    chosen = personal_accuracy(client, model, local, fleet)
+    return {"validation_chosen": float(np.mean(chosen)), "fixed_0.5": float(np.mean(fixed)),
+            "best_on_test": float(np.mean(best))}
 
 
 def summary_line(results: Mapping[str, Any]) -> str:

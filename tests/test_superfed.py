@@ -253,3 +253,19 @@ def test_toy_personal_accuracy_is_far_above_fedavg_and_the_models_stay_orthogona
     assert half > fedavg + 0.3
     assert chosen > fedavg + 0.3
     assert cos < 0.05
+
+
+def test_simulate_reports_the_three_lambda_protocols(tmp_path):
+    """Validation-chosen λ (what a device can do), λ = 0.5, and the paper's best λ on test data,
+    which can only be at least as high as either."""
+    import json
+
+    from tally.cli import main
+
+    out = tmp_path / "superfed.json"
+    assert main(["simulate", "--algorithm", "superfed", "--dataset", "pathological-digits", "--clients", "10",
+                 "--rounds", "4", "--plain", "--option", "start_round=1", "--json", str(out)]) == 0
+    report = json.loads(out.read_text())
+    protocols = report["lambda_protocols"]
+    assert protocols["validation_chosen"] == pytest.approx(report["personal"]["mean_accuracy"])
+    assert protocols["best_on_test"] >= max(protocols["validation_chosen"], protocols["fixed_0.5"])

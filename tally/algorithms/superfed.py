@@ -164,8 +164,9 @@ class SuPerFedClient:
 
     def choose_lambda(self, model: Mapping[str, np.ndarray], local_state: Any, validation: LocalTrainer | None
                       ) -> tuple[float, list[float]]:
-        """The λ of the grid with the best accuracy on the device's validation split (ties: the
-        smaller λ), and the accuracy at every grid point."""
+        """The λ of the grid with the best accuracy on ``validation`` (ties: the smaller λ) and the
+        accuracy at every grid point. A device passes its validation split; only a report showing
+        the paper's optimistic protocol passes a test split."""
         if local_state is None or validation is None or validation.num_examples == 0:
             return 0.0, []
         curve = [validation.evaluate(mix(model, local_state, lam))[1] for lam in LAMBDA_GRID]
