@@ -10,7 +10,7 @@ with μ = 0 exactly the ``TorchTrainer`` step.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 
 import numpy as np
 import torch
@@ -46,14 +46,16 @@ def module_of(name: str) -> str:
 
 def mixed_objective(data_loss: Callable[[Tensors], torch.Tensor], federated: Tensors, local: Tensors,
                     anchor: Tensors, lambdas: Mapping[str, float], mu: float, nu: float,
-                    prox_form: str = "thesis") -> torch.Tensor:
-    """ℒ(θ(λ)) + prox(θ^f, θ^g) + ν·cos²(θ^f, θ^l); ``lambdas`` gives each parameter's λ."""
+                    prox_form: str = "thesis", twins: Collection[str] | None = None) -> torch.Tensor:
+    """ℒ(θ(λ)) + prox(θ^f, θ^g) + ν·cos²(θ^f, θ^l); ``lambdas`` gives each parameter's λ. The
+    cosine is over the parameters with a personal twin (``twins``, default all)."""
     mixed = {k: (1 - lambdas[k]) * federated[k] + lambdas[k] * local[k] for k in federated}
     objective = data_loss(mixed)
     if mu:
         objective = objective + proximal(federated, anchor, mu, prox_form)
     if nu:
-        objective = objective + nu * cos_squared(federated, local)
+        paired = federated if twins is None else twins
+        objective = objective + nu * cos_squared({k: federated[k] for k in paired}, {k: local[k] for k in paired})
     return objective
 
 
@@ -82,9 +84,11 @@ class MixingTrainer(TorchTrainer):
 
     def train_mixed(self, federated: Mapping[str, np.ndarray], local: Mapping[str, np.ndarray],
                     epochs: int, lr: float, batch_size: int, *, mixing: str, mu: float = 0.0, nu: float = 0.0,
-                    prox_form: str = "thesis", momentum: float = 0.0, weight_decay: float = 0.0
-                    ) -> tuple[Arrays, Arrays, float]:
-        """(θ^f, θ^l, mean loss) after ``epochs`` epochs from ``federated`` (also the prox anchor θ^g)."""
+                    prox_form: str = "thesis", momentum: float = 0.0, weight_decay: float = 0.0,
+                    twins: Collection[str] | None = None) -> tuple[Arrays, Arrays, float]:
+        """(θ^f, θ^l, mean loss) after ``epochs`` epochs from ``federated`` (also the prox anchor θ^g).
+        Only the parameters in ``twins`` (default all) are mixed; the others have λ = 0 and their
+        personal copies stay as they are (the authors' code mixes weights only)."""
         if mixing not in MIXINGS:
             raise ValueError(f"mixing must be one of {MIXINGS}, got {mixing!r}")
         shapes = {k: tuple(v.shape) for k, v in self.model.state_dict().items()}
@@ -93,8 +97,12 @@ class MixingTrainer(TorchTrainer):
         as_tensor = lambda p, grad: {  # noqa: E731
             k: torch.tensor(np.asarray(p[k]), dtype=torch.float32, device=self.device, requires_grad=grad)
             for k in shapes}
-        fed, own, anchor = as_tensor(federated, True), as_tensor(local, mixing != "none"), as_tensor(federated, False)
-        trained = list(fed.values()) + (list(own.values()) if mixing != "none" else [])
+        paired = set(shapes if twins is None else twins)
+        fed, own, anchor = as_tensor(federated, True), as_tensor(local, False), as_tensor(federated, False)
+        if mixing != "none":
+            for k in paired:
+                own[k].requires_grad_(True)
+        trained = list(fed.values()) + ([own[k] for k in shapes if k in paired] if mixing != "none" else [])
         optimiser = torch.optim.SGD(trained, lr=lr, momentum=momentum, weight_decay=weight_decay)
         modules = sorted({module_of(k) for k in shapes})
         losses = []
@@ -104,7 +112,7 @@ class MixingTrainer(TorchTrainer):
             order = torch.randperm(n, generator=self.generator).to(self.device)
             for start in range(0, n, batch_size):
                 idx = order[start : start + batch_size]
-                lambdas = self._draw(mixing, shapes, modules)
+                lambdas = {k: lam if k in paired else 0.0 for k, lam in self._draw(mixing, shapes, modules).items()}
                 features, labels = self.features[idx], self.labels[idx]
 
                 def data_loss(params: Tensors) -> torch.Tensor:
@@ -112,7 +120,7 @@ class MixingTrainer(TorchTrainer):
 
                 optimiser.zero_grad()
                 loss = mixed_objective(data_loss, fed, own, anchor, lambdas, mu, nu if mixing != "none" else 0.0,
-                                       prox_form)
+                                       prox_form, paired)
                 loss.backward()
                 optimiser.step()
                 losses.append(loss.item())

@@ -269,3 +269,23 @@ def test_simulate_reports_the_three_lambda_protocols(tmp_path):
     protocols = report["lambda_protocols"]
     assert protocols["validation_chosen"] == pytest.approx(report["personal"]["mean_accuracy"])
     assert protocols["best_on_test"] >= max(protocols["validation_chosen"], protocols["fixed_0.5"])
+
+
+def test_weights_only_mixing_keeps_biases_shared():
+    """Spec 9's code-compatible option: with mix_biases=False only weights have a personal twin;
+    personal biases never move and the personal model uses the federated biases."""
+    fleet = _digits(4)
+    server, client = algorithms.make("superfed", {"start_round": 0, "local_epochs": 1, "mix_biases": False})
+    local: dict = {}
+    state, _ = run_rounds(server, client, fleet.devices, fleet.initial, 2, 4, plain_sum, local_states=local)
+    fresh = fleet.devices[0].initial_local()
+    np.testing.assert_array_equal(local[0]["0.bias"], fresh["0.bias"])
+    assert not np.array_equal(local[0]["0.weight"], fresh["0.weight"])
+    model = server.model(state)
+    personal = client.personal_model(model, local[0], fleet.validation[0])
+    np.testing.assert_array_equal(personal["2.bias"], model["2.bias"])
+    from tally.algorithms.superfed import twins
+
+    endpoint = mix(model, local[0], 1.0, twins(client.config, model))
+    np.testing.assert_array_equal(endpoint["0.bias"], model["0.bias"])
+    np.testing.assert_array_equal(endpoint["0.weight"], local[0]["0.weight"])

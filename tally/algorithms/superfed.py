@@ -15,14 +15,15 @@ learning-rate factor ``lr_decay``^t under ``CONTROL``, the one-bit flag of Algor
 A device's personal model is θ(λ) with the λ it picks on its *own validation split* from
 {0, 0.1, ..., 1} (``personal_model``); the paper's numbers are best-over-λ on test data, which this
 never does. Choices the thesis leaves open follow the spec's section 9: the thesis prox form
-(``prox_form="code"`` for the per-layer norm), every parameter mixed and summed, a fresh optimiser
-each round. Momentum and weight decay default to 0, as Tally's FedAvg trains; the thesis uses 0.9
+(``prox_form="code"`` for the per-layer norm), every parameter mixed and summed
+(``mix_biases=False`` gives weights alone a personal twin, as the code does), a fresh optimiser each
+round. Momentum and weight decay default to 0, as Tally's FedAvg trains; the thesis uses 0.9
 and 1e-4.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -48,7 +49,7 @@ class MixingDevice(Protocol):
 
     def train_mixed(self, federated: Mapping[str, np.ndarray], local: Mapping[str, np.ndarray], epochs: int,
                     lr: float, batch_size: int, *, mixing: str, mu: float, nu: float, prox_form: str,
-                    momentum: float, weight_decay: float) -> tuple[Arrays, Arrays, float]: ...
+                    momentum: float, weight_decay: float, twins: Collection[str]) -> tuple[Arrays, Arrays, float]: ...
 
     def evaluate(self, params: Mapping[str, np.ndarray]) -> tuple[float, float]: ...
 
@@ -68,6 +69,7 @@ class SuPerFedConfig(FedAvgConfig):
     lr_decay: float = 0.99
     momentum: float = 0.0
     weight_decay: float = 0.0
+    mix_biases: bool = True  # False: only weights have a personal twin (the authors' code)
 
     def __post_init__(self) -> None:
         if self.mixing not in ("model", "layer"):
@@ -115,10 +117,17 @@ class SuPerFedServer:
         return state.params
 
 
-def mix(federated: Mapping[str, np.ndarray], local: Mapping[str, np.ndarray], lam: float) -> Arrays:
-    """θ(λ) = (1 − λ)θ^f + λθ^l (θ(0) the federated model, θ(1) the personal one)."""
+def twins(config: SuPerFedConfig, names: Collection[str]) -> list[str]:
+    """The parameters with a personal twin: all (the thesis) or the weights only (the code)."""
+    return [k for k in names if config.mix_biases or k.endswith("weight")]
+
+
+def mix(federated: Mapping[str, np.ndarray], local: Mapping[str, np.ndarray], lam: float,
+        paired: Collection[str] | None = None) -> Arrays:
+    """θ(λ) = (1 − λ)θ^f + λθ^l (θ(0) the federated model, θ(1) the personal one); parameters
+    outside ``paired`` (default: all are paired) are the federated ones."""
     return {k: ((1 - lam) * np.asarray(v, np.float64) + lam * np.asarray(local[k], np.float64)).astype(
-        np.asarray(v).dtype) for k, v in federated.items()}
+        np.asarray(v).dtype) if paired is None or k in paired else v for k, v in federated.items()}
 
 
 class _MixingAsTrainer:
@@ -138,7 +147,7 @@ class _MixingAsTrainer:
         federated, self.local, loss = self.device.train_mixed(
             params, self.local, epochs, lr * self.lr_factor, batch_size,
             mixing=cfg.mixing if self.mixing else "none", mu=cfg.mu, nu=cfg.nu, prox_form=cfg.prox_form,
-            momentum=cfg.momentum, weight_decay=cfg.weight_decay,
+            momentum=cfg.momentum, weight_decay=cfg.weight_decay, twins=twins(cfg, params),
         )
         return federated, loss
 
@@ -169,11 +178,12 @@ class SuPerFedClient:
         the paper's optimistic protocol passes a test split."""
         if local_state is None or validation is None or validation.num_examples == 0:
             return 0.0, []
-        curve = [validation.evaluate(mix(model, local_state, lam))[1] for lam in LAMBDA_GRID]
+        paired = twins(self.config, model)
+        curve = [validation.evaluate(mix(model, local_state, lam, paired))[1] for lam in LAMBDA_GRID]
         return LAMBDA_GRID[int(np.argmax(curve))], curve
 
     def personal_model(self, model: Mapping[str, np.ndarray], local_state: Any,
                        validation: LocalTrainer | None = None) -> Arrays:
         lam, _ = self.choose_lambda(model, local_state, validation)
-        return dict(model) if local_state is None else mix(model, local_state, lam)
+        return dict(model) if local_state is None else mix(model, local_state, lam, twins(self.config, model))
 
