@@ -478,3 +478,18 @@ def test_online_rotated_device_fedavg_forgets_and_lg_fedavg_does_not():
     assert fedavg[0] - fedavg[1] > 0.5
     assert lg_before - lg_after < 0.03
     assert lg_rotated >= fedavg[2] - 0.01
+
+
+def test_a_restarted_coordinator_resumes_in_the_right_phase():
+    """The server state (whole model and round) checkpoints without pickle, so a restart past the
+    warm-up resumes summing the global part only."""
+    from dataclasses import replace
+
+    from coordinator.state_codec import state_from_bytes, state_to_bytes
+
+    server = LGFedAvgServer(LGFedAvgConfig(warmup_rounds=2))
+    state = replace(server.init(get_params(mlp(64, 10, seed=0))), round=3)
+    template = server.init(get_params(mlp(64, 10, seed=1)))
+    restored = state_from_bytes(state_to_bytes(state), template)
+    assert restored.round == 3 and [s.name for s in server.steps(restored)] == [GLOBAL]
+    np.testing.assert_array_equal(flatten(restored.params), flatten(state.params))
