@@ -76,6 +76,10 @@ class DeviceStats:
     jobs: list[str] = field(default_factory=list)
     # The last coordinator call that had to be retried, and why ("CheckIn: UNAVAILABLE").
     last_error: str = ""
+    # Whether a job of the device's population ever ran while it checked in, and whether none
+    # runs now (the last check-in's answer).
+    saw_running_job: bool = False
+    population_idle: bool = False
 
 
 class Device:
@@ -206,6 +210,9 @@ class Device:
         self.stats.checkins += 1
         which = response.WhichOneof("result")
         self.metrics.checkins.labels(which or "empty").inc()
+        idle = which == "retry_after" and response.retry_after.population_idle
+        self.stats.population_idle = idle
+        self.stats.saw_running_job |= not idle
         if which == "task":
             await self._do_task(response.task)
         self._on_update(self.stats)

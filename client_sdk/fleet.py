@@ -61,6 +61,9 @@ class FleetStats:
     jobs: list[str]
     # A device's last retried coordinator call and why ("" when none was retried).
     last_error: str
+    # Some device saw a job of the population running, and every device's last check-in said
+    # none runs now.
+    jobs_over: bool
 
     @classmethod
     def collect(cls, stats: Sequence[DeviceStats], last_model_version: str, elapsed: float) -> FleetStats:
@@ -85,6 +88,7 @@ class FleetStats:
             elapsed_seconds=elapsed,
             jobs=list(dict.fromkeys(job for s in stats for job in s.jobs)),
             last_error=next((s.last_error for s in stats if s.last_error), ""),
+            jobs_over=any(s.saw_running_job for s in stats) and all(s.population_idle for s in stats),
         )
 
     @property
@@ -231,9 +235,15 @@ class Fleet:
         return self._until_finished(lambda stats: [job_id], every_seconds)
 
     def until_jobs_done(self, every_seconds: float = 1.0) -> Callable[[FleetStats], Awaitable[bool]]:
-        """A predicate for ``run``: the fleet was given tasks of some job, and every job it was
-        given tasks of is finished (a fleet that ends when its work does)."""
-        return self._until_finished(lambda stats: stats.jobs, every_seconds)
+        """A predicate for ``run``: every job the fleet was given tasks of is finished, or (for a
+        fleet none of whose devices was ever selected, like one shard of a large fleet) jobs of
+        its population ran and none runs now. A fleet that ends when its work does."""
+        finished = self._until_finished(lambda stats: stats.jobs, every_seconds)
+
+        async def done(stats: FleetStats) -> bool:
+            return stats.jobs_over or await finished(stats)
+
+        return done
 
     def _until_finished(
         self, jobs: Callable[[FleetStats], list[str]], every_seconds: float

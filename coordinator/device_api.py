@@ -42,7 +42,8 @@ _DIGEST = re.compile(r"[0-9a-f]{64}")
 
 
 def retry_proto(retry: Retry) -> coordinator_pb2.RetryAfter:
-    return coordinator_pb2.RetryAfter(seconds=retry.seconds, reason=retry.reason)
+    return coordinator_pb2.RetryAfter(seconds=retry.seconds, reason=retry.reason,
+                                      population_idle=retry.population_idle)
 
 
 class DeviceService(coordinator_pb2_grpc.CoordinatorServicer):

@@ -149,7 +149,8 @@ class Engine:
             else:
                 return decision
         if not retries:
-            return Retry(IDLE_RETRY_S, f"no running job for population {claims.population!r}")
+            return Retry(IDLE_RETRY_S, f"no running job for population {claims.population!r}",
+                         population_idle=True)
         return min(retries, key=lambda r: r.seconds)
 
     def runner(self, job_id: str) -> JobRunner | None:

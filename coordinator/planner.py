@@ -82,6 +82,7 @@ class Phase(enum.Enum):
 class Retry:
     seconds: float
     reason: str
+    population_idle: bool = False  # no job of the device's population is running
 
 
 @dataclass(frozen=True)

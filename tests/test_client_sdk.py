@@ -227,6 +227,7 @@ class FakeCoordinator(coordinator_pb2_grpc.CoordinatorServicer):
         assign: bool = True,
         cancel_checkins: bool = False,
         reassign: str | None = None,
+        idle_from_checkin: int | None = None,
     ) -> None:
         self.plan = plan
         self.cohort = dict(cohort or {})
@@ -242,6 +243,8 @@ class FakeCoordinator(coordinator_pb2_grpc.CoordinatorServicer):
         self.cancel_checkins = cancel_checkins
         # A malicious coordinator: the same round's task again and again, on this aggregator.
         self.reassign = reassign
+        # From this check-in of each device on, no job of the population runs.
+        self.idle_from_checkin = idle_from_checkin
         self.reports: dict[str, list[coordinator_pb2.TaskReport]] = defaultdict(list)
         self.issuer = TokenIssuer(os.urandom(32))
         self.registrations: Counter[str] = Counter()
@@ -276,6 +279,9 @@ class FakeCoordinator(coordinator_pb2_grpc.CoordinatorServicer):
         self.checked_in.set()
         if self.cancel_checkins:  # what a coordinator shutting down does to held check-ins
             await context.abort(grpc.StatusCode.CANCELLED, "server shutting down")
+        if self.idle_from_checkin is not None and self.checkins[device] >= self.idle_from_checkin:
+            return coordinator_pb2.CheckInResponse(retry_after=coordinator_pb2.RetryAfter(
+                seconds=0.01, reason="no running job", population_idle=True))
         if (self.checkins[device] == 1 or not self.assign or device not in self.cohort
                 or (device in self.assigned and not self.reassign)):
             return coordinator_pb2.CheckInResponse(retry_after=coordinator_pb2.RetryAfter(seconds=0.01, reason="wait"))
@@ -1002,6 +1008,29 @@ def test_fleet_command_runs_devices_against_a_coordinator(until, tmp_path, one_t
     report = json.loads((tmp_path / "fleet.json").read_text())
     assert (report["devices"], report["tasks_done"], report["sessions_completed"]) == (3, 3, 3)
     assert report["rounds"] == {JOB: [3]} and aggregator.server.results[step.name].contributors == (1, 2, 3)
+
+
+def test_a_fleet_never_selected_exits_when_its_population_has_no_job_left(one_torch_thread):
+    """A shard of a large fleet may never be selected: it has no job to wait for, so it ends once
+    a job of its population has run (its devices were told to wait) and none runs now. It does
+    not end before any job ran."""
+
+    async def scenario(coordinator: FakeCoordinator, timeout: float):
+        server, port = await serve(coordinator)
+        fleet = Fleet(f"127.0.0.1:{port}", PLAIN, [ShiftTrainer(0.1, 4) for _ in range(3)], retry=FAST,
+                      enrolment_key=ENROLMENT_KEY)
+        try:
+            return await asyncio.wait_for(fleet.run(until=fleet.until_jobs_done(every_seconds=0.01)), timeout)
+        finally:
+            fleet.close()
+            await server.stop(None)
+
+    stats = run(scenario(FakeCoordinator(assign=False, idle_from_checkin=4), 10))
+    assert stats.jobs_over and stats.tasks_done == 0 and stats.jobs == []
+    never_busy = FakeCoordinator(assign=False, idle_from_checkin=1)
+    with pytest.raises(TimeoutError):
+        run(scenario(never_busy, 1.0))  # idle from the start: nothing ran, so it keeps waiting
+    assert min(never_busy.checkins.values()) > 1
 
 
 def test_a_fleet_pointed_at_nothing_says_so_and_exits(capsys, tally_logger):

@@ -88,12 +88,14 @@ class CheckInRequest(_message.Message):
     def __init__(self, capabilities: _Optional[_Union[Capabilities, _Mapping]] = ..., reports: _Optional[_Iterable[_Union[TaskReport, _Mapping]]] = ...) -> None: ...
 
 class RetryAfter(_message.Message):
-    __slots__ = ("seconds", "reason")
+    __slots__ = ("seconds", "reason", "population_idle")
     SECONDS_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
+    POPULATION_IDLE_FIELD_NUMBER: _ClassVar[int]
     seconds: float
     reason: str
-    def __init__(self, seconds: _Optional[float] = ..., reason: _Optional[str] = ...) -> None: ...
+    population_idle: bool
+    def __init__(self, seconds: _Optional[float] = ..., reason: _Optional[str] = ..., population_idle: _Optional[bool] = ...) -> None: ...
 
 class Step(_message.Message):
     __slots__ = ("name", "sum_id", "broadcast", "schema", "reveal", "personal")
