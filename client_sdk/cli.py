@@ -20,7 +20,7 @@ from client_sdk.dropout import DEFAULT_PHASES, DropoutPlan
 from client_sdk.enrolment import load_or_create_identity
 from client_sdk.fleet import CoordinatorUnreachable, Fleet
 from client_sdk.metrics import ClientMetrics
-from tally import data, logs, models
+from tally import argtypes, data, logs, models
 from tally.metrics import MetricsServer
 from tally.secagg import DevicePolicy
 from tally.security import load_ticket_public_key
@@ -64,7 +64,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     _add_common(f)
     f.add_argument("--devices", type=int, required=True, help="number of simulated devices")
-    f.add_argument("--dropout", type=float, default=0.0, help="probability that a device drops in a session")
+    f.add_argument("--dropout", type=argtypes.FRACTION, default=0.0,
+                   help="probability that a device drops in a session, in [0, 1)")
     f.add_argument(
         "--dropout-phases", default=",".join(DEFAULT_PHASES),
         help="comma-separated phases a dropping device leaves in (chosen at random)",

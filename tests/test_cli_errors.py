@@ -79,6 +79,17 @@ def test_simulate_mistakes_are_one_line_naming_the_option(tmp_path, capsys, argv
     assert not out.exists()
 
 
+@pytest.mark.parametrize("command", [
+    ["sum", "--dropout", "1.5"],
+    ["sum", "--corrupt", "-0.1"],
+    ["fleet", "--coordinator", "127.0.0.1:1", "--devices", "2", "--dropout", "1.5"],
+])
+def test_fraction_options_of_sum_and_fleet_are_bounded(capsys, command):
+    assert _tally(command) == 2
+    err = capsys.readouterr().err
+    assert "must be a number in [0, 1)" in err and "Traceback" not in err
+
+
 def test_every_option_of_every_command_has_help():
     """Walks the whole `tally` parser, subcommands of subcommands included (issue 9, item 10)."""
     import argparse as ap

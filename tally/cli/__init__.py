@@ -15,7 +15,7 @@ from importlib import metadata
 
 # command -> (module whose register(sub) adds it, one-line help); in the order `tally --help` lists them
 COMMANDS: dict[str, tuple[str, str]] = {
-    "sum": ("tally.engine_demo", "run one secure sum over a simulated cohort, in process"),
+    "sum": ("tally.cli.sum", "run one secure sum over a simulated cohort, in process"),
     "demo": ("tally.cli.demo", "coordinator, two aggregators and a simulated fleet on 127.0.0.1, with a report"),
     "simulate": ("tally.cli.simulate", "run an algorithm in process (no network) and write metrics as JSON"),
     "certs": ("tally.security.certs_cli", "create a CA and per-role TLS certificates and keys for a deployment"),

@@ -13,6 +13,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+from tally import argtypes
 from tally.codec import Field, PayloadSchema, to_ring
 from tally.secagg import DevicePolicy, Dropout, SessionConfig, SessionRef, ThreatModel, enrol, run_cohort
 from tally.secagg.driver import PHASES
@@ -41,16 +42,16 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def _add_cohort_args(p: argparse.ArgumentParser, clients: int, dim: int) -> None:
-    p.add_argument("--clients", type=int, default=clients, help="devices in the cohort")
-    p.add_argument("--dim", type=int, default=dim, help="values per device")
-    p.add_argument("--dropout", type=float, default=0.1, help="fraction of devices that drop")
+    p.add_argument("--clients", type=argtypes.integer(3), default=clients, help="devices in the cohort")
+    p.add_argument("--dim", type=argtypes.integer(1), default=dim, help="values per device")
+    p.add_argument("--dropout", type=argtypes.FRACTION, default=0.1, help="fraction of devices that drop")
     p.add_argument(
         "--phase",
         choices=["random", *PHASES],
         default="random",
         help="phase in which the dropped devices stop answering",
     )
-    p.add_argument("--corrupt", type=float, default=0.05, help="tolerated fraction of corrupt devices")
+    p.add_argument("--corrupt", type=argtypes.FRACTION, default=0.05, help="tolerated fraction of corrupt devices")
     p.add_argument("--consistency-check", action="store_true", help="sign survivor sets (malicious server)")
     p.add_argument("--seed", type=int, default=0, help="seed for inputs and dropouts")
 
