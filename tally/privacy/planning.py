@@ -114,6 +114,11 @@ class DistributedPlan:
         return kls_epsilon(self.sensitivity, self.sigma_device, noise_devices, self.padded)
 
 
+def _kls_tight(plan: DistributedPlan) -> bool:
+    """Whether the planned honest survivors' noise is as private as the spec's multiplier."""
+    return 1.0 / plan.epsilon_zcdp(plan.noise_devices) >= plan.noise_multiplier * (1 - 1e-3)
+
+
 def noise_devices(cohort_size: int, dropout_rate: float, corrupt_rate: float) -> int:
     """Honest survivors a cohort is planned for: expected dropouts and devices colluding with the
     server (who know, and can subtract, their own noise) add nothing the accountant may count."""
@@ -153,6 +158,10 @@ def plan_distributed(
             mid = math.sqrt(low * high)
             low, high = (low, mid) if at(mid).inflation <= 1 + inflation else (mid, high)
         plan = at(high)
+        # Large cohorts split the noise thinly: widen the scale until each device's share is
+        # large enough for a sum of discrete Gaussians to be as private as one (KLS tau term).
+        while not _kls_tight(plan) and plan.units < 1e12:
+            plan = at(plan.units * 1.25)
     else:
         if at(MIN_SCALE_UNITS).bits(cohort_size) > bits:
             raise PrivacyRefused(
@@ -167,7 +176,7 @@ def plan_distributed(
         raise PrivacyRefused(
             f"each device's share of the noise ({plan.sigma_device:.3g} ring units) is below the 1/2 "
             "the distributed discrete Gaussian's analysis needs; use more bits or more noise")
-    if 1.0 / plan.epsilon_zcdp(honest) < noise_multiplier * (1 - 1e-3):
+    if not _kls_tight(plan):
         raise PrivacyRefused(
             f"a sum of {honest} devices' discrete Gaussians at {plan.sigma_device:.3g} ring units each is "
             f"measurably less private than noise multiplier {noise_multiplier:g} (KLS tau term); use more bits")
