@@ -88,6 +88,6 @@ def job_problems(privacy: PrivacySpec, *, algorithm: str, make_server: Callable[
         wrapped = PrivateServer(server, algorithm, settings_for(
             privacy, **_job(secure, rounds, cohort_size, min_cohort)))
         wrapped.steps(wrapped.init(params))  # lays out and plans every step
-    except PrivacyRefused as exc:
+    except ValueError as exc:  # PrivacyRefused, or the codec refusing a ring wider than 64 bits
         return [f"privacy: {exc}"]
     return []

@@ -1,0 +1,40 @@
+"""Smoke size of the DP benchmarks: they run, write their JSON and plot, and report what the
+README quotes (spent epsilon equal to the target, a chosen ring width, accuracies)."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+BENCH = Path(__file__).resolve().parents[1] / "bench"
+
+
+def run(script: str, *args: str) -> None:
+    proc = subprocess.run([sys.executable, str(BENCH / script), *args], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+def test_dp_digits_smoke(tmp_path):
+    out, plot = tmp_path / "dp.json", tmp_path / "dp.png"
+    run("dp_digits.py", "--clients", "20", "--cohort", "8", "--rounds", "2", "--hidden", "4", "--seeds", "1",
+        "--epsilons", "8", "--bits-epsilon", "8", "--bits", "6", "16", "--json", str(out), "--plot", str(plot))
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["mechanism"] for r in rows] == ["none", "central", "distributed", "distributed", "distributed"]
+    refused, forced = rows[3], rows[4]
+    assert "bits cannot hold" in refused["refused"]  # 6 bits: the planner says why
+    assert abs(rows[1]["epsilon_spent"] - 8) < 0.01  # central: exactly the calibrated noise
+    # Distributed: a cohort of 8 with int(0.1 * 8) = 0 dropouts keeps 7 honest devices where the
+    # plan assumed 6, so more noise is present than planned and the ledger spends less.
+    for r in (rows[2], forced):
+        assert r["epsilon_spent"] < 8
+    for r in rows[:3] + [forced]:
+        assert 0 <= r["accuracy"] <= 1
+    assert forced["bits"] <= 16 and rows[2]["bits"] >= 2
+    assert plot.stat().st_size > 0
+
+
+def test_dp_ring_bits_smoke(tmp_path):
+    out = tmp_path / "bits.json"
+    run("dp_ring_bits.py", "--dim", "100", "--cohorts", "10", "100000", "--noise-multipliers", "1", "--json", str(out))
+    small, large = json.loads(out.read_text())["rows"]
+    assert small["bits"] < large["bits"] and large["beyond_tff_cap"]
