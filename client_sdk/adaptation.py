@@ -14,15 +14,13 @@ Four techniques (spec 6), each starting from A = G^T:
   weighs α·K²·KL(softmax(G/K) ‖ softmax(A/K)) + (1 − α)·CE; ``"paper"`` is Eq. 6's swap,
   α·K²·CE + (1 − α)·KL. The KL is averaged over the batch ("batchmean"), not over batch × classes.
 
-``adapt`` is the API an application calls; ``export_onnx`` turns the adapted model into ONNX bytes
-that ``client_sdk.OnnxModel`` serves with ONNX Runtime alone (no torch at serving time).
+``adapt`` is the API an application calls; ``tally.models.onnx.export_onnx`` turns the adapted
+model into ONNX bytes that ``client_sdk.OnnxModel`` serves with ONNX Runtime alone (no torch at serving time).
 """
 
 from __future__ import annotations
 
 import fnmatch
-import io
-import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -157,15 +155,3 @@ def adapt(module: nn.Module, params: Mapping[str, np.ndarray], features: np.ndar
     return get_params(module)
 
 
-def export_onnx(module: nn.Module, params: Mapping[str, np.ndarray], inputs: int) -> bytes:
-    """ONNX bytes of ``module`` with ``params`` (input [batch, inputs] float32, output logits),
-    for ``client_sdk.OnnxModel.from_bytes``."""
-    set_params(module, params)
-    module.eval()
-    out = io.BytesIO()
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", DeprecationWarning)
-        torch.onnx.export(module, (torch.zeros(1, inputs),), out, dynamo=False, input_names=["input"],
-                          output_names=["logits"], dynamic_axes={"input": {0: "batch"}, "logits": {0: "batch"}},
-                          opset_version=17)
-    return out.getvalue()

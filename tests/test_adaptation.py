@@ -13,7 +13,8 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from client_sdk.adaptation import AdaptationConfig, adapt, distillation_loss, export_onnx, fisher_diagonal
+from client_sdk.adaptation import AdaptationConfig, adapt, distillation_loss, fisher_diagonal
+from tally.models.onnx import export_onnx
 from tally import algorithms
 from tally.algorithms.base import flatten
 from tally.datasets.personal import pathological_digits

@@ -39,6 +39,11 @@ class FedAvgConfig:
             raise ValueError(f"unknown fedavg options {sorted(unknown)}")
         return cls(**raw)
 
+    @classmethod
+    def part_of(cls, config: FedAvgConfig) -> FedAvgConfig:
+        """The FedAvg part of a config that extends FedAvg's (LG-FedAvg's, SuPerFed's)."""
+        return cls(**{name: getattr(config, name) for name in cls.__dataclass_fields__})
+
 
 @dataclass(frozen=True)
 class FedAvgState:

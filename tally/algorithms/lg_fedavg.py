@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import fnmatch
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -73,11 +73,6 @@ class LGFedAvgConfig(FedAvgConfig):
         return cls(**raw)
 
 
-def fedavg_options(config: FedAvgConfig) -> FedAvgConfig:
-    """The FedAvg part of a config that extends FedAvg's."""
-    return FedAvgConfig(**{f.name: getattr(config, f.name) for f in fields(FedAvgConfig)})
-
-
 @dataclass(frozen=True)
 class Split:
     """Which parameter names are global, by pattern; order follows the model's."""
@@ -111,7 +106,7 @@ class LGFedAvgServer:
     def __init__(self, config: LGFedAvgConfig | None = None) -> None:
         self.config = config or LGFedAvgConfig()
         self.split = Split(self.config.global_patterns)
-        self._fedavg = FedAvgServer(fedavg_options(self.config))
+        self._fedavg = FedAvgServer(FedAvgConfig.part_of(self.config))
 
     def init(self, params: Arrays) -> LGFedAvgState:
         self.split.check(params)
@@ -191,7 +186,7 @@ class LGFedAvgClient:
     def __init__(self, config: LGFedAvgConfig | None = None) -> None:
         self.config = config or LGFedAvgConfig()
         self.split = Split(self.config.global_patterns)
-        self._fedavg = FedAvgClient(fedavg_options(self.config))
+        self._fedavg = FedAvgClient(FedAvgConfig.part_of(self.config))
 
     def contribute(
         self, step: str, broadcast: Mapping[str, np.ndarray], device: LocalTrainer, local_state: Any

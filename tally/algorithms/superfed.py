@@ -31,7 +31,6 @@ import numpy as np
 
 from tally.algorithms.base import Arrays, LocalTrainer, StepSpec
 from tally.algorithms.fedavg import FedAvgClient, FedAvgConfig, FedAvgServer, FedAvgState
-from tally.algorithms.lg_fedavg import fedavg_options
 
 STEP = "update"
 CONTROL = "superfed.control"  # [mixing on (0/1), learning-rate factor]
@@ -95,7 +94,7 @@ class SuPerFedServer:
 
     def __init__(self, config: SuPerFedConfig | None = None) -> None:
         self.config = config or SuPerFedConfig()
-        self._fedavg = FedAvgServer(fedavg_options(self.config))
+        self._fedavg = FedAvgServer(FedAvgConfig.part_of(self.config))
 
     def init(self, params: Arrays) -> FedAvgState:
         if CONTROL in params:
@@ -155,7 +154,7 @@ class _MixingAsTrainer:
 class SuPerFedClient:
     def __init__(self, config: SuPerFedConfig | None = None) -> None:
         self.config = config or SuPerFedConfig()
-        self._fedavg = FedAvgClient(fedavg_options(self.config))
+        self._fedavg = FedAvgClient(FedAvgConfig.part_of(self.config))
 
     def contribute(
         self, step: str, broadcast: Mapping[str, np.ndarray], device: MixingDevice, local_state: Any
