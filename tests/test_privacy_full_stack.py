@@ -5,13 +5,18 @@ total carries the noise, the ledger accounts the survivors' noise in the round m
 
 from __future__ import annotations
 
+import asyncio
 import re
 
 import numpy as np
 
-from test_full_stack import scrape_text
-from test_full_stack_algorithms import run_job
+from test_full_stack import run, scrape_text, stack
+from test_full_stack_algorithms import job_text, run_job
+from coordinator import registry
 from tally.privacy.accounting import PrivacyLedger
+from tally.wire.v1 import common_pb2
+
+PRIVACY = "privacy: {mechanism: distributed, clip: 1.0, noise_multiplier: 0.5}\n"
 
 
 class ShiftDevice:
@@ -41,7 +46,7 @@ def test_distributed_dp_fedavg_through_the_services(tmp_path):
     state, (metrics_text, records) = run_job(
         tmp_path, "fedavg", {"example_cap": 1, "local_epochs": 1}, "dp-shift", initial,
         [ShiftDevice(shift) for _ in range(n)], rounds,
-        extra="privacy: {mechanism: distributed, clip: 1.0, noise_multiplier: 0.5}\n", probe=probe,
+        extra=PRIVACY, probe=probe,
     )
     w = state.params["w"]
     # Noiseless FedAvg would give exactly rounds * shift everywhere. The sum's noise (std about
@@ -49,16 +54,51 @@ def test_distributed_dp_fedavg_through_the_services(tmp_path):
     # still be that result plus noise of that size (a wrong scale or rotation gives garbage).
     assert 0.01 < w.std() < 0.3
     assert abs(w.mean() - rounds * shift) < 0.05
-    committed = sorted((r for r in records if r.state == "committed"), key=lambda r: r.round)
+    replayed, committed = replayed_epsilon(records)
     assert [r.round for r in committed] == list(range(1, rounds + 1))
-    replayed = PrivacyLedger(1e-5)
     for record in committed:
-        m = record.metrics
         # Honest survivors: every contributor but the ceil(0.05 * 10) = 1 the threat model lets
         # collude with the server.
-        assert m["privacy.noise_devices"] == m["update.contributors"] - 1
-        replayed.replay(record.round, m)
+        assert record.metrics["privacy.noise_devices"] == record.metrics["update.contributors"] - 1
     final = committed[-1].metrics["privacy.epsilon"]
-    assert final == replayed.epsilon > committed[0].metrics["privacy.epsilon"] > 0
+    assert final == replayed > committed[0].metrics["privacy.epsilon"] > 0
     gauge = re.search(r'tally_privacy_epsilon\{job_id="[^"]+"\} (\S+)', metrics_text)
     assert gauge is not None and float(gauge.group(1)) == final
+
+
+def replayed_epsilon(records) -> tuple[float, list]:
+    committed = sorted((r for r in records if r.state == "committed"), key=lambda r: r.round)
+    ledger = PrivacyLedger(1e-5)
+    for record in committed:
+        ledger.replay(record.round, record.metrics)
+    return ledger.epsilon, committed
+
+
+def test_a_restarted_coordinator_keeps_the_epsilon_spent(tmp_path):
+    """The ledger is rebuilt from the committed rounds: after a restart the job's epsilon keeps
+    growing from what was spent, not from zero."""
+    rounds, n = 3, 10
+    text = job_text("dp-restart", "fedavg", rounds, n, "dp-restart", {"example_cap": 1}) + PRIVACY
+    registry.register_model("dp-restart", lambda _spec: {"w": np.zeros(15)})
+
+    async def main():
+        async with stack(tmp_path) as s:
+            job_id = await s.submit(text)
+            fleet = s.fleet([ShiftDevice(0.01) for _ in range(n)], seed=1)
+            running = asyncio.create_task(fleet.run(until=fleet.until_job_done(job_id, every_seconds=0.2)))
+            await s.committed(job_id, 1)
+            await s.restart_coordinator()
+            await running
+            fleet.close()
+            return await s.job(job_id), s.coordinator.store.rounds(job_id)
+
+    try:
+        job, records = run(main())
+    finally:
+        registry.unregister_model("dp-restart")
+    assert job.state == common_pb2.JOB_STATE_SUCCEEDED, job.message
+    total, committed = replayed_epsilon(records)
+    after_restart = PrivacyLedger(1e-5)
+    for record in committed[1:]:
+        after_restart.replay(record.round, record.metrics)
+    assert committed[-1].metrics["privacy.epsilon"] == total > after_restart.epsilon
