@@ -44,6 +44,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     c.add_argument("--shard", type=int, required=True, help="which shard of the split this device holds (0-based)")
     c.add_argument("--shards", type=int, required=True, help="number of shards the dataset is split into")
     c.add_argument("--cache-dir", type=Path, help="keep downloaded models here, by digest")
+    c.add_argument("--state-dir", type=Path,
+                   help="keep the device's per-job local state (personal layers) here, across restarts")
     c.add_argument("--max-tasks", type=int, help="exit after this many tasks (default: run until interrupted)")
     c.add_argument(
         "--identity", type=Path,
@@ -72,6 +74,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     f.add_argument("--id-prefix", default="sim", help="device ids are <prefix>-<index>")
     f.add_argument("--cache-dir", type=Path, help="model cache shared by the simulated devices")
+    f.add_argument("--state-dir", type=Path,
+                   help="keep each device's per-job local state in <dir>/<device id>, across restarts")
     until = f.add_mutually_exclusive_group()
     until.add_argument("--max-tasks-per-device", type=int, help="each device stops after this many tasks")
     until.add_argument("--until-job-done", metavar="JOB_ID", help="stop when the coordinator reports the job finished")
@@ -181,6 +185,7 @@ def run_client(args: argparse.Namespace) -> int:
         trainer,
         population=args.population,
         cache_dir=args.cache_dir,
+        state_dir=args.state_dir,
         rng_seed=args.seed,
         metrics=metrics,
         identity=identity,
@@ -221,6 +226,7 @@ def run_fleet(args: argparse.Namespace) -> int:
         population=args.population,
         seed=args.seed + shard,
         cache_dir=args.cache_dir,
+        state_dir=args.state_dir,
         id_prefix=args.id_prefix if shards == 1 else f"{args.id_prefix}-{shard}of{shards}",
         device_policy=DevicePolicy(allow_plain=args.allow_plain),
         enrolment_key=enrolment_key,

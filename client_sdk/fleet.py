@@ -141,7 +141,10 @@ class Fleet:
         training_threads: int | None = None,
         device_policy: DevicePolicy | None = None,
         enrolment_key: bytes | None = None,
+        state_dir: Path | None = None,
     ) -> None:
+        """``state_dir``: each device keeps its per-job local state (LG-FedAvg's local layers,
+        SuPerFed's personal model) in ``state_dir/<device id>``, across restarts."""
         if not trainers:
             raise ValueError("a fleet needs at least one device")
         policy = retry or RetryPolicy()
@@ -175,6 +178,7 @@ class Fleet:
                 policy=device_policy,
                 identity=simulated_identity(enrolment_key, ids[i]) if enrolment else None,
                 enrolment_credential=enrolment.credential(population, ids[i]) if enrolment else b"",
+                state_dir=state_dir / ids[i] if state_dir is not None else None,
             )
             for i, trainer in enumerate(trainers)
         ]

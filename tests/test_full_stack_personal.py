@@ -44,9 +44,7 @@ def _through_the_services(tmp_path, algorithm: str, options: dict[str, Any]):
     async def main():
         async with stack(tmp_path) as s:
             job_id = await s.submit(text)
-            fleet = s.fleet(devices, seed=1)
-            for i, device in enumerate(fleet.devices):
-                device._local = LocalStateStore(tmp_path / "devices" / f"d{i}")  # as Device(state_dir=...)
+            fleet = s.fleet(devices, seed=1, state_dir=tmp_path / "devices")
             await fleet.run(until=fleet.until_job_done(job_id, every_seconds=0.2))
             fleet.close()
             store = s.coordinator.store
@@ -72,7 +70,7 @@ def _in_process(algorithm: str, options: dict[str, Any]):
 def _restarted(tmp_path, job_id: str, i: int) -> Any:
     """What a restarted device, given the same state directory, holds for the job."""
     device = Device("127.0.0.1:1", PLAINTEXT, f"restarted-{i}", _trainers()[0][i],
-                    state_dir=tmp_path / "devices" / f"d{i}")
+                    state_dir=tmp_path / "devices" / f"sim-{i:05d}")  # the fleet device's own
     return device.local_state(job_id)
 
 
