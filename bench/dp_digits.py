@@ -31,7 +31,6 @@ import time
 from importlib import metadata
 from pathlib import Path
 
-import numpy as np
 from rich.console import Console
 from rich.progress import Progress
 from rich.table import Table

@@ -23,7 +23,7 @@ from tally.privacy.accounting import PrivacyLedger, calibrate, epsilon_of
 from tally.privacy.errors import PrivacyRefused
 from tally.privacy.mechanisms import conditional_round
 from tally.privacy.payload import PrivateClient, ring_encode
-from tally.privacy.planning import DP_FIELD, plan_distributed, rounding_bound_sq
+from tally.privacy.planning import plan_distributed, rounding_bound_sq
 from tally.privacy.rotation import rotate, unrotate
 from tally.privacy.server import PrivacySettings, PrivateServer
 

@@ -20,7 +20,13 @@ from tally.codec import PayloadSchema
 from tally.privacy import mechanisms
 from tally.privacy.accounting import PrivacyLedger, RoundPrivacy
 from tally.privacy.payload import CENTRAL, COUNTED_PREFIX, FIELD_PREFIX, MECHANISM_CODES, PARAMS, SEED, split
-from tally.privacy.planning import DP_FIELD, DistributedPlan, corrupt_devices, plan_distributed
+from tally.privacy.planning import (
+    DEFAULT_WRAP_PROBABILITY,
+    DP_FIELD,
+    DistributedPlan,
+    corrupt_devices,
+    plan_distributed,
+)
 from tally.privacy.sensitivity import Layout, layout
 
 
@@ -38,11 +44,12 @@ class PrivacySettings:
     min_survivors: int = 1
     sampling_rate: float = 1.0
     bits: int | None = None
-    wrap_probability: float = 1e-6
+    wrap_probability: float = DEFAULT_WRAP_PROBABILITY
 
 
 @dataclass(frozen=True)
 class _Prepared:
+    source: PayloadSchema  # the algorithm's schema this was laid out from
     layout: Layout
     plan: DistributedPlan | None
 
@@ -63,7 +70,7 @@ class PrivateServer:
         self._seeds: dict[str, int] = {}
         self._survivors: dict[str, int] = {}  # per step: contributors of the last accounted sum
 
-    def __getattr__(self, attr: str) -> Any:  # config, num_clients, broadcast_to, ...
+    def __getattr__(self, attr: str) -> Any:  # config, num_clients, ... of the algorithm
         if attr == "inner":
             raise AttributeError(attr)
         return getattr(self.inner, attr)
@@ -84,8 +91,7 @@ class PrivateServer:
     def prepare(self, step: StepSpec) -> _Prepared:
         """The step's DP layout and plan; ``PrivacyRefused`` when it cannot be made private."""
         cached = self._prepared.get(step.name)
-        if cached is not None and cached.layout.dim == sum(
-                f.size for f in step.schema.fields if f.name in {c.name for c in cached.layout.clipped}):
+        if cached is not None and cached.source == step.schema:
             return cached
         fields = layout(self.algorithm, self.inner, step)
         s = self.settings
@@ -94,14 +100,11 @@ class PrivateServer:
             dropout_rate=s.dropout_rate, corrupt_rate=s.corrupt_rate, min_survivors=s.min_survivors,
             bits=s.bits, wrap_probability=s.wrap_probability,
         )
-        self._prepared[step.name] = prepared = _Prepared(fields, plan)
+        self._prepared[step.name] = prepared = _Prepared(step.schema, fields, plan)
         return prepared
 
     def broadcast(self, state: Any, step: str) -> Arrays:
         return {**self.inner.broadcast(state, step), **self._public(step)}
-
-    def broadcast_to(self, state: Any, step: str, device: int) -> Arrays:
-        return {**self.inner.broadcast_to(state, step, device), **self._public(step)}
 
     def _public(self, step: str) -> Arrays:
         """A fresh rotation seed per broadcast (remembered for ``apply``) and the device's share."""
