@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from tally.algorithms.base import Arrays, StepSpec
+from tally.codec.packing import wire_width
 from tally.codec.schema import ring_dtype, ring_mask
 from tally.privacy.payload import ring_encode
 from tally.privacy.server import PrivateServer
@@ -28,7 +29,7 @@ class RingSum:
     server: PrivateServer
     dropout: float = 0.0
     seed: int = 0
-    wire_bytes: list[int] = field(default_factory=list)  # per device per sum, at b bits a value
+    wire_bytes: list[int] = field(default_factory=list)  # per device per sum, as the codec packs it
 
     def __post_init__(self) -> None:
         self.rng = np.random.default_rng(self.seed)
@@ -42,7 +43,7 @@ class RingSum:
         for d in survivors:
             vector, _ = ring_encode(step.schema, contributions[d], self.rng, bits)
             total = (total + vector.astype(np.uint64)) & np.uint64(ring_mask(bits))
-        self.wire_bytes.append(-(-step.schema.dim * bits // 8))
+        self.wire_bytes.append(-(-step.schema.dim * wire_width(bits) // 8))
         decoded = step.schema.decode_sum(total.astype(ring_dtype(bits)), bits, contributors=len(survivors))
         self.server.account(round_, step.name, len(survivors))
         return decoded, survivors
