@@ -54,10 +54,11 @@ class ModelSpec(BaseModel):
     operator) and its shape."""
 
     model_config = STRICT
-    kind: str = Field("mlp", description="model kind: built in (mlp, cnn) or plugged in with --model-plugin")
+    kind: str = Field("mlp", description="model kind: built in (mlp, cnn; domain_mlp for FedDAR) or plugged in with --model-plugin")
     inputs: int = Field(64, ge=1, description="input features")
     classes: int = Field(10, ge=1, description="output classes")
-    hidden: int = Field(64, ge=1, description="hidden width (mlp) or channels (cnn)")
+    hidden: int = Field(64, ge=1, description="hidden width (mlp, domain_mlp) or channels (cnn)")
+    domains: int = Field(1, ge=1, description="heads of a per-domain model (domain_mlp, for FedDAR)")
     seed: int = Field(0, ge=0, description="seed of the initial weights")
 
 
@@ -311,6 +312,7 @@ def _check_relations(raw: Mapping[str, Any], valid: dict[str, Any], errors: list
     model = valid.get("model", ModelSpec() if "model" not in raw else None)
     if model is not None and model.kind not in registry.model_kinds():
         errors.append(f"model.kind: {model.kind!r} is not one of {list(registry.model_kinds())}")
+        model = None
     secure = valid.get("secure", SecureSpec() if "secure" not in raw else None)
     if secure is not None:
         _check_secure(secure, min_cohort, errors)
@@ -329,7 +331,7 @@ def _check_relations(raw: Mapping[str, Any], valid: dict[str, Any], errors: list
                 )
     config = valid.get("config", {} if "config" not in raw else None)
     if algorithm is not None and config is not None and reveal is not None:
-        _check_options(algorithm, config, tuple(reveal), errors)
+        _check_options(algorithm, config, tuple(reveal), model, errors)
     privacy = valid.get("privacy")
     if privacy is not None and None not in (algorithm, config, model, secure, min_cohort) and "rounds" in valid:
         errors += privacy_spec.job_problems(
@@ -356,7 +358,9 @@ def _check_secure(secure: SecureSpec, min_cohort: int | None, errors: list[str])
             errors.append(f"min_cohort: {min_cohort} is too small for the secure settings: {exc}")
 
 
-def _check_options(algorithm: str, config: dict[str, Any], reveal: tuple[str, ...], errors: list[str]) -> None:
+def _check_options(
+    algorithm: str, config: dict[str, Any], reveal: tuple[str, ...], model: ModelSpec | None, errors: list[str]
+) -> None:
     # The opt-in to reveal per-device values is the job's, at the top level (DESIGN.md section 1);
     # the algorithm sees it as its `reveal` option, never set on its own.
     if "reveal" in config:
@@ -368,6 +372,13 @@ def _check_options(algorithm: str, config: dict[str, Any], reveal: tuple[str, ..
     if typed_errors:
         return
     try:
-        registry.make_server(algorithm, {**config, "reveal": list(reveal)} if reveal else config)
+        server = registry.make_server(algorithm, {**config, "reveal": list(reveal)} if reveal else config)
     except (TypeError, ValueError) as exc:
         errors.append(f"config: {exc}")
+        return
+    if model is None:
+        return
+    try:  # what the first round does: options that do not fit the model fail here, not at start
+        server.steps(server.init(registry.initial_model(model)))
+    except (TypeError, ValueError, KeyError) as exc:
+        errors.append(f"model: the {model.kind} model does not fit {algorithm}'s options: {exc}")

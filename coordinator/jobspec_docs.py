@@ -25,6 +25,9 @@ STARTER_OPTIONS: dict[str, dict[str, tuple[Any, str]]] = {
     },
 }
 STARTER_FIELDS = {"name": "{algorithm}-job", "rounds": 10, "cohort_size": 40}
+# Algorithms whose model is not the default mlp: the model fields their starter spec sets.
+_DOMAIN_MODEL = {"kind": "domain_mlp", "domains": 4}
+STARTER_MODEL: dict[str, dict[str, Any]] = {"feddar_wa": _DOMAIN_MODEL, "feddar_sa": _DOMAIN_MODEL}
 
 
 def type_name(hint: Any) -> str:
@@ -138,8 +141,10 @@ def template(algorithm: str) -> str:
                    f"{_comment(fields[name].description or '')}")
     for section in ("model", "secure", "deadlines"):
         out.append(f"{section}:{_comment(fields[section].description or '')}")
+        chosen = STARTER_MODEL.get(algorithm, {}) if section == "model" else {}
         for key, info in jobspec.SECTIONS[section].model_fields.items():
-            out.append(f"  {key}: {yaml.safe_dump(info.default, default_flow_style=True).split(chr(10))[0]}"
+            value = chosen.get(key, info.default)
+            out.append(f"  {key}: {yaml.safe_dump(value, default_flow_style=True).split(chr(10))[0]}"
                        f"{_comment(info.description or '')}")
     out.append(f"config:  # {algorithm} options; every option with its default")
     starters = STARTER_OPTIONS.get(algorithm, {})

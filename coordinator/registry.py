@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 from tally import algorithms, models
 from tally.algorithms.base import Arrays, ServerAlgorithm
+from tally.domain_training import initial_params, mlp_encoder
 from tally.training import get_params
 
 if TYPE_CHECKING:  # jobspec validates against this registry
@@ -65,6 +66,15 @@ def register_model(kind: str, factory: ModelFactory) -> None:
 
 def unregister_model(kind: str) -> None:
     _MODELS.pop(kind, None)
+
+
+def _domain_mlp(spec: ModelSpec) -> Arrays:
+    """FedDAR's model: a one-hidden-layer encoder and one linear head per domain."""
+    encoder = mlp_encoder(spec.inputs, spec.hidden, seed=spec.seed)
+    return initial_params(encoder, heads=spec.domains, outputs=spec.classes, seed=spec.seed)
+
+
+_MODELS["domain_mlp"] = _domain_mlp
 
 
 def model_kinds() -> tuple[str, ...]:

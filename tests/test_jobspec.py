@@ -105,3 +105,14 @@ def test_any_document_is_a_spec_or_a_job_spec_error(overrides, section):
         jobspec.from_dict(raw)
     except jobspec.JobSpecError as exc:
         assert str(exc).strip()
+
+
+def test_options_that_do_not_fit_the_model_are_refused_before_the_job_starts():
+    """LG-FedAvg's default global patterns name the mlp's head ('2.*'): on the cnn they match
+    nothing, which used to pass validation and fail only when the job started."""
+    lines = _errors(algorithm="lg_fedavg", model={"kind": "cnn", "hidden": 8})
+    assert any(line.startswith("model: the cnn model does not fit lg_fedavg's options: global_patterns "
+                               "['2.*'] match none") for line in lines), lines
+    fitting = {**BASE, "algorithm": "lg_fedavg", "model": {"kind": "cnn", "hidden": 8},
+               "config": {"global_patterns": ["head.*"]}}
+    assert jobspec.parse(yaml.safe_dump(fitting)).algorithm == "lg_fedavg"

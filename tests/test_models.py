@@ -75,7 +75,7 @@ def test_a_plug_in_model_is_available_only_once_the_operator_loads_it(plugins):
 
         TALLY_MODELS = {"tiny": tiny}
     """)
-    with pytest.raises(jobspec.JobSpecError, match=r"model.kind: 'tiny' is not one of \['mlp', 'cnn'\]"):
+    with pytest.raises(jobspec.JobSpecError, match=r"^model.kind: 'tiny' is not one of \['mlp', 'cnn', 'domain_mlp'\]$"):
         jobspec.parse(SPEC.format(kind="tiny"))
     assert models.load_plugins([name]) == ["tiny"]
     spec = jobspec.parse(SPEC.format(kind="tiny"))
