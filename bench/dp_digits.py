@@ -12,10 +12,10 @@ Runs the in-process simulator (``tally.simulation.run_rounds``) with the privacy
 * distributed DP at ``--bits-epsilon`` with the ring forced to each of ``--bits``.
 
 Each target epsilon is calibrated with dp-accounting (RDP) over the rounds with Poisson
-amplification q = cohort / clients (the simulator samples a fixed-size cohort without
-replacement: the usual approximation of DP-FedAvg papers). The ledger's spent epsilon (which
-uses the honest survivors' noise of every round, ``--dropout`` of each cohort dropping) is
-reported next to the target. Each configuration is run for ``--seeds`` seeds; medians are
+amplification q = cohort / clients, and the simulator samples exactly so: each device takes part
+in a round with probability q (the cohort size varies around ``--cohort``). The ledger's spent
+epsilon, from the honest survivors' noise actually present in every round (``--dropout`` of each
+cohort dropping), is reported next to the target. Each configuration is run for ``--seeds`` seeds; medians are
 reported. Writes JSON and a two-panel plot.
 
     python bench/dp_digits.py --json bench/results/dp_digits.json --plot bench/results/dp_digits.png
@@ -31,6 +31,7 @@ import time
 from importlib import metadata
 from pathlib import Path
 
+import numpy as np
 from rich.console import Console
 from rich.progress import Progress
 from rich.table import Table
@@ -81,6 +82,11 @@ def population(args: argparse.Namespace, seed: int):
     return devices, get_params(factory()), TorchTrainer(factory, *fed.test)
 
 
+def poisson(q: float):
+    """Each device takes part in a round with probability q, independently."""
+    return lambda rng, population: np.flatnonzero(rng.random(population) < q).tolist()
+
+
 def run(args: argparse.Namespace, seed: int, mechanism: str | None, epsilon: float | None,
         bits: int | None = None) -> dict:
     devices, initial, test = population(args, seed)
@@ -89,7 +95,8 @@ def run(args: argparse.Namespace, seed: int, mechanism: str | None, epsilon: flo
     server, client = FedAvgServer(config), FedAvgClient(config)
     start = time.perf_counter()
     if mechanism is None:
-        state, _ = run_rounds(server, client, devices, initial, args.rounds, args.cohort, plain_sum, seed=seed)
+        state, _ = run_rounds(server, client, devices, initial, args.rounds, args.cohort, plain_sum, seed=seed,
+                              sample=poisson(args.cohort / args.clients))
         out: dict = {}
     else:
         spec = PrivacySpec(mechanism=mechanism, clip=args.clip, target_epsilon=epsilon, delta=args.delta,
@@ -100,7 +107,7 @@ def run(args: argparse.Namespace, seed: int, mechanism: str | None, epsilon: flo
         private = PrivateServer(server, "fedavg", settings)
         ring = RingSum(private, dropout=args.dropout, seed=seed)
         state, _ = run_rounds(private, PrivateClient(client), devices, initial, args.rounds, args.cohort, ring,
-                              seed=seed)
+                              seed=seed, sample=poisson(settings.sampling_rate))
         plan = private.plan_of("update")
         out = {
             "noise_multiplier": settings.noise_multiplier,

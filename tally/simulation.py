@@ -119,17 +119,21 @@ def run_rounds(
     reveal: Sequence[str] = (),
     trace: Callable[[Any, Mapping[int, Any]], dict[str, Any]] | None = None,
     local_states: dict[int, Any] | None = None,
+    sample: Callable[[np.random.Generator, int], list[int]] | None = None,
 ) -> tuple[Any, list[RoundLog]]:
     """``reveal`` lists the per-device values the job opted in to reveal (DESIGN.md section 1);
     ``trace(state, local_states)`` picks what a report plots per round (λ, p). ``local_states``,
     when given, is each device's on-device state, updated in place (a personalised algorithm's
-    models are evaluated from it after the run)."""
+    models are evaluated from it after the run). ``sample(rng, population)`` picks a round's cohort
+    (default: ``cohort_size`` devices uniformly without replacement; DP's Poisson amplification
+    needs Poisson sampling instead)."""
     rng = np.random.default_rng(seed)
     state = server.init(initial)
     local: dict[int, Any] = {} if local_states is None else local_states
     logs = []
     for r in range(rounds):
-        cohort = sorted(rng.choice(len(devices), size=min(cohort_size, len(devices)), replace=False).tolist())
+        cohort = (sorted(sample(rng, len(devices))) if sample is not None else
+                  sorted(rng.choice(len(devices), size=min(cohort_size, len(devices)), replace=False).tolist()))
         log = RoundLog(r, cohort, {})
         for step in server.steps(state):
             personal = getattr(step, "personal", False)

@@ -23,10 +23,10 @@ def test_dp_digits_smoke(tmp_path):
     refused, forced = rows[3], rows[4]
     assert "bits cannot hold" in refused["refused"]  # 6 bits: the planner says why
     assert abs(rows[1]["epsilon_spent"] - 8) < 0.01  # central: exactly the calibrated noise
-    # Distributed: a cohort of 8 with int(0.1 * 8) = 0 dropouts keeps 7 honest devices where the
-    # plan assumed 6, so more noise is present than planned and the ledger spends less.
+    # Distributed: what the honest survivors' noise gave in each Poisson-sampled cohort (more or
+    # fewer devices than the 8 planned), not the target.
     for r in (rows[2], forced):
-        assert r["epsilon_spent"] < 8
+        assert 0 < r["epsilon_spent"] < float("inf")
     for r in rows[:3] + [forced]:
         assert 0 <= r["accuracy"] <= 1
     assert forced["bits"] <= 16 and rows[2]["bits"] >= 2
