@@ -27,7 +27,8 @@ STARTER_OPTIONS: dict[str, dict[str, tuple[Any, str]]] = {
 STARTER_FIELDS = {"name": "{algorithm}-job", "rounds": 10, "cohort_size": 40}
 # Algorithms whose model is not the default mlp: the model fields their starter spec sets.
 _DOMAIN_MODEL = {"kind": "domain_mlp", "domains": 4}
-STARTER_MODEL: dict[str, dict[str, Any]] = {"feddar_wa": _DOMAIN_MODEL, "feddar_sa": _DOMAIN_MODEL}
+STARTER_MODEL: dict[str, dict[str, Any]] = {"feddar_wa": _DOMAIN_MODEL, "feddar_sa": _DOMAIN_MODEL,
+                                             "fedevg": {"kind": "energy_mlp"}}
 
 
 def type_name(hint: Any) -> str:

@@ -19,6 +19,7 @@ from tally.algorithms.agnostic_fedavg import (
     AgnosticFedAvgServer,
 )
 from tally.algorithms.fedavg import FedAvgClient, FedAvgConfig, FedAvgServer
+from tally.algorithms.fedevg import FedEvgClient, FedEvgConfig, FedEvgServer
 from tally.algorithms.feddar import (
     FedDARClient,
     FedDARConfig,
@@ -38,6 +39,7 @@ _REGISTRY = {
     "feddar_sa": (FedDARSAConfig, FedDARSAServer, FedDARClient),
     "lg_fedavg": (LGFedAvgConfig, LGFedAvgServer, LGFedAvgClient),
     "superfed": (SuPerFedConfig, SuPerFedServer, SuPerFedClient),
+    "fedevg": (FedEvgConfig, FedEvgServer, FedEvgClient),
 }
 
 NAMES = tuple(_REGISTRY)

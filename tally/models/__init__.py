@@ -2,7 +2,8 @@
 ``(inputs, classes, hidden, seed) -> nn.Module`` that the coordinator uses for the initial
 parameters and the ONNX export of every committed round, and devices use to train.
 
-Built in: ``mlp`` and ``cnn`` (a small convolutional network for 8x8 digit images). Any other
+Built in: ``mlp``, ``cnn`` (a small convolutional network for 8x8 digit images) and
+``energy_mlp`` (FedEvg's energy model). Any other
 comes from a plug-in module that an operator names on a command line (``--model-plugin``), never
 from a job spec: a spec that could name a module would let whoever submits a job run code in the
 coordinator. A plug-in module defines ``TALLY_MODELS``, a mapping of kind to builder.
@@ -16,11 +17,12 @@ from collections.abc import Callable, Mapping
 from torch import nn
 
 from tally.models.cnn import digits_cnn
+from tally.models.energy import energy_mlp
 from tally.training import mlp
 
 ModuleBuilder = Callable[[int, int, int, int], nn.Module]
 
-BUILTIN: Mapping[str, ModuleBuilder] = {"mlp": mlp, "cnn": digits_cnn}
+BUILTIN: Mapping[str, ModuleBuilder] = {"mlp": mlp, "cnn": digits_cnn, "energy_mlp": energy_mlp}
 _PLUGGED: dict[str, ModuleBuilder] = {}
 
 
