@@ -148,6 +148,8 @@ def _strict_type(hint: Any) -> Any:
     origin, args = typing.get_origin(hint), typing.get_args(hint)
     if origin is tuple and len(args) == 2 and args[1] is Ellipsis:
         return list[_strict_type(args[0])]
+    if origin is tuple and args and len(set(args)) == 1:  # a fixed-length tuple, e.g. (low, high)
+        return Annotated[list[_strict_type(args[0])], Field(min_length=len(args), max_length=len(args))]
     if origin in (typing.Union, types.UnionType):
         return functools.reduce(lambda a, b: a | b, (_strict_type(a) for a in args))
     return hint
