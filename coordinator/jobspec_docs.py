@@ -38,6 +38,9 @@ def type_name(hint: Any) -> str:
         return " or ".join("null" if a is type(None) else type_name(a) for a in args)
     if origin is typing.Literal:
         return "one of " + ", ".join(f"`{a}`" for a in args)
+    if origin is typing.Annotated:  # a fixed-length list: (low, high)
+        length = next((m.max_length for m in hint.__metadata__[0].metadata if hasattr(m, "max_length")), None)
+        return f"list of {length} {type_name(typing.get_args(args[0])[0])}s" if length else type_name(args[0])
     if origin in (list, tuple):
         return f"list of {type_name(args[0])}s"
     if origin is dict:
