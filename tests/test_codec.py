@@ -19,7 +19,9 @@ from tally.codec import (
     ring_mask,
     to_ring,
     unpack,
+    wire_width,
 )
+from tally.codec.packing import PackedSum
 
 
 def reference_pack(values: list[int], bits: int) -> bytes:
@@ -65,15 +67,55 @@ def test_pack_known_bytes():
     assert pack(np.array([1, 2], dtype=np.uint32), 32) == np.array([1, 2], "<u4").tobytes()
 
 
-@pytest.mark.parametrize("bits", [13, 31, 32])
-def test_pack_crosses_chunk_boundaries(monkeypatch, bits):
-    from tally.codec import packing
+@st.composite
+def packed_sums(draw):
+    """Several vectors at one wire width: any ring width, or one the planner's wire_width picks
+    (word-sized or not), and lengths that end inside a row of the packing as well as on one."""
+    bits = draw(st.one_of(st.integers(1, 64), st.integers(1, 64).map(wire_width)))
+    count = draw(st.one_of(st.integers(0, 200), st.sampled_from([64, 128, 640, 641, 1001])))
+    seeds = draw(st.lists(st.integers(0, 2**32 - 1), min_size=1, max_size=6))
+    dtype = ring_dtype(bits)
+    vectors = [
+        np.random.default_rng(seed).integers(0, 2**bits, count, dtype=np.uint64).astype(dtype)
+        for seed in seeds
+    ]
+    return bits, vectors
 
-    values = np.random.default_rng(bits).integers(0, 2**bits, size=1001, dtype=np.uint64)
+
+@settings(max_examples=300)
+@given(packed_sums())
+def test_packed_sum_is_the_ring_sum_of_the_unpacked_vectors(case):
+    bits, vectors = case
+    count = vectors[0].size
+    total = PackedSum(count, bits)
+    for v in vectors:
+        data = pack(v, bits)
+        assert data == reference_pack(v.tolist(), bits)
+        total.add(data)
+    expected = [sum(int(v[j]) for v in vectors) % 2**bits for j in range(count)]
+    result = total.total()
+    assert result.dtype == ring_dtype(bits)
+    assert result.tolist() == expected
+    assert total.added == len(vectors)
+
+
+@pytest.mark.parametrize("bits", [13, 27, 31, 32, 33, 57, 58])
+def test_pack_round_trips_many_rows_and_a_partial_one(bits):
+    values = np.random.default_rng(bits).integers(0, 2**bits, size=10_001, dtype=np.uint64)
     whole = pack(values, bits)
-    monkeypatch.setattr(packing, "_CHUNK", 8)
-    assert pack(values, bits) == whole
+    assert whole == reference_pack(values.tolist(), bits)
     assert np.array_equal(unpack(whole, bits, values.size), values)
+
+
+@pytest.mark.parametrize("delta", [-1, 1])
+def test_packed_sum_rejects_wrong_length_and_keeps_its_total(delta):
+    values = np.arange(100, dtype=np.uint32)
+    total = PackedSum(100, 27)
+    total.add(pack(values, 27))
+    data = pack(values, 27)
+    with pytest.raises(CodecError, match="338 bytes"):
+        total.add(data[:delta] if delta < 0 else data + b"\0")
+    assert total.total().tolist() == values.tolist() and total.added == 1
 
 
 def test_pack_refuses_out_of_range_values():

@@ -1,31 +1,36 @@
 """Wire format for ring vectors: exactly ``bits`` bits per value, little-endian.
 
 Uploads dominate a device's traffic, so a 31-bit ring must cost 31 bits per value, not 64. Byte
-widths are plain dtype views; other widths go through a bit array, built a chunk at a time so that
-the 8x expansion of np.unpackbits stays a few MiB however long the vector is.
+widths are plain dtype views. Other widths are read and written a machine word at a time: the
+bit stream, seen as little-endian words (32-bit for rings up to 32 bits, 64-bit above), repeats
+the same pattern every ``period`` values, so one row of words per period makes every value's
+word, shift and spill into the next word a fixed column of a 2-d array, and packing or unpacking
+a whole vector is a handful of vectorised shifts and adds instead of a pass per bit.
+
+The server never needs the uploads one by one, only their sum: ``PackedSum`` adds packed vectors
+without unpacking them. A value's spill into the next word is a left shift, which commutes with
+addition mod 2^word, so the raw words are summed and the spills applied once at the end; only
+the right shifts, which do not commute, are paid per upload.
 """
 
 from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass
 
 import numpy as np
 
 from tally.codec.schema import CodecError, ring_dtype, ring_mask
 
-# Values per chunk of the bit-array path; a multiple of 8 so that every chunk starts on a byte.
-_CHUNK = 1 << 16
 _BYTE_WIDTHS = (8, 16, 32, 64)
-
-
-def _bytes_per_value(bits: int) -> int:
-    return (bits + 7) // 8
 
 
 def wire_width(bits: int) -> int:
     """Bits per value on the wire for a ring of 2**bits.
 
     The next machine width when it costs at most 10% more bytes, so neither side shifts
-    bits (unpacking 100k 30-bit values costs ~60x a vector add; a uint32 view is free);
-    otherwise exactly ``bits``, so a 20-bit ring never pays for 32.
+    bits; otherwise exactly ``bits``, so a 20-bit ring never pays for 32.
     """
     ring_mask(bits)
     native = next(w for w in _BYTE_WIDTHS if w >= bits)
@@ -39,6 +44,91 @@ def packed_size(count: int, bits: int) -> int:
     return (count * bits + 7) // 8
 
 
+@dataclass(frozen=True)
+class _Start:
+    """The values that start in a word as its ``rank``-th value: which words, which positions of
+    the period, and where in the word they start."""
+
+    words: np.ndarray
+    positions: np.ndarray
+    shifts: np.ndarray
+
+
+@dataclass(frozen=True)
+class _Layout:
+    """Where each of the ``period`` values of a row sits in the row's ``row_words`` words."""
+
+    bits: int
+    word_bits: int
+    period: int
+    row_words: int
+    starts: tuple[_Start, ...]  # starts[0]: the first value of every word (each word has one)
+    # Per position (in the order of ``starts``' positions): the next word and the left shift that
+    # puts that word's bits in place; a shift of word_bits (zero) where the value does not spill.
+    next_words: np.ndarray
+    next_shifts: np.ndarray
+    # Per word after the first: the last value starting in the word before, and the right shift
+    # that leaves the part of it that spills into this word (all of it shifted out if none).
+    carry_positions: np.ndarray
+    carry_shifts: np.ndarray
+
+    @property
+    def word(self) -> np.dtype:
+        return np.dtype(f"<u{self.word_bits // 8}")
+
+    def rows(self, count: int) -> int:
+        return -(-count // self.period)
+
+    @functools.cached_property
+    def position_order(self) -> np.ndarray:
+        """Column of each position in the starts' concatenated order."""
+        return np.argsort(np.concatenate([s.positions for s in self.starts]))
+
+
+@functools.lru_cache(maxsize=None)
+def _layout(bits: int) -> _Layout:
+    word_bits = 32 if bits <= 32 else 64
+    shift_type = f"u{word_bits // 8}"
+    period = word_bits // math.gcd(bits, word_bits)
+    row_words = period * bits // word_bits
+    by_word: list[list[tuple[int, int]]] = [[] for _ in range(row_words)]
+    for position in range(period):
+        word, shift = divmod(position * bits, word_bits)
+        by_word[word].append((position, shift))
+    starts = []
+    for rank in range(max(len(w) for w in by_word)):
+        ranked = [(w, *entries[rank]) for w, entries in enumerate(by_word) if len(entries) > rank]
+        words, positions, shifts = (np.array(column) for column in zip(*ranked))
+        starts.append(_Start(words, positions, shifts.astype(shift_type)))
+    next_words, next_shifts = [], []
+    for start in starts:
+        for word, shift in zip(start.words.tolist(), start.shifts.tolist()):
+            spills = shift + bits > word_bits
+            next_words.append(word + 1 if spills else word)
+            next_shifts.append(word_bits - shift if spills else word_bits)
+    carry_positions, carry_shifts = [], []
+    for word in range(1, row_words):
+        position, shift = by_word[word - 1][-1]
+        carry_positions.append(position)
+        carry_shifts.append(word_bits - shift if shift + bits > word_bits else word_bits)
+    return _Layout(bits, word_bits, period, row_words, tuple(starts), np.array(next_words),
+                   np.array(next_shifts, dtype=shift_type), np.array(carry_positions, dtype=np.int64),
+                   np.array(carry_shifts, dtype=shift_type))
+
+
+@functools.lru_cache(maxsize=16)
+def _tiled(shifts: bytes, dtype: str, rows: int) -> np.ndarray:
+    """A row's shifts repeated for ``rows`` rows, flat: one long contiguous shift runs at SIMD
+    speed, a short row broadcast down many rows does not."""
+    tiled = np.tile(np.frombuffer(shifts, dtype=dtype), rows)
+    tiled.setflags(write=False)
+    return tiled
+
+
+def _shift_tile(shifts: np.ndarray, rows: int) -> np.ndarray:
+    return _tiled(shifts.tobytes(), shifts.dtype.str, rows)
+
+
 def pack(values: np.ndarray, bits: int) -> bytes:
     """Refuses values >= 2^bits instead of truncating them: a truncated value is a corrupt sum."""
     values = np.asarray(values)
@@ -46,41 +136,108 @@ def pack(values: np.ndarray, bits: int) -> bytes:
     if values.ndim != 1 or values.dtype.kind not in "iu":
         raise CodecError(f"pack needs a 1-D integer vector, got dtype {values.dtype} "
                          f"shape {values.shape}")
-    if values.size and (int(values.min()) < 0 or int(values.max()) > mask):
+    if values.size and ((values.dtype.kind == "i" and int(values.min()) < 0)
+                        or int(values.max()) > mask):
         raise CodecError(f"values must lie in [0, 2^{bits}), got [{values.min()}, {values.max()}]")
     if bits in _BYTE_WIDTHS:
         return values.astype(f"<u{bits // 8}", copy=False).tobytes()
-    wide = values.astype("<u8")
-    out = np.empty(packed_size(values.size, bits), dtype=np.uint8)
-    for start in range(0, wide.size, _CHUNK):
-        chunk = wide[start:start + _CHUNK]
-        low_bytes = chunk.view(np.uint8).reshape(-1, 8)[:, :_bytes_per_value(bits)]
-        value_bits = np.unpackbits(low_bytes, axis=1, bitorder="little")[:, :bits]
-        packed = np.packbits(value_bits, bitorder="little")
-        first = start * bits // 8
-        out[first:first + packed.size] = packed
-    return out.tobytes()
+    layout = _layout(bits)
+    rows = layout.rows(values.size)
+    padded = np.zeros((rows, layout.period), dtype=layout.word)
+    padded.ravel()[: values.size] = values
+    first, *others = layout.starts
+    words = np.take(padded, first.positions, axis=1)  # every word has a first value
+    np.left_shift(words.ravel(), _shift_tile(first.shifts, rows), out=words.ravel())
+    # Bit ranges of different values never overlap, so adding the shifted pieces is OR-ing them.
+    for start in others:
+        piece = np.take(padded, start.positions, axis=1)
+        np.left_shift(piece.ravel(), _shift_tile(start.shifts, rows), out=piece.ravel())
+        words[:, start.words] += piece
+    if layout.row_words > 1:
+        carry = np.take(padded, layout.carry_positions, axis=1)
+        np.right_shift(carry.ravel(), _shift_tile(layout.carry_shifts, rows), out=carry.ravel())
+        words[:, 1:] += carry
+    return words.view(np.uint8).ravel()[: packed_size(values.size, bits)].tobytes()
+
+
+class PackedSum:
+    """The ring sum of packed vectors of ``count`` values at ``bits`` bits, added one at a time
+    as they arrive, without materialising an unpacked copy of any of them."""
+
+    def __init__(self, count: int, bits: int) -> None:
+        self.count = count
+        self.bits = bits
+        self.size = packed_size(count, bits)
+        self.added = 0
+        if bits in _BYTE_WIDTHS:
+            self._layout = None
+            self._total = np.zeros(count, dtype=ring_dtype(bits))
+            return
+        layout = self._layout = _layout(bits)
+        self._rows = rows = layout.rows(count)
+        word = layout.word
+        # Per start rank: the sum of each value's word shifted down to the value (mod 2^word).
+        self._shifted = [np.zeros(rows * len(s.words), dtype=word) for s in layout.starts]
+        # The plain sum of the words, for the spills (a left shift commutes with the sum).
+        spills = bool(np.any(layout.next_shifts < layout.word_bits))
+        self._words = np.zeros(rows * layout.row_words, dtype=word) if spills else None
+        self._scratch = np.empty(rows * layout.row_words, dtype=word)
+        self._shifts = [_shift_tile(s.shifts, rows) for s in layout.starts]
+
+    def add(self, data: bytes) -> None:
+        """Add one packed vector; the length check is what rejects a truncated or padded one."""
+        if len(data) != self.size:
+            raise CodecError(f"packed data for {self.count} values at {self.bits} bits must be "
+                             f"{self.size} bytes, got {len(data)}")
+        self.added += 1
+        layout = self._layout
+        if layout is None:
+            view = np.frombuffer(data, dtype=f"<u{self.bits // 8}", count=self.count)
+            np.add(self._total, view, out=self._total)
+            return
+        words = self._words_of(data)
+        first, scratch = self._shifted[0], self._scratch
+        np.right_shift(words, self._shifts[0], out=scratch)
+        np.add(first, scratch, out=first)
+        if self._words is not None:
+            np.add(self._words, words, out=self._words)
+        by_row = words.reshape(self._rows, layout.row_words)
+        for start, acc, shifts in zip(layout.starts[1:], self._shifted[1:], self._shifts[1:]):
+            piece = np.take(by_row, start.words, axis=1).ravel()
+            np.right_shift(piece, shifts, out=piece)
+            np.add(acc, piece, out=acc)
+
+    def _words_of(self, data: bytes) -> np.ndarray:
+        layout = self._layout
+        n_words = self._rows * layout.row_words
+        if n_words * layout.word.itemsize == self.size:
+            return np.frombuffer(data, dtype=layout.word, count=n_words)
+        padded = np.zeros(n_words, dtype=layout.word)  # the last row is partial: pad it
+        padded.view(np.uint8)[: self.size] = np.frombuffer(data, dtype=np.uint8)
+        return padded
+
+    def total(self) -> np.ndarray:
+        """The sum mod 2^bits, in the ring's dtype."""
+        mask = ring_mask(self.bits)
+        if self._layout is None:
+            out = self._total.copy()
+        else:
+            layout, rows = self._layout, self._rows
+            by_rank = np.concatenate(
+                [acc.reshape(rows, len(s.words)) for s, acc in zip(layout.starts, self._shifted)], axis=1
+            )
+            values = np.take(by_rank, layout.position_order, axis=1)
+            if self._words is not None:
+                spilled = np.take(self._words.reshape(rows, layout.row_words), layout.next_words, axis=1)
+                np.left_shift(spilled.ravel(), _shift_tile(layout.next_shifts, rows), out=spilled.ravel())
+                values += np.take(spilled, layout.position_order, axis=1)
+            out = values.ravel()[: self.count].astype(ring_dtype(self.bits))
+        np.bitwise_and(out, out.dtype.type(mask), out=out)
+        return out
 
 
 def unpack(data: bytes, bits: int, count: int) -> np.ndarray:
     """Inverse of ``pack``; the length check is what rejects a truncated or padded upload."""
-    expected = packed_size(count, bits)
-    if len(data) != expected:
-        raise CodecError(f"packed data for {count} values at {bits} bits must be {expected} "
-                         f"bytes, got {len(data)}")
-    dtype = ring_dtype(bits)
-    if bits in _BYTE_WIDTHS:
-        return np.frombuffer(data, dtype=f"<u{bits // 8}", count=count).astype(dtype)
-    raw = np.frombuffer(data, dtype=np.uint8)
-    out = np.empty(count, dtype=dtype)
-    for start in range(0, count, _CHUNK):
-        n = min(_CHUNK, count - start)
-        first = start * bits // 8
-        chunk_bits = np.unpackbits(raw[first:first + packed_size(n, bits)], count=n * bits,
-                                   bitorder="little").reshape(n, bits)
-        value_bits = np.zeros((n, 8 * _bytes_per_value(bits)), dtype=np.uint8)
-        value_bits[:, :bits] = chunk_bits
-        value_bytes = np.zeros((n, 8), dtype=np.uint8)
-        value_bytes[:, :_bytes_per_value(bits)] = np.packbits(value_bits, axis=1, bitorder="little")
-        out[start:start + n] = value_bytes.view("<u8")[:, 0]
-    return out
+    packed_sum = PackedSum(count, bits)
+    packed_sum.add(data)
+    return packed_sum.total()

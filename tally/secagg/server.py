@@ -19,7 +19,8 @@ from collections.abc import Iterable
 
 import numpy as np
 
-from tally.codec import packed_size, ring_dtype, ring_mask, unpack
+from tally.codec import ring_mask
+from tally.codec.packing import PackedSum
 from tally.secagg import crypto, shamir
 from tally.secagg.config import SessionConfig
 from tally.secagg.errors import (
@@ -189,7 +190,7 @@ class _Phase(abc.ABC):
         if message.sender not in self.expected:
             raise OutOfPhase(f"device {message.sender} is not part of {self.name}")
         self.validate(message)
-        self.received[message.sender] = message
+        self.received[message.sender] = self.kept(message)
         self.pending.discard(message.sender)
         self.record(message)
         if self.complete():
@@ -198,6 +199,11 @@ class _Phase(abc.ABC):
 
     def complete(self) -> bool:
         return not self.pending
+
+    def kept(self, message: ClientMessage) -> ClientMessage | None:
+        """What ``received`` holds for a validated message: the message, unless the phase has
+        taken what it needs from it."""
+        return message
 
     def record(self, message: ClientMessage) -> None:
         """Phase-specific bookkeeping of a validated message."""
@@ -346,16 +352,30 @@ class _SumPhase(_Phase):
 
 
 class _MaskedInputPhase(_SumPhase):
+    """Each masked input is added to the running sum as it arrives, while the server would
+    otherwise wait for the slowest device: Unmask then only removes the masks, and the server
+    never holds more than one upload at a time."""
+
     name = "masked_input"
     message_type = MaskedInputResponse
 
+    def __init__(self, server: SecAggServer, expected: frozenset[int], position: int) -> None:
+        super().__init__(server, expected, position)
+        spec = server.config.sums[position]
+        self.masked = PackedSum(spec.dim, spec.wire_bits)
+
     def validate(self, message: MaskedInputResponse) -> None:
-        spec = self.server.config.sums[self.position]
-        size = packed_size(spec.dim, spec.wire_bits)
+        size = self.masked.size
         if len(message.data) != size:
             raise MalformedMessage(
-                f"masked input for sum {spec.sum_id!r} must be {size} bytes, got {len(message.data)}"
+                f"masked input for sum {self.sum_id!r} must be {size} bytes, got {len(message.data)}"
             )
+
+    def kept(self, message: MaskedInputResponse) -> None:
+        return None  # its data is in the running sum
+
+    def record(self, message: MaskedInputResponse) -> None:
+        self.masked.add(message.data)
 
     def close(self) -> list[Outgoing]:
         server = self.server
@@ -365,7 +385,7 @@ class _MaskedInputPhase(_SumPhase):
             return refused
         ref, sum_id = server.config.ref, self.sum_id
         survivors = tuple(sorted(u3))
-        masked = {i: self.received[i].data for i in u3}
+        masked = self.masked.total()
         if server.config.consistency_check:
             out = [Outgoing(i, ConsistencyCheckRequest(ref, sum_id, survivors)) for i in survivors]
             return server._advance(_ConsistencyPhase(server, u3, self.position, masked), out)
@@ -387,29 +407,18 @@ class _PlainSumPhase(_MaskedInputPhase):
         refused = server._require(u3, f"plain_sum[{self.sum_id}]", self.expected)
         if refused is not None:
             return refused
-        spec = server.config.sums[self.position]
-        total = _add_packed(spec, (self.received[i].data for i in sorted(u3)))
-        np.bitwise_and(total, total.dtype.type(ring_mask(spec.bits)), out=total)
         dropped = frozenset(range(1, server.config.n + 1)) - u3
         server.results[self.sum_id] = SumResult(
-            self.sum_id, total, tuple(sorted(u3)), tuple(sorted(dropped))
+            self.sum_id, self.masked.total(), tuple(sorted(u3)), tuple(sorted(dropped))
         )
         return server._start_sum(self.position + 1, u3)
-
-
-def _add_packed(spec: SumSpec, vectors: Iterable[bytes]) -> np.ndarray:
-    """The ring sum (not yet reduced) of packed vectors of sum ``spec``."""
-    total = np.zeros(spec.dim, dtype=ring_dtype(spec.bits))
-    for data in vectors:
-        np.add(total, unpack(data, spec.wire_bits, spec.dim), out=total)
-    return total
 
 
 class _ConsistencyPhase(_SumPhase):
     name = "consistency_check"
     message_type = ConsistencyCheckResponse
 
-    def __init__(self, server, expected, position, masked: dict[int, bytes]) -> None:
+    def __init__(self, server, expected, position, masked: np.ndarray) -> None:
         super().__init__(server, expected, position)
         self.masked = masked
         self.statement = consistency_message(server.config.ref, self.sum_id, sorted(expected))
@@ -438,7 +447,7 @@ class _UnmaskPhase(_SumPhase):
     name = "unmask"
     message_type = UnmaskResponse
 
-    def __init__(self, server, expected, position, masked: dict[int, bytes], survivors) -> None:
+    def __init__(self, server, expected, position, masked: np.ndarray, survivors) -> None:
         super().__init__(server, expected, position)
         self.masked = masked
         self.survivors: frozenset[int] = survivors
@@ -593,7 +602,7 @@ class _UnmaskPhase(_SumPhase):
         server.revealed_keys[spec.sum_id] = frozenset(keys)
         assert not (set(seeds) & set(keys)), "a device's seed and key were both reconstructed"
 
-        total = _add_packed(spec, (self.masked[i] for i in sorted(self.survivors)))
+        total = self.masked  # the survivors' masked inputs, summed as they arrived
         dtype = total.dtype
         expander = crypto.MaskExpander(spec.dim, dtype)
         for i, seed in seeds.items():
