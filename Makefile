@@ -5,7 +5,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: test demo bench-smoke clean
+.PHONY: test demo bench-smoke clean prometheus
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -16,7 +16,15 @@ $(STAMP): pyproject.toml constraints.txt
 		$(VENV)/checkov/bin/pip install --quiet checkov==3.3.30; }
 	touch $(STAMP)
 
-test: $(STAMP)
+# The monitoring tests need a real Prometheus and promtool (Debian package `prometheus`); installed
+# when missing and apt-get can run (as root, or with passwordless sudo), else those tests skip.
+prometheus:
+	@command -v promtool >/dev/null || { \
+		SUDO=$$( [ "$$(id -u)" = 0 ] || echo "sudo -n"); \
+		$$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq \
+			--no-install-recommends prometheus >/dev/null || echo "prometheus not installed: its tests will skip"; }
+
+test: $(STAMP) prometheus
 	$(PY) -m pytest -q
 
 demo: $(STAMP)

@@ -23,7 +23,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from tally import logs
-from tally.metrics import MetricsServer
+from tally.metrics import MetricsServer, watch_certificate
 from tally.security import TicketVerifier, TLSConfig, bind
 from tally.security.tls import server_options
 from tally.security.certs import COORDINATOR_CN
@@ -88,6 +88,7 @@ class AggregatorService:
         self._servers: list[grpc.aio.Server] = []
         self._health: list[health.aio.HealthServicer] = []
         self._metrics_server = MetricsServer(self.metrics.registry)
+        watch_certificate(self.metrics.registry, tls.cert, "aggregator")
         self._port: int | None = None
         self._control_port: int | None = None
         self._metrics_port: int | None = None

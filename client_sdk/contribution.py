@@ -151,6 +151,8 @@ class Contribution:
             self._executor, self._contribute, step.name, broadcast, schema, spec.bits
         )
         self._metrics.compute_seconds.observe(time.perf_counter() - start)
+        self._metrics.encoded_values.inc(schema.dim)
+        self._metrics.clipped_values.inc(clipped)
         self.local_state = state
         self.clipped += clipped
         return vector

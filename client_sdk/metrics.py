@@ -49,6 +49,13 @@ class ClientMetrics:
             "tally_client_compute_seconds", "Local computation of one contribution (training and encoding)",
             buckets=DURATION_BUCKETS, registry=r,
         )
+        self.encoded_values = Counter(
+            "tally_client_encoded_values_total", "Values encoded into secure sums", registry=r,
+        )
+        self.clipped_values = Counter(
+            "tally_client_clipped_values_total",
+            "Encoded values that were outside their field's clip bound and were clipped", registry=r,
+        )
         self.session_seconds = Histogram(
             "tally_client_session_seconds", "Secure-aggregation session duration, by outcome", ["outcome"],
             buckets=DURATION_BUCKETS, registry=r,

@@ -25,7 +25,7 @@ from coordinator.metrics import CoordinatorMetrics
 from coordinator.ratelimit import RateLimit, SourceRateLimiter
 from coordinator.store import Store
 from tally import logs
-from tally.metrics import MetricsServer
+from tally.metrics import MetricsServer, watch_certificate
 from tally.security import (
     OwnerTokens,
     TicketSigner,
@@ -127,6 +127,7 @@ class CoordinatorService:
         signer = TicketSigner(load_or_create_ticket_key(self.secrets_dir))
         self._metrics_server = MetricsServer()
         metrics = CoordinatorMetrics(self._metrics_server.registry)
+        watch_certificate(self._metrics_server.registry, self.tls.cert, "coordinator")
         self.metrics_port = self._metrics_server.start(self.metrics_port, self.metrics_addr)
         self._pool = AggregatorPool(
             self.aggregators, self.aggregator_tls, self.max_message_bytes,
