@@ -18,6 +18,10 @@ Everything is reported as medians over ``--repeat`` runs and as ratios to those 
 of the contributors' encoded inputs; the exit status is non-zero when it does not hold.
 
     python bench/secagg_engine.py --clients 1000 --dim 100000 --dropout 0.1 --json out.json
+    python bench/secagg_engine.py --grid   # N x D x dropout phase: one JSON and one PNG
+
+``--grid`` runs every point in its own process (one point's memory never weighs on the next)
+and skips, with the reason recorded, points whose cohort would not fit ``--max-memory-gib``.
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ import os
 import platform
 import resource
 import statistics
+import subprocess
 import sys
 import time
 from collections import defaultdict
@@ -78,6 +83,8 @@ ADD_POOL_BYTES = 128 << 20
 TARGET_SERVER_RATIO = 2.0
 TARGET_CLIENT_RATIO = 1.5
 PHASE_OF_DROPOUT = {"shares": "masked_input", "masked": "unmask"}
+GRID_CLIENTS = [100, 200, 500, 1000, 5000]
+GRID_DIMS = [10_000, 100_000, 1_000_000]
 
 
 def wire_bits(spec) -> int:
@@ -93,8 +100,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         description=__doc__.split("\n\n")[0],
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
-    p.add_argument("--clients", "-n", type=int, required=True, help="cohort size N")
-    p.add_argument("--dim", "-d", type=int, required=True, help="values per device D")
+    p.add_argument("--clients", "-n", type=int, help="cohort size N (required without --grid)")
+    p.add_argument("--dim", "-d", type=int, help="values per device D (required without --grid)")
     p.add_argument("--dropout", "-f", type=float, default=0.1,
                    help="fraction F of devices that drop (floor(F*N) devices, chosen at random)")
     p.add_argument("--phase", choices=sorted(PHASE_OF_DROPOUT), default="shares",
@@ -114,7 +121,22 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--json", type=Path, default=None, help="write the results here")
     p.add_argument("--profile", type=Path, default=None,
                    help="cProfile the first cohort run and dump the stats here (pstats format)")
+    grid = p.add_argument_group("grid")
+    grid.add_argument("--grid", action="store_true",
+                      help="run every (N, D, phase) point of the grid, each in its own process")
+    grid.add_argument("--grid-clients", type=int, nargs="+", default=GRID_CLIENTS, metavar="N")
+    grid.add_argument("--grid-dims", type=int, nargs="+", default=GRID_DIMS, metavar="D")
+    grid.add_argument("--grid-phases", nargs="+", choices=sorted(PHASE_OF_DROPOUT),
+                      default=sorted(PHASE_OF_DROPOUT))
+    grid.add_argument("--max-memory-gib", type=float, default=12.0,
+                      help="skip grid points whose inputs and uploads would need more than this")
+    grid.add_argument("--out-dir", type=Path, default=Path(__file__).parent / "results",
+                      help="where --grid writes engine_grid.json, engine_grid.png and its log")
     args = p.parse_args(argv)
+    if args.grid:
+        return args
+    if args.clients is None or args.dim is None:
+        p.error("--clients and --dim are required (or run --grid)")
     if args.clients < 2:
         p.error("--clients must be >= 2")
     if args.dim < 1:
@@ -224,25 +246,29 @@ class MaskLimit:
         return times
 
 
-def time_key_agreement(n_keys: int, n_edges: int, repeats: int = 3,
+def time_key_agreement(n_keys: int, n_edges: int, n_seeds: int = 0, repeats: int = 3,
                        budget_s: float = 60.0) -> list[float]:
-    """Seconds for the X25519 work behind the server's pairwise masks, per repeat.
+    """Seconds for the X25519/HKDF work behind the server's masks, per repeat.
 
     Not part of ``limit_server_s`` (which is the PRG floor), but just as unavoidable: per dropped
     device, load its reconstructed private key once and check its public key; per (dropped,
-    surviving neighbour) edge, one exchange and one HKDF-SHA256 to a 16-byte mask key.
+    surviving neighbour) edge, one exchange and one HKDF-SHA256 to a 16-byte mask key; per
+    surviving device, one HKDF-SHA256 from its rebuilt seed to its self-mask key.
     """
-    if n_keys == 0 or n_edges == 0:
+    if n_seeds == 0 and (n_keys == 0 or n_edges == 0):
         return [0.0]
-    privates = [X25519PrivateKey.generate().private_bytes_raw() for _ in range(n_keys)]
+    privates = [X25519PrivateKey.generate().private_bytes_raw() for _ in range(n_keys if n_edges else 0)]
+    seeds = [os.urandom(32) for _ in range(n_seeds)]
     publics = [X25519PrivateKey.generate().public_key().public_bytes_raw()
                for _ in range(min(n_edges, 256))]
-    per_key = [n_edges // n_keys + (1 if j < n_edges % n_keys else 0) for j in range(n_keys)]
+    per_key = [n_edges // n_keys + (1 if j < n_edges % n_keys else 0) for j in range(len(privates))]
     times: list[float] = []
     spent = 0.0
     for _ in range(repeats):
         gc.collect()
         start = time.perf_counter()
+        for seed in seeds:
+            HKDF(hashes.SHA256(), 16, None, b"bench/self-mask").derive(seed)
         e = 0
         for private, count in zip(privates, per_key):
             sk = X25519PrivateKey.from_private_bytes(private)
@@ -399,6 +425,9 @@ def run_once(args: argparse.Namespace, schema: PayloadSchema, rep: int,
     out["client_mean_per_device_s"] = {p: float(sum(v)) / n for p, v in run.client_seconds.items()}
     out["client_mask_s"] = _median(run.client_seconds.get("masked_input", []))
     out["server_unmask_s"] = float(run.server_seconds.get("unmask", float("nan")))
+    # The server adds each masked input as it arrives: what it spends on the sum is its
+    # MaskedInput phase (checks, additions, the Unmask requests) plus its Unmask phase.
+    out["server_sum_s"] = out["server_unmask_s"] + float(run.server_seconds.get("masked_input", 0.0))
     survivors = [i for i in range(1, n + 1) if i not in dropouts]
     out["upload_bytes_per_client"] = _median(upload_bytes[i] for i in survivors)
 
@@ -431,13 +460,14 @@ def run_once(args: argparse.Namespace, schema: PayloadSchema, rep: int,
         len(contributors) + edges, len(contributors), args.limit_repeat
     )
     out["kex_server_samples"] = time_key_agreement(
-        len(result_dropped_keys), edges, max(1, min(3, args.limit_repeat))
+        len(result_dropped_keys), edges, len(contributors), max(1, min(3, args.limit_repeat))
     )
     out["limit_client_s"] = _median(out["limit_client_samples"])
     out["limit_server_kex_s"] = _median(out["kex_server_samples"])
     out["limit_server_s"] = _median(out["limit_server_samples"])
     out["client_ratio"] = out["client_mask_s"] / out["limit_client_s"]
-    out["server_ratio"] = out["server_unmask_s"] / out["limit_server_s"]
+    out["server_ratio"] = out["server_sum_s"] / out["limit_server_s"]
+    out["server_ratio_with_kex"] = out["server_sum_s"] / (out["limit_server_s"] + out["limit_server_kex_s"])
     out["authentication"] = authentication_cost(
         n, config.params.k, len(config.sums), len(contributors), max(1, min(3, args.limit_repeat))
     )
@@ -513,6 +543,7 @@ def summarise(args: argparse.Namespace, runs: list[dict], wall: float) -> dict:
             client_mask_s=med("client_mask_s"),
             limit_client_s=med("limit_client_s"),
             server_unmask_s=med("server_unmask_s"),
+            server_sum_s=med("server_sum_s"),
             limit_server_s=med("limit_server_s"),
             client_masks=first["client_masks"],
             server_self_masks=ok[0]["server_self_masks"],
@@ -520,7 +551,8 @@ def summarise(args: argparse.Namespace, runs: list[dict], wall: float) -> dict:
             server_adds=ok[0]["server_adds"],
         )
         summary["client_ratio"] = summary["client_mask_s"] / summary["limit_client_s"]
-        summary["server_ratio"] = summary["server_unmask_s"] / summary["limit_server_s"]
+        summary["server_ratio"] = summary["server_sum_s"] / summary["limit_server_s"]
+        summary["server_unmask_ratio"] = summary["server_unmask_s"] / summary["limit_server_s"]
         summary["authentication"] = {
             key: _median(r["authentication"][key] for r in ok) for key in ok[0]["authentication"]
         }
@@ -532,9 +564,10 @@ def summarise(args: argparse.Namespace, runs: list[dict], wall: float) -> dict:
         summary["server_ratio_median_of_runs"] = _median(summary["server_ratio_per_run"])
         # Informational: the floor including the X25519 work behind the pairwise masks.
         summary["limit_server_kex_s"] = med("limit_server_kex_s")
-        summary["server_ratio_with_kex"] = summary["server_unmask_s"] / (
+        summary["server_ratio_with_kex"] = summary["server_sum_s"] / (
             summary["limit_server_s"] + summary["limit_server_kex_s"]
         )
+        summary["server_ratio_with_kex_per_run"] = [r["server_ratio_with_kex"] for r in ok]
         summary["target_client_ratio"] = TARGET_CLIENT_RATIO
         summary["target_server_ratio"] = TARGET_SERVER_RATIO
         summary["upload_bytes_per_client"] = med("upload_bytes_per_client")
@@ -584,8 +617,8 @@ def print_report(console: Console, s: dict) -> None:
         for name, key, lim, ratio, target in (
             (f"client masking ({s['client_masks']} masks)", "client_mask_s", "limit_client_s",
              "client_ratio", TARGET_CLIENT_RATIO),
-            (f"server unmask ({s['server_self_masks']}+{s['server_pairwise_masks']} masks, "
-             f"{s['server_adds']} adds)", "server_unmask_s", "limit_server_s", "server_ratio",
+            (f"server sum ({s['server_self_masks']}+{s['server_pairwise_masks']} masks, "
+             f"{s['server_adds']} adds)", "server_sum_s", "limit_server_s", "server_ratio",
              TARGET_SERVER_RATIO),
         ):
             met = s[ratio] <= target
@@ -596,7 +629,9 @@ def print_report(console: Console, s: dict) -> None:
                           "; ".join(", ".join(f"{r:.2f}" for r in s[k])
                                     for k in ("client_ratio_per_run", "server_ratio_per_run")),
                           "")
-        table.add_row("  + X25519/HKDF for pairwise masks", "",
+        table.add_row("  of which Unmask phase", _fmt_s(s["server_unmask_s"]), "",
+                      f"{s['server_unmask_ratio']:.2f}x", "")
+        table.add_row("  limit + X25519/HKDF for the masks", "",
                       _fmt_s(s["limit_server_kex_s"]), f"{s['server_ratio_with_kex']:.2f}x", "")
         table.add_row("upload per device", f"{s['upload_bytes_per_client']:,.0f} B",
                       f"{s['plain_bytes_per_client']:,} B (float32)",
@@ -623,6 +658,148 @@ def print_report(console: Console, s: dict) -> None:
                   f"Python {m['python']}, numpy {m['numpy']}, cryptography {m['cryptography']}")
     if s["aborted"]:
         console.print(f"[red]aborted:[/] {s['aborted']}")
+
+
+# ---------------------------------------------------------------------------- grid
+
+
+def point_memory_bytes(n: int, dim: int, schema_bits: int) -> int:
+    """What one cohort of the grid holds at its peak: every device's ring input, every upload
+    in flight, and the correctness check's copies (the driver hands all inputs over at once)."""
+    item = ring_dtype(schema_bits).itemsize
+    return n * dim * (item + packed_size(1, wire_width(schema_bits))) + 8 * n * dim // 10 + (1 << 30)
+
+
+def run_grid(args: argparse.Namespace) -> int:
+    console = Console() if Console().is_terminal else Console(width=110)
+    out_dir: Path = args.out_dir
+    out_dir.mkdir(parents=True, exist_ok=True)
+    log_path = out_dir / "engine_grid.log"
+    points = [(n, d, phase) for phase in args.grid_phases for n in args.grid_clients
+              for d in args.grid_dims]
+    results, skipped = [], []
+    start = time.perf_counter()
+    with log_path.open("w") as log, Progress(
+        TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
+        TimeElapsedColumn(), console=console,
+    ) as progress:
+        task = progress.add_task("grid", total=len(points))
+        for n, dim, phase in points:
+            label = f"N={n} D={dim} {phase}"
+            progress.update(task, description=label)
+            bits = build_schema(1).required_bits(n)
+            need = point_memory_bytes(n, dim, bits)
+            if need > args.max_memory_gib * 2**30:
+                reason = (f"needs ~{need / 2**30:.0f} GiB (inputs, uploads in flight, checks) "
+                          f"> --max-memory-gib {args.max_memory_gib:g}")
+                skipped.append({"clients": n, "dim": dim, "phase": phase, "reason": reason})
+                progress.console.log(f"skip {label}: {reason}")
+                progress.advance(task)
+                continue
+            point_json = out_dir / f".grid_point_{n}_{dim}_{phase}.json"
+            command = [sys.executable, str(Path(__file__).resolve()), "--clients", str(n),
+                       "--dim", str(dim), "--phase", phase, "--dropout", str(args.dropout),
+                       "--repeat", str(args.repeat), "--limit-repeat", str(args.limit_repeat),
+                       "--corrupt", str(args.corrupt), "--seed", str(args.seed),
+                       "--json", str(point_json)]
+            log.write(f"$ {' '.join(command[1:])}\n")
+            log.flush()
+            proc = subprocess.run(command, stdout=log, stderr=subprocess.STDOUT, text=True)
+            if proc.returncode != 0 or not point_json.exists():
+                skipped.append({"clients": n, "dim": dim, "phase": phase,
+                                "reason": f"run failed (exit {proc.returncode}); see {log_path.name}"})
+            else:
+                summary = json.loads(point_json.read_text())
+                point_json.unlink()
+                results.append(summary)
+                progress.console.log(
+                    f"{label}: server {summary['server_ratio']:.2f}x "
+                    f"(+kex {summary['server_ratio_with_kex']:.2f}x), "
+                    f"client {summary['client_ratio']:.2f}x, correct={summary['correct']}")
+            progress.advance(task)
+    grid = {
+        "command": "python bench/secagg_engine.py --grid " + " ".join(
+            f"--{k.replace('_', '-')} {v}" for k, v in (("repeat", args.repeat),
+                                                        ("dropout", args.dropout))),
+        "target_server_ratio": TARGET_SERVER_RATIO,
+        "target_client_ratio": TARGET_CLIENT_RATIO,
+        "wall_s": time.perf_counter() - start,
+        "machine": machine_info(),
+        "points": results,
+        "skipped": skipped,
+    }
+    json_path = out_dir / "engine_grid.json"
+    json_path.write_text(json.dumps(grid, indent=2, default=str) + "\n")
+    plot_grid(grid, out_dir / "engine_grid.png")
+    console.print(grid_markdown(grid))
+    console.print(f"wrote {json_path}, {out_dir / 'engine_grid.png'} and {log_path}")
+    return 0 if all(p["correct"] for p in results) else 1
+
+
+def _ratio_range(values: list[float]) -> str:
+    return f"{min(values):.2f}–{max(values):.2f}" if len(values) > 1 else f"{values[0]:.2f}"
+
+
+def grid_markdown(grid: dict) -> str:
+    """The README's table: one row per point, medians and the per-run range of each ratio."""
+    lines = [
+        "| N | D | dropped 10 % | k, t | bits (wire) | server / limit | + X25519/HKDF | "
+        "Unmask phase alone | client / limit | upload / float32 | correct |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    phase_name = {"shares": "after ShareKeys", "masked": "after MaskedInput"}
+    for p in sorted(grid["points"], key=lambda p: (p["phase"] != "shares", p["clients"], p["dim"])):
+        lines.append(
+            f"| {p['clients']:,} | {p['dim']:,} | {phase_name[p['phase']]} | {p['k']}, {p['t']} | "
+            f"{p['bits']} ({p['wire_bits']}) | **{p['server_ratio']:.2f}×** "
+            f"({_ratio_range(p['server_ratio_per_run'])}) | {p['server_ratio_with_kex']:.2f}× | "
+            f"{p['server_unmask_ratio']:.2f}× | **{p['client_ratio']:.2f}×** "
+            f"({_ratio_range(p['client_ratio_per_run'])}) | {p['upload_ratio']:.3f} | "
+            f"{'yes' if p['correct'] else 'NO'} |"
+        )
+    for s in grid["skipped"]:
+        lines.append(f"| {s['clients']:,} | {s['dim']:,} | {phase_name[s['phase']]} | "
+                     f"skipped: {s['reason']} |||||||| ")
+    return "\n".join(lines)
+
+
+def plot_grid(grid: dict, path: Path) -> None:
+    """Ratio per point: server (solid; dashed with X25519/HKDF in the limit) and client, per
+    dropout phase, against N, one line per D, with the targets drawn in."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    phases = sorted({p["phase"] for p in grid["points"]})
+    if not phases:
+        return
+    fig, axes = plt.subplots(2, len(phases), figsize=(6 * len(phases), 8), squeeze=False,
+                             sharex=True)
+    titles = {"shares": "10 % drop after ShareKeys", "masked": "10 % drop after MaskedInput"}
+    for col, phase in enumerate(phases):
+        mine = [p for p in grid["points"] if p["phase"] == phase]
+        for dim in sorted({p["dim"] for p in mine}):
+            line = sorted((p for p in mine if p["dim"] == dim), key=lambda p: p["clients"])
+            ns = [p["clients"] for p in line]
+            drawn = axes[0][col].plot(ns, [p["server_ratio"] for p in line], "o-", label=f"D={dim:,}")
+            axes[0][col].plot(ns, [p["server_ratio_with_kex"] for p in line], "x--",
+                              color=drawn[0].get_color())
+            axes[1][col].plot(ns, [p["client_ratio"] for p in line], "o-", label=f"D={dim:,}")
+        for row, (target, what) in enumerate(((grid["target_server_ratio"], "server sum"),
+                                              (grid["target_client_ratio"], "client masking"))):
+            ax = axes[row][col]
+            ax.axhline(target, color="red", lw=1, ls=":", label=f"target {target}x")
+            ax.set_xscale("log")
+            ax.set_ylabel(f"{what} / limit")
+            ax.set_title(f"{what}, {titles.get(phase, phase)}"
+                         + (" (dashed: limit + X25519/HKDF)" if row == 0 else ""), fontsize=9)
+            ax.grid(True, alpha=0.3)
+            ax.legend(fontsize=8)
+        axes[1][col].set_xlabel("devices N")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
 
 
 # ---------------------------------------------------------------------------- main
@@ -665,6 +842,8 @@ class MessageTracker:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.grid:
+        return run_grid(args)
     console = Console()
     if not console.is_terminal:  # a log file: room for the table's columns
         console = Console(width=110)

@@ -391,10 +391,13 @@ class _MaskedInputPhase(_SumPhase):
             return server._advance(_ConsistencyPhase(server, u3, self.position, masked), out)
         # A device needs only its own neighbourhood's status: the full list would make every
         # request O(n) and the session O(n^2) bytes. (ConsistencyCheck signs the full list.)
-        out = [
-            Outgoing(i, UnmaskRequest(ref, sum_id, tuple(sorted(u3.intersection(server.config.neighbours(i).tolist()) | {i}))))
-            for i in survivors
-        ]
+        alive = _indicator(server.config.n, u3)
+        out = []
+        for i in survivors:
+            neighbours = server.config.neighbours(i)
+            status = neighbours[alive[neighbours]]
+            status = np.insert(status, np.searchsorted(status, i), i)
+            out.append(Outgoing(i, UnmaskRequest(ref, sum_id, tuple(status.tolist()))))
         return server._advance(_UnmaskPhase(server, u3, self.position, masked, u3), out)
 
 
@@ -444,6 +447,14 @@ class _ConsistencyPhase(_SumPhase):
 
 
 class _UnmaskPhase(_SumPhase):
+    """Collects t shares of every secret the sum needs and rebuilds them all at once.
+
+    Secrets are rows of fixed arrays (survivors' seeds, then the needed dropouts' keys) and each
+    answer is kept as one block of shares with the rows it fills, so a message costs a few
+    vector operations however many shares it carries, and the rebuild interpolates every
+    secret in one batch.
+    """
+
     name = "unmask"
     message_type = UnmaskResponse
 
@@ -456,42 +467,55 @@ class _UnmaskPhase(_SumPhase):
         self.needed_keys = frozenset(
             j for j in self.dropped if any(int(i) in survivors for i in server.config.neighbours(j))
         )
-        self.shares: dict[tuple[str, int], dict[int, bytes]] = {
-            **{("seed", i): {} for i in survivors},
-            **{("key", j): {} for j in self.needed_keys},
-        }
-        # Shares each secret still waits for: t, or more once a rebuilt secret failed its check.
-        self.wanted: dict[tuple[str, int], int] = dict.fromkeys(self.shares, server.config.threshold)
-        # Secrets below their wanted count, kept up to date so completion is O(1) per message.
-        self.short: set[tuple[str, int]] = set(self.shares)
+        self.secrets: list[tuple[str, int]] = (
+            [("seed", i) for i in sorted(survivors)] + [("key", j) for j in sorted(self.needed_keys)]
+        )
+        # Row of each owner's seed and key; -1: not needed (a dropout with no surviving neighbour).
+        self._rows = {kind: np.full(server.config.n + 1, -1, dtype=np.int64) for kind in ("seed", "key")}
+        self._is_survivor = _indicator(server.config.n, survivors)
+        self._is_dropped = _indicator(server.config.n, self.dropped)
+        for row, (kind, owner) in enumerate(self.secrets):
+            self._rows[kind][owner] = row
+        # Shares each secret has, and still waits for: t, or more once a rebuilt secret failed
+        # its check; `short` counts the secrets below their wanted count.
+        self.counts = np.zeros(len(self.secrets), dtype=np.int64)
+        self.wanted = np.full(len(self.secrets), server.config.threshold, dtype=np.int64)
+        self.short = len(self.secrets)
+        # Per answer, in arrival order: its sender, the rows it fills and its (m, 9) shares.
+        self._answers: list[tuple[int, np.ndarray, np.ndarray]] = []
         # Checked secrets: a survivor's seed (bytes), a dropout's mask key (parsed once, as the
         # check needs it parsed anyway).
-        self.rebuilt: dict[tuple[str, int], bytes | crypto.KeyPair] = {}
+        self.rebuilt: dict[int, bytes | crypto.KeyPair] = {}
 
     def validate(self, message: UnmaskResponse) -> None:
-        held = self.server.sharers.intersection(self.server.config.neighbours(message.sender).tolist())
-        seed_owners = {o for o, _ in message.seed_shares}
-        key_owners = {o for o, _ in message.key_shares}
-        if len(seed_owners) != len(message.seed_shares) or seed_owners != held & self.survivors:
+        neighbours = self.server.config.neighbours(message.sender)
+        seed_owners = _owners(message.sender, message.seed_shares)
+        key_owners = _owners(message.sender, message.key_shares)
+        if not np.array_equal(np.sort(seed_owners), neighbours[self._is_survivor[neighbours]]):
             raise MalformedMessage(
                 f"device {message.sender} must reveal seed shares of exactly its surviving neighbours"
             )
-        if len(key_owners) != len(message.key_shares) or key_owners != held & self.dropped:
+        if not np.array_equal(np.sort(key_owners), neighbours[self._is_dropped[neighbours]]):
             raise MalformedMessage(
                 f"device {message.sender} must reveal key shares of exactly its dropped neighbours"
             )
-        if any(len(share) != shamir.SHARE_BYTES for _, share in message.seed_shares + message.key_shares):
+        lengths = set(map(len, (share for _, share in message.seed_shares + message.key_shares)))
+        if lengths - {shamir.SHARE_BYTES}:
             raise MalformedMessage(f"shares must be {shamir.SHARE_BYTES} bytes")
+        self._validated = (message, seed_owners, key_owners)
 
     def record(self, message: UnmaskResponse) -> None:
-        for kind, shares in (("seed", message.seed_shares), ("key", message.key_shares)):
-            for owner, share in shares:
-                held = self.shares.get((kind, owner))
-                if held is None:  # a dropped device with no surviving neighbour: nothing to remove
-                    continue
-                held[message.sender] = share
-                if len(held) >= self.wanted[(kind, owner)]:
-                    self.short.discard((kind, owner))
+        validated, seed_owners, key_owners = self._validated
+        assert validated is message
+        rows = np.concatenate([self._rows["seed"][seed_owners], self._rows["key"][key_owners]])
+        pairs = message.seed_shares + message.key_shares
+        shares = np.frombuffer(b"".join(share for _, share in pairs), dtype="<u4").reshape(-1, shamir.CHUNKS)
+        needed = rows >= 0
+        if not needed.all():
+            rows, shares = rows[needed], shares[needed]
+        self._answers.append((message.sender, rows, shares))
+        self.counts[rows] += 1
+        self.short -= int(np.count_nonzero(self.counts[rows] == self.wanted[rows]))
 
     def complete(self) -> bool:
         """Done when every needed secret has its shares: stragglers cannot delay the sum."""
@@ -506,22 +530,22 @@ class _UnmaskPhase(_SumPhase):
     def _finish(self, final: bool) -> list[Outgoing]:
         server = self.server
         t = server.config.threshold
-        short = sorted(owner for key in self.short if len(self.shares[key]) < t for owner in key[1:])
-        if short:
+        short = np.flatnonzero(self.counts < t)
+        if short.size:
+            owners = [self.secrets[r][1] for r in short[:10].tolist()]
             return server._abort(
-                f"unmask[{self.sum_id}]: fewer than t={t} shares for devices {short[:10]}"
-                + (" ..." if len(short) > 10 else ""),
+                f"unmask[{self.sum_id}]: fewer than t={t} shares for devices {owners}"
+                + (" ..." if short.size > 10 else ""),
                 self.expected,
             )
         failed = self._rebuild()
         if failed and not final:
             # Wait for one more holder's share of each: more shares decode around wrong ones.
-            for key in failed:
-                self.wanted[key] = len(self.shares[key]) + 1
-                self.short.add(key)
+            self.wanted[failed] = self.counts[failed] + 1
+            self.short += len(failed)
             return []
         if failed:
-            owners = sorted(owner for _, owner in failed)
+            owners = sorted(self.secrets[r][1] for r in failed)
             return server._abort(
                 f"unmask[{self.sum_id}]: the shares of devices {owners[:10]} do not rebuild the "
                 "secrets they committed to, and too few holders answered to decode around the "
@@ -536,52 +560,68 @@ class _UnmaskPhase(_SumPhase):
         # Stragglers the early close did not wait for are alive: ask every contributor.
         return server._start_sum(self.position + 1, self.survivors)
 
-    def _rebuild(self) -> set[tuple[str, int]]:
-        """Rebuild every secret not yet rebuilt; the ones that cannot be rebuilt and checked yet.
+    def _held(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Every share received, in arrival order: (rows, holders, shares (m, 9))."""
+        rows = np.concatenate([rows for _, rows, _ in self._answers])
+        holders = np.concatenate([np.full(len(r), sender) for sender, r, _ in self._answers])
+        shares = np.concatenate([shares for _, _, shares in self._answers])
+        return rows, holders, shares
 
-        The common case costs one batched interpolation over t shares (preferring holders never
-        caught lying) and one check per secret; only a secret that fails its check is decoded
-        from all of its shares, which also names the holders whose shares were wrong.
+    def _rebuild(self) -> list[int]:
+        """Rebuild every secret not yet rebuilt; the rows that cannot be rebuilt and checked yet.
+
+        The common case costs one batched interpolation over t shares per secret (the first to
+        arrive, or holders never caught lying first once someone was) and one check per
+        secret; only a secret that fails its check is decoded from all of its shares, which
+        also names the holders whose shares were wrong.
         """
         t = self.server.config.threshold
-        pending = [key for key in self.shares if key not in self.rebuilt]
-        holder_sets, share_arrays = [], []
+        rows, holders, shares = self._held()
+        pending = np.ones(len(self.secrets), dtype=bool)
+        pending[list(self.rebuilt)] = False
         suspects = self.server.misbehaving
-        for key in pending:
-            held = self.shares[key]
-            # Any t holders interpolate; honest-looking ones first once someone was caught.
-            holders = sorted(held, key=lambda h: (h in suspects, h))[:t] if suspects else list(held)[:t]
-            holder_sets.append(tuple(holders))
-            share_arrays.append(_share_matrix(held, holders))
-        failed: set[tuple[str, int]] = set()
-        for key, secret in zip(pending, shamir.reconstruct_each(holder_sets, share_arrays)):
-            checked = self._checked(key, secret) if secret is not None else None
+        if suspects:
+            suspect = np.isin(holders, list(suspects))
+            order = np.lexsort((holders, suspect, rows))
+        else:
+            order = np.argsort(rows, kind="stable")
+        by_row = rows[order]
+        # Each row's entries are contiguous in `order`: keep the first t of the pending rows.
+        first = np.searchsorted(by_row, by_row)
+        chosen = order[(np.arange(len(order)) - first < t) & pending[by_row]]
+        pending_rows = np.flatnonzero(pending)
+        secrets = shamir.reconstruct_block(
+            holders[chosen].reshape(-1, t), shares[chosen].reshape(-1, t, shamir.CHUNKS)
+        )
+        failed = []
+        for row, secret in zip(pending_rows.tolist(), secrets):
+            checked = self._checked(row, secret) if secret is not None else None
             if checked is not None:
-                self.rebuilt[key] = checked
-            elif not self._decode(key):
-                failed.add(key)
+                self.rebuilt[row] = checked
+            elif not self._decode(row, rows, holders, shares):
+                failed.append(row)
         return failed
 
-    def _decode(self, key: tuple[str, int]) -> bool:
-        held = self.shares[key]
-        holders = sorted(held)
+    def _decode(self, row: int, rows: np.ndarray, holders: np.ndarray, shares: np.ndarray) -> bool:
+        mine = np.flatnonzero(rows == row)
+        mine = mine[np.argsort(holders[mine])]
         try:
-            secret, wrong = shamir.decode(holders, _share_matrix(held, holders), self.server.config.threshold)
+            secret, wrong = shamir.decode(holders[mine].tolist(), shares[mine], self.server.config.threshold)
         except ValueError:
             return False
-        checked = self._checked(key, secret)
+        checked = self._checked(row, secret)
         if checked is None:
             return False
-        self.rebuilt[key] = checked
-        kind, owner = key
+        self.rebuilt[row] = checked
+        kind, owner = self.secrets[row]
         for holder in wrong:
             self.server.misbehaving[holder] = f"wrong {kind} share of device {owner} in sum {self.sum_id!r}"
         return True
 
-    def _checked(self, key: tuple[str, int], secret: bytes) -> bytes | crypto.KeyPair | None:
+    def _checked(self, row: int, secret: bytes) -> bytes | crypto.KeyPair | None:
         """The rebuilt secret, ready to use, if it is the one its owner committed to in its
         signed keys; else None."""
-        kind, owner = key
+        kind, owner = self.secrets[row]
         keys = self.server.advertised[owner].keys[self.position]
         if kind == "seed":
             ok = seed_commitment(self.server.config.ref, self.sum_id, secret) == keys.seed_commitment
@@ -596,8 +636,9 @@ class _UnmaskPhase(_SumPhase):
         server = self.server
         spec = server.config.sums[self.position]
         context = server.config.ref.context(spec.sum_id)
-        seeds = {owner: secret for (kind, owner), secret in self.rebuilt.items() if kind == "seed"}
-        keys = {owner: secret for (kind, owner), secret in self.rebuilt.items() if kind == "key"}
+        rebuilt = {self.secrets[row]: secret for row, secret in self.rebuilt.items()}
+        seeds = {owner: secret for (kind, owner), secret in rebuilt.items() if kind == "seed"}
+        keys = {owner: secret for (kind, owner), secret in rebuilt.items() if kind == "key"}
         server.revealed_seeds[spec.sum_id] = frozenset(seeds)
         server.revealed_keys[spec.sum_id] = frozenset(keys)
         assert not (set(seeds) & set(keys)), "a device's seed and key were both reconstructed"
@@ -621,6 +662,15 @@ class _UnmaskPhase(_SumPhase):
         return total
 
 
-def _share_matrix(held: dict[int, bytes], holders: list[int]) -> np.ndarray:
-    joined = b"".join(held[h] for h in holders)
-    return np.frombuffer(joined, dtype="<u4").reshape(len(holders), shamir.CHUNKS)
+def _indicator(n: int, devices: Iterable[int]) -> np.ndarray:
+    """Boolean lookup table over device indices 0..n."""
+    table = np.zeros(n + 1, dtype=bool)
+    table[list(devices)] = True
+    return table
+
+
+def _owners(sender: int, shares: tuple[tuple[int, bytes], ...]) -> np.ndarray:
+    try:
+        return np.fromiter((owner for owner, _ in shares), dtype=np.int64, count=len(shares))
+    except (TypeError, ValueError, OverflowError):
+        raise MalformedMessage(f"device {sender}: share owners must be device indices") from None
