@@ -20,9 +20,11 @@ from typing import Any
 import numpy as np
 
 from client_sdk.metrics import ClientMetrics
+from client_sdk.synthetic import SyntheticUpdates
 from tally import algorithms
 from tally.algorithms.base import Arrays, ClientAlgorithm, LocalTrainer
 from tally.codec import PayloadSchema
+from tally.codec.fingerprint import ring_fingerprint, sum_key
 from tally.privacy.payload import PrivateClient, ring_encode
 from tally.secagg import SessionConfig
 from tally.wire.convert import from_proto, schema_from_proto, tensors_from_proto
@@ -62,9 +64,25 @@ def plan_task(task: coordinator_pb2.TaskAssignment) -> TaskPlan:
     return TaskPlan(task, config, first_sum, PrivateClient(client_half))
 
 
+@dataclass(frozen=True)
+class InputFingerprint:
+    """What a device put into one sum, as a fingerprint (``tally.codec.fingerprint``): with the
+    coordinator's record of the sum's contributors and fingerprint, a fleet proves each
+    committed sum exact without keeping any input."""
+
+    job_id: str
+    round: int
+    session_id: str
+    sum_id: str
+    device_index: int
+    bits: int
+    fingerprint: tuple[int, ...]
+
+
 class Contribution:
     """``load_model`` returns the first step's base broadcast (the downloaded model);
-    ``fetch_step`` returns the Step of a later sum once the coordinator has it."""
+    ``fetch_step`` returns the Step of a later sum once the coordinator has it. With ``audit``,
+    each input's fingerprint is appended to it."""
 
     def __init__(
         self,
@@ -77,6 +95,7 @@ class Contribution:
         reveal: Callable[[str, Arrays], Awaitable[None]],
         executor: Executor | None,
         metrics: ClientMetrics,
+        audit: list[InputFingerprint] | None = None,
     ) -> None:
         self.plan = plan
         self.trainer = trainer
@@ -88,6 +107,7 @@ class Contribution:
         self._reveal = reveal
         self._executor = executor
         self._metrics = metrics
+        self._audit = audit
         self._first: asyncio.Future[np.ndarray] | None = None
 
     def start(self) -> None:
@@ -148,7 +168,7 @@ class Contribution:
         loop = asyncio.get_running_loop()
         start = time.perf_counter()
         vector, state, clipped = await loop.run_in_executor(
-            self._executor, self._contribute, step.name, broadcast, schema, spec.bits
+            self._executor, self._contribute, step.name, broadcast, schema, sum_id, spec.bits
         )
         self._metrics.compute_seconds.observe(time.perf_counter() - start)
         self._metrics.encoded_values.inc(schema.dim)
@@ -158,8 +178,17 @@ class Contribution:
         return vector
 
     def _contribute(
-        self, step: str, broadcast: Arrays, schema: PayloadSchema, bits: int
+        self, step: str, broadcast: Arrays, schema: PayloadSchema, sum_id: str, bits: int
     ) -> tuple[np.ndarray, Any, int]:
-        values, state = self.plan.client_half.contribute(step, broadcast, self.trainer, self.local_state)
+        task = self.plan.task
+        if isinstance(self.trainer, SyntheticUpdates):
+            values, state = self.trainer.values(task.job_id, task.round, step, schema), self.local_state
+        else:
+            values, state = self.plan.client_half.contribute(step, broadcast, self.trainer, self.local_state)
         vector, clipped = ring_encode(schema, values, self.rng, bits)
+        if self._audit is not None:
+            session_id = self.plan.config.ref.session_id
+            self._audit.append(InputFingerprint(
+                task.job_id, task.round, session_id, sum_id, task.device_index, bits,
+                ring_fingerprint(vector, bits, sum_key(session_id, sum_id))))
         return vector, state, clipped

@@ -24,7 +24,7 @@ import grpc
 import numpy as np
 
 from client_sdk.channels import Channels, reconnect_options
-from client_sdk.contribution import Contribution, TaskError, plan_task
+from client_sdk.contribution import Contribution, InputFingerprint, TaskError, plan_task
 from client_sdk.download import Downloader, ModelCache
 from client_sdk.dropout import DropoutPlan
 from client_sdk.enrolment import register_request
@@ -109,6 +109,7 @@ class Device:
         policy: DevicePolicy | None = None,
         enrolment_credential: bytes = b"",
         coordinator_key: bytes | None = None,
+        audit: list[InputFingerprint] | None = None,
     ) -> None:
         self.coordinator = coordinator
         self.device_id = device_id
@@ -146,6 +147,8 @@ class Device:
         # The coordinator's session-ticket key: it signs the roster. Pinned when provisioned,
         # else learnt at the first registration over the coordinator's own TLS channel.
         self.coordinator_key = coordinator_key
+        # Fingerprints of the inputs this device computed, for checking committed sums.
+        self.audit = audit
 
     # ---- public API ----------------------------------------------------------------------------
 
@@ -251,6 +254,7 @@ class Device:
             lambda step, values: self._reveal(task, step, values),
             self.executor,
             self.metrics,
+            self.audit,
         )
         contribution.start()
         drop_phase = next(self._dropouts) if self._dropouts is not None else None

@@ -23,6 +23,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
 from client_sdk.channels import Channels, reconnect_options
+from client_sdk.contribution import InputFingerprint
 from client_sdk.device import Device, DeviceStats
 from client_sdk.dropout import DropoutPlan
 from client_sdk.enrolment import simulated_identity
@@ -117,6 +118,11 @@ def _human_bytes(n: float) -> str:
     raise AssertionError("unreachable")
 
 
+def device_ids(prefix: str, count: int) -> list[str]:
+    """The ids of a fleet's devices, in order (a synthetic device's inputs derive from its id)."""
+    return [f"{prefix}-{i:05d}" for i in range(count)]
+
+
 class CoordinatorUnreachable(ConnectionError):
     """No device of the fleet completed a single check-in within the connect timeout."""
 
@@ -142,9 +148,12 @@ class Fleet:
         device_policy: DevicePolicy | None = None,
         enrolment_key: bytes | None = None,
         state_dir: Path | None = None,
+        audit: bool = False,
     ) -> None:
         """``state_dir``: each device keeps its per-job local state (LG-FedAvg's local layers,
-        SuPerFed's personal model) in ``state_dir/<device id>``, across restarts."""
+        SuPerFed's personal model) in ``state_dir/<device id>``, across restarts. ``audit``:
+        devices record the fingerprint of every input (``self.inputs``) so that ``sum_audit``
+        can check the committed sums against them."""
         if not trainers:
             raise ValueError("a fleet needs at least one device")
         policy = retry or RetryPolicy()
@@ -159,7 +168,8 @@ class Fleet:
         # The fleet stands in for the operator's provisioning: with the coordinator's enrolment
         # key it hands each simulated device its credential.
         enrolment = SharedKeyEnrolment(enrolment_key) if enrolment_key is not None else None
-        ids = [f"{id_prefix}-{i:05d}" for i in range(len(trainers))]
+        ids = device_ids(id_prefix, len(trainers))
+        self.inputs: list[InputFingerprint] | None = [] if audit else None
         self.devices = [
             Device(
                 coordinator,
@@ -179,6 +189,7 @@ class Fleet:
                 identity=simulated_identity(enrolment_key, ids[i]) if enrolment else None,
                 enrolment_credential=enrolment.credential(population, ids[i]) if enrolment else b"",
                 state_dir=state_dir / ids[i] if state_dir is not None else None,
+                audit=self.inputs,
             )
             for i, trainer in enumerate(trainers)
         ]

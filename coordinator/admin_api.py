@@ -188,3 +188,16 @@ class AdminService(admin_pb2_grpc.AdminServicer):
                 round=version.round, digest=version.onnx_digest, total_bytes=len(data), offset=offset,
                 data=data[offset:offset + MODEL_CHUNK_BYTES],
             )
+
+    async def GetRoundSums(self, request: admin_pb2.GetRoundSumsRequest, context: grpc.aio.ServicerContext):
+        await self._authorize(context)
+        await self._record(request.job_id, context)
+        sums = self.store.committed_cohort_sums(request.job_id, request.round)
+        if sums is None:
+            await context.abort(grpc.StatusCode.NOT_FOUND,
+                                f"job {request.job_id!r} has no committed round {request.round}")
+        return admin_pb2.RoundSums(job_id=request.job_id, round=request.round, sums=[
+            admin_pb2.CohortSumFingerprint(session_id=s.session_id, sum_id=s.sum_id, cohort=s.cohort, bits=s.bits,
+                                           contributors=s.contributors, fingerprint=s.fingerprint)
+            for s in sums
+        ])

@@ -61,10 +61,11 @@ from coordinator.planner import (
 )
 from coordinator.reveals import RevealCollector, RevealOutOfPhase, is_personal, reveal_names
 from coordinator.state_codec import UnsupportedState, state_from_bytes, state_to_bytes
-from coordinator.store import ModelVersion, Store
+from coordinator.store import CohortSumRecord, ModelVersion, Store
 from coordinator.task_reports import Recorded, TaskReportBook
 from tally import logs, modelio
 from tally.algorithms.base import StepSpec
+from tally.codec.fingerprint import ring_fingerprint, sum_key
 from tally.privacy import metrics as privacy_metrics
 from tally.privacy.spec import private_job_server
 from tally.security import SessionTicket, TicketSigner, config_digest
@@ -174,6 +175,7 @@ class JobRunner:
             privacy_metrics.publish(job_id, self.ledger)
         self.committed = committed
         self.round = committed + 1
+        self.attempt = 0
         self.phase, self.step = "", ""
         self.planner: RoundPlanner | None = None
         self.tasks: dict[str, coordinator_pb2.TaskAssignment] = {}
@@ -456,6 +458,7 @@ class JobRunner:
         self, round_: int, attempt: int, state: Any, steps: list[StepSpec], blob: RoundBlob, budget: int
     ) -> tuple[Any, dict[str, float]]:
         ctx = self.ctx
+        self.attempt = attempt
         planner = RoundPlanner(
             self.spec, steps, ctx.clock(), extensions=budget,
             attempt_key=f"r{round_}a{attempt}-{secrets.token_hex(4)}",
@@ -734,6 +737,9 @@ class JobRunner:
             counter.labels(outcome="rejected").inc()
             raise AttemptFailed(f"{where}: {exc}") from None
         counter.labels(outcome="accepted").inc()
+        fingerprint = ring_fingerprint(result.total, spec.bits, sum_key(session.session_id, step.name))
+        self.ctx.store.add_cohort_sum(self.job_id, self.round, self.attempt, CohortSumRecord(
+            session.session_id, step.name, session.cohort, spec.bits, tuple(result.contributors), fingerprint))
         return total
 
     async def _commit(self, round_: int, attempt: int, state: Any, metrics: dict[str, float]) -> None:

@@ -124,6 +124,20 @@ CREATE TABLE IF NOT EXISTS task_reports (
     count INTEGER NOT NULL,
     PRIMARY KEY (job_id, round, outcome, reason)
 );
+-- Each cohort's unmasked sum as a fingerprint (tally/codec/fingerprint.py) and the devices in it,
+-- per attempt: what a load test or a fault campaign checks its inputs against. No values.
+CREATE TABLE IF NOT EXISTS cohort_sums (
+    job_id TEXT NOT NULL,
+    round INTEGER NOT NULL,
+    attempt INTEGER NOT NULL,
+    session_id TEXT NOT NULL,
+    sum_id TEXT NOT NULL,
+    cohort INTEGER NOT NULL,
+    bits INTEGER NOT NULL,
+    contributors TEXT NOT NULL,
+    fingerprint TEXT NOT NULL,
+    PRIMARY KEY (job_id, round, attempt, session_id, sum_id)
+);
 CREATE INDEX IF NOT EXISTS events_by_job ON events (job_id, id);
 """
 
@@ -154,6 +168,16 @@ class RoundRecord:
     message: str
     metrics: dict[str, float]
     sessions: list[dict[str, str]]
+
+
+@dataclass(frozen=True)
+class CohortSumRecord:
+    session_id: str
+    sum_id: str
+    cohort: int
+    bits: int
+    contributors: tuple[int, ...]
+    fingerprint: tuple[int, ...]
 
 
 @dataclass(frozen=True)
@@ -507,6 +531,33 @@ class Store:
                 (job_id, round_),
             ).fetchall()
         return {(outcome, reason): count for outcome, reason, count in rows}
+
+    def add_cohort_sum(self, job_id: str, round_: int, attempt: int, record: CohortSumRecord) -> None:
+        with self._lock:
+            self._db.execute(
+                "INSERT OR REPLACE INTO cohort_sums (job_id, round, attempt, session_id, sum_id, cohort, bits, "
+                "contributors, fingerprint) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                (job_id, round_, attempt, record.session_id, record.sum_id, record.cohort, record.bits,
+                 json.dumps(list(record.contributors)), json.dumps([str(f) for f in record.fingerprint])),
+            )
+
+    def committed_cohort_sums(self, job_id: str, round_: int) -> list[CohortSumRecord] | None:
+        """The cohort sums of a round's committed attempt; None while the round is not committed."""
+        with self._lock:
+            committed = self._db.execute(
+                "SELECT attempt FROM rounds WHERE job_id = ? AND round = ? AND state = 'committed'",
+                (job_id, round_),
+            ).fetchone()
+            if committed is None:
+                return None
+            rows = self._db.execute(
+                "SELECT session_id, sum_id, cohort, bits, contributors, fingerprint FROM cohort_sums "
+                "WHERE job_id = ? AND round = ? AND attempt = ? ORDER BY sum_id, cohort",
+                (job_id, round_, committed[0]),
+            ).fetchall()
+        return [CohortSumRecord(session, sum_id, cohort, bits, tuple(json.loads(contributors)),
+                                tuple(int(f) for f in json.loads(fingerprint)))
+                for session, sum_id, cohort, bits, contributors, fingerprint in rows]
 
     def seated(self, job_id: str, round_: int) -> frozenset[str]:
         with self._lock:

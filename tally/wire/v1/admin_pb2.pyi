@@ -149,3 +149,37 @@ class ModelFileChunk(_message.Message):
     offset: int
     data: bytes
     def __init__(self, round: _Optional[int] = ..., digest: _Optional[str] = ..., total_bytes: _Optional[int] = ..., offset: _Optional[int] = ..., data: _Optional[bytes] = ...) -> None: ...
+
+class GetRoundSumsRequest(_message.Message):
+    __slots__ = ("job_id", "round")
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    ROUND_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    round: int
+    def __init__(self, job_id: _Optional[str] = ..., round: _Optional[int] = ...) -> None: ...
+
+class CohortSumFingerprint(_message.Message):
+    __slots__ = ("session_id", "sum_id", "cohort", "bits", "contributors", "fingerprint")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    SUM_ID_FIELD_NUMBER: _ClassVar[int]
+    COHORT_FIELD_NUMBER: _ClassVar[int]
+    BITS_FIELD_NUMBER: _ClassVar[int]
+    CONTRIBUTORS_FIELD_NUMBER: _ClassVar[int]
+    FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    sum_id: str
+    cohort: int
+    bits: int
+    contributors: _containers.RepeatedScalarFieldContainer[int]
+    fingerprint: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, session_id: _Optional[str] = ..., sum_id: _Optional[str] = ..., cohort: _Optional[int] = ..., bits: _Optional[int] = ..., contributors: _Optional[_Iterable[int]] = ..., fingerprint: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class RoundSums(_message.Message):
+    __slots__ = ("job_id", "round", "sums")
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    ROUND_FIELD_NUMBER: _ClassVar[int]
+    SUMS_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    round: int
+    sums: _containers.RepeatedCompositeFieldContainer[CohortSumFingerprint]
+    def __init__(self, job_id: _Optional[str] = ..., round: _Optional[int] = ..., sums: _Optional[_Iterable[_Union[CohortSumFingerprint, _Mapping]]] = ...) -> None: ...

@@ -64,6 +64,11 @@ class AdminStub:
                 request_serializer=tally_dot_v1_dot_admin__pb2.GetModelRequest.SerializeToString,
                 response_deserializer=tally_dot_v1_dot_admin__pb2.ModelFileChunk.FromString,
                 _registered_method=True)
+        self.GetRoundSums = channel.unary_unary(
+                '/tally.v1.Admin/GetRoundSums',
+                request_serializer=tally_dot_v1_dot_admin__pb2.GetRoundSumsRequest.SerializeToString,
+                response_deserializer=tally_dot_v1_dot_admin__pb2.RoundSums.FromString,
+                _registered_method=True)
 
 
 class AdminServicer:
@@ -109,6 +114,14 @@ class AdminServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def GetRoundSums(self, request, context):
+        """The cohort sums of a committed round as fingerprints, for load tests and fault campaigns to
+        check every committed sum against the inputs they sent; NOT_FOUND until the round commits.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_AdminServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -141,6 +154,11 @@ def add_AdminServicer_to_server(servicer, server):
                     servicer.GetModel,
                     request_deserializer=tally_dot_v1_dot_admin__pb2.GetModelRequest.FromString,
                     response_serializer=tally_dot_v1_dot_admin__pb2.ModelFileChunk.SerializeToString,
+            ),
+            'GetRoundSums': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetRoundSums,
+                    request_deserializer=tally_dot_v1_dot_admin__pb2.GetRoundSumsRequest.FromString,
+                    response_serializer=tally_dot_v1_dot_admin__pb2.RoundSums.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -305,6 +323,33 @@ class Admin:
             '/tally.v1.Admin/GetModel',
             tally_dot_v1_dot_admin__pb2.GetModelRequest.SerializeToString,
             tally_dot_v1_dot_admin__pb2.ModelFileChunk.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetRoundSums(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tally.v1.Admin/GetRoundSums',
+            tally_dot_v1_dot_admin__pb2.GetRoundSumsRequest.SerializeToString,
+            tally_dot_v1_dot_admin__pb2.RoundSums.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,0 +1,122 @@
+"""Synthetic fleets and the sum audit (issue 8): a synthetic device's input is a deterministic
+grid point, so its encoding is exact; fingerprints are linear; a fleet of synthetic devices runs a
+FedAvg job through the real coordinator and two aggregators with dropouts, and every committed
+cohort sum equals the sum of the inputs its contributors sent, while a total corrupted on an
+aggregator is caught."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import grpc
+import numpy as np
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from client_sdk import DropoutPlan
+from client_sdk.fleet import device_ids
+from client_sdk.sum_audit import EXACT, FOREIGN, MISMATCH, SumAudit, check_committed, outcome_counts
+from client_sdk.synthetic import SyntheticUpdates
+from tally.codec import Field, Kind, PayloadSchema, to_ring
+from tally.codec.fingerprint import add_fingerprints, ring_fingerprint
+from tally.secagg.messages import SumResult
+from tally.wire.v1 import admin_pb2_grpc
+from test_full_stack import run, spec, stack
+
+SCHEMA = PayloadSchema((
+    Field("weighted_delta", (50,), clip=4.0, frac_bits=20),
+    Field("weight", (), clip=1.0, frac_bits=20),
+    Field("examples", (), kind=Kind.COUNT, clip=10**6),
+))
+
+
+@settings(max_examples=25, deadline=None)
+@given(device=st.integers(0, 10**6), round_=st.integers(1, 500), seed=st.integers(0, 2**32))
+def test_synthetic_inputs_are_deterministic_grid_points_whose_encoding_is_exact(device, round_, seed):
+    source = SyntheticUpdates(f"sim-{device}", seed)
+    values = source.values("job-a", round_, "update", SCHEMA)
+    again = SyntheticUpdates(f"sim-{device}", seed).values("job-a", round_, "update", SCHEMA)
+    assert all(np.array_equal(values[k], again[k]) for k in values)
+    assert values["weight"] > 0 and 1 <= values["examples"] <= 1000
+    assert np.abs(values["weighted_delta"]).max() <= 1.0
+    # Two different rounding streams give the same ring vector: nothing is left to chance.
+    first = SCHEMA.encode(values, np.random.default_rng(seed)).vector
+    second = SCHEMA.encode(values, np.random.default_rng(seed + 1)).vector
+    np.testing.assert_array_equal(first, second)
+    other_round = source.values("job-a", round_ + 1, "update", SCHEMA)
+    assert not np.array_equal(values["weighted_delta"], other_round["weighted_delta"])
+
+
+@settings(max_examples=30, deadline=None)
+@given(bits=st.integers(8, 64), parts=st.integers(1, 6), dim=st.integers(1, 300), seed=st.integers(0, 2**32))
+def test_fingerprints_add_like_the_vectors_they_fingerprint(bits, parts, dim, seed):
+    rng = np.random.default_rng(seed)
+    vectors = [to_ring(rng.integers(-(2**62), 2**62, dim), bits) for _ in range(parts)]
+    total = vectors[0]
+    for v in vectors[1:]:
+        total = to_ring(total.astype(np.uint64) + v.astype(np.uint64), bits)
+    key = f"s{seed}/update"
+    assert add_fingerprints([ring_fingerprint(v, bits, key) for v in vectors], bits) == ring_fingerprint(total, bits, key)
+    changed = total.astype(np.uint64).copy()
+    changed[seed % dim] = (int(changed[seed % dim]) + 1) & ((1 << bits) - 1)
+    assert ring_fingerprint(changed, bits, key) != ring_fingerprint(total, bits, key)
+
+
+def test_a_synthetic_fleet_imports_no_torch():
+    code = ("import sys, client_sdk.fleet, client_sdk.synthetic, client_sdk.sum_audit; "
+            "assert 'torch' not in sys.modules, 'torch was imported'")
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def _run_synthetic_job(tmp_path, n: int, rounds: int, cohort: int):
+    ids = device_ids("syn", n)
+    devices = [SyntheticUpdates(i, seed=7) for i in ids]
+
+    async def main():
+        async with stack(tmp_path) as s:
+            job_id = await s.submit(spec("synthetic", rounds, cohort=cohort, over_selection=1.2))
+            fleet = s.fleet(devices, id_prefix="syn", dropout=DropoutPlan(0.1, seed=4), seed=3, audit=True)
+            try:
+                stats = await fleet.run(until=fleet.until_job_done(job_id, every_seconds=0.2))
+            finally:
+                fleet.close()
+            _, md = s.admin()
+            async with grpc.aio.insecure_channel(s.target) as channel:
+                checks = await check_committed(admin_pb2_grpc.AdminStub(channel), md, SumAudit.of(fleet.inputs))
+            return await s.job(job_id), stats, checks, fleet.inputs
+
+    return run(main())
+
+
+def test_every_committed_sum_of_a_synthetic_fleet_is_exact(tmp_path):
+    rounds = 3
+    job, stats, checks, inputs = _run_synthetic_job(tmp_path, n=40, rounds=rounds, cohort=16)
+    assert job.committed_round == rounds, job.message
+    counts = outcome_counts(checks)
+    # Every round's sum comes from two aggregators' cohorts, all checked and all exact.
+    assert counts == {EXACT: 2 * rounds, MISMATCH: 0, FOREIGN: 0}
+    assert {c.round for c in checks} == set(range(1, rounds + 1))
+    assert stats.dropouts > 0 and sum(c.contributors for c in checks) < len(inputs)
+    # A shard's audit alone sees the other shard's devices as foreign; merged, it is exact again.
+    half = len(inputs) // 2
+    shard_a, shard_b = SumAudit.of(inputs[:half]), SumAudit.of(inputs[half:])
+    merged = shard_a.merge(SumAudit.from_json(shard_b.to_json()))
+    assert merged.inputs == SumAudit.of(inputs).inputs
+
+
+def test_a_total_corrupted_on_an_aggregator_is_caught(tmp_path, monkeypatch):
+    original = SumResult.__init__
+    corrupted = []
+
+    def corrupt(self, sum_id, total, contributors, dropped):
+        if not corrupted:  # the first cohort sum of the job gains 1 in one coordinate
+            total = total.copy()
+            total[3] = total[3] + 1
+            corrupted.append(sum_id)
+        original(self, sum_id, total, contributors, dropped)
+
+    monkeypatch.setattr(SumResult, "__init__", corrupt)
+    job, _, checks, _ = _run_synthetic_job(tmp_path, n=20, rounds=1, cohort=10)
+    assert corrupted and job.committed_round == 1
+    assert outcome_counts(checks)[MISMATCH] >= 1
