@@ -18,15 +18,18 @@ from rich.console import Console
 from client_sdk.device import Device
 from client_sdk.dropout import DEFAULT_PHASES, DropoutPlan
 from client_sdk.enrolment import load_or_create_identity
-from client_sdk.fleet import CoordinatorUnreachable, Fleet
+from client_sdk.fleet import CoordinatorUnreachable, Fleet, device_ids
 from client_sdk.metrics import ClientMetrics
+from client_sdk.sum_audit import MISMATCH, SumAudit, SumCheck, check_committed, outcome_counts
+from client_sdk.synthetic import SyntheticUpdates
 from tally import argtypes, data, logs, models
+from tally.algorithms.base import LocalTrainer
 from tally.metrics import MetricsServer
 from tally.secagg import DevicePolicy
-from tally.security import load_ticket_public_key
+from tally.security import bearer_metadata, load_ticket_public_key
 from tally.security.enrolment import read_enrolment_key
-from tally.security.tls import add_tls_arguments, tls_config_from_args
-from tally.training import TorchTrainer, single_threaded
+from tally.security.tls import add_tls_arguments, open_aio_channel, tls_config_from_args
+from tally.wire.v1 import admin_pb2_grpc
 
 DATASETS = ("digits",)
 
@@ -82,7 +85,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     f.add_argument(
         "--shard", type=_shard, default=(0, 1), metavar="I/N",
         help="play only shard I (0-based) of N of the --devices devices, e.g. a Kubernetes indexed "
-        "Job's $(JOB_COMPLETION_INDEX)/<completions>; ids are <prefix>-<I>of<N>-<j> (default: 0/1, all)",
+        "Job's $(JOB_COMPLETION_INDEX)/<completions>; ids, data and seeds follow the device's index in "
+        "the whole fleet, so N shards are the same fleet as one process (default: 0/1, all)",
     )
     until.add_argument(
         "--stay", action="store_true",
@@ -102,6 +106,17 @@ def register(sub: argparse._SubParsersAction) -> None:
     f.add_argument(
         "--enrolment-key", type=Path,
         help="the coordinator's enrolment.key: the fleet provisions its simulated devices with it",
+    )
+    f.add_argument(
+        "--synthetic", action="store_true",
+        help="devices send synthetic updates (deterministic per device, job, round and step; no data, "
+        "no training, no torch) instead of training on --dataset: a load test whose every committed "
+        "sum can be checked exactly (--audit-token-file)",
+    )
+    f.add_argument(
+        "--audit-token-file", type=Path, metavar="FILE",
+        help="with the coordinator's admin token: at the end, check every committed sum the fleet's "
+        "devices were in against the inputs they sent; exit 3 on any mismatch",
     )
     f.add_argument("--progress", action=argparse.BooleanOptionalAction, default=True, help="live progress display")
     f.set_defaults(run=run_fleet)
@@ -151,8 +166,12 @@ def _shard(text: str) -> tuple[int, int]:
     return i, n
 
 
-def _trainers(args: argparse.Namespace, shards: int) -> list[TorchTrainer]:
-    """Raises ValueError naming --model or --model-plugin when the model cannot be built."""
+def _trainers(args: argparse.Namespace, shards: int) -> list[LocalTrainer]:
+    """Raises ValueError naming --model or --model-plugin when the model cannot be built.
+    Torch is imported here, not at start: a synthetic fleet never loads it."""
+    from tally.training import TorchTrainer, single_threaded
+
+    single_threaded()  # many small models: one torch thread each beats thread handoffs
     models.load_plugins(args.model_plugin)
     if args.model not in models.kinds():
         raise ValueError(f"--model: {args.model!r} is not one of {list(models.kinds())}")
@@ -207,16 +226,18 @@ def run_fleet(args: argparse.Namespace) -> int:
         enrolment_key = _load("--enrolment-key", read_enrolment_key, args.enrolment_key) if args.enrolment_key else None
         # Shard I of N plays a contiguous block of the one split of --devices, so N processes
         # together are the same fleet as one (seeds differ per shard, so dropouts differ per block).
-        trainers = _trainers(args, args.devices)[
-            shard * args.devices // shards:(shard + 1) * args.devices // shards
-        ]
+        first, end = shard * args.devices // shards, (shard + 1) * args.devices // shards
+        trainers = (
+            [SyntheticUpdates(i, args.seed) for i in device_ids(args.id_prefix, end - first, first)]
+            if args.synthetic else _trainers(args, args.devices)[first:end]
+        )
+        audit_token = _load("--audit-token-file", _read_token, args.audit_token_file) if args.audit_token_file else None
     except ValueError as exc:
         print(exc, file=sys.stderr)
         return 2
     logs.configure(args.log_level)
-    single_threaded()  # many small models: one torch thread each beats thread handoffs
     phases = tuple(p.strip() for p in args.dropout_phases.split(",") if p.strip())
-    plan = DropoutPlan(args.dropout, phases, seed=args.seed + shard) if args.dropout > 0 else None
+    plan = DropoutPlan(args.dropout, phases, seed=args.seed) if args.dropout > 0 else None
     console = Console(stderr=True)
     fleet = Fleet(
         args.coordinator,
@@ -224,10 +245,12 @@ def run_fleet(args: argparse.Namespace) -> int:
         trainers,
         dropout=plan,
         population=args.population,
-        seed=args.seed + shard,
+        seed=args.seed,
         cache_dir=args.cache_dir,
         state_dir=args.state_dir,
-        id_prefix=args.id_prefix if shards == 1 else f"{args.id_prefix}-{shard}of{shards}",
+        id_prefix=args.id_prefix,
+        first_index=first,
+        audit=args.synthetic or audit_token is not None,
         device_policy=DevicePolicy(allow_plain=args.allow_plain),
         enrolment_key=enrolment_key,
     )
@@ -250,11 +273,34 @@ def run_fleet(args: argparse.Namespace) -> int:
     finally:
         fleet.close()
     console.print(f"fleet of {stats.devices}: {stats.summary()} in {stats.elapsed_seconds:.1f} s")
+    result, code = stats.to_dict(), 0
+    if audit_token is not None:
+        assert fleet.inputs is not None
+        checks = asyncio.run(_audit(args, audit_token, SumAudit.of(fleet.inputs)))
+        result["audit"] = outcome_counts(checks)
+        console.print("sum audit: " + ", ".join(f"{k} {v}" for k, v in result["audit"].items())
+                      + " cohort sums (foreign: holds devices of another shard)")
+        code = 3 if result["audit"][MISMATCH] else 0
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(stats.to_dict(), indent=2))
+        args.json.write_text(json.dumps(result, indent=2))
         console.print(f"statistics written to {args.json}")
-    return 0
+    return code
+
+
+def _read_token(path: Path) -> str:
+    token = path.read_text().strip()
+    if not token:
+        raise ValueError("the file is empty")
+    return token
+
+
+async def _audit(args: argparse.Namespace, token: str, audit: SumAudit) -> list[SumCheck]:
+    channel = open_aio_channel(args.coordinator, tls_config_from_args(args))
+    try:
+        return await check_committed(admin_pb2_grpc.AdminStub(channel), bearer_metadata(token), audit)
+    finally:
+        await channel.close()
 
 
 class _metrics_server:

@@ -118,9 +118,10 @@ def _human_bytes(n: float) -> str:
     raise AssertionError("unreachable")
 
 
-def device_ids(prefix: str, count: int) -> list[str]:
-    """The ids of a fleet's devices, in order (a synthetic device's inputs derive from its id)."""
-    return [f"{prefix}-{i:05d}" for i in range(count)]
+def device_ids(prefix: str, count: int, first: int = 0) -> list[str]:
+    """The ids of devices ``first``.. of a fleet, in order (a synthetic device's inputs derive
+    from its id)."""
+    return [f"{prefix}-{i:05d}" for i in range(first, first + count)]
 
 
 class CoordinatorUnreachable(ConnectionError):
@@ -128,8 +129,9 @@ class CoordinatorUnreachable(ConnectionError):
 
 
 class Fleet:
-    """``trainers[i]`` is simulated device i's data and training. Device ids are
-    ``<id_prefix>-<i:05d>``; device i's encoding randomness is seeded from (seed, i)."""
+    """``trainers[i]`` is simulated device i's data and training (``SyntheticUpdates`` for a
+    load test without data). Device ids are ``<id_prefix>-<i:05d>``; device i's encoding
+    randomness is seeded from (seed, i)."""
 
     def __init__(
         self,
@@ -149,11 +151,14 @@ class Fleet:
         enrolment_key: bytes | None = None,
         state_dir: Path | None = None,
         audit: bool = False,
+        first_index: int = 0,
     ) -> None:
         """``state_dir``: each device keeps its per-job local state (LG-FedAvg's local layers,
         SuPerFed's personal model) in ``state_dir/<device id>``, across restarts. ``audit``:
         devices record the fingerprint of every input (``self.inputs``) so that ``sum_audit``
-        can check the committed sums against them."""
+        can check the committed sums against them. ``first_index``: this process plays devices
+        ``first_index`` onwards of a fleet spread over several (ids and seeds follow the index,
+        so N shards are the same fleet as one process)."""
         if not trainers:
             raise ValueError("a fleet needs at least one device")
         policy = retry or RetryPolicy()
@@ -168,7 +173,7 @@ class Fleet:
         # The fleet stands in for the operator's provisioning: with the coordinator's enrolment
         # key it hands each simulated device its credential.
         enrolment = SharedKeyEnrolment(enrolment_key) if enrolment_key is not None else None
-        ids = device_ids(id_prefix, len(trainers))
+        ids = device_ids(id_prefix, len(trainers), first_index)
         self.inputs: list[InputFingerprint] | None = [] if audit else None
         self.devices = [
             Device(
@@ -178,7 +183,7 @@ class Fleet:
                 trainer,
                 population=population,
                 cache_dir=cache_dir,
-                rng_seed=int(np.random.SeedSequence([seed, i]).generate_state(1)[0]),
+                rng_seed=int(np.random.SeedSequence([seed, first_index + i]).generate_state(1)[0]),
                 dropout=dropout,
                 retry=policy,
                 channels=self.channels,

@@ -26,6 +26,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "job": ("coordinator.job_cli", "write, check, submit, inspect, cancel and watch jobs; fetch trained models"),
     "enrol": ("coordinator.enrol_cli",
               "print enrolment credentials for devices (what `tally client --credential` takes)"),
+    "chaos": ("tally.cli.chaos", "a fault campaign: random faults against real services, every committed sum checked"),
     "k8s": ("tally.ops.k8s_cli", "deploy on Kubernetes, run a fleet there, and show the deployment's state"),
 }
 

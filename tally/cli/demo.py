@@ -12,9 +12,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import json
-import re
 import shutil
 import signal
 import sys
@@ -31,6 +29,7 @@ from rich.table import Table
 from client_sdk import Device, DropoutPlan, Fleet, OnnxModel
 from tally import data
 from tally.argtypes import FRACTION, POSITIVE, integer
+from tally.ops.processes import Process
 from tally.security import TLSConfig, bearer_metadata
 from tally.security.certs import write_deployment
 from tally.security.enrolment import ENROLMENT_KEY_FILE, SharedKeyEnrolment, read_enrolment_key
@@ -81,35 +80,6 @@ def _devices(text: str) -> int:
     if value < MIN_DEVICES:
         raise argparse.ArgumentTypeError(f"the demo needs at least {MIN_DEVICES} devices ({WHY_MIN_DEVICES}), got {value}")
     return value
-
-
-class Process:
-    """A ``tally`` subcommand in its own process; its first stdout line says where it listens."""
-
-    def __init__(self, name: str, args: list[str], log: Path) -> None:
-        self.name, self.args, self.log = name, args, log
-        self.proc: asyncio.subprocess.Process | None = None
-
-    async def start(self, pattern: str, timeout: float = 60.0) -> re.Match:
-        self.log.parent.mkdir(parents=True, exist_ok=True)
-        stderr = self.log.open("wb")
-        self.proc = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "tally.cli", *self.args, stdout=asyncio.subprocess.PIPE, stderr=stderr
-        )
-        line = await asyncio.wait_for(self.proc.stdout.readline(), timeout)
-        match = re.search(pattern, line.decode())
-        if match is None:
-            raise RuntimeError(f"{self.name} did not start: {line.decode()!r} (log: {self.log})")
-        return match
-
-    async def stop(self) -> None:
-        if self.proc is not None and self.proc.returncode is None:
-            self.proc.terminate()
-            with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(self.proc.wait(), 15)
-            if self.proc.returncode is None:
-                self.proc.kill()
-                await self.proc.wait()
 
 
 async def _submit(target: str, tls: TLSConfig, token: str, spec: str) -> admin_pb2.Job:

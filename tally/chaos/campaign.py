@@ -1,0 +1,322 @@
+"""The fault campaign: rounds of a real job on real processes, one random fault each, and the
+invariants checked after every round.
+
+Faults: device dropouts in one phase (below the protocol's threshold, and far past it for one
+attempt), an aggregator or the coordinator SIGKILLed at a random moment of the round and
+restarted. Invariants: every committed cohort sum is exactly the sum of its contributors' inputs
+(fingerprints, ``client_sdk.sum_audit``); rounds commit in order, each once, none lost (the
+coordinator's own SQLite state, read-only); every round ends, committed or failed, by its
+deadline; no process died that was not killed; no process's memory grows without bound. The
+fleet is synthetic (``client_sdk.synthetic``), so every expected sum is known exactly.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import sqlite3
+import statistics
+import time
+from collections import Counter
+from collections.abc import Callable, Iterator
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import grpc
+import numpy as np
+
+from client_sdk import Fleet
+from client_sdk.dropout import DEFAULT_PHASES
+from client_sdk.fleet import device_ids
+from client_sdk.retry import RetryPolicy
+from client_sdk.sum_audit import EXACT, SumAudit, outcome_counts
+from client_sdk.synthetic import SyntheticUpdates
+from tally.chaos.cluster import LocalCluster, wait_for
+from tally.wire.v1 import admin_pb2, common_pb2
+
+FAULTS = ("none", "dropouts", "dropouts_past_threshold", "kill_aggregator", "kill_coordinator")
+DEADLINES = {"checkin": 6, "download": 6, "advertise_keys": 4, "share_keys": 4, "masked_input": 6, "unmask": 4}
+# Restarting a process (interpreter, imports, TLS, SQLite) takes seconds on a small machine.
+RESTART_ALLOWANCE_S = 30.0
+MEMORY_GROWTH_LIMIT = 1.5
+MEMORY_SLACK_BYTES = 64 << 20
+
+JOB_SPEC = """\
+name: chaos-{n}
+algorithm: fedavg
+rounds: {rounds}
+cohort_size: {cohort}
+over_selection: 1.2
+min_cohort: 7
+retries: {retries}
+model: {{kind: mlp, inputs: 64, classes: 10, hidden: {hidden}, seed: 0}}
+secure: {{dropout_rate: 0.25, corrupt_rate: 0.05}}
+deadlines: {deadlines}
+"""
+
+
+@dataclass(frozen=True)
+class CampaignConfig:
+    rounds: int = 10
+    devices: int = 60
+    cohort: int = 20
+    aggregators: int = 2
+    hidden: int = 16
+    retries: int = 6
+    seed: int = 0
+    faults: tuple[str, ...] = FAULTS
+
+    @property
+    def round_deadline_s(self) -> float:
+        """Every attempt may run to its deadlines, and a killed process must come back."""
+        return (self.retries + 1) * (sum(DEADLINES.values()) + 5.0) + RESTART_ALLOWANCE_S
+
+
+class VaryingDropouts:
+    """A dropout plan the campaign changes between rounds (``DropoutPlan``'s interface)."""
+
+    def __init__(self, seed: int) -> None:
+        self.probability, self.phases = 0.0, DEFAULT_PHASES
+        self._seed = seed
+
+    def set(self, probability: float, phases: tuple[str, ...] = DEFAULT_PHASES) -> None:
+        self.probability, self.phases = probability, phases
+
+    def draws(self, device_id: str) -> Iterator[str | None]:
+        rng = random.Random(f"{self._seed}/{device_id}")
+        while True:
+            leave = rng.random() < self.probability
+            yield rng.choice(self.phases) if leave else None
+
+
+@dataclass
+class RoundRecord:
+    index: int
+    job_id: str
+    round: int
+    fault: str
+    detail: str
+    outcome: str  # committed, job_failed, hung
+    seconds: float
+    sums_exact: int = 0
+    sums_wrong: int = 0
+
+
+@dataclass
+class CampaignResult:
+    config: dict
+    rounds: list[RoundRecord] = field(default_factory=list)
+    violations: list[str] = field(default_factory=list)
+    memory: dict[str, list[int]] = field(default_factory=dict)
+    cpu_seconds: dict[str, float] = field(default_factory=dict)
+
+    def table(self) -> list[tuple[str, int, int, int, int]]:
+        """(fault, rounds, committed, failed cleanly, hung) per fault."""
+        rows = []
+        for fault in sorted({r.fault for r in self.rounds}):
+            of = [r for r in self.rounds if r.fault == fault]
+            counts = Counter(r.outcome for r in of)
+            rows.append((fault, len(of), counts["committed"], counts["job_failed"], counts["hung"]))
+        return rows
+
+    def to_dict(self) -> dict:
+        return {"config": self.config, "faults": [dict(zip(("fault", "rounds", "committed", "job_failed", "hung"),
+                                                           row, strict=True)) for row in self.table()],
+                "sums": {"exact": sum(r.sums_exact for r in self.rounds),
+                         "wrong": sum(r.sums_wrong for r in self.rounds)},
+                "round_seconds": percentiles([r.seconds for r in self.rounds]),
+                "violations": self.violations, "rounds": [asdict(r) for r in self.rounds],
+                "memory_bytes": self.memory, "cpu_seconds": self.cpu_seconds}
+
+
+class Campaign:
+    def __init__(self, config: CampaignConfig, workdir: Path,
+                 on_round: Callable[[RoundRecord], None] = lambda record: None) -> None:
+        self.config, self.workdir, self.on_round = config, workdir, on_round
+        self.rng = random.Random(config.seed)
+        self.result = CampaignResult(asdict(config))
+        self.killed: set[str] = set()
+        self.jobs = 0
+        self._block: list[str] = []
+
+    async def run(self) -> CampaignResult:
+        cfg = self.config
+        cluster = LocalCluster(self.workdir, aggregators=cfg.aggregators)
+        await cluster.start()
+        dropouts = VaryingDropouts(cfg.seed)
+        fleet = Fleet(cluster.target, cluster.tls,
+                      [SyntheticUpdates(i, cfg.seed) for i in device_ids("chaos", cfg.devices)],
+                      dropout=dropouts, seed=cfg.seed, retry=RetryPolicy(initial_seconds=0.2, max_seconds=2.0),
+                      enrolment_key=cluster.enrolment_key, id_prefix="chaos", audit=True)
+        stop = asyncio.Event()
+        fleet_task = asyncio.create_task(fleet.run(stop))
+        try:
+            job_id, committed = await self._new_job(cluster), 0
+            for index in range(1, cfg.rounds + 1):
+                record = await self._round(cluster, fleet, dropouts, index, job_id, committed + 1)
+                self.result.rounds.append(record)
+                self.on_round(record)
+                if record.outcome == "committed":
+                    committed += 1
+                if record.outcome != "committed":  # a failed job ends; the campaign goes on with a new one
+                    job_id, committed = await self._new_job(cluster), 0
+                self._sample(cluster)
+            self._check_state(cluster)
+            self._check_memory()
+        finally:
+            stop.set()
+            await asyncio.gather(fleet_task, return_exceptions=True)
+            fleet.close()
+            self.result.cpu_seconds = {name: u.cpu_seconds for name, u in cluster.usage().items()}
+            await cluster.stop()
+        return self.result
+
+    async def _new_job(self, cluster: LocalCluster) -> str:
+        self.jobs += 1
+        cfg = self.config
+        deadlines = "{" + ", ".join(f"{k}: {v}" for k, v in DEADLINES.items()) + "}"
+        return await cluster.submit(JOB_SPEC.format(n=self.jobs, rounds=cfg.rounds, cohort=cfg.cohort,
+                                                    retries=cfg.retries, hidden=cfg.hidden, deadlines=deadlines))
+
+    async def _round(self, cluster: LocalCluster, fleet: Fleet, dropouts: VaryingDropouts, index: int,
+                     job_id: str, round_: int) -> RoundRecord:
+        fault = self._next_fault()
+        start = time.monotonic()
+        injected = asyncio.create_task(self._inject(fault, cluster, fleet, dropouts, job_id))
+        state: dict[str, admin_pb2.Job] = {}
+
+        async def finished() -> bool:
+            try:
+                job = await cluster.job(job_id, timeout=2.0)
+            except grpc.aio.AioRpcError:
+                return False  # the coordinator may be down on purpose
+            state["job"] = job
+            return job.committed_round >= round_ or job.state == common_pb2.JOB_STATE_FAILED
+
+        done = await wait_for(finished, self.config.round_deadline_s)
+        detail = await injected
+        dropouts.set(0.0)
+        await self._bring_back(cluster)
+        seconds = time.monotonic() - start
+        job = state.get("job")
+        if not done:
+            outcome = "hung"
+            self.result.violations.append(f"round {round_} of {job_id} ({fault}) did not end within "
+                                          f"{self.config.round_deadline_s:.0f} s")
+        elif job is not None and job.committed_round >= round_:
+            outcome = "committed"
+        else:
+            outcome = "job_failed"
+        record = RoundRecord(index, job_id, round_, fault, detail, outcome, seconds)
+        if outcome == "committed":
+            await self._audit(cluster, fleet, record)
+        for name in cluster.died(self.killed):
+            self.result.violations.append(f"{name} died without being killed (round {index}, log "
+                                          f"{cluster.processes[name].log})")
+            await cluster.restart(name)
+        return record
+
+    def _next_fault(self) -> str:
+        """Faults in shuffled blocks, each block every fault once: a short campaign covers all."""
+        if not self._block:
+            self._block = list(self.config.faults)
+            self.rng.shuffle(self._block)
+        return self._block.pop()
+
+    async def _inject(self, fault: str, cluster: LocalCluster, fleet: Fleet, dropouts: VaryingDropouts,
+                      job_id: str) -> str:
+        rng = self.rng
+        if fault == "dropouts":
+            rate, phase = rng.uniform(0.05, 0.25), rng.choice(DEFAULT_PHASES)
+            dropouts.set(rate, (phase,))
+            return f"{rate:.2f} in {phase}"
+        if fault == "dropouts_past_threshold":
+            phase = rng.choice(DEFAULT_PHASES)
+            aborted = fleet.stats().sessions_aborted
+            dropouts.set(0.8, (phase,))
+            # For one attempt: it must fail cleanly (its survivors see the abort), the retry succeed.
+            failed = await wait_for(lambda: _holds(fleet.stats().sessions_aborted > aborted),
+                                    sum(DEADLINES.values()), every=0.05)
+            dropouts.set(0.0)
+            return f"0.80 in {phase} until {'an attempt failed' if failed else 'the attempt deadline'}"
+        if fault in ("kill_aggregator", "kill_coordinator"):
+            name = "coordinator" if fault == "kill_coordinator" else f"aggregator-{rng.randint(1, self.config.aggregators)}"
+            target = rng.choice((common_pb2.ROUND_PHASE_SELECTION, common_pb2.ROUND_PHASE_AGGREGATION))
+            seen: list[admin_pb2.Job] = []
+
+            async def in_target_phase() -> bool:
+                try:
+                    seen[:] = [await cluster.job(job_id, timeout=2.0)]
+                except grpc.aio.AioRpcError:
+                    return False
+                return seen[0].phase == target or seen[0].state != common_pb2.JOB_STATE_RUNNING
+
+            await wait_for(in_target_phase, sum(DEADLINES.values()), every=0.02)
+            down = rng.uniform(0.0, 3.0)
+            self.killed.add(name)
+            await cluster.kill(name)
+            await asyncio.sleep(down)  # how long the process stays down
+            await cluster.restart(name)
+            self.killed.discard(name)
+            where = (f"round {seen[0].round} in {common_pb2.RoundPhase.Name(seen[0].phase).removeprefix('ROUND_PHASE_')}"
+                     if seen else "before the job answered")
+            return f"{name} killed {where}, down {down:.1f} s"
+        return ""
+
+    async def _bring_back(self, cluster: LocalCluster) -> None:
+        for name in list(self.killed):
+            await cluster.restart(name)
+            self.killed.discard(name)
+
+    async def _audit(self, cluster: LocalCluster, fleet: Fleet, record: RoundRecord) -> None:
+        stub, md = cluster.admin()
+        sums = await stub.GetRoundSums(admin_pb2.GetRoundSumsRequest(job_id=record.job_id, round=record.round),
+                                       metadata=md, timeout=10)
+        assert fleet.inputs is not None
+        checks = SumAudit.of(i for i in list(fleet.inputs) if i.job_id == record.job_id and i.round == record.round
+                             ).check(record.job_id, record.round, sums.sums)
+        counts = outcome_counts(checks)
+        record.sums_exact = counts[EXACT]
+        record.sums_wrong = len(checks) - counts[EXACT]
+        if not checks or record.sums_wrong:
+            self.result.violations.append(f"round {record.round} of {record.job_id}: cohort sums {counts}")
+
+    def _sample(self, cluster: LocalCluster) -> None:
+        for name, usage in cluster.usage().items():
+            self.result.memory.setdefault(name, []).append(usage.rss_bytes)
+
+    def _check_state(self, cluster: LocalCluster) -> None:
+        """From the coordinator's own database: each committed round of each job committed once,
+        rounds contiguous from 1, and the job's committed round the last of them."""
+        db = sqlite3.connect(f"file:{cluster.state / 'coordinator.db'}?mode=ro", uri=True)
+        try:
+            jobs = db.execute("SELECT job_id, committed_round FROM jobs").fetchall()
+            for job_id, committed_round in jobs:
+                rows = db.execute("SELECT round, COUNT(*) FROM rounds WHERE job_id = ? AND state = 'committed' "
+                                  "GROUP BY round ORDER BY round", (job_id,)).fetchall()
+                if [r for r, _ in rows] != list(range(1, committed_round + 1)):
+                    self.result.violations.append(f"{job_id}: committed rounds {[r for r, _ in rows]}, "
+                                                  f"job says {committed_round}")
+                twice = [r for r, count in rows if count > 1]
+                if twice:
+                    self.result.violations.append(f"{job_id}: rounds committed more than once: {twice}")
+        finally:
+            db.close()
+
+    def _check_memory(self) -> None:
+        for name, samples in self.result.memory.items():
+            if len(samples) < 8:
+                continue
+            quarter = len(samples) // 4
+            first, last = statistics.median(samples[:quarter]), statistics.median(samples[-quarter:])
+            if last > MEMORY_GROWTH_LIMIT * first + MEMORY_SLACK_BYTES:
+                self.result.violations.append(
+                    f"{name}: resident memory grew from {first / 2**20:.0f} MiB to {last / 2**20:.0f} MiB")
+
+
+async def _holds(value: bool) -> bool:
+    return value
+
+
+def percentiles(values: list[float]) -> dict[str, float]:
+    return {f"p{q}": float(np.percentile(values, q)) for q in (50, 95, 99)} if values else {}

@@ -1,0 +1,127 @@
+"""A deployment on 127.0.0.1 made of real processes: a coordinator and aggregators over TLS, on
+fixed ports so that a killed process comes back where the others expect it, with its state."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+from dataclasses import dataclass
+from pathlib import Path
+
+import psutil
+
+from tally.ops.processes import Process
+from tally.security import TLSConfig, bearer_metadata
+from tally.security.certs import write_deployment
+from tally.security.enrolment import ENROLMENT_KEY_FILE, read_enrolment_key
+from tally.security.tls import open_aio_channel
+from tally.wire.v1 import admin_pb2, admin_pb2_grpc
+
+AGGREGATOR_READY = r"\(port (\d+)\)"
+COORDINATOR_READY = r"coordinator on port (\d+)"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass(frozen=True)
+class Usage:
+    """One process's resources as the operating system counts them."""
+
+    cpu_seconds: float
+    rss_bytes: int
+
+
+class LocalCluster:
+    """``start`` brings every process up; ``kill``/``restart`` act on one by name
+    (``coordinator``, ``aggregator-1``, ...); ``admin`` is an Admin stub with its metadata."""
+
+    def __init__(self, workdir: Path, aggregators: int = 2, checkin_hold_s: float = 2.0) -> None:
+        self.workdir = workdir
+        self.certs, self.state = workdir / "certs", workdir / "state"
+        write_deployment(self.certs, aggregators=aggregators, force=True)
+        self.tls = TLSConfig.from_dir(self.certs / "device", "device")
+        self.enrolment_key = read_enrolment_key(self.certs / "coordinator" / ENROLMENT_KEY_FILE)
+        logs = workdir / "logs"
+        agg_ports = [free_port() for _ in range(aggregators)]
+        self.processes: dict[str, Process] = {
+            f"aggregator-{i}": Process(
+                f"aggregator-{i}",
+                ["aggregator", "--listen", f"127.0.0.1:{port}", "--id", f"agg-{i}", "--metrics-port", "0",
+                 "--tls-dir", str(self.certs / f"aggregator-{i}"), "--require-client-cert"],
+                logs / f"aggregator-{i}.log")
+            for i, port in enumerate(agg_ports, start=1)
+        }
+        self.port = free_port()
+        self.processes["coordinator"] = Process(
+            "coordinator",
+            ["coordinator", "--listen", f"127.0.0.1:{self.port}", "--state-dir", str(self.state),
+             "--tls-dir", str(self.certs / "coordinator"), "--metrics-port", "0",
+             "--checkin-hold", str(checkin_hold_s),
+             *[a for i, port in enumerate(agg_ports, start=1) for a in ("--aggregator", f"agg-{i}=localhost:{port}")]],
+            logs / "coordinator.log")
+        self.target = f"localhost:{self.port}"
+        self._channel = None
+
+    async def start(self) -> None:
+        for name in self.processes:
+            await self.restart(name)
+
+    async def restart(self, name: str) -> None:
+        process = self.processes[name]
+        await process.start(COORDINATOR_READY if name == "coordinator" else AGGREGATOR_READY)
+
+    async def kill(self, name: str) -> None:
+        await self.processes[name].kill()
+
+    async def stop(self) -> None:
+        if self._channel is not None:
+            await self._channel.close()
+        for process in reversed(list(self.processes.values())):
+            await process.stop()
+
+    def admin(self) -> tuple[admin_pb2_grpc.AdminStub, tuple]:
+        if self._channel is None:
+            self._channel = open_aio_channel(self.target, self.tls)
+        token = (self.state / "admin.token").read_text().strip()
+        return admin_pb2_grpc.AdminStub(self._channel), bearer_metadata(token)
+
+    async def submit(self, spec: str) -> str:
+        stub, md = self.admin()
+        return (await stub.SubmitJob(admin_pb2.SubmitJobRequest(spec_yaml=spec), metadata=md, timeout=30)).job_id
+
+    async def job(self, job_id: str, timeout: float = 10.0) -> admin_pb2.Job:
+        stub, md = self.admin()
+        return await stub.GetJob(admin_pb2.GetJobRequest(job_id=job_id), metadata=md, timeout=timeout)
+
+    def usage(self) -> dict[str, Usage]:
+        """CPU seconds and resident memory of each running process."""
+        out = {}
+        for name, process in self.processes.items():
+            if process.running and process.pid is not None:
+                try:
+                    p = psutil.Process(process.pid)
+                    times = p.cpu_times()
+                    out[name] = Usage(times.user + times.system, p.memory_info().rss)
+                except psutil.NoSuchProcess:
+                    continue
+        return out
+
+    def died(self, killed: set[str]) -> list[str]:
+        """Processes that ended although nobody killed or stopped them."""
+        return [name for name, p in self.processes.items() if name not in killed and not p.running]
+
+
+async def wait_for(predicate, timeout: float, every: float = 0.2) -> bool:
+    """Poll an async predicate until it holds or ``timeout`` passes (a harness watching real
+    processes from outside has nothing to wait on but their answers)."""
+    loop = asyncio.get_running_loop()
+    end = loop.time() + timeout
+    while loop.time() < end:
+        if await predicate():
+            return True
+        await asyncio.sleep(every)
+    return False

@@ -1,0 +1,65 @@
+"""Tally's roles as local processes, for the demo, the fault campaign and the load benchmark:
+started, stopped, killed and restarted like a deployment's pods, and measured from outside."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import re
+import signal
+import sys
+from pathlib import Path
+
+
+class Process:
+    """A ``tally`` subcommand in its own process; its first stdout line says where it listens.
+    ``start`` again after ``kill`` is a restart with the same arguments (same ports, same state)."""
+
+    def __init__(self, name: str, args: list[str], log: Path) -> None:
+        self.name, self.args, self.log = name, args, log
+        self.proc: asyncio.subprocess.Process | None = None
+        self.starts = 0
+
+    async def start(self, pattern: str, timeout: float = 60.0) -> re.Match:
+        self.log.parent.mkdir(parents=True, exist_ok=True)
+        stderr = self.log.open("ab")
+        self.proc = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "tally.cli", *self.args, stdout=asyncio.subprocess.PIPE, stderr=stderr
+        )
+        stderr.close()
+        self.starts += 1
+        assert self.proc.stdout is not None
+        line = await asyncio.wait_for(self.proc.stdout.readline(), timeout)
+        match = re.search(pattern, line.decode())
+        if match is None:
+            raise RuntimeError(f"{self.name} did not start: {line.decode()!r} (log: {self.log})")
+        return match
+
+    @property
+    def pid(self) -> int | None:
+        return self.proc.pid if self.proc is not None else None
+
+    @property
+    def running(self) -> bool:
+        return self.proc is not None and self.proc.returncode is None
+
+    def exit_code(self) -> int | None:
+        """The exit status once the process has ended by itself or been stopped, else None."""
+        return self.proc.returncode if self.proc is not None else None
+
+    async def kill(self) -> None:
+        """SIGKILL, as a node failure or an OOM kill would: no shutdown code runs."""
+        if self.running:
+            assert self.proc is not None
+            self.proc.send_signal(signal.SIGKILL)
+            await self.proc.wait()
+
+    async def stop(self) -> None:
+        if self.running:
+            assert self.proc is not None
+            self.proc.terminate()
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self.proc.wait(), 15)
+            if self.proc.returncode is None:
+                self.proc.kill()
+                await self.proc.wait()
