@@ -11,6 +11,7 @@ from pathlib import Path
 from cryptography.hazmat.primitives.asymmetric import ed25519
 
 from tally import logs
+from tally.metrics import add_metrics_arguments
 from tally.security import TLSConfig, load_ticket_public_key
 from tally.security.certs import COORDINATOR_CN
 from tally.security.tls import DEFAULT_MAX_MESSAGE_BYTES, add_tls_arguments, tls_config_from_args
@@ -25,8 +26,8 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="run a secure aggregator: secure-sum sessions for cohorts, cohort sums only",
         description=(
             "Serve AggregatorControl (for the coordinator) and SecureAggregation (for devices) on "
-            "one gRPC port, with health checking and reflection, and Prometheus metrics on "
-            "another. Sessions must carry a session ticket signed by the coordinator for this "
+            "one gRPC port, with health checking and reflection, and Prometheus metrics with plain "
+            "HTTP /healthz and /readyz on another. Sessions must carry a session ticket signed by the coordinator for this "
             "aggregator's --id; nothing is kept between sessions. Stops gracefully on SIGINT or "
             "SIGTERM (running sessions are aborted for their devices)."
         ),
@@ -48,10 +49,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--controller-cn", default=COORDINATOR_CN, metavar="NAME",
                    help="with --require-client-cert, the only certificate CN admitted to "
                         "AggregatorControl (default: %(default)s)")
-    p.add_argument("--metrics-port", type=int, default=0,
-                   help="Prometheus /metrics port (default: 0, a free port, printed at start)")
-    p.add_argument("--metrics-addr", default="127.0.0.1",
-                   help="address the metrics endpoint binds (default: %(default)s)")
+    add_metrics_arguments(p, "aggregator")
     p.add_argument("--max-message-bytes", type=int, default=DEFAULT_MAX_MESSAGE_BYTES,
                    help="largest gRPC message sent (default: %(default)s)")
     p.add_argument("--max-request-bytes", type=int, default=DEFAULT_MAX_REQUEST_BYTES,

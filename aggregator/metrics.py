@@ -1,23 +1,22 @@
 """The aggregator's Prometheus metrics, in base units, on a registry of its own.
 
 Each ``AggregatorService`` owns one ``AggregatorMetrics`` so that two aggregators in one process
-(tests, the demo) never share or collide on a series.
+(tests, the demo) never share or collide on a series. docs/metrics.md lists every series.
 """
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import Counter, Gauge, Histogram
 
-from tally.metrics import DURATION_BUCKETS
+from tally.metrics import DURATION_BUCKETS, RoleRegistry
 
 # Devices per phase: from a handful (tests) to tens of thousands (a large cohort).
 DEVICE_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 50000)
 
 
 class AggregatorMetrics:
-    def __init__(self, registry: CollectorRegistry | None = None) -> None:
-        self.registry = registry or CollectorRegistry()
-        r = self.registry
+    def __init__(self) -> None:
+        self.registry = r = RoleRegistry("aggregator")
         self.sessions_opened = Counter(
             "tally_aggregator_sessions_opened_total", "Sessions opened by the coordinator",
             registry=r,
@@ -47,6 +46,10 @@ class AggregatorMetrics:
         self.received_bytes = Counter(
             "tally_aggregator_received_bytes_total",
             "Serialized size of the device messages received", registry=r,
+        )
+        self.sent_bytes = Counter(
+            "tally_aggregator_sent_bytes_total",
+            "Serialized size of the messages sent to devices", registry=r,
         )
         self.unmask_seconds = Histogram(
             "tally_aggregator_unmask_seconds",

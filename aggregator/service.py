@@ -87,7 +87,8 @@ class AggregatorService:
         self._controller = controller
         self._servers: list[grpc.aio.Server] = []
         self._health: list[health.aio.HealthServicer] = []
-        self._metrics_server = MetricsServer(self.metrics.registry)
+        self._metrics_server = MetricsServer(self.metrics.registry, ready=lambda: self._ready)
+        self._ready = False
         watch_certificate(self.metrics.registry, tls.cert, "aggregator")
         self._port: int | None = None
         self._control_port: int | None = None
@@ -143,6 +144,7 @@ class AggregatorService:
         for checker, (_, names) in zip(self._health, servers):
             for name in ("", *names):
                 await checker.set(name, health_pb2.HealthCheckResponse.SERVING)
+        self._ready = True  # /readyz: as the gRPC health service says SERVING
         logs.event(log, "aggregator started", aggregator_id=self.id, address=self.address,
                    port=self._port, control_port=self._control_port, metrics_port=self._metrics_port)
         return self._port
@@ -173,6 +175,7 @@ class AggregatorService:
         finish for up to ``grace`` seconds."""
         if not self._servers:
             return
+        self._ready = False
         for checker in self._health:
             await checker.enter_graceful_shutdown()
         self._registry.close_all("the aggregator is shutting down")

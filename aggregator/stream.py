@@ -128,4 +128,5 @@ class DeviceStreams(secagg_pb2_grpc.SecureAggregationServicer):
                 if item.status is not None:
                     await abort(context, Rejected(item.status, item.message))
                 return
+            self._metrics.sent_bytes.inc(item.ByteSize())
             await context.write(item)

@@ -24,7 +24,7 @@ from client_sdk.sum_audit import MISMATCH, SumAudit, SumCheck, check_committed, 
 from client_sdk.synthetic import SyntheticUpdates
 from tally import argtypes, data, logs, models
 from tally.algorithms.base import LocalTrainer
-from tally.metrics import MetricsServer
+from tally.metrics import MetricsServer, add_metrics_arguments
 from tally.secagg import DevicePolicy
 from tally.security import bearer_metadata, load_ticket_public_key
 from tally.security.enrolment import read_enrolment_key
@@ -135,7 +135,7 @@ def _add_common(p: argparse.ArgumentParser) -> None:
                    help="import this module's TALLY_MODELS, as the coordinator does (repeatable)")
     p.add_argument("--hidden", type=int, default=64,
                    help="hidden units of the mlp, channels of the cnn (must match the job's model)")
-    p.add_argument("--metrics-port", type=int, help="serve tally_client_* metrics on this port (0: any free port)")
+    add_metrics_arguments(p, "client", optional=True)
     p.add_argument("--log-level", default="warning", help="structured JSON logs on stderr at this level")
     add_tls_arguments(p, identity="device")
 
@@ -211,7 +211,7 @@ def run_client(args: argparse.Namespace) -> int:
         enrolment_credential=args.credential,
         coordinator_key=coordinator_key,
     )
-    with _metrics_server(args.metrics_port, metrics):
+    with _metrics_server(args, metrics):
         stats = _run_until_signal(lambda stop: device.run(stop, args.max_tasks))
     print(json.dumps(asdict(stats)))
     return 0
@@ -259,7 +259,7 @@ def run_fleet(args: argparse.Namespace) -> int:
     else:
         until = None if args.stay or args.max_tasks_per_device else fleet.until_jobs_done()
     try:
-        with _metrics_server(args.metrics_port, fleet.metrics):
+        with _metrics_server(args, fleet.metrics):
             stats = _run_until_signal(
                 lambda stop: fleet.run(
                     stop, until, max_tasks_per_device=args.max_tasks_per_device,
@@ -304,16 +304,16 @@ async def _audit(args: argparse.Namespace, token: str, audit: SumAudit) -> list[
 
 
 class _metrics_server:
-    """Serve ``metrics`` while the block runs, when a port was asked for."""
+    """Serve ``metrics`` while the block runs, when ``--metrics-port`` was given."""
 
-    def __init__(self, port: int | None, metrics: ClientMetrics) -> None:
-        self.server = MetricsServer(metrics.registry) if port is not None else None
-        self.port = port
+    def __init__(self, args: argparse.Namespace, metrics: ClientMetrics) -> None:
+        self.server = MetricsServer(metrics.registry) if args.metrics_port is not None else None
+        self.port, self.addr = args.metrics_port, args.metrics_addr
 
     def __enter__(self) -> _metrics_server:
         if self.server is not None:
-            bound = self.server.start(self.port)
-            print(f"metrics on http://127.0.0.1:{bound}/metrics", file=sys.stderr)
+            bound = self.server.start(self.port, self.addr)
+            print(f"metrics on http://{self.addr}:{bound}/metrics", file=sys.stderr)
         return self
 
     def __exit__(self, *exc: object) -> None:

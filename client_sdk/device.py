@@ -16,7 +16,6 @@ import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import Executor
 from dataclasses import dataclass, field
-from importlib import metadata as package_metadata
 from pathlib import Path
 from typing import Any
 
@@ -38,16 +37,14 @@ from tally import logs, modelio
 from tally.algorithms.base import Arrays, LocalTrainer
 from tally.secagg import DevicePolicy, SigningKey
 from tally.security import TLSConfig, bearer_metadata
+from tally.version import VERSION as SDK_VERSION
 from tally.wire.convert import WireError, tensors_to_proto
 from tally.wire.v1 import coordinator_pb2, coordinator_pb2_grpc
 
 log = logging.getLogger("tally.client_sdk.device")
 
-try:
-    SDK_VERSION = package_metadata.version("tally")
-except package_metadata.PackageNotFoundError:  # running from a source tree that is not installed
-    SDK_VERSION = "0+unknown"
-
+# The coordinator's names for its answers (tally_coordinator_checkins_total{outcome}).
+_CHECKIN_OUTCOMES = {"task": "task", "retry_after": "retry"}
 _REPORTED = {COMPLETED: Outcome.COMPLETED, DROPPED: Outcome.DROPPED, ABORTED: Outcome.ABORTED}
 # Renew the token this long before it expires, so no call races its expiry.
 TOKEN_RENEW_MARGIN_SECONDS = 60.0
@@ -212,7 +209,7 @@ class Device:
         self._reports.delivered(reports)
         self.stats.checkins += 1
         which = response.WhichOneof("result")
-        self.metrics.checkins.labels(which or "empty").inc()
+        self.metrics.checkins.labels(outcome=_CHECKIN_OUTCOMES.get(which, "empty")).inc()
         idle = which == "retry_after" and response.retry_after.population_idle
         self.stats.population_idle = idle
         self.stats.saw_running_job |= not idle

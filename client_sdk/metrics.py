@@ -1,22 +1,23 @@
 """Prometheus metrics of the device side (``tally_client_*``, base units).
 
 One ``ClientMetrics`` per process: a fleet's devices share it, so a load test reads one
-scrape for the whole fleet. Serve it with ``tally.metrics.MetricsServer(registry=...)``.
+scrape for the whole fleet. Serve it with ``tally.metrics.MetricsServer(metrics.registry)``.
+docs/metrics.md lists every series.
 """
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client import Counter, Gauge, Histogram
 
-from tally.metrics import DURATION_BUCKETS
+from tally.metrics import DURATION_BUCKETS, RoleRegistry
 
 
 class ClientMetrics:
-    def __init__(self, registry: CollectorRegistry | None = None) -> None:
-        self.registry = registry or CollectorRegistry()
-        r = self.registry
+    def __init__(self) -> None:
+        self.registry = r = RoleRegistry("client")
         self.checkins = Counter(
-            "tally_client_checkins_total", "Check-ins by answer (task or retry_after)", ["result"], registry=r
+            "tally_client_checkins_total", "Check-ins by outcome: the coordinator's answer (task, retry; "
+            "empty: neither)", ["outcome"], registry=r,
         )
         self.sessions = Counter(
             "tally_client_sessions_total",
@@ -59,4 +60,18 @@ class ClientMetrics:
         self.session_seconds = Histogram(
             "tally_client_session_seconds", "Secure-aggregation session duration, by outcome", ["outcome"],
             buckets=DURATION_BUCKETS, registry=r,
+        )
+        self.active_sessions = Gauge(
+            "tally_client_active_sessions", "Secure-aggregation sessions running now", registry=r,
+        )
+        self.phase_duration = Histogram(
+            "tally_client_phase_duration_seconds",
+            "From the aggregator's request for a protocol phase to the device's answer sent "
+            "(masked_input includes waiting for the local computation)",
+            ["phase"], buckets=DURATION_BUCKETS, registry=r,
+        )
+        self.dropouts = Counter(
+            "tally_client_dropouts_total",
+            "Sessions that ended without completing, by the protocol phase they were in and outcome "
+            "(aborted; dropped: a simulated fleet's planned dropout)", ["phase", "outcome"], registry=r,
         )

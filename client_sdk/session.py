@@ -154,9 +154,14 @@ class SecAggSession:
         self._up = 0
         self._down = 0
         self._sent_input = False
+        # The protocol phase the session is in, and when the aggregator asked for it while the
+        # device's answer is not sent yet (tally_client_phase_duration_seconds).
+        self._phase = "join"
+        self._asked_at: float | None = None
 
     async def run(self) -> SessionOutcome:
         start = time.perf_counter()
+        self.metrics.active_sessions.inc()
         try:
             outcome = await self._run()
         except (grpc.aio.AioRpcError, asyncio.InvalidStateError) as exc:
@@ -166,8 +171,11 @@ class SecAggSession:
             outcome = self._outcome(ABORTED, f"{type(exc).__name__}: {exc}")
         finally:
             self._cancel()
+            self.metrics.active_sessions.dec()
         self.metrics.sessions.labels(outcome.status).inc()
         self.metrics.session_seconds.labels(outcome.status).observe(time.perf_counter() - start)
+        if outcome.status != COMPLETED:
+            self.metrics.dropouts.labels(phase=self._phase, outcome=outcome.status).inc()
         self.metrics.upload_bytes.inc(outcome.bytes_up)
         self.metrics.download_bytes.labels("session").inc(outcome.bytes_down)
         logs.event(log, f"session {outcome.status}", job_id=self.config.ref.job_id,
@@ -193,6 +201,7 @@ class SecAggSession:
         if from_proto(joined.config) != self.config:
             raise SessionMismatch("the aggregator's session config differs from the assignment")
         client = SecAggClient(self.config, task.device_index, self.identity, policy=self.policy)
+        self._asked("advertise_keys")  # Joined is the aggregator's request for the device's keys
         if self.drop_phase == "advertise_keys":
             return self._drop()
         await self._send_all(client.start())
@@ -232,6 +241,8 @@ class SecAggSession:
                 if not isinstance(message, ServerMessage):
                     return self._outcome(ABORTED, f"unexpected {type(message).__name__} on the stream")
                 phase, sum_id = _phase_of(message)
+                if phase:
+                    self._asked(phase)
                 if phase and phase == self.drop_phase and sum_id in ("", first_sum):
                     return self._drop()
                 if isinstance(message, _HEAVY):
@@ -262,6 +273,12 @@ class SecAggSession:
     async def _send_all(self, messages: list[ClientMessage]) -> None:
         for message in messages:
             await self._send(message)
+        if messages and self._asked_at is not None:  # the answer to the phase asked is out
+            self.metrics.phase_duration.labels(phase=self._phase).observe(time.perf_counter() - self._asked_at)
+            self._asked_at = None
+
+    def _asked(self, phase: str) -> None:
+        self._phase, self._asked_at = phase, time.perf_counter()
 
     async def _read(self):
         """The next message (protocol value, Joined or SessionDone); None at end of stream."""

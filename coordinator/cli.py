@@ -22,6 +22,7 @@ from coordinator.service import (
     CoordinatorService,
 )
 from tally import logs, models
+from tally.metrics import add_metrics_arguments
 from tally.security.tls import add_tls_arguments, tls_config_from_args
 
 log = logging.getLogger("tally.coordinator.cli")
@@ -63,8 +64,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         "--secrets-dir", type=Path,
         help="where token.secret, ticket.key and enrolment.key live (default: --tls-dir, else --state-dir)",
     )
-    p.add_argument("--metrics-port", type=int, default=0, help="Prometheus /metrics port (0: any free port)")
-    p.add_argument("--metrics-addr", default="127.0.0.1", help="address of the /metrics server")
+    add_metrics_arguments(p, "coordinator")
     p.add_argument("--max-message-bytes", type=int, default=64 << 20, help="largest gRPC message sent")
     p.add_argument(
         "--max-request-bytes", type=int, default=DEFAULT_MAX_REQUEST_BYTES,

@@ -1,15 +1,26 @@
-"""Prometheus metrics of the coordinator, ``tally_coordinator_*`` in base units, on the
-service's own registry (two coordinators in one test process never collide)."""
+"""Prometheus metrics of the coordinator, ``tally_coordinator_*`` (and the jobs' privacy
+ledgers, ``tally_privacy_*``) in base units, on the service's own registry (two coordinators in
+one test process never collide). docs/metrics.md lists every series."""
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from collections.abc import Callable, Iterator
 
-from tally.metrics import DURATION_BUCKETS
+from prometheus_client import Counter, Gauge, Histogram
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from tally.metrics import DURATION_BUCKETS, RoleRegistry
+from tally.privacy.metrics import PrivacyCollector
+
+JOB_STATES = ("PENDING", "RUNNING", "SUCCEEDED", "FAILED", "CANCELLED")
 
 
 class CoordinatorMetrics:
-    def __init__(self, registry: CollectorRegistry) -> None:
+    def __init__(self) -> None:
+        self.registry = registry = RoleRegistry("coordinator")
+        # Jobs' privacy ledgers (tally/privacy/metrics.py) are read at scrape time.
+        registry.register(PrivacyCollector())
         self.checkins = Counter(
             "tally_coordinator_checkins", "Device check-ins by outcome (task, retry, cancelled)",
             ["outcome"], registry=registry,
@@ -48,8 +59,22 @@ class CoordinatorMetrics:
             registry=registry,
         )
         self.round_duration = Histogram(
-            "tally_coordinator_round_duration_seconds", "Committed rounds, first check-in to commit",
+            "tally_coordinator_round_duration_seconds",
+            "Wall time of committed rounds, from the round's start to its last sum applied (retries "
+            "included; the checkpoint after it is tally_coordinator_commit_lag_seconds)",
             buckets=DURATION_BUCKETS, registry=registry,
+        )
+        self.phase_duration = Histogram(
+            "tally_coordinator_phase_duration_seconds",
+            "Wall time of each phase of a round attempt: selection (check-ins until the cohorts' "
+            "sessions are open), aggregation (until a step's sum is in), update (the algorithm's "
+            "server half on that sum); failed attempts included",
+            ["phase"], buckets=DURATION_BUCKETS, registry=registry,
+        )
+        self.commit_lag = Histogram(
+            "tally_coordinator_commit_lag_seconds",
+            "Checkpointing a round after its last sum: model, state and ONNX written, the round "
+            "recorded as committed", buckets=DURATION_BUCKETS, registry=registry,
         )
         self.cohort_sums = Counter(
             "tally_coordinator_cohort_sums", "Cohort sums by outcome (accepted, aborted, rejected, failed)",
@@ -66,8 +91,35 @@ class CoordinatorMetrics:
             "tally_coordinator_model_served_bytes", "Model and ONNX bytes streamed to devices",
             registry=registry,
         )
+        self.cohort_sum_bytes = Counter(
+            "tally_coordinator_cohort_sum_bytes",
+            "Serialized size of the cohort sums received from aggregators", registry=registry,
+        )
         self.revealed_values = Counter(
             "tally_coordinator_revealed_values",
             "Per-device values received in the clear under a job's reveal opt-in (DESIGN.md section 1)",
             ["job_id", "step"], registry=registry,
+        )
+
+    def watch(self, job_counts: Callable[[], dict[str, int]], open_sessions: Callable[[], int]) -> None:
+        """Export what the store and the engine know, read at scrape time: jobs per state, and
+        the aggregator sessions the running rounds hold open."""
+        self.registry.register(_ServiceState(job_counts, open_sessions))
+
+
+class _ServiceState(Collector):
+    def __init__(self, job_counts: Callable[[], dict[str, int]], open_sessions: Callable[[], int]) -> None:
+        self._job_counts, self._open_sessions = job_counts, open_sessions
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        jobs = GaugeMetricFamily(
+            "tally_coordinator_jobs", f"Jobs in the store by state ({', '.join(JOB_STATES)})", labels=["state"])
+        counts = self._job_counts()
+        for state in JOB_STATES:
+            jobs.add_metric([state], counts.get(state, 0))
+        yield jobs
+        yield GaugeMetricFamily(
+            "tally_coordinator_open_sessions",
+            "Secure-aggregation sessions the running rounds hold open on aggregators (one per cohort)",
+            value=self._open_sessions(),
         )

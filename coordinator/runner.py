@@ -473,9 +473,10 @@ class JobRunner:
             f"round {round_} attempt {attempt}: selecting {self.spec.selection_target} devices",
         )
         try:
-            await self._select(planner)
-            await self._open_sessions(planner, round_, attempt, steps)
-            self._deliver(planner, round_, blob)
+            with ctx.metrics.phase_duration.labels(phase="selection").time():
+                await self._select(planner)
+                await self._open_sessions(planner, round_, attempt, steps)
+                self._deliver(planner, round_, blob)
             metrics = {
                 "selected": float(len(planner.seats)),
                 "cohorts": float(len(planner.cohorts)),
@@ -636,7 +637,9 @@ class JobRunner:
             "AGGREGATION", step.name,
             f"collecting sum {step.name!r} from {len(self.sessions)} cohort(s)",
         )
-        total = await (self._collect_reveals(planner, k, step) if reveal_names(step) else self._collect(planner, step))
+        phases = self.ctx.metrics.phase_duration
+        with phases.labels(phase="aggregation").time():
+            total = await (self._collect_reveals(planner, k, step) if reveal_names(step) else self._collect(planner, step))
         if self.ledger is not None:  # decoded here, so spent here, whatever happens to the attempt
             self.server.account(self.round, step.name, int(planner.sums.contributors))
         # Scalar fields of the total (FedAvg's summed weight and examples) are aggregates too:
@@ -650,7 +653,8 @@ class JobRunner:
         metrics.update(step_metrics)
         self._set_phase("UPDATE", step.name, metrics=step_metrics)
         try:
-            state = self.server.apply(state, step.name, total)
+            with phases.labels(phase="update").time():
+                state = self.server.apply(state, step.name, total)
             following = planner.steps[k + 1] if k + 1 < len(planner.steps) else None
             if following is not None and is_personal(following):
                 self.step_states[k + 1] = state
@@ -714,6 +718,7 @@ class JobRunner:
     def _accept(
         self, planner: RoundPlanner, session: OpenedSession, step: StepSpec, proto: aggregator_pb2.CohortSum
     ) -> dict[str, Any] | None:
+        self.ctx.metrics.cohort_sum_bytes.inc(proto.ByteSize())
         counter = self.ctx.metrics.cohort_sums
         where = f"cohort {session.cohort} on aggregator {session.aggregator_id}"
         try:
@@ -748,9 +753,10 @@ class JobRunner:
         metrics["duration_seconds"] = duration
         if self.ledger is not None:
             metrics.update(self.ledger.commit())
-        version = await self._checkpoint(round_, state)
         final = round_ == self.spec.rounds
-        ctx.store.commit_round(version, attempt, metrics, final=final)
+        with ctx.metrics.commit_lag.time():
+            version = await self._checkpoint(round_, state)
+            ctx.store.commit_round(version, attempt, metrics, final=final)
         self.committed = round_
         self.planner = None
         self.expected_round_s = (

@@ -108,6 +108,7 @@ class CoordinatorService:
         self.engine: Engine | None = None
         self._server: grpc.aio.Server | None = None
         self._metrics_server: MetricsServer | None = None
+        self._ready = False
         self._health: health.aio.HealthServicer | None = None
         self._pool: AggregatorPool | None = None
         self._store: Store | None = None
@@ -125,17 +126,19 @@ class CoordinatorService:
         token_secret = load_or_create_token_secret(self.secrets_dir)
         issuer = TokenIssuer(token_secret)
         signer = TicketSigner(load_or_create_ticket_key(self.secrets_dir))
-        self._metrics_server = MetricsServer()
-        metrics = CoordinatorMetrics(self._metrics_server.registry)
-        watch_certificate(self._metrics_server.registry, self.tls.cert, "coordinator")
+        metrics = CoordinatorMetrics()
+        watch_certificate(metrics.registry, self.tls.cert, "coordinator")
+        self._metrics_server = MetricsServer(metrics.registry, ready=lambda: self._ready)
         self.metrics_port = self._metrics_server.start(self.metrics_port, self.metrics_addr)
         self._pool = AggregatorPool(
             self.aggregators, self.aggregator_tls, self.max_message_bytes,
             OwnerTokens(token_secret), metrics.aggregators_up.set,
         )
-        self.engine = Engine(
+        self.engine = engine = Engine(
             self._store, self._pool, signer, metrics, self.clock, checkin_hold_s=self.checkin_hold_s
         )
+        metrics.watch(self._store.job_counts,
+                      lambda: sum(len(runner.sessions) for runner in list(engine.runners.values())))
 
         server = grpc.aio.server(
             options=server_options(self.max_message_bytes, self.max_request_bytes))
@@ -167,6 +170,7 @@ class CoordinatorService:
         for name in ("", *SERVICE_NAMES):
             await self._health.set(name, health_pb2.HealthCheckResponse.SERVING)
         await self.engine.start()
+        self._ready = True  # /readyz: serving, with the store open and unfinished jobs resumed
         self._watchdog = asyncio.get_running_loop().create_task(self._watch_aggregators())
         logs.event(log, "coordinator serving", port=self.port, metrics_port=self.metrics_port,
                    state_dir=str(self.state_dir), aggregators=[a for a, _ in self.aggregators])
@@ -181,6 +185,7 @@ class CoordinatorService:
 
     async def stop(self, grace: float | None = None) -> None:
         """Stop serving; running jobs stay RUNNING in the store and resume on the next start."""
+        self._ready = False
         if self._watchdog is not None:
             self._watchdog.cancel()
             await asyncio.gather(self._watchdog, return_exceptions=True)

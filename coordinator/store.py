@@ -438,6 +438,11 @@ class Store:
         with self._lock:
             return [JobRecord(*row) for row in self._db.execute(sql, args).fetchall()]
 
+    def job_counts(self) -> dict[str, int]:
+        """How many jobs are in each state."""
+        with self._lock:
+            return dict(self._db.execute("SELECT state, COUNT(*) FROM jobs GROUP BY state").fetchall())
+
     def set_job_state(self, job_id: str, state: str, now: float, message: str = "") -> None:
         with self._lock:
             self._db.execute(

@@ -28,8 +28,9 @@ RUN python -m pip uninstall --yes pip setuptools wheel \
 COPY --from=build /opt/tally /opt/tally
 ENV PATH=/opt/tally/bin:$PATH PYTHONDONTWRITEBYTECODE=1 PYTHONUNBUFFERED=1
 USER 10001:10001
-# 7001: devices (SecureAggregation); 7002: the coordinator (AggregatorControl); 9101: /metrics.
-EXPOSE 7001 7002 9101
+# 7001: devices (SecureAggregation); 7002: the coordinator (AggregatorControl);
+# 9465: /metrics, /healthz, /readyz.
+EXPOSE 7001 7002 9465
 # The device port demands client certificates (--require-client-cert): the probe presents the
 # fleet's device certificate, mounted at /etc/tally/client-tls.
 HEALTHCHECK --interval=10s --timeout=5s --start-period=10s --retries=3 \
@@ -37,4 +38,4 @@ HEALTHCHECK --interval=10s --timeout=5s --start-period=10s --retries=3 \
 ENTRYPOINT ["tally-aggregator"]
 CMD ["--listen", "0.0.0.0:7001", "--control-listen", "0.0.0.0:7002", "--id", "aggregator-0", \
      "--tls-dir", "/etc/tally/tls", "--require-client-cert", \
-     "--metrics-addr", "0.0.0.0", "--metrics-port", "9101"]
+     "--metrics-addr", "0.0.0.0", "--metrics-port", "9465"]

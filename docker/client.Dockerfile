@@ -31,11 +31,11 @@ COPY --from=build /opt/tally /opt/tally
 ENV PATH=/opt/tally/bin:$PATH PYTHONDONTWRITEBYTECODE=1 PYTHONUNBUFFERED=1 \
     TALLY_COORDINATOR=tally-coordinator:7000
 USER 10001:10001
-# 9102: the fleet's /metrics. A device serves no gRPC of its own: its health is whether the
-# coordinator it works for answers, over the TLS it uses.
-EXPOSE 9102
+# 9466: the fleet's /metrics, /healthz and /readyz. A device serves no gRPC of its own: its
+# health is whether the coordinator it works for answers, over the TLS it uses.
+EXPOSE 9466
 HEALTHCHECK --interval=30s --timeout=5s --start-period=10s --retries=3 \
     CMD ["sh", "-c", "exec tally-probe \"$TALLY_COORDINATOR\" --tls-dir /etc/tally/tls"]
 ENTRYPOINT ["tally-fleet"]
 CMD ["--coordinator", "tally-coordinator:7000", "--devices", "10", "--tls-dir", "/etc/tally/tls", \
-     "--no-progress", "--metrics-port", "9102"]
+     "--no-progress", "--metrics-addr", "0.0.0.0", "--metrics-port", "9466"]

@@ -33,10 +33,10 @@ COPY --from=build /opt/tally /opt/tally
 ENV PATH=/opt/tally/bin:$PATH PYTHONDONTWRITEBYTECODE=1 PYTHONUNBUFFERED=1
 USER 10001:10001
 VOLUME ["/var/lib/tally"]
-# 7000: devices and operators (gRPC); 9100: /metrics.
-EXPOSE 7000 9100
+# 7000: devices and operators (gRPC); 9464: /metrics, /healthz, /readyz.
+EXPOSE 7000 9464
 HEALTHCHECK --interval=10s --timeout=5s --start-period=20s --retries=3 \
     CMD ["tally-probe", "127.0.0.1:7000", "--tls-dir", "/etc/tally/tls"]
 ENTRYPOINT ["tally-coordinator"]
 CMD ["--listen", "0.0.0.0:7000", "--state-dir", "/var/lib/tally", "--tls-dir", "/etc/tally/tls", \
-     "--metrics-addr", "0.0.0.0", "--metrics-port", "9100"]
+     "--metrics-addr", "0.0.0.0", "--metrics-port", "9464"]

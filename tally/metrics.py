@@ -1,22 +1,69 @@
 """Prometheus metrics per process (or per service object in tests): each service owns a
-registry and serves it on its own port, so two services in one process never collide."""
+registry and serves it on its own port, so two services in one process never collide.
+
+Every role's registry is a ``RoleRegistry``: it carries ``tally_build_info`` and the process and
+Python runtime collectors, and it leaves out the ``_created`` samples prometheus_client adds to
+every counter and histogram (the text format shows each as one more series per label set, which
+no rule or dashboard reads). ``MetricsServer`` serves it beside plain-HTTP ``/healthz`` and
+``/readyz`` on one port per role (``METRICS_PORTS``), loopback unless told otherwise.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from dataclasses import dataclass, field
+import argparse
+import socket
+import threading
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
-from wsgiref.simple_server import WSGIServer
+from socketserver import ThreadingMixIn
+from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
 from cryptography import x509
-from prometheus_client import CollectorRegistry, start_http_server
+from prometheus_client import (
+    CollectorRegistry,
+    GCCollector,
+    Gauge,
+    PlatformCollector,
+    ProcessCollector,
+    make_wsgi_app,
+)
 from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.metrics_core import Metric
 from prometheus_client.registry import Collector
 
-from tally.privacy.metrics import PrivacyCollector
+from tally.argtypes import integer
+from tally.version import VERSION
 
 # Phase durations span milliseconds (keys) to minutes (local training).
 DURATION_BUCKETS = (0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
+
+# The default /metrics port of each role (docs/metrics.md): one per role so that roles sharing a
+# host never collide, clear of node_exporter's 9100 (which Tally used before) and Prometheus's own
+# 9090-9094. 9464 is also OpenTelemetry's exporter default: only one of the two fits in one pod.
+METRICS_PORTS = {"coordinator": 9464, "aggregator": 9465, "client": 9466}
+
+
+class RoleRegistry(CollectorRegistry):
+    """The registry of one role (``coordinator``, ``aggregator`` or ``client``)."""
+
+    def __init__(self, role: str) -> None:
+        if role not in METRICS_PORTS:
+            raise ValueError(f"role must be one of {sorted(METRICS_PORTS)}, got {role!r}")
+        super().__init__()
+        self.role = role
+        ProcessCollector(registry=self)
+        PlatformCollector(registry=self)
+        GCCollector(registry=self)
+        Gauge(
+            "tally_build_info", "Always 1; the labels say which Tally version runs in which role",
+            ["version", "role"], registry=self,
+        ).labels(version=VERSION, role=role).set(1)
+
+    def collect(self) -> Iterator[Metric]:
+        for metric in super().collect():
+            created = f"{metric.name}_created"
+            metric.samples = [s for s in metric.samples if s.name != created]
+            yield metric
 
 
 class CertificateExpiry(Collector):
@@ -46,19 +93,71 @@ def watch_certificate(registry: CollectorRegistry, certificate: Path | None, rol
         registry.register(CertificateExpiry(certificate, role))
 
 
-@dataclass
-class MetricsServer:
-    registry: CollectorRegistry = field(default_factory=CollectorRegistry)
-    _server: WSGIServer | None = None
+def add_metrics_arguments(parser: argparse.ArgumentParser, role: str, *, optional: bool = False) -> None:
+    """``--metrics-port`` and ``--metrics-addr`` for ``role``. ``optional``: serve nothing unless
+    ``--metrics-port`` is given (a device is no server); alone, it means the role's default port."""
+    port, kind = METRICS_PORTS[role], integer(0, 65535)
+    served = f"/metrics (tally_{role}_*), /healthz and /readyz"
+    if optional:
+        parser.add_argument(
+            "--metrics-port", type=kind, nargs="?", const=port, metavar="PORT",
+            help=f"serve {served} on this port ({port} when no port follows; 0: any free port; "
+            "default: not served)",
+        )
+    else:
+        parser.add_argument(
+            "--metrics-port", type=kind, default=port, metavar="PORT",
+            help=f"port of {served} (default: %(default)s; 0: any free port)",
+        )
+    parser.add_argument(
+        "--metrics-addr", default="127.0.0.1", metavar="HOST",
+        help="address the metrics server binds (default: %(default)s, this host only; 0.0.0.0 lets "
+        "a Prometheus on another host scrape it)",
+    )
 
-    def __post_init__(self) -> None:
-        # Jobs' privacy ledgers (tally/privacy/metrics.py) are read at scrape time.
-        self.registry.register(PrivacyCollector())
+
+class _Server(ThreadingMixIn, WSGIServer):
+    daemon_threads = True  # a scrape in flight never holds the process open
+
+
+class _QuietHandler(WSGIRequestHandler):
+    def log_message(self, format: str, *args: object) -> None:
+        """Scrapes and probes come every few seconds: not worth a log line each."""
+
+
+def _plain(start_response: Callable, status: str, body: bytes) -> Iterable[bytes]:
+    start_response(status, [("Content-Type", "text/plain; charset=utf-8"), ("Content-Length", str(len(body)))])
+    return [body]
+
+
+class MetricsServer:
+    """One service's HTTP port: ``/metrics``; ``/healthz``, 200 while the process answers; and
+    ``/readyz``, 200 once ``ready()`` says the service takes work, 503 before and while stopping.
+    Kubernetes probes, load balancers and people with curl need no gRPC client for them."""
+
+    def __init__(self, registry: CollectorRegistry, ready: Callable[[], bool] = lambda: True) -> None:
+        self.registry, self.ready = registry, ready
+        self._metrics = make_wsgi_app(registry)
+        self._server: WSGIServer | None = None
 
     def start(self, port: int = 0, addr: str = "127.0.0.1") -> int:
-        """Serve /metrics; port 0 picks a free port, which is returned."""
-        self._server, _ = start_http_server(port, addr=addr, registry=self.registry)
+        """Serve in a daemon thread; port 0 picks a free port, which is returned."""
+        family, _, _, _, sockaddr = socket.getaddrinfo(
+            addr, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0]
+        server_class = type("MetricsHTTPServer", (_Server,), {"address_family": family})
+        self._server = make_server(sockaddr[0], port, self._app, server_class, handler_class=_QuietHandler)
+        threading.Thread(target=self._server.serve_forever, name="metrics-http", daemon=True).start()
         return self._server.server_port
+
+    def _app(self, environ: dict, start_response: Callable) -> Iterable[bytes]:
+        path = environ.get("PATH_INFO", "")
+        if path == "/healthz":
+            return _plain(start_response, "200 OK", b"ok\n")
+        if path == "/readyz":
+            if self.ready():
+                return _plain(start_response, "200 OK", b"ready\n")
+            return _plain(start_response, "503 Service Unavailable", b"not ready\n")
+        return self._metrics(environ, start_response)
 
     def stop(self) -> None:
         if self._server is not None:

@@ -209,9 +209,9 @@ def test_network_policies_admit_only_what_each_port_serves(rendered: dict[str, l
     monitoring = [{"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}}}]
     coordinator_pods = [{"podSelector": {"matchLabels": {"app.kubernetes.io/name": "tally",
                                                          "app.kubernetes.io/component": "coordinator"}}}]
-    assert ingress["tally-coordinator"] == [(None, [7000]), (monitoring, [9100])]
-    assert ingress["tally-aggregator"] == [(None, [7001]), (coordinator_pods, [7002]), (monitoring, [9101])]
-    assert ingress["tally-fleet"] == [(monitoring, [9102])]
+    assert ingress["tally-coordinator"] == [(None, [7000]), (monitoring, [9464])]
+    assert ingress["tally-aggregator"] == [(None, [7001]), (coordinator_pods, [7002]), (monitoring, [9465])]
+    assert ingress["tally-fleet"] == [(monitoring, [9466])]
 
 
 def test_checkov_kubernetes_checks_pass(rendered: dict[str, list[dict[str, Any]]], tmp_path: Path) -> None:
@@ -313,6 +313,10 @@ def test_dev_overlay_runs_as_local_processes(
             poll_until_ok(probes["startupProbe"], timeout=120, env=env)
             for kind in ("readinessProbe", "livenessProbe"):
                 assert subprocess.run(probes[kind], env=env).returncode == 0, f"{pod.name} {kind}"
+            # The port the Service and the ServiceMonitor name `metrics` serves HTTP /readyz.
+            metrics = next(p["containerPort"] for p in pod.container["ports"] if p["name"] == "metrics")
+            poll_until_ok([sys.executable, "-c", "import sys, urllib.request; urllib.request.urlopen(sys.argv[1])",
+                           f"http://127.0.0.1:{cluster.local_port(pod.name, metrics)}/readyz"], env=env)
         job = one(objects, "Job", "tally-fleet")
         completions = job["spec"]["completions"]
         fleets = [

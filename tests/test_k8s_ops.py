@@ -93,7 +93,7 @@ def test_status_reads_jobs_and_rounds_from_a_real_coordinator(tmp_path: Path) ->
     jobs.mkdir()
     (jobs / "digits.yaml").write_text(JOB_SPEC.format(name="digits", rounds=2, cohort=10))
     coordinator = Service("coordinator", [
-        sys.executable, "-m", "tally.cli", "coordinator", "--listen", "127.0.0.1:0",
+        sys.executable, "-m", "tally.cli", "coordinator", "--listen", "127.0.0.1:0", "--metrics-port", "0",
         "--state-dir", str(tmp_path / "state"), "--tls-dir", str(tls / "coordinator"), "--jobs-dir", str(jobs),
     ], tmp_path, clean_env())
     try:

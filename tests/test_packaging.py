@@ -107,7 +107,7 @@ def test_each_role_from_its_own_venv_runs_a_job(venvs: dict[str, Path], tmp_path
     services: list[Service] = []
     try:
         aggregator = Service("aggregator", [
-            str(venvs["aggregator"] / "tally-aggregator"), "--listen", "127.0.0.1:0",
+            str(venvs["aggregator"] / "tally-aggregator"), "--listen", "127.0.0.1:0", "--metrics-port", "0",
             "--control-listen", "127.0.0.1:0", "--id", "agg-1", "--tls-dir", str(tls / "aggregator-1"),
             "--require-client-cert",
         ], tmp_path, env)
@@ -118,7 +118,7 @@ def test_each_role_from_its_own_venv_runs_a_job(venvs: dict[str, Path], tmp_path
                        "--tls-dir", str(tls / "device"), "--identity", "device"], env=env)
 
         coordinator = Service("coordinator", [
-            str(venvs["coordinator"] / "tally-coordinator"), "--listen", "127.0.0.1:0",
+            str(venvs["coordinator"] / "tally-coordinator"), "--listen", "127.0.0.1:0", "--metrics-port", "0",
             "--state-dir", str(tmp_path / "state"), "--tls-dir", str(tls / "coordinator"),
             "--aggregator", f"agg-1=localhost:{control_port}", "--jobs-dir", str(jobs),
             "--checkin-hold", "5",

@@ -172,7 +172,8 @@ async def _demo(args: argparse.Namespace, console: Console) -> dict:
     certs, state = _prepare(out, args.resume, console)
     tls = TLSConfig.from_dir(certs / "device", "device")
     processes = [
-        Process(f"aggregator-{i}", ["aggregator", "--listen", "127.0.0.1:0", "--id", f"agg-{i}",
+        # Any free metrics port: two aggregators on one host cannot both have the default.
+        Process(f"aggregator-{i}", ["aggregator", "--listen", "127.0.0.1:0", "--id", f"agg-{i}", "--metrics-port", "0",
                                     "--tls-dir", str(certs / f"aggregator-{i}"), "--require-client-cert"],
                 out / "logs" / f"aggregator-{i}.log")
         for i in (1, 2)
@@ -185,7 +186,7 @@ async def _demo(args: argparse.Namespace, console: Console) -> dict:
         console.print(f"aggregators up: {', '.join(aggregators)}")
         coordinator = Process(
             "coordinator",
-            ["coordinator", "--listen", "127.0.0.1:0", "--state-dir", str(state),
+            ["coordinator", "--listen", "127.0.0.1:0", "--state-dir", str(state), "--metrics-port", "0",
              "--tls-dir", str(certs / "coordinator"),
              *[a for agg in aggregators for a in ("--aggregator", agg)]],
             out / "logs" / "coordinator.log",
