@@ -22,7 +22,7 @@ from client_sdk.fleet import CoordinatorUnreachable, Fleet, device_ids
 from client_sdk.metrics import ClientMetrics
 from client_sdk.sum_audit import MISMATCH, SumAudit, SumCheck, check_committed, outcome_counts
 from client_sdk.synthetic import SyntheticUpdates
-from tally import argtypes, data, logs, models
+from tally import argtypes, logs
 from tally.algorithms.base import LocalTrainer
 from tally.metrics import MetricsServer, add_metrics_arguments
 from tally.secagg import DevicePolicy
@@ -118,6 +118,11 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="with the coordinator's admin token: at the end, check every committed sum the fleet's "
         "devices were in against the inputs they sent; exit 3 on any mismatch",
     )
+    f.add_argument(
+        "--audit-out", type=Path, metavar="FILE",
+        help="write the fingerprints of every input the fleet's devices computed here (JSON), so that the "
+        "shards of one fleet can be merged and checked together (bench/fleet.py does)",
+    )
     f.add_argument("--progress", action=argparse.BooleanOptionalAction, default=True, help="live progress display")
     f.set_defaults(run=run_fleet)
 
@@ -169,6 +174,7 @@ def _shard(text: str) -> tuple[int, int]:
 def _trainers(args: argparse.Namespace, shards: int) -> list[LocalTrainer]:
     """Raises ValueError naming --model or --model-plugin when the model cannot be built.
     Torch is imported here, not at start: a synthetic fleet never loads it."""
+    from tally import data, models
     from tally.training import TorchTrainer, single_threaded
 
     single_threaded()  # many small models: one torch thread each beats thread handoffs
@@ -250,7 +256,7 @@ def run_fleet(args: argparse.Namespace) -> int:
         state_dir=args.state_dir,
         id_prefix=args.id_prefix,
         first_index=first,
-        audit=args.synthetic or audit_token is not None,
+        audit=args.synthetic or audit_token is not None or args.audit_out is not None,
         device_policy=DevicePolicy(allow_plain=args.allow_plain),
         enrolment_key=enrolment_key,
     )
@@ -274,6 +280,10 @@ def run_fleet(args: argparse.Namespace) -> int:
         fleet.close()
     console.print(f"fleet of {stats.devices}: {stats.summary()} in {stats.elapsed_seconds:.1f} s")
     result, code = stats.to_dict(), 0
+    if args.audit_out is not None:
+        assert fleet.inputs is not None
+        args.audit_out.parent.mkdir(parents=True, exist_ok=True)
+        args.audit_out.write_text(json.dumps(SumAudit.of(fleet.inputs).to_json()))
     if audit_token is not None:
         assert fleet.inputs is not None
         checks = asyncio.run(_audit(args, audit_token, SumAudit.of(fleet.inputs)))

@@ -1,0 +1,160 @@
+"""Servers under load, as deployed (issue 8): the coordinator, each aggregator and each fleet shard
+in its own process (TLS on 127.0.0.1), a synthetic fleet whose every committed sum is checked,
+and every process's CPU seconds and peak resident memory measured from outside (psutil).
+
+    .venv/bin/python bench/fleet.py --devices 2000 --shards 2 --cohort 200 --hidden 133 --rounds 5 --json out.json
+    .venv/bin/python bench/fleet.py --devices 10000 --idle 60 --json idle.json   # memory of idle devices
+
+Round wall times come from the coordinator's own record (its SQLite state, read-only).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sqlite3
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import psutil
+
+from client_sdk.sum_audit import SumAudit, check_committed, outcome_counts
+from tally.chaos.cluster import LocalCluster
+
+SPEC = """\
+name: bench-fleet
+algorithm: fedavg
+rounds: {rounds}
+cohort_size: {cohort}
+over_selection: 1.1
+min_cohort: {min_cohort}
+retries: 3
+model: {{kind: mlp, inputs: 64, classes: 10, hidden: {hidden}, seed: 0}}
+secure: {{dropout_rate: {dropout}, corrupt_rate: 0.05{plain}}}
+deadlines: {{checkin: 60, download: 60, advertise_keys: 60, share_keys: 120, masked_input: 120, unmask: 60}}
+"""
+
+
+class Sampler:
+    """Peak RSS and last CPU seconds of a set of processes, sampled every ``every`` seconds."""
+
+    def __init__(self) -> None:
+        self.peak: dict[str, int] = {}
+        self.cpu: dict[str, float] = {}
+
+    def sample(self, pids: dict[str, int]) -> None:
+        for name, pid in pids.items():
+            try:
+                p = psutil.Process(pid)
+                times, rss = p.cpu_times(), p.memory_info().rss
+            except psutil.NoSuchProcess:
+                continue
+            self.peak[name] = max(self.peak.get(name, 0), rss)
+            self.cpu[name] = times.user + times.system
+
+
+async def _run(args: argparse.Namespace, workdir: Path) -> dict:
+    cluster = LocalCluster(workdir, aggregators=args.aggregators)
+    await cluster.start()
+    sampler = Sampler()
+    shards: list[asyncio.subprocess.Process] = []
+    try:
+        job_id = None
+        if not args.idle:
+            job_id = await cluster.submit(SPEC.format(
+                rounds=args.rounds, cohort=args.cohort, hidden=args.hidden, min_cohort=min(10, args.cohort),
+                dropout=max(args.dropout, 0.05), plain=", plain: true" if args.plain else ""))
+        for i in range(args.shards):
+            argv = [sys.executable, "-m", "tally.cli", "fleet", "--coordinator", cluster.target,
+                    "--tls-dir", str(cluster.certs / "device"), "--devices", str(args.devices),
+                    "--shard", f"{i}/{args.shards}", "--synthetic", "--no-progress", "--dropout", str(args.dropout),
+                    "--enrolment-key", str(cluster.certs / "coordinator" / "enrolment.key"),
+                    "--json", str(workdir / f"shard-{i}.json"), "--connect-timeout", "120"]
+            if args.plain:
+                argv.append("--allow-plain")
+            argv += ["--stay"] if args.idle else ["--audit-out", str(workdir / f"audit-{i}.json"),
+                                                 "--until-job-done", job_id]
+            shards.append(await asyncio.create_subprocess_exec(
+                *argv, stdout=asyncio.subprocess.DEVNULL, stderr=(workdir / f"shard-{i}.log").open("wb")))
+        start = time.monotonic()
+        pids = {name: p.pid for name, p in cluster.processes.items() if p.pid}
+        pids.update({f"fleet-{i}": s.pid for i, s in enumerate(shards)})
+        while True:
+            sampler.sample(pids)
+            if args.idle and time.monotonic() - start > args.idle:
+                for s in shards:
+                    s.terminate()
+                break
+            if not args.idle and all(s.returncode is not None for s in shards):
+                break
+            await asyncio.sleep(0.5)
+        await asyncio.gather(*(s.wait() for s in shards))
+        elapsed = time.monotonic() - start
+        for i, s in enumerate(shards):
+            if not args.idle and s.returncode != 0:
+                raise SystemExit(f"fleet shard {i} exited {s.returncode}:\n"
+                                 + (workdir / f"shard-{i}.log").read_text()[-3000:])
+        checks = []
+        if not args.idle:  # the shards' fingerprints merged, every committed sum checked at once
+            audit = SumAudit()
+            for i in range(args.shards):
+                audit = audit.merge(SumAudit.from_json(json.loads((workdir / f"audit-{i}.json").read_text())))
+            stub, md = cluster.admin()
+            checks = await check_committed(stub, md, audit)
+    finally:
+        for s in shards:
+            if s.returncode is None:
+                s.kill()
+        await cluster.stop()
+    result = {"devices": args.devices, "shards": args.shards, "aggregators": args.aggregators,
+              "seconds": elapsed, "cpu_seconds": sampler.cpu, "peak_rss_bytes": sampler.peak}
+    if args.idle:
+        fleet_rss = sum(v for k, v in sampler.peak.items() if k.startswith("fleet-"))
+        result["idle_seconds"] = args.idle
+        result["fleet_rss_bytes_per_device"] = fleet_rss / args.devices
+        return result
+    shard_stats = [json.loads((workdir / f"shard-{i}.json").read_text()) for i in range(args.shards)]
+    db = sqlite3.connect(f"file:{cluster.state / 'coordinator.db'}?mode=ro", uri=True)
+    durations = [json.loads(m)["duration_seconds"] for (m,) in db.execute(
+        "SELECT metrics FROM rounds WHERE job_id = ? AND state = 'committed' ORDER BY round", (job_id,))]
+    db.close()
+    rounds = len(durations)
+    result.update({
+        "values": 75 * args.hidden + 10, "cohort": args.cohort, "plain": args.plain, "rounds_committed": rounds,
+        "round_seconds": durations, "round_seconds_median": statistics.median(durations) if durations else None,
+        "rounds_per_hour": 3600 / statistics.median(durations) if durations else None,
+        "cpu_seconds_per_round": {k: v / max(rounds, 1) for k, v in sampler.cpu.items()},
+        "audit": outcome_counts(checks),
+        "fleet": {k: sum(s[k] for s in shard_stats) for k in ("checkins", "tasks_done", "dropouts", "bytes_up")},
+    })
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--devices", type=int, default=1000)
+    parser.add_argument("--shards", type=int, default=1, help="fleet processes")
+    parser.add_argument("--aggregators", type=int, default=2)
+    parser.add_argument("--cohort", type=int, default=100)
+    parser.add_argument("--hidden", type=int, default=133, help="mlp hidden units: 75 * hidden + 10 values")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--dropout", type=float, default=0.1)
+    parser.add_argument("--plain", action="store_true", help="plain sums (benchmark-only) instead of secure ones")
+    parser.add_argument("--idle", type=float, default=0.0, metavar="SECONDS",
+                        help="no job: run the fleet this long and report its memory per idle device")
+    parser.add_argument("--json", type=Path)
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory(prefix="tally-bench-fleet-") as tmp:
+        result = asyncio.run(_run(args, Path(tmp)))
+    print(json.dumps(result, indent=2))
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(result, indent=2))
+
+
+if __name__ == "__main__":
+    main()
