@@ -322,7 +322,10 @@ class _metrics_server:
 
     def __enter__(self) -> _metrics_server:
         if self.server is not None:
-            bound = self.server.start(self.port, self.addr)
+            try:
+                bound = self.server.start(self.port, self.addr)
+            except OSError as exc:  # the port is taken, or the address is not this host's
+                raise SystemExit(f"--metrics-port: {exc}") from None
             print(f"metrics on http://{self.addr}:{bound}/metrics", file=sys.stderr)
         return self
 

@@ -141,11 +141,17 @@ class MetricsServer:
         self._server: WSGIServer | None = None
 
     def start(self, port: int = 0, addr: str = "127.0.0.1") -> int:
-        """Serve in a daemon thread; port 0 picks a free port, which is returned."""
-        family, _, _, _, sockaddr = socket.getaddrinfo(
-            addr, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0]
-        server_class = type("MetricsHTTPServer", (_Server,), {"address_family": family})
-        self._server = make_server(sockaddr[0], port, self._app, server_class, handler_class=_QuietHandler)
+        """Serve in a daemon thread; port 0 picks a free port, which is returned. ``OSError``
+        names the address when it cannot be bound (a port in use, an address not this host's)."""
+        try:
+            family, _, _, _, sockaddr = socket.getaddrinfo(
+                addr, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0]
+            server_class = type("MetricsHTTPServer", (_Server,), {"address_family": family})
+            self._server = make_server(sockaddr[0], port, self._app, server_class, handler_class=_QuietHandler)
+        except OSError as exc:
+            error = OSError(f"metrics server on {addr}:{port}: {exc.strerror or exc}")
+            error.errno = exc.errno
+            raise error from None
         threading.Thread(target=self._server.serve_forever, name="metrics-http", daemon=True).start()
         return self._server.server_port
 

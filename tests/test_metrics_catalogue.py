@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import re
+import socket
 import urllib.error
 import urllib.request
 from dataclasses import dataclass
@@ -208,3 +209,24 @@ def test_readyz_follows_the_readiness_it_is_given():
         assert _get(f"{base}/readyz") == (200, "ready\n")
     finally:
         server.stop()
+
+
+def test_a_metrics_port_in_use_is_a_one_line_message(tmp_path, capsys):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = str(taken.getsockname()[1])
+        parser = argparse.ArgumentParser(prog="tally")
+        coordinator_cli.register(parser.add_subparsers())
+        args = parser.parse_args(["coordinator", "--state-dir", str(tmp_path / "state"), "--insecure",
+                                  "--listen", "127.0.0.1:0", "--metrics-port", port])
+        assert args.run(args) == 1
+        err = capsys.readouterr().err
+        assert f"tally coordinator: metrics server on 127.0.0.1:{port}: Address already in use" in err
+        assert "Traceback" not in err
+        parser = argparse.ArgumentParser(prog="tally")
+        client_cli.register(parser.add_subparsers())
+        args = parser.parse_args(["fleet", "--coordinator", "127.0.0.1:1", "--devices", "1", "--insecure",
+                                  "--synthetic", "--no-progress", "--metrics-port", port])
+        with pytest.raises(SystemExit, match=f"^--metrics-port: metrics server on 127.0.0.1:{port}: Address already"):
+            args.run(args)
