@@ -220,6 +220,12 @@ def test_a_real_prometheus_scrapes_a_job_and_agrees_with_it(tmp_path):
     # Twice the cohort: an attempt that fails after its masked inputs can only retry with devices
     # that sent none (issue 12's rule).
     rounds, n, cohort = 2, 40, 20
+    # One update and one checkpoint per committed round of the one-step FedAvg job, which succeeds.
+    coordinator_expected = {
+        'sum(tally_coordinator_phase_duration_seconds_count{phase="update"})': rounds,
+        "sum(tally_coordinator_commit_lag_seconds_count)": rounds,
+        'sum(tally_coordinator_jobs{state="SUCCEEDED"})': 1,
+    }
     devices, _ = trainers(n)
 
     fleet_metrics = ClientMetrics()
@@ -247,6 +253,8 @@ def test_a_real_prometheus_scrapes_a_job_and_agrees_with_it(tmp_path):
                 dropouts = _own(registries, "tally_aggregator_dropouts_total")
                 scraped_dropouts = await asyncio.to_thread(
                     prometheus.until, "sum(tally_aggregator_dropouts_total) or vector(0)", lambda v: v >= dropouts)
+                coordinator_side = {expr: await asyncio.to_thread(prometheus.until, expr, lambda v, want=want: v >= want)
+                                    for expr, want in coordinator_expected.items()}
                 sessions = _own([fleet_metrics.registry], "tally_client_sessions_total")
                 scraped_sessions = await asyncio.to_thread(
                     prometheus.until, "sum(tally_client_sessions_total)", lambda v: v >= sessions)
@@ -254,15 +262,16 @@ def test_a_real_prometheus_scrapes_a_job_and_agrees_with_it(tmp_path):
                 dashboard = {expr: prometheus.query(expr) for expr in _dashboard_queries()}
                 series = prometheus.series('{__name__=~"tally_.+"}')
                 up = prometheus.value('up{job="tally-coordinator"}')
-                return (job, fleet_stats, committed, phases, scraped_phases, dropouts, scraped_dropouts, sessions,
-                        scraped_sessions, evaluated, dashboard, series, up)
+                return (job, fleet_stats, committed, coordinator_side, phases, scraped_phases, dropouts,
+                        scraped_dropouts, sessions, scraped_sessions, evaluated, dashboard, series, up)
             finally:
                 prometheus.stop()
                 fleet_server.stop()
 
-    (job, fleet_stats, committed, phases, scraped_phases, dropouts, scraped_dropouts, sessions, scraped_sessions,
-     evaluated, dashboard, series, up) = run(main())
+    (job, fleet_stats, committed, coordinator_side, phases, scraped_phases, dropouts, scraped_dropouts, sessions,
+     scraped_sessions, evaluated, dashboard, series, up) = run(main())
     assert job.committed_round == rounds and committed == rounds
+    assert coordinator_side == coordinator_expected
     assert phases > 0 and scraped_phases == phases  # every phase the aggregators timed, scraped
     assert scraped_dropouts == dropouts
     assert scraped_sessions == sessions == (fleet_stats.sessions_completed + fleet_stats.sessions_aborted
