@@ -59,10 +59,10 @@ class Sampler:
 
 async def _run(args: argparse.Namespace, workdir: Path) -> dict:
     cluster = LocalCluster(workdir, aggregators=args.aggregators)
-    await cluster.start()
     sampler = Sampler()
     shards: list[asyncio.subprocess.Process] = []
     try:
+        await cluster.start()
         job_id = None
         if not args.idle:
             job_id = await cluster.submit(SPEC.format(

@@ -142,7 +142,11 @@ class Campaign:
     async def run(self) -> CampaignResult:
         cfg = self.config
         cluster = LocalCluster(self.workdir, aggregators=cfg.aggregators)
-        await cluster.start()
+        try:
+            await cluster.start()
+        except BaseException:
+            await cluster.stop()  # those that did start
+            raise
         dropouts = VaryingDropouts(cfg.seed)
         fleet = Fleet(cluster.target, cluster.tls,
                       [SyntheticUpdates(i, cfg.seed) for i in device_ids("chaos", cfg.devices)],
