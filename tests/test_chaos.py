@@ -29,8 +29,8 @@ def test_a_short_campaign_meets_every_invariant_under_every_fault(tmp_path):
 def test_the_synthetic_fleet_command_checks_every_sum_it_was_in(tmp_path):
     async def main():
         cluster = LocalCluster(tmp_path / "cluster")
-        await cluster.start()
         try:
+            await cluster.start()
             spec = ("name: synthetic-cli\nalgorithm: fedavg\nrounds: 2\ncohort_size: 12\nmin_cohort: 5\n"
                     "over_selection: 1.2\nmodel: {kind: mlp, inputs: 64, classes: 10, hidden: 8, seed: 0}\n"
                     "secure: {dropout_rate: 0.1, corrupt_rate: 0.05}\n")
