@@ -76,7 +76,7 @@ def _run_synthetic_job(tmp_path, n: int, rounds: int, cohort: int):
     async def main():
         async with stack(tmp_path) as s:
             job_id = await s.submit(spec("synthetic", rounds, cohort=cohort, over_selection=1.2))
-            fleet = s.fleet(devices, id_prefix="syn", dropout=DropoutPlan(0.1, seed=4), seed=3, audit=True)
+            fleet = s.fleet(devices, id_prefix="syn", dropout=DropoutPlan(0.2, seed=4), seed=3, audit=True)
             try:
                 stats = await fleet.run(until=fleet.until_job_done(job_id, every_seconds=0.2))
             finally:
@@ -94,8 +94,9 @@ def test_every_committed_sum_of_a_synthetic_fleet_is_exact(tmp_path):
     job, stats, checks, inputs = _run_synthetic_job(tmp_path, n=40, rounds=rounds, cohort=16)
     assert job.committed_round == rounds, job.message
     counts = outcome_counts(checks)
-    # Every round's sum comes from two aggregators' cohorts, all checked and all exact.
-    assert counts == {EXACT: 2 * rounds, MISMATCH: 0, FOREIGN: 0}
+    # Every round's sum comes from one or two aggregators' cohorts (two unless one was unhealthy
+    # when the round began), all checked and all exact.
+    assert counts[MISMATCH] == counts[FOREIGN] == 0 and rounds <= counts[EXACT] <= 2 * rounds
     assert {c.round for c in checks} == set(range(1, rounds + 1))
     assert stats.dropouts > 0 and sum(c.contributors for c in checks) < len(inputs)
     # A shard's audit alone sees the other shard's devices as foreign; merged, it is exact again.
