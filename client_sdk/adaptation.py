@@ -16,11 +16,13 @@ Four techniques (spec 6), each starting from A = G^T:
 
 ``adapt`` is the API an application calls; ``tally.models.onnx.export_onnx`` turns the adapted
 model into ONNX bytes that ``client_sdk.OnnxModel`` serves with ONNX Runtime alone (no torch at serving time).
+``adapt_for_job`` is what a device does by itself when a job whose spec has an ``adaptation:``
+option succeeds (``client_sdk.device``): adapt, judge on held-out examples, export.
 """
 
 from __future__ import annotations
 
-import fnmatch
+import copy
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -30,46 +32,12 @@ import torch
 from torch import nn
 from torch.func import functional_call, grad, vmap
 
+from tally.adaptation_options import METHODS as METHODS  # re-exported: the SDK's API
+from tally.adaptation_options import AdaptationConfig, JobAdaptation, trainable_names
+from tally.models.onnx import export_onnx
 from tally.training import get_params, set_params
 
 Arrays = dict[str, np.ndarray]
-METHODS = ("finetune", "freeze_base", "ewc", "distill")
-
-
-@dataclass(frozen=True)
-class AdaptationConfig:
-    method: str = "finetune"
-    epochs: int = 20
-    lr: float = 0.1
-    batch_size: int = 20
-    trainable: tuple[str, ...] = ()  # freeze_base: patterns of the trained parameters; () = last module
-    ewc_lambda: float = 5.0
-    alpha: float = 0.5
-    temperature: float = 6.0
-    kd_form: str = "hinton"
-    seed: int = 0
-
-    def __post_init__(self) -> None:
-        if self.method not in METHODS:
-            raise ValueError(f"adaptation method must be one of {METHODS}, got {self.method!r}")
-        if self.kd_form not in ("hinton", "paper"):
-            raise ValueError(f"kd_form must be 'hinton' or 'paper', got {self.kd_form!r}")
-        if self.epochs < 0 or self.batch_size < 1 or self.lr <= 0 or self.temperature <= 0:
-            raise ValueError("epochs must be >= 0, batch_size >= 1, lr and temperature > 0")
-        if not 0 <= self.alpha <= 1 or self.ewc_lambda < 0:
-            raise ValueError("alpha must lie in [0, 1] and ewc_lambda be >= 0")
-
-    @classmethod
-    def from_dict(cls, raw: Mapping[str, Any] | None) -> AdaptationConfig:
-        raw = dict(raw or {})
-        unknown = set(raw) - set(cls.__dataclass_fields__)
-        if unknown:
-            raise ValueError(f"unknown adaptation options {sorted(unknown)}")
-        if isinstance(raw.get("trainable"), str):
-            raw["trainable"] = (raw["trainable"],)
-        elif "trainable" in raw:
-            raw["trainable"] = tuple(raw["trainable"])
-        return cls(**raw)
 
 
 def _tensors(params: Mapping[str, np.ndarray]) -> dict[str, torch.Tensor]:
@@ -101,16 +69,6 @@ def distillation_loss(student: torch.Tensor, teacher: torch.Tensor, labels: torc
     if form == "hinton":
         return alpha * k2 * soft + (1 - alpha) * hard
     return alpha * k2 * hard + (1 - alpha) * soft
-
-
-def trainable_names(names: list[str], config: AdaptationConfig) -> list[str]:
-    if config.method != "freeze_base":
-        return list(names)
-    patterns = config.trainable or (names[-1].rpartition(".")[0] + ".*",)
-    chosen = [n for n in names if any(fnmatch.fnmatchcase(n, p) for p in patterns)]
-    if not chosen:
-        raise ValueError(f"freeze_base: trainable {list(patterns)} matches none of {names}")
-    return chosen
 
 
 def adapt(module: nn.Module, params: Mapping[str, np.ndarray], features: np.ndarray, labels: np.ndarray,
@@ -155,3 +113,87 @@ def adapt(module: nn.Module, params: Mapping[str, np.ndarray], features: np.ndar
     return get_params(module)
 
 
+
+
+# -- the job option: what a device does when a job with ``adaptation:`` has succeeded -------------
+
+
+@dataclass(frozen=True)
+class JobAdaptationResult:
+    """``onnx``: the model the device keeps (adapted, or federated when adaptation made it worse
+    on the held-out examples); ``record``: the device's who-gains record, kept beside it."""
+
+    onnx: bytes
+    record: dict[str, Any]
+
+
+def trainer_data(trainer: Any) -> tuple[nn.Module, np.ndarray, np.ndarray]:
+    """A CPU copy of the trainer's model and its data (a ``TorchTrainer``'s ``model``, ``features``
+    and ``labels``); the copy leaves the trainer free for another job's rounds meanwhile."""
+    try:
+        module, features, labels = trainer.model, trainer.features, trainer.labels
+    except AttributeError:
+        raise TypeError(f"{type(trainer).__name__} offers no model, features and labels to adapt on") from None
+    return copy.deepcopy(module).cpu(), _numpy(features), _numpy(labels)
+
+
+def _numpy(values: Any) -> np.ndarray:
+    return values.detach().cpu().numpy() if isinstance(values, torch.Tensor) else np.asarray(values)
+
+
+def held_out(n: int, share: float, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    """(training, held-out) indices: ``share`` of n examples held out, at least one left to train on."""
+    order = np.random.default_rng(seed).permutation(n)
+    k = min(int(round(n * share)), n - 1)
+    return order[k:], order[:k]
+
+
+@torch.no_grad()
+def accuracy(module: nn.Module, params: Mapping[str, np.ndarray], features: np.ndarray, labels: np.ndarray) -> float:
+    set_params(module, params)
+    module.eval()
+    predicted = module(torch.as_tensor(features, dtype=torch.float32)).argmax(dim=1).numpy()
+    return float(np.mean(predicted == labels))
+
+
+def fresh_params(module: nn.Module, seed: int) -> Arrays:
+    """The module's parameters re-initialised as its layers initialise themselves (from scratch:
+    the local-only baseline of spec 4.3), seeded without touching the process's global generator."""
+    fresh = copy.deepcopy(module)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        for layer in fresh.modules():
+            if hasattr(layer, "reset_parameters"):
+                layer.reset_parameters()
+    return get_params(fresh)
+
+
+def adapt_for_job(module: nn.Module, federated: Mapping[str, np.ndarray], features: np.ndarray,
+                  labels: np.ndarray, option: JobAdaptation) -> JobAdaptationResult:
+    """Adapt the job's final model G^T on this device's data as ``option`` says, judge it on the
+    held-out examples and return the model to keep as ONNX with the who-gains record (spec 5:
+    the accuracies of the local-only, federated and adapted models on the same examples; a device
+    is worse off when its local-only model is strictly more accurate)."""
+    cfg = option.config
+    flat = np.asarray(features, dtype=np.float32).reshape(len(labels), -1)
+    train, held = held_out(len(labels), option.validation, cfg.seed)
+    adapted = adapt(module, federated, flat[train], labels[train], cfg)
+    record: dict[str, Any] = {"method": cfg.method, "trained_on": int(len(train)), "held_out": int(len(held)),
+                              "kept": "adapted", "accuracy": {}, "worse_off_than_local": {}}
+    kept = adapted
+    if len(held):
+        scores = {"federated": accuracy(module, federated, flat[held], labels[held]),
+                  "adapted": accuracy(module, adapted, flat[held], labels[held])}
+        if scores["adapted"] < scores["federated"]:
+            record["kept"], kept = "federated", dict(federated)
+        if option.local_only_epochs:
+            baseline = AdaptationConfig("finetune", epochs=option.local_only_epochs, lr=cfg.lr,
+                                        batch_size=cfg.batch_size, seed=cfg.seed)
+            local = adapt(module, fresh_params(module, cfg.seed), flat[train], labels[train], baseline)
+            scores["local_only"] = accuracy(module, local, flat[held], labels[held])
+            record["worse_off_than_local"] = {
+                "federated": scores["local_only"] > scores["federated"],
+                "after_adaptation": scores["local_only"] > scores[record["kept"]],
+            }
+        record["accuracy"] = scores
+    return JobAdaptationResult(export_onnx(module, kept, flat.shape[1]), record)

@@ -17,13 +17,16 @@ import functools
 import types
 import typing
 from collections.abc import Mapping
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, create_model
 
 from coordinator import registry
-from tally import algorithms
+from tally import algorithms, models
+from tally.adaptation_options import (
+    KD_FORMS, METHOD_OPTIONS, METHODS, AdaptationConfig, JobAdaptation, trainable_names,
+)
 from tally.privacy import spec as privacy_spec
 from tally.secagg import ThreatModel, UnsafeParameters, choose_params
 
@@ -82,6 +85,46 @@ class SecureSpec(BaseModel):
         return ThreatModel(self.dropout_rate, self.corrupt_rate, self.malicious_server)
 
 
+_TECHNIQUE = AdaptationConfig  # the defaults a device uses when the SDK's API is called without options
+_JOB_OPTION = JobAdaptation.__dataclass_fields__
+
+
+class AdaptationSpec(BaseModel):
+    """Local adaptation after the last round (specs/local-adaptation.md 6): each device that had a
+    task of the job fetches the final model, adapts it on its own data and keeps the adapted
+    model on the device (as ONNX, in its state directory); nothing of it is ever sent. On the
+    examples it holds out (`validation`) the device keeps whichever of the adapted and the
+    federated model is more accurate."""
+
+    model_config = STRICT
+    method: Literal[METHODS] = Field(description="finetune (all weights), freeze_base (only `trainable`), "
+                                     "ewc (anchored by the Fisher of the device's data) or distill (the "
+                                     "federated model as teacher)")
+    epochs: int = Field(_TECHNIQUE.epochs, ge=1, le=1000, description="passes over the device's data")
+    lr: float = Field(_TECHNIQUE.lr, gt=0, le=10, description="SGD learning rate")
+    batch_size: int = Field(_TECHNIQUE.batch_size, ge=1, le=65536, description="examples per SGD step")
+    trainable: list[str] = Field(list(_TECHNIQUE.trainable), description="freeze_base only: patterns of the "
+                                 "parameters trained (default: the model's last layer)")
+    ewc_lambda: float = Field(_TECHNIQUE.ewc_lambda, ge=0, le=1e6, description="ewc only: weight of the Fisher anchor")
+    alpha: float = Field(_TECHNIQUE.alpha, ge=0, le=1, description="distill only: weight of the teacher's soft term")
+    temperature: float = Field(_TECHNIQUE.temperature, gt=0, le=100, description="distill only: softmax temperature")
+    kd_form: Literal[KD_FORMS] = Field(_TECHNIQUE.kd_form, description="distill only: hinton (the authors' code) "
+                                       "or paper (Eq. 6's swapped weights)")
+    seed: int = Field(_TECHNIQUE.seed, ge=0, description="seed of the device's shuffling and held-out split")
+    validation: float = Field(_JOB_OPTION["validation"].default, ge=0, le=0.5,
+                              description="share of the device's examples held out to judge the adapted model")
+    local_only_epochs: int = Field(_JOB_OPTION["local_only_epochs"].default, ge=0, le=1000,
+                                   description="> 0: also train a local-only model for the device's who-gains "
+                                   "record (kept on the device)")
+
+    def option(self) -> JobAdaptation:
+        return JobAdaptation.from_dict(self.model_dump())
+
+    def to_dict(self) -> dict[str, Any]:
+        """Without the options only another method uses (which the spec refuses)."""
+        return {k: v for k, v in self.model_dump().items() if self.method in METHOD_OPTIONS.get(k, (self.method,))}
+
+
 Seconds = Annotated[float, Field(gt=0, le=86400)]
 Deadlines = create_model(  # one optional field per phase, so a mistyped phase lists the others
     "Deadlines", __config__=STRICT, __doc__="Seconds each phase of a round may take.",
@@ -119,6 +162,7 @@ class JobSpec(BaseModel):
         (), strict=False, description="per-device values the job opts in to reveal (only aaggff_s: response)",
     )
     privacy: privacy_spec.PrivacySpec | None = Field(None, description="differential privacy of the released sums")
+    adaptation: AdaptationSpec | None = Field(None, description="local adaptation of the final model on each device")
 
     @property
     def selection_target(self) -> int:
@@ -128,6 +172,8 @@ class JobSpec(BaseModel):
     def to_dict(self) -> dict[str, Any]:
         out = self.model_dump()
         out["reveal"] = list(self.reveal)
+        if self.adaptation is not None:
+            out["adaptation"] = self.adaptation.to_dict()
         return out
 
     def to_yaml(self) -> str:
@@ -136,6 +182,7 @@ class JobSpec(BaseModel):
 
 SECTIONS: dict[str, type[BaseModel]] = {
     "model": ModelSpec, "secure": SecureSpec, "deadlines": Deadlines, "privacy": privacy_spec.PrivacySpec,
+    "adaptation": AdaptationSpec,
 }
 REQUIRED = tuple(name for name, info in JobSpec.model_fields.items() if info.is_required())
 
@@ -334,6 +381,9 @@ def _check_relations(raw: Mapping[str, Any], valid: dict[str, Any], errors: list
     config = valid.get("config", {} if "config" not in raw else None)
     if algorithm is not None and config is not None and reveal is not None:
         _check_options(algorithm, config, tuple(reveal), model, errors)
+    adaptation = valid.get("adaptation")
+    if adaptation is not None:
+        _check_adaptation(raw["adaptation"], adaptation, model, errors)
     privacy = valid.get("privacy")
     if privacy is not None and None not in (algorithm, config, model, secure, min_cohort) and "rounds" in valid:
         errors += privacy_spec.job_problems(
@@ -341,6 +391,25 @@ def _check_relations(raw: Mapping[str, Any], valid: dict[str, Any], errors: list
             initial=lambda: registry.initial_model(model), secure=secure, rounds=valid["rounds"],
             cohort_size=cohort, min_cohort=min_cohort,
         )
+
+
+def _check_adaptation(raw: Mapping[str, Any], adaptation: AdaptationSpec, model: ModelSpec | None,
+                      errors: list[str]) -> None:
+    for name in raw:
+        users = METHOD_OPTIONS.get(name, (adaptation.method,))
+        if adaptation.method not in users:
+            errors.append(f"adaptation.{name}: only used by method {' or '.join(users)}, not {adaptation.method}")
+    if model is None:
+        return
+    if model.kind not in models.kinds():
+        errors.append(f"adaptation: the {model.kind} model has no torch module for devices to adapt and serve "
+                      f"as ONNX; adaptation needs one of {list(models.kinds())}")
+        return
+    net = models.build(model.kind, model.inputs, model.classes, model.hidden, model.seed)
+    try:
+        trainable_names([name for name, _ in net.named_parameters()], adaptation.option().config)
+    except ValueError as exc:
+        errors.append(f"adaptation.trainable: {exc}")
 
 
 def _check_secure(secure: SecureSpec, min_cohort: int | None, errors: list[str]) -> None:
