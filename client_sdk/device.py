@@ -5,11 +5,17 @@ assignment downloads the model, computes the algorithm's contribution on local d
 secure-aggregation session. Coordinator calls retry with backoff on transient statuses, and a
 refused token (a coordinator restarted with a new secret, or an expired token) is renewed by
 registering again, so a coordinator restart in the middle of a job is survived.
+
+A job whose spec has an ``adaptation:`` option names it in its tasks. A device that had a task of
+such a job adapts the final model on its own data once the job has succeeded (at its first
+check-in without a task after that, or when it stops, whichever comes first) and keeps the
+adapted model for ``adapted_model`` (``client_sdk.adapted_models``); nothing of it is sent.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import random
 import time
@@ -22,6 +28,7 @@ from typing import Any
 import grpc
 import numpy as np
 
+from client_sdk.adapted_models import AdaptedModels
 from client_sdk.channels import Channels, reconnect_options
 from client_sdk.contribution import Contribution, InputFingerprint, TaskError, plan_task
 from client_sdk.download import Downloader, ModelCache
@@ -29,17 +36,19 @@ from client_sdk.dropout import DropoutPlan
 from client_sdk.enrolment import register_request
 from client_sdk.local_state import LocalStateStore
 from client_sdk.metrics import ClientMetrics
+from client_sdk.onnx_model import OnnxModel
 from client_sdk.reports import InputLedger, Outcome, TaskReports
 from client_sdk.retry import RETRYABLE, RetryPolicy, Stopped, pause
 from client_sdk.session import ABORTED, COMPLETED, DROPPED, SecAggSession
 from client_sdk.trust import check_assignment
 from tally import logs, modelio
+from tally.adaptation_options import JobAdaptation
 from tally.algorithms.base import Arrays, LocalTrainer
 from tally.secagg import DevicePolicy, SigningKey
 from tally.security import TLSConfig, bearer_metadata
 from tally.version import VERSION as SDK_VERSION
 from tally.wire.convert import WireError, tensors_to_proto
-from tally.wire.v1 import coordinator_pb2, coordinator_pb2_grpc
+from tally.wire.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc
 
 log = logging.getLogger("tally.client_sdk.device")
 
@@ -52,6 +61,8 @@ TOKEN_RENEW_MARGIN_SECONDS = 60.0
 MIN_RETRY_AFTER_SECONDS = 0.01
 # Extra wait on top of retry_after, as a fraction of it, so devices told the same delay spread out.
 RETRY_AFTER_JITTER = 0.1
+# How often a device asks whether a job it owes an adaptation for has ended, while it runs.
+ADAPTATION_POLL_SECONDS = 5.0
 
 
 @dataclass
@@ -127,6 +138,9 @@ class Device:
         self._on_update = on_update or (lambda stats: None)
         # Per-job algorithm state; on disk under ``state_dir`` so it survives a restart.
         self._local = LocalStateStore(state_dir)
+        # Adaptations owed (jobs with an adaptation option this device had tasks of) and done.
+        self._adapted = AdaptedModels(state_dir)
+        self._adaptation_polled: dict[str, float] = {}
         self._reports = TaskReports()
         self._inputs = InputLedger()
         self._token: str | None = None
@@ -166,6 +180,8 @@ class Device:
                     await self._check_in_once()
                 except Stopped:
                     break
+            with contextlib.suppress(Stopped):  # a stop while the coordinator is unreachable
+                await self._adapt_ended_jobs(every_seconds=0.0)
         finally:
             self._running = False
             await self._release_channels()
@@ -192,6 +208,45 @@ class Device:
         contributed to (None before the first)."""
         return self._local.get(job_id)
 
+    def adapted_model(self, job_id: str) -> OnnxModel | None:
+        """The model this device keeps for ``job_id`` after local adaptation, served with ONNX
+        Runtime (no torch); None until the job has succeeded and the device has adapted it."""
+        data = self._adapted.model(job_id)
+        return None if data is None else OnnxModel.from_bytes(data)
+
+    def adaptation_record(self, job_id: str) -> dict[str, Any] | None:
+        """The device's who-gains record of ``job_id``'s adaptation: the method, which model it
+        kept, and the accuracies on its held-out examples (``client_sdk.adaptation.adapt_for_job``)."""
+        return self._adapted.record(job_id)
+
+    async def adapt(self, job_id: str, option: JobAdaptation) -> dict[str, Any]:
+        """Adapt ``job_id``'s latest committed model (the final one once the job has succeeded) on
+        this device's data as ``option`` says and keep it; return the who-gains record. Devices
+        do this by themselves for jobs with an adaptation option; an application calls it for any
+        other job of its population."""
+        try:
+            status = await self.round_status(job_id)
+            if not status.model_digest:
+                raise LookupError(f"job {job_id!r} has no committed model yet")
+            blob = self._cache.get(status.model_digest)
+            if blob is None:
+                blob, digest = await self._downloader().fetch(status.model_version, status.model_digest)
+                self._cache.put(digest, blob)
+        finally:
+            await self._release_channels()
+        from client_sdk.adaptation import adapt_for_job, trainer_data  # torch: only a device that adapts
+
+        def work():
+            module, features, labels = trainer_data(self.trainer)
+            return adapt_for_job(module, modelio.deserialize(blob), features, labels, option)
+
+        result = await asyncio.get_running_loop().run_in_executor(self.executor, work)
+        record = {"job_id": job_id, "model_version": status.model_version, **result.record}
+        self._adapted.keep(job_id, result.onnx, record)
+        logs.event(log, "adapted", device_id=self.device_id, job_id=job_id, method=option.config.method,
+                   kept=record["kept"], **{f"accuracy_{k}": v for k, v in record["accuracy"].items()})
+        return record
+
     async def _release_channels(self) -> None:
         """Close the device's own channels when nothing uses them (they reopen on demand)."""
         if self._owns_channels and not self._running:
@@ -217,6 +272,7 @@ class Device:
             await self._do_task(response.task)
         self._on_update(self.stats)
         if which != "task":
+            await self._adapt_ended_jobs(every_seconds=ADAPTATION_POLL_SECONDS)
             await self._pace(response.retry_after)
 
     def _accelerator(self) -> str:
@@ -241,6 +297,7 @@ class Device:
             check_assignment(task, plan.config, self.identity, self.policy, self.coordinator_key, time.time())
         except (TaskError, WireError) as exc:
             return self._refuse(task, "policy", exc, fields)
+        self._expect_adaptation(task)
         contribution = Contribution(
             plan,
             self.trainer,
@@ -284,6 +341,39 @@ class Device:
             self._inputs.sent(task.job_id, task.round)
         self._reports.add(task, _REPORTED[outcome.status], outcome.label, outcome.reason,
                           sent_input=outcome.sent_input)
+
+    def _expect_adaptation(self, task: coordinator_pb2.TaskAssignment) -> None:
+        """Note the job's adaptation option; one that does not parse costs the adaptation, never
+        the round (the device still trains)."""
+        if not task.adaptation:
+            return
+        try:
+            self._adapted.expect(task.job_id, JobAdaptation.from_json(task.adaptation))
+        except (ValueError, TypeError) as exc:
+            logs.event(log, "adaptation option refused", logging.WARNING, device_id=self.device_id,
+                       job_id=task.job_id, reason=str(exc))
+
+    async def _adapt_ended_jobs(self, every_seconds: float) -> None:
+        """Adapt each job owed an adaptation that has succeeded; forget those that failed or
+        were cancelled. A job is asked about at most once per ``every_seconds``."""
+        now = time.monotonic()
+        for job_id, option in self._adapted.pending().items():
+            if now < self._adaptation_polled.get(job_id, float("-inf")) + every_seconds:
+                continue
+            self._adaptation_polled[job_id] = now
+            try:
+                status = await self.round_status(job_id)
+                if status.job_state == common_pb2.JOB_STATE_SUCCEEDED:
+                    await self.adapt(job_id, option)
+                elif status.job_state in (common_pb2.JOB_STATE_FAILED, common_pb2.JOB_STATE_CANCELLED):
+                    self._adapted.forget(job_id)
+            except grpc.aio.AioRpcError as exc:  # asked again at a later check-in
+                logs.event(log, "adaptation postponed", logging.WARNING, device_id=self.device_id, job_id=job_id,
+                           reason=f"{exc.code().name}: {exc.details()}")
+            except (TypeError, ValueError, LookupError, RuntimeError) as exc:  # this device cannot adapt this job
+                logs.event(log, "adaptation failed", logging.WARNING, device_id=self.device_id, job_id=job_id,
+                           reason=str(exc))
+                self._adapted.forget(job_id)
 
     def _refuse(self, task: coordinator_pb2.TaskAssignment, label: str, reason: Exception | str,
                 fields: dict[str, Any]) -> None:

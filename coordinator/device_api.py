@@ -232,15 +232,19 @@ class DeviceService(coordinator_pb2_grpc.CoordinatorServicer):
         if record is None:
             await context.abort(grpc.StatusCode.NOT_FOUND, f"no job {request.job_id!r}")
         runner = self.engine.runner(request.job_id)
+        committed = runner.committed if runner is not None else record.committed_round
+        version = self.store.model_version(request.job_id, committed) if committed else None
+        model = {} if version is None else {
+            "model_version": f"{request.job_id}/v{version.round}", "model_digest": version.model_digest}
         if runner is None:
             return coordinator_pb2.RoundStatusResponse(
                 job_state=job_state(record.state), round=record.committed_round,
-                committed_round=record.committed_round,
+                committed_round=record.committed_round, **model,
             )
         return coordinator_pb2.RoundStatusResponse(
             job_state=job_state(record.state), round=runner.round, phase=round_phase(runner.phase),
-            step=runner.step, committed_round=runner.committed,
-            next_check_in_seconds=runner.next_check_in_s(self.clock()),
+            step=runner.step, committed_round=committed,
+            next_check_in_seconds=runner.next_check_in_s(self.clock()), **model,
         )
 
 

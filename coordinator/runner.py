@@ -196,6 +196,7 @@ class JobRunner:
         self.cancel_reason: str | None = None
         self.task: asyncio.Task[None] | None = None
         self._options = json.dumps(dict(spec.config), sort_keys=True)
+        self._adaptation = spec.adaptation.option().to_json() if spec.adaptation is not None else ""
         self._deadlines = phase_deadlines(spec)
 
     @property
@@ -622,7 +623,7 @@ class JobRunner:
                 model_size=blob.size, chunk_size=CHUNK_SIZE, aggregator_address=session.address,
                 session_ticket=session.ticket, device_index=seat.index,
                 session_token=session.tokens[seat.index], session=to_proto(session.config),
-                deadlines=self._deadlines, algorithm_options=self._options,
+                deadlines=self._deadlines, algorithm_options=self._options, adaptation=self._adaptation,
             )
         for seat in planner.opened():
             future = self.waiters.get(seat.device_id)

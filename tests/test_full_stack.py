@@ -26,7 +26,7 @@ from tally.algorithms.fedavg import FedAvgClient, FedAvgConfig, FedAvgServer
 from tally.codec import unpack
 from tally.secagg import DevicePolicy, SecAggServer
 from tally.secagg.messages import MaskedInputResponse
-from tally.security import TLSConfig, bearer_metadata, load_or_create_ticket_key
+from tally.security import TLSConfig, bearer_metadata, certs, load_or_create_ticket_key
 from tally.security.tls import open_channel
 from tally.simulation import plain_sum, run_rounds
 from tally.training import TorchTrainer, get_params, mlp, set_params, single_threaded
@@ -60,6 +60,7 @@ class Stack:
     state_dir: Path
     aggregators: list[AggregatorService]
     coordinator: CoordinatorService
+    client_tls: TLSConfig = PLAINTEXT  # what devices and the admin present to the services
 
     @property
     def target(self) -> str:
@@ -67,10 +68,10 @@ class Stack:
 
     def fleet(self, trainers, **kwargs) -> Fleet:
         """A fleet provisioned with the coordinator's enrolment key."""
-        return Fleet(self.target, PLAINTEXT, trainers, enrolment_key=self.coordinator.enrolment_key, **kwargs)
+        return Fleet(self.target, self.client_tls, trainers, enrolment_key=self.coordinator.enrolment_key, **kwargs)
 
     def admin(self) -> tuple[admin_pb2_grpc.AdminStub, list]:
-        channel = open_channel(self.target, PLAINTEXT)
+        channel = open_channel(self.target, self.client_tls)
         return admin_pb2_grpc.AdminStub(channel), bearer_metadata(self.coordinator.admin_token)
 
     async def submit(self, text: str) -> str:
@@ -110,22 +111,33 @@ class Stack:
     async def restart_coordinator(self) -> None:
         port, aggregators = self.coordinator.port, self.coordinator.aggregators
         await self.coordinator.stop(grace=0)
-        self.coordinator = CoordinatorService(f"127.0.0.1:{port}", PLAINTEXT, self.state_dir, aggregators)
+        self.coordinator = CoordinatorService(f"127.0.0.1:{port}", self.coordinator.tls, self.state_dir, aggregators)
         await self.coordinator.start()
 
 
 @contextlib.asynccontextmanager
-async def stack(tmp_path: Path) -> AsyncIterator[Stack]:
+async def stack(tmp_path: Path, tls: bool = False) -> AsyncIterator[Stack]:
+    """``tls``: every connection over TLS with ``tally certs`` identities (aggregators require
+    client certificates, as deployed) instead of plaintext on loopback."""
     state_dir = tmp_path / "state"
     public = load_or_create_ticket_key(state_dir).public_key()
-    aggregators = [AggregatorService("127.0.0.1:0", PLAINTEXT, public, f"agg-{i}") for i in (1, 2)]
+    pki = tmp_path / "pki"
+    if tls:
+        certs.write_deployment(pki, aggregators=2)
+
+    def identity(role: str, directory: str, **kwargs) -> TLSConfig:
+        return TLSConfig.from_dir(pki / directory, role, **kwargs) if tls else PLAINTEXT
+
+    aggregators = [AggregatorService("127.0.0.1:0", identity("aggregator", f"aggregator-{i}", require_client_auth=True),
+                                     public, f"agg-{i}") for i in (1, 2)]
     for a in aggregators:
         await a.start()
     coordinator = CoordinatorService(
-        "127.0.0.1:0", PLAINTEXT, state_dir, [(a.id, a.address) for a in aggregators], checkin_hold_s=2.0
+        "127.0.0.1:0", identity("coordinator", "coordinator"), state_dir, [(a.id, a.address) for a in aggregators],
+        checkin_hold_s=2.0,
     )
     await coordinator.start()
-    s = Stack(state_dir, aggregators, coordinator)
+    s = Stack(state_dir, aggregators, coordinator, identity("device", "device"))
     try:
         yield s
     finally:

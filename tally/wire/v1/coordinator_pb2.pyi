@@ -114,7 +114,7 @@ class Step(_message.Message):
     def __init__(self, name: _Optional[str] = ..., sum_id: _Optional[str] = ..., broadcast: _Optional[_Iterable[_Union[_common_pb2.Tensor, _Mapping]]] = ..., schema: _Optional[_Union[_aggregator_pb2.PayloadSchemaSpec, _Mapping]] = ..., reveal: _Optional[bool] = ..., personal: _Optional[bool] = ...) -> None: ...
 
 class TaskAssignment(_message.Message):
-    __slots__ = ("job_id", "round", "task_id", "algorithm", "step", "model_version", "model_digest", "model_size", "chunk_size", "aggregator_address", "session_ticket", "device_index", "session_token", "session", "deadlines", "algorithm_options")
+    __slots__ = ("job_id", "round", "task_id", "algorithm", "step", "model_version", "model_digest", "model_size", "chunk_size", "aggregator_address", "session_ticket", "device_index", "session_token", "session", "deadlines", "algorithm_options", "adaptation")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     ROUND_FIELD_NUMBER: _ClassVar[int]
     TASK_ID_FIELD_NUMBER: _ClassVar[int]
@@ -131,6 +131,7 @@ class TaskAssignment(_message.Message):
     SESSION_FIELD_NUMBER: _ClassVar[int]
     DEADLINES_FIELD_NUMBER: _ClassVar[int]
     ALGORITHM_OPTIONS_FIELD_NUMBER: _ClassVar[int]
+    ADAPTATION_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     round: int
     task_id: str
@@ -147,7 +148,8 @@ class TaskAssignment(_message.Message):
     session: _secagg_pb2.SessionConfig
     deadlines: _secagg_pb2.PhaseDeadlines
     algorithm_options: str
-    def __init__(self, job_id: _Optional[str] = ..., round: _Optional[int] = ..., task_id: _Optional[str] = ..., algorithm: _Optional[str] = ..., step: _Optional[_Union[Step, _Mapping]] = ..., model_version: _Optional[str] = ..., model_digest: _Optional[str] = ..., model_size: _Optional[int] = ..., chunk_size: _Optional[int] = ..., aggregator_address: _Optional[str] = ..., session_ticket: _Optional[bytes] = ..., device_index: _Optional[int] = ..., session_token: _Optional[str] = ..., session: _Optional[_Union[_secagg_pb2.SessionConfig, _Mapping]] = ..., deadlines: _Optional[_Union[_secagg_pb2.PhaseDeadlines, _Mapping]] = ..., algorithm_options: _Optional[str] = ...) -> None: ...
+    adaptation: str
+    def __init__(self, job_id: _Optional[str] = ..., round: _Optional[int] = ..., task_id: _Optional[str] = ..., algorithm: _Optional[str] = ..., step: _Optional[_Union[Step, _Mapping]] = ..., model_version: _Optional[str] = ..., model_digest: _Optional[str] = ..., model_size: _Optional[int] = ..., chunk_size: _Optional[int] = ..., aggregator_address: _Optional[str] = ..., session_ticket: _Optional[bytes] = ..., device_index: _Optional[int] = ..., session_token: _Optional[str] = ..., session: _Optional[_Union[_secagg_pb2.SessionConfig, _Mapping]] = ..., deadlines: _Optional[_Union[_secagg_pb2.PhaseDeadlines, _Mapping]] = ..., algorithm_options: _Optional[str] = ..., adaptation: _Optional[str] = ...) -> None: ...
 
 class CheckInResponse(_message.Message):
     __slots__ = ("retry_after", "task")
@@ -206,20 +208,24 @@ class RoundStatusRequest(_message.Message):
     def __init__(self, job_id: _Optional[str] = ...) -> None: ...
 
 class RoundStatusResponse(_message.Message):
-    __slots__ = ("job_state", "round", "phase", "step", "committed_round", "next_check_in_seconds")
+    __slots__ = ("job_state", "round", "phase", "step", "committed_round", "next_check_in_seconds", "model_version", "model_digest")
     JOB_STATE_FIELD_NUMBER: _ClassVar[int]
     ROUND_FIELD_NUMBER: _ClassVar[int]
     PHASE_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     COMMITTED_ROUND_FIELD_NUMBER: _ClassVar[int]
     NEXT_CHECK_IN_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    MODEL_VERSION_FIELD_NUMBER: _ClassVar[int]
+    MODEL_DIGEST_FIELD_NUMBER: _ClassVar[int]
     job_state: _common_pb2.JobState
     round: int
     phase: _common_pb2.RoundPhase
     step: str
     committed_round: int
     next_check_in_seconds: float
-    def __init__(self, job_state: _Optional[_Union[_common_pb2.JobState, str]] = ..., round: _Optional[int] = ..., phase: _Optional[_Union[_common_pb2.RoundPhase, str]] = ..., step: _Optional[str] = ..., committed_round: _Optional[int] = ..., next_check_in_seconds: _Optional[float] = ...) -> None: ...
+    model_version: str
+    model_digest: str
+    def __init__(self, job_state: _Optional[_Union[_common_pb2.JobState, str]] = ..., round: _Optional[int] = ..., phase: _Optional[_Union[_common_pb2.RoundPhase, str]] = ..., step: _Optional[str] = ..., committed_round: _Optional[int] = ..., next_check_in_seconds: _Optional[float] = ..., model_version: _Optional[str] = ..., model_digest: _Optional[str] = ...) -> None: ...
 
 class RevealRequest(_message.Message):
     __slots__ = ("job_id", "round", "task_id", "step", "values")
