@@ -21,7 +21,7 @@ from coordinator.service import (
     DEFAULT_REGISTER_LIMIT,
     CoordinatorService,
 )
-from tally import logs, models
+from tally import argtypes, logs, models
 from tally.metrics import add_metrics_arguments
 from tally.security.tls import add_tls_arguments, tls_config_from_args
 
@@ -77,6 +77,12 @@ def register(sub: argparse._SubParsersAction) -> None:
             help=f"per-source rate limit of {rpc} calls, per second and burst "
             f"(default: {default.rate_per_s:g}/{default.burst:g})",
         )
+    p.add_argument(
+        "--checkin-rate", type=argtypes.POSITIVE, metavar="PER_SECOND",
+        help="pace steering: check-ins per second the whole fleet should make; devices turned away "
+        "are given come-back times spaced so arrivals stay at this rate however large the "
+        "population (default: no pacing, come back when the next round is likely to start)",
+    )
     p.add_argument(
         "--checkin-hold", type=float, default=20.0,
         help="longest a check-in is held while a selection fills (s)",
@@ -179,6 +185,7 @@ def run_coordinator(args: argparse.Namespace) -> int:
         max_request_bytes=args.max_request_bytes,
         register_limit=args.register_limit,
         checkin_limit=args.checkin_limit,
+        checkin_rate=args.checkin_rate,
     )
     return asyncio.run(_serve(service, specs))
 

@@ -19,6 +19,7 @@ from coordinator.engine import Engine
 from coordinator.events import job_state, round_phase, timestamp
 from coordinator.metrics import CoordinatorMetrics
 from coordinator.planner import Retry
+from coordinator.pacing import CheckinPacer
 from coordinator.ratelimit import SourceRateLimiter, source_of
 from coordinator.reveals import RevealOutOfPhase
 from coordinator.runner import CHUNK_SIZE
@@ -60,11 +61,13 @@ class DeviceService(coordinator_pb2_grpc.CoordinatorServicer):
         coordinator_key: bytes,
         register_limit: SourceRateLimiter,
         checkin_limit: SourceRateLimiter,
+        pacer: CheckinPacer,
     ) -> None:
         self.engine, self.store, self.issuer, self.metrics = engine, store, issuer, metrics
         self.clock, self.token_ttl_s = clock, token_ttl_s
         self.enrolment, self.coordinator_key = enrolment, coordinator_key
         self._limits = {"Register": register_limit, "CheckIn": checkin_limit}
+        self.pacer = pacer
 
     async def _claims(self, context: grpc.aio.ServicerContext) -> DeviceClaims:
         try:
@@ -138,7 +141,9 @@ class DeviceService(coordinator_pb2_grpc.CoordinatorServicer):
             self.metrics.checkins.labels(outcome="cancelled").inc()
             raise
         if isinstance(result, Retry):
+            result = self.pacer.steer(result, self.clock())
             self.metrics.checkins.labels(outcome="retry").inc()
+            self.metrics.retry_after.observe(result.seconds)
             return coordinator_pb2.CheckInResponse(retry_after=retry_proto(result))
         self.metrics.checkins.labels(outcome="task").inc()
         return coordinator_pb2.CheckInResponse(task=result)

@@ -13,6 +13,8 @@ from prometheus_client.registry import Collector
 from tally.metrics import DURATION_BUCKETS, RoleRegistry
 from tally.privacy.metrics import PrivacyCollector
 
+# From the planner's 0.2 s floor to the pacer's one-hour ceiling.
+RETRY_AFTER_BUCKETS = (0.2, 0.5, 1, 2, 5, 10, 20, 30, 60, 120, 300, 600, 1800, 3600)
 JOB_STATES = ("PENDING", "RUNNING", "SUCCEEDED", "FAILED", "CANCELLED")
 
 
@@ -24,6 +26,12 @@ class CoordinatorMetrics:
         self.checkins = Counter(
             "tally_coordinator_checkins", "Device check-ins by outcome (task, retry, cancelled)",
             ["outcome"], registry=registry,
+        )
+        self.retry_after = Histogram(
+            "tally_coordinator_checkin_retry_after_seconds",
+            "Come-back times given to devices turned away at check-in (after pace steering: with "
+            "--checkin-rate they grow with the population so arrivals stay at the target rate)",
+            buckets=RETRY_AFTER_BUCKETS, registry=registry,
         )
         self.refusals = Counter(
             "tally_coordinator_refusals",

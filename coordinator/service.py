@@ -22,6 +22,7 @@ from coordinator.aggregators import AggregatorPool
 from coordinator.device_api import DeviceService
 from coordinator.engine import Engine
 from coordinator.metrics import CoordinatorMetrics
+from coordinator.pacing import CheckinPacer
 from coordinator.ratelimit import RateLimit, SourceRateLimiter
 from coordinator.store import Store
 from tally import logs
@@ -89,6 +90,7 @@ class CoordinatorService:
         max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
         register_limit: RateLimit = DEFAULT_REGISTER_LIMIT,
         checkin_limit: RateLimit = DEFAULT_CHECKIN_LIMIT,
+        checkin_rate: float | None = None,
     ) -> None:
         self.listen, self.tls, self.state_dir = listen, tls, Path(state_dir)
         self.aggregators = list(aggregators)
@@ -101,6 +103,7 @@ class CoordinatorService:
         self.checkin_hold_s, self.token_ttl_s = checkin_hold_s, token_ttl_s
         self.enrolment, self.max_request_bytes = enrolment, max_request_bytes
         self.register_limit, self.checkin_limit = register_limit, checkin_limit
+        self.pacer = CheckinPacer(checkin_rate)
         self.port: int | None = None
         self.admin_token: str | None = None
         # The key `tally enrol` derives device credentials from (None with a custom verifier).
@@ -151,6 +154,7 @@ class CoordinatorService:
                 enrolment=enrolment, coordinator_key=signer.public_key.public_bytes_raw(),
                 register_limit=SourceRateLimiter(self.register_limit, self.clock),
                 checkin_limit=SourceRateLimiter(self.checkin_limit, self.clock),
+                pacer=self.pacer,
             ),
             server,
         )

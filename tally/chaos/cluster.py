@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import socket
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -39,7 +40,8 @@ class LocalCluster:
     """``start`` brings every process up; ``kill``/``restart`` act on one by name
     (``coordinator``, ``aggregator-1``, ...); ``admin`` is an Admin stub with its metadata."""
 
-    def __init__(self, workdir: Path, aggregators: int = 2, checkin_hold_s: float = 2.0) -> None:
+    def __init__(self, workdir: Path, aggregators: int = 2, checkin_hold_s: float = 2.0,
+                 coordinator_flags: Sequence[str] = ()) -> None:
         self.workdir = workdir
         self.certs, self.state = workdir / "certs", workdir / "state"
         write_deployment(self.certs, aggregators=aggregators, force=True)
@@ -60,7 +62,7 @@ class LocalCluster:
             "coordinator",
             ["coordinator", "--listen", f"127.0.0.1:{self.port}", "--state-dir", str(self.state),
              "--tls-dir", str(self.certs / "coordinator"), "--metrics-port", "0",
-             "--checkin-hold", str(checkin_hold_s),
+             "--checkin-hold", str(checkin_hold_s), *coordinator_flags,
              *[a for i, port in enumerate(agg_ports, start=1) for a in ("--aggregator", f"agg-{i}=localhost:{port}")]],
             logs / "coordinator.log")
         self.target = f"localhost:{self.port}"
