@@ -51,6 +51,12 @@ class AggregatorMetrics:
             "tally_aggregator_sent_bytes_total",
             "Serialized size of the messages sent to devices", registry=r,
         )
+        self.engine_cpu = Counter(
+            "tally_aggregator_engine_cpu_seconds",
+            "CPU time inside the secure-sum engine (the sans-IO server's calls), by the phase it was "
+            "in; the rest of the process's CPU is gRPC, TLS, protobuf and the event loop",
+            ["phase"], registry=r,
+        )
         self.unmask_seconds = Histogram(
             "tally_aggregator_unmask_seconds",
             "CPU time of the server call that closes an Unmask phase (reconstruction and mask "

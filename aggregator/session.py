@@ -253,9 +253,10 @@ class Session:
 
     def _call(self, call: Callable[[], list[Outgoing]]) -> tuple[Routed, float]:
         """In the worker thread: the server call, and the protobuf form of what it emits."""
-        start = time.perf_counter()
+        start, cpu, phase = time.perf_counter(), time.thread_time(), self.server.phase
         outgoing = call()
         seconds = time.perf_counter() - start
+        self._metrics.engine_cpu.labels(phase=phase).inc(time.thread_time() - cpu)
         return [(o.recipient, aggregator_envelope(o.message)) for o in outgoing], seconds
 
     def _is_late(self, message: ClientMessage) -> bool:

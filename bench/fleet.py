@@ -21,6 +21,7 @@ import time
 from pathlib import Path
 
 import psutil
+from prometheus_client.parser import text_string_to_metric_families
 
 from client_sdk.sum_audit import SumAudit, check_committed, outcome_counts
 from tally.chaos.cluster import LocalCluster
@@ -37,6 +38,13 @@ model: {{kind: mlp, inputs: 64, classes: 10, hidden: {hidden}, seed: 0}}
 secure: {{dropout_rate: {dropout}, corrupt_rate: 0.05{plain}}}
 deadlines: {{checkin: 60, download: 60, advertise_keys: 60, share_keys: 120, masked_input: 120, unmask: 60}}
 """
+
+
+def _samples(exposition: str, name: str) -> dict[str, float]:
+    """Values of series ``name`` by their ``phase`` label (prometheus_client's own parser)."""
+    return {sample.labels.get("phase", ""): sample.value
+            for family in text_string_to_metric_families(exposition)
+            for sample in family.samples if sample.name == name}
 
 
 class Sampler:
@@ -58,7 +66,11 @@ class Sampler:
 
 
 async def _run(args: argparse.Namespace, workdir: Path) -> dict:
-    cluster = LocalCluster(workdir, aggregators=args.aggregators)
+    # Every simulated device comes from 127.0.0.1: lift the per-source limits a deployment keeps.
+    flags = ["--register-limit", "1000000/1000000", "--checkin-limit", "1000000/1000000"]
+    if args.checkin_rate:
+        flags += ["--checkin-rate", str(args.checkin_rate)]
+    cluster = LocalCluster(workdir, aggregators=args.aggregators, coordinator_flags=flags)
     sampler = Sampler()
     shards: list[asyncio.subprocess.Process] = []
     try:
@@ -98,13 +110,14 @@ async def _run(args: argparse.Namespace, workdir: Path) -> dict:
             if not args.idle and s.returncode != 0:
                 raise SystemExit(f"fleet shard {i} exited {s.returncode}:\n"
                                  + (workdir / f"shard-{i}.log").read_text()[-3000:])
-        checks = []
+        checks, expositions = [], {}
         if not args.idle:  # the shards' fingerprints merged, every committed sum checked at once
             audit = SumAudit()
             for i in range(args.shards):
                 audit = audit.merge(SumAudit.from_json(json.loads((workdir / f"audit-{i}.json").read_text())))
             stub, md = cluster.admin()
             checks = await check_committed(stub, md, audit)
+            expositions = {name: cluster.scrape(name) for name in cluster.metrics_ports}
     finally:
         for s in shards:
             if s.returncode is None:
@@ -129,6 +142,12 @@ async def _run(args: argparse.Namespace, workdir: Path) -> dict:
         "rounds_per_hour": 3600 / statistics.median(durations) if durations else None,
         "cpu_seconds_per_round": {k: v / max(rounds, 1) for k, v in sampler.cpu.items()},
         "audit": outcome_counts(checks),
+        "aggregator_engine_cpu_seconds_per_round": {
+            name: {phase: s / max(rounds, 1) for phase, s in _samples(text, "tally_aggregator_engine_cpu_seconds_total").items()}
+            for name, text in expositions.items() if name.startswith("aggregator")},
+        "coordinator_phase_seconds_per_round": {
+            phase: s / max(rounds, 1) for phase, s in
+            _samples(expositions.get("coordinator", ""), "tally_coordinator_phase_duration_seconds_sum").items()},
         "fleet": {k: sum(s[k] for s in shard_stats) for k in ("checkins", "tasks_done", "dropouts", "bytes_up")},
     })
     return result
@@ -146,6 +165,8 @@ def main() -> None:
     parser.add_argument("--plain", action="store_true", help="plain sums (benchmark-only) instead of secure ones")
     parser.add_argument("--idle", type=float, default=0.0, metavar="SECONDS",
                         help="no job: run the fleet this long and report its memory per idle device")
+    parser.add_argument("--checkin-rate", type=float, default=0.0,
+                        help="the coordinator's pace steering target (check-ins per second; 0: off)")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="tally-bench-fleet-") as tmp:

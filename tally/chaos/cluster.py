@@ -4,7 +4,9 @@ fixed ports so that a killed process comes back where the others expect it, with
 from __future__ import annotations
 
 import asyncio
+import re
 import socket
+import urllib.request
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,6 +22,8 @@ from tally.wire.v1 import admin_pb2, admin_pb2_grpc
 
 AGGREGATOR_READY = r"\(port (\d+)\)"
 COORDINATOR_READY = r"coordinator on port (\d+)"
+# Both roles name their metrics port on the same first line (started with --metrics-port 0).
+METRICS_PORT = re.compile(r"metrics on (?:http://\S*:|port )(\d+)")
 
 
 def free_port() -> int:
@@ -66,6 +70,7 @@ class LocalCluster:
              *[a for i, port in enumerate(agg_ports, start=1) for a in ("--aggregator", f"agg-{i}=localhost:{port}")]],
             logs / "coordinator.log")
         self.target = f"localhost:{self.port}"
+        self.metrics_ports: dict[str, int] = {}
         self._channel = None
 
     async def start(self) -> None:
@@ -74,7 +79,15 @@ class LocalCluster:
 
     async def restart(self, name: str) -> None:
         process = self.processes[name]
-        await process.start(COORDINATOR_READY if name == "coordinator" else AGGREGATOR_READY)
+        ready = await process.start(COORDINATOR_READY if name == "coordinator" else AGGREGATOR_READY)
+        if (metrics := METRICS_PORT.search(ready.string)) is not None:
+            self.metrics_ports[name] = int(metrics.group(1))
+
+    def scrape(self, name: str) -> str:
+        """The Prometheus exposition of process ``name``, as a scraper would read it."""
+        url = f"http://127.0.0.1:{self.metrics_ports[name]}/metrics"
+        with urllib.request.urlopen(url, timeout=10) as reply:
+            return reply.read().decode()
 
     async def kill(self, name: str) -> None:
         await self.processes[name].kill()
