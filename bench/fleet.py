@@ -70,11 +70,14 @@ async def _run(args: argparse.Namespace, workdir: Path) -> dict:
     flags = ["--register-limit", "1000000/1000000", "--checkin-limit", "1000000/1000000"]
     if args.checkin_rate:
         flags += ["--checkin-rate", str(args.checkin_rate)]
-    cluster = LocalCluster(workdir, aggregators=args.aggregators, coordinator_flags=flags)
+    cluster = LocalCluster(workdir, aggregators=args.aggregators, checkin_hold_s=20.0, coordinator_flags=flags)
     sampler = Sampler()
     shards: list[asyncio.subprocess.Process] = []
     try:
         await cluster.start()
+        # The services' start-up (imports, TLS, SQLite) is not load: count CPU from here.
+        sampler.sample({name: p.pid for name, p in cluster.processes.items() if p.pid})
+        started_cpu = dict(sampler.cpu)
         job_id = None
         if not args.idle:
             job_id = await cluster.submit(SPEC.format(
@@ -124,7 +127,8 @@ async def _run(args: argparse.Namespace, workdir: Path) -> dict:
                 s.kill()
         await cluster.stop()
     result = {"devices": args.devices, "shards": args.shards, "aggregators": args.aggregators,
-              "seconds": elapsed, "cpu_seconds": sampler.cpu, "peak_rss_bytes": sampler.peak}
+              "seconds": elapsed, "cpu_seconds": {k: v - started_cpu.get(k, 0.0) for k, v in sampler.cpu.items()},
+              "peak_rss_bytes": sampler.peak}
     if args.idle:
         fleet_rss = sum(v for k, v in sampler.peak.items() if k.startswith("fleet-"))
         result["idle_seconds"] = args.idle
@@ -132,15 +136,16 @@ async def _run(args: argparse.Namespace, workdir: Path) -> dict:
         return result
     shard_stats = [json.loads((workdir / f"shard-{i}.json").read_text()) for i in range(args.shards)]
     db = sqlite3.connect(f"file:{cluster.state / 'coordinator.db'}?mode=ro", uri=True)
-    durations = [json.loads(m)["duration_seconds"] for (m,) in db.execute(
+    round_metrics = [json.loads(m) for (m,) in db.execute(
         "SELECT metrics FROM rounds WHERE job_id = ? AND state = 'committed' ORDER BY round", (job_id,))]
     db.close()
+    durations = [m["duration_seconds"] for m in round_metrics]
     rounds = len(durations)
     result.update({
         "values": 75 * args.hidden + 10, "cohort": args.cohort, "plain": args.plain, "rounds_committed": rounds,
-        "round_seconds": durations, "round_seconds_median": statistics.median(durations) if durations else None,
+        "round_seconds": durations, "round_metrics": round_metrics, "round_seconds_median": statistics.median(durations) if durations else None,
         "rounds_per_hour": 3600 / statistics.median(durations) if durations else None,
-        "cpu_seconds_per_round": {k: v / max(rounds, 1) for k, v in sampler.cpu.items()},
+        "cpu_seconds_per_round": {k: (v - started_cpu.get(k, 0.0)) / max(rounds, 1) for k, v in sampler.cpu.items()},
         "audit": outcome_counts(checks),
         "aggregator_engine_cpu_seconds_per_round": {
             name: {phase: s / max(rounds, 1) for phase, s in _samples(text, "tally_aggregator_engine_cpu_seconds_total").items()}

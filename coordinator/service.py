@@ -138,7 +138,8 @@ class CoordinatorService:
             OwnerTokens(token_secret), metrics.aggregators_up.set,
         )
         self.engine = engine = Engine(
-            self._store, self._pool, signer, metrics, self.clock, checkin_hold_s=self.checkin_hold_s
+            self._store, self._pool, signer, metrics, self.clock, checkin_hold_s=self.checkin_hold_s,
+            checkin_rate=self.pacer.rate_per_s,
         )
         metrics.watch(self._store.job_counts,
                       lambda: sum(len(runner.sessions) for runner in list(engine.runners.values())))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 
 import pytest
 from hypothesis import given
@@ -10,7 +11,7 @@ from hypothesis import strategies as st
 
 from coordinator.pacing import MAX_PACED_RETRY_S, CheckinPacer
 from coordinator.planner import Retry
-from tests.test_coordinator import run, scrape, stack
+from tests.test_coordinator import run, scrape, spec_yaml, stack
 
 arrivals = st.lists(st.tuples(st.floats(0, 5), st.floats(0.2, 60)), min_size=1, max_size=200)
 
@@ -67,3 +68,14 @@ def test_the_coordinator_paces_idle_devices_and_exports_their_come_back_times(tm
             assert "tally_coordinator_checkin_retry_after_seconds_count 12.0" in text
 
     run(main())
+
+
+@pytest.mark.parametrize("rate, warned", [(1.0, True), (100.0, False)])
+def test_a_job_whose_selection_cannot_fill_at_the_paced_rate_is_warned_about(tmp_path, caplog, rate, warned):
+    async def main():
+        async with stack(tmp_path, aggregators=1, checkin_rate=rate, checkin_hold_s=2.0) as s:
+            with caplog.at_level(logging.WARNING):
+                await s.submit(spec_yaml("paced", cohort=10))
+
+    run(main())
+    assert ("selection cannot fill under pace steering" in caplog.text) is warned
