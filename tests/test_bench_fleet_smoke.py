@@ -1,0 +1,46 @@
+"""bench/fleet.py and bench/checkin.py at a smoke size: real processes over TLS, their JSON."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _bench(tmp_path: Path, script: str, *args: str, timeout: float = 240) -> dict:
+    out = tmp_path / "out.json"
+    subprocess.run([sys.executable, str(ROOT / "bench" / script), *args, "--json", str(out)],
+                   cwd=tmp_path, check=True, timeout=timeout, capture_output=True)
+    return json.loads(out.read_text())
+
+
+def test_fleet_bench_audits_every_sum_and_itemises_the_aggregators_cpu(tmp_path):
+    result = _bench(tmp_path, "fleet.py", "--devices", "60", "--shards", "2", "--cohort", "20",
+                    "--aggregators", "2", "--hidden", "8", "--rounds", "1", "--checkin-rate", "50")
+    assert result["rounds_committed"] == 1 and len(result["round_metrics"]) == 1
+    assert result["audit"]["exact"] >= 1 and result["audit"]["mismatch"] == result["audit"]["foreign"] == 0
+    assert {"coordinator", "aggregator-1", "aggregator-2", "fleet-0", "fleet-1"} <= result["cpu_seconds_per_round"].keys()
+    engine = result["aggregator_engine_cpu_seconds_per_round"]
+    assert any({"advertise_keys", "masked_input", "unmask"} <= phases.keys() for phases in engine.values())
+    assert {"selection", "aggregation", "update"} <= result["coordinator_phase_seconds_per_round"].keys()
+
+
+def test_checkin_capacity_bench_reports_each_rate_step(tmp_path):
+    result = _bench(tmp_path, "checkin.py", "capacity", "--rates", "50", "100", "--step-seconds", "1",
+                    "--repeats", "1", "--pool", "20", "--generators", "1")
+    (run,) = result["runs"]
+    assert [s["target_per_s"] for s in run["steps"]] == [50.0, 100.0]
+    assert all(s["sent"] == s["answered"] + s["failures"] and s["p99_ms"] >= s["p50_ms"] for s in run["steps"])
+    assert result["capacity_per_s_median"] in (0.0, 50.0, 100.0)
+
+
+def test_pacing_holds_an_idle_population_at_or_below_the_target_rate(tmp_path):
+    """200 idle devices come back every ~5 s unpaced (~40/s); paced at 15/s they may not exceed it."""
+    rate = 15.0
+    result = _bench(tmp_path, "checkin.py", "pacing", "--devices", "200", "--rate", str(rate),
+                    "--seconds", "36", "--every", "6")
+    assert result["settled_median_per_s"] is not None
+    assert result["settled_median_per_s"] <= 1.3 * rate, result["rates"]
