@@ -27,17 +27,18 @@ from tally.metrics import MetricsServer, watch_certificate
 from tally.security import TicketVerifier, TLSConfig, bind
 from tally.security.tls import server_options
 from tally.security.certs import COORDINATOR_CN
-from tally.wire.v1 import aggregator_pb2, aggregator_pb2_grpc, secagg_pb2, secagg_pb2_grpc
+from tally.wire.v1 import aggregator_pb2, aggregator_pb2_grpc
 
 from aggregator.control import ControlServicer
 from aggregator.metrics import AggregatorMetrics
 from aggregator.registry import SessionRegistry
+from aggregator.stream import SERVICE as DEVICE_SERVICE
 from aggregator.stream import DeviceStreams
+from aggregator.stream import add_to_server as add_device_streams
 
 log = logging.getLogger("tally.aggregator")
 
 CONTROL_SERVICE = aggregator_pb2.DESCRIPTOR.services_by_name["AggregatorControl"].full_name
-DEVICE_SERVICE = secagg_pb2.DESCRIPTOR.services_by_name["SecureAggregation"].full_name
 SERVICE_NAMES = (CONTROL_SERVICE, DEVICE_SERVICE)
 _WILDCARD_HOSTS = {"", "0.0.0.0", "[::]", "::"}
 # What an unauthenticated peer can make the aggregator buffer: gRPC reads a message whole before
@@ -158,7 +159,7 @@ class AggregatorService:
                 server,
             )
         if DEVICE_SERVICE in services:
-            secagg_pb2_grpc.add_SecureAggregationServicer_to_server(
+            add_device_streams(
                 DeviceStreams(self.id, self._verifier, self._registry, self.metrics, self._clock),
                 server,
             )

@@ -3,9 +3,11 @@ deadlines.
 
 The protocol core decides everything; this class only feeds it and routes what it says:
 
-- every call into the server (a device message or a deadline) runs in a worker thread, one at a
-  time under the session's lock, so the Unmask close of a large cohort (about a second of CPU)
-  never stalls the event loop that serves every other session and stream;
+- every call into the server that can close a phase (a deadline, a lost device, the last message
+  a phase waits for, any Unmask answer) runs in a worker thread, one at a time under the session's
+  lock, so the Unmask close of a large cohort (about a second of CPU) never stalls the event loop
+  that serves every other session and stream; the other messages only validate and store, and
+  run inline, where the hand-off to a thread cost more CPU than the work (issue 8's profile);
 - that work runs as its own task, shielded from the caller: a device that disconnects halfway
   through a call cannot cancel it and leave the lock free while the thread still mutates the
   server;
@@ -211,10 +213,9 @@ class Session:
             if self.outcome == CLOSED:
                 return Rejected("ABORTED", f"session {self.session_id} was closed",
                                 "session_closed")
+            call = partial(self._call, partial(self.server.receive, message))
             try:
-                routed, seconds = await asyncio.to_thread(
-                    self._call, partial(self.server.receive, message)
-                )
+                routed, seconds = await asyncio.to_thread(call) if self._may_close(message) else call()
             except ProtocolError as exc:
                 if self._is_late(message):
                     self._metrics.late_messages.inc()
@@ -258,6 +259,10 @@ class Session:
         seconds = time.perf_counter() - start
         self._metrics.engine_cpu.labels(phase=phase).inc(time.thread_time() - cpu)
         return [(o.recipient, aggregator_envelope(o.message)) for o in outgoing], seconds
+
+    def _may_close(self, message: ClientMessage) -> bool:
+        """Unmask closes as soon as every secret has its shares, so any answer there may close it."""
+        return self.server.phase == "unmask" or self.server.awaiting <= {message.sender}
 
     def _is_late(self, message: ClientMessage) -> bool:
         """An Unmask answer for a sum the server already unmasked: it closed Unmask as soon as
