@@ -1,5 +1,5 @@
 """``tally client`` (one device on a dataset shard) and ``tally fleet`` (N simulated devices in
-one process), both against a running coordinator."""
+one or several processes), both against a running coordinator."""
 
 from __future__ import annotations
 
@@ -18,7 +18,8 @@ from rich.console import Console
 from client_sdk.device import Device
 from client_sdk.dropout import DEFAULT_PHASES, DropoutPlan
 from client_sdk.enrolment import load_or_create_identity
-from client_sdk.fleet import CoordinatorUnreachable, Fleet, device_ids
+from client_sdk.fleet import CoordinatorUnreachable, Fleet, FleetStats, device_ids
+from client_sdk.fleet_processes import DEVICES_PER_EXTRA_PROCESS, default_processes, run_processes
 from client_sdk.metrics import ClientMetrics
 from client_sdk.sum_audit import MISMATCH, SumAudit, SumCheck, check_committed, outcome_counts
 from client_sdk.synthetic import SyntheticUpdates
@@ -64,8 +65,9 @@ def register(sub: argparse._SubParsersAction) -> None:
 
     f = sub.add_parser(
         "fleet",
-        help="run N simulated devices in one process (load tests, demos)",
-        description="Many virtual devices, each a real client with its own stream, in one process.",
+        help="run N simulated devices (load tests, demos)",
+        description="Many virtual devices, each a real client with its own stream, in one or several "
+        "processes (--processes) of this machine and several machines (--shard).",
     )
     _add_common(f)
     f.add_argument("--devices", type=int, required=True, help="number of simulated devices")
@@ -122,6 +124,12 @@ def register(sub: argparse._SubParsersAction) -> None:
         "--audit-out", type=Path, metavar="FILE",
         help="write the fingerprints of every input the fleet's devices computed here (JSON), so that the "
         "shards of one fleet can be merged and checked together (bench/fleet.py does)",
+    )
+    f.add_argument(
+        "--processes", type=argtypes.integer(1), metavar="P",
+        help="play this shard's devices in P processes (process p plays sub-shard I*P+p of N*P; each "
+        "serves its own metrics on --metrics-port + p); default: one per core this process may use "
+        f"(affinity and cgroup CPU limit), at most one per {DEVICES_PER_EXTRA_PROCESS} devices",
     )
     f.add_argument("--progress", action=argparse.BooleanOptionalAction, default=True, help="live progress display")
     f.set_defaults(run=run_fleet)
@@ -229,18 +237,59 @@ def run_fleet(args: argparse.Namespace) -> int:
         print(f"--devices must be at least the number of shards ({shards})", file=sys.stderr)
         return 2
     try:
+        # Read before any process starts: a bad file is one message, not one per process.
+        audit_token = _load("--audit-token-file", _read_token, args.audit_token_file) if args.audit_token_file else None
+        if args.enrolment_key:
+            _load("--enrolment-key", read_enrolment_key, args.enrolment_key)
+    except ValueError as exc:
+        print(exc, file=sys.stderr)
+        return 2
+    console = Console(stderr=True)
+    first, end = _block(args.devices, shard, shards)
+    processes = args.processes or default_processes(end - first)
+    if processes > 1:
+        code, stats, audit = run_processes(args, processes, _play, console)
+    else:
+        code, stats, audit = _play(args, None)
+    if stats is None:
+        return code
+    console.print(f"fleet of {stats.devices}: {stats.summary()} in {stats.elapsed_seconds:.1f} s")
+    result = stats.to_dict()
+    if args.audit_out is not None and audit is not None:
+        args.audit_out.parent.mkdir(parents=True, exist_ok=True)
+        args.audit_out.write_text(json.dumps(audit.to_json()))
+    if audit_token is not None and audit is not None:
+        checks = asyncio.run(_audit(args, audit_token, audit))
+        result["audit"] = outcome_counts(checks)
+        console.print("sum audit: " + ", ".join(f"{k} {v}" for k, v in result["audit"].items())
+                      + " cohort sums (foreign: holds devices of another shard)")
+        code = code or (3 if result["audit"][MISMATCH] else 0)
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(result, indent=2))
+        console.print(f"statistics written to {args.json}")
+    return code
+
+
+def _block(devices: int, shard: int, shards: int) -> tuple[int, int]:
+    """Shard I of N plays a contiguous block of the one split of ``devices``, so N processes
+    together are the same fleet as one."""
+    return shard * devices // shards, (shard + 1) * devices // shards
+
+
+def _play(args: argparse.Namespace, on_stats: Callable[[FleetStats], None] | None) -> tuple[int, FleetStats | None, SumAudit | None]:
+    """Run this process's block of the fleet: (exit code, statistics, the fingerprints of the
+    inputs its devices sent when auditing); statistics are None when it could not start."""
+    first, end = _block(args.devices, *args.shard)
+    try:
         enrolment_key = _load("--enrolment-key", read_enrolment_key, args.enrolment_key) if args.enrolment_key else None
-        # Shard I of N plays a contiguous block of the one split of --devices, so N processes
-        # together are the same fleet as one (seeds differ per shard, so dropouts differ per block).
-        first, end = shard * args.devices // shards, (shard + 1) * args.devices // shards
         trainers = (
             [SyntheticUpdates(i, args.seed) for i in device_ids(args.id_prefix, end - first, first)]
             if args.synthetic else _trainers(args, args.devices)[first:end]
         )
-        audit_token = _load("--audit-token-file", _read_token, args.audit_token_file) if args.audit_token_file else None
     except ValueError as exc:
         print(exc, file=sys.stderr)
-        return 2
+        return 2, None, None
     logs.configure(args.log_level)
     phases = tuple(p.strip() for p in args.dropout_phases.split(",") if p.strip())
     plan = DropoutPlan(args.dropout, phases, seed=args.seed) if args.dropout > 0 else None
@@ -256,7 +305,7 @@ def run_fleet(args: argparse.Namespace) -> int:
         state_dir=args.state_dir,
         id_prefix=args.id_prefix,
         first_index=first,
-        audit=args.synthetic or audit_token is not None or args.audit_out is not None,
+        audit=args.synthetic or args.audit_token_file is not None or args.audit_out is not None,
         device_policy=DevicePolicy(allow_plain=args.allow_plain),
         enrolment_key=enrolment_key,
     )
@@ -270,32 +319,15 @@ def run_fleet(args: argparse.Namespace) -> int:
                 lambda stop: fleet.run(
                     stop, until, max_tasks_per_device=args.max_tasks_per_device,
                     progress=args.progress, console=console,
-                    connect_timeout=args.connect_timeout or None,
+                    connect_timeout=args.connect_timeout or None, on_stats=on_stats,
                 )
             )
     except CoordinatorUnreachable as exc:
         console.print(f"tally fleet: {exc}")
-        return 1
+        return 1, None, None
     finally:
         fleet.close()
-    console.print(f"fleet of {stats.devices}: {stats.summary()} in {stats.elapsed_seconds:.1f} s")
-    result, code = stats.to_dict(), 0
-    if args.audit_out is not None:
-        assert fleet.inputs is not None
-        args.audit_out.parent.mkdir(parents=True, exist_ok=True)
-        args.audit_out.write_text(json.dumps(SumAudit.of(fleet.inputs).to_json()))
-    if audit_token is not None:
-        assert fleet.inputs is not None
-        checks = asyncio.run(_audit(args, audit_token, SumAudit.of(fleet.inputs)))
-        result["audit"] = outcome_counts(checks)
-        console.print("sum audit: " + ", ".join(f"{k} {v}" for k, v in result["audit"].items())
-                      + " cohort sums (foreign: holds devices of another shard)")
-        code = 3 if result["audit"][MISMATCH] else 0
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(result, indent=2))
-        console.print(f"statistics written to {args.json}")
-    return code
+    return 0, stats, SumAudit.of(fleet.inputs) if fleet.inputs is not None else None
 
 
 def _read_token(path: Path) -> str:

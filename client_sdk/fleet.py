@@ -92,6 +92,26 @@ class FleetStats:
             jobs_over=any(s.saw_running_job for s in stats) and all(s.population_idle for s in stats),
         )
 
+    @classmethod
+    def combine(cls, parts: Sequence[FleetStats]) -> FleetStats:
+        """The statistics of one fleet whose devices ran in several processes."""
+        total = lambda name: sum(getattr(s, name) for s in parts)  # noqa: E731
+        rounds: dict[str, set[int]] = {}
+        for s in parts:
+            for job, rs in s.rounds.items():
+                rounds.setdefault(job, set()).update(rs)
+        return cls(
+            **{name: total(name) for name in ("devices", "checkins", "tasks_done", "sessions_completed",
+                                             "sessions_aborted", "dropouts", "bytes_up", "bytes_down",
+                                             "retries", "clipped_values")},
+            last_model_version=next((s.last_model_version for s in parts if s.last_model_version), ""),
+            rounds={job: sorted(r) for job, r in rounds.items()},
+            elapsed_seconds=max((s.elapsed_seconds for s in parts), default=0.0),
+            jobs=list(dict.fromkeys(job for s in parts for job in s.jobs)),
+            last_error=next((s.last_error for s in parts if s.last_error), ""),
+            jobs_over=all(s.jobs_over for s in parts),
+        )
+
     @property
     def max_rounds(self) -> int:
         """Rounds contributed to in the job the fleet worked on most."""
@@ -212,10 +232,12 @@ class Fleet:
         console: Console | None = None,
         poll_seconds: float = 0.5,
         connect_timeout: float | None = None,
+        on_stats: Callable[[FleetStats], None] | None = None,
     ) -> FleetStats:
         """Run every device until ``stop`` is set, ``until`` holds (an int: that many rounds
         contributed to; a predicate on the stats, possibly async) or each device has done
-        ``max_tasks_per_device`` tasks. ``progress`` shows a live display. With
+        ``max_tasks_per_device`` tasks. ``progress`` shows a live display; ``on_stats`` gets
+        the same snapshots (a fleet of several processes reports them to its parent). With
         ``connect_timeout``, raise ``CoordinatorUnreachable`` when no device has completed a
         check-in by then, rather than retry in silence forever."""
         predicate = _rounds_reached(until) if isinstance(until, int) else until
@@ -226,11 +248,13 @@ class Fleet:
         everyone = asyncio.gather(*runners)
         total = max_tasks_per_device * len(self.devices) if max_tasks_per_device else None
         try:
-            with _display(progress, console, total) as show:
+            with progress_display(progress, console, total) as show:
                 while not everyone.done():
                     await self._wake(everyone, stop, poll_seconds)
                     stats = self.stats(time.perf_counter() - start)
                     show(stats)
+                    if on_stats is not None:
+                        on_stats(stats)
                     if stats.checkins == 0 and connect_timeout is not None and stats.elapsed_seconds > connect_timeout:
                         raise CoordinatorUnreachable(
                             f"no device reached the coordinator at {self.coordinator} within "
@@ -323,7 +347,7 @@ async def _holds(predicate: Callable[[FleetStats], bool | Awaitable[bool]], stat
 
 
 @contextlib.contextmanager
-def _display(enabled: bool, console: Console | None, total: int | None):
+def progress_display(enabled: bool, console: Console | None, total: int | None):
     """A live progress line (tasks, sessions, dropouts, bytes), or nothing."""
     if not enabled:
         yield lambda stats: None

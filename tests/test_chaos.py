@@ -8,6 +8,8 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 from tally.chaos.campaign import FAULTS, Campaign, CampaignConfig
 from tally.chaos.cluster import LocalCluster
 
@@ -26,7 +28,11 @@ def test_a_short_campaign_meets_every_invariant_under_every_fault(tmp_path):
     assert set(report["cpu_seconds"]) == {"coordinator", "aggregator-1", "aggregator-2"}
 
 
-def test_the_synthetic_fleet_command_checks_every_sum_it_was_in(tmp_path):
+@pytest.mark.parametrize("processes", [1, 3])
+def test_the_synthetic_fleet_command_checks_every_sum_it_was_in(tmp_path, processes):
+    """With --processes 3 the devices run in three processes (each serves its own metrics) and
+    the parent merges their fingerprints: every cohort sum is exact, none holds a foreign device."""
+
     async def main():
         cluster = LocalCluster(tmp_path / "cluster")
         try:
@@ -39,7 +45,7 @@ def test_the_synthetic_fleet_command_checks_every_sum_it_was_in(tmp_path):
                     "--tls-dir", str(cluster.certs / "device"), "--devices", "20", "--synthetic", "--no-progress",
                     "--enrolment-key", str(cluster.certs / "coordinator" / "enrolment.key"),
                     "--audit-token-file", str(cluster.state / "admin.token"), "--until-job-done", job_id,
-                    "--json", str(tmp_path / "fleet.json")]
+                    "--json", str(tmp_path / "fleet.json"), "--processes", str(processes), "--metrics-port", "0"]
             done = await asyncio.to_thread(subprocess.run, argv, capture_output=True, text=True, timeout=300)
             return done, (await cluster.job(job_id)).committed_round
         finally:
@@ -51,3 +57,5 @@ def test_the_synthetic_fleet_command_checks_every_sum_it_was_in(tmp_path):
     assert committed == 2 and report["audit"]["mismatch"] == 0 and report["audit"]["foreign"] == 0
     assert report["audit"]["exact"] >= 2  # both rounds, every cohort
     assert "sum audit: exact" in done.stderr
+    assert report["devices"] == 20 and "fleet of 20:" in done.stderr
+    assert done.stderr.count("metrics on http://") == processes

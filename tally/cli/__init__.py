@@ -21,7 +21,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "certs": ("tally.security.certs_cli", "create a CA and per-role TLS certificates and keys for a deployment"),
     "aggregator": ("aggregator.cli", "run a secure aggregator: secure-sum sessions for cohorts, cohort sums only"),
     "client": ("client_sdk.cli", "run one device on a shard of a dataset against a coordinator"),
-    "fleet": ("client_sdk.cli", "run N simulated devices in one process (load tests, demos)"),
+    "fleet": ("client_sdk.cli", "run N simulated devices (load tests, demos)"),
     "coordinator": ("coordinator.cli", "run the coordinator service"),
     "job": ("coordinator.job_cli", "write, check, submit, inspect, cancel and watch jobs; fetch trained models"),
     "enrol": ("coordinator.enrol_cli",
