@@ -163,7 +163,7 @@ async def _pacing_run(args: argparse.Namespace, workdir: Path) -> dict:
         fleet = await asyncio.create_subprocess_exec(
             sys.executable, "-m", "tally.cli", "fleet", "--coordinator", cluster.target,
             "--tls-dir", str(cluster.certs / "device"), "--devices", str(args.devices), "--synthetic",
-            "--no-progress", "--stay", "--population", "idle",
+            "--no-progress", "--stay", "--population", "idle", "--processes", "1",
             "--enrolment-key", str(cluster.certs / "coordinator" / "enrolment.key"),
             stdout=asyncio.subprocess.DEVNULL, stderr=(workdir / "fleet.log").open("wb"))
         samples, start = [], time.monotonic()

@@ -88,7 +88,8 @@ async def _run(args: argparse.Namespace, workdir: Path) -> dict:
                     "--tls-dir", str(cluster.certs / "device"), "--devices", str(args.devices),
                     "--shard", f"{i}/{args.shards}", "--synthetic", "--no-progress", "--dropout", str(args.dropout),
                     "--enrolment-key", str(cluster.certs / "coordinator" / "enrolment.key"),
-                    "--json", str(workdir / f"shard-{i}.json"), "--connect-timeout", "120"]
+                    "--json", str(workdir / f"shard-{i}.json"), "--connect-timeout", "120",
+                    "--processes", "1"]  # a shard is the process this bench measures
             if args.plain:
                 argv.append("--allow-plain")
             argv += ["--stay"] if args.idle else ["--audit-out", str(workdir / f"audit-{i}.json"),
