@@ -8,9 +8,7 @@ message ends only this device's stream, with the refusal's status; the session g
 device, which is then a dropout like any other.
 
 The service is registered by ``add_to_server`` rather than the generated helper so that the byte
-counters see each message's size as it crossed the wire: upb's ``ByteSize`` encodes the whole
-message again, which for a cohort's masked inputs cost the aggregator more CPU than the secure sum
-itself (profiled in the issue 8 load test).
+counters see each message's size as it crossed the wire (``tally.wire.sized``).
 """
 
 from __future__ import annotations
@@ -25,6 +23,7 @@ from tally import logs
 from tally.security import TicketVerifier
 from tally.wire.chunks import MaskedInputAssembler
 from tally.wire.convert import open_envelope
+from tally.wire.sized import already_serialized, sized
 from tally.wire.v1 import secagg_pb2, secagg_pb2_grpc
 
 from aggregator.errors import REFUSALS, Rejected, abort
@@ -39,19 +38,12 @@ SERVICE = secagg_pb2.DESCRIPTOR.services_by_name["SecureAggregation"].full_name
 SizedEnvelope = tuple[int, secagg_pb2.DeviceToAggregator]
 
 
-def _sized(raw: bytes) -> SizedEnvelope:
-    return len(raw), secagg_pb2.DeviceToAggregator.FromString(raw)
-
-
-def _already_serialized(data: bytes) -> bytes:
-    return data
-
-
 def add_to_server(streams: DeviceStreams, server: grpc.aio.Server) -> None:
     """Like the generated ``add_SecureAggregationServicer_to_server``, with requests delivered as
     (wire size, message) and responses written as the bytes ``_send`` serialised and counted."""
     handlers = {"Session": grpc.stream_stream_rpc_method_handler(
-        streams.Session, request_deserializer=_sized, response_serializer=_already_serialized)}
+        streams.Session, request_deserializer=sized(secagg_pb2.DeviceToAggregator),
+        response_serializer=already_serialized)}
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, handlers),))
     server.add_registered_method_handlers(SERVICE, handlers)
 

@@ -39,11 +39,13 @@ from tally.secagg.messages import (
 )
 from tally.wire.chunks import split_masked_input
 from tally.wire.convert import WireError, device_envelope, from_proto, open_envelope
-from tally.wire.v1 import coordinator_pb2, secagg_pb2, secagg_pb2_grpc
+from tally.wire.sized import already_serialized, sized
+from tally.wire.v1 import coordinator_pb2, secagg_pb2
 
 log = logging.getLogger("tally.client_sdk.session")
 
 COMPLETED, ABORTED, DROPPED = "completed", "aborted", "dropped"
+SESSION_METHOD = f"/{secagg_pb2.DESCRIPTOR.services_by_name['SecureAggregation'].full_name}/Session"
 # Slack on top of the sum of phase deadlines before the device gives up on a silent aggregator.
 STREAM_SLACK_SECONDS = 30.0
 # How long the device waits for the aggregator to end the call after SessionDone.
@@ -149,7 +151,10 @@ class SecAggSession:
         self.ring_input = ring_input
         self.metrics = metrics
         self.drop_phase = drop_phase
-        self._stub = secagg_pb2_grpc.SecureAggregationStub(channel)
+        # The generated stub's method, with (de)serialisers that count bytes on the wire.
+        self._open = channel.stream_stream(
+            SESSION_METHOD, request_serializer=already_serialized,
+            response_deserializer=sized(secagg_pb2.AggregatorToDevice), _registered_method=True)
         self._call: grpc.aio.StreamStreamCall | None = None
         self._up = 0
         self._down = 0
@@ -185,7 +190,7 @@ class SecAggSession:
 
     async def _run(self) -> SessionOutcome:
         task = self.task
-        self._call = self._stub.Session(timeout=stream_timeout(task.deadlines, len(self.config.sums)))
+        self._call = self._open(timeout=stream_timeout(task.deadlines, len(self.config.sums)))
         await self._send(
             secagg_pb2.Join(
                 session_ticket=task.session_ticket,
@@ -267,8 +272,9 @@ class SecAggSession:
         if isinstance(message, MaskedInputResponse):
             self._sent_input = True  # before the write: once it may have left, it counts as sent
         for envelope in split_masked_input(device_envelope(message)):
-            self._up += envelope.ByteSize()
-            await self._call.write(envelope)
+            data = envelope.SerializeToString()
+            self._up += len(data)
+            await self._call.write(data)
 
     async def _send_all(self, messages: list[ClientMessage]) -> None:
         for message in messages:
@@ -282,10 +288,11 @@ class SecAggSession:
 
     async def _read(self):
         """The next message (protocol value, Joined or SessionDone); None at end of stream."""
-        envelope = await self._call.read()
-        if envelope is grpc.aio.EOF:
+        sized_envelope = await self._call.read()
+        if sized_envelope is grpc.aio.EOF:
             return None
-        self._down += envelope.ByteSize()
+        size, envelope = sized_envelope
+        self._down += size
         return open_envelope(envelope)
 
     async def _finish(self) -> None:
