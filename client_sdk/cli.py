@@ -15,6 +15,7 @@ from typing import TypeVar
 
 from rich.console import Console
 
+from client_sdk.behaviour import BehaviourProfile
 from client_sdk.device import Device
 from client_sdk.dropout import DEFAULT_PHASES, DropoutPlan
 from client_sdk.enrolment import load_or_create_identity
@@ -124,6 +125,13 @@ def register(sub: argparse._SubParsersAction) -> None:
         "--audit-out", type=Path, metavar="FILE",
         help="write the fingerprints of every input the fleet's devices computed here (JSON), so that the "
         "shards of one fleet can be merged and checked together (bench/fleet.py does)",
+    )
+    f.add_argument(
+        "--profile", type=Path, metavar="YAML",
+        help="how the devices behave: availability (or a diurnal curve), check-in period and jitter, "
+        "compute speed, uplink/downlink bandwidth and latency, dropouts per phase, churn, misbehaviour "
+        "(late, duplicated, replayed messages); each device draws its own from (--seed, its id). "
+        "See client_sdk/behaviour.py and examples/fleet-profile.yaml",
     )
     f.add_argument(
         "--processes", type=argtypes.integer(1), metavar="P",
@@ -241,6 +249,8 @@ def run_fleet(args: argparse.Namespace) -> int:
         audit_token = _load("--audit-token-file", _read_token, args.audit_token_file) if args.audit_token_file else None
         if args.enrolment_key:
             _load("--enrolment-key", read_enrolment_key, args.enrolment_key)
+        if args.profile:
+            _load("--profile", BehaviourProfile.load, args.profile)
     except ValueError as exc:
         print(exc, file=sys.stderr)
         return 2
@@ -283,6 +293,7 @@ def _play(args: argparse.Namespace, on_stats: Callable[[FleetStats], None] | Non
     first, end = _block(args.devices, *args.shard)
     try:
         enrolment_key = _load("--enrolment-key", read_enrolment_key, args.enrolment_key) if args.enrolment_key else None
+        profile = _load("--profile", BehaviourProfile.load, args.profile) if args.profile else None
         trainers = (
             [SyntheticUpdates(i, args.seed) for i in device_ids(args.id_prefix, end - first, first)]
             if args.synthetic else _trainers(args, args.devices)[first:end]
@@ -308,6 +319,7 @@ def _play(args: argparse.Namespace, on_stats: Callable[[FleetStats], None] | Non
         audit=args.synthetic or args.audit_token_file is not None or args.audit_out is not None,
         device_policy=DevicePolicy(allow_plain=args.allow_plain),
         enrolment_key=enrolment_key,
+        profile=profile,
     )
     if args.until_job_done:
         until = fleet.until_job_done(args.until_job_done)

@@ -19,11 +19,11 @@ import contextlib
 import logging
 import random
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from concurrent.futures import Executor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import grpc
 import numpy as np
@@ -39,16 +39,20 @@ from client_sdk.metrics import ClientMetrics
 from client_sdk.onnx_model import OnnxModel
 from client_sdk.reports import InputLedger, Outcome, TaskReports
 from client_sdk.retry import RETRYABLE, RetryPolicy, Stopped, pause
-from client_sdk.session import ABORTED, COMPLETED, DROPPED, SecAggSession
+from client_sdk.session import ABORTED, COMPLETED, DROPPED, SecAggSession, SessionEvents
 from client_sdk.trust import check_assignment
 from tally import logs, modelio
 from tally.adaptation_options import JobAdaptation
 from tally.algorithms.base import Arrays, LocalTrainer
 from tally.secagg import DevicePolicy, SigningKey
+from tally.secagg.messages import ClientMessage
 from tally.security import TLSConfig, bearer_metadata
 from tally.version import VERSION as SDK_VERSION
 from tally.wire.convert import WireError, tensors_to_proto
 from tally.wire.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc
+
+if TYPE_CHECKING:  # the profile parser (pydantic, yaml) is for fleets, not every device
+    from client_sdk.behaviour import DeviceTraits
 
 log = logging.getLogger("tally.client_sdk.device")
 
@@ -88,6 +92,8 @@ class DeviceStats:
     # runs now (the last check-in's answer).
     saw_running_job: bool = False
     population_idle: bool = False
+    # Left the population for good (a churn profile's lifetime ended).
+    left: bool = False
 
 
 class Device:
@@ -118,7 +124,10 @@ class Device:
         enrolment_credential: bytes = b"",
         coordinator_key: bytes | None = None,
         audit: list[InputFingerprint] | None = None,
+        traits: DeviceTraits | None = None,
     ) -> None:
+        """``traits``: a simulated device's behaviour (availability, check-in period, compute
+        and network speed, lifetime, per-session dropouts and misbehaviour)."""
         self.coordinator = coordinator
         self.device_id = device_id
         self.trainer = trainer
@@ -160,6 +169,9 @@ class Device:
         self.coordinator_key = coordinator_key
         # Fingerprints of the inputs this device computed, for checking committed sums.
         self.audit = audit
+        self.traits = traits
+        # The opening message of this device's last session: a replaying device sends it again.
+        self._last_opening: ClientMessage | None = None
 
     # ---- public API ----------------------------------------------------------------------------
 
@@ -172,10 +184,19 @@ class Device:
         cannot fix (PERMISSION_DENIED, INVALID_ARGUMENT, ...) raises ``grpc.aio.AioRpcError``."""
         self._stop = stop
         self._running = True
+        started = time.monotonic()
         try:
             while max_tasks is None or self.stats.tasks_done < max_tasks:
                 if stop is not None and stop.is_set():
                     break
+                if self.traits is not None:
+                    if time.monotonic() - started >= self.traits.lifetime_s:
+                        self.stats.left = True  # churn: gone for good
+                        break
+                    try:
+                        await pause(self.traits.offline_for(time.monotonic() - started), stop)
+                    except Stopped:
+                        break
                 try:
                     await self._check_in_once()
                 except Stopped:
@@ -311,16 +332,20 @@ class Device:
             self.audit,
         )
         contribution.start()
-        drop_phase = next(self._dropouts) if self._dropouts is not None else None
+        events = self.traits.session_events() if self.traits is not None else SessionEvents()
+        drop_phase = next(self._dropouts) if self._dropouts is not None else events.drop_phase
         session = SecAggSession(
             self._channels.get(task.aggregator_address), task, plan.config,
-            contribution.ring_input, self.metrics, drop_phase,
-            identity=self.identity, policy=self.policy,
+            self._computed(contribution), self.metrics, drop_phase,
+            identity=self.identity, policy=self.policy, traits=self.traits, events=events,
+            replay=self._last_opening,
         )
         try:
             outcome = await session.run()
         finally:
             contribution.close()
+        if self.traits is not None:
+            self._last_opening = session.opening
         stats = self.stats
         stats.tasks_done += 1
         stats.bytes_up += outcome.bytes_up
@@ -341,6 +366,18 @@ class Device:
             self._inputs.sent(task.job_id, task.round)
         self._reports.add(task, _REPORTED[outcome.status], outcome.label, outcome.reason,
                           sent_input=outcome.sent_input)
+
+    def _computed(self, contribution: Contribution) -> Callable[[str], Awaitable[np.ndarray]]:
+        """The contribution's input, ready only after the device's simulated compute time."""
+        if self.traits is None or not self.traits.compute_seconds:
+            return contribution.ring_input
+
+        async def ring_input(sum_id: str) -> np.ndarray:
+            vector = await contribution.ring_input(sum_id)
+            await pause(self.traits.compute_seconds, self._stop)
+            return vector
+
+        return ring_input
 
     def _expect_adaptation(self, task: coordinator_pb2.TaskAssignment) -> None:
         """Note the job's adaptation option; one that does not parse costs the adaptation, never
@@ -454,6 +491,8 @@ class Device:
     async def _pace(self, retry_after: coordinator_pb2.RetryAfter) -> None:
         """Wait as the coordinator asked, plus a little jitter so a fleet spreads out."""
         seconds = max(retry_after.seconds, MIN_RETRY_AFTER_SECONDS)
+        if self.traits is not None:
+            return await pause(self.traits.checkin_wait(seconds), self._stop)
         await pause(seconds * (1 + RETRY_AFTER_JITTER * self._jitter.random()), self._stop)
 
     def _count_retry(self, method: str, code: grpc.StatusCode) -> None:

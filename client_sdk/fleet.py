@@ -22,6 +22,7 @@ import numpy as np
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
+from client_sdk.behaviour import BehaviourProfile
 from client_sdk.channels import Channels, reconnect_options
 from client_sdk.contribution import InputFingerprint
 from client_sdk.device import Device, DeviceStats
@@ -65,6 +66,9 @@ class FleetStats:
     # Some device saw a job of the population running, and every device's last check-in said
     # none runs now.
     jobs_over: bool
+    # Devices that left the population for good (churn); ``devices`` counts them and their
+    # replacements.
+    left: int = 0
 
     @classmethod
     def collect(cls, stats: Sequence[DeviceStats], last_model_version: str, elapsed: float) -> FleetStats:
@@ -89,7 +93,8 @@ class FleetStats:
             elapsed_seconds=elapsed,
             jobs=list(dict.fromkeys(job for s in stats for job in s.jobs)),
             last_error=next((s.last_error for s in stats if s.last_error), ""),
-            jobs_over=any(s.saw_running_job for s in stats) and all(s.population_idle for s in stats),
+            jobs_over=any(s.saw_running_job for s in stats) and all(s.population_idle for s in stats if not s.left),
+            left=sum(s.left for s in stats),
         )
 
     @classmethod
@@ -103,7 +108,7 @@ class FleetStats:
         return cls(
             **{name: total(name) for name in ("devices", "checkins", "tasks_done", "sessions_completed",
                                              "sessions_aborted", "dropouts", "bytes_up", "bytes_down",
-                                             "retries", "clipped_values")},
+                                             "retries", "clipped_values", "left")},
             last_model_version=next((s.last_model_version for s in parts if s.last_model_version), ""),
             rounds={job: sorted(r) for job, r in rounds.items()},
             elapsed_seconds=max((s.elapsed_seconds for s in parts), default=0.0),
@@ -172,13 +177,15 @@ class Fleet:
         state_dir: Path | None = None,
         audit: bool = False,
         first_index: int = 0,
+        profile: BehaviourProfile | None = None,
     ) -> None:
         """``state_dir``: each device keeps its per-job local state (LG-FedAvg's local layers,
         SuPerFed's personal model) in ``state_dir/<device id>``, across restarts. ``audit``:
         devices record the fingerprint of every input (``self.inputs``) so that ``sum_audit``
         can check the committed sums against them. ``first_index``: this process plays devices
         ``first_index`` onwards of a fleet spread over several (ids and seeds follow the index,
-        so N shards are the same fleet as one process)."""
+        so N shards are the same fleet as one process). ``profile``: how the devices behave
+        (``client_sdk.behaviour``); a device that leaves by churn is replaced by a new one."""
         if not trainers:
             raise ValueError("a fleet needs at least one device")
         policy = retry or RetryPolicy()
@@ -192,35 +199,44 @@ class Fleet:
         self.coordinator = coordinator
         # The fleet stands in for the operator's provisioning: with the coordinator's enrolment
         # key it hands each simulated device its credential.
-        enrolment = SharedKeyEnrolment(enrolment_key) if enrolment_key is not None else None
-        ids = device_ids(id_prefix, len(trainers), first_index)
+        self.profile = profile
+        self._seed = seed
+        self._trainers = list(trainers)
+        self._ids = device_ids(id_prefix, len(trainers), first_index)
+        self._first_index = first_index
         self.inputs: list[InputFingerprint] | None = [] if audit else None
-        self.devices = [
-            Device(
-                coordinator,
-                tls,
-                ids[i],
-                trainer,
-                population=population,
-                cache_dir=cache_dir,
-                rng_seed=int(np.random.SeedSequence([seed, first_index + i]).generate_state(1)[0]),
-                dropout=dropout,
-                retry=policy,
-                channels=self.channels,
-                metrics=self.metrics,
-                executor=self.executor,
-                on_update=self._updated,
-                policy=device_policy,
-                identity=simulated_identity(enrolment_key, ids[i]) if enrolment else None,
-                enrolment_credential=enrolment.credential(population, ids[i]) if enrolment else b"",
-                state_dir=state_dir / ids[i] if state_dir is not None else None,
-                audit=self.inputs,
-            )
-            for i, trainer in enumerate(trainers)
-        ]
+        self._device_options = dict(
+            population=population, cache_dir=cache_dir, dropout=dropout, retry=policy, channels=self.channels,
+            metrics=self.metrics, executor=self.executor, on_update=self._updated, policy=device_policy,
+            audit=self.inputs)
+        self._enrolment_key = enrolment_key
+        self._state_dir = state_dir
+        self.devices = [self._device(i, 0) for i in range(len(trainers))]
+        # Devices that left the population for good (churn); each slot's replacement is in ``devices``.
+        self.departed: list[Device] = []
+
+    def _device(self, i: int, generation: int) -> Device:
+        """Slot i's device; a churned slot's replacement (generation > 0) is a new device: its
+        own id, identity and registration, the same data."""
+        device_id = self._ids[i] if generation == 0 else f"{self._ids[i]}-g{generation}"
+        enrolment = SharedKeyEnrolment(self._enrolment_key) if self._enrolment_key is not None else None
+        options = self._device_options
+        return Device(
+            self.coordinator,
+            self.channels.tls,
+            device_id,
+            self._trainers[i],
+            rng_seed=int(np.random.SeedSequence(
+                [self._seed, self._first_index + i, *([generation] if generation else [])]).generate_state(1)[0]),
+            identity=simulated_identity(self._enrolment_key, device_id) if enrolment else None,
+            enrolment_credential=enrolment.credential(options["population"], device_id) if enrolment else b"",
+            state_dir=self._state_dir / device_id if self._state_dir is not None else None,
+            traits=self.profile.traits(self._seed, device_id) if self.profile is not None else None,
+            **options,
+        )
 
     def stats(self, elapsed: float = 0.0) -> FleetStats:
-        return FleetStats.collect([d.stats for d in self.devices], self._last_version, elapsed)
+        return FleetStats.collect([d.stats for d in (*self.devices, *self.departed)], self._last_version, elapsed)
 
     async def run(
         self,
@@ -244,7 +260,7 @@ class Fleet:
         self._changed = asyncio.Event()
         halt = asyncio.Event()
         start = time.perf_counter()
-        runners = [asyncio.ensure_future(d.run(halt, max_tasks_per_device)) for d in self.devices]
+        runners = [asyncio.ensure_future(self._slot(i, halt, max_tasks_per_device)) for i in range(len(self.devices))]
         everyone = asyncio.gather(*runners)
         total = max_tasks_per_device * len(self.devices) if max_tasks_per_device else None
         try:
@@ -272,6 +288,14 @@ class Fleet:
             await asyncio.gather(*runners, return_exceptions=True)
             await self.channels.close()
         return self.stats(time.perf_counter() - start)
+
+    async def _slot(self, i: int, halt: asyncio.Event, max_tasks: int | None) -> None:
+        """Run slot i's device; each time one leaves by churn, a new one takes its place."""
+        generation = 0
+        while (await self.devices[i].run(halt, max_tasks)).left and not halt.is_set():
+            generation += 1
+            self.departed.append(self.devices[i])
+            self.devices[i] = self._device(i, generation)
 
     def until_job_done(self, job_id: str, every_seconds: float = 1.0) -> Callable[[FleetStats], Awaitable[bool]]:
         """A predicate for ``run``: the coordinator reports ``job_id`` finished (asked at most

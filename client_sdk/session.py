@@ -16,6 +16,7 @@ import logging
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+from typing import Protocol
 
 import grpc
 import numpy as np
@@ -70,6 +71,26 @@ class SessionOutcome:
     sent_input: bool = False
     # Why it did not complete, as a ``client_sdk.reports.REASONS`` label.
     label: str = ""
+
+
+@dataclass(frozen=True)
+class SessionEvents:
+    """What a simulated device does in one session besides the protocol (``client_sdk.behaviour``):
+    leave in a phase, send its masked input after the phase's deadline, send a message twice,
+    or open with a message of its previous session."""
+
+    drop_phase: str | None = None
+    late: bool = False
+    duplicate: bool = False
+    replay: bool = False
+
+
+class Shaping(Protocol):
+    """Device-side network delays (``client_sdk.behaviour.DeviceTraits``)."""
+
+    def send_delay(self, size: int) -> float: ...
+
+    def receive_delay(self, size: int) -> float: ...
 
 
 class SessionMismatch(Exception):
@@ -143,7 +164,13 @@ class SecAggSession:
         *,
         identity: SigningKey,
         policy: DevicePolicy,
+        traits: Shaping | None = None,
+        events: SessionEvents | None = None,
+        replay: ClientMessage | None = None,
     ) -> None:
+        """``traits`` delays each message as the device's network would; ``events`` and
+        ``replay`` (the opening message of its previous session) make a simulated device
+        misbehave."""
         self.task = task
         self.config = config
         self.identity = identity
@@ -163,6 +190,11 @@ class SecAggSession:
         # device's answer is not sent yet (tally_client_phase_duration_seconds).
         self._phase = "join"
         self._asked_at: float | None = None
+        self._traits = traits
+        self._events = events or SessionEvents()
+        self._replay = replay
+        # The first protocol message this device sent (its next session may replay it).
+        self.opening: ClientMessage | None = None
 
     async def run(self) -> SessionOutcome:
         start = time.perf_counter()
@@ -209,6 +241,8 @@ class SecAggSession:
         self._asked("advertise_keys")  # Joined is the aggregator's request for the device's keys
         if self.drop_phase == "advertise_keys":
             return self._drop()
+        if self._events.replay and self._replay is not None:
+            await self._send(self._replay)  # a message of another session: must be refused
         await self._send_all(client.start())
         return await self._pump(client)
 
@@ -232,6 +266,8 @@ class SecAggSession:
                         return self._outcome(ABORTED, f"no input for sum {sum_id!r}: {type(exc).__name__}: {exc}",
                                              label=input_failure_label(exc))
                     computing = None
+                    if self._events.late:  # hold the input until its phase is over
+                        await asyncio.sleep(self.task.deadlines.masked_input_seconds + 1.0)
                     await self._send_all(await asyncio.to_thread(client.provide_input, sum_id, vector))
                 if reading not in done:
                     continue
@@ -271,9 +307,15 @@ class SecAggSession:
     async def _send(self, message: ClientMessage | secagg_pb2.Join) -> None:
         if isinstance(message, MaskedInputResponse):
             self._sent_input = True  # before the write: once it may have left, it counts as sent
-        for envelope in split_masked_input(device_envelope(message)):
+        opening = self.opening is None and not isinstance(message, secagg_pb2.Join) and message is not self._replay
+        if opening:
+            self.opening = message
+        copies = 2 if self._events.duplicate and opening else 1
+        for envelope in split_masked_input(device_envelope(message)) * copies:
             data = envelope.SerializeToString()
             self._up += len(data)
+            if self._traits is not None:
+                await asyncio.sleep(self._traits.send_delay(len(data)))
             await self._call.write(data)
 
     async def _send_all(self, messages: list[ClientMessage]) -> None:
@@ -293,6 +335,8 @@ class SecAggSession:
             return None
         size, envelope = sized_envelope
         self._down += size
+        if self._traits is not None:
+            await asyncio.sleep(self._traits.receive_delay(size))
         return open_envelope(envelope)
 
     async def _finish(self) -> None:

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from dataclasses import dataclass
+from typing import Any
 
 import grpc
 import numpy as np
@@ -15,6 +17,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from client_sdk import DropoutPlan
+from client_sdk.behaviour import BehaviourProfile
 from client_sdk.fleet import device_ids
 from client_sdk.sum_audit import EXACT, FOREIGN, MISMATCH, SumAudit, check_committed, outcome_counts
 from client_sdk.synthetic import SyntheticUpdates
@@ -69,14 +72,26 @@ def test_a_synthetic_fleet_imports_no_torch():
     subprocess.run([sys.executable, "-c", code], check=True)
 
 
-def _run_synthetic_job(tmp_path, n: int, rounds: int, cohort: int, dropout: float = 0.2):
+@dataclass
+class SyntheticRun:
+    job: Any
+    stats: Any
+    checks: list
+    inputs: list
+    # Device messages the aggregators refused, by reason (all aggregators together).
+    refused: dict[str, float]
+
+
+def _run_synthetic_job(tmp_path, n: int, rounds: int, cohort: int, dropout: float = 0.2,
+                       profile: BehaviourProfile | None = None) -> SyntheticRun:
     ids = device_ids("syn", n)
     devices = [SyntheticUpdates(i, seed=7) for i in ids]
 
     async def main():
         async with stack(tmp_path) as s:
             job_id = await s.submit(spec("synthetic", rounds, cohort=cohort, over_selection=1.2))
-            fleet = s.fleet(devices, id_prefix="syn", dropout=DropoutPlan(dropout, seed=4), seed=3, audit=True)
+            fleet = s.fleet(devices, id_prefix="syn", dropout=DropoutPlan(dropout, seed=4) if dropout else None,
+                            seed=3, audit=True, profile=profile)
             try:
                 stats = await fleet.run(until=fleet.until_job_done(job_id, every_seconds=0.2))
             finally:
@@ -84,14 +99,22 @@ def _run_synthetic_job(tmp_path, n: int, rounds: int, cohort: int, dropout: floa
             _, md = s.admin()
             async with grpc.aio.insecure_channel(s.target) as channel:
                 checks = await check_committed(admin_pb2_grpc.AdminStub(channel), md, SumAudit.of(fleet.inputs))
-            return await s.job(job_id), stats, checks, fleet.inputs
+            refused: dict[str, float] = {}
+            for aggregator in s.aggregators:
+                for family in aggregator.metrics.rejected.collect():
+                    for sample in family.samples:
+                        if sample.name.endswith("_total"):
+                            reason = sample.labels["reason"]
+                            refused[reason] = refused.get(reason, 0.0) + sample.value
+            return SyntheticRun(await s.job(job_id), stats, checks, fleet.inputs, refused)
 
     return run(main())
 
 
 def test_every_committed_sum_of_a_synthetic_fleet_is_exact(tmp_path):
     rounds = 3
-    job, stats, checks, inputs = _run_synthetic_job(tmp_path, n=40, rounds=rounds, cohort=16)
+    result = _run_synthetic_job(tmp_path, n=40, rounds=rounds, cohort=16)
+    job, stats, checks, inputs = result.job, result.stats, result.checks, result.inputs
     assert job.committed_round == rounds, job.message
     counts = outcome_counts(checks)
     # Every round's sum comes from one or two aggregators' cohorts (two unless one was unhealthy
@@ -120,7 +143,8 @@ def test_a_total_corrupted_on_an_aggregator_is_caught(tmp_path, monkeypatch):
         original(self, sum_id, total, contributors, dropped)
 
     monkeypatch.setattr(SumResult, "__init__", corrupt)
-    job, _, checks, _ = _run_synthetic_job(tmp_path, n=20, rounds=1, cohort=10, dropout=0.0)
+    result = _run_synthetic_job(tmp_path, n=20, rounds=1, cohort=10, dropout=0.0)
+    job, checks = result.job, result.checks
     assert corrupted and job.committed_round == 1
     counts = outcome_counts(checks)
     assert checks and counts[MISMATCH] == len(checks) and counts[EXACT] == 0
