@@ -35,7 +35,7 @@ log = logging.getLogger("tally.aggregator.stream")
 
 
 SERVICE = secagg_pb2.DESCRIPTOR.services_by_name["SecureAggregation"].full_name
-SizedEnvelope = tuple[int, secagg_pb2.DeviceToAggregator]
+SizedEnvelope = tuple[int, secagg_pb2.DeviceToAggregator | None]
 
 
 def add_to_server(streams: DeviceStreams, server: grpc.aio.Server) -> None:
@@ -90,6 +90,9 @@ class DeviceStreams(secagg_pb2_grpc.SecureAggregationServicer):
             return None
         size, envelope = sized
         self._metrics.received_bytes.inc(size)
+        if envelope is None:
+            raise Rejected("INVALID_ARGUMENT", f"a {size}-byte message that is not a DeviceToAggregator",
+                           "malformed")
         return envelope
 
     async def _join(

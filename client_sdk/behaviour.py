@@ -12,7 +12,7 @@ machines are one population and a run can be replayed::
     network: {uplink_mbps: 20, downlink_mbps: 50, bandwidth_sigma: 0.7, latency_ms: [20, 200]}
     dropout: {advertise_keys: 0.02, share_keys: 0.02, masked_input: 0.05, unmask: 0.01}
     churn: {leave_per_hour: 0.5}
-    misbehaviour: {late: 0.01, duplicate: 0.01, replay: 0.01}
+    misbehaviour: {late: 0.01, duplicate: 0.01, replay: 0.01, corrupt: 0.01, stall: 0.01}
 
 Bandwidth and latency are applied on the device side (a delay before each message it sends and
 after each it receives), so a fleet on one machine sees the session timings of a slow network
@@ -109,12 +109,16 @@ class Churn(_Section):
 
 class Misbehaviour(_Section):
     """Per session, the probability that the device sends its masked input after the phase's
-    deadline (``late``), sends one message twice (``duplicate``), or sends a message of an
-    earlier session again (``replay``). The aggregator must refuse each, and the round go on."""
+    deadline (``late``), sends one message twice (``duplicate``), sends a message of an earlier
+    session again (``replay``), sends bytes that are no message (``corrupt``), or stops reading
+    and writing without closing its stream (``stall``). The aggregator must refuse or outwait
+    each, and the round go on."""
 
     late: Probability = 0.0
     duplicate: Probability = 0.0
     replay: Probability = 0.0
+    corrupt: Probability = 0.0
+    stall: Probability = 0.0
 
 
 class BehaviourProfile(_Section):
@@ -206,8 +210,8 @@ class DeviceTraits:
             if self._events.random() < self.profile.dropout.get(phase, 0.0) and drop is None:
                 drop = phase
         bad = self.profile.misbehaviour
-        late, duplicate, replay = (bool(self._events.random() < p) for p in (bad.late, bad.duplicate, bad.replay))
-        return SessionEvents(drop, late, duplicate, replay)
+        return SessionEvents(drop, *(bool(self._events.random() < p)
+                                     for p in (bad.late, bad.duplicate, bad.replay, bad.corrupt, bad.stall)))
 
 
 def _bandwidth(rng: np.random.Generator, median_mbps: float | None, sigma: float) -> float | None:

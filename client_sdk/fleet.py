@@ -215,6 +215,13 @@ class Fleet:
         # Devices that left the population for good (churn); each slot's replacement is in ``devices``.
         self.departed: list[Device] = []
 
+    def behave(self, profile: BehaviourProfile | None) -> None:
+        """From the next check-in or session on, the devices follow ``profile`` (None: plain
+        protocol-following devices); a fault campaign changes it between rounds."""
+        self.profile = profile
+        for device in self.devices:
+            device.traits = profile.traits(self._seed, device.device_id) if profile is not None else None
+
     def _device(self, i: int, generation: int) -> Device:
         """Slot i's device; a churned slot's replacement (generation > 0) is a new device: its
         own id, identity and registration, the same data."""

@@ -54,6 +54,9 @@ FINISH_SECONDS = 5.0
 # How long a device whose write failed waits for the stream's status, to report the real reason.
 STATUS_WAIT_SECONDS = 2.0
 
+# Bytes that parse as no DeviceToAggregator (field 1 with an invalid wire type): a corrupt message.
+CORRUPT_MESSAGE = b"\x0f\xff\xff\xff"
+
 # Server messages whose handling is real work (key agreement, Shamir sharing, share decryption):
 # run off the event loop so that many simulated devices share it.
 _HEAVY = (ShareKeysRequest, ShareDelivery)
@@ -77,12 +80,15 @@ class SessionOutcome:
 class SessionEvents:
     """What a simulated device does in one session besides the protocol (``client_sdk.behaviour``):
     leave in a phase, send its masked input after the phase's deadline, send a message twice,
-    or open with a message of its previous session."""
+    open with a message of its previous session, send bytes that are no message, or fall
+    silent with its stream open."""
 
     drop_phase: str | None = None
     late: bool = False
     duplicate: bool = False
     replay: bool = False
+    corrupt: bool = False
+    stall: bool = False
 
 
 class Shaping(Protocol):
@@ -243,6 +249,10 @@ class SecAggSession:
             return self._drop()
         if self._events.replay and self._replay is not None:
             await self._send(self._replay)  # a message of another session: must be refused
+        if self._events.corrupt:
+            await self._call.write(CORRUPT_MESSAGE)
+        if self._events.stall:
+            return await self._stall()
         await self._send_all(client.start())
         return await self._pump(client)
 
@@ -299,6 +309,14 @@ class SecAggSession:
                 t.cancel()
             await asyncio.gather(*pending, return_exceptions=True)
 
+    async def _stall(self) -> SessionOutcome:
+        """Neither read nor write nor close until the stream's own timeout: the aggregator must
+        go on without the device, and its writes to it must not block the session."""
+        with contextlib.suppress(grpc.aio.AioRpcError, asyncio.InvalidStateError):
+            await self._call.code()
+        self._cancel()
+        return self._outcome(DROPPED, "stalled: stopped reading without closing the stream")
+
     def _drop(self) -> SessionOutcome:
         """Leave as a lost connection would: cancel the call, no goodbye."""
         self._cancel()
@@ -335,6 +353,8 @@ class SecAggSession:
             return None
         size, envelope = sized_envelope
         self._down += size
+        if envelope is None:
+            raise WireError(f"the aggregator sent {size} bytes that are not an AggregatorToDevice")
         if self._traits is not None:
             await asyncio.sleep(self._traits.receive_delay(size))
         return open_envelope(envelope)

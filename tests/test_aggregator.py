@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import re
 from functools import partial
 import hashlib
@@ -38,6 +39,7 @@ from aggregator.cli import register
 from aggregator.errors import Rejected
 from aggregator.metrics import AggregatorMetrics
 from aggregator.session import Session
+from client_sdk.session import CORRUPT_MESSAGE
 from tally.codec import Field, Kind, PayloadSchema, packed_size, to_ring
 from secagg_helpers import identities, roster
 from tally.secagg import DevicePolicy, SecAggClient, SessionConfig, SessionRef, ThreatModel
@@ -406,6 +408,34 @@ def _one_chunk_too_many(parts: list) -> None:
     parts.append(secagg_pb2.DeviceToAggregator(masked_input_response=secagg_pb2.MaskedInputResponse(
         ref=last.ref, sum_id=last.sum_id, sender=last.sender, data=b"\0" * 16,
         offset=last.offset + len(last.data))))
+
+
+def test_bytes_that_are_no_message_end_the_stream_with_a_clear_status(deployment):
+    """A device that sends garbage (issue 8's campaign: corrupt messages) is refused with
+    INVALID_ARGUMENT naming what was wrong, before and after joining; nothing else is affected."""
+    async def scenario():
+        async with running(deployment) as service, connected(deployment, service) as (ch, stub):
+            cohort = plan(deployment, "s-corrupt")
+            await stub.OpenSession(cohort.request)
+            raw = ch.stream_stream("/tally.v1.SecureAggregation/Session", request_serializer=lambda data: data,
+                                   response_deserializer=secagg_pb2.AggregatorToDevice.FromString)
+            outcomes = []
+            for opening in ([CORRUPT_MESSAGE], [device_envelope(join(cohort, 1)).SerializeToString(), CORRUPT_MESSAGE]):
+                call = raw()
+                for data in opening:
+                    await call.write(data)
+                await call.done_writing()
+                with contextlib.suppress(grpc.aio.AioRpcError):
+                    while await call.read() is not grpc.aio.EOF:
+                        pass
+                outcomes.append((await call.code(), await call.details()))
+            rejected = service.metrics.rejected.labels(reason="malformed", status="INVALID_ARGUMENT")._value.get()
+            return outcomes, rejected
+
+    outcomes, rejected = asyncio.run(scenario())
+    assert [code for code, _ in outcomes] == [CODE.INVALID_ARGUMENT] * 2, outcomes
+    assert all("not a DeviceToAggregator" in details for _, details in outcomes)
+    assert rejected == 2
 
 
 def test_masked_inputs_travel_in_chunks_and_bad_chunks_end_only_their_stream(deployment):

@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from tally.chaos.campaign import FAULTS, Campaign, CampaignConfig
+from tally.chaos.campaign import FAULTS, MISBEHAVIOURS, Campaign, CampaignConfig
 from tally.chaos.cluster import LocalCluster
 
 
@@ -26,6 +26,18 @@ def test_a_short_campaign_meets_every_invariant_under_every_fault(tmp_path):
     report = result.to_dict()
     assert sum(row["rounds"] for row in report["faults"]) == config.rounds
     assert set(report["cpu_seconds"]) == {"coordinator", "aggregator-1", "aggregator-2"}
+
+
+def test_every_kind_of_device_misbehaviour_leaves_the_rounds_exact(tmp_path):
+    config = CampaignConfig(rounds=len(MISBEHAVIOURS), seed=5, faults=("misbehaviour",))
+    result = asyncio.run(asyncio.wait_for(Campaign(config, tmp_path).run(), 900))
+    assert result.violations == []
+    assert [r.detail.split()[1] for r in result.rounds] == list(MISBEHAVIOURS)
+    assert all(r.outcome == "committed" and r.sums_exact >= 1 and r.sums_wrong == 0 for r in result.rounds), \
+        [(r.detail, r.outcome) for r in result.rounds]
+    # Duplicates, replays, garbage and late inputs are refused by name (which ones a round saw
+    # depends on which devices it selected); stalled devices are outwaited.
+    assert {"duplicate_message", "malformed", "wrong_sender", "stale_message", "out_of_phase"} & set(result.refused)
 
 
 @pytest.mark.parametrize("processes", [1, 3])

@@ -3,7 +3,8 @@ invariants checked after every round.
 
 Faults: device dropouts in one phase (below the protocol's threshold, and far past it for one
 attempt), an aggregator or the coordinator SIGKILLed at a random moment of the round and
-restarted. Invariants: every committed cohort sum is exactly the sum of its contributors' inputs
+restarted, misbehaving devices (late, duplicated, replayed or corrupt messages, streams left open
+and unread). Invariants: every committed cohort sum is exactly the sum of its contributors' inputs
 (fingerprints, ``client_sdk.sum_audit``); rounds commit in order, each once, none lost (the
 coordinator's own SQLite state, read-only); every round ends, committed or failed, by its
 deadline; no process died that was not killed; no process's memory grows without bound. The
@@ -24,8 +25,10 @@ from pathlib import Path
 
 import grpc
 import numpy as np
+from prometheus_client.parser import text_string_to_metric_families
 
 from client_sdk import Fleet
+from client_sdk.behaviour import BehaviourProfile
 from client_sdk.dropout import DEFAULT_PHASES
 from client_sdk.fleet import device_ids
 from client_sdk.retry import RetryPolicy
@@ -34,7 +37,9 @@ from client_sdk.synthetic import SyntheticUpdates
 from tally.chaos.cluster import LocalCluster, wait_for
 from tally.wire.v1 import admin_pb2, common_pb2
 
-FAULTS = ("none", "dropouts", "dropouts_past_threshold", "kill_aggregator", "kill_coordinator")
+FAULTS = ("none", "dropouts", "dropouts_past_threshold", "kill_aggregator", "kill_coordinator", "misbehaviour")
+# What misbehaving devices do (``client_sdk.behaviour.Misbehaviour``): one kind per round, in turn.
+MISBEHAVIOURS = ("late", "duplicate", "replay", "corrupt", "stall")
 DEADLINES = {"checkin": 6, "download": 6, "advertise_keys": 4, "share_keys": 4, "masked_input": 6, "unmask": 4}
 # Restarting a process (interpreter, imports, TLS, SQLite) takes seconds on a small machine.
 RESTART_ALLOWANCE_S = 30.0
@@ -109,6 +114,8 @@ class CampaignResult:
     violations: list[str] = field(default_factory=list)
     memory: dict[str, list[int]] = field(default_factory=dict)
     cpu_seconds: dict[str, float] = field(default_factory=dict)
+    # Device messages the aggregators refused, by reason, since each last started (at the end).
+    refused: dict[str, float] = field(default_factory=dict)
 
     def table(self) -> list[tuple[str, int, int, int, int]]:
         """(fault, rounds, committed, failed cleanly, hung) per fault."""
@@ -126,7 +133,7 @@ class CampaignResult:
                          "wrong": sum(r.sums_wrong for r in self.rounds)},
                 "round_seconds": percentiles([r.seconds for r in self.rounds]),
                 "violations": self.violations, "rounds": [asdict(r) for r in self.rounds],
-                "memory_bytes": self.memory, "cpu_seconds": self.cpu_seconds}
+                "memory_bytes": self.memory, "cpu_seconds": self.cpu_seconds, "refused": self.refused}
 
 
 class Campaign:
@@ -138,6 +145,7 @@ class Campaign:
         self.killed: set[str] = set()
         self.jobs = 0
         self._block: list[str] = []
+        self._misbehaved = 0
 
     async def run(self) -> CampaignResult:
         cfg = self.config
@@ -172,6 +180,7 @@ class Campaign:
             await asyncio.gather(fleet_task, return_exceptions=True)
             fleet.close()
             self.result.cpu_seconds = {name: u.cpu_seconds for name, u in cluster.usage().items()}
+            self.result.refused = _refusals(cluster)
             await cluster.stop()
         return self.result
 
@@ -200,6 +209,7 @@ class Campaign:
         done = await wait_for(finished, self.config.round_deadline_s)
         detail = await injected
         dropouts.set(0.0)
+        fleet.behave(None)
         await self._bring_back(cluster)
         seconds = time.monotonic() - start
         job = state.get("job")
@@ -243,6 +253,11 @@ class Campaign:
                                     sum(DEADLINES.values()), every=0.05)
             dropouts.set(0.0)
             return f"0.80 in {phase} until {'an attempt failed' if failed else 'the attempt deadline'}"
+        if fault == "misbehaviour":
+            kind, rate = MISBEHAVIOURS[self._misbehaved % len(MISBEHAVIOURS)], rng.uniform(0.15, 0.25)
+            self._misbehaved += 1  # kinds in turn: every fifth misbehaviour round, each kind once
+            fleet.behave(BehaviourProfile.model_validate({"misbehaviour": {kind: rate}}))
+            return f"{rate:.2f} {kind}"
         if fault in ("kill_aggregator", "kill_coordinator"):
             name = "coordinator" if fault == "kill_coordinator" else f"aggregator-{rng.randint(1, self.config.aggregators)}"
             target = rng.choice((common_pb2.ROUND_PHASE_SELECTION, common_pb2.ROUND_PHASE_AGGREGATION))
@@ -316,6 +331,18 @@ class Campaign:
             if last > MEMORY_GROWTH_LIMIT * first + MEMORY_SLACK_BYTES:
                 self.result.violations.append(
                     f"{name}: resident memory grew from {first / 2**20:.0f} MiB to {last / 2**20:.0f} MiB")
+
+
+def _refusals(cluster: LocalCluster) -> dict[str, float]:
+    refused: dict[str, float] = {}
+    for name in cluster.processes:
+        if name.startswith("aggregator-") and cluster.processes[name].running:
+            for family in text_string_to_metric_families(cluster.scrape(name)):
+                for sample in family.samples:
+                    if sample.name == "tally_aggregator_rejected_total":
+                        reason = sample.labels["reason"]
+                        refused[reason] = refused.get(reason, 0.0) + sample.value
+    return refused
 
 
 async def _holds(value: bool) -> bool:

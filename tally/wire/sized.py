@@ -13,16 +13,21 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TypeVar
 
-from google.protobuf.message import Message
+from google.protobuf.message import DecodeError, Message
 
 M = TypeVar("M", bound=Message)
 
 
-def sized(message_type: type[M]) -> Callable[[bytes], tuple[int, M]]:
-    """A deserialiser yielding (bytes on the wire, message)."""
+def sized(message_type: type[M]) -> Callable[[bytes], tuple[int, M | None]]:
+    """A deserialiser yielding (bytes on the wire, message); the message is None when the bytes
+    do not parse, so the reader refuses them with its own status and message (an exception here
+    would surface in the reader as an internal error)."""
 
-    def parse(data: bytes) -> tuple[int, M]:
-        return len(data), message_type.FromString(data)
+    def parse(data: bytes) -> tuple[int, M | None]:
+        try:
+            return len(data), message_type.FromString(data)
+        except DecodeError:
+            return len(data), None
 
     return parse
 
