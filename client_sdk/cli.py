@@ -20,10 +20,12 @@ from client_sdk.device import Device
 from client_sdk.dropout import DEFAULT_PHASES, DropoutPlan
 from client_sdk.enrolment import load_or_create_identity
 from client_sdk.fleet import CoordinatorUnreachable, Fleet, FleetStats, device_ids
-from client_sdk.fleet_processes import DEVICES_PER_EXTRA_PROCESS, default_processes, run_processes
+from client_sdk.fleet_processes import DEVICES_PER_EXTRA_PROCESS, Played, default_processes, run_processes
+from client_sdk.fleet_report import write_report
 from client_sdk.metrics import ClientMetrics
 from client_sdk.sum_audit import MISMATCH, SumAudit, SumCheck, check_committed, outcome_counts
 from client_sdk.synthetic import SyntheticUpdates
+from client_sdk.timeline import FleetTimeline
 from tally import argtypes, logs
 from tally.algorithms.base import LocalTrainer
 from tally.metrics import MetricsServer, add_metrics_arguments
@@ -125,6 +127,12 @@ def register(sub: argparse._SubParsersAction) -> None:
         "--audit-out", type=Path, metavar="FILE",
         help="write the fingerprints of every input the fleet's devices computed here (JSON), so that the "
         "shards of one fleet can be merged and checked together (bench/fleet.py does)",
+    )
+    f.add_argument(
+        "--report", type=Path, metavar="DIR",
+        help="at the end, write DIR/report.json (latency percentiles of every coordinator call and phase as "
+        "the devices saw them, check-ins per second, each round's phases, early session ends) and "
+        "DIR/report.png",
     )
     f.add_argument(
         "--profile", type=Path, metavar="YAML",
@@ -257,10 +265,8 @@ def run_fleet(args: argparse.Namespace) -> int:
     console = Console(stderr=True)
     first, end = _block(args.devices, shard, shards)
     processes = args.processes or default_processes(end - first)
-    if processes > 1:
-        code, stats, audit = run_processes(args, processes, _play, console)
-    else:
-        code, stats, audit = _play(args, None)
+    played = run_processes(args, processes, _play, console) if processes > 1 else _play(args, None)
+    code, stats, audit = played.code, played.stats, played.audit
     if stats is None:
         return code
     console.print(f"fleet of {stats.devices}: {stats.summary()} in {stats.elapsed_seconds:.1f} s")
@@ -274,6 +280,9 @@ def run_fleet(args: argparse.Namespace) -> int:
         console.print("sum audit: " + ", ".join(f"{k} {v}" for k, v in result["audit"].items())
                       + " cohort sums (foreign: holds devices of another shard)")
         code = code or (3 if result["audit"][MISMATCH] else 0)
+    if args.report is not None and played.timeline is not None:
+        written = write_report(played.timeline, stats, args.report)
+        console.print("report: " + ", ".join(str(p) for p in written))
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(result, indent=2))
@@ -287,9 +296,8 @@ def _block(devices: int, shard: int, shards: int) -> tuple[int, int]:
     return shard * devices // shards, (shard + 1) * devices // shards
 
 
-def _play(args: argparse.Namespace, on_stats: Callable[[FleetStats], None] | None) -> tuple[int, FleetStats | None, SumAudit | None]:
-    """Run this process's block of the fleet: (exit code, statistics, the fingerprints of the
-    inputs its devices sent when auditing); statistics are None when it could not start."""
+def _play(args: argparse.Namespace, on_stats: Callable[[FleetStats], None] | None) -> Played:
+    """Run this process's block of the fleet."""
     first, end = _block(args.devices, *args.shard)
     try:
         enrolment_key = _load("--enrolment-key", read_enrolment_key, args.enrolment_key) if args.enrolment_key else None
@@ -300,7 +308,7 @@ def _play(args: argparse.Namespace, on_stats: Callable[[FleetStats], None] | Non
         )
     except ValueError as exc:
         print(exc, file=sys.stderr)
-        return 2, None, None
+        return Played(2)
     logs.configure(args.log_level)
     phases = tuple(p.strip() for p in args.dropout_phases.split(",") if p.strip())
     plan = DropoutPlan(args.dropout, phases, seed=args.seed) if args.dropout > 0 else None
@@ -320,6 +328,7 @@ def _play(args: argparse.Namespace, on_stats: Callable[[FleetStats], None] | Non
         device_policy=DevicePolicy(allow_plain=args.allow_plain),
         enrolment_key=enrolment_key,
         profile=profile,
+        metrics=ClientMetrics(FleetTimeline(args.seed) if args.report is not None else None),
     )
     if args.until_job_done:
         until = fleet.until_job_done(args.until_job_done)
@@ -336,10 +345,11 @@ def _play(args: argparse.Namespace, on_stats: Callable[[FleetStats], None] | Non
             )
     except CoordinatorUnreachable as exc:
         console.print(f"tally fleet: {exc}")
-        return 1, None, None
+        return Played(1)
     finally:
         fleet.close()
-    return 0, stats, SumAudit.of(fleet.inputs) if fleet.inputs is not None else None
+    return Played(0, stats, SumAudit.of(fleet.inputs) if fleet.inputs is not None else None,
+                  fleet.metrics.timeline)
 
 
 def _read_token(path: Path) -> str:

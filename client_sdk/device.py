@@ -471,11 +471,14 @@ class Device:
         while True:
             token = await self._current_token() if authenticated else None
             try:
-                return await getattr(self._stub(), method)(
+                started = time.perf_counter()
+                response = await getattr(self._stub(), method)(
                     request,
                     metadata=bearer_metadata(token) if token else None,
                     timeout=self.retry.call_timeout,
                 )
+                self.metrics.observe_rpc(method, time.perf_counter() - started)
+                return response
             except grpc.aio.AioRpcError as exc:
                 code = exc.code()
                 if authenticated and code == grpc.StatusCode.UNAUTHENTICATED and not reregistered:

@@ -15,6 +15,7 @@ for one process. SIGINT and SIGTERM are passed on, so the devices leave cleanly.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import multiprocessing
 import os
@@ -23,6 +24,7 @@ import signal
 import tempfile
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +32,7 @@ from rich.console import Console
 
 from client_sdk.fleet import FleetStats, progress_display
 from client_sdk.sum_audit import SumAudit
+from client_sdk.timeline import FleetTimeline
 
 # Below this many devices one process keeps up: more would only pay for their start-up.
 DEVICES_PER_EXTRA_PROCESS = 200
@@ -53,12 +56,23 @@ def default_processes(devices: int) -> int:
     return max(1, min(available_cores(), devices // DEVICES_PER_EXTRA_PROCESS))
 
 
-Play = Callable[[argparse.Namespace, Callable[[FleetStats], None] | None], tuple[int, FleetStats | None, SumAudit | None]]
+@dataclass
+class Played:
+    """What playing (part of) a fleet gave: its exit code; statistics (None when it could not
+    start); the fingerprints of its devices' inputs when auditing; its report's timeline."""
+
+    code: int
+    stats: FleetStats | None = None
+    audit: SumAudit | None = None
+    timeline: FleetTimeline | None = None
 
 
-def run_processes(args: argparse.Namespace, processes: int, play: Play, console: Console) -> tuple[int, FleetStats | None, SumAudit | None]:
+Play = Callable[[argparse.Namespace, Callable[[FleetStats], None] | None], Played]
+
+
+def run_processes(args: argparse.Namespace, processes: int, play: Play, console: Console) -> Played:
     """Play ``args``' shard in ``processes`` child processes, each calling ``play`` on its part;
-    returns (exit code, merged statistics, merged audit) as ``play`` does for one process."""
+    returns what ``play`` would for one process, merged."""
     context = multiprocessing.get_context("spawn")  # never fork a process that may hold threads
     reports: Any = context.Queue()
     with tempfile.TemporaryDirectory(prefix="tally-fleet-") as tmp:
@@ -89,16 +103,18 @@ def run_processes(args: argparse.Namespace, processes: int, play: Play, console:
         stats = [FleetStats(**json.loads(part.json.read_text())) for part in parts if part.json.exists()]
         audits = [SumAudit.from_json(json.loads(part.audit_out.read_text()))
                   for part in parts if part.audit_out is not None and part.audit_out.exists()]
-    merged_audit = None
-    for audit in audits:
-        merged_audit = audit if merged_audit is None else merged_audit.merge(audit)
+        timelines = [FleetTimeline.from_json(json.loads(part.report.read_text()))
+                     for part in parts if part.report is not None and part.report.exists()]
     code = max((code if code and code > 0 else 1 for _, code in failed), default=0)
-    return code, FleetStats.combine(stats) if stats else None, merged_audit
+    return Played(code, FleetStats.combine(stats) if stats else None,
+                  functools.reduce(SumAudit.merge, audits) if audits else None,
+                  functools.reduce(FleetTimeline.merge, timelines) if timelines else None)
 
 
 def _part(args: argparse.Namespace, processes: int, p: int, tmp: Path) -> argparse.Namespace:
     """Process p's arguments: its sub-shard, its own files, its own metrics port (port + p, or
-    an ephemeral one), no display of its own and no audit of its own (the parent's is whole)."""
+    an ephemeral one), no display, audit or report of its own (the parent's are whole); its
+    ``report`` is where it leaves its timeline."""
     shard, shards = args.shard
     auditing = args.audit_out is not None or args.audit_token_file is not None or args.synthetic
     metrics_port = args.metrics_port + p if args.metrics_port else args.metrics_port
@@ -106,6 +122,7 @@ def _part(args: argparse.Namespace, processes: int, p: int, tmp: Path) -> argpar
         **vars(args), "shard": (shard * processes + p, shards * processes), "processes": 1,
         "progress": False, "json": tmp / f"stats-{p}.json", "audit_token_file": None,
         "audit_out": tmp / f"audit-{p}.json" if auditing else None, "metrics_port": metrics_port,
+        "report": tmp / f"timeline-{p}.json" if args.report is not None else None,
     })
 
 
@@ -117,13 +134,15 @@ def _child(play: Play, args: argparse.Namespace, p: int, reports: Any) -> None:
             last[0] = time.monotonic()
             reports.put((p, stats))
 
-    code, stats, audit = play(args, report)
-    if stats is not None:
-        reports.put((p, stats))
-        args.json.write_text(json.dumps(stats.to_dict()))
-    if audit is not None and args.audit_out is not None:
-        args.audit_out.write_text(json.dumps(audit.to_json()))
-    raise SystemExit(code)
+    played = play(args, report)
+    if played.stats is not None:
+        reports.put((p, played.stats))
+        args.json.write_text(json.dumps(played.stats.to_dict()))
+    if played.audit is not None and args.audit_out is not None:
+        args.audit_out.write_text(json.dumps(played.audit.to_json()))
+    if played.timeline is not None and args.report is not None:
+        args.report.write_text(json.dumps(played.timeline.to_json()))
+    raise SystemExit(played.code)
 
 
 def _forward(children: list) -> Callable[[int, object], None]:

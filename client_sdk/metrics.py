@@ -9,11 +9,15 @@ from __future__ import annotations
 
 from prometheus_client import Counter, Gauge, Histogram
 
+from client_sdk.timeline import FleetTimeline
 from tally.metrics import DURATION_BUCKETS, RoleRegistry
 
 
 class ClientMetrics:
-    def __init__(self) -> None:
+    """``timeline``: a fleet's report recorder (``client_sdk.timeline``), fed by the same calls."""
+
+    def __init__(self, timeline: FleetTimeline | None = None) -> None:
+        self.timeline = timeline
         self.registry = r = RoleRegistry("client")
         self.checkins = Counter(
             "tally_client_checkins_total", "Check-ins by outcome: the coordinator's answer (task, retry; "
@@ -70,8 +74,28 @@ class ClientMetrics:
             "(masked_input includes waiting for the local computation)",
             ["phase"], buckets=DURATION_BUCKETS, registry=r,
         )
+        self.rpc_seconds = Histogram(
+            "tally_client_rpc_seconds", "Coordinator calls that succeeded, by method: latency as the device saw it",
+            ["method"], buckets=DURATION_BUCKETS, registry=r,
+        )
         self.dropouts = Counter(
             "tally_client_dropouts_total",
             "Sessions that ended without completing, by the protocol phase they were in and outcome "
             "(aborted; dropped: a simulated fleet's planned dropout)", ["phase", "outcome"], registry=r,
         )
+
+    def observe_rpc(self, method: str, seconds: float) -> None:
+        self.rpc_seconds.labels(method=method).observe(seconds)
+        if self.timeline is not None:
+            self.timeline.record_rpc(method, seconds)
+
+    def observe_phase(self, job_id: str, round_: int, phase: str, seconds: float) -> None:
+        self.phase_duration.labels(phase=phase).observe(seconds)
+        if self.timeline is not None:
+            self.timeline.record_phase(job_id, round_, phase, seconds)
+
+    def observe_end(self, phase: str, outcome: str) -> None:
+        """A session ended without completing, in ``phase``."""
+        self.dropouts.labels(phase=phase, outcome=outcome).inc()
+        if self.timeline is not None:
+            self.timeline.record_end(phase, outcome)

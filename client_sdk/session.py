@@ -218,7 +218,7 @@ class SecAggSession:
         self.metrics.sessions.labels(outcome.status).inc()
         self.metrics.session_seconds.labels(outcome.status).observe(time.perf_counter() - start)
         if outcome.status != COMPLETED:
-            self.metrics.dropouts.labels(phase=self._phase, outcome=outcome.status).inc()
+            self.metrics.observe_end(self._phase, outcome.status)
         self.metrics.upload_bytes.inc(outcome.bytes_up)
         self.metrics.download_bytes.labels("session").inc(outcome.bytes_down)
         logs.event(log, f"session {outcome.status}", job_id=self.config.ref.job_id,
@@ -340,7 +340,8 @@ class SecAggSession:
         for message in messages:
             await self._send(message)
         if messages and self._asked_at is not None:  # the answer to the phase asked is out
-            self.metrics.phase_duration.labels(phase=self._phase).observe(time.perf_counter() - self._asked_at)
+            self.metrics.observe_phase(self.config.ref.job_id, self.config.ref.round, self._phase,
+                                       time.perf_counter() - self._asked_at)
             self._asked_at = None
 
     def _asked(self, phase: str) -> None:

@@ -57,7 +57,8 @@ def test_the_synthetic_fleet_command_checks_every_sum_it_was_in(tmp_path, proces
                     "--tls-dir", str(cluster.certs / "device"), "--devices", "20", "--synthetic", "--no-progress",
                     "--enrolment-key", str(cluster.certs / "coordinator" / "enrolment.key"),
                     "--audit-token-file", str(cluster.state / "admin.token"), "--until-job-done", job_id,
-                    "--json", str(tmp_path / "fleet.json"), "--processes", str(processes), "--metrics-port", "0"]
+                    "--json", str(tmp_path / "fleet.json"), "--processes", str(processes), "--metrics-port", "0",
+                    "--report", str(tmp_path / "report")]
             done = await asyncio.to_thread(subprocess.run, argv, capture_output=True, text=True, timeout=300)
             return done, (await cluster.job(job_id)).committed_round
         finally:
@@ -71,3 +72,10 @@ def test_the_synthetic_fleet_command_checks_every_sum_it_was_in(tmp_path, proces
     assert "sum audit: exact" in done.stderr
     assert report["devices"] == 20 and "fleet of 20:" in done.stderr
     assert done.stderr.count("metrics on http://") == processes
+    # The report merges every process's timeline: calls, phases and both rounds as devices saw them.
+    summary = json.loads((tmp_path / "report" / "report.json").read_text())
+    assert summary["rpc_seconds"]["CheckIn"]["count"] >= 20 and summary["fleet"]["devices"] == 20
+    assert {"advertise_keys", "share_keys", "masked_input", "unmask"} <= set(summary["phase_seconds"])
+    assert all(0 < p["p50"] <= p["p95"] <= p["p99"] for p in summary["phase_seconds"].values())
+    assert sorted(summary["rounds"]) == [f"{report['jobs'][0]}/1", f"{report['jobs'][0]}/2"]
+    assert (tmp_path / "report" / "report.png").stat().st_size > 10_000
