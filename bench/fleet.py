@@ -1,6 +1,7 @@
 """Servers under load, as deployed (issue 8): the coordinator, each aggregator and each fleet shard
 in its own process (TLS on 127.0.0.1), a synthetic fleet whose every committed sum is checked,
-and every process's CPU seconds and peak resident memory measured from outside (psutil).
+every process's CPU seconds and peak resident memory measured from outside (psutil), and the
+latency percentiles of every coordinator call and protocol phase as the devices saw them.
 
     .venv/bin/python bench/fleet.py --devices 2000 --shards 2 --cohort 200 --hidden 133 --rounds 5 --json out.json
     .venv/bin/python bench/fleet.py --devices 10000 --idle 60 --json idle.json   # memory of idle devices
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import json
 import sqlite3
 import statistics
@@ -24,6 +26,7 @@ import psutil
 from prometheus_client.parser import text_string_to_metric_families
 
 from client_sdk.sum_audit import SumAudit, check_committed, outcome_counts
+from client_sdk.timeline import FleetTimeline
 from tally.chaos.cluster import LocalCluster
 
 SPEC = """\
@@ -93,7 +96,7 @@ async def _run(args: argparse.Namespace, workdir: Path) -> dict:
             if args.plain:
                 argv.append("--allow-plain")
             argv += ["--stay"] if args.idle else ["--audit-out", str(workdir / f"audit-{i}.json"),
-                                                 "--until-job-done", job_id]
+                                                 "--until-job-done", job_id, "--report", str(workdir / f"report-{i}")]
             shards.append(await asyncio.create_subprocess_exec(
                 *argv, stdout=asyncio.subprocess.DEVNULL, stderr=(workdir / f"shard-{i}.log").open("wb")))
         start = time.monotonic()
@@ -156,6 +159,13 @@ async def _run(args: argparse.Namespace, workdir: Path) -> dict:
             _samples(expositions.get("coordinator", ""), "tally_coordinator_phase_duration_seconds_sum").items()},
         "fleet": {k: sum(s[k] for s in shard_stats) for k in ("checkins", "tasks_done", "dropouts", "bytes_up")},
     })
+    # Latency of every coordinator call and phase as the devices saw them, all shards together.
+    timeline = functools.reduce(FleetTimeline.merge, (
+        FleetTimeline.from_json(json.loads((workdir / f"report-{i}" / "timeline.json").read_text()))
+        for i in range(args.shards)))
+    summary = timeline.summary()
+    result["device_latency_seconds"] = {"rpc": summary["rpc_seconds"], "phase": summary["phase_seconds"]}
+    result["checkins_per_second"] = summary["checkins_per_second"]
     return result
 
 

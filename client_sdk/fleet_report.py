@@ -18,11 +18,14 @@ PHASES = ("advertise_keys", "share_keys", "masked_input", "consistency_check", "
 
 
 def write_report(timeline: FleetTimeline, stats: FleetStats, directory: Path) -> list[Path]:
-    """report.json, and report.png when matplotlib is installed; the paths written."""
+    """report.json, timeline.json (the samples, so that the reports of the shards of one fleet
+    on several machines can be merged: ``FleetTimeline.merge``), and report.png when matplotlib
+    is installed; the paths written."""
     directory.mkdir(parents=True, exist_ok=True)
     report = {"fleet": stats.to_dict(), **timeline.summary()}
-    written = [directory / "report.json"]
+    written = [directory / "report.json", directory / "timeline.json"]
     written[0].write_text(json.dumps(report, indent=2))
+    written[1].write_text(json.dumps(timeline.to_json()))
     try:
         import matplotlib
     except ImportError:

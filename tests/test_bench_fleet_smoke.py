@@ -26,6 +26,8 @@ def test_fleet_bench_audits_every_sum_and_itemises_the_aggregators_cpu(tmp_path)
     engine = result["aggregator_engine_cpu_seconds_per_round"]
     assert any({"advertise_keys", "masked_input", "unmask"} <= phases.keys() for phases in engine.values())
     assert {"selection", "aggregation", "update"} <= result["coordinator_phase_seconds_per_round"].keys()
+    latency = result["device_latency_seconds"]
+    assert latency["rpc"]["CheckIn"]["count"] >= 60 and {"share_keys", "masked_input"} <= latency["phase"].keys()
 
 
 def test_checkin_capacity_bench_reports_each_rate_step(tmp_path):
