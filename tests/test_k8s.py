@@ -68,6 +68,8 @@ def test_overlays_render_what_they_promise(rendered: dict[str, list[dict[str, An
     assert {p["metadata"]["name"] for p in find(prod, "PodDisruptionBudget")} >= {"tally-aggregator"}
     assert {c["metadata"]["name"] for c in find(prod, "Certificate")} >= {
         "tally-coordinator", "tally-aggregator", "tally-device"}
+    paced = one(prod, "StatefulSet", "tally-coordinator")["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert "--checkin-rate=200" in paced  # pace steering in production
 
 
 @pytest.mark.parametrize("overlay", OVERLAYS)
