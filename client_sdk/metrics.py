@@ -78,6 +78,11 @@ class ClientMetrics:
             "tally_client_rpc_seconds", "Coordinator calls that succeeded, by method: latency as the device saw it",
             ["method"], buckets=DURATION_BUCKETS, registry=r,
         )
+        self.misbehaviours = Counter(
+            "tally_client_misbehaviours_total",
+            "Misbehaviour a simulated device's behaviour profile made it commit, by kind (late, duplicate, "
+            "replay, corrupt, stall): what the aggregators' refusals should account for", ["kind"], registry=r,
+        )
         self.dropouts = Counter(
             "tally_client_dropouts_total",
             "Sessions that ended without completing, by the protocol phase they were in and outcome "

@@ -248,10 +248,13 @@ class SecAggSession:
         if self.drop_phase == "advertise_keys":
             return self._drop()
         if self._events.replay and self._replay is not None:
+            self.metrics.misbehaviours.labels(kind="replay").inc()
             await self._send(self._replay)  # a message of another session: must be refused
         if self._events.corrupt:
+            self.metrics.misbehaviours.labels(kind="corrupt").inc()
             await self._call.write(CORRUPT_MESSAGE)
         if self._events.stall:
+            self.metrics.misbehaviours.labels(kind="stall").inc()
             return await self._stall()
         await self._send_all(client.start())
         return await self._pump(client)
@@ -277,6 +280,7 @@ class SecAggSession:
                                              label=input_failure_label(exc))
                     computing = None
                     if self._events.late:  # hold the input until its phase is over
+                        self.metrics.misbehaviours.labels(kind="late").inc()
                         await asyncio.sleep(self.task.deadlines.masked_input_seconds + 1.0)
                     await self._send_all(await asyncio.to_thread(client.provide_input, sum_id, vector))
                 if reading not in done:
@@ -329,6 +333,8 @@ class SecAggSession:
         if opening:
             self.opening = message
         copies = 2 if self._events.duplicate and opening else 1
+        if copies == 2:
+            self.metrics.misbehaviours.labels(kind="duplicate").inc()
         for envelope in split_masked_input(device_envelope(message)) * copies:
             data = envelope.SerializeToString()
             self._up += len(data)

@@ -80,6 +80,8 @@ class SyntheticRun:
     inputs: list
     # Device messages the aggregators refused, by reason (all aggregators together).
     refused: dict[str, float]
+    # What the devices' behaviour profile made them do, by kind.
+    misbehaved: dict[str, float]
 
 
 def _run_synthetic_job(tmp_path, n: int, rounds: int, cohort: int, dropout: float = 0.2,
@@ -106,7 +108,9 @@ def _run_synthetic_job(tmp_path, n: int, rounds: int, cohort: int, dropout: floa
                         if sample.name.endswith("_total"):
                             reason = sample.labels["reason"]
                             refused[reason] = refused.get(reason, 0.0) + sample.value
-            return SyntheticRun(await s.job(job_id), stats, checks, fleet.inputs, refused)
+            misbehaved = {sample.labels["kind"]: sample.value for family in fleet.metrics.misbehaviours.collect()
+                          for sample in family.samples if sample.name.endswith("_total")}
+            return SyntheticRun(await s.job(job_id), stats, checks, fleet.inputs, refused, misbehaved)
 
     return run(main())
 

@@ -120,3 +120,6 @@ def test_a_misbehaving_churning_shaped_fleet_still_commits_exact_sums(tmp_path):
     # device's message, or as a stale or out-of-phase one, whichever check it fails first.
     assert sum(refused.get(r, 0) for r in ("wrong_sender", "stale_message", "out_of_phase")) >= 1, refused
     assert stats.left >= 1 and stats.devices == 40 + stats.left  # each leaver replaced
+    # Every duplicate the devices sent was refused as one (a replay may be refused in its place
+    # when both hit one session, so at most as many).
+    assert 1 <= refused["duplicate_message"] <= result.misbehaved["duplicate"], (refused, result.misbehaved)
