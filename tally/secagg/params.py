@@ -20,7 +20,6 @@ import math
 from dataclasses import dataclass
 
 import numpy as np
-from scipy.stats import hypergeom
 
 SECURITY_BITS = 40
 CORRECTNESS_BITS = 20
@@ -120,7 +119,11 @@ def _log_tails(n: int, successes: int, k: int) -> tuple[np.ndarray, np.ndarray]:
     """log P[X > j] and log P[X < j] for j = 0..k, X ~ Hypergeometric(n, successes, k).
 
     Accumulating log-pmfs keeps the 2^-40-scale tails exact where 1 - cdf would round to zero.
+    scipy.stats is imported here, not with the module: it costs every process half a second of
+    start-up (an aggregator restarting mid-round, each fleet process), and only planning needs it.
     """
+    from scipy.stats import hypergeom
+
     logpmf = hypergeom.logpmf(np.arange(k + 1), n, successes, k)
     log_ge = np.logaddexp.accumulate(logpmf[::-1])[::-1]  # log P[X >= j]
     log_le = np.logaddexp.accumulate(logpmf)  # log P[X <= j]
