@@ -87,6 +87,10 @@ log = logging.getLogger("tally.coordinator")
 CHUNK_SIZE = 1 << 20
 OPEN_TIMEOUT_S = 10.0
 CLOSE_TIMEOUT_S = 2.0
+# When no aggregator answers at cohort formation: how long an attempt waits for one, and how often
+# it asks.
+NO_AGGREGATOR_WAIT_S = 20.0
+AGGREGATOR_POLL_S = 0.5
 # Weight of the newest round in the running estimate of a round's duration (pace steering).
 DURATION_SMOOTHING = 0.5
 
@@ -525,6 +529,21 @@ class JobRunner:
             except TimeoutError:
                 pass
 
+    async def _await_aggregator(self, planner: RoundPlanner) -> list[str]:
+        """No aggregator answers: wait a while for one to come back (a restarted process, a
+        rescheduled pod) rather than fail the attempt at once; failing at once let a retry budget
+        burn down in under a second while every aggregator restarted (found by the fault
+        campaign, seed 21, both aggregators killed in consecutive rounds)."""
+        ctx = self.ctx
+        until = min(ctx.clock() + NO_AGGREGATOR_WAIT_S, planner.deadline)
+        logs.event(log, "no aggregator answers; waiting for one", logging.WARNING, job_id=self.job_id,
+                   round=self.round, seconds=round(until - ctx.clock(), 1))
+        while ctx.clock() < until:
+            await asyncio.sleep(AGGREGATOR_POLL_S)
+            if healthy := await ctx.pool.healthy():
+                return healthy
+        return []
+
     async def _open_sessions(
         self, planner: RoundPlanner, round_: int, attempt: int, steps: list[StepSpec]
     ) -> None:
@@ -534,6 +553,8 @@ class JobRunner:
         excluded: dict[str, str] = {}  # aggregator -> why it could not open a session
         while True:
             healthy = await ctx.pool.healthy(exclude=sorted(excluded))
+            if not healthy and not excluded:
+                healthy = await self._await_aggregator(planner)
             try:
                 plans = planner.form(healthy, ctx.clock())
             except NoCapacity as exc:

@@ -11,7 +11,11 @@ import sys
 import pytest
 
 from tally.chaos.campaign import FAULTS, MISBEHAVIOURS, Campaign, CampaignConfig
-from tally.chaos.cluster import LocalCluster
+from client_sdk import Fleet
+from client_sdk.fleet import device_ids
+from client_sdk.retry import RetryPolicy
+from client_sdk.synthetic import SyntheticUpdates
+from tally.chaos.cluster import LocalCluster, wait_for
 
 
 def test_a_short_campaign_meets_every_invariant_under_every_fault(tmp_path):
@@ -79,3 +83,42 @@ def test_the_synthetic_fleet_command_checks_every_sum_it_was_in(tmp_path, proces
     assert all(0 < p["p50"] <= p["p95"] <= p["p99"] for p in summary["phase_seconds"].values())
     assert sorted(summary["rounds"]) == [f"{report['jobs'][0]}/1", f"{report['jobs'][0]}/2"]
     assert (tmp_path / "report" / "report.png").stat().st_size > 10_000
+
+
+def test_a_round_waits_for_an_aggregator_when_every_one_is_down(tmp_path):
+    """Regression (fault campaign, seed 21): with every aggregator killed at once, the round's
+    attempts failed in under a second ("no healthy aggregator") and spent the retry budget before
+    the restarted processes were back; the job failed. Now the attempt waits for one."""
+
+    async def main():
+        cluster = LocalCluster(tmp_path / "cluster", aggregators=2)
+        fleet = None
+        try:
+            await cluster.start()
+            spec = ("name: all-down\nalgorithm: fedavg\nrounds: 2\ncohort_size: 10\nmin_cohort: 5\nretries: 1\n"
+                    "over_selection: 1.2\nmodel: {kind: mlp, inputs: 64, classes: 10, hidden: 8, seed: 0}\n"
+                    "deadlines: {checkin: 20, download: 6, advertise_keys: 4, share_keys: 4, masked_input: 6, unmask: 4}\n")
+            job_id = await cluster.submit(spec)
+            fleet = Fleet(cluster.target, cluster.tls, [SyntheticUpdates(i, 1) for i in device_ids("down", 16)],
+                          retry=RetryPolicy(initial_seconds=0.2, max_seconds=1.0), enrolment_key=cluster.enrolment_key,
+                          id_prefix="down", audit=True)
+            running = asyncio.create_task(fleet.run(until=fleet.until_job_done(job_id, every_seconds=0.2)))
+
+            async def committed(n: int) -> bool:
+                return (await cluster.job(job_id)).committed_round >= n
+
+            assert await wait_for(lambda: committed(1), timeout=60), "round 1 never committed"
+            for name in ("aggregator-1", "aggregator-2"):
+                await cluster.kill(name)
+            await asyncio.sleep(6.0)  # both stay down while round 2 selects, twice (the fault being tested)
+            for name in ("aggregator-1", "aggregator-2"):
+                await cluster.restart(name)
+            await asyncio.wait_for(running, 120)
+            return await cluster.job(job_id)
+        finally:
+            if fleet is not None:
+                fleet.close()
+            await cluster.stop()
+
+    job = asyncio.run(main())
+    assert job.committed_round == 2, job.message
