@@ -387,7 +387,8 @@ def _check_relations(raw: Mapping[str, Any], valid: dict[str, Any], errors: list
     privacy = valid.get("privacy")
     if privacy is not None and None not in (algorithm, config, model, secure, min_cohort) and "rounds" in valid:
         errors += privacy_spec.job_problems(
-            privacy, algorithm=algorithm, make_server=lambda: registry.make_server(algorithm, config),
+            privacy, algorithm=algorithm,
+            make_server=lambda: registry.make_server(algorithm, {**config, "reveal": list(reveal)} if reveal else config),
             initial=lambda: registry.initial_model(model), secure=secure, rounds=valid["rounds"],
             cohort_size=cohort, min_cohort=min_cohort,
         )

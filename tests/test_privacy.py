@@ -228,13 +228,6 @@ def test_a_refused_spec_names_the_reason(privacy, reason):
         parse(SPEC.format(algorithm="fedavg") + f"privacy: {privacy}\n")
 
 
-def test_fields_without_an_l2_bound_are_refused_by_name():
-    text = ("name: dp\nalgorithm: agnostic_fedavg\nrounds: 5\ncohort_size: 20\n"
-            "privacy: {mechanism: central, clip: 1.0, noise_multiplier: 1.0}\n")
-    with pytest.raises(JobSpecError, match="'domain_count' \\(an exact count\\) declares no L2 sensitivity"):
-        parse(text)
-
-
 def test_distributed_dp_needs_honest_survivors():
     text = SPEC.format(algorithm="fedavg").replace("cohort_size: 20", "cohort_size: 2\nmin_cohort: 2") + (
         "secure: {dropout_rate: 0.5, corrupt_rate: 0.4}\n"

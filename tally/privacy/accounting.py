@@ -16,6 +16,7 @@ assumption, McMahan et al. 2018), which the operator must make true.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -54,6 +55,7 @@ def epsilon_of(noise_multiplier: float, rounds: int, delta: float, sampling_rate
     return float(accountant.get_epsilon(delta))
 
 
+@functools.lru_cache(maxsize=64)  # a job's submit check and its runner calibrate the same target
 def calibrate(target_epsilon: float, delta: float, rounds: int, sampling_rate: float = 1.0) -> float:
     """The smallest noise multiplier whose ``rounds`` rounds stay within ``target_epsilon``;
     ``PrivacyRefused`` when none up to MAX_NOISE_MULTIPLIER does."""

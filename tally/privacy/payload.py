@@ -53,8 +53,9 @@ class PrivateClient:
 
 def privatise(values: Mapping[str, np.ndarray], public: Mapping[str, np.ndarray]) -> Arrays:
     """A payload clipped (central) or encoded in the ring with noise (distributed)."""
-    order = sorted((int(v[0]), k[len(FIELD_PREFIX):]) for k, v in public.items() if k.startswith(FIELD_PREFIX))
-    names = [name for _, name in order]
+    order = sorted((int(v[0]), k[len(FIELD_PREFIX):], float(v[1]) if np.size(v) > 1 else 1.0)
+                   for k, v in public.items() if k.startswith(FIELD_PREFIX))
+    names = [name for _, name, _ in order]
     for name in (k[len(COUNTED_PREFIX):] for k in public if k.startswith(COUNTED_PREFIX)):
         if name not in values or not np.all(np.asarray(values[name]) == 1):
             raise CodecError(f"{name!r} is counted under DP (the server uses the number of contributors), "
@@ -63,10 +64,12 @@ def privatise(values: Mapping[str, np.ndarray], public: Mapping[str, np.ndarray]
     if missing:
         raise CodecError(f"the step asks for DP over fields {missing} the payload does not have")
     shapes = [(n, np.shape(values[n])) for n in names]
-    vector = np.concatenate([np.asarray(values[n], dtype=np.float64).ravel() for n in names])
+    # Each field in units of the joint clip (a bounded field's unit is its L2 bound / clip).
+    units = np.repeat([unit for _, _, unit in order], [int(np.prod(shape, dtype=np.int64)) for _, shape in shapes])
+    vector = np.concatenate([np.asarray(values[n], dtype=np.float64).ravel() for n in names]) / units
     code, clip, scale, bound_sq, sigma = (float(x) for x in public[PARAMS])
     if code == MECHANISM_CODES[CENTRAL]:
-        return split(mechanisms.clip_l2(vector, clip), shapes)
+        return split(units * mechanisms.clip_l2(vector, clip), shapes)
     share = mechanisms.DeviceShare(clip, scale, bound_sq, sigma)
     return {DP_FIELD: mechanisms.encode_distributed(vector, share, int(public[SEED][0]))}
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import secrets
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -18,7 +18,7 @@ import numpy as np
 from tally.algorithms.base import Arrays, StepSpec
 from tally.codec import PayloadSchema
 from tally.privacy import mechanisms
-from tally.privacy.accounting import PrivacyLedger, RoundPrivacy
+from tally.privacy.accounting import PrivacyLedger, RoundPrivacy, calibrate
 from tally.privacy.payload import CENTRAL, COUNTED_PREFIX, FIELD_PREFIX, MECHANISM_CODES, PARAMS, SEED, split
 from tally.privacy.planning import (
     DEFAULT_WRAP_PROBABILITY,
@@ -45,6 +45,11 @@ class PrivacySettings:
     sampling_rate: float = 1.0
     bits: int | None = None
     wrap_probability: float = DEFAULT_WRAP_PROBABILITY
+    # Set when noise_multiplier was calibrated to a target: the job's rounds and the sums per
+    # round it was calibrated for (every released sum is one event in the accountant).
+    target_epsilon: float | None = None
+    rounds: int = 0
+    sums_per_round: int = 1
 
 
 @dataclass(frozen=True)
@@ -80,7 +85,19 @@ class PrivateServer:
         return self.inner.name
 
     def init(self, params: Arrays) -> Any:
-        return self.inner.init(params)
+        state = self.inner.init(params)
+        self._calibrate(len(self.inner.steps(state)))
+        return state
+
+    def _calibrate(self, sums_per_round: int) -> None:
+        """A target epsilon covers every sum the job releases: an algorithm with k sums a round
+        (FedDAR 2, AAggFF 3) composes k events a round, so its noise is calibrated for k * rounds."""
+        s = self.settings
+        if s.target_epsilon is None or sums_per_round == s.sums_per_round:
+            return
+        z = calibrate(s.target_epsilon, s.delta, s.rounds * sums_per_round, s.sampling_rate)
+        self.settings = replace(s, noise_multiplier=z, sums_per_round=sums_per_round)
+        self._prepared.clear()
 
     def model(self, state: Any) -> Arrays:
         return self.inner.model(state)
@@ -116,19 +133,22 @@ class PrivateServer:
             SEED: np.array([seed], dtype=np.int64),
             PARAMS: np.array([MECHANISM_CODES[self.settings.mechanism], self.settings.clip, *share]),
         }
-        out.update({FIELD_PREFIX + f.name: np.array([i], dtype=np.int64)
-                    for i, f in enumerate(prepared.layout.clipped)})
+        units = prepared.layout.units(self.settings.clip)
+        out.update({FIELD_PREFIX + f.name: np.array([i, unit])  # its place in the vector, its unit
+                    for i, (f, unit) in enumerate(zip(prepared.layout.clipped, units, strict=True))})
         out.update({COUNTED_PREFIX + f.name: np.ones(1) for f in prepared.layout.counted})
         return out
 
     def apply(self, state: Any, step: str, total: Mapping[str, np.ndarray]) -> Any:
         prepared = self._prepared[step]
         fields = prepared.layout.clipped
-        if prepared.plan is not None:
-            vector = mechanisms.decode_distributed(total[DP_FIELD], prepared.plan, self._seeds[step])
+        units = np.repeat(prepared.layout.units(self.settings.clip), [f.size for f in fields])
+        if prepared.plan is not None:  # the ring carries the fields in units of the joint clip
+            vector = units * mechanisms.decode_distributed(total[DP_FIELD], prepared.plan, self._seeds[step])
         else:
             vector = np.concatenate([np.asarray(total[f.name], dtype=np.float64).ravel() for f in fields])
-            vector = vector + mechanisms.central_noise(self.settings.noise_multiplier, self.settings.clip, vector.size)
+            noise = mechanisms.central_noise(self.settings.noise_multiplier, self.settings.clip, vector.size)
+            vector = vector + units * noise
         released = split(vector, [(f.name, f.shape) for f in fields])
         if prepared.layout.counted:
             if step not in self._survivors:

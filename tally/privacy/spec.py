@@ -54,7 +54,7 @@ def settings_for(privacy: PrivacySpec, *, rounds: int, cohort_size: int, min_coh
         z = calibrate(privacy.target_epsilon, privacy.delta, rounds, q)
     return PrivacySettings(
         privacy.mechanism, privacy.clip, z, privacy.delta, cohort_size, dropout_rate, corrupt_rate,
-        min_cohort, q, privacy.bits, privacy.wrap_probability,
+        min_cohort, q, privacy.bits, privacy.wrap_probability, privacy.target_epsilon, rounds,
     )
 
 
