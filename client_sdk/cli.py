@@ -164,6 +164,10 @@ def _add_common(p: argparse.ArgumentParser) -> None:
                    help="import this module's TALLY_MODELS, as the coordinator does (repeatable)")
     p.add_argument("--hidden", type=int, default=64,
                    help="hidden units of the mlp, channels of the cnn (must match the job's model)")
+    p.add_argument(
+        "--min-noise-multiplier", type=_non_negative, default=0.0, metavar="Z",
+        help="refuse any sum whose differential-privacy noise is below multiplier Z: it must be "
+        "distributed noise that the device adds its own share of (default: 0, no floor)")
     add_metrics_arguments(p, "client", optional=True)
     p.add_argument("--log-level", default="warning", help="structured JSON logs on stderr at this level")
     add_tls_arguments(p, identity="device")
@@ -175,6 +179,16 @@ def _load(flag: str, load: Callable[[Path], T], path: Path) -> T:
         return load(path)
     except (OSError, ValueError) as exc:
         raise ValueError(f"{flag} {path}: {getattr(exc, 'strerror', None) or exc}") from None
+
+
+def _non_negative(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not value >= 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
+    return value
 
 
 def _hex(text: str) -> bytes:
@@ -240,6 +254,7 @@ def run_client(args: argparse.Namespace) -> int:
         identity=identity,
         enrolment_credential=args.credential,
         coordinator_key=coordinator_key,
+        policy=DevicePolicy(min_noise_multiplier=args.min_noise_multiplier),
     )
     with _metrics_server(args, metrics):
         stats = _run_until_signal(lambda stop: device.run(stop, args.max_tasks))
@@ -325,7 +340,7 @@ def _play(args: argparse.Namespace, on_stats: Callable[[FleetStats], None] | Non
         id_prefix=args.id_prefix,
         first_index=first,
         audit=args.synthetic or args.audit_token_file is not None or args.audit_out is not None,
-        device_policy=DevicePolicy(allow_plain=args.allow_plain),
+        device_policy=DevicePolicy(allow_plain=args.allow_plain, min_noise_multiplier=args.min_noise_multiplier),
         enrolment_key=enrolment_key,
         profile=profile,
         metrics=ClientMetrics(FleetTimeline(args.seed) if args.report is not None else None),

@@ -22,10 +22,10 @@ import numpy as np
 from client_sdk.metrics import ClientMetrics
 from client_sdk.synthetic import SyntheticUpdates
 from tally import algorithms
-from tally.algorithms.base import Arrays, ClientAlgorithm, LocalTrainer
+from tally.algorithms.base import Arrays, LocalTrainer
 from tally.codec import PayloadSchema
 from tally.codec.fingerprint import ring_fingerprint, sum_key
-from tally.privacy.payload import PrivateClient, ring_encode
+from tally.privacy.payload import NoiseBelowFloor, PrivateClient, ring_encode
 from tally.secagg import SessionConfig
 from tally.wire.convert import from_proto, schema_from_proto, tensors_from_proto
 from tally.wire.v1 import coordinator_pb2
@@ -42,11 +42,12 @@ class TaskPlan:
     task: coordinator_pb2.TaskAssignment
     config: SessionConfig
     first_sum: str
-    client_half: ClientAlgorithm
+    client_half: PrivateClient
 
 
-def plan_task(task: coordinator_pb2.TaskAssignment) -> TaskPlan:
-    """Validate an assignment; ``TaskError``/``WireError`` name what is wrong."""
+def plan_task(task: coordinator_pb2.TaskAssignment, min_noise_multiplier: float = 0.0) -> TaskPlan:
+    """Validate an assignment; ``TaskError``/``WireError`` name what is wrong. A step whose DP
+    noise is below ``min_noise_multiplier`` is refused when its broadcast arrives."""
     if not task.HasField("session") or not task.HasField("step"):
         raise TaskError("task assignment without a session or a step")
     config = from_proto(task.session)
@@ -61,7 +62,7 @@ def plan_task(task: coordinator_pb2.TaskAssignment) -> TaskPlan:
     except (ValueError, TypeError) as exc:
         raise TaskError(f"algorithm {task.algorithm!r}: {exc}") from exc
     # Applies the differential privacy a step's broadcast asks for (tally/privacy), none otherwise.
-    return TaskPlan(task, config, first_sum, PrivateClient(client_half))
+    return TaskPlan(task, config, first_sum, PrivateClient(client_half, min_noise_multiplier, config.n))
 
 
 @dataclass(frozen=True)
@@ -167,9 +168,15 @@ class Contribution:
         schema.check_bits(self.plan.config.n, spec.bits)
         loop = asyncio.get_running_loop()
         start = time.perf_counter()
-        vector, state, clipped = await loop.run_in_executor(
-            self._executor, self._contribute, step.name, broadcast, schema, sum_id, spec.bits
-        )
+        try:
+            vector, state, clipped = await loop.run_in_executor(
+                self._executor, self._contribute, step.name, broadcast, schema, sum_id, spec.bits
+            )
+        except NoiseBelowFloor as exc:
+            self._metrics.privacy_checks.labels(outcome=exc.reason).inc()
+            raise
+        if self.plan.client_half.min_noise_multiplier > 0:
+            self._metrics.privacy_checks.labels(outcome="accepted").inc()
         self._metrics.compute_seconds.observe(time.perf_counter() - start)
         self._metrics.encoded_values.inc(schema.dim)
         self._metrics.clipped_values.inc(clipped)
@@ -181,6 +188,7 @@ class Contribution:
         self, step: str, broadcast: Arrays, schema: PayloadSchema, sum_id: str, bits: int
     ) -> tuple[np.ndarray, Any, int]:
         task = self.plan.task
+        self.plan.client_half.check(broadcast)  # synthetic updates too: the floor is the device's
         if isinstance(self.trainer, SyntheticUpdates):
             values, state = self.trainer.values(task.job_id, task.round, step, schema), self.local_state
         else:

@@ -86,6 +86,8 @@ class DeviceStats:
     contributed: list[tuple[str, int]] = field(default_factory=list)
     # Jobs this device was given tasks of, in order.
     jobs: list[str] = field(default_factory=list)
+    # Sums refused because their DP noise was below this device's floor (--min-noise-multiplier).
+    privacy_refusals: int = 0
     # The last coordinator call that had to be retried, and why ("CheckIn: UNAVAILABLE").
     last_error: str = ""
     # Whether a job of the device's population ever ran while it checked in, and whether none
@@ -311,7 +313,7 @@ class Device:
                                 f"this device already sent an input in round {task.round} of job "
                                 f"{task.job_id}", fields)
         try:
-            plan = plan_task(task)
+            plan = plan_task(task, self.policy.min_noise_multiplier)
         except (TaskError, WireError) as exc:
             return self._refuse(task, "invalid_task", exc, fields)
         try:
@@ -358,6 +360,8 @@ class Device:
         else:
             assert outcome.status == ABORTED
             stats.sessions_aborted += 1
+        if outcome.label == "privacy_floor":
+            stats.privacy_refusals += 1
         if outcome.contributed:
             # Local state advances only when this device's input is in the round's sums.
             self._local[task.job_id] = contribution.local_state

@@ -78,6 +78,11 @@ class ClientMetrics:
             "tally_client_rpc_seconds", "Coordinator calls that succeeded, by method: latency as the device saw it",
             ["method"], buckets=DURATION_BUCKETS, registry=r,
         )
+        self.privacy_checks = Counter(
+            "tally_client_privacy_checks_total",
+            "Steps a device with a noise floor (--min-noise-multiplier) checked, by outcome: accepted, or "
+            "refused as no_noise, central, below_floor or share_mismatch", ["outcome"], registry=r,
+        )
         self.misbehaviours = Counter(
             "tally_client_misbehaviours_total",
             "Misbehaviour a simulated device's behaviour profile made it commit, by kind (late, duplicate, "

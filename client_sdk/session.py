@@ -26,6 +26,7 @@ from client_sdk.download import DownloadError
 from client_sdk.metrics import ClientMetrics
 from tally import logs
 from tally.algorithms.base import ModelMismatch
+from tally.privacy.payload import NoiseBelowFloor
 from tally.secagg import DevicePolicy, ProtocolError, SecAggClient, SessionConfig, SigningKey
 from tally.secagg.messages import (
     Abort,
@@ -134,6 +135,8 @@ def input_failure_label(error: BaseException) -> str:
     """The report label of a failure to produce this device's input."""
     if isinstance(error, ModelMismatch):
         return "model_mismatch"
+    if isinstance(error, NoiseBelowFloor):
+        return "privacy_floor"
     if isinstance(error, (grpc.RpcError, DownloadError)):
         return "download_failed"
     if isinstance(error, TaskError):

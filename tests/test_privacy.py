@@ -22,8 +22,8 @@ from tally.privacy import randomness
 from tally.privacy.accounting import PrivacyLedger, calibrate, epsilon_of
 from tally.privacy.errors import PrivacyRefused
 from tally.privacy.mechanisms import conditional_round
-from tally.privacy.payload import PrivateClient, ring_encode
-from tally.privacy.planning import plan_distributed, rounding_bound_sq
+from tally.privacy.payload import PARAMS, NoiseBelowFloor, PrivateClient, check_noise_floor, ring_encode
+from tally.privacy.planning import DP_FIELD, plan_distributed, rounding_bound_sq
 from tally.privacy.rotation import rotate, unrotate
 from tally.privacy.server import PrivacySettings, PrivateServer
 
@@ -265,3 +265,50 @@ def test_without_example_cap_one_the_weight_is_clipped_with_the_update():
     joint = np.concatenate([payload["weighted_delta"], [payload["weight"]]])
     assert np.linalg.norm(joint) == pytest.approx(1.0)  # (0.25 * 1, 0.25) scaled onto the unit ball
     assert payload["weighted_delta"][0] / payload["weight"] == pytest.approx(1.0)  # the mean update kept
+
+
+def floor_broadcast(mechanism: str, z: float, cohort: int = 20):
+    private, client, state = fedavg_job(mechanism, cohort, z)
+    private.steps(state)
+    return private, client, state, private.broadcast(state, "update")
+
+
+@pytest.mark.parametrize("mechanism, z, floor, reason", [
+    ("distributed", 0.5, 1.0, "below_floor"),
+    ("central", 2.0, 1.0, "central"),
+])
+def test_a_device_refuses_noise_below_its_floor(mechanism, z, floor, reason):
+    _, client, _, broadcast = floor_broadcast(mechanism, z)
+    guarded = PrivateClient(client.inner, min_noise_multiplier=floor, cohort=20)
+    with pytest.raises(NoiseBelowFloor, match=">= 1|floor 1") as refused:
+        guarded.contribute("update", broadcast, ShiftTrainer(0.001), None)
+    assert refused.value.reason == reason
+
+
+def test_a_device_refuses_a_step_without_noise_and_accepts_enough():
+    plain = FedAvgClient(FedAvgConfig(example_cap=1))
+    with pytest.raises(NoiseBelowFloor, match="no DP noise") as refused:
+        PrivateClient(plain, 1.0, 20).contribute("update", {"w": np.zeros(3)}, ShiftTrainer(0.001), None)
+    assert refused.value.reason == "no_noise"
+    _, client, _, broadcast = floor_broadcast("distributed", 1.0)
+    payload, _ = PrivateClient(client.inner, 1.0, 20).contribute("update", broadcast, ShiftTrainer(0.001), None)
+    assert set(payload) == {DP_FIELD}
+
+
+@given(shrink=st.floats(0.05, 0.99), inflate=st.integers(1, 40))
+@settings(max_examples=30, deadline=None)
+def test_a_share_smaller_than_the_declared_noise_is_refused(shrink, inflate):
+    """A server that declares z but asks each device for a smaller share, or claims more noisy
+    devices than the cohort holds, gets no input from a device whose floor is z."""
+    _, client, _, broadcast = floor_broadcast("distributed", 1.0)
+    params = broadcast[PARAMS].copy()
+    cheat = dict(broadcast)
+    cheat[PARAMS] = np.concatenate([params[:4], [params[4] * shrink], params[5:]])
+    with pytest.raises(NoiseBelowFloor, match="share") as refused:
+        check_noise_floor(cheat, 1.0, cohort=20)
+    assert refused.value.reason == "share_mismatch"
+    # Claiming more honest devices than the cohort: each share is smaller by sqrt of the claim.
+    claimed = params[6] + inflate
+    cheat[PARAMS] = np.concatenate([params[:4], [params[4] * math.sqrt(params[6] / claimed)], params[5:6], [claimed]])
+    with pytest.raises(NoiseBelowFloor):
+        check_noise_floor(cheat, 1.0, cohort=int(params[6]))

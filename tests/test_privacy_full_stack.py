@@ -102,3 +102,40 @@ def test_a_restarted_coordinator_keeps_the_epsilon_spent(tmp_path):
     for record in committed[1:]:
         after_restart.replay(record.round, record.metrics)
     assert committed[-1].metrics["privacy.epsilon"] == total > after_restart.epsilon
+
+
+def test_devices_refuse_noise_below_their_floor_through_the_services(tmp_path):
+    """Devices started with a noise floor above the job's noise take no part in its sums: they
+    refuse each step when its broadcast shows the noise (task report reason privacy_floor,
+    tally_client_privacy_checks_total{outcome="below_floor"}), while the others' sums commit."""
+    from client_sdk.metrics import ClientMetrics
+    from tally.secagg import DevicePolicy
+
+    rounds, trusting, wary = 2, 14, 3
+    text = job_text("dp-floor", "fedavg", rounds, trusting + wary, "dp-floor", {"example_cap": 1}).replace(
+        "dropout_rate: 0.1", "dropout_rate: 0.2").replace("min_cohort: 5", "min_cohort: 12") + PRIVACY  # z 0.5
+    registry.register_model("dp-floor", lambda _spec: {"w": np.zeros(15)})
+
+    async def main():
+        async with stack(tmp_path) as s:
+            job_id = await s.submit(text)
+            metrics = ClientMetrics()
+            fleets = [s.fleet([ShiftDevice(0.01) for _ in range(trusting)], seed=1, id_prefix="trusting"),
+                      s.fleet([ShiftDevice(0.01) for _ in range(wary)], seed=2, id_prefix="wary", metrics=metrics,
+                              device_policy=DevicePolicy(min_noise_multiplier=1.0))]
+            stats = await asyncio.gather(*(f.run(until=f.until_job_done(job_id, every_seconds=0.2)) for f in fleets))
+            for fleet in fleets:
+                fleet.close()
+            return await s.job(job_id), s.coordinator.store.rounds(job_id), stats, metrics
+
+    try:
+        job, records, (trusted_stats, wary_stats), metrics = run(main())
+    finally:
+        registry.unregister_model("dp-floor")
+    assert job.state == common_pb2.JOB_STATE_SUCCEEDED, job.message
+    assert trusted_stats.rounds[job.job_id] == list(range(1, rounds + 1))
+    assert wary_stats.rounds.get(job.job_id, []) == []  # not one sum holds a wary device's input
+    refused = metrics.registry.get_sample_value("tally_client_privacy_checks_total", {"outcome": "below_floor"})
+    assert refused is not None and refused >= rounds
+    committed = [r for r in records if r.state == "committed"]
+    assert all(r.metrics["update.contributors"] <= trusting for r in committed)

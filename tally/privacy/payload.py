@@ -3,11 +3,12 @@ client wrapper that applies them, and ring encoding of a payload already in the 
 
 The parameters travel with the step's broadcast (``dp.*`` tensors), so a device needs no
 configuration: it applies what the server's step asks for, and strips those tensors before its
-algorithm sees the broadcast. Nothing here needs the accountant (devices do not install it).
+algorithm sees the broadcast. A device with a noise floor checks them first (``check_noise_floor``). Nothing here needs the accountant (devices do not install it).
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from typing import Any
 
@@ -36,16 +37,64 @@ def split(vector: np.ndarray, shapes: list[tuple[str, tuple[int, ...]]]) -> dict
     return out
 
 
-class PrivateClient:
-    """A client half that applies whatever DP the step's broadcast asks for (nothing if none)."""
+class NoiseBelowFloor(ValueError):
+    """The step asks this device for less privacy than its own floor; ``reason`` is a short label
+    (``no_noise``, ``central``, ``below_floor``, ``share_mismatch``) for metrics."""
 
-    def __init__(self, inner: ClientAlgorithm) -> None:
-        self.inner = inner
+    def __init__(self, reason: str, message: str) -> None:
+        super().__init__(message)
+        self.reason = reason
+
+
+def check_noise_floor(public: Mapping[str, np.ndarray], floor: float, cohort: int) -> None:
+    """``NoiseBelowFloor`` unless the step's DP gives at least noise multiplier ``floor``.
+
+    A device does not trust the server's DP parameters: the step must ask for distributed noise
+    (central noise is the server's to add, so unverifiable), declare a multiplier at or above the
+    floor, and the share this device is told to add must carry that multiplier: its share std
+    times sqrt(honest devices) at least ``floor`` times its discretised sensitivity, with the
+    honest devices counted at most ``cohort`` (the session's size, which the device checks
+    against its roster). A server asking a small share while claiming more noisy devices than the
+    cohort holds is refused too."""
+    if floor <= 0:
+        return
+    if PARAMS not in public:
+        raise NoiseBelowFloor("no_noise", f"the step adds no DP noise; this device requires noise multiplier >= {floor:g}")
+    params = [float(x) for x in public[PARAMS]]
+    code, declared, honest = params[0], params[5] if len(params) > 5 else 0.0, params[6] if len(params) > 6 else 0.0
+    if code != MECHANISM_CODES[DISTRIBUTED]:
+        raise NoiseBelowFloor("central", "the step's noise is central (added by the server, which this device "
+                              f"cannot verify); this device requires distributed noise multiplier >= {floor:g}")
+    if declared < floor:
+        raise NoiseBelowFloor("below_floor", f"the step declares noise multiplier {declared:g}, below this device's "
+                              f"floor {floor:g}")
+    _, _, _, bound_sq, sigma = params[:5]
+    counted = min(honest, float(cohort))
+    carried = sigma * math.sqrt(counted) / math.sqrt(bound_sq) if bound_sq > 0 else 0.0
+    if carried < floor * (1 - 1e-9):
+        raise NoiseBelowFloor("share_mismatch", f"the noise share this device is asked to add (std {sigma:g} ring "
+                              f"units over {counted:g} honest devices of a cohort of {cohort}) carries noise "
+                              f"multiplier {carried:.4g}, below this device's floor {floor:g}")
+
+
+class PrivateClient:
+    """A client half that applies whatever DP the step's broadcast asks for (nothing if none),
+    refusing a step whose noise is below ``min_noise_multiplier`` (0: no floor) over a cohort of
+    ``cohort`` devices (the session's size)."""
+
+    def __init__(self, inner: ClientAlgorithm, min_noise_multiplier: float = 0.0, cohort: int = 0) -> None:
+        self.inner, self.min_noise_multiplier, self.cohort = inner, min_noise_multiplier, cohort
+
+    def check(self, broadcast: Mapping[str, np.ndarray]) -> None:
+        """``NoiseBelowFloor`` when the step's DP is below this device's floor."""
+        check_noise_floor({k: v for k, v in broadcast.items() if k.startswith("dp.")},
+                          self.min_noise_multiplier, self.cohort)
 
     def contribute(
         self, step: str, broadcast: Mapping[str, np.ndarray], device: LocalTrainer, local_state: Any
     ) -> tuple[Arrays, Any]:
         public = {k: v for k, v in broadcast.items() if k.startswith("dp.")}
+        self.check(public)  # before any training
         plain = {k: v for k, v in broadcast.items() if not k.startswith("dp.")}
         values, state = self.inner.contribute(step, plain, device, local_state)
         return (privatise(values, public) if public else values), state
@@ -67,7 +116,7 @@ def privatise(values: Mapping[str, np.ndarray], public: Mapping[str, np.ndarray]
     # Each field in units of the joint clip (a bounded field's unit is its L2 bound / clip).
     units = np.repeat([unit for _, _, unit in order], [int(np.prod(shape, dtype=np.int64)) for _, shape in shapes])
     vector = np.concatenate([np.asarray(values[n], dtype=np.float64).ravel() for n in names]) / units
-    code, clip, scale, bound_sq, sigma = (float(x) for x in public[PARAMS])
+    code, clip, scale, bound_sq, sigma = (float(x) for x in public[PARAMS][:5])
     if code == MECHANISM_CODES[CENTRAL]:
         return split(units * mechanisms.clip_l2(vector, clip), shapes)
     share = mechanisms.DeviceShare(clip, scale, bound_sq, sigma)

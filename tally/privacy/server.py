@@ -128,10 +128,14 @@ class PrivateServer:
         prepared = self._prepared[step]
         seed = self._seeds[step] = secrets.randbits(63)
         plan = prepared.plan
-        share = (0.0, 0.0, 0.0) if plan is None else (plan.scale, plan.bound_sq, plan.sigma_device)
+        share = (0.0, 0.0, 0.0, 0.0) if plan is None else (plan.scale, plan.bound_sq, plan.sigma_device,
+                                                              plan.noise_devices)
+        # The declared multiplier and the honest devices the share is planned over come after the
+        # share, for devices that check them against their own floor (payload.check_noise_floor).
         out: Arrays = {
             SEED: np.array([seed], dtype=np.int64),
-            PARAMS: np.array([MECHANISM_CODES[self.settings.mechanism], self.settings.clip, *share]),
+            PARAMS: np.array([MECHANISM_CODES[self.settings.mechanism], self.settings.clip, *share[:3],
+                              self.settings.noise_multiplier, share[3]]),
         }
         units = prepared.layout.units(self.settings.clip)
         out.update({FIELD_PREFIX + f.name: np.array([i, unit])  # its place in the vector, its unit

@@ -4,7 +4,8 @@ The configuration of a session comes from servers the threat model does not trus
 therefore re-checks it against its own minimum threat model before it makes a single key: a
 threshold low enough for corrupt neighbours and a lying server to reach, a cohort below its own
 privacy floor, a roster that does not list its own identity key, or a plain (unmasked) session
-it never opted into are all refused. (A survivor set smaller than t is refused later, phase by
+it never opted into are all refused. So is a step whose DP noise is below the device's noise
+floor, checked when its broadcast arrives. (A survivor set smaller than t is refused later, phase by
 phase: the device unmasks only with t surviving neighbours.)
 """
 
@@ -36,6 +37,9 @@ class DevicePolicy:
     threat: ThreatModel | None = field(default_factory=lambda: ThreatModel(dropout_rate=0.0))
     allow_plain: bool = False
     min_cohort: int = 2
+    # Differential privacy the device requires of every sum it joins (0: none required): a step
+    # must add distributed noise of at least this multiplier (tally.privacy.payload.check_noise_floor).
+    min_noise_multiplier: float = 0.0
 
     def check(self, config: SessionConfig, index: int, identity_public: bytes) -> None:
         if config.plain:
