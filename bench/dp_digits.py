@@ -11,6 +11,12 @@ Runs the in-process simulator (``tally.simulation.run_rounds``) with the privacy
   planner) at each target epsilon;
 * distributed DP at ``--bits-epsilon`` with the ring forced to each of ``--bits``.
 
+``--services`` runs the sweep through the real services instead (no DP and distributed DP at
+each target epsilon, seed 0): a coordinator and two aggregators as processes over TLS
+(``tally.chaos.cluster.LocalCluster``), the devices as an SDK fleet with masking on, each
+cohort's ``--dropout`` leaving before its masked input; next to each, the in-process run at the
+same settings, so the two can be compared (accuracy within noise, the epsilon spent).
+
 Each target epsilon is calibrated with dp-accounting (RDP) over the rounds with Poisson
 amplification q = cohort / clients, and the simulator samples exactly so: each device takes part
 in a round with probability q (the cohort size varies around ``--cohort``). The ledger's spent
@@ -28,6 +34,7 @@ import json
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from importlib import metadata
 from pathlib import Path
 
@@ -70,6 +77,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--bits-epsilon", type=float, default=4.0)
     p.add_argument("--bits", type=int, nargs="*", default=[10, 11, 12, 13, 14, 16, 20, 24])
     p.add_argument("--seeds", type=int, default=2)
+    p.add_argument("--services", action="store_true",
+                   help="run no DP and distributed DP at each --epsilons through a real coordinator, two "
+                   "aggregators and a fleet (seed 0), next to the in-process run at the same settings")
+    p.add_argument("--workdir", type=Path, help="--services: where the processes keep state and logs "
+                   "(default: a temporary directory)")
     p.add_argument("--json", type=Path)
     p.add_argument("--plot", type=Path)
     return p.parse_args(argv)
@@ -87,11 +99,15 @@ def poisson(q: float):
     return lambda rng, population: np.flatnonzero(rng.random(population) < q).tolist()
 
 
+def fedavg_options(args: argparse.Namespace) -> dict:
+    return {"local_epochs": args.local_epochs, "local_lr": args.local_lr, "server_lr": args.server_lr,
+            "example_cap": 1, "batch_size": 16}
+
+
 def run(args: argparse.Namespace, seed: int, mechanism: str | None, epsilon: float | None,
         bits: int | None = None) -> dict:
     devices, initial, test = population(args, seed)
-    config = FedAvgConfig(local_epochs=args.local_epochs, local_lr=args.local_lr, server_lr=args.server_lr,
-                          example_cap=1, batch_size=16)
+    config = FedAvgConfig(**fedavg_options(args))
     server, client = FedAvgServer(config), FedAvgClient(config)
     start = time.perf_counter()
     if mechanism is None:
@@ -129,6 +145,11 @@ def median_over_seeds(results: list[dict]) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.services:
+        import dp_services
+
+        write_report(args, dp_services.sweep_through_services(args, run, population), dp_services.plot)
+        return 0
     configs = [("none", None, None, None)]
     configs += [(m, m, e, None) for e in args.epsilons for m in ("central", "distributed")]
     configs += [("distributed", "distributed", args.bits_epsilon, b) for b in args.bits]
@@ -159,13 +180,17 @@ def main(argv: list[str] | None = None) -> int:
                       f"{r.get('noise_multiplier', 0):.2f}", f"{r.get('bits') or '-'}",
                       f"{r.get('bytes_per_device_round', '-')}", f"{r['accuracy']:.3f}")
     Console().print(table)
+    write_report(args, rows, plot)
+    return 0
+
+
+def write_report(args: argparse.Namespace, rows: list[dict], plot: Callable[[list[dict], argparse.Namespace], None]) -> None:
     report = {"args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
               "tally_version": metadata.version("tally"), "rows": rows}
     if args.json:
         args.json.write_text(json.dumps(report, indent=2))
     if args.plot:
         plot(rows, args)
-    return 0
 
 
 def plot(rows: list[dict], args: argparse.Namespace) -> None:

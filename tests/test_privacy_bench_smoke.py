@@ -38,3 +38,21 @@ def test_dp_ring_bits_smoke(tmp_path):
     run("dp_ring_bits.py", "--dim", "100", "--cohorts", "10", "100000", "--noise-multipliers", "1", "--json", str(out))
     small, large = json.loads(out.read_text())["rows"]
     assert small["bits"] < large["bits"] and large["beyond_tff_cap"]
+
+
+def test_dp_digits_through_the_services_smoke(tmp_path):
+    """--services: a coordinator, two aggregators (processes, TLS) and a fleet run the job with and
+    without distributed DP; each row holds the services' run and the in-process run beside it."""
+    out, plot = tmp_path / "services.json", tmp_path / "services.png"
+    run("dp_digits.py", "--services", "--clients", "40", "--cohort", "16", "--rounds", "2", "--hidden", "4",
+        "--epsilons", "8", "--workdir", str(tmp_path / "work"), "--json", str(out), "--plot", str(plot))
+    none, private = json.loads(out.read_text())["rows"]
+    assert none["target_epsilon"] is None and private["target_epsilon"] == 8
+    for row in (none, private):
+        assert row["services"]["committed_rounds"] == 2 and 0 <= row["services"]["accuracy"] <= 1
+        assert 0 <= row["in_process"]["accuracy"] <= 1
+    assert "epsilon_spent" not in none["services"]
+    # The ledger's epsilon from the committed rounds' honest survivors: positive and finite, and,
+    # with cohorts near the planned 16, near the target.
+    assert 0 < private["services"]["epsilon_spent"] < 2 * 8
+    assert plot.stat().st_size > 0
