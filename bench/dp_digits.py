@@ -12,7 +12,7 @@ Runs the in-process simulator (``tally.simulation.run_rounds``) with the privacy
 * distributed DP at ``--bits-epsilon`` with the ring forced to each of ``--bits``.
 
 ``--services`` runs the sweep through the real services instead (no DP and distributed DP at
-each target epsilon, seed 0): a coordinator and two aggregators as processes over TLS
+each target epsilon, ``--seeds`` seeds): a coordinator and two aggregators as processes over TLS
 (``tally.chaos.cluster.LocalCluster``), the devices as an SDK fleet with masking on, each
 cohort's ``--dropout`` leaving before its masked input; next to each, the in-process run at the
 same settings, so the two can be compared (accuracy within noise, the epsilon spent).
@@ -79,7 +79,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seeds", type=int, default=2)
     p.add_argument("--services", action="store_true",
                    help="run no DP and distributed DP at each --epsilons through a real coordinator, two "
-                   "aggregators and a fleet (seed 0), next to the in-process run at the same settings")
+                   "aggregators and a fleet, next to the in-process run at the same settings")
     p.add_argument("--workdir", type=Path, help="--services: where the processes keep state and logs "
                    "(default: a temporary directory)")
     p.add_argument("--json", type=Path)
@@ -148,7 +148,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.services:
         import dp_services
 
-        write_report(args, dp_services.sweep_through_services(args, run, population), dp_services.plot)
+        rows = dp_services.sweep_through_services(args, run, population, median_over_seeds)
+        write_report(args, rows, dp_services.plot)
         return 0
     configs = [("none", None, None, None)]
     configs += [(m, m, e, None) for e in args.epsilons for m in ("central", "distributed")]

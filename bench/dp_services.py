@@ -91,23 +91,27 @@ async def _through_services(args: argparse.Namespace, seed: int, epsilon: float 
     return out
 
 
-def sweep_through_services(args: argparse.Namespace, in_process: Callable[..., dict],
-                           population: Callable) -> list[dict]:
-    """Rows of (services, in process) per configuration, also printed as a table."""
+def sweep_through_services(args: argparse.Namespace, in_process: Callable[..., dict], population: Callable,
+                           median: Callable[[list[dict]], dict]) -> list[dict]:
+    """Rows of (services, in process) per configuration, each the ``median`` over ``--seeds``
+    seeds (with every seed's accuracy), also printed as a table."""
     configs: list[float | None] = [None, *args.epsilons]
     rows = []
     with tempfile.TemporaryDirectory() as tmp, Progress(console=Console(stderr=True)) as progress:
         root = args.workdir or Path(tmp)
-        task = progress.add_task("DP digits through the services", total=2 * len(configs))
+        task = progress.add_task("DP digits through the services", total=2 * len(configs) * args.seeds)
         for i, epsilon in enumerate(configs):
-            services = asyncio.run(_through_services(args, 0, epsilon, root / f"run-{i}", population))
-            progress.advance(task)
-            local = in_process(args, 0, None if epsilon is None else "distributed", epsilon)
-            progress.advance(task)
+            services, local = [], []
+            for seed in range(args.seeds):
+                services.append(asyncio.run(_through_services(args, seed, epsilon, root / f"run-{i}-{seed}",
+                                                              population)))
+                progress.advance(task)
+                local.append(in_process(args, seed, None if epsilon is None else "distributed", epsilon))
+                progress.advance(task)
             rows.append({"mechanism": "none" if epsilon is None else "distributed", "target_epsilon": epsilon,
-                         "services": services, "in_process": local})
+                         "services": median(services), "in_process": median(local)})
     table = Table(title=f"DP FedAvg on digits through the services: {args.clients} devices, cohort "
-                        f"{args.cohort}, {args.rounds} rounds, seed 0")
+                        f"{args.cohort}, {args.rounds} rounds, median of {args.seeds} seed(s)")
     for column in ("target eps", "spent eps (services / in process)", "accuracy (services / in process)",
                    "services seconds"):
         table.add_column(column)
