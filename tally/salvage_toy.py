@@ -130,7 +130,7 @@ def sgd(weights: np.ndarray, data: ToyData, epochs: int, lr: float, batch: int, 
     A participant whose epoch has fewer batches than the largest skips the extra steps, so each
     one takes exactly ceil(n_i / batch) steps per epoch, as if it trained alone.
     """
-    w = np.array(weights, dtype=np.float64, copy=True)
+    w = np.array(weights, dtype=np.float64, order="C", copy=True)
     p, n_max = data.train_y.shape
     eye = np.eye(data.classes)
     for _ in range(epochs):
@@ -166,7 +166,11 @@ def accuracy(weights: np.ndarray, data: ToyData) -> np.ndarray:
 
 def mean_aggregate(global_: np.ndarray, models: np.ndarray, eta: float = 1.0) -> np.ndarray:
     """Eq. 1: G + (eta/m) * sum(P_i - G), the unweighted mean of updates."""
-    return global_ + (eta / len(models)) * (models - global_).sum(axis=0)
+    return _apply_mean(global_, models - global_, eta)
+
+
+def _apply_mean(global_: np.ndarray, updates: np.ndarray, eta: float) -> np.ndarray:
+    return global_ + (eta / len(updates)) * updates.sum(axis=0)
 
 
 def median_aggregate(global_: np.ndarray, models: np.ndarray, eta: float = 1.0,
@@ -196,8 +200,8 @@ def dp_aggregate(global_: np.ndarray, models: np.ndarray, eta: float, clip: floa
 
     The same rule as Tally's central DP on a secure sum, whose noise std on the sum is z * clip:
     here z = sigma * m / (eta * clip)."""
-    clipped = np.stack([global_ + clip_update(m - global_, clip) for m in models])
-    return mean_aggregate(global_, clipped, eta) + sigma * noise_rng.standard_normal(global_.shape)
+    clipped = np.stack([clip_update(update, clip) for update in models - global_])
+    return _apply_mean(global_, clipped, eta) + sigma * noise_rng.standard_normal(global_.shape)
 
 
 def aggregate(kind: Aggregation, global_: np.ndarray, models: np.ndarray, config: ToyConfig,
@@ -333,3 +337,20 @@ def run_seed(config: ToyConfig, seed: int, aggregations: tuple[Aggregation, ...]
         adapted[kind] = {m: accuracy(adapt(g, data, m, config, np.random.default_rng([seed, 3]), fisher), data)
                          for m in METHODS}
     return SeedResult(local, data.minority, federated, adapted)
+
+
+# --- per-participant accuracy without own test data (spec 4.2, the paper's CIFAR metric) ---------
+
+def class_shares(labels: np.ndarray, classes: int) -> np.ndarray:
+    """pi_i: a participant's share of each class in its training labels."""
+    counts = np.bincount(np.asarray(labels), minlength=classes).astype(np.float64)
+    return counts / counts.sum()
+
+
+def class_weighted_accuracy(shares: np.ndarray, predicted: np.ndarray, labels: np.ndarray) -> float:
+    """acc_i = sum_c pi_ic acc_c, with acc_c the model's class-c accuracy on a shared test set:
+    the paper's CIFAR participants have no test data of their own."""
+    classes = len(shares)
+    per_class = np.array([np.mean(predicted[labels == c] == c) if np.any(labels == c) else 0.0
+                          for c in range(classes)])
+    return float(shares @ per_class)
