@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import quote, unquote
 
+from client_sdk.metrics import ClientMetrics
 from tally import logs
 from tally.adaptation_options import JobAdaptation
 from tally.security.certs import write_file_atomic
@@ -27,8 +28,11 @@ PRIVATE = 0o600  # the device's own: nobody else on the machine reads it
 
 
 class AdaptedModels:
-    def __init__(self, directory: Path | None = None) -> None:
+    """``metrics``: the device's registry, where each adaptation kept or failed is counted."""
+
+    def __init__(self, directory: Path | None = None, metrics: ClientMetrics | None = None) -> None:
         self.directory = Path(directory) if directory is not None else None
+        self.metrics = metrics
         self._memory: dict[str, bytes] = {}
         self._owed: dict[str, JobAdaptation] = {}
         if self.directory is not None:
@@ -58,10 +62,22 @@ class AdaptedModels:
         self._owed.pop(job_id, None)
         self._delete(job_id, PENDING)
 
+    def failed(self, job_id: str, method: str) -> None:
+        """This device could not adapt ``job_id``: nothing is owed any more, and it is counted."""
+        if self.metrics is not None:
+            self.metrics.adaptations.labels(method=method, outcome="failed").inc()
+        self.forget(job_id)
+
     def keep(self, job_id: str, onnx: bytes, record: dict[str, Any]) -> None:
         self._write(job_id, MODEL, onnx)
         self._write(job_id, RECORD, json.dumps(record, sort_keys=True).encode())
         self.forget(job_id)
+        if self.metrics is not None:
+            method, accuracy = record["method"], record["accuracy"]
+            outcome = "adapted" if record["kept"] == "adapted" else "kept_federated"
+            self.metrics.adaptations.labels(method=method, outcome=outcome).inc()
+            if "adapted" in accuracy and "federated" in accuracy:
+                self.metrics.adaptation_gain.labels(method=method).observe(accuracy["adapted"] - accuracy["federated"])
 
     def model(self, job_id: str) -> bytes | None:
         return self._read(job_id, MODEL)

@@ -150,7 +150,7 @@ class Device:
         # Per-job algorithm state; on disk under ``state_dir`` so it survives a restart.
         self._local = LocalStateStore(state_dir)
         # Adaptations owed (jobs with an adaptation option this device had tasks of) and done.
-        self._adapted = AdaptedModels(state_dir)
+        self._adapted = AdaptedModels(state_dir, self.metrics)
         self._adaptation_polled: dict[str, float] = {}
         self._reports = TaskReports()
         self._inputs = InputLedger()
@@ -414,7 +414,7 @@ class Device:
             except (TypeError, ValueError, LookupError, RuntimeError) as exc:  # this device cannot adapt this job
                 logs.event(log, "adaptation failed", logging.WARNING, device_id=self.device_id, job_id=job_id,
                            reason=str(exc))
-                self._adapted.forget(job_id)
+                self._adapted.failed(job_id, option.config.method)
 
     def _refuse(self, task: coordinator_pb2.TaskAssignment, label: str, reason: Exception | str,
                 fields: dict[str, Any]) -> None:

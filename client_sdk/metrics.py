@@ -12,6 +12,9 @@ from prometheus_client import Counter, Gauge, Histogram
 from client_sdk.timeline import FleetTimeline
 from tally.metrics import DURATION_BUCKETS, RoleRegistry
 
+# accuracy differences: fine around 0, where kept_federated and adapted part
+ADAPTATION_GAIN_BUCKETS = (-0.5, -0.2, -0.1, -0.05, -0.02, 0.0, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0)
+
 
 class ClientMetrics:
     """``timeline``: a fleet's report recorder (``client_sdk.timeline``), fed by the same calls."""
@@ -92,6 +95,18 @@ class ClientMetrics:
             "tally_client_dropouts_total",
             "Sessions that ended without completing, by the protocol phase they were in and outcome "
             "(aborted; dropped: a simulated fleet's planned dropout)", ["phase", "outcome"], registry=r,
+        )
+
+        self.adaptations = Counter(
+            "tally_client_adaptations_total",
+            "Local adaptations of a job's model on the device, by method and outcome: adapted (the adapted "
+            "model kept), kept_federated (no better than the federated model on the held-out examples), "
+            "failed (this device could not adapt the job)", ["method", "outcome"], registry=r,
+        )
+        self.adaptation_gain = Histogram(
+            "tally_client_adaptation_accuracy_gain_ratio",
+            "Adapted minus federated accuracy on the device's held-out examples, by method (adaptations "
+            "with held-out examples only)", ["method"], buckets=ADAPTATION_GAIN_BUCKETS, registry=r,
         )
 
     def observe_rpc(self, method: str, seconds: float) -> None:

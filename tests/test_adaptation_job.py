@@ -23,6 +23,7 @@ from hypothesis import strategies as st
 from client_sdk import Device, OnnxModel
 from client_sdk.adaptation import adapt_for_job, held_out
 from client_sdk.adapted_models import AdaptedModels
+from client_sdk.metrics import ClientMetrics
 from coordinator import jobspec
 from test_full_stack import PLAINTEXT, run, spec, stack
 from tally.adaptation_options import METHODS, AdaptationConfig, JobAdaptation
@@ -109,6 +110,14 @@ def test_a_job_with_an_adaptation_option_leaves_each_device_an_adapted_model_and
     # The spec's metric (5): each device's accuracy on its own test split, never seen in adaptation.
     assert all(a >= f for a, f in zip(adapted_acc, fed_acc)), (fed_acc, adapted_acc)
     assert np.mean(adapted_acc) > np.mean(fed_acc) + 0.1  # adaptation did something, not just kept G^T
+    # Counted in the devices' registries: one finetune adaptation each, by the model kept, and its gain.
+    registries = {id(d.metrics): d.metrics.registry for d in devices}.values()
+    kept_adapted = sum(d.adaptation_record(with_option)["kept"] == "adapted" for d in devices)
+    assert [sum(r.get_sample_value(name, labels) or 0.0 for r in registries) for name, labels in [
+        ("tally_client_adaptations_total", {"method": "finetune", "outcome": "adapted"}),
+        ("tally_client_adaptations_total", {"method": "finetune", "outcome": "kept_federated"}),
+        ("tally_client_adaptation_accuracy_gain_ratio_count", {"method": "finetune"})]] == [kept_adapted,
+                                                                                           N - kept_adapted, N]
 
     # Adapted as the devices stopped: freeze_base changed only the last layer, nothing held out.
     for device in frozen_devices:
@@ -263,3 +272,13 @@ def test_owed_adaptations_survive_a_restart_and_an_unreadable_one_is_dropped(tmp
     memory = AdaptedModels(None)
     memory.expect("j", option)
     assert memory.pending() == {"j": option} and memory.model("j") is None
+
+
+def test_a_failed_adaptation_is_counted_and_nothing_stays_owed():
+    metrics = ClientMetrics()
+    models = AdaptedModels(None, metrics)
+    models.expect("j", JobAdaptation(AdaptationConfig("ewc")))
+    models.failed("j", "ewc")
+    assert models.pending() == {}
+    assert metrics.registry.get_sample_value("tally_client_adaptations_total",
+                                             {"method": "ewc", "outcome": "failed"}) == 1
