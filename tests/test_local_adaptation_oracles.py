@@ -5,8 +5,12 @@ properties (12.D) and the section 7.3 equivalence on the toy (12.E)."""
 
 from __future__ import annotations
 
+import json
 import math
+import subprocess
+import sys
 from dataclasses import replace
+from pathlib import Path
 
 import hypothesis.strategies as st
 import numpy as np
@@ -252,3 +256,20 @@ def test_averaging_adapted_models_is_one_fedavg_round_and_barely_moves_a_converg
         np.testing.assert_allclose(averaged, one_round, rtol=0, atol=1e-12)
         assert not np.allclose(averaged, g, rtol=0, atol=1e-9)
         assert abs(toy.accuracy(averaged, data).mean() - before) < 0.005
+
+
+# --- the bench script at smoke size --------------------------------------------------------------
+
+def test_the_bench_writes_the_table_beside_the_specs(tmp_path):
+    out = tmp_path / "toy.json"
+    script = Path(__file__).resolve().parents[1] / "bench" / "salvage_toy.py"
+    proc = subprocess.run([sys.executable, str(script), "--seeds", "0", "--configs", "B", "--json", str(out)],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    result = json.loads(out.read_text())
+    assert list(result["configs"]) == ["B"] and result["seeds"] == [0]
+    measured, spec = result["configs"]["B"]["measured"], result["configs"]["B"]["spec"]
+    for kind in toy.AGGREGATIONS:
+        assert set(spec[kind]) <= set(measured[kind])
+        assert measured[kind]["fed"]["min"] == measured[kind]["fed"]["max"]  # one seed
+    assert "config B" in proc.stderr and "losing adapted" in proc.stderr
