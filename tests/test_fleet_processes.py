@@ -24,7 +24,8 @@ from tally.chaos.cluster import LocalCluster, wait_for
 
 def _args(devices: int, shard: tuple[int, int]) -> argparse.Namespace:
     return argparse.Namespace(devices=devices, shard=shard, audit_out=None, audit_token_file=None,
-                              synthetic=True, metrics_port=9400, progress=True, json=None, processes=None)
+                              synthetic=True, metrics_port=9400, progress=True, json=None, processes=None,
+                              report=None)
 
 
 @settings(max_examples=60, deadline=None)
