@@ -139,7 +139,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="how the devices behave: availability (or a diurnal curve), check-in period and jitter, "
         "compute speed, uplink/downlink bandwidth and latency, dropouts per phase, churn, misbehaviour "
         "(late, duplicated, replayed messages); each device draws its own from (--seed, its id). "
-        "See client_sdk/behaviour.py and examples/fleet-profile.yaml",
+        "See client_sdk/behaviour.py and examples/fleet/profile.yaml",
     )
     f.add_argument(
         "--processes", type=argtypes.integer(1), metavar="P",

@@ -19,7 +19,7 @@ from client_sdk.fleet import device_ids
 from client_sdk.sum_audit import EXACT, FOREIGN, MISMATCH, outcome_counts
 from test_fleet_audit import _run_synthetic_job
 
-EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "fleet-profile.yaml"
+EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "fleet" / "profile.yaml"
 
 
 def _profile(tmp_path: Path, text: str) -> BehaviourProfile:
