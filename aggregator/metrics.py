@@ -57,6 +57,14 @@ class AggregatorMetrics:
             "in; the rest of the process's CPU is gRPC, TLS, protobuf and the event loop",
             ["phase"], registry=r,
         )
+        self.wire_cpu = Counter(
+            "tally_aggregator_wire_cpu_seconds",
+            "CPU time converting between the wire and the engine's messages: 'decode' parses device "
+            "messages and turns them into the engine's values, 'encode' turns what the engine emits "
+            "into messages and serialises them; with the engine's CPU, what is left of the "
+            "process's CPU is gRPC, TLS and the event loop",
+            ["direction"], registry=r,
+        )
         self.unmask_seconds = Histogram(
             "tally_aggregator_unmask_seconds",
             "CPU time of the server call that closes an Unmask phase (reconstruction and mask "

@@ -257,8 +257,11 @@ class Session:
         start, cpu, phase = time.perf_counter(), time.thread_time(), self.server.phase
         outgoing = call()
         seconds = time.perf_counter() - start
-        self._metrics.engine_cpu.labels(phase=phase).inc(time.thread_time() - cpu)
-        return [(o.recipient, aggregator_envelope(o.message)) for o in outgoing], seconds
+        engine_done = time.thread_time()
+        self._metrics.engine_cpu.labels(phase=phase).inc(engine_done - cpu)
+        routed = [(o.recipient, aggregator_envelope(o.message)) for o in outgoing]
+        self._metrics.wire_cpu.labels(direction="encode").inc(time.thread_time() - engine_done)
+        return routed, seconds
 
     def _may_close(self, message: ClientMessage) -> bool:
         """Unmask closes as soon as every secret has its shares, so any answer there may close it."""

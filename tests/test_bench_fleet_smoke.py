@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -25,6 +27,11 @@ def test_fleet_bench_audits_every_sum_and_itemises_the_aggregators_cpu(tmp_path)
     assert {"coordinator", "aggregator-1", "aggregator-2", "fleet-0", "fleet-1"} <= result["cpu_seconds_per_round"].keys()
     engine = result["aggregator_engine_cpu_seconds_per_round"]
     assert any({"advertise_keys", "masked_input", "unmask"} <= phases.keys() for phases in engine.values())
+    # A serving aggregator's CPU splits into engine, wire conversion both ways, and the rest.
+    itemised = [cpu for cpu in result["aggregator_cpu_itemised_per_round"].values() if cpu["wire_decode"] > 0]
+    assert itemised and all(cpu["wire_encode"] > 0 and cpu["engine"] > 0 for cpu in itemised)
+    assert all(cpu["total"] == pytest.approx(cpu["engine"] + cpu["wire_decode"] + cpu["wire_encode"] + cpu["rest"])
+               for cpu in itemised)
     assert {"selection", "aggregation", "update"} <= result["coordinator_phase_seconds_per_round"].keys()
     latency = result["device_latency_seconds"]
     assert latency["rpc"]["CheckIn"]["count"] >= 60 and {"share_keys", "masked_input"} <= latency["phase"].keys()
