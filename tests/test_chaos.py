@@ -25,6 +25,8 @@ def test_a_short_campaign_meets_every_invariant_under_every_fault(tmp_path):
     assert {r.fault for r in result.rounds} == set(FAULTS)
     committed = [r for r in result.rounds if r.outcome == "committed"]
     assert committed and all(r.sums_exact >= 1 and r.sums_wrong == 0 for r in committed)
+    # A job that failed says why (the coordinator's message); a committed round has no reason.
+    assert all(bool(r.reason) == (r.outcome == "job_failed") for r in result.rounds)
     kills = [r for r in result.rounds if r.fault.startswith("kill_")]
     assert all("killed round" in r.detail for r in kills), [r.detail for r in kills]
     report = result.to_dict()

@@ -105,6 +105,7 @@ class RoundRecord:
     seconds: float
     sums_exact: int = 0
     sums_wrong: int = 0
+    reason: str = ""  # why the job failed, as the coordinator says (job_failed only)
 
 
 @dataclass
@@ -221,7 +222,8 @@ class Campaign:
             outcome = "committed"
         else:
             outcome = "job_failed"
-        record = RoundRecord(index, job_id, round_, fault, detail, outcome, seconds)
+        record = RoundRecord(index, job_id, round_, fault, detail, outcome, seconds,
+                             reason=job.message if outcome == "job_failed" and job is not None else "")
         if outcome == "committed":
             await self._audit(cluster, fleet, record)
         for name in cluster.died(self.killed):
