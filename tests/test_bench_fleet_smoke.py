@@ -53,3 +53,12 @@ def test_pacing_holds_an_idle_population_at_or_below_the_target_rate(tmp_path):
                     "--seconds", "36", "--every", "6")
     assert result["settled_median_per_s"] is not None
     assert result["settled_median_per_s"] <= 1.3 * rate, result["rates"]
+
+
+def test_grpc_floor_bench_runs_a_sessions_messages_over_tls(tmp_path):
+    result = _bench(tmp_path, "grpc_floor.py", "--streams", "5", "--dim", "100", "--k", "3", "--rounds", "2", "--tls")
+    # 5 device and 6 server messages per stream; every measured round read the server's CPU.
+    assert result["tls"] and result["messages_per_round"] == 5 * 11
+    assert len(result["server_cpu_seconds_per_round"]) == 2
+    assert result["server_cpu_seconds_median"] == pytest.approx(
+        result["server_cpu_microseconds_per_message"] * result["messages_per_round"] / 1e6)
