@@ -165,3 +165,43 @@ def test_chosen_threshold_survives_random_dropout():
         alive = np.ones(n, dtype=bool)
         alive[rng.choice(n, dropouts, replace=False)] = False
         assert alive[neighbours].sum(axis=1).min() >= p.t
+
+
+@given(graphs())
+def test_graph_table_rows_are_the_neighbourhoods(case):
+    n, k, seed = case
+    g = HararyGraph(n, k, seed)
+    table = g.table()
+    assert table.shape == (n, k)
+    for i in range(n):
+        assert np.array_equal(table[i], g.neighbours(i))
+
+
+@given(graphs(), st.data())
+def test_server_neighbourhood_lookups_match_the_graph(case, data):
+    """The server's tabulated neighbourhoods, its UnmaskRequest survivor lists and its
+    dropouts-with-a-surviving-neighbour equal the per-device computation they replace."""
+    from tally.secagg import server as server_module
+    from tally.secagg.config import SessionConfig
+    from tally.secagg.messages import SessionRef, SumSpec
+
+    n, k, seed = case
+    if n < 3:
+        return
+    t = max(1, k // 2)
+    config = SessionConfig(SessionRef("j", 0, "s"), (SumSpec("x", 4, 8),), GraphParams(n, k, t), seed,
+                           identities=tuple(bytes([i % 256, i // 256]) + bytes(30) for i in range(n)))
+    assert config.neighbour_table is not None and not config.neighbour_table.flags.writeable
+    for i in range(1, n + 1):
+        assert np.array_equal(config.neighbours(i), g_neighbours := config.graph.neighbours(i - 1) + 1)
+        assert i not in g_neighbours.tolist()
+    alive = data.draw(st.sets(st.integers(1, n), min_size=1))
+    survivors = tuple(sorted(alive))
+    lists = server_module._surviving_neighbourhoods(config, survivors)
+    for i, status in zip(survivors, lists):
+        expected = sorted({i} | {int(j) for j in config.graph.neighbours(i - 1) + 1 if int(j) in alive})
+        assert list(status) == expected
+    is_survivor = server_module._indicator(n, alive)
+    dropped = frozenset(range(1, n + 1)) - alive
+    needed = server_module._with_surviving_neighbour(config, dropped, is_survivor)
+    assert needed == {j for j in dropped if any(int(i) in alive for i in config.graph.neighbours(j - 1) + 1)}

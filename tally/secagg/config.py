@@ -24,6 +24,9 @@ from tally.secagg.messages import SessionRef, SumSpec
 from tally.secagg.params import GraphParams, ThreatModel, choose_params, validate_params
 
 MAX_BITS = 64
+# The server looks up neighbourhoods per message; below this many entries (8 bytes each) they
+# are kept as one table instead of recomputed per call.
+_NEIGHBOUR_TABLE_MAX = 1 << 24
 
 
 @dataclass(frozen=True)
@@ -83,9 +86,29 @@ class SessionConfig:
     def graph(self) -> HararyGraph:
         return HararyGraph(self.params.n, self.params.k, self.graph_seed)
 
+    @cached_property
+    def neighbour_table(self) -> np.ndarray | None:
+        """(n + 1, k) read-only: row i holds ``neighbours(i)`` (row 0 is unused); None for a
+        cohort too large to tabulate (more than 2^24 entries)."""
+        n, k = self.params.n, self.params.k
+        if (n + 1) * k > _NEIGHBOUR_TABLE_MAX:
+            return None
+        table = np.empty((n + 1, k), dtype=np.int64)
+        table[0] = 0
+        np.add(self.graph.table(), 1, out=table[1:])
+        table.setflags(write=False)
+        return table
+
     def neighbours(self, index: int) -> np.ndarray:
-        """1-based indices of the devices holding ``index``'s shares (the graph is 0-based)."""
-        return self.graph.neighbours(index - 1) + 1
+        """1-based indices of the devices holding ``index``'s shares (the graph is 0-based).
+
+        Read-only when it comes from the table: copy it before changing it."""
+        table = self.neighbour_table
+        if table is None:
+            return self.graph.neighbours(index - 1) + 1
+        if not 1 <= index <= self.params.n:
+            raise IndexError(f"device {index} outside [1, {self.params.n}]")
+        return table[index]
 
     def identity(self, index: int) -> bytes:
         return self.identities[index - 1]

@@ -127,19 +127,27 @@ class MaskExpander:
         # update_into needs room for one block beyond the data.
         self._out = bytearray(chunk_bytes + 15)
         self._view = np.frombuffer(self._out, dtype=self.dtype, count=self._chunk_values)
+        # The last, shorter chunk's input, sliced once here: slicing bytes copies them.
+        tail = dim % self._chunk_values
+        self._tail_zeros = self._zeros[: tail * item] if tail else self._zeros
 
     def apply(self, acc: np.ndarray, key: bytes, subtract: bool = False) -> None:
         if acc.shape != (self.dim,) or acc.dtype != self.dtype:
             raise ValueError(f"accumulator must be {self.dtype}[{self.dim}]")
         encryptor = Cipher(algorithms.AES(key), modes.CTR(_ZERO_COUNTER_16)).encryptor()
         op = np.subtract if subtract else np.add
-        step = self._chunk_values
-        for start in range(0, self.dim, step):
-            stop = min(start + step, self.dim)
-            count = stop - start
-            encryptor.update_into(self._zeros[: count * self.dtype.itemsize], self._out)
-            part = acc[start:stop]
-            op(part, self._view[:count], out=part)
+        step, dim, out, view = self._chunk_values, self.dim, self._out, self._view
+        zeros = self._zeros
+        for start in range(0, dim, step):
+            stop = start + step
+            if stop <= dim:
+                encryptor.update_into(zeros, out)
+                part = acc[start:stop]
+                op(part, view, out=part)
+            else:
+                encryptor.update_into(self._tail_zeros, out)
+                part = acc[start:]
+                op(part, view[: dim - start], out=part)
 
 
 class SigningKey:

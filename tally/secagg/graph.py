@@ -37,6 +37,14 @@ class HararyGraph:
     def full(self) -> bool:
         return self.k == self.n - 1
 
+    def table(self) -> np.ndarray:
+        """(n, k): row i is ``neighbours(i)``, every row built in one vectorised step."""
+        nodes = np.arange(self.n)
+        if self.full:
+            others = np.arange(self.n - 1)[None, :]
+            return others + (others >= nodes[:, None])
+        return np.sort(self._ring[(self._position[:, None] + self._offsets[None, :]) % self.n], axis=1)
+
     def neighbours(self, i: int) -> np.ndarray:
         """Sorted ids of the k nodes that hold node ``i``'s shares (never ``i`` itself)."""
         if not 0 <= i < self.n:

@@ -391,13 +391,10 @@ class _MaskedInputPhase(_SumPhase):
             return server._advance(_ConsistencyPhase(server, u3, self.position, masked), out)
         # A device needs only its own neighbourhood's status: the full list would make every
         # request O(n) and the session O(n^2) bytes. (ConsistencyCheck signs the full list.)
-        alive = _indicator(server.config.n, u3)
-        out = []
-        for i in survivors:
-            neighbours = server.config.neighbours(i)
-            status = neighbours[alive[neighbours]]
-            status = np.insert(status, np.searchsorted(status, i), i)
-            out.append(Outgoing(i, UnmaskRequest(ref, sum_id, tuple(status.tolist()))))
+        out = [
+            Outgoing(i, UnmaskRequest(ref, sum_id, status))
+            for i, status in zip(survivors, _surviving_neighbourhoods(server.config, survivors))
+        ]
         return server._advance(_UnmaskPhase(server, u3, self.position, masked, u3), out)
 
 
@@ -464,15 +461,13 @@ class _UnmaskPhase(_SumPhase):
         self.survivors: frozenset[int] = survivors
         self.dropped: frozenset[int] = server.sharers - survivors
         # Only dropped devices that share an edge with a survivor left masks behind.
-        self.needed_keys = frozenset(
-            j for j in self.dropped if any(int(i) in survivors for i in server.config.neighbours(j))
-        )
+        self._is_survivor = _indicator(server.config.n, survivors)
+        self.needed_keys = _with_surviving_neighbour(server.config, self.dropped, self._is_survivor)
         self.secrets: list[tuple[str, int]] = (
             [("seed", i) for i in sorted(survivors)] + [("key", j) for j in sorted(self.needed_keys)]
         )
         # Row of each owner's seed and key; -1: not needed (a dropout with no surviving neighbour).
         self._rows = {kind: np.full(server.config.n + 1, -1, dtype=np.int64) for kind in ("seed", "key")}
-        self._is_survivor = _indicator(server.config.n, survivors)
         self._is_dropped = _indicator(server.config.n, self.dropped)
         for row, (kind, owner) in enumerate(self.secrets):
             self._rows[kind][owner] = row
@@ -660,6 +655,38 @@ class _UnmaskPhase(_SumPhase):
                 expander.apply(total, key, subtract=i < j)
         np.bitwise_and(total, dtype.type(ring_mask(spec.bits)), out=total)
         return total
+
+
+def _surviving_neighbourhoods(config: SessionConfig, survivors: tuple[int, ...]) -> list[tuple[int, ...]]:
+    """Per survivor i (sorted): i and its surviving neighbours, sorted; what its UnmaskRequest
+    lists. One vectorised pass over the neighbour table instead of a few array calls per device."""
+    alive = _indicator(config.n, survivors)
+    table = config.neighbour_table
+    if table is None or not survivors:
+        out = []
+        for i in survivors:
+            neighbours = config.neighbours(i)
+            status = neighbours[alive[neighbours]]
+            out.append(tuple(np.insert(status, np.searchsorted(status, i), i).tolist()))
+        return out
+    rows = np.asarray(survivors, dtype=np.int64)
+    block = np.concatenate([table[rows], rows[:, None]], axis=1)
+    block.sort(axis=1)
+    keep = alive[block]
+    flat = block[keep].tolist()
+    ends = np.cumsum(np.count_nonzero(keep, axis=1)).tolist()
+    starts = [0] + ends[:-1]
+    return [tuple(flat[a:b]) for a, b in zip(starts, ends)]
+
+
+def _with_surviving_neighbour(config: SessionConfig, dropped: frozenset[int],
+                              is_survivor: np.ndarray) -> frozenset[int]:
+    """The dropped devices with at least one surviving neighbour: their pairwise masks remain."""
+    table = config.neighbour_table
+    if table is None:
+        return frozenset(j for j in dropped if is_survivor[config.neighbours(j)].any())
+    rows = np.fromiter(sorted(dropped), dtype=np.int64, count=len(dropped))
+    return frozenset(rows[is_survivor[table[rows]].any(axis=1)].tolist())
 
 
 def _indicator(n: int, devices: Iterable[int]) -> np.ndarray:
