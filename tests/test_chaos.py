@@ -16,6 +16,7 @@ from client_sdk.fleet import device_ids
 from client_sdk.retry import RetryPolicy
 from client_sdk.synthetic import SyntheticUpdates
 from tally.chaos.cluster import LocalCluster, wait_for
+from tally.wire.v1 import common_pb2
 
 
 def test_a_short_campaign_meets_every_invariant_under_every_fault(tmp_path):
@@ -112,7 +113,15 @@ def test_a_round_waits_for_an_aggregator_when_every_one_is_down(tmp_path):
             assert await wait_for(lambda: committed(1), timeout=60), "round 1 never committed"
             for name in ("aggregator-1", "aggregator-2"):
                 await cluster.kill(name)
-            await asyncio.sleep(6.0)  # both stay down while round 2 selects, twice (the fault being tested)
+            # Both stay down until round 2 has found no aggregator at cohort formation (the
+            # coordinator logs that it waits for one) or, without the fix, the job has failed.
+            log = cluster.processes["coordinator"].log
+
+            async def stuck() -> bool:
+                return ("waiting for one" in log.read_text()
+                        or (await cluster.job(job_id)).state == common_pb2.JOB_STATE_FAILED)
+
+            assert await wait_for(stuck, timeout=60), "round 2 never reached cohort formation"
             for name in ("aggregator-1", "aggregator-2"):
                 await cluster.restart(name)
             await asyncio.wait_for(running, 120)
