@@ -484,8 +484,8 @@ class _UnmaskPhase(_SumPhase):
 
     def validate(self, message: UnmaskResponse) -> None:
         neighbours = self.server.config.neighbours(message.sender)
-        seed_owners = _owners(message.sender, message.seed_shares)
-        key_owners = _owners(message.sender, message.key_shares)
+        seed_owners, seed_data = _owners(message.sender, message.seed_shares)
+        key_owners, key_data = _owners(message.sender, message.key_shares)
         if not np.array_equal(np.sort(seed_owners), neighbours[self._is_survivor[neighbours]]):
             raise MalformedMessage(
                 f"device {message.sender} must reveal seed shares of exactly its surviving neighbours"
@@ -494,17 +494,16 @@ class _UnmaskPhase(_SumPhase):
             raise MalformedMessage(
                 f"device {message.sender} must reveal key shares of exactly its dropped neighbours"
             )
-        lengths = set(map(len, (share for _, share in message.seed_shares + message.key_shares)))
-        if lengths - {shamir.SHARE_BYTES}:
+        data = seed_data + key_data
+        if set(map(len, data)) - {shamir.SHARE_BYTES}:
             raise MalformedMessage(f"shares must be {shamir.SHARE_BYTES} bytes")
-        self._validated = (message, seed_owners, key_owners)
+        self._validated = (message, seed_owners, key_owners, data)
 
     def record(self, message: UnmaskResponse) -> None:
-        validated, seed_owners, key_owners = self._validated
+        validated, seed_owners, key_owners, data = self._validated
         assert validated is message
         rows = np.concatenate([self._rows["seed"][seed_owners], self._rows["key"][key_owners]])
-        pairs = message.seed_shares + message.key_shares
-        shares = np.frombuffer(b"".join(share for _, share in pairs), dtype="<u4").reshape(-1, shamir.CHUNKS)
+        shares = np.frombuffer(b"".join(data), dtype="<u4").reshape(-1, shamir.CHUNKS)
         needed = rows >= 0
         if not needed.all():
             rows, shares = rows[needed], shares[needed]
@@ -696,8 +695,10 @@ def _indicator(n: int, devices: Iterable[int]) -> np.ndarray:
     return table
 
 
-def _owners(sender: int, shares: tuple[tuple[int, bytes], ...]) -> np.ndarray:
+def _owners(sender: int, shares: tuple[tuple[int, bytes], ...]) -> tuple[np.ndarray, tuple[bytes, ...]]:
+    """The owners of (owner, share) pairs as an array, and the shares, split in one C-level pass."""
     try:
-        return np.fromiter((owner for owner, _ in shares), dtype=np.int64, count=len(shares))
+        owners, data = zip(*shares) if shares else ((), ())
+        return np.fromiter(owners, dtype=np.int64, count=len(shares)), data
     except (TypeError, ValueError, OverflowError):
         raise MalformedMessage(f"device {sender}: share owners must be device indices") from None
