@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import functools
 import json
 import sqlite3
@@ -22,6 +23,7 @@ import tempfile
 import time
 from pathlib import Path
 
+import grpc
 import psutil
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -59,6 +61,14 @@ def _itemised(exposition: str, total: float, rounds: int) -> dict[str, float]:
             _samples(exposition, "tally_aggregator_wire_cpu_seconds_total", "direction").items()}
     return {"total": total, "engine": engine, "wire_decode": wire.get("decode", 0.0),
             "wire_encode": wire.get("encode", 0.0), "rest": total - engine - sum(wire.values())}
+
+
+def _steady(at_commit: dict[int, dict[str, float]]) -> dict[str, float]:
+    """CPU per round from the first commit to the last one seen (empty with fewer than two)."""
+    if len(at_commit) < 2:
+        return {}
+    first, last = min(at_commit), max(at_commit)
+    return {k: (at_commit[last][k] - at_commit[first].get(k, 0.0)) / (last - first) for k in at_commit[last]}
 
 
 class Sampler:
@@ -113,8 +123,21 @@ async def _run(args: argparse.Namespace, workdir: Path) -> dict:
         start = time.monotonic()
         pids = {name: p.pid for name, p in cluster.processes.items() if p.pid}
         pids.update({f"fleet-{i}": s.pid for i, s in enumerate(shards)})
-        while True:
+        # CPU at each round's commit: the first round also carries the fleet's enrolment (every
+        # device registers once, a signature check and an insert each), the later ones are the
+        # steady state a long job runs in.
+        at_commit: dict[int, dict[str, float]] = {}
+
+        async def mark_commits() -> None:
             sampler.sample(pids)
+            if job_id is not None:
+                with contextlib.suppress(grpc.aio.AioRpcError):
+                    committed = (await cluster.job(job_id, timeout=2.0)).committed_round
+                    if committed and committed not in at_commit:
+                        at_commit[committed] = dict(sampler.cpu)
+
+        while True:
+            await mark_commits()
             if args.idle and time.monotonic() - start > args.idle:
                 for s in shards:
                     s.terminate()
@@ -123,6 +146,7 @@ async def _run(args: argparse.Namespace, workdir: Path) -> dict:
                 break
             await asyncio.sleep(0.5)
         await asyncio.gather(*(s.wait() for s in shards))
+        await mark_commits()  # a last commit the shards outran by less than a poll
         elapsed = time.monotonic() - start
         for i, s in enumerate(shards):
             if not args.idle and s.returncode != 0:
@@ -161,6 +185,9 @@ async def _run(args: argparse.Namespace, workdir: Path) -> dict:
         "round_seconds": durations, "round_metrics": round_metrics, "round_seconds_median": statistics.median(durations) if durations else None,
         "rounds_per_hour": 3600 / statistics.median(durations) if durations else None,
         "cpu_seconds_per_round": {k: (v - started_cpu.get(k, 0.0)) / max(rounds, 1) for k, v in sampler.cpu.items()},
+        "cpu_seconds_until_first_commit": {k: v - started_cpu.get(k, 0.0) for k, v in at_commit[min(at_commit)].items()}
+        if at_commit else {},
+        "cpu_seconds_per_round_after_the_first": _steady(at_commit),
         "audit": outcome_counts(checks),
         "aggregator_engine_cpu_seconds_per_round": {
             name: {phase: s / max(rounds, 1) for phase, s in _samples(text, "tally_aggregator_engine_cpu_seconds_total").items()}
