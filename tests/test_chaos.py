@@ -19,6 +19,12 @@ from tally.chaos.cluster import LocalCluster, wait_for
 from tally.wire.v1 import common_pb2
 
 
+def _fedavg_spec(name: str, cohort: int, extra: str) -> str:
+    """A 2-round FedAvg job of a small mlp for the synthetic devices, plus ``extra`` YAML lines."""
+    return (f"name: {name}\nalgorithm: fedavg\nrounds: 2\ncohort_size: {cohort}\nmin_cohort: 5\n"
+            f"over_selection: 1.2\nmodel: {{kind: mlp, inputs: 64, classes: 10, hidden: 8, seed: 0}}\n{extra}\n")
+
+
 def test_a_short_campaign_meets_every_invariant_under_every_fault(tmp_path):
     config = CampaignConfig(rounds=2 * len(FAULTS), seed=3)
     result = asyncio.run(asyncio.wait_for(Campaign(config, tmp_path).run(), 900))
@@ -56,10 +62,8 @@ def test_the_synthetic_fleet_command_checks_every_sum_it_was_in(tmp_path, proces
         cluster = LocalCluster(tmp_path / "cluster")
         try:
             await cluster.start()
-            spec = ("name: synthetic-cli\nalgorithm: fedavg\nrounds: 2\ncohort_size: 12\nmin_cohort: 5\n"
-                    "over_selection: 1.2\nmodel: {kind: mlp, inputs: 64, classes: 10, hidden: 8, seed: 0}\n"
-                    "secure: {dropout_rate: 0.1, corrupt_rate: 0.05}\n")
-            job_id = await cluster.submit(spec)
+            job_id = await cluster.submit(_fedavg_spec("synthetic-cli", cohort=12,
+                                                       extra="secure: {dropout_rate: 0.1, corrupt_rate: 0.05}"))
             argv = [sys.executable, "-m", "tally.cli", "fleet", "--coordinator", cluster.target,
                     "--tls-dir", str(cluster.certs / "device"), "--devices", "20", "--synthetic", "--no-progress",
                     "--enrolment-key", str(cluster.certs / "coordinator" / "enrolment.key"),
@@ -98,10 +102,9 @@ def test_a_round_waits_for_an_aggregator_when_every_one_is_down(tmp_path):
         fleet = None
         try:
             await cluster.start()
-            spec = ("name: all-down\nalgorithm: fedavg\nrounds: 2\ncohort_size: 10\nmin_cohort: 5\nretries: 1\n"
-                    "over_selection: 1.2\nmodel: {kind: mlp, inputs: 64, classes: 10, hidden: 8, seed: 0}\n"
-                    "deadlines: {checkin: 20, download: 6, advertise_keys: 4, share_keys: 4, masked_input: 6, unmask: 4}\n")
-            job_id = await cluster.submit(spec)
+            job_id = await cluster.submit(_fedavg_spec(
+                "all-down", cohort=10, extra="retries: 1\ndeadlines: {checkin: 20, download: 6, advertise_keys: 4, "
+                                             "share_keys: 4, masked_input: 6, unmask: 4}"))
             fleet = Fleet(cluster.target, cluster.tls, [SyntheticUpdates(i, 1) for i in device_ids("down", 16)],
                           retry=RetryPolicy(initial_seconds=0.2, max_seconds=1.0), enrolment_key=cluster.enrolment_key,
                           id_prefix="down", audit=True)
