@@ -199,6 +199,9 @@ async def _run(args: argparse.Namespace, workdir: Path) -> dict:
             phase: s / max(rounds, 1) for phase, s in
             _samples(expositions.get("coordinator", ""), "tally_coordinator_phase_duration_seconds_sum").items()},
         "fleet": {k: sum(s[k] for s in shard_stats) for k in ("checkins", "tasks_done", "dropouts", "bytes_up")},
+        # Each shard's share: the coordinator seats devices in arrival order, so shards of one
+        # fleet need not get equal work (and one machine of a spread fleet may be the bottleneck).
+        "fleet_shards": [{k: s[k] for k in ("checkins", "tasks_done", "dropouts", "bytes_up")} for s in shard_stats],
     })
     # Latency of every coordinator call and phase as the devices saw them, all shards together.
     timeline = functools.reduce(FleetTimeline.merge, (
