@@ -99,6 +99,14 @@ class SessionConfig:
         table.setflags(write=False)
         return table
 
+    def neighbour_rows(self, indices: np.ndarray) -> np.ndarray:
+        """(len(indices), k): row r holds ``neighbours(indices[r])``, from the table when the
+        cohort has one, else computed for just these devices."""
+        table = self.neighbour_table
+        if table is not None:
+            return table[indices]
+        return self.graph.rows(np.asarray(indices, dtype=np.int64) - 1) + 1
+
     def neighbours(self, index: int) -> np.ndarray:
         """1-based indices of the devices holding ``index``'s shares (the graph is 0-based).
 

@@ -39,11 +39,15 @@ class HararyGraph:
 
     def table(self) -> np.ndarray:
         """(n, k): row i is ``neighbours(i)``, every row built in one vectorised step."""
-        nodes = np.arange(self.n)
+        return self.rows(np.arange(self.n))
+
+    def rows(self, nodes: np.ndarray) -> np.ndarray:
+        """(len(nodes), k): row r is ``neighbours(nodes[r])``, built in one vectorised step."""
+        nodes = np.asarray(nodes, dtype=np.int64)
         if self.full:
             others = np.arange(self.n - 1)[None, :]
             return others + (others >= nodes[:, None])
-        return np.sort(self._ring[(self._position[:, None] + self._offsets[None, :]) % self.n], axis=1)
+        return np.sort(self._ring[(self._position[nodes, None] + self._offsets[None, :]) % self.n], axis=1)
 
     def neighbours(self, i: int) -> np.ndarray:
         """Sorted ids of the k nodes that hold node ``i``'s shares (never ``i`` itself)."""

@@ -658,34 +658,26 @@ class _UnmaskPhase(_SumPhase):
 
 def _surviving_neighbourhoods(config: SessionConfig, survivors: tuple[int, ...]) -> list[tuple[int, ...]]:
     """Per survivor i (sorted): i and its surviving neighbours, sorted; what its UnmaskRequest
-    lists. One vectorised pass over the neighbour table instead of a few array calls per device."""
+    lists. One vectorised pass over the neighbourhoods instead of a few array calls per device."""
+    if not survivors:
+        return []
     alive = _indicator(config.n, survivors)
-    table = config.neighbour_table
-    if table is None or not survivors:
-        out = []
-        for i in survivors:
-            neighbours = config.neighbours(i)
-            status = neighbours[alive[neighbours]]
-            out.append(tuple(np.insert(status, np.searchsorted(status, i), i).tolist()))
-        return out
     rows = np.asarray(survivors, dtype=np.int64)
-    block = np.concatenate([table[rows], rows[:, None]], axis=1)
+    block = np.concatenate([config.neighbour_rows(rows), rows[:, None]], axis=1)
     block.sort(axis=1)
     keep = alive[block]
     flat = block[keep].tolist()
     ends = np.cumsum(np.count_nonzero(keep, axis=1)).tolist()
-    starts = [0] + ends[:-1]
-    return [tuple(flat[a:b]) for a, b in zip(starts, ends)]
+    return [tuple(flat[a:b]) for a, b in zip([0] + ends[:-1], ends)]
 
 
 def _with_surviving_neighbour(config: SessionConfig, dropped: frozenset[int],
                               is_survivor: np.ndarray) -> frozenset[int]:
     """The dropped devices with at least one surviving neighbour: their pairwise masks remain."""
-    table = config.neighbour_table
-    if table is None:
-        return frozenset(j for j in dropped if is_survivor[config.neighbours(j)].any())
     rows = np.fromiter(sorted(dropped), dtype=np.int64, count=len(dropped))
-    return frozenset(rows[is_survivor[table[rows]].any(axis=1)].tolist())
+    if not len(rows):
+        return frozenset()
+    return frozenset(rows[is_survivor[config.neighbour_rows(rows)].any(axis=1)].tolist())
 
 
 def _indicator(n: int, devices: Iterable[int]) -> np.ndarray:
