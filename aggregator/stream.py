@@ -38,19 +38,18 @@ log = logging.getLogger("tally.aggregator.stream")
 
 SERVICE = secagg_pb2.DESCRIPTOR.services_by_name["SecureAggregation"].full_name
 SizedEnvelope = tuple[int, secagg_pb2.DeviceToAggregator | None]
-T = TypeVar("T")
 R = TypeVar("R")
 
 
-def cpu_counted(fn: Callable[[T], R], counter) -> Callable[[T], R]:
+def cpu_counted(fn: Callable[..., R], counter) -> Callable[..., R]:
     """``fn`` with its thread CPU time added to ``counter``: the aggregator's CPU is itemised as
     engine, wire conversion and the rest (gRPC, TLS, the event loop), so a load test can say
     where a round's CPU goes."""
 
-    def counted(arg: T) -> R:
+    def counted(*args: object) -> R:
         start = time.thread_time()
         try:
-            return fn(arg)
+            return fn(*args)
         finally:
             counter.inc(time.thread_time() - start)
 
@@ -91,10 +90,9 @@ class DeviceStreams(secagg_pb2_grpc.SecureAggregationServicer):
         return self._metrics
 
     @staticmethod
-    def _open(assembled: tuple[MaskedInputAssembler, secagg_pb2.DeviceToAggregator]):
+    def _open(chunks: MaskedInputAssembler, envelope: secagg_pb2.DeviceToAggregator):
         """A device message as the engine's value, or None while a masked input's chunks are
         still arriving."""
-        chunks, envelope = assembled
         whole = chunks.add(envelope)
         return None if whole is None else open_envelope(whole)
 
@@ -157,7 +155,7 @@ class DeviceStreams(secagg_pb2_grpc.SecureAggregationServicer):
         chunks = MaskedInputAssembler(session.packed_bytes)
         try:
             while (envelope := await self._read(context)) is not None:
-                if (message := self._decode((chunks, envelope))) is None:
+                if (message := self._decode(chunks, envelope)) is None:
                     continue  # a masked input's chunk: wait for the rest
                 if isinstance(message, secagg_pb2.Join):
                     raise Rejected("FAILED_PRECONDITION",
