@@ -160,6 +160,31 @@ def pack(values: np.ndarray, bits: int) -> bytes:
     return words.view(np.uint8).ravel()[: packed_size(values.size, bits)].tobytes()
 
 
+class _LaterRank:
+    """The running sum of the values that start second (third, ...) in their word.
+
+    Only some columns of a row hold such a value. One column (28 bits: two values in a row's
+    first word) is read as a strided view and shifted by a scalar, without copying it; several
+    are gathered into a buffer kept from one upload to the next, so adding an upload allocates
+    nothing (take's default mode would copy that buffer on every call, to restore it on error)."""
+
+    def __init__(self, start: _Start, acc: np.ndarray, rows: int) -> None:
+        self.acc = acc
+        self.buffer = np.empty((rows, len(start.words)), dtype=acc.dtype)
+        self.column = int(start.words[0]) if len(start.words) == 1 else None
+        self.columns = start.words
+        self.shifts = start.shifts[0] if self.column is not None else _shift_tile(start.shifts, rows)
+
+    def add(self, by_row: np.ndarray) -> None:
+        piece = self.buffer.ravel()
+        if self.column is not None:
+            np.right_shift(by_row[:, self.column], self.shifts, out=piece)
+        else:
+            np.take(by_row, self.columns, axis=1, out=self.buffer, mode="clip")
+            np.right_shift(piece, self.shifts, out=piece)
+        np.add(self.acc, piece, out=self.acc)
+
+
 class PackedSum:
     """The ring sum of packed vectors of ``count`` values at ``bits`` bits, added one at a time
     as they arrive, without materialising an unpacked copy of any of them."""
@@ -182,7 +207,8 @@ class PackedSum:
         spills = bool(np.any(layout.next_shifts < layout.word_bits))
         self._words = np.zeros(rows * layout.row_words, dtype=word) if spills else None
         self._scratch = np.empty(rows * layout.row_words, dtype=word)
-        self._shifts = [_shift_tile(s.shifts, rows) for s in layout.starts]
+        self._first_shifts = _shift_tile(layout.starts[0].shifts, rows)
+        self._later = [_LaterRank(start, acc, rows) for start, acc in zip(layout.starts[1:], self._shifted[1:])]
 
     def add(self, data: bytes) -> None:
         """Add one packed vector; the length check is what rejects a truncated or padded one."""
@@ -197,15 +223,13 @@ class PackedSum:
             return
         words = self._words_of(data)
         first, scratch = self._shifted[0], self._scratch
-        np.right_shift(words, self._shifts[0], out=scratch)
+        np.right_shift(words, self._first_shifts, out=scratch)
         np.add(first, scratch, out=first)
         if self._words is not None:
             np.add(self._words, words, out=self._words)
         by_row = words.reshape(self._rows, layout.row_words)
-        for start, acc, shifts in zip(layout.starts[1:], self._shifted[1:], self._shifts[1:]):
-            piece = np.take(by_row, start.words, axis=1).ravel()
-            np.right_shift(piece, shifts, out=piece)
-            np.add(acc, piece, out=acc)
+        for later in self._later:
+            later.add(by_row)
 
     def _words_of(self, data: bytes) -> np.ndarray:
         layout = self._layout
