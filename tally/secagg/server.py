@@ -478,6 +478,11 @@ class _UnmaskPhase(_SumPhase):
         self.short = len(self.secrets)
         # Per answer, in arrival order: its sender, the rows it fills and its (m, 9) shares.
         self._answers: list[tuple[int, np.ndarray, np.ndarray]] = []
+        # Each secret's first t shares and their holders, filled in as answers arrive: what the
+        # rebuild interpolates when nobody has been caught lying, with no sort over every share.
+        t = server.config.threshold
+        self._first_holders = np.zeros((len(self.secrets), t), dtype=np.int32)
+        self._first_shares = np.zeros((len(self.secrets), t, shamir.CHUNKS), dtype="<u4")
         # Checked secrets: a survivor's seed (bytes), a dropout's mask key (parsed once, as the
         # check needs it parsed anyway).
         self.rebuilt: dict[int, bytes | crypto.KeyPair] = {}
@@ -508,6 +513,14 @@ class _UnmaskPhase(_SumPhase):
         if not needed.all():
             rows, shares = rows[needed], shares[needed]
         self._answers.append((message.sender, rows, shares))
+        slots = self.counts[rows]
+        early = slots < self._first_holders.shape[1]
+        if early.all():
+            self._first_holders[rows, slots] = message.sender
+            self._first_shares[rows, slots] = shares
+        else:
+            self._first_holders[rows[early], slots[early]] = message.sender
+            self._first_shares[rows[early], slots[early]] = shares[early]
         self.counts[rows] += 1
         self.short -= int(np.count_nonzero(self.counts[rows] == self.wanted[rows]))
 
@@ -569,6 +582,27 @@ class _UnmaskPhase(_SumPhase):
         secret; only a secret that fails its check is decoded from all of its shares, which
         also names the holders whose shares were wrong.
         """
+        if self.rebuilt or self.server.misbehaving:
+            pending_rows, holders, shares = self._chosen()
+        else:
+            pending_rows = np.arange(len(self.secrets))
+            holders, shares = self._first_holders, self._first_shares
+        secrets = shamir.reconstruct_block(holders, shares)
+        failed = []
+        held = None  # every share, gathered only if some secret must be decoded from all of them
+        for row, secret in zip(pending_rows.tolist(), secrets):
+            checked = self._checked(row, secret) if secret is not None else None
+            if checked is not None:
+                self.rebuilt[row] = checked
+                continue
+            held = held or self._held()
+            if not self._decode(row, *held):
+                failed.append(row)
+        return failed
+
+    def _chosen(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """The rows not yet rebuilt, with t holders (S, t) and shares (S, t, 9) each: holders never
+        caught lying first, then in arrival order."""
         t = self.server.config.threshold
         rows, holders, shares = self._held()
         pending = np.ones(len(self.secrets), dtype=bool)
@@ -583,18 +617,8 @@ class _UnmaskPhase(_SumPhase):
         # Each row's entries are contiguous in `order`: keep the first t of the pending rows.
         first = np.searchsorted(by_row, by_row)
         chosen = order[(np.arange(len(order)) - first < t) & pending[by_row]]
-        pending_rows = np.flatnonzero(pending)
-        secrets = shamir.reconstruct_block(
-            holders[chosen].reshape(-1, t), shares[chosen].reshape(-1, t, shamir.CHUNKS)
-        )
-        failed = []
-        for row, secret in zip(pending_rows.tolist(), secrets):
-            checked = self._checked(row, secret) if secret is not None else None
-            if checked is not None:
-                self.rebuilt[row] = checked
-            elif not self._decode(row, rows, holders, shares):
-                failed.append(row)
-        return failed
+        return (np.flatnonzero(pending), holders[chosen].reshape(-1, t),
+                shares[chosen].reshape(-1, t, shamir.CHUNKS))
 
     def _decode(self, row: int, rows: np.ndarray, holders: np.ndarray, shares: np.ndarray) -> bool:
         mine = np.flatnonzero(rows == row)

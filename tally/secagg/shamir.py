@@ -245,12 +245,28 @@ def lagrange_at_zero(xs: tuple[int, ...]) -> np.ndarray:
 
 def _coefficients(xs: np.ndarray) -> np.ndarray:
     """(S, t) coefficients for holder sets (S, t), computing each distinct set once."""
+    if len(xs) > _CACHED_SETS_MAX and _all_distinct(xs):
+        return _lagrange_batch(_check_holder_sets(xs))
     distinct, index = np.unique(xs, axis=0, return_inverse=True)
     if len(distinct) <= _CACHED_SETS_MAX:
         table = np.stack([lagrange_at_zero(tuple(row)) for row in distinct.tolist()])
     else:
         table = _lagrange_batch(_check_holder_sets(distinct))
     return table[index.reshape(-1)]
+
+
+_SET_HASH_WEIGHTS = np.random.default_rng(0).integers(1, 1 << 62, 4096, dtype=np.int64) | 1
+
+
+def _all_distinct(xs: np.ndarray) -> bool:
+    """True only if no two rows of xs are equal. Row hashes that all differ prove it (equal rows
+    hash alike); a collision just answers False and the caller deduplicates exactly. SecAgg+
+    holder sets are all different, and hashing them costs far less than sorting them as rows."""
+    t = xs.shape[1]
+    if t > len(_SET_HASH_WEIGHTS):
+        return False
+    hashes = xs.astype(np.int64, copy=False) @ _SET_HASH_WEIGHTS[:t]  # wraps mod 2^64: fine
+    return len(np.unique(hashes)) == len(xs)
 
 
 def reconstruct_block(xs: np.ndarray, shares: np.ndarray) -> list[bytes | None]:
