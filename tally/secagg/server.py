@@ -480,9 +480,11 @@ class _UnmaskPhase(_SumPhase):
         self._answers: list[tuple[int, np.ndarray, np.ndarray]] = []
         # Each secret's first t shares and their holders, filled in as answers arrive: what the
         # rebuild interpolates when nobody has been caught lying, with no sort over every share.
+        # Shares past the t-th land in a last column that nothing reads, so recording one
+        # answer is a few flat writes whatever its mix of early and late shares.
         t = server.config.threshold
-        self._first_holders = np.zeros((len(self.secrets), t), dtype=np.int32)
-        self._first_shares = np.zeros((len(self.secrets), t, shamir.CHUNKS), dtype="<u4")
+        self._first_holders = np.zeros((len(self.secrets), t + 1), dtype=np.int32)
+        self._first_shares = np.zeros((len(self.secrets), t + 1), dtype=_SHARE)
         # Checked secrets: a survivor's seed (bytes), a dropout's mask key (parsed once, as the
         # check needs it parsed anyway).
         self.rebuilt: dict[int, bytes | crypto.KeyPair] = {}
@@ -513,16 +515,14 @@ class _UnmaskPhase(_SumPhase):
         if not needed.all():
             rows, shares = rows[needed], shares[needed]
         self._answers.append((message.sender, rows, shares))
-        slots = self.counts[rows]
-        early = slots < self._first_holders.shape[1]
-        if early.all():
-            self._first_holders[rows, slots] = message.sender
-            self._first_shares[rows, slots] = shares
-        else:
-            self._first_holders[rows[early], slots[early]] = message.sender
-            self._first_shares[rows[early], slots[early]] = shares[early]
-        self.counts[rows] += 1
-        self.short -= int(np.count_nonzero(self.counts[rows] == self.wanted[rows]))
+        counts = self.counts[rows]
+        width = self._first_holders.shape[1]
+        cells = rows * width + np.minimum(counts, width - 1)
+        self._first_holders.ravel()[cells] = message.sender
+        self._first_shares.ravel()[cells] = shares.view(_SHARE).ravel()
+        counts += 1
+        self.counts[rows] = counts  # a message names each owner once
+        self.short -= int(np.count_nonzero(counts == self.wanted[rows]))
 
     def complete(self) -> bool:
         """Done when every needed secret has its shares: stragglers cannot delay the sum."""
@@ -585,8 +585,10 @@ class _UnmaskPhase(_SumPhase):
         if self.rebuilt or self.server.misbehaving:
             pending_rows, holders, shares = self._chosen()
         else:
+            t = self.server.config.threshold
             pending_rows = np.arange(len(self.secrets))
-            holders, shares = self._first_holders, self._first_shares
+            holders = self._first_holders[:, :t]
+            shares = self._first_shares[:, :t].view("<u4").reshape(-1, t, shamir.CHUNKS)
         secrets = shamir.reconstruct_block(holders, shares)
         failed = []
         held = None  # every share, gathered only if some secret must be decoded from all of them
@@ -678,6 +680,9 @@ class _UnmaskPhase(_SumPhase):
                 expander.apply(total, key, subtract=i < j)
         np.bitwise_and(total, dtype.type(ring_mask(spec.bits)), out=total)
         return total
+
+
+_SHARE = np.dtype((np.void, shamir.SHARE_BYTES))  # one share's 9 chunks as one element
 
 
 def _surviving_neighbourhoods(config: SessionConfig, survivors: tuple[int, ...]) -> list[tuple[int, ...]]:
