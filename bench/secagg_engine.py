@@ -130,6 +130,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                       default=sorted(PHASE_OF_DROPOUT))
     grid.add_argument("--max-memory-gib", type=float, default=12.0,
                       help="skip grid points whose inputs and uploads would need more than this")
+    grid.add_argument("--grid-merge", action="store_true",
+                      help="replace only the points run now in --out-dir's engine_grid.json, "
+                           "keeping the others' earlier measurements (each point records when "
+                           "it was measured)")
     grid.add_argument("--out-dir", type=Path, default=Path(__file__).parent / "results",
                       help="where --grid writes engine_grid.json, engine_grid.png and its log")
     args = p.parse_args(argv)
@@ -710,6 +714,7 @@ def run_grid(args: argparse.Namespace) -> int:
                                 "reason": f"run failed (exit {proc.returncode}); see {log_path.name}"})
             else:
                 summary = json.loads(point_json.read_text())
+                summary["measured_on"] = time.strftime("%Y-%m-%d", time.gmtime())
                 point_json.unlink()
                 results.append(summary)
                 progress.console.log(
@@ -719,8 +724,10 @@ def run_grid(args: argparse.Namespace) -> int:
             progress.advance(task)
     grid = {
         "command": "python bench/secagg_engine.py --grid " + " ".join(
-            f"--{k.replace('_', '-')} {v}" for k, v in (("repeat", args.repeat),
-                                                        ("dropout", args.dropout))),
+            f"--{k.replace('_', '-')} {' '.join(map(str, v)) if isinstance(v, list) else v}"
+            for k, v in (("grid_clients", args.grid_clients), ("grid_dims", args.grid_dims),
+                         ("grid_phases", args.grid_phases), ("repeat", args.repeat),
+                         ("dropout", args.dropout))),
         "target_server_ratio": TARGET_SERVER_RATIO,
         "target_client_ratio": TARGET_CLIENT_RATIO,
         "wall_s": time.perf_counter() - start,
@@ -729,11 +736,29 @@ def run_grid(args: argparse.Namespace) -> int:
         "skipped": skipped,
     }
     json_path = out_dir / "engine_grid.json"
+    if args.grid_merge and json_path.exists():
+        grid = merge_grid(json.loads(json_path.read_text()), grid)
     json_path.write_text(json.dumps(grid, indent=2, default=str) + "\n")
     plot_grid(grid, out_dir / "engine_grid.png")
     console.print(grid_markdown(grid))
     console.print(f"wrote {json_path}, {out_dir / 'engine_grid.png'} and {log_path}")
     return 0 if all(p["correct"] for p in results) else 1
+
+
+def merge_grid(earlier: dict, now: dict) -> dict:
+    """``earlier`` with the points ``now`` ran (measured or skipped) replaced by ``now``'s: a
+    grid of hours can be brought up to date one slow corner at a time."""
+    def key(p: dict) -> tuple:
+        return p["clients"], p["dim"], p["phase"]
+
+    rerun = {key(p) for p in now["points"] + now["skipped"]}
+    merged = dict(earlier)
+    merged["points"] = [p for p in earlier["points"] if key(p) not in rerun] + now["points"]
+    merged["skipped"] = [s for s in earlier["skipped"] if key(s) not in rerun] + now["skipped"]
+    merged["merged"] = earlier.get("merged", []) + [
+        {"command": now["command"], "points": sorted(rerun), "wall_s": now["wall_s"],
+         "machine": now["machine"]}]
+    return merged
 
 
 def _ratio_range(values: list[float]) -> str:

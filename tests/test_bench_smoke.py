@@ -54,3 +54,30 @@ def test_engine_bench_help():
                           text=True, timeout=60)
     assert proc.returncode == 0
     assert "--clients" in proc.stdout and "--phase" in proc.stdout
+
+
+def _grid(out_dir: Path, *extra: str) -> dict:
+    proc = subprocess.run(
+        [sys.executable, str(SCRIPT), "--grid", "--grid-clients", "12", "--grid-dims", "50",
+         "--repeat", "1", "--limit-repeat", "1", "--out-dir", str(out_dir), *extra],
+        capture_output=True, text=True, timeout=300,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return json.loads((out_dir / "engine_grid.json").read_text())
+
+
+def test_grid_merge_replaces_only_the_points_run_again(tmp_path):
+    first = _grid(tmp_path, "--grid-phases", "shares", "masked")
+    assert sorted(p["phase"] for p in first["points"]) == ["masked", "shares"]
+    assert all(p["correct"] and p["measured_on"] for p in first["points"])
+    assert (tmp_path / "engine_grid.png").stat().st_size > 0
+
+    merged = _grid(tmp_path, "--grid-phases", "masked", "--grid-merge")
+    by_phase = {p["phase"]: p for p in merged["points"]}
+    assert sorted(by_phase) == ["masked", "shares"]
+    kept = next(p for p in first["points"] if p["phase"] == "shares")
+    rerun = next(p for p in first["points"] if p["phase"] == "masked")
+    assert by_phase["shares"] == kept
+    assert by_phase["masked"]["wall_s"] != rerun["wall_s"]  # a new measurement, not the old one
+    assert [m["points"] for m in merged["merged"]] == [[[12, 50, "masked"]]]
+    assert "--grid-phases masked" in merged["merged"][0]["command"]
