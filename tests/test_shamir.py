@@ -198,3 +198,32 @@ def test_mixed_thresholds_in_one_call():
     sa = shamir.share([a], 2, np.arange(1, 4))[0]
     sb = shamir.share([b], 3, np.arange(1, 4))[0]
     assert shamir.reconstruct([(2, 3), (1, 2, 3)], [sa[1:], sb]) == [a, b]
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.integers(1, 2000), st.integers(1, 40), st.integers(1, 6), st.integers(0, 2**32 - 1))
+def test_lagrange_by_logs_matches_products_for_unsorted_sets(n, t, sets, seed):
+    """The signed-logarithm coefficients (one table look-up per difference, sign included) equal
+    the plain products, for holder sets in any order, as the server's arrival-ordered sets are."""
+    t = min(t, n)
+    rng = np.random.default_rng(seed)
+    xs = np.stack([rng.choice(np.arange(1, n + 1), t, replace=False) for _ in range(sets)])
+    xs = xs.astype(np.uint64)
+    assert np.array_equal(shamir._lagrange_by_logs(xs), shamir._lagrange_by_products(xs))
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.sampled_from([1, 2, 3, 52, 200, 5000]), st.integers(0, 2**32 - 1))
+def test_combine_is_the_sum_of_products_mod_p(t, seed):
+    """Coefficients below p times shares anywhere below 2^32 (out-of-field ones included), in
+    parts that never wrap uint64: the exact sum mod p, which Python integers compute directly."""
+    rng = np.random.default_rng(seed)
+    lam = rng.integers(0, P, (2, t), dtype=np.uint64)
+    shares = rng.integers(0, 2**32, (2, t, CHUNKS), dtype=np.uint64)
+    shares[0, 0, 0] = 2**32 - 1
+    lam[0, 0] = P - 1
+    got = shamir._combine(lam, shares)
+    for s in range(2):
+        for c in range(CHUNKS):
+            want = sum(int(a) * int(b) for a, b in zip(lam[s], shares[s, :, c])) % P
+            assert int(got[s, c]) == want

@@ -213,23 +213,34 @@ def _log_table(size: int) -> np.ndarray:
     return logs
 
 
+@functools.lru_cache(maxsize=4)
+def _signed_log_table(size: int) -> np.ndarray:
+    """Discrete logarithms of -(size-1)..size-1 at offset size-1, with log(-m) = log(m) + (p-1)/2
+    (g^((p-1)/2) = -1) and 0 at m = 0: one look-up per difference x_j - x_i, sign included, and
+    a holder's difference with itself adds nothing."""
+    logs = _log_table(size).astype(np.int64)
+    negative = (logs[:0:-1] + _LOG_MINUS_ONE) % _ORDER
+    table = np.concatenate([negative, [0], logs[1:]]).astype(np.int32)
+    table.setflags(write=False)
+    return table
+
+
 def _lagrange_by_logs(xs: np.ndarray) -> np.ndarray:
-    rank = np.argsort(np.argsort(xs, axis=1), axis=1)  # where each x sits in its sorted set
-    xs = np.sort(xs.astype(np.int32), axis=1)
     s, t = xs.shape
-    logs = _log_table(_log_table_size(xs))
+    size = _log_table_size(xs)
+    signed = _signed_log_table(size)
+    x = xs.astype(np.int32)
+    log_x = np.take(_log_table(size), x).astype(np.int64)
+    numerators = log_x.sum(axis=1, keepdims=True) - log_x
     out = np.empty((s, t), dtype=np.uint64)
-    # In a sorted set, x_j - x_i is negative for exactly the i smaller x_j: -1 = g^((p-1)/2).
-    signs = np.arange(t, dtype=np.int64) * _LOG_MINUS_ONE
     block = max(1, _LOG_BLOCK // (t * t))
     for first in range(0, s, block):
-        x = xs[first : first + block]
-        log_x = np.take(logs, x).astype(np.int64)
-        differences = np.abs(x[:, None, :] - x[:, :, None])
-        exponent = (log_x.sum(axis=1, keepdims=True) - log_x
-                    - np.take(logs, differences).sum(axis=2, dtype=np.int64) + signs) % _ORDER
-        out[first : first + block] = _exp(exponent)
-    return np.take_along_axis(out, rank, axis=1)
+        rows = x[first : first + block]
+        differences = rows[:, None, :] - rows[:, :, None]  # [set, i, j] = x_j - x_i
+        differences += size - 1
+        denominators = np.take(signed, differences).sum(axis=2, dtype=np.int64)
+        out[first : first + block] = _exp((numerators[first : first + block] - denominators) % _ORDER)
+    return out
 
 
 @functools.lru_cache(maxsize=4096)
@@ -269,6 +280,25 @@ def _all_distinct(xs: np.ndarray) -> bool:
     return len(np.unique(hashes)) == len(xs)
 
 
+def _combine(lam: np.ndarray, wide: np.ndarray) -> np.ndarray:
+    """sum_i lam_i * share_i mod p per secret and chunk: (S, t) x (S, t, 9) uint64 -> (S, 9).
+
+    Reducing every product mod p would be a division per term; instead the coefficients are cut
+    into parts small enough that t products of a part and a share below 2^32 sum without
+    wrapping uint64, so each part is one integer matmul and only the (S, 9) results are reduced.
+    A secret with a share of 2^32 or more gets a wrapped sum, but no share outside the field
+    rebuilds anything: the caller discards it.
+    """
+    bits = 32 - max(1, (lam.shape[1] - 1).bit_length())  # >= 1 for any t below 2^31
+    out = np.zeros((len(lam), CHUNKS), dtype=np.uint64)
+    mask = np.uint64((1 << bits) - 1)
+    for shift in range(0, 31, bits):
+        part = (lam >> np.uint64(shift)) & mask
+        partial = np.matmul(part[:, None, :], wide)[:, 0] % _P
+        out = (out + partial * np.uint64(pow(2, shift, P))) % _P
+    return out
+
+
 def reconstruct_block(xs: np.ndarray, shares: np.ndarray) -> list[bytes | None]:
     """``reconstruct_each`` for secrets that all have t holders: holder x-coordinates (S, t) and
     their shares (S, t, 9) as arrays, so a server rebuilding thousands of secrets never walks
@@ -280,12 +310,9 @@ def reconstruct_block(xs: np.ndarray, shares: np.ndarray) -> list[bytes | None]:
     out: list[bytes | None] = [None] * len(xs)
     if not len(xs):
         return out
-    stacked = shares.astype(np.uint64)
-    in_field = np.all(stacked < _P, axis=(1, 2))
-    stacked %= _P
-    lam = _coefficients(xs)
-    # Reduce each product before summing: t terms below p each cannot wrap uint64.
-    chunks = (lam[:, :, None] * stacked % _P).sum(axis=1) % _P
+    wide = shares.astype(np.uint64)
+    in_field = ~np.any(wide >= _P, axis=(1, 2))
+    chunks = _combine(_coefficients(xs), wide)
     valid = in_field & np.all(chunks < _CHUNK_LIMITS, axis=1)
     good = np.flatnonzero(valid).tolist()
     for i, secret in zip(good, field_to_secrets(chunks[valid]) if good else ()):
