@@ -279,6 +279,29 @@ def test_wrong_shares_from_one_device_are_decoded_around_and_the_sum_is_exact(ki
     assert "wrong" in cohort.server.misbehaving[2]
 
 
+def test_answers_in_any_order_rebuild_seeds_and_keys_exactly():
+    """Devices may list their shares in any order: the server places each share by its owner,
+    not by its position, for the survivors' seeds and the dropped device's key alike."""
+    config = make_config(10, 9, 6)
+    cohort = Cohort(config, seed=8)
+
+    def tamper(message):
+        if isinstance(message, UnmaskResponse):
+            assert message.key_shares or message.sender not in config.neighbours(5)
+            return dataclasses.replace(message, seed_shares=message.seed_shares[::-1],
+                                       key_shares=message.key_shares[::-1])
+        if isinstance(message, MaskedInputResponse) and message.sender == 5:
+            return dataclasses.replace(message, data=b"")  # never arrives: rejected as malformed
+        return message
+
+    cohort.run(tamper_client=tamper)
+    assert cohort.server.aborted is None, cohort.server.aborted
+    result = cohort.server.results["s"]
+    assert set(result.contributors) == set(range(1, 11)) - {5}
+    assert result.total.tolist() == cohort.exact("s", result.contributors)
+    assert not cohort.server.misbehaving
+
+
 def test_too_many_wrong_shares_abort_instead_of_a_wrong_sum():
     """When wrong shares outnumber what the others' shares can correct, the session aborts
     naming the secrets: it never completes with every coordinate wrong."""

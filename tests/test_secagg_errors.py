@@ -137,6 +137,32 @@ def test_out_of_phase_unknown_and_malformed_messages():
     s.finish()
 
 
+def test_unmask_answers_must_name_each_expected_owner_once_with_whole_shares():
+    """Every way an Unmask answer can misname its owners or cut its shares is refused with the
+    reason; the same shares in another order are accepted and the sums stay exact."""
+    s = Session()
+    for _ in range(3):
+        s.step()
+    unmask = s.pending[0]
+    assert isinstance(unmask, UnmaskResponse) and not unmask.key_shares and len(unmask.seed_shares) > 2
+    seeds = unmask.seed_shares
+    (a, share_a), (b, share_b) = seeds[0], seeds[1]
+    refused = {
+        "seed shares": [seeds[1:], seeds[:1] + seeds[:-1], seeds + seeds[:1]],
+        "36 bytes": [((a, share_a[:-1]), (b, share_b + b"\x00")) + seeds[2:], ((a, b""),) + seeds[1:]],
+        "device indices": [(("one", share_a),) + seeds[1:], ((None, share_a),) + seeds[1:]],
+    }
+    for reason, variants in refused.items():
+        for variant in variants:
+            with pytest.raises(MalformedMessage, match=reason):
+                s.server.receive(dataclasses.replace(unmask, seed_shares=variant))
+    with pytest.raises(MalformedMessage, match="key shares"):
+        s.server.receive(dataclasses.replace(unmask, key_shares=seeds[:1]))
+    s.pending[0] = dataclasses.replace(unmask, seed_shares=seeds[::-1])
+    s.finish()
+    assert not s.server.misbehaving
+
+
 def test_device_rejects_stale_out_of_phase_and_tampered_messages():
     s = Session(n=5)
     client = s.clients[1]

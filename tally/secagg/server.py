@@ -466,60 +466,65 @@ class _UnmaskPhase(_SumPhase):
         self.secrets: list[tuple[str, int]] = (
             [("seed", i) for i in sorted(survivors)] + [("key", j) for j in sorted(self.needed_keys)]
         )
-        # Row of each owner's seed and key; -1: not needed (a dropout with no surviving neighbour).
-        self._rows = {kind: np.full(server.config.n + 1, -1, dtype=np.int64) for kind in ("seed", "key")}
+        # Row of each owner's secret: its seed if it survived, its key if it dropped (nobody is
+        # both); -1: nothing of it is needed.
+        self._row_of = np.full(server.config.n + 1, -1, dtype=np.int64)
+        self._row_of[[owner for _, owner in self.secrets]] = np.arange(len(self.secrets))
         self._is_dropped = _indicator(server.config.n, self.dropped)
-        for row, (kind, owner) in enumerate(self.secrets):
-            self._rows[kind][owner] = row
+        self._expect = _expected_answers(server.config, sorted(expected), self._is_survivor,
+                                         self._is_dropped, self._row_of)
         # Shares each secret has, and still waits for: t, or more once a rebuilt secret failed
         # its check; `short` counts the secrets below their wanted count.
         self.counts = np.zeros(len(self.secrets), dtype=np.int64)
         self.wanted = np.full(len(self.secrets), server.config.threshold, dtype=np.int64)
         self.short = len(self.secrets)
-        # Per answer, in arrival order: its sender, the rows it fills and its (m, 9) shares.
+        # Per answer, in arrival order: its sender, the rows it fills and its m shares.
         self._answers: list[tuple[int, np.ndarray, np.ndarray]] = []
         # Each secret's first t shares and their holders, filled in as answers arrive: what the
         # rebuild interpolates when nobody has been caught lying, with no sort over every share.
         # Shares past the t-th land in a last column that nothing reads, so recording one
         # answer is a few flat writes whatever its mix of early and late shares.
         t = server.config.threshold
-        self._first_holders = np.zeros((len(self.secrets), t + 1), dtype=np.int32)
-        self._first_shares = np.zeros((len(self.secrets), t + 1), dtype=_SHARE)
+        self._width = t + 1
+        self._first_holders = np.zeros((len(self.secrets), self._width), dtype=np.int32)
+        self._first_shares = np.zeros((len(self.secrets), self._width), dtype=_SHARE)
+        self._first_holders_flat = self._first_holders.reshape(-1)
+        self._first_shares_flat = self._first_shares.reshape(-1)
         # Checked secrets: a survivor's seed (bytes), a dropout's mask key (parsed once, as the
         # check needs it parsed anyway).
         self.rebuilt: dict[int, bytes | crypto.KeyPair] = {}
 
     def validate(self, message: UnmaskResponse) -> None:
-        neighbours = self.server.config.neighbours(message.sender)
-        seed_owners, seed_data = _owners(message.sender, message.seed_shares)
-        key_owners, key_data = _owners(message.sender, message.key_shares)
-        if not np.array_equal(np.sort(seed_owners), neighbours[self._is_survivor[neighbours]]):
-            raise MalformedMessage(
-                f"device {message.sender} must reveal seed shares of exactly its surviving neighbours"
-            )
-        if not np.array_equal(np.sort(key_owners), neighbours[self._is_dropped[neighbours]]):
-            raise MalformedMessage(
-                f"device {message.sender} must reveal key shares of exactly its dropped neighbours"
-            )
+        """An answer names its surviving neighbours' seeds, then its dropped neighbours' keys;
+        the usual ascending order is checked against the owners expected of the sender in one
+        comparison, any other order is sorted first."""
+        sender = message.sender
+        seed_owners, seed_data = _owners(sender, message.seed_shares)
+        key_owners, key_data = _owners(sender, message.key_shares)
+        seeds, keys, rows = self._expect.of(sender)
+        if seed_owners.tobytes() != seeds.tobytes() or key_owners.tobytes() != keys.tobytes():
+            if not np.array_equal(np.sort(seed_owners), seeds):
+                raise MalformedMessage(
+                    f"device {sender} must reveal seed shares of exactly its surviving neighbours"
+                )
+            if not np.array_equal(np.sort(key_owners), keys):
+                raise MalformedMessage(
+                    f"device {sender} must reveal key shares of exactly its dropped neighbours"
+                )
+            rows = self._row_of[np.concatenate([seed_owners, key_owners])]
         data = seed_data + key_data
         if set(map(len, data)) - {shamir.SHARE_BYTES}:
             raise MalformedMessage(f"shares must be {shamir.SHARE_BYTES} bytes")
-        self._validated = (message, seed_owners, key_owners, data)
+        self._validated = (message, rows, np.frombuffer(b"".join(data), dtype=_SHARE))
 
     def record(self, message: UnmaskResponse) -> None:
-        validated, seed_owners, key_owners, data = self._validated
+        validated, rows, shares = self._validated
         assert validated is message
-        rows = np.concatenate([self._rows["seed"][seed_owners], self._rows["key"][key_owners]])
-        shares = np.frombuffer(b"".join(data), dtype="<u4").reshape(-1, shamir.CHUNKS)
-        needed = rows >= 0
-        if not needed.all():
-            rows, shares = rows[needed], shares[needed]
         self._answers.append((message.sender, rows, shares))
         counts = self.counts[rows]
-        width = self._first_holders.shape[1]
-        cells = rows * width + np.minimum(counts, width - 1)
-        self._first_holders.ravel()[cells] = message.sender
-        self._first_shares.ravel()[cells] = shares.view(_SHARE).ravel()
+        cells = rows * self._width + np.minimum(counts, self._width - 1)
+        self._first_holders_flat[cells] = message.sender
+        self._first_shares_flat[cells] = shares
         counts += 1
         self.counts[rows] = counts  # a message names each owner once
         self.short -= int(np.count_nonzero(counts == self.wanted[rows]))
@@ -572,7 +577,7 @@ class _UnmaskPhase(_SumPhase):
         rows = np.concatenate([rows for _, rows, _ in self._answers])
         holders = np.concatenate([np.full(len(r), sender) for sender, r, _ in self._answers])
         shares = np.concatenate([shares for _, _, shares in self._answers])
-        return rows, holders, shares
+        return rows, holders, shares.view("<u4").reshape(-1, shamir.CHUNKS)
 
     def _rebuild(self) -> list[int]:
         """Rebuild every secret not yet rebuilt; the rows that cannot be rebuilt and checked yet.
@@ -698,6 +703,39 @@ def _surviving_neighbourhoods(config: SessionConfig, survivors: tuple[int, ...])
     flat = block[keep].tolist()
     ends = np.cumsum(np.count_nonzero(keep, axis=1)).tolist()
     return [tuple(flat[a:b]) for a, b in zip([0] + ends[:-1], ends)]
+
+
+class _ExpectedAnswers:
+    """What each expected Unmask answer must name, computed for all senders in one vectorised
+    pass: its surviving neighbours (seeds), its dropped neighbours (keys), ascending, and the
+    secret rows those fill in that order."""
+
+    def __init__(self, owners: np.ndarray, rows: np.ndarray,
+                 spans: dict[int, tuple[int, int, int]]) -> None:
+        self._owners, self._rows, self._spans = owners, rows, spans
+
+    def of(self, sender: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(seed owners, key owners, rows) of ``sender``'s answer."""
+        start, split, end = self._spans[sender]
+        return self._owners[start:split], self._owners[split:end], self._rows[start:end]
+
+
+def _expected_answers(config: SessionConfig, senders: list[int], is_survivor: np.ndarray,
+                      is_dropped: np.ndarray, row_of: np.ndarray) -> _ExpectedAnswers:
+    if not senders:
+        return _ExpectedAnswers(np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64), {})
+    block = config.neighbour_rows(np.asarray(senders, dtype=np.int64))
+    # Seeds sort before keys, neighbours of neither kind (pruned before ShareKeys) last.
+    span = config.n + 1
+    order = np.where(is_survivor[block], block, np.where(is_dropped[block], span + block, 2 * span))
+    order.sort(axis=1)
+    named = order < 2 * span
+    owners = (order[named] % span).astype(np.int64)  # compared with the answers' int64 bytes
+    ends = np.cumsum(np.count_nonzero(named, axis=1))
+    splits = ends - np.count_nonzero(named & (order >= span), axis=1)
+    starts = np.concatenate([[0], ends[:-1]])
+    spans = dict(zip(senders, zip(starts.tolist(), splits.tolist(), ends.tolist())))
+    return _ExpectedAnswers(owners, row_of[owners], spans)
 
 
 def _with_surviving_neighbour(config: SessionConfig, dropped: frozenset[int],
