@@ -587,17 +587,19 @@ class _UnmaskPhase(_SumPhase):
         secret; only a secret that fails its check is decoded from all of its shares, which
         also names the holders whose shares were wrong.
         """
-        if self.rebuilt or self.server.misbehaving:
-            pending_rows, holders, shares = self._chosen()
+        t = self.server.config.threshold
+        pending = np.ones(len(self.secrets), dtype=bool)
+        pending[list(self.rebuilt)] = False
+        rows = np.flatnonzero(pending)
+        if self.server.misbehaving:
+            holders, shares = self._chosen(pending)
         else:
-            t = self.server.config.threshold
-            pending_rows = np.arange(len(self.secrets))
-            holders = self._first_holders[:, :t]
-            shares = self._first_shares[:, :t].view("<u4").reshape(-1, t, shamir.CHUNKS)
+            holders = self._first_holders[rows, :t]
+            shares = self._first_shares[rows, :t].view("<u4").reshape(-1, t, shamir.CHUNKS)
         secrets = shamir.reconstruct_block(holders, shares)
         failed = []
         held = None  # every share, gathered only if some secret must be decoded from all of them
-        for row, secret in zip(pending_rows.tolist(), secrets):
+        for row, secret in zip(rows.tolist(), secrets):
             checked = self._checked(row, secret) if secret is not None else None
             if checked is not None:
                 self.rebuilt[row] = checked
@@ -607,25 +609,18 @@ class _UnmaskPhase(_SumPhase):
                 failed.append(row)
         return failed
 
-    def _chosen(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """The rows not yet rebuilt, with t holders (S, t) and shares (S, t, 9) each: holders never
-        caught lying first, then in arrival order."""
+    def _chosen(self, pending: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """t holders (S, t) and their shares (S, t, 9) for each pending row, holders never caught
+        lying first: the first-t arrays hold whoever answered first, suspects included."""
         t = self.server.config.threshold
         rows, holders, shares = self._held()
-        pending = np.ones(len(self.secrets), dtype=bool)
-        pending[list(self.rebuilt)] = False
-        suspects = self.server.misbehaving
-        if suspects:
-            suspect = np.isin(holders, list(suspects))
-            order = np.lexsort((holders, suspect, rows))
-        else:
-            order = np.argsort(rows, kind="stable")
+        suspect = np.isin(holders, list(self.server.misbehaving))
+        order = np.lexsort((holders, suspect, rows))
         by_row = rows[order]
         # Each row's entries are contiguous in `order`: keep the first t of the pending rows.
         first = np.searchsorted(by_row, by_row)
         chosen = order[(np.arange(len(order)) - first < t) & pending[by_row]]
-        return (np.flatnonzero(pending), holders[chosen].reshape(-1, t),
-                shares[chosen].reshape(-1, t, shamir.CHUNKS))
+        return holders[chosen].reshape(-1, t), shares[chosen].reshape(-1, t, shamir.CHUNKS)
 
     def _decode(self, row: int, rows: np.ndarray, holders: np.ndarray, shares: np.ndarray) -> bool:
         mine = np.flatnonzero(rows == row)
