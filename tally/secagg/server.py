@@ -594,8 +594,9 @@ class _UnmaskPhase(_SumPhase):
         if self.server.misbehaving:
             holders, shares = self._chosen(pending)
         else:
-            holders = self._first_holders[rows, :t]
-            shares = self._first_shares[rows, :t].view("<u4").reshape(-1, t, shamir.CHUNKS)
+            some = rows if len(rows) < len(pending) else slice(None)  # a first pass reads in place
+            holders = self._first_holders[some, :t]
+            shares = self._first_shares[some, :t].view("<u4").reshape(-1, t, shamir.CHUNKS)
         secrets = shamir.reconstruct_block(holders, shares)
         failed = []
         held = None  # every share, gathered only if some secret must be decoded from all of them
