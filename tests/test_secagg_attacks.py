@@ -8,6 +8,7 @@ attack yields nothing: the victim refuses, or the honest devices' sum comes out 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import os
 from collections.abc import Callable
 
@@ -42,7 +43,7 @@ from tally.secagg.messages import (
     UnmaskResponse,
 )
 from tally.secagg.params import GraphParams
-from tally.secagg.wire import advertise_statement, seed_commitment, share_associated_data
+from tally.secagg.wire import SeedCommitments, advertise_statement, seed_commitment, share_associated_data
 
 ServerHook = Callable[[Outgoing], Outgoing]
 ClientHook = Callable[[object], object]
@@ -424,3 +425,10 @@ def test_seed_commitments_bind_the_seed():
     config = make_config(4, 3, 3)
     assert seed_commitment(config.ref, "s", bytes(32)) != seed_commitment(config.ref, "s", b"\1" + bytes(31))
     assert seed_commitment(config.ref, "s", bytes(32)) != seed_commitment(config.ref, "t", bytes(32))
+    # The server's hasher (the context hashed once, then copied) commits exactly as devices do:
+    # SHA-256 over the length-prefixed label, session fields and seed.
+    seed = os.urandom(32)
+    fields = [b"tally/seed-commitment", b"".join(len(f).to_bytes(4, "big") + f for f in (
+        config.ref.job_id.encode(), str(config.ref.round).encode(), config.ref.session_id.encode(), b"s")), seed]
+    layout = hashlib.sha256(b"".join(len(f).to_bytes(4, "big") + f for f in fields)).digest()
+    assert SeedCommitments(config.ref, "s")(seed) == seed_commitment(config.ref, "s", seed) == layout

@@ -53,9 +53,9 @@ from tally.secagg.messages import (
 from tally.secagg.wire import (
     COMMITMENT_BYTES,
     SHARE_CIPHERTEXT_BYTES,
+    SeedCommitments,
     advertise_statement,
     consistency_message,
-    seed_commitment,
 )
 
 
@@ -493,6 +493,7 @@ class _UnmaskPhase(_SumPhase):
         # Checked secrets: a survivor's seed (bytes), a dropout's mask key (parsed once, as the
         # check needs it parsed anyway).
         self.rebuilt: dict[int, bytes | crypto.KeyPair] = {}
+        self._commitment = SeedCommitments(server.config.ref, self.sum_id)
 
     def validate(self, message: UnmaskResponse) -> None:
         """An answer names its surviving neighbours' seeds, then its dropped neighbours' keys;
@@ -645,7 +646,7 @@ class _UnmaskPhase(_SumPhase):
         kind, owner = self.secrets[row]
         keys = self.server.advertised[owner].keys[self.position]
         if kind == "seed":
-            ok = seed_commitment(self.server.config.ref, self.sum_id, secret) == keys.seed_commitment
+            ok = self._commitment(secret) == keys.seed_commitment
             return secret if ok else None
         try:
             pair = crypto.KeyPair(secret)

@@ -42,7 +42,20 @@ def advertise_statement(ref: SessionRef, sender: int, keys: Iterable[SumPublicKe
 def seed_commitment(ref: SessionRef, sum_id: str, seed: bytes) -> bytes:
     """SHA-256 of a 32-byte uniformly random seed in its context: hiding (the seed has full
     entropy) and binding (collision resistance), so a rebuilt seed can be checked."""
-    return hashlib.sha256(_fields(b"tally/seed-commitment", _ref_fields(ref, sum_id), seed)).digest()
+    return SeedCommitments(ref, sum_id)(seed)
+
+
+class SeedCommitments:
+    """``seed_commitment`` of one sum's seeds: the server checks thousands, and hashing the
+    context once and copying its state costs a third of hashing it again for each."""
+
+    def __init__(self, ref: SessionRef, sum_id: str) -> None:
+        self._context = hashlib.sha256(_fields(b"tally/seed-commitment", _ref_fields(ref, sum_id)))
+
+    def __call__(self, seed: bytes) -> bytes:
+        h = self._context.copy()
+        h.update(_fields(seed))
+        return h.digest()
 
 
 def consistency_message(ref: SessionRef, sum_id: str, survivors: Iterable[int]) -> bytes:
