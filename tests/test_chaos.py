@@ -10,7 +10,8 @@ import sys
 
 import pytest
 
-from tally.chaos.campaign import FAULTS, MISBEHAVIOURS, Campaign, CampaignConfig
+from coordinator.store import Store
+from tally.chaos.campaign import FAULTS, MISBEHAVIOURS, Campaign, CampaignConfig, failed_round
 from client_sdk import Fleet
 from client_sdk.fleet import device_ids
 from client_sdk.retry import RetryPolicy
@@ -34,11 +35,30 @@ def test_a_short_campaign_meets_every_invariant_under_every_fault(tmp_path):
     assert committed and all(r.sums_exact >= 1 and r.sums_wrong == 0 for r in committed)
     # A job that failed says why (the coordinator's message); a committed round has no reason.
     assert all(bool(r.reason) == (r.outcome == "job_failed") for r in result.rounds)
+    assert all(bool(r.attempts) == (r.outcome == "job_failed") for r in result.rounds)
     kills = [r for r in result.rounds if r.fault.startswith("kill_")]
     assert all("killed round" in r.detail for r in kills), [r.detail for r in kills]
     report = result.to_dict()
     assert sum(row["rounds"] for row in report["faults"]) == config.rounds
     assert set(report["cpu_seconds"]) == {"coordinator", "aggregator-1", "aggregator-2"}
+
+
+def test_a_failed_round_says_how_each_attempt_ended_and_whom_its_retries_could_not_seat(tmp_path):
+    """What the campaign records beside a job failure, read back from a real coordinator
+    database: every attempt's ending in order, and the seats still held when the job failed
+    (a released seat, or one of another round, does not count)."""
+    store = Store(tmp_path / "state")
+    endings = ["masked_input[update]: 5 devices answered, at least 13 are required",
+               "interrupted: coordinator stopped", "advertise_keys: 6 devices answered, at least 7 are required"]
+    for now, ending in enumerate(endings):
+        attempt = store.start_attempt("job", 3, float(now))
+        store.finish_attempt("job", 3, attempt, now + 0.5, ending)
+    store.add_seated("job", 3, [("d1", "t1"), ("d2", "t2"), ("d3", "t3")])
+    store.release_seats("job", 3, [("d2", "t2")])
+    store.add_seated("job", 4, [("d9", "t9")])
+    store.add_seated("other", 3, [("d8", "t8")])
+    store.close()
+    assert failed_round(tmp_path / "state" / "coordinator.db", "job", 3) == (endings, 2)
 
 
 def test_every_kind_of_device_misbehaviour_leaves_the_rounds_exact(tmp_path):

@@ -14,6 +14,7 @@ fleet is synthetic (``client_sdk.synthetic``), so every expected sum is known ex
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import random
 import sqlite3
 import statistics
@@ -106,6 +107,11 @@ class RoundRecord:
     sums_exact: int = 0
     sums_wrong: int = 0
     reason: str = ""  # why the job failed, as the coordinator says (job_failed only)
+    # job_failed only, from the coordinator's database: how each attempt of the round ended, and
+    # how many devices its retries could no longer seat (seated in an attempt that may have
+    # received their input, never released): a retry seats only devices that sent no input.
+    attempts: list[str] = field(default_factory=list)
+    excluded: int = 0
 
 
 @dataclass
@@ -224,6 +230,8 @@ class Campaign:
             outcome = "job_failed"
         record = RoundRecord(index, job_id, round_, fault, detail, outcome, seconds,
                              reason=job.message if outcome == "job_failed" and job is not None else "")
+        if outcome == "job_failed":
+            record.attempts, record.excluded = failed_round(cluster.state / "coordinator.db", job_id, round_)
         if outcome == "committed":
             await self._audit(cluster, fleet, record)
         for name in cluster.died(self.killed):
@@ -309,8 +317,7 @@ class Campaign:
     def _check_state(self, cluster: LocalCluster) -> None:
         """From the coordinator's own database: each committed round of each job committed once,
         rounds contiguous from 1, and the job's committed round the last of them."""
-        db = sqlite3.connect(f"file:{cluster.state / 'coordinator.db'}?mode=ro", uri=True)
-        try:
+        with _read_only(cluster.state / "coordinator.db") as db:
             jobs = db.execute("SELECT job_id, committed_round FROM jobs").fetchall()
             for job_id, committed_round in jobs:
                 rows = db.execute("SELECT round, COUNT(*) FROM rounds WHERE job_id = ? AND state = 'committed' "
@@ -321,8 +328,6 @@ class Campaign:
                 twice = [r for r, count in rows if count > 1]
                 if twice:
                     self.result.violations.append(f"{job_id}: rounds committed more than once: {twice}")
-        finally:
-            db.close()
 
     def _check_memory(self) -> None:
         for name, samples in self.result.memory.items():
@@ -333,6 +338,27 @@ class Campaign:
             if last > MEMORY_GROWTH_LIMIT * first + MEMORY_SLACK_BYTES:
                 self.result.violations.append(
                     f"{name}: resident memory grew from {first / 2**20:.0f} MiB to {last / 2**20:.0f} MiB")
+
+
+@contextlib.contextmanager
+def _read_only(path: Path) -> Iterator[sqlite3.Connection]:
+    """The coordinator's own database, opened read-only: the campaign checks it, never writes."""
+    db = sqlite3.connect(f"file:{path}?mode=ro", uri=True)
+    try:
+        yield db
+    finally:
+        db.close()
+
+
+def failed_round(path: Path, job_id: str, round_: int) -> tuple[list[str], int]:
+    """How each attempt of a round that failed its job ended, and how many devices were still
+    turned away from its retries when it did."""
+    with _read_only(path) as db:
+        attempts = [m for (m,) in db.execute(
+            "SELECT message FROM rounds WHERE job_id = ? AND round = ? ORDER BY attempt", (job_id, round_))]
+        (excluded,) = db.execute(
+            "SELECT COUNT(*) FROM seated WHERE job_id = ? AND round = ?", (job_id, round_)).fetchone()
+    return attempts, excluded
 
 
 def _refusals(cluster: LocalCluster) -> dict[str, float]:
