@@ -131,6 +131,16 @@ async def stream_status(
     return grpc.StatusCode.UNKNOWN, "the aggregator ended the stream"
 
 
+async def settle(*tasks: asyncio.Future | None) -> None:
+    """Cancel a session's helper tasks and collect how each ended. A read that failed while the
+    session was leaving for another reason (a send to a killed aggregator, say) has nothing left
+    to tell, but left uncollected it is logged as "Task exception was never retrieved"."""
+    started = [t for t in tasks if t is not None]
+    for t in started:
+        t.cancel()  # a task already done stays as it ended
+    await asyncio.gather(*started, return_exceptions=True)
+
+
 def input_failure_label(error: BaseException) -> str:
     """The report label of a failure to produce this device's input."""
     if isinstance(error, ModelMismatch):
@@ -311,10 +321,7 @@ class SecAggSession:
                 if client.awaiting_input is not None and computing is None:
                     computing = asyncio.ensure_future(self.ring_input(client.awaiting_input))
         finally:
-            pending = [t for t in (reading, computing) if t is not None and not t.done()]
-            for t in pending:
-                t.cancel()
-            await asyncio.gather(*pending, return_exceptions=True)
+            await settle(reading, computing)
 
     async def _stall(self) -> SessionOutcome:
         """Neither read nor write nor close until the stream's own timeout: the aggregator must

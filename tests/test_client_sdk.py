@@ -13,6 +13,7 @@ import argparse
 import dataclasses
 import functools
 import asyncio
+import gc
 import hashlib
 import io
 import json
@@ -41,7 +42,7 @@ from client_sdk import ClientMetrics, Device, DropoutPlan, Fleet, ModelCache, On
 from client_sdk import cli as client_cli
 from client_sdk.channels import open_aio_channel
 from client_sdk.enrolment import simulated_identity
-from client_sdk.session import stream_timeout
+from client_sdk.session import settle, stream_timeout
 from tally import algorithms, data, modelio
 from tally.codec import Field, Kind, PayloadSchema, ring_mask, to_ring
 from tally.secagg import (
@@ -785,6 +786,34 @@ def test_a_device_whose_shares_were_withheld_sends_no_input(tmp_path):
     assert stats[1].sessions_aborted == 1 and stats[1].sessions_completed == 0
     assert not any(isinstance(m, MaskedInputResponse) and m.sender == 1 for m in aggregator.received)
     assert aggregator.server.results["update"].contributors == (2, 3, 4, 5)
+
+
+@pytest.mark.parametrize("settled", [True, False])
+def test_a_session_leaving_collects_a_read_that_failed_meanwhile(settled):
+    """A session that leaves while its stream read has already failed (an aggregator killed
+    while the device was sending) collects that failure and cancels what still runs: nothing
+    is reported as "Task exception was never retrieved". Without ``settle`` (the control) it is."""
+    reported: list[str] = []
+
+    async def scenario() -> None:
+        asyncio.get_running_loop().set_exception_handler(lambda loop, context: reported.append(context["message"]))
+
+        async def broken_read() -> None:
+            raise grpc.aio.UsageError("stream removed")
+
+        reading = asyncio.ensure_future(broken_read())
+        computing = asyncio.ensure_future(asyncio.sleep(3600))
+        await asyncio.sleep(0)  # the read fails
+        if settled:
+            await settle(reading, None, computing)
+            assert computing.cancelled()
+        else:
+            computing.cancel()
+        del reading, computing
+        gc.collect()
+
+    asyncio.run(scenario())
+    assert (reported == []) == settled, reported
 
 
 def test_plaintext_channels_only_to_loopback():
