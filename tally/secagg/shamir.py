@@ -236,8 +236,8 @@ def _lagrange_by_logs(xs: np.ndarray) -> np.ndarray:
     block = max(1, _LOG_BLOCK // (t * t))
     for first in range(0, s, block):
         rows = x[first : first + block]
-        differences = rows[:, None, :] - rows[:, :, None]  # [set, i, j] = x_j - x_i
-        differences += size - 1
+        # [set, i, j] = x_j - x_i at the table's offset, shifted on the (sets, t) side, not (sets, t, t).
+        differences = rows[:, None, :] - (rows - (size - 1))[:, :, None]
         denominators = np.take(signed, differences).sum(axis=2, dtype=np.int64)
         out[first : first + block] = _exp((numerators[first : first + block] - denominators) % _ORDER)
     return out
