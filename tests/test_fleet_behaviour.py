@@ -6,15 +6,17 @@ sums, while the aggregators refuse each duplicated and replayed message."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from client_sdk.behaviour import BehaviourProfile
+from client_sdk.behaviour import BehaviourProfile, DeviceTraits
 from client_sdk.fleet import device_ids
 from client_sdk.sum_audit import EXACT, FOREIGN, MISMATCH, outcome_counts
 from test_fleet_audit import _run_synthetic_job
@@ -99,6 +101,37 @@ def test_a_diurnal_population_follows_its_curve(tmp_path):
     assert offline and all(t.offline_for(2500.0 + t.offline_for(2500.0)) >= 0 for t in offline)
 
 
+class _CertainMisbehaviour:
+    """A profile whose draws stand, except that the fleet's first ``count`` sessions each send
+    their opening twice and the first ``count`` sessions that follow a device's earlier one
+    replay its opening: the refusals the test asserts then do not depend on the draws (with 8 %
+    duplicates, one CI run in several hundred drew none)."""
+
+    def __init__(self, profile: BehaviourProfile, count: int) -> None:
+        self._profile = profile
+        self._left = {"duplicate": count, "replay": count}
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._profile, name)
+
+    def traits(self, seed: int, device_id: str) -> DeviceTraits:
+        traits = self._profile.traits(seed, device_id)
+        drawn, sessions = traits.session_events, 0
+
+        def session_events():
+            nonlocal sessions
+            events, sessions = drawn(), sessions + 1
+            kind = "duplicate" if sessions == 1 else "replay"
+            if self._left[kind]:
+                self._left[kind] -= 1
+                return dataclasses.replace(events, drop_phase=None, duplicate=kind == "duplicate",
+                                           replay=kind == "replay")
+            return events
+
+        traits.session_events = session_events
+        return traits
+
+
 def test_a_misbehaving_churning_shaped_fleet_still_commits_exact_sums(tmp_path):
     profile = _profile(tmp_path, "\n".join([
         "availability: {online: 0.9, spell_seconds: 5}",
@@ -110,7 +143,8 @@ def test_a_misbehaving_churning_shaped_fleet_still_commits_exact_sums(tmp_path):
         # A refused message ends the sender's stream: each misbehaving device is a dropout.
         "misbehaviour: {duplicate: 0.08, replay: 0.12}",
     ]))
-    result = _run_synthetic_job(tmp_path, n=40, rounds=3, cohort=20, dropout=0.0, profile=profile)
+    result = _run_synthetic_job(tmp_path, n=40, rounds=3, cohort=20, dropout=0.0,
+                                profile=_CertainMisbehaviour(profile, count=2))
     job, stats, checks, refused = result.job, result.stats, result.checks, result.refused
     assert job.committed_round == 3, job.message
     counts = outcome_counts(checks)
