@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import hashlib
 
@@ -18,7 +19,9 @@ from tally.secagg import (
     SigningKey,
     SumSpec,
     run_cohort,
+    shamir,
 )
+from tally.secagg.messages import UnmaskResponse
 from tally.secagg.params import GraphParams
 
 # The protocol tests use thresholds below what a real device accepts (small t makes dropout
@@ -133,3 +136,20 @@ def expected_outcome(config: SessionConfig, dropouts: dict[int, Dropout]):
         outcome[s] = u3
         alive = {i for i in signers - refused if not drops(i, "unmask", s)}
     return True, outcome
+
+
+def share_pairs(owners: tuple, block: bytes) -> list[tuple[object, bytes]]:
+    """An answer's (owner, share) pairs, the way a test varies them."""
+    size = shamir.SHARE_BYTES
+    return [(owner, block[size * i : size * (i + 1)]) for i, owner in enumerate(owners)]
+
+
+def with_shares(answer: UnmaskResponse, seeds=None, keys=None) -> UnmaskResponse:
+    """``answer`` with its seed or key (owner, share) pairs replaced."""
+    fields = {}
+    for kind, given in (("seed", seeds), ("key", keys)):
+        if given is not None:
+            fields[f"{kind}_owners"] = tuple(owner for owner, _ in given)
+            fields[f"{kind}_shares"] = b"".join(share for _, share in given)
+    return dataclasses.replace(answer, **fields)
+

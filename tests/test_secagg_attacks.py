@@ -15,7 +15,7 @@ from collections.abc import Callable
 import numpy as np
 import pytest
 
-from secagg_helpers import LAX, identities, lax_client, make_config, random_inputs
+from secagg_helpers import LAX, identities, lax_client, make_config, random_inputs, share_pairs, with_shares
 from tally.codec import Field, Kind, PayloadSchema, ring_mask, to_ring
 from tally.secagg import (
     DevicePolicy,
@@ -245,11 +245,8 @@ def _wrong_shares(kind: str) -> Callable[[UnmaskResponse], UnmaskResponse]:
         return arr.astype("<u4").tobytes()
 
     def rewrite(m: UnmaskResponse) -> UnmaskResponse:
-        return dataclasses.replace(
-            m,
-            seed_shares=tuple((o, corrupt(s)) for o, s in m.seed_shares),
-            key_shares=tuple((o, corrupt(s)) for o, s in m.key_shares),
-        )
+        return with_shares(m, seeds=[(o, corrupt(s)) for o, s in share_pairs(m.seed_owners, m.seed_shares)],
+                           keys=[(o, corrupt(s)) for o, s in share_pairs(m.key_owners, m.key_shares)])
 
     return rewrite
 
@@ -288,9 +285,9 @@ def test_answers_in_any_order_rebuild_seeds_and_keys_exactly():
 
     def tamper(message):
         if isinstance(message, UnmaskResponse):
-            assert message.key_shares or message.sender not in config.neighbours(5)
-            return dataclasses.replace(message, seed_shares=message.seed_shares[::-1],
-                                       key_shares=message.key_shares[::-1])
+            assert message.key_owners or message.sender not in config.neighbours(5)
+            return with_shares(message, seeds=share_pairs(message.seed_owners, message.seed_shares)[::-1],
+                               keys=share_pairs(message.key_owners, message.key_shares)[::-1])
         if isinstance(message, MaskedInputResponse) and message.sender == 5:
             return dataclasses.replace(message, data=b"")  # never arrives: rejected as malformed
         return message

@@ -8,7 +8,7 @@ import dataclasses
 import numpy as np
 import pytest
 
-from secagg_helpers import lax_client, lax_cohort, make_config, random_inputs
+from secagg_helpers import lax_client, lax_cohort, make_config, random_inputs, share_pairs, with_shares
 from tally.secagg import (
     DuplicateMessage,
     MalformedMessage,
@@ -133,7 +133,7 @@ def test_out_of_phase_unknown_and_malformed_messages():
     unmask = s.pending[0]
     assert isinstance(unmask, UnmaskResponse)
     with pytest.raises(MalformedMessage, match="seed shares"):
-        s.server.receive(dataclasses.replace(unmask, seed_shares=unmask.seed_shares[1:]))
+        s.server.receive(with_shares(unmask, seeds=share_pairs(unmask.seed_owners, unmask.seed_shares)[1:]))
     s.finish()
 
 
@@ -144,21 +144,22 @@ def test_unmask_answers_must_name_each_expected_owner_once_with_whole_shares():
     for _ in range(3):
         s.step()
     unmask = s.pending[0]
-    assert isinstance(unmask, UnmaskResponse) and not unmask.key_shares and len(unmask.seed_shares) > 2
-    seeds = unmask.seed_shares
+    assert isinstance(unmask, UnmaskResponse) and not unmask.key_owners and len(unmask.seed_owners) > 2
+    seeds = share_pairs(unmask.seed_owners, unmask.seed_shares)
     (a, share_a), (b, share_b) = seeds[0], seeds[1]
     refused = {
         "seed shares": [seeds[1:], seeds[:1] + seeds[:-1], seeds + seeds[:1]],
-        "36 bytes": [((a, share_a[:-1]), (b, share_b + b"\x00")) + seeds[2:], ((a, b""),) + seeds[1:]],
-        "device indices": [(("one", share_a),) + seeds[1:], ((None, share_a),) + seeds[1:]],
+        "36 bytes": [[(a, share_a[:-1]), (b, share_b)] + seeds[2:], [(a, share_a + b"\x00")] + seeds[1:],
+                     [(a, b"")] + seeds[1:]],
+        "device indices": [[("one", share_a)] + seeds[1:], [(None, share_a)] + seeds[1:]],
     }
     for reason, variants in refused.items():
         for variant in variants:
             with pytest.raises(MalformedMessage, match=reason):
-                s.server.receive(dataclasses.replace(unmask, seed_shares=variant))
+                s.server.receive(with_shares(unmask, seeds=variant))
     with pytest.raises(MalformedMessage, match="key shares"):
-        s.server.receive(dataclasses.replace(unmask, key_shares=seeds[:1]))
-    s.pending[0] = dataclasses.replace(unmask, seed_shares=seeds[::-1])
+        s.server.receive(with_shares(unmask, keys=seeds[:1]))
+    s.pending[0] = with_shares(unmask, seeds=seeds[::-1])
     s.finish()
     assert not s.server.misbehaving
 

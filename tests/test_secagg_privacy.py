@@ -35,8 +35,8 @@ def test_server_never_receives_seed_and_key_shares_of_one_device():
         seeds, keys = set(), set()
         for m in received:
             if isinstance(m, UnmaskResponse) and m.sum_id == spec.sum_id:
-                seeds |= {owner for owner, _ in m.seed_shares}
-                keys |= {owner for owner, _ in m.key_shares}
+                seeds |= set(m.seed_owners)
+                keys |= set(m.key_owners)
         assert seeds and keys
         assert not seeds & keys, "the server got both kinds of shares of one device"
         assert run.server.revealed_seeds[spec.sum_id] == set(run.results[spec.sum_id].contributors)

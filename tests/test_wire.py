@@ -153,7 +153,9 @@ signature = fixed(64)
 refs = st.builds(SessionRef, ids, st.integers(0, 2**63 - 1), ids)
 sum_keys = st.builds(SumPublicKeys, ids, key, key, key)
 shares = st.builds(EncryptedShare, ids, index, index, fixed(SHARE_CIPHERTEXT_BYTES))
-owned = st.lists(st.tuples(index, fixed(shamir.SHARE_BYTES)), max_size=5).map(tuple)
+# Owners and one share per owner, as one block.
+owned = st.integers(0, 5).flatmap(lambda m: st.tuples(st.lists(index, min_size=m, max_size=m).map(tuple),
+                                                       fixed(m * shamir.SHARE_BYTES)))
 
 
 def tuples(strategy, **kw):
@@ -165,7 +167,8 @@ CLIENT_MESSAGES = {
     ShareKeysResponse: st.builds(ShareKeysResponse, refs, index, tuples(shares)),
     MaskedInputResponse: st.builds(MaskedInputResponse, refs, ids, index, st.binary(max_size=512)),
     ConsistencyCheckResponse: st.builds(ConsistencyCheckResponse, refs, ids, index, signature),
-    UnmaskResponse: st.builds(UnmaskResponse, refs, ids, index, owned, owned),
+    UnmaskResponse: st.builds(lambda ref, sum_id, sender, seeds, keys: UnmaskResponse(ref, sum_id, sender, *seeds, *keys),
+                              refs, ids, index, owned, owned),
 }
 neighbours = st.builds(NeighbourKeys, index, tuples(sum_keys), signature)
 SERVER_MESSAGES = {
@@ -416,8 +419,8 @@ REF = secagg_pb2.SessionRef(job_id="j", round=1, session_id="s")
     (secagg_pb2.ShareKeysResponse(ref=REF, sender=1, shares=[
         secagg_pb2.EncryptedShare(sum_id="a", sender=1, recipient=-4)]),
      r"EncryptedShare\.recipient: device indices are 1-based, got -4"),
-    (secagg_pb2.UnmaskResponse(ref=REF, sum_id="a", sender=1, key_shares=[
-        secagg_pb2.OwnedShare(share=b"x")]), r"key_shares\.owner: device indices are 1-based"),
+    (secagg_pb2.UnmaskResponse(ref=REF, sum_id="a", sender=1, key_owners=[3, 0], key_shares=bytes(72)),
+     r"UnmaskResponse\.key_owners: device indices are 1-based, got 0"),
     (secagg_pb2.ConsistencyCheckRequest(ref=REF, sum_id="a", survivors=[1, 0]), r"survivors"),
     (secagg_pb2.UnmaskRequest(ref=REF, sum_id="a", signatures=[secagg_pb2.SurvivorSignature()]),
      r"signatures\.signer"),
@@ -433,8 +436,10 @@ REF = secagg_pb2.SessionRef(job_id="j", round=1, session_id="s")
      r"SumPublicKeys\.seed_commitment must be 32 bytes, got 0"),
     (secagg_pb2.ConsistencyCheckResponse(ref=REF, sum_id="a", sender=1, signature=bytes(65)),
      r"ConsistencyCheckResponse\.signature must be 64 bytes"),
-    (secagg_pb2.UnmaskResponse(ref=REF, sum_id="a", sender=1, seed_shares=[
-        secagg_pb2.OwnedShare(owner=2, share=bytes(1000))]), r"seed_shares\.share must be 36 bytes"),
+    (secagg_pb2.UnmaskResponse(ref=REF, sum_id="a", sender=1, seed_owners=[2], seed_shares=bytes(1000)),
+     r"UnmaskResponse\.seed_shares must be 36 bytes per owner in seed_owners \(1\), got 1000"),
+    (secagg_pb2.UnmaskResponse(ref=REF, sum_id="a", sender=1, key_owners=[2, 3], key_shares=bytes(36)),
+     r"UnmaskResponse\.key_shares must be 36 bytes per owner in key_owners \(2\), got 36"),
     (secagg_pb2.ShareKeysResponse(ref=REF, sender=1, shares=[
         secagg_pb2.EncryptedShare(sum_id="a", sender=1, recipient=2, ciphertext=bytes(10))]),
      r"EncryptedShare\.ciphertext must be 88 bytes"),

@@ -423,11 +423,14 @@ class _AwaitUnmask(_Phase):
                 f"only {len(surviving_neighbours)} of my neighbours survived, "
                 f"below the threshold {config.threshold}: refusing to unmask"
             )
-        seed_shares = tuple((j, secrets.held[j][1]) for j in sorted(surviving_neighbours))
-        key_shares = tuple(
-            (j, secrets.held[j][0]) for j in sorted(secrets.held.keys() - survivors)
+        seed_owners = tuple(sorted(surviving_neighbours))
+        key_owners = tuple(sorted(secrets.held.keys() - survivors))
+        held = secrets.held
+        response = UnmaskResponse(
+            config.ref, sum_id, client.index,
+            seed_owners, b"".join([held[j][1] for j in seed_owners]),
+            key_owners, b"".join([held[j][0] for j in key_owners]),
         )
-        response = UnmaskResponse(config.ref, sum_id, client.index, seed_shares, key_shares)
         nxt = self.position + 1
         phase = _AwaitMaskedInputRequest(client, nxt) if nxt < len(config.sums) else _Done(client)
         return client._move(phase, [response])

@@ -100,8 +100,14 @@ class UnmaskResponse:
     ref: SessionRef
     sum_id: str
     sender: int
-    seed_shares: tuple[tuple[int, bytes], ...]  # (owner, share) for surviving neighbours
-    key_shares: tuple[tuple[int, bytes], ...]  # (owner, share) for dropped neighbours
+    # Surviving neighbours whose self-mask seed shares follow, SHARE_BYTES each, in this order;
+    # then the dropped neighbours whose mask-key shares follow. Owners and shares travel as
+    # two blocks rather than (owner, share) pairs: the server checks an answer by comparing
+    # owner lists and reads its shares in one array, not one pair at a time.
+    seed_owners: tuple[int, ...]
+    seed_shares: bytes
+    key_owners: tuple[int, ...]
+    key_shares: bytes
 
 
 ClientMessage = (

@@ -500,10 +500,10 @@ class _UnmaskPhase(_SumPhase):
         the usual ascending order is checked against the owners expected of the sender in one
         comparison, any other order is sorted first."""
         sender = message.sender
-        seed_owners, seed_data = _owners(sender, message.seed_shares)
-        key_owners, key_data = _owners(sender, message.key_shares)
         seeds, keys, rows = self._expect.of(sender)
-        if seed_owners.tobytes() != seeds.tobytes() or key_owners.tobytes() != keys.tobytes():
+        if message.seed_owners != seeds or message.key_owners != keys:
+            seed_owners = _owners(sender, message.seed_owners)
+            key_owners = _owners(sender, message.key_owners)
             if not np.array_equal(np.sort(seed_owners), seeds):
                 raise MalformedMessage(
                     f"device {sender} must reveal seed shares of exactly its surviving neighbours"
@@ -513,10 +513,11 @@ class _UnmaskPhase(_SumPhase):
                     f"device {sender} must reveal key shares of exactly its dropped neighbours"
                 )
             rows = self._row_of[np.concatenate([seed_owners, key_owners])]
-        data = seed_data + key_data
-        if set(map(len, data)) - {shamir.SHARE_BYTES}:
-            raise MalformedMessage(f"shares must be {shamir.SHARE_BYTES} bytes")
-        self._validated = (message, rows, np.frombuffer(b"".join(data), dtype=_SHARE))
+        size = shamir.SHARE_BYTES
+        if len(message.seed_shares) != size * len(seeds) or len(message.key_shares) != size * len(keys):
+            raise MalformedMessage(f"device {sender}: shares must be {size} bytes, one per owner named")
+        shares = np.frombuffer(message.seed_shares + message.key_shares, dtype=_SHARE)
+        self._validated = (message, rows, shares)
 
     def record(self, message: UnmaskResponse) -> None:
         validated, rows, shares = self._validated
@@ -707,32 +708,33 @@ class _ExpectedAnswers:
     pass: its surviving neighbours (seeds), its dropped neighbours (keys), ascending, and the
     secret rows those fill in that order."""
 
-    def __init__(self, owners: np.ndarray, rows: np.ndarray,
+    def __init__(self, owners: list[int], rows: np.ndarray,
                  spans: dict[int, tuple[int, int, int]]) -> None:
         self._owners, self._rows, self._spans = owners, rows, spans
 
-    def of(self, sender: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    def of(self, sender: int) -> tuple[tuple[int, ...], tuple[int, ...], np.ndarray]:
         """(seed owners, key owners, rows) of ``sender``'s answer."""
         start, split, end = self._spans[sender]
-        return self._owners[start:split], self._owners[split:end], self._rows[start:end]
+        owners = self._owners
+        return tuple(owners[start:split]), tuple(owners[split:end]), self._rows[start:end]
 
 
 def _expected_answers(config: SessionConfig, senders: list[int], is_survivor: np.ndarray,
                       is_dropped: np.ndarray, row_of: np.ndarray) -> _ExpectedAnswers:
     if not senders:
-        return _ExpectedAnswers(np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64), {})
+        return _ExpectedAnswers([], np.zeros(0, dtype=np.int64), {})
     block = config.neighbour_rows(np.asarray(senders, dtype=np.int64))
     # Seeds sort before keys, neighbours of neither kind (pruned before ShareKeys) last.
     span = config.n + 1
     order = np.where(is_survivor[block], block, np.where(is_dropped[block], span + block, 2 * span))
     order.sort(axis=1)
     named = order < 2 * span
-    owners = (order[named] % span).astype(np.int64)  # compared with the answers' int64 bytes
+    owners = order[named] % span
     ends = np.cumsum(np.count_nonzero(named, axis=1))
     splits = ends - np.count_nonzero(named & (order >= span), axis=1)
     starts = np.concatenate([[0], ends[:-1]])
     spans = dict(zip(senders, zip(starts.tolist(), splits.tolist(), ends.tolist())))
-    return _ExpectedAnswers(owners, row_of[owners], spans)
+    return _ExpectedAnswers(owners.tolist(), row_of[owners], spans)
 
 
 def _with_surviving_neighbour(config: SessionConfig, dropped: frozenset[int],
@@ -751,10 +753,8 @@ def _indicator(n: int, devices: Iterable[int]) -> np.ndarray:
     return table
 
 
-def _owners(sender: int, shares: tuple[tuple[int, bytes], ...]) -> tuple[np.ndarray, tuple[bytes, ...]]:
-    """The owners of (owner, share) pairs as an array, and the shares, split in one C-level pass."""
+def _owners(sender: int, owners: tuple[int, ...]) -> np.ndarray:
     try:
-        owners, data = zip(*shares) if shares else ((), ())
-        return np.fromiter(owners, dtype=np.int64, count=len(shares)), data
+        return np.array(owners, dtype=np.int64).reshape(-1)
     except (TypeError, ValueError, OverflowError):
         raise MalformedMessage(f"device {sender}: share owners must be device indices") from None

@@ -171,7 +171,7 @@ _LOG_MINUS_ONE = _ORDER // 2
 _LOG_TABLE_MAX = 1 << 17
 _EXP_DIGIT_BITS = 11
 # Sets of this many coefficients per vectorised block keep the (sets, t, t) look-ups in cache.
-_LOG_BLOCK = 1 << 18
+_LOG_BLOCK = 1 << 16
 
 
 @functools.lru_cache(maxsize=1)

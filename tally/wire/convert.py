@@ -119,7 +119,10 @@ def _index(proto: Message, field: str, value: int | None = None) -> int:
 
 
 def _indices(proto: Message, field: str) -> tuple[int, ...]:
-    return tuple(_index(proto, field, v) for v in getattr(proto, field))
+    values = tuple(getattr(proto, field))
+    if values and min(values) < 1:
+        _index(proto, field, min(values))  # raises, naming the field
+    return values
 
 
 def _ref(proto: Message) -> SessionRef:
@@ -268,24 +271,23 @@ def _consistency_response_from(
     )
 
 
-def _owned_to(pairs: Iterable[tuple[int, bytes]], out: Any) -> None:
-    for owner, share in pairs:
-        item = out.add()
-        item.owner, item.share = owner, share
-
-
-def _owned_from(p: Message, field: str) -> tuple[tuple[int, bytes], ...]:
-    return tuple(
-        (_index(p, f"{field}.owner", o.owner), _fixed(p, f"{field}.share", shamir.SHARE_BYTES, o.share))
-        for o in getattr(p, field)
-    )
+def _owned_from(p: Message, owners: str, shares: str) -> tuple[tuple[int, ...], bytes]:
+    """Owner indices and their shares' block, which must hold one share per owner."""
+    indices = _indices(p, owners)
+    block = getattr(p, shares)
+    if len(block) != len(indices) * shamir.SHARE_BYTES:
+        raise WireError(f"{_name(p)}.{shares} must be {shamir.SHARE_BYTES} bytes per owner in {owners} "
+                        f"({len(indices)}), got {len(block)}")
+    return indices, block
 
 
 def _unmask_response_to(v: UnmaskResponse, out: secagg_pb2.UnmaskResponse) -> None:
     _session_ref_to(v.ref, out.ref)
     out.sum_id, out.sender = v.sum_id, v.sender
-    _owned_to(v.seed_shares, out.seed_shares)
-    _owned_to(v.key_shares, out.key_shares)
+    out.seed_owners.extend(v.seed_owners)
+    out.seed_shares = v.seed_shares
+    out.key_owners.extend(v.key_owners)
+    out.key_shares = v.key_shares
 
 
 def _unmask_response_from(p: secagg_pb2.UnmaskResponse) -> UnmaskResponse:
@@ -293,8 +295,8 @@ def _unmask_response_from(p: secagg_pb2.UnmaskResponse) -> UnmaskResponse:
         _ref(p),
         _text(p, "sum_id"),
         _index(p, "sender"),
-        _owned_from(p, "seed_shares"),
-        _owned_from(p, "key_shares"),
+        *_owned_from(p, "seed_owners", "seed_shares"),
+        *_owned_from(p, "key_owners", "key_shares"),
     )
 
 

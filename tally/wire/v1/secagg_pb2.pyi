@@ -138,27 +138,23 @@ class ConsistencyCheckResponse(_message.Message):
     signature: bytes
     def __init__(self, ref: _Optional[_Union[SessionRef, _Mapping]] = ..., sum_id: _Optional[str] = ..., sender: _Optional[int] = ..., signature: _Optional[bytes] = ...) -> None: ...
 
-class OwnedShare(_message.Message):
-    __slots__ = ("owner", "share")
-    OWNER_FIELD_NUMBER: _ClassVar[int]
-    SHARE_FIELD_NUMBER: _ClassVar[int]
-    owner: int
-    share: bytes
-    def __init__(self, owner: _Optional[int] = ..., share: _Optional[bytes] = ...) -> None: ...
-
 class UnmaskResponse(_message.Message):
-    __slots__ = ("ref", "sum_id", "sender", "seed_shares", "key_shares")
+    __slots__ = ("ref", "sum_id", "sender", "seed_owners", "seed_shares", "key_owners", "key_shares")
     REF_FIELD_NUMBER: _ClassVar[int]
     SUM_ID_FIELD_NUMBER: _ClassVar[int]
     SENDER_FIELD_NUMBER: _ClassVar[int]
+    SEED_OWNERS_FIELD_NUMBER: _ClassVar[int]
     SEED_SHARES_FIELD_NUMBER: _ClassVar[int]
+    KEY_OWNERS_FIELD_NUMBER: _ClassVar[int]
     KEY_SHARES_FIELD_NUMBER: _ClassVar[int]
     ref: SessionRef
     sum_id: str
     sender: int
-    seed_shares: _containers.RepeatedCompositeFieldContainer[OwnedShare]
-    key_shares: _containers.RepeatedCompositeFieldContainer[OwnedShare]
-    def __init__(self, ref: _Optional[_Union[SessionRef, _Mapping]] = ..., sum_id: _Optional[str] = ..., sender: _Optional[int] = ..., seed_shares: _Optional[_Iterable[_Union[OwnedShare, _Mapping]]] = ..., key_shares: _Optional[_Iterable[_Union[OwnedShare, _Mapping]]] = ...) -> None: ...
+    seed_owners: _containers.RepeatedScalarFieldContainer[int]
+    seed_shares: bytes
+    key_owners: _containers.RepeatedScalarFieldContainer[int]
+    key_shares: bytes
+    def __init__(self, ref: _Optional[_Union[SessionRef, _Mapping]] = ..., sum_id: _Optional[str] = ..., sender: _Optional[int] = ..., seed_owners: _Optional[_Iterable[int]] = ..., seed_shares: _Optional[bytes] = ..., key_owners: _Optional[_Iterable[int]] = ..., key_shares: _Optional[bytes] = ...) -> None: ...
 
 class NeighbourKeys(_message.Message):
     __slots__ = ("index", "keys", "signature")
