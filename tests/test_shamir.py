@@ -1,4 +1,5 @@
 import os
+from unittest import mock
 
 import numpy as np
 import pytest
@@ -183,14 +184,17 @@ def test_batch_of_holder_sets_is_correct(repeats):
 
 
 @settings(max_examples=200, deadline=None)
-@given(st.lists(st.lists(st.integers(1, 6), min_size=3, max_size=3), min_size=1, max_size=12))
-def test_all_distinct_never_says_so_of_repeated_rows(rows):
+@given(st.lists(st.lists(st.integers(1, 6), min_size=3, max_size=3), min_size=1, max_size=12),
+       st.booleans())
+def test_distinct_rows_are_exact_even_when_hashes_collide(rows, collide):
     xs = np.array(rows, dtype=np.int64)
-    distinct = len(np.unique(xs, axis=0)) == len(xs)
-    if shamir._all_distinct(xs):
-        assert distinct
-    else:  # a hash collision may say False for distinct rows, but not for these small ones
-        assert not distinct
+    if collide:  # every row hashes alike: the exact check must catch it and sort the rows
+        with mock.patch.object(shamir, "_SET_HASH_WEIGHTS", np.zeros(4096, dtype=np.int64)):
+            distinct, index = shamir._distinct_rows(xs)
+    else:
+        distinct, index = shamir._distinct_rows(xs)
+    assert len(distinct) == len(np.unique(xs, axis=0))
+    assert np.array_equal(distinct[index.reshape(-1)], xs)
 
 
 def test_mixed_thresholds_in_one_call():

@@ -256,9 +256,7 @@ def lagrange_at_zero(xs: tuple[int, ...]) -> np.ndarray:
 
 def _coefficients(xs: np.ndarray) -> np.ndarray:
     """(S, t) coefficients for holder sets (S, t), computing each distinct set once."""
-    if len(xs) > _CACHED_SETS_MAX and _all_distinct(xs):
-        return _lagrange_batch(_check_holder_sets(xs))
-    distinct, index = np.unique(xs, axis=0, return_inverse=True)
+    distinct, index = _distinct_rows(xs)
     if len(distinct) <= _CACHED_SETS_MAX:
         table = np.stack([lagrange_at_zero(tuple(row)) for row in distinct.tolist()])
     else:
@@ -269,15 +267,22 @@ def _coefficients(xs: np.ndarray) -> np.ndarray:
 _SET_HASH_WEIGHTS = np.random.default_rng(0).integers(1, 1 << 62, 4096, dtype=np.int64) | 1
 
 
-def _all_distinct(xs: np.ndarray) -> bool:
-    """True only if no two rows of xs are equal. Row hashes that all differ prove it (equal rows
-    hash alike); a collision just answers False and the caller deduplicates exactly. SecAgg+
-    holder sets are all different, and hashing them costs far less than sorting them as rows."""
+def _distinct_rows(xs: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The distinct rows of xs and, per row, its index among them.
+
+    Rows are grouped by a hash and the grouping is then checked exactly (every row equals its
+    group's first), so only a true hash collision pays for sorting whole rows. SecAgg+ holder
+    sets are nearly all different (two owners' first t answers can coincide), full-graph sets
+    nearly all alike: hashing serves both for far less than a sort of the rows.
+    """
     t = xs.shape[1]
-    if t > len(_SET_HASH_WEIGHTS):
-        return False
-    hashes = xs.astype(np.int64, copy=False) @ _SET_HASH_WEIGHTS[:t]  # wraps mod 2^64: fine
-    return len(np.unique(hashes)) == len(xs)
+    if t <= len(_SET_HASH_WEIGHTS):
+        hashes = xs.astype(np.int64, copy=False) @ _SET_HASH_WEIGHTS[:t]  # wraps mod 2^64: fine
+        _, first, index = np.unique(hashes, return_index=True, return_inverse=True)
+        distinct = xs[first]
+        if np.array_equal(distinct[index], xs):
+            return distinct, index
+    return np.unique(xs, axis=0, return_inverse=True)
 
 
 def _combine(lam: np.ndarray, wide: np.ndarray) -> np.ndarray:
