@@ -221,6 +221,9 @@ class Selection:
         self.closes_at = now + window_s
         self.seated: dict[str, None] = {}
         self.closed = False
+        # Excluded devices that checked in anyway: a selection short of devices says how many it
+        # turned away, so a round that ran out of devices it may seat explains itself.
+        self.turned_away: set[str] = set()
 
     @property
     def full(self) -> bool:
@@ -229,7 +232,10 @@ class Selection:
     def offer(self, device_id: str) -> bool:
         if device_id in self.seated:
             return True
-        if self.closed or self.full or device_id in self.excluded:
+        if device_id in self.excluded:
+            self.turned_away.add(device_id)
+            return False
+        if self.closed or self.full:
             return False
         self.seated[device_id] = None
         return True
@@ -250,6 +256,11 @@ class Selection:
             f"only {len(self.seated)} of the {self.min_devices} devices needed checked in within "
             f"{self.window_s:g} s"
         )
+        if self.turned_away:
+            reason += (
+                f"; {len(self.turned_away)} more checked in but were seated in an earlier attempt "
+                "of this round, which a retry never seats again"
+            )
         if self.extensions_left > 0:
             self.extensions_left -= 1
             self.extensions_used += 1

@@ -14,7 +14,7 @@ from collections import defaultdict
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from coordinator.planner import FormCohorts, Hold, Retry, RoundPlanner
+from coordinator.planner import Failed, FormCohorts, Hold, Phase, Retry, RoundPlanner
 from tally.algorithms.fedavg import FedAvgConfig
 from tally.wire.convert import from_proto
 from tally.wire.v1 import coordinator_pb2
@@ -92,6 +92,24 @@ def test_a_device_seated_earlier_in_the_round_is_not_selected_again():
     plain = RoundPlanner(_spec(secure={"plain": True}), [STEP], 0.0, extensions=0, attempt_key="k",
                          excluded=frozenset({"seated"}))
     assert isinstance(plain.check_in("seated", 0.0), Hold)  # no masked input to protect
+
+
+def test_a_selection_short_of_devices_says_how_many_it_turned_away_as_seated_before():
+    """A population used up by the no-reseat rule fails its selection naming the cause: how many
+    devices checked in but may not be seated again (each counted once however often it came)."""
+    spec = _spec()
+    window = spec.deadlines["checkin"]
+    seated_before = frozenset(f"old{i}" for i in range(3))
+    planner = RoundPlanner(spec, [STEP], 0.0, extensions=0, attempt_key="k", excluded=seated_before)
+    for device in [*seated_before, "old0", "new"]:
+        planner.check_in(device, 0.0)
+    decision = planner.tick(window + 1.0)
+    assert isinstance(decision, Failed) and planner.phase is Phase.FAILED
+    assert decision.reason.startswith(f"only 1 of the {spec.min_cohort} devices needed")
+    assert "; 3 more checked in but were seated in an earlier attempt of this round" in decision.reason
+    control = RoundPlanner(spec, [STEP], 0.0, extensions=0, attempt_key="k")
+    control.check_in("new", 0.0)
+    assert "earlier attempt" not in control.tick(window + 1.0).reason
 
 
 def test_a_withheld_sum_cannot_be_differenced_with_the_retry(tmp_path):
