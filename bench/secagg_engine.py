@@ -77,6 +77,9 @@ SUM_ID = "x"
 CLIP = 1.0
 FRAC_BITS = 19  # 20-bit precision on [-1, 1]: N <= 1024 fits a ring of <= 31 bits
 CHUNK_BYTES = 1 << 20  # keystream buffer, as DESIGN.md section 4 prescribes
+# At D up to this the PRG limit is tiny, and the issue measures the server against the limit
+# with the X25519/HKDF work dropouts need.
+KEX_LIMIT_MAX_DIM = 10_000
 # Masked inputs the server-limit adds are cycled through a pool at least this large, so the
 # additions stream from memory as the real server's do instead of hitting a cached vector.
 ADD_POOL_BYTES = 128 << 20
@@ -766,25 +769,29 @@ def _ratio_range(values: list[float]) -> str:
 
 
 def grid_markdown(grid: dict) -> str:
-    """The README's table: one row per point, medians and the per-run range of each ratio."""
+    """The README's table: one row per point, medians and the per-run range of the server ratio;
+    bold where the server target is met (against the limit with X25519/HKDF at small D)."""
     lines = [
         "| N | D | dropped 10 % | k, t | bits (wire) | server / limit | + X25519/HKDF | "
-        "Unmask phase alone | client / limit | upload / float32 | correct |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "client / limit | upload / float32 | correct |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     phase_name = {"shares": "after ShareKeys", "masked": "after MaskedInput"}
+    target = grid["target_server_ratio"]
     for p in sorted(grid["points"], key=lambda p: (p["phase"] != "shares", p["clients"], p["dim"])):
+        judged = "server_ratio_with_kex" if p["dim"] <= KEX_LIMIT_MAX_DIM else "server_ratio"
+        server, kex = f"{p['server_ratio']:.2f}×", f"{p['server_ratio_with_kex']:.2f}×"
+        if p[judged] <= target:
+            server, kex = (f"**{server}**", kex) if judged == "server_ratio" else (server, f"**{kex}**")
         lines.append(
             f"| {p['clients']:,} | {p['dim']:,} | {phase_name[p['phase']]} | {p['k']}, {p['t']} | "
-            f"{p['bits']} ({p['wire_bits']}) | **{p['server_ratio']:.2f}×** "
-            f"({_ratio_range(p['server_ratio_per_run'])}) | {p['server_ratio_with_kex']:.2f}× | "
-            f"{p['server_unmask_ratio']:.2f}× | **{p['client_ratio']:.2f}×** "
-            f"({_ratio_range(p['client_ratio_per_run'])}) | {p['upload_ratio']:.3f} | "
+            f"{p['bits']} ({p['wire_bits']}) | {server} ({_ratio_range(p['server_ratio_per_run'])}) | "
+            f"{kex} | {p['client_ratio']:.2f}× | {p['upload_ratio']:.3f} | "
             f"{'yes' if p['correct'] else 'NO'} |"
         )
     for s in grid["skipped"]:
         lines.append(f"| {s['clients']:,} | {s['dim']:,} | {phase_name[s['phase']]} | "
-                     f"skipped: {s['reason']} |||||||| ")
+                     f"skipped: {s['reason']} ||||||| ")
     return "\n".join(lines)
 
 
