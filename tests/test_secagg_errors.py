@@ -159,6 +159,12 @@ def test_unmask_answers_must_name_each_expected_owner_once_with_whole_shares():
                 s.server.receive(with_shares(unmask, seeds=variant))
     with pytest.raises(MalformedMessage, match="key shares"):
         s.server.receive(with_shares(unmask, keys=seeds[:1]))
+    shaped_wrong = {"device indices": [{"seed_owners": ((a, b),) + unmask.seed_owners[2:]}],
+                    "36 bytes": [{"seed_shares": list(unmask.seed_shares)}, {"key_shares": None}]}
+    for reason, variants in shaped_wrong.items():
+        for fields in variants:
+            with pytest.raises(MalformedMessage, match=reason):
+                s.server.receive(dataclasses.replace(unmask, **fields))
     s.pending[0] = with_shares(unmask, seeds=seeds[::-1])
     s.finish()
     assert not s.server.misbehaving

@@ -514,7 +514,9 @@ class _UnmaskPhase(_SumPhase):
                 )
             rows = self._row_of[np.concatenate([seed_owners, key_owners])]
         size = shamir.SHARE_BYTES
-        if len(message.seed_shares) != size * len(seeds) or len(message.key_shares) != size * len(keys):
+        blocks = message.seed_shares, message.key_shares
+        if (not all(isinstance(b, bytes) for b in blocks)
+                or len(blocks[0]) != size * len(seeds) or len(blocks[1]) != size * len(keys)):
             raise MalformedMessage(f"device {sender}: shares must be {size} bytes, one per owner named")
         shares = np.frombuffer(message.seed_shares + message.key_shares, dtype=_SHARE)
         self._validated = (message, rows, shares)
@@ -755,6 +757,9 @@ def _indicator(n: int, devices: Iterable[int]) -> np.ndarray:
 
 def _owners(sender: int, owners: tuple[int, ...]) -> np.ndarray:
     try:
-        return np.array(owners, dtype=np.int64).reshape(-1)
+        array = np.array(owners, dtype=np.int64, ndmin=1)
     except (TypeError, ValueError, OverflowError):
-        raise MalformedMessage(f"device {sender}: share owners must be device indices") from None
+        array = None
+    if array is None or array.ndim != 1:
+        raise MalformedMessage(f"device {sender}: share owners must be a list of device indices")
+    return array
