@@ -259,7 +259,7 @@ class Selection:
         if self.turned_away:
             reason += (
                 f"; {len(self.turned_away)} more checked in but were seated in an earlier attempt "
-                "of this round, which a retry never seats again"
+                "of this round, which does not seat them again unless their seats are released"
             )
         if self.extensions_left > 0:
             self.extensions_left -= 1
@@ -384,6 +384,7 @@ class RoundPlanner:
     def readmit(self, device_id: str) -> None:
         """``device_id``'s earlier seat in the round was released: it may be selected again."""
         self.selection.excluded.discard(device_id)
+        self.selection.turned_away.discard(device_id)
 
     def seat_of_task(self, task_id: str) -> Seat | None:
         return self._by_task.get(task_id)

@@ -152,4 +152,3 @@ def with_shares(answer: UnmaskResponse, seeds=None, keys=None) -> UnmaskResponse
             fields[f"{kind}_owners"] = tuple(owner for owner, _ in given)
             fields[f"{kind}_shares"] = b"".join(share for _, share in given)
     return dataclasses.replace(answer, **fields)
-

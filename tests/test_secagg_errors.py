@@ -159,7 +159,12 @@ def test_unmask_answers_must_name_each_expected_owner_once_with_whole_shares():
                 s.server.receive(with_shares(unmask, seeds=variant))
     with pytest.raises(MalformedMessage, match="key shares"):
         s.server.receive(with_shares(unmask, keys=seeds[:1]))
-    shaped_wrong = {"device indices": [{"seed_owners": ((a, b),) + unmask.seed_owners[2:]}],
+    owners = unmask.seed_owners
+    shaped_wrong = {"device indices": [{"seed_owners": ((a, b),) + owners[2:]},
+                                       {"seed_owners": (a + 0.5,) + owners[1:]},
+                                       {"seed_owners": tuple(map(str, owners))},
+                                       {"seed_owners": np.array(owners)[::-1].astype(float)}],
+                    "seed shares": [{"seed_owners": np.array(owners[1:])}, {"seed_owners": list(owners[1:])}],
                     "36 bytes": [{"seed_shares": list(unmask.seed_shares)}, {"key_shares": None}]}
     for reason, variants in shaped_wrong.items():
         for fields in variants:

@@ -103,10 +103,12 @@ def test_a_selection_short_of_devices_says_how_many_it_turned_away_as_seated_bef
     planner = RoundPlanner(spec, [STEP], 0.0, extensions=0, attempt_key="k", excluded=seated_before)
     for device in [*seated_before, "old0", "new"]:
         planner.check_in(device, 0.0)
+    planner.readmit("old2")  # its seat was released (it reported no input): seated, not turned away
+    assert isinstance(planner.check_in("old2", 0.0), Hold)
     decision = planner.tick(window + 1.0)
     assert isinstance(decision, Failed) and planner.phase is Phase.FAILED
-    assert decision.reason.startswith(f"only 1 of the {spec.min_cohort} devices needed")
-    assert "; 3 more checked in but were seated in an earlier attempt of this round" in decision.reason
+    assert decision.reason.startswith(f"only 2 of the {spec.min_cohort} devices needed")
+    assert "; 2 more checked in but were seated in an earlier attempt of this round" in decision.reason
     control = RoundPlanner(spec, [STEP], 0.0, extensions=0, attempt_key="k")
     control.check_in("new", 0.0)
     assert "earlier attempt" not in control.tick(window + 1.0).reason

@@ -501,9 +501,11 @@ class _UnmaskPhase(_SumPhase):
         comparison, any other order is sorted first."""
         sender = message.sender
         seeds, keys, rows = self._expect.of(sender)
-        if message.seed_owners != seeds or message.key_owners != keys:
-            seed_owners = _owners(sender, message.seed_owners)
-            key_owners = _owners(sender, message.key_owners)
+        seed_owners, key_owners = message.seed_owners, message.key_owners
+        usual = type(seed_owners) is tuple and type(key_owners) is tuple  # what the wire decodes
+        if not (usual and seed_owners == seeds and key_owners == keys):
+            seed_owners = _owners(sender, seed_owners)
+            key_owners = _owners(sender, key_owners)
             if not np.array_equal(np.sort(seed_owners), seeds):
                 raise MalformedMessage(
                     f"device {sender} must reveal seed shares of exactly its surviving neighbours"
@@ -756,10 +758,12 @@ def _indicator(n: int, devices: Iterable[int]) -> np.ndarray:
 
 
 def _owners(sender: int, owners: tuple[int, ...]) -> np.ndarray:
+    """A list of integer device indices as an array; anything else (floats, strings, nesting) is
+    malformed rather than quietly converted."""
     try:
-        array = np.array(owners, dtype=np.int64, ndmin=1)
-    except (TypeError, ValueError, OverflowError):
+        array = np.asarray(owners)
+    except (TypeError, ValueError):
         array = None
-    if array is None or array.ndim != 1:
+    if array is None or array.ndim != 1 or (array.size and array.dtype.kind not in "iu"):
         raise MalformedMessage(f"device {sender}: share owners must be a list of device indices")
-    return array
+    return array.astype(np.int64)

@@ -282,7 +282,8 @@ def _distinct_rows(xs: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         distinct = xs[first]
         if np.array_equal(distinct[index], xs):
             return distinct, index
-    return np.unique(xs, axis=0, return_inverse=True)
+    distinct, index = np.unique(xs, axis=0, return_inverse=True)
+    return distinct, index.reshape(-1)  # numpy 2.0.0 gave the inverse a trailing axis
 
 
 def _combine(lam: np.ndarray, wide: np.ndarray) -> np.ndarray:

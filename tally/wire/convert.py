@@ -121,7 +121,7 @@ def _index(proto: Message, field: str, value: int | None = None) -> int:
 def _indices(proto: Message, field: str) -> tuple[int, ...]:
     values = tuple(getattr(proto, field))
     if values and min(values) < 1:
-        _index(proto, field, min(values))  # raises, naming the field
+        _index(proto, field, next(v for v in values if v < 1))  # raises, naming the field
     return values
 
 
