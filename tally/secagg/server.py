@@ -520,8 +520,7 @@ class _UnmaskPhase(_SumPhase):
         if (not all(isinstance(b, bytes) for b in blocks)
                 or len(blocks[0]) != size * len(seeds) or len(blocks[1]) != size * len(keys)):
             raise MalformedMessage(f"device {sender}: shares must be {size} bytes, one per owner named")
-        shares = np.frombuffer(message.seed_shares + message.key_shares, dtype=_SHARE)
-        self._validated = (message, rows, shares)
+        self._validated = (message, rows, np.frombuffer(b"".join(blocks), dtype=_SHARE))
 
     def record(self, message: UnmaskResponse) -> None:
         validated, rows, shares = self._validated
