@@ -150,9 +150,9 @@ class Engine:
             hold_s = max(0.0, min(hold_s, caller_timeout_s - HOLD_MARGIN_S))
         now = self.clock()
         retries: list[Retry] = []
-        for runner in sorted(self.runners.values(), key=lambda r: r.seq):
-            if runner.population != claims.population:
-                continue
+        candidates = sorted((r for r in self.runners.values() if r.population == claims.population),
+                            key=lambda r: r.seq)
+        for runner in candidates:
             decision = runner.offer(claims.device_id, now)
             if isinstance(decision, Retry):
                 retries.append(decision)
@@ -163,6 +163,12 @@ class Engine:
         if not retries:
             return Retry(IDLE_RETRY_S, f"no running job for population {claims.population!r}",
                          population_idle=True)
+        # No selection wants it now. A job aggregating may hold it for its next selection, unless
+        # another job's selection is open or about to open: that one may take it on its return.
+        selecting = [r for r in candidates if r.selecting]
+        for runner in candidates:
+            if all(r is runner for r in selecting) and runner.hold_for_next(claims.device_id):
+                return await runner.hold(claims.device_id, hold_s)
         return min(retries, key=lambda r: r.seconds)
 
     def runner(self, job_id: str) -> JobRunner | None:

@@ -49,6 +49,11 @@ class CoordinatorMetrics:
         self.devices_selected = Counter(
             "tally_coordinator_devices_selected", "Devices placed in a cohort", registry=registry
         )
+        self.devices_seated_early = Counter(
+            "tally_coordinator_devices_seated_early",
+            "Devices a selection seated as it opened, held since they checked in while the previous "
+            "attempt aggregated", registry=registry,
+        )
         self.plain_jobs = Counter(
             "tally_coordinator_plain_jobs",
             "Jobs accepted with secure.plain: benchmarks only, the aggregator sees each device's "

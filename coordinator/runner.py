@@ -4,7 +4,9 @@ A round, as the runner drives it:
 
 1. the server half's steps and first broadcast are fixed; the broadcast is stored as a blob
    devices download (``model_digest`` of their task);
-2. check-ins are held while the selection fills (``RoundPlanner`` decides who is in);
+2. check-ins are held while the selection fills (``RoundPlanner`` decides who is in); those
+   that arrived while the previous attempt aggregated were held for it (``WaitingRoom``) and
+   are its first arrivals, so a selection need not start empty after each commit;
 3. aggregators are health-checked, the selected devices split into cohorts, and one session per
    cohort is opened with a signed ticket carrying every sum of the round;
 4. each step's cohort sums are awaited, decoded and added, and the server half applies the total;
@@ -55,8 +57,10 @@ from coordinator.planner import (
     FormCohorts,
     Hold,
     NoCapacity,
+    Phase,
     Retry,
     RoundPlanner,
+    WaitingRoom,
     pace,
 )
 from coordinator.reveals import RevealCollector, RevealOutOfPhase, is_personal, reveal_names
@@ -192,6 +196,8 @@ class JobRunner:
         # a reveal (AAggFF-S's opt-in path); None for sums-only algorithms.
         self.silo_limit: int | None = None
         self.waiters: dict[str, asyncio.Future[CheckInResult]] = {}
+        # Check-ins held while an attempt aggregates, for the next attempt's selection.
+        self.waiting: WaitingRoom | None = None
         self.wake = asyncio.Event()
         self.sessions: list[OpenedSession] = []
         self.expected_round_s = FIRST_ROUND_GUESS_S  # pace steering's estimate
@@ -229,10 +235,25 @@ class JobRunner:
             self.wake.set()
         return decision
 
+    @property
+    def selecting(self) -> bool:
+        """In a selection, or between attempts with one about to open: a check-in turned away
+        now may be seated by this job within moments."""
+        return self.planner is None or self.planner.phase in (Phase.SELECTION, Phase.DONE, Phase.FAILED)
+
+    def hold_for_next(self, device_id: str) -> bool:
+        """Whether ``device_id``, turned away by ``offer`` while an attempt aggregates, is held
+        for the next attempt's selection instead (then ``hold`` it). The engine asks only after
+        every job's ``offer`` declined, so an open selection of another job is served first."""
+        room = self.waiting
+        if room is None or (self.planner is not None and device_id in self.planner.seats):
+            return False
+        if self.silo_limit is not None and self.ctx.store.silo(self.job_id, device_id, self.silo_limit) is None:
+            return False
+        return room.offer(device_id)
+
     async def hold(self, device_id: str, hold_s: float) -> CheckInResult:
         """Wait for a held device's task; free its seat if the wait ends first."""
-        planner = self.planner
-        assert planner is not None
         previous = self.waiters.get(device_id)
         if previous is not None and not previous.done():
             previous.set_result(Retry(MIN_RETRY_S, "superseded by a newer check-in"))
@@ -243,14 +264,24 @@ class JobRunner:
         except TimeoutError:
             if future.done():
                 return future.result()
-            planner.withdraw(device_id)
-            return Retry(MIN_RETRY_S, "selection still open")
+            waited_for_next = self._withdraw(device_id)
+            return Retry(MIN_RETRY_S, "next selection not open yet" if waited_for_next else "selection still open")
         except asyncio.CancelledError:
-            planner.withdraw(device_id)
+            self._withdraw(device_id)
             raise
         finally:
             if self.waiters.get(device_id) is future:
                 del self.waiters[device_id]
+
+    def _withdraw(self, device_id: str) -> bool:
+        """Free whatever seat a held check-in had; True if it was waiting for the next attempt."""
+        if self.planner is not None:
+            self.planner.withdraw(device_id)
+        room = self.waiting
+        if room is not None and device_id in room.held:
+            room.withdraw(device_id)
+            return True
+        return False
 
     def get_step(
         self, device_id: str, round_: int, task_id: str, sum_id: str, now: float
@@ -471,6 +502,7 @@ class JobRunner:
             excluded=ctx.store.seated(self.job_id, round_),
         )
         self.planner, self.tasks, self.sessions = planner, {}, []
+        self._seat_waiting(planner)
         self.step_protos = [step_proto(steps[0])] + [None] * (len(steps) - 1)
         self.step_states, self.reveals = {}, {}
         self._set_phase(
@@ -482,6 +514,8 @@ class JobRunner:
                 await self._select(planner)
                 await self._open_sessions(planner, round_, attempt, steps)
                 self._deliver(planner, round_, blob)
+            if round_ < self.spec.rounds:  # the next round's selection can start filling now
+                self.waiting = WaitingRoom(self.spec.selection_target)
             metrics = {
                 "selected": float(len(planner.seats)),
                 "cohorts": float(len(planner.cohorts)),
@@ -498,7 +532,7 @@ class JobRunner:
                 (s.device_id, s.task_id) for s in planner.seats.values()
                 if s.device_id not in planner.delivered
             ])
-            self._release_waiters(f"round attempt failed: {exc}")
+            self._release_waiters(f"round attempt failed: {exc}", keep=self.waiting)
             await self._close_sessions(f"round attempt failed: {exc}")
             raise
 
@@ -795,12 +829,32 @@ class JobRunner:
         )
         logs.event(log, "round committed", job_id=self.job_id, round=round_, attempt=attempt, metrics=metrics)
 
-    def _release_waiters(self, reason: str) -> None:
+    def _release_waiters(self, reason: str, keep: WaitingRoom | None = None) -> None:
+        """Answer every held check-in but those waiting in ``keep`` for the next attempt."""
         retry = Retry(MIN_RETRY_S, reason)
-        for future in self.waiters.values():
-            if not future.done():
-                future.set_result(retry)
-        self.waiters.clear()
+        kept = keep.held if keep is not None else {}
+        for device_id, future in list(self.waiters.items()):
+            if device_id not in kept:
+                if not future.done():
+                    future.set_result(retry)
+                del self.waiters[device_id]
+
+    def _seat_waiting(self, planner: RoundPlanner) -> None:
+        """The devices held while the previous attempt aggregated are this selection's first
+        arrivals (those it may not seat, being seated in an earlier attempt of the round, are
+        answered at once)."""
+        room, self.waiting = self.waiting, None
+        if room is None:
+            return
+        turned_away = [d for d in room.held if not planner.selection.offer(d)]
+        for device_id in turned_away:
+            future = self.waiters.pop(device_id, None)
+            if future is not None and not future.done():
+                future.set_result(planner.retry(self.ctx.clock(), "seated in an earlier attempt of this round"))
+        self.ctx.metrics.devices_seated_early.inc(len(room.held) - len(turned_away))
+        logs.event(log, "selection opens with devices held during the last aggregation",
+                   job_id=self.job_id, round=self.round, seated=len(room.held) - len(turned_away),
+                   turned_away=len(turned_away))
 
     async def _close_sessions(self, reason: str) -> None:
         sessions, self.sessions = self.sessions, []

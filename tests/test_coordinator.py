@@ -43,14 +43,18 @@ from coordinator.planner import (
     Extended,
     Failed,
     FormCohorts,
+    MIN_RETRY_S,
     Hold,
     NoCapacity,
     Phase,
     Retry,
     RoundPlanner,
     StepSums,
+    WaitingRoom,
     split_cohorts,
 )
+from coordinator.engine import Engine
+from coordinator.metrics import CoordinatorMetrics
 from coordinator.service import CoordinatorService
 from coordinator.state_codec import UnsupportedState, state_from_bytes, state_to_bytes
 from coordinator.store import EnrolmentRefused, Store
@@ -62,6 +66,7 @@ from tally.secagg import SessionConfig, SumResult
 from tally.security import certs
 from tally.security import (
     AuthError,
+    DeviceClaims,
     TicketVerifier,
     TLSConfig,
     bearer_metadata,
@@ -194,6 +199,15 @@ def test_selection_takes_the_over_selected_target_then_turns_devices_away():
     assert isinstance(late, Retry) and late.reason == "cohort full" and 0.2 <= late.seconds <= 60
     decision = planner.tick(0.3)  # full before the deadline: no need to wait
     assert isinstance(decision, FormCohorts) and len(decision.devices) == 13
+
+
+def test_waiting_room_holds_one_selection_in_arrival_order_and_lets_leavers_go():
+    room = WaitingRoom(3)
+    assert [room.offer(d) for d in ["a", "b", "a", "c", "d"]] == [True, True, True, True, False]
+    room.withdraw("b")
+    room.withdraw("never-held")
+    assert room.offer("d") and not room.offer("e")
+    assert list(room.held) == ["a", "c", "d"]
 
 
 def test_selection_deadline_extends_with_the_retry_budget_then_fails():
@@ -780,7 +794,8 @@ def test_fedavg_over_two_aggregators_matches_the_in_process_reference(tmp_path):
                     seen[device.device_id] = task
                     if len(seen) == len(devices):
                         late = (await s.devices(1, prefix="late"))[0]
-                        seen["late"] = await late.check_in_once()
+                        # Held for round 2 while round 1 aggregates, until its hold ends.
+                        seen["late"] = await late.check_in_once(timeout=1.5)
                         seen["again"] = await device.check_in_once()
                         first_round.set()
                     await first_round.wait()
@@ -795,8 +810,9 @@ def test_fedavg_over_two_aggregators_matches_the_in_process_reference(tmp_path):
         return events, seen, final_job, metrics, status, model, round_rows
 
     events, seen, final_job, metrics, status, model, round_rows = run(main())
-    # Over-selection target reached: nobody else gets in, and nobody gets two seats.
-    assert seen["late"].retry_after.reason == "cohort full" or seen["late"].retry_after.reason == "selection closed"
+    # Over-selection target reached: nobody else gets in (a late-comer is held for the next
+    # round's selection, and told to come back when its hold ends), and nobody gets two seats.
+    assert seen["late"].retry_after.reason == "next selection not open yet"
     assert 0.2 <= seen["late"].retry_after.seconds <= 60
     assert seen["again"].retry_after.reason == "already assigned"
     tasks = [t for k, t in seen.items() if k.startswith("dev")]
@@ -828,6 +844,103 @@ def test_fedavg_over_two_aggregators_matches_the_in_process_reference(tmp_path):
     assert "tally_coordinator_aggregators_up 2.0" in metrics
     assert "tally_coordinator_round_duration_seconds_count 3.0" in metrics
     assert "tally_coordinator_model_served_bytes_total" in metrics
+
+
+async def until_true(predicate: Callable[[], bool], timeout: float = 10.0) -> None:
+    """Wait for a condition of the in-process coordinator (polled; bounded)."""
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "condition not reached"
+        await asyncio.sleep(0.01)
+
+
+def test_check_ins_during_aggregation_are_seated_when_the_next_round_opens(tmp_path):
+    """Devices that check in while a round aggregates are held and become the next round's
+    selection the moment it opens, without checking in again; a device whose hold ends leaves;
+    the last round holds nobody."""
+    contribute = fedavg_contribution(FedAvgConfig(local_epochs=1))
+
+    async def main():
+        async with stack(tmp_path, aggregators=1) as s:
+            first = await s.devices(5, prefix="first")
+            later = await s.devices(5, prefix="next")
+            leaver = (await s.devices(1, prefix="leaver"))[0]
+            job_id = await s.submit(spec_yaml("overlap", rounds=2, cohort=5))
+            watch = asyncio.create_task(s.until_done(job_id))
+            runner = s.service.engine.runner(job_id)
+            release, all_in = asyncio.Event(), asyncio.Event()
+            round_one: set[str] = set()
+
+            async def before(device, task):
+                if task.round == 1:  # round 1 aggregates until the test releases it
+                    round_one.add(device.device_id)
+                    if len(round_one) == len(first):
+                        all_in.set()
+                    await release.wait()
+
+            done = asyncio.Event()
+            loops = [asyncio.create_task(d.loop(contribute, done, before)) for d in first]
+            await all_in.wait()
+            left = await leaver.check_in_once(timeout=1.5)  # held 0.5 s, then its hold ends
+            held = [asyncio.create_task(d.check_in_once(timeout=30)) for d in later]
+            await until_true(lambda: runner.waiting is not None and len(runner.waiting.held) == len(later))
+            release.set()
+            replies = await asyncio.gather(*held)  # the one check-in each made, during round 1
+            in_last_round = await leaver.check_in_once(timeout=30)
+            await asyncio.gather(*(d.participate(r.task, contribute) for d, r in zip(later, replies)
+                                   if r.HasField("task")))
+            events = await watch
+            done.set()
+            await asyncio.gather(*loops)
+            metrics = scrape(s.service.metrics_port)
+        return left, replies, in_last_round, events, metrics
+
+    left, replies, in_last_round, events, metrics = run(main())
+    assert left.retry_after.reason == "next selection not open yet"
+    assert all(r.HasField("task") and r.task.round == 2 for r in replies), replies
+    assert sorted(r.task.device_index for r in replies) == [1, 2, 3, 4, 5]  # the whole cohort
+    assert in_last_round.retry_after.reason == "selection closed"
+    assert events[-1].state == SUCCEEDED
+    commits = [e for e in events if e.phase == common_pb2.ROUND_PHASE_COMMITTED]
+    assert [(e.round, e.metrics["update.contributors"]) for e in commits] == [(1, 5), (2, 5)]
+    assert "tally_coordinator_devices_seated_early_total 5.0" in metrics
+
+
+@dataclass
+class StandInRunner:
+    """What ``Engine.check_in`` asks of a job, scripted: its answer, whether its selection is open
+    or about to open, whether it would hold the device for its next selection."""
+
+    seq: int
+    selecting: bool
+    room: bool
+    population: str = "default"
+    held: list[str] = field(default_factory=list)
+
+    def offer(self, device_id: str, now: float) -> Retry:
+        return Retry(MIN_RETRY_S, "next round starting" if self.selecting else "selection closed")
+
+    def hold_for_next(self, device_id: str) -> bool:
+        return self.room
+
+    async def hold(self, device_id: str, hold_s: float) -> str:
+        self.held.append(device_id)
+        return f"held by job {self.seq}"
+
+
+@pytest.mark.parametrize("other_selecting", [True, False])
+def test_a_job_about_to_select_comes_before_holding_a_device_for_another_jobs_next_round(other_selecting):
+    """A device turned away by every job is held for an aggregating job's next selection only if
+    no other job of its population is selecting or about to: that job would miss it while held."""
+    engine = Engine(None, None, None, CoordinatorMetrics(), time.monotonic)
+    aggregating = StandInRunner(seq=1, selecting=False, room=True)
+    engine.runners = {"a": aggregating, "b": StandInRunner(seq=2, selecting=other_selecting, room=False)}
+    claims = DeviceClaims("dev", "default", issued_at=0.0, expires_at=60.0, token_id="t")
+    answer = asyncio.run(engine.check_in(claims, caller_timeout_s=30))
+    if other_selecting:
+        assert isinstance(answer, Retry) and answer.seconds == MIN_RETRY_S and aggregating.held == []
+    else:
+        assert answer == "held by job 1" and aggregating.held == ["dev"]
 
 
 def test_two_step_rounds_broadcast_the_first_sum_of_every_cohort(tmp_path, twostep):
