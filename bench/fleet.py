@@ -228,9 +228,16 @@ def main() -> None:
     parser.add_argument("--checkin-rate", type=float, default=0.0,
                         help="the coordinator's pace steering target (check-ins per second; 0: off)")
     parser.add_argument("--json", type=Path)
+    parser.add_argument("--keep", type=Path, metavar="DIR",
+                        help="run in DIR and keep what the run leaves (the coordinator's SQLite, every "
+                             "process's log, the fleet's reports and timelines) to look into a round")
     args = parser.parse_args()
-    with tempfile.TemporaryDirectory(prefix="tally-bench-fleet-") as tmp:
-        result = asyncio.run(_run(args, Path(tmp)))
+    if args.keep:
+        args.keep.mkdir(parents=True, exist_ok=True)
+        result = asyncio.run(_run(args, args.keep))
+    else:
+        with tempfile.TemporaryDirectory(prefix="tally-bench-fleet-") as tmp:
+            result = asyncio.run(_run(args, Path(tmp)))
     print(json.dumps(result, indent=2))
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)

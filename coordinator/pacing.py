@@ -6,8 +6,10 @@ round, or ``IDLE_RETRY_S`` when no job runs), so the check-in rate grows with th
 The pacer hands out come-back *slots* spaced ``1 / rate`` apart, each no earlier than the
 planner's hint: in steady state the population arrives at the target rate however large it is,
 and the slots never run ahead of time more than a population's worth (each device holds one), so
-nothing needs to know the population's size. Selected devices are never paced (they get a task,
-not a retry), and in-round polling (``GetStep``) is not a check-in.
+nothing needs to know the population's size. Selected devices are never paced: they get a task,
+or, when their hold ran out while their cohort's session was opening, a retry marked ``seated``
+that must bring them back at once (paced, it sent them behind the whole population and their
+cohort waited out a phase deadline for them). In-round polling (``GetStep``) is not a check-in.
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ class CheckinPacer:
         self._next_slot = 0.0
 
     def steer(self, retry: Retry, now: float) -> Retry:
-        if self.rate_per_s is None:
+        if self.rate_per_s is None or retry.seated:
             return retry
         slot = max(now + retry.seconds, self._next_slot)
         slot = min(slot, now + MAX_PACED_RETRY_S)

@@ -83,6 +83,9 @@ class Retry:
     seconds: float
     reason: str
     population_idle: bool = False  # no job of the device's population is running
+    # The device has a seat whose task it has not received (its hold ended as the cohorts were
+    # formed): it must come back at once, so pace steering leaves this one alone.
+    seated: bool = False
 
 
 @dataclass(frozen=True)
@@ -418,6 +421,11 @@ class RoundPlanner:
         """A held check-in ended without its task: free the seat while cohorts are not formed."""
         if self.phase is Phase.SELECTION:
             self.selection.withdraw(device_id)
+
+    def has_seat(self, device_id: str) -> bool:
+        """The selection closed with ``device_id`` in it and the attempt goes on: its task will
+        be there when it comes back."""
+        return self.selection.closed and self.phase is not Phase.FAILED and device_id in self.selection.seated
 
     def mark_delivered(self, device_id: str) -> None:
         self.delivered.add(device_id)

@@ -264,14 +264,22 @@ class JobRunner:
         except TimeoutError:
             if future.done():
                 return future.result()
-            waited_for_next = self._withdraw(device_id)
-            return Retry(MIN_RETRY_S, "next selection not open yet" if waited_for_next else "selection still open")
+            return self._hold_ended(device_id)
         except asyncio.CancelledError:
             self._withdraw(device_id)
             raise
         finally:
             if self.waiters.get(device_id) is future:
                 del self.waiters[device_id]
+
+    def _hold_ended(self, device_id: str) -> Retry:
+        """A hold ran out: free the device's place, unless the selection already closed with it
+        (the cohorts are being formed, as happens to a device held since the last aggregation):
+        then its task is on the way and it comes back for it at once, unpaced."""
+        if self.planner is not None and self.planner.has_seat(device_id):
+            return Retry(MIN_RETRY_S, "seated: come back for the task", seated=True)
+        waited_for_next = self._withdraw(device_id)
+        return Retry(MIN_RETRY_S, "next selection not open yet" if waited_for_next else "selection still open")
 
     def _withdraw(self, device_id: str) -> bool:
         """Free whatever seat a held check-in had; True if it was waiting for the next attempt."""

@@ -430,6 +430,7 @@ class FakeAggregator(aggregator_pb2_grpc.AggregatorControlServicer):
         # Every sum this aggregator computed, withheld or not: (session id, sum id, device indices).
         self.computed: list[tuple[str, str, tuple[int, ...]]] = []
         self.hang = False
+        self.open_gate: asyncio.Event | None = None  # OpenSession waits for it when set
         self.opened = asyncio.Event()
         self.address = ""
         self._server: grpc.aio.Server | None = None
@@ -449,6 +450,8 @@ class FakeAggregator(aggregator_pb2_grpc.AggregatorControlServicer):
             self._server = None
 
     async def OpenSession(self, request, context):
+        if self.open_gate is not None:
+            await self.open_gate.wait()
         try:
             ticket = self.verifier.verify(request.session_ticket, time.time(), aggregator_id=self.ident)
         except AuthError as exc:
@@ -904,6 +907,32 @@ def test_check_ins_during_aggregation_are_seated_when_the_next_round_opens(tmp_p
     commits = [e for e in events if e.phase == common_pb2.ROUND_PHASE_COMMITTED]
     assert [(e.round, e.metrics["update.contributors"]) for e in commits] == [(1, 5), (2, 5)]
     assert "tally_coordinator_devices_seated_early_total 5.0" in metrics
+
+
+def test_a_device_whose_hold_ends_as_its_cohort_forms_comes_back_at_once_for_its_task(tmp_path):
+    """Held devices answer before their caller's deadline. One whose hold ends after the selection
+    closed with it (sessions still opening) keeps its seat: it is told to come back at once, and
+    pace steering, which would send it behind the whole population, leaves that answer alone."""
+
+    async def main():
+        async with stack(tmp_path, aggregators=1, checkin_rate=0.5) as s:
+            devices = await s.devices(5)
+            gate = s.aggregators[0].open_gate = asyncio.Event()
+            job_id = await s.submit(spec_yaml("late-hold", rounds=1, cohort=5))
+            runner = s.service.engine.runner(job_id)
+            await until_true(lambda: runner.planner is not None)
+            replies = await asyncio.gather(*(d.check_in_once(timeout=2.0) for d in devices))
+            opening = runner.planner.phase
+            gate.set()
+            again = await asyncio.gather(*(d.check_in_once(timeout=5.0) for d in devices))
+            await s.admin.CancelJob(admin_pb2.CancelJobRequest(job_id=job_id), metadata=s.admin_md, timeout=5)
+        return replies, opening, again
+
+    replies, opening, again = run(main())
+    assert opening is Phase.OPENING  # every hold ended while the session was opening
+    assert [(r.retry_after.reason, r.retry_after.seconds) for r in replies] == [
+        ("seated: come back for the task", MIN_RETRY_S)] * 5
+    assert sorted(r.task.device_index for r in again) == [1, 2, 3, 4, 5]
 
 
 @dataclass
