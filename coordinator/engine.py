@@ -46,7 +46,8 @@ class Engine:
         self.store, self.pool, self.clock = store, pool, clock
         self.events = EventHub(store, clock)
         self.checkin_hold_s, self.checkin_rate = checkin_hold_s, checkin_rate
-        self._ctx = RunnerContext(store, pool, signer, metrics, self.events, clock, rng or random.Random())
+        self._ctx = RunnerContext(store, pool, signer, metrics, self.events, clock, rng or random.Random(),
+                                  self._selection_opened)
         self.runners: dict[str, JobRunner] = {}
 
     async def start(self) -> None:
@@ -170,6 +171,12 @@ class Engine:
             if all(r is runner for r in selecting) and runner.hold_for_next(claims.device_id):
                 return await runner.hold(claims.device_id, hold_s)
         return min(retries, key=lambda r: r.seconds)
+
+    def _selection_opened(self, selecting: JobRunner) -> None:
+        """Devices held for other jobs' next rounds may take part now: let them come back."""
+        for runner in self.runners.values():
+            if runner is not selecting and runner.population == selecting.population:
+                runner.release_waiting(f"job {selecting.job_id} is selecting")
 
     def runner(self, job_id: str) -> JobRunner | None:
         return self.runners.get(job_id)

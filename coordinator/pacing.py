@@ -7,7 +7,7 @@ The pacer hands out come-back *slots* spaced ``1 / rate`` apart, each no earlier
 planner's hint: in steady state the population arrives at the target rate however large it is,
 and the slots never run ahead of time more than a population's worth (each device holds one), so
 nothing needs to know the population's size. Selected devices are never paced: they get a task,
-or, when their hold ran out while their cohort's session was opening, a retry marked ``seated``
+or, when their hold ran out while their cohort's session was opening, a retry marked ``at_once``
 that must bring them back at once (paced, it sent them behind the whole population and their
 cohort waited out a phase deadline for them). In-round polling (``GetStep``) is not a check-in.
 """
@@ -34,7 +34,7 @@ class CheckinPacer:
         self._next_slot = 0.0
 
     def steer(self, retry: Retry, now: float) -> Retry:
-        if self.rate_per_s is None or retry.seated:
+        if self.rate_per_s is None or retry.at_once:
             return retry
         slot = max(now + retry.seconds, self._next_slot)
         slot = min(slot, now + MAX_PACED_RETRY_S)

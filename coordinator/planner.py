@@ -83,9 +83,9 @@ class Retry:
     seconds: float
     reason: str
     population_idle: bool = False  # no job of the device's population is running
-    # The device has a seat whose task it has not received (its hold ended as the cohorts were
-    # formed): it must come back at once, so pace steering leaves this one alone.
-    seated: bool = False
+    # The device is wanted back at once (it has a seat whose task it has not received, or the
+    # selection it was held away from opened): pace steering leaves this answer alone.
+    at_once: bool = False
 
 
 @dataclass(frozen=True)
@@ -425,7 +425,8 @@ class RoundPlanner:
     def has_seat(self, device_id: str) -> bool:
         """The selection closed with ``device_id`` in it and the attempt goes on: its task will
         be there when it comes back."""
-        return self.selection.closed and self.phase is not Phase.FAILED and device_id in self.selection.seated
+        seated = self.seats or self.selection.seated  # the cohorts, once formed, may leave some out
+        return self.selection.closed and self.phase is not Phase.FAILED and device_id in seated
 
     def mark_delivered(self, device_id: str) -> None:
         self.delivered.add(device_id)

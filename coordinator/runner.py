@@ -159,6 +159,9 @@ class RunnerContext:
     events: EventHub
     clock: Callable[[], float]
     rng: random.Random
+    # Called as a job's selection opens: the engine lets the devices other jobs of the population
+    # hold for their next rounds go to it.
+    selection_opened: Callable[[JobRunner], None] = lambda runner: None
 
 
 class JobRunner:
@@ -226,7 +229,7 @@ class JobRunner:
         planner = self.planner
         if planner is None:  # between rounds: the next selection opens as soon as the commit is done
             return Retry(MIN_RETRY_S, "next round starting")
-        if self.silo_limit is not None and self.ctx.store.silo(self.job_id, device_id, self.silo_limit) is None:
+        if self._silos_full(device_id):
             return planner.retry(now, f"all {self.silo_limit} silos of the job are taken")
         decision = planner.check_in(device_id, now)
         if isinstance(decision, Deliver):
@@ -239,7 +242,10 @@ class JobRunner:
     def selecting(self) -> bool:
         """In a selection, or between attempts with one about to open: a check-in turned away
         now may be seated by this job within moments."""
-        return self.planner is None or self.planner.phase in (Phase.SELECTION, Phase.DONE, Phase.FAILED)
+        planner = self.planner
+        if planner is None or planner.phase in (Phase.SELECTION, Phase.FAILED):
+            return True
+        return planner.phase is Phase.DONE and self.round < self.spec.rounds
 
     def hold_for_next(self, device_id: str) -> bool:
         """Whether ``device_id``, turned away by ``offer`` while an attempt aggregates, is held
@@ -248,9 +254,23 @@ class JobRunner:
         room = self.waiting
         if room is None or (self.planner is not None and device_id in self.planner.seats):
             return False
-        if self.silo_limit is not None and self.ctx.store.silo(self.job_id, device_id, self.silo_limit) is None:
-            return False
-        return room.offer(device_id)
+        return not self._silos_full(device_id) and room.offer(device_id)
+
+    def release_waiting(self, reason: str) -> None:
+        """Answer the devices held for this job's next selection (another job's selection of
+        their population opened): they come back at once, unpaced, and it may seat them."""
+        room = self.waiting
+        if room is None:
+            return
+        for device_id in list(room.held):
+            future = self.waiters.pop(device_id, None)
+            if future is not None and not future.done():
+                future.set_result(Retry(MIN_RETRY_S, reason, at_once=True))
+        room.held.clear()
+
+    def _silos_full(self, device_id: str) -> bool:
+        """Every silo id of the job is taken, none by ``device_id`` (only jobs with silos)."""
+        return self.silo_limit is not None and self.ctx.store.silo(self.job_id, device_id, self.silo_limit) is None
 
     async def hold(self, device_id: str, hold_s: float) -> CheckInResult:
         """Wait for a held device's task; free its seat if the wait ends first."""
@@ -277,18 +297,18 @@ class JobRunner:
         (the cohorts are being formed, as happens to a device held since the last aggregation):
         then its task is on the way and it comes back for it at once, unpaced."""
         if self.planner is not None and self.planner.has_seat(device_id):
-            return Retry(MIN_RETRY_S, "seated: come back for the task", seated=True)
+            return Retry(MIN_RETRY_S, "seated: come back for the task", at_once=True)
         waited_for_next = self._withdraw(device_id)
         return Retry(MIN_RETRY_S, "next selection not open yet" if waited_for_next else "selection still open")
 
     def _withdraw(self, device_id: str) -> bool:
         """Free whatever seat a held check-in had; True if it was waiting for the next attempt."""
-        if self.planner is not None:
-            self.planner.withdraw(device_id)
         room = self.waiting
         if room is not None and device_id in room.held:
             room.withdraw(device_id)
             return True
+        if self.planner is not None:
+            self.planner.withdraw(device_id)
         return False
 
     def get_step(
@@ -381,6 +401,7 @@ class JobRunner:
             log.exception("job runner crashed", extra={"fields": {"job_id": self.job_id}})
             self._finish("FAILED", f"internal error: {type(exc).__name__}: {exc}")
         finally:
+            self.waiting = None  # nobody is held for a round that will not come
             self._release_waiters("job is not running")
             await self._close_sessions("job stopped")
             with contextlib.suppress(KeyError):  # no gauge when the job ended before a round
@@ -511,6 +532,7 @@ class JobRunner:
         )
         self.planner, self.tasks, self.sessions = planner, {}, []
         self._seat_waiting(planner)
+        ctx.selection_opened(self)
         self.step_protos = [step_proto(steps[0])] + [None] * (len(steps) - 1)
         self.step_states, self.reveals = {}, {}
         self._set_phase(

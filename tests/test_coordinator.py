@@ -431,6 +431,7 @@ class FakeAggregator(aggregator_pb2_grpc.AggregatorControlServicer):
         self.computed: list[tuple[str, str, tuple[int, ...]]] = []
         self.hang = False
         self.open_gate: asyncio.Event | None = None  # OpenSession waits for it when set
+        self.close_gate: asyncio.Event | None = None  # and CloseSession for this one
         self.opened = asyncio.Event()
         self.address = ""
         self._server: grpc.aio.Server | None = None
@@ -522,6 +523,8 @@ class FakeAggregator(aggregator_pb2_grpc.AggregatorControlServicer):
         return cohort_sum_to_proto(request.session_id, spec, result)
 
     async def CloseSession(self, request, context):
+        if self.close_gate is not None:
+            await self.close_gate.wait()
         session = self.sessions.get(request.session_id)
         if session is not None:
             await self.check_owner(session, context)
@@ -933,6 +936,80 @@ def test_a_device_whose_hold_ends_as_its_cohort_forms_comes_back_at_once_for_its
     assert [(r.retry_after.reason, r.retry_after.seconds) for r in replies] == [
         ("seated: come back for the task", MIN_RETRY_S)] * 5
     assert sorted(r.task.device_index for r in again) == [1, 2, 3, 4, 5]
+
+
+async def held_for_round_two(s: Stack, first: list[Device], later: list[Device], **job) -> tuple[str, asyncio.Event, list]:
+    """A two-round job whose round 1 aggregates (its devices wait for the returned event) while
+    each of ``later`` is held for round 2 by one check-in (the returned tasks answer them)."""
+    contribute = fedavg_contribution(FedAvgConfig(local_epochs=1))
+    job_id = await s.submit(spec_yaml("overlap", rounds=2, cohort=len(first), **job))
+    runner = s.service.engine.runner(job_id)
+    release, all_in = asyncio.Event(), asyncio.Event()
+    round_one: set[str] = set()
+
+    async def before(device, task):
+        round_one.add(device.device_id)
+        if len(round_one) == len(first):
+            all_in.set()
+        await release.wait()
+
+    for d in first:
+        asyncio.create_task(d.loop(contribute, release, before))
+    await all_in.wait()
+    held = [asyncio.create_task(d.check_in_once(timeout=30)) for d in later]
+    await until_true(lambda: runner.waiting is not None and len(runner.waiting.held) == len(later))
+    return job_id, release, held
+
+
+def test_devices_held_for_a_jobs_next_round_are_let_go_when_another_jobs_selection_opens(tmp_path):
+    async def main():
+        async with stack(tmp_path, aggregators=1, checkin_rate=0.5) as s:
+            first, later = await s.devices(5, prefix="first"), await s.devices(5, prefix="next")
+            _, release, held = await held_for_round_two(s, first, later)
+            job_b = await s.submit(spec_yaml("newer", rounds=1, cohort=5))
+            replies = await asyncio.gather(*held)
+            release.set()
+        return job_b, replies
+
+    job_b, replies = run(main())
+    assert [(r.retry_after.reason, r.retry_after.seconds) for r in replies] == [
+        (f"job {job_b} is selecting", MIN_RETRY_S)] * 5  # at once: pace steering (0.5/s) left them alone
+
+
+def test_devices_held_during_an_attempt_that_fails_are_seated_by_its_retry(tmp_path):
+    async def main():
+        async with stack(tmp_path, aggregators=2) as s:
+            first, later = await s.devices(5, prefix="first"), await s.devices(5, prefix="next")
+            _, release, held = await held_for_round_two(s, first, later)
+            serving = next(a for a in s.aggregators if a.sessions)
+            await serving.stop()  # attempt 1 of round 1 fails while the five are held
+            replies = await asyncio.gather(*held)
+            release.set()
+        return replies
+
+    replies = run(main())
+    assert all(r.HasField("task") and r.task.round == 1 for r in replies), replies
+    assert {r.task.task_id.split("-")[0] for r in replies} == {"r1a2"}  # round 1's second attempt
+
+
+def test_a_job_that_ends_answers_its_held_devices_and_holds_no_more(tmp_path):
+    async def main():
+        async with stack(tmp_path, aggregators=1) as s:
+            first, later = await s.devices(5, prefix="first"), await s.devices(5, prefix="next")
+            job_id, release, held = await held_for_round_two(s, first, later[:4])  # room for one more
+            gate = s.aggregators[0].close_gate = asyncio.Event()  # the job's last act waits here
+            cancel = asyncio.ensure_future(s.admin.CancelJob(
+                admin_pb2.CancelJobRequest(job_id=job_id), metadata=s.admin_md, timeout=10))
+            replies = await asyncio.gather(*held)
+            during_close = await later[4].check_in_once(timeout=30)
+            gate.set()
+            await cancel
+            release.set()
+        return replies, during_close
+
+    replies, during_close = run(main())
+    assert [r.retry_after.reason for r in replies] == ["job is not running"] * 4
+    assert during_close.HasField("retry_after") and during_close.retry_after.reason != "next selection not open yet"
 
 
 @dataclass
