@@ -85,7 +85,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument(
         "--checkin-hold", type=float, default=20.0,
-        help="longest a check-in is held while a selection fills (s)",
+        help="longest a check-in is held while a selection fills, or while a round aggregates for "
+        "the next round's selection (s)",
     )
     p.add_argument(
         "--model-plugin", action="append", default=[], metavar="MODULE",
