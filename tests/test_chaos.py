@@ -11,7 +11,7 @@ import sys
 import pytest
 
 from coordinator.store import Store
-from tally.chaos.campaign import FAULTS, MISBEHAVIOURS, Campaign, CampaignConfig, failed_round
+from tally.chaos.campaign import FAULTS, MISBEHAVIOURS, Campaign, CampaignConfig, VaryingDropouts, failed_round
 from client_sdk import Fleet
 from client_sdk.fleet import device_ids
 from client_sdk.retry import RetryPolicy
@@ -41,6 +41,19 @@ def test_a_short_campaign_meets_every_invariant_under_every_fault(tmp_path):
     report = result.to_dict()
     assert sum(row["rounds"] for row in report["faults"]) == config.rounds
     assert set(report["cpu_seconds"]) == {"coordinator", "aggregator-1", "aggregator-2"}
+
+
+def test_a_dropout_fault_for_one_attempt_ends_after_that_attempts_sessions():
+    """The coordinator seats a retry at once from devices it held meanwhile, so a fault meant to
+    fail one attempt is bounded by sessions, not switched off when someone sees the abort."""
+    plan = VaryingDropouts(seed=3)
+    devices = [plan.draws(f"d{i}") for i in range(50)]
+    plan.set(1.0, ("share_keys",), sessions=24)
+    first = [next(d) for d in devices[:24]]
+    later = [next(d) for d in devices[24:]] + [next(d) for d in devices[:24]]
+    assert first == ["share_keys"] * 24 and later == [None] * 50
+    plan.set(1.0, ("unmask",))  # unbounded again
+    assert {next(d) for d in devices} == {"unmask"}
 
 
 def test_a_failed_round_says_how_each_attempt_ended_and_whom_its_retries_could_not_seat(tmp_path):

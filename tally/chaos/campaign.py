@@ -35,6 +35,7 @@ from client_sdk.fleet import device_ids
 from client_sdk.retry import RetryPolicy
 from client_sdk.sum_audit import EXACT, SumAudit, outcome_counts
 from client_sdk.synthetic import SyntheticUpdates
+from coordinator.jobspec import parse
 from tally.chaos.cluster import LocalCluster, wait_for
 from tally.wire.v1 import admin_pb2, common_pb2
 
@@ -84,14 +85,23 @@ class VaryingDropouts:
     def __init__(self, seed: int) -> None:
         self.probability, self.phases = 0.0, DEFAULT_PHASES
         self._seed = seed
+        self._sessions_left: int | None = None
 
-    def set(self, probability: float, phases: tuple[str, ...] = DEFAULT_PHASES) -> None:
-        self.probability, self.phases = probability, phases
+    def set(self, probability: float, phases: tuple[str, ...] = DEFAULT_PHASES,
+            sessions: int | None = None) -> None:
+        """``sessions``: the plan holds for that many sessions (one attempt's seats), then no
+        device leaves. A fault meant for one attempt cannot be switched off by watching for its
+        failure: the coordinator seats the retry at once from the devices it held meanwhile, and
+        their sessions start before a watcher sees the abort."""
+        self.probability, self.phases, self._sessions_left = probability, phases, sessions
 
     def draws(self, device_id: str) -> Iterator[str | None]:
         rng = random.Random(f"{self._seed}/{device_id}")
         while True:
             leave = rng.random() < self.probability
+            if self._sessions_left is not None:
+                leave = leave and self._sessions_left > 0
+                self._sessions_left -= 1
             yield rng.choice(self.phases) if leave else None
 
 
@@ -153,6 +163,7 @@ class Campaign:
         self.jobs = 0
         self._block: list[str] = []
         self._misbehaved = 0
+        self.seats = 0  # an attempt's seats in the current job
 
     async def run(self) -> CampaignResult:
         cfg = self.config
@@ -195,8 +206,10 @@ class Campaign:
         self.jobs += 1
         cfg = self.config
         deadlines = "{" + ", ".join(f"{k}: {v}" for k, v in DEADLINES.items()) + "}"
-        return await cluster.submit(JOB_SPEC.format(n=self.jobs, rounds=cfg.rounds, cohort=cfg.cohort,
-                                                    retries=cfg.retries, hidden=cfg.hidden, deadlines=deadlines))
+        spec = JOB_SPEC.format(n=self.jobs, rounds=cfg.rounds, cohort=cfg.cohort, retries=cfg.retries,
+                               hidden=cfg.hidden, deadlines=deadlines)
+        self.seats = parse(spec).selection_target
+        return await cluster.submit(spec)
 
     async def _round(self, cluster: LocalCluster, fleet: Fleet, dropouts: VaryingDropouts, index: int,
                      job_id: str, round_: int) -> RoundRecord:
@@ -257,7 +270,7 @@ class Campaign:
         if fault == "dropouts_past_threshold":
             phase = rng.choice(DEFAULT_PHASES)
             aborted = fleet.stats().sessions_aborted
-            dropouts.set(0.8, (phase,))
+            dropouts.set(0.8, (phase,), sessions=self.seats)
             # For one attempt: it must fail cleanly (its survivors see the abort), the retry succeed.
             failed = await wait_for(lambda: _holds(fleet.stats().sessions_aborted > aborted),
                                     sum(DEADLINES.values()), every=0.05)
