@@ -262,10 +262,14 @@ class Campaign:
 
     async def _inject(self, fault: str, cluster: LocalCluster, fleet: Fleet, dropouts: VaryingDropouts,
                       job_id: str) -> str:
+        """Inject ``fault`` into the round starting. The coordinator starts the next round the moment
+        one commits (its selection was filled while the round aggregated), so a dropout fault left
+        on until the campaign has seen the commit would hit the next round too: dropouts last one
+        attempt's sessions. A kill still waits for its phase, which may come in the next round."""
         rng = self.rng
         if fault == "dropouts":
             rate, phase = rng.uniform(0.05, 0.25), rng.choice(DEFAULT_PHASES)
-            dropouts.set(rate, (phase,))
+            dropouts.set(rate, (phase,), sessions=self.seats)
             return f"{rate:.2f} in {phase}"
         if fault == "dropouts_past_threshold":
             phase = rng.choice(DEFAULT_PHASES)
