@@ -262,11 +262,15 @@ class JobRunner:
         room = self.waiting
         if room is None:
             return
-        for device_id in list(room.held):
-            future = self.waiters.pop(device_id, None)
-            if future is not None and not future.done():
-                future.set_result(Retry(MIN_RETRY_S, reason, at_once=True))
+        for device_id in room.held:
+            self._answer(device_id, Retry(MIN_RETRY_S, reason, at_once=True))
         room.held.clear()
+
+    def _answer(self, device_id: str, answer: Retry) -> None:
+        """End ``device_id``'s held check-in, if it is still waiting, with ``answer``."""
+        future = self.waiters.pop(device_id, None)
+        if future is not None and not future.done():
+            future.set_result(answer)
 
     def _silos_full(self, device_id: str) -> bool:
         """Every silo id of the job is taken, none by ``device_id`` (only jobs with silos)."""
@@ -878,9 +882,7 @@ class JobRunner:
             return
         turned_away = [d for d in room.held if not planner.selection.offer(d)]
         for device_id in turned_away:
-            future = self.waiters.pop(device_id, None)
-            if future is not None and not future.done():
-                future.set_result(planner.retry(self.ctx.clock(), "seated in an earlier attempt of this round"))
+            self._answer(device_id, planner.retry(self.ctx.clock(), "seated in an earlier attempt of this round"))
         self.ctx.metrics.devices_seated_early.inc(len(room.held) - len(turned_away))
         logs.event(log, "selection opens with devices held during the last aggregation",
                    job_id=self.job_id, round=self.round, seated=len(room.held) - len(turned_away),
