@@ -260,8 +260,10 @@ def test_a_real_prometheus_scrapes_a_job_and_agrees_with_it(tmp_path):
                     prometheus.until, "sum(tally_client_sessions_total)", lambda v: v >= sessions)
                 # rate() needs two samples of a series: a job that ends within a scrape of its last
                 # counter's first increment (its next round's selection was filled during this
-                # one's aggregation) leaves the dashboard's rates empty until one more scrape.
-                for name in sorted({m for q in _dashboard_queries() for m in re.findall(r"rate\((tally_\w+)", q)}):
+                # one's aggregation) leaves the rules' and the dashboard's rates empty until one
+                # more scrape.
+                exprs = [r["expr"] for r in _rules()] + list(_dashboard_queries())
+                for name in sorted({m for q in exprs for m in re.findall(r"rate\((tally_\w+)", q)}):
                     await asyncio.to_thread(
                         prometheus.until, f"min(count_over_time({name}[1m])) or vector(2)", lambda v: v >= 2)
                 evaluated = {r.get("record") or r["alert"]: prometheus.query(r["expr"]) for r in _rules()}
