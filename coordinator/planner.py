@@ -297,6 +297,11 @@ class WaitingRoom:
     def withdraw(self, device_id: str) -> None:
         self.held.pop(device_id, None)
 
+    def empty(self) -> list[str]:
+        """Let every held device go; the ones that were held."""
+        held, self.held = list(self.held), {}
+        return held
+
 
 # -- sums ----------------------------------------------------------------------------------------
 

@@ -262,9 +262,8 @@ class JobRunner:
         room = self.waiting
         if room is None:
             return
-        for device_id in room.held:
+        for device_id in room.empty():
             self._answer(device_id, Retry(MIN_RETRY_S, reason, at_once=True))
-        room.held.clear()
 
     def _answer(self, device_id: str, answer: Retry) -> None:
         """End ``device_id``'s held check-in, if it is still waiting, with ``answer``."""
@@ -865,13 +864,9 @@ class JobRunner:
 
     def _release_waiters(self, reason: str, keep: WaitingRoom | None = None) -> None:
         """Answer every held check-in but those waiting in ``keep`` for the next attempt."""
-        retry = Retry(MIN_RETRY_S, reason)
         kept = keep.held if keep is not None else {}
-        for device_id, future in list(self.waiters.items()):
-            if device_id not in kept:
-                if not future.done():
-                    future.set_result(retry)
-                del self.waiters[device_id]
+        for device_id in [d for d in self.waiters if d not in kept]:
+            self._answer(device_id, Retry(MIN_RETRY_S, reason))
 
     def _seat_waiting(self, planner: RoundPlanner) -> None:
         """The devices held while the previous attempt aggregated are this selection's first
