@@ -9,7 +9,9 @@ and the slots never run ahead of time more than a population's worth (each devic
 nothing needs to know the population's size. Selected devices are never paced: they get a task,
 or, when their hold ran out while their cohort's session was opening, a retry marked ``at_once``
 that must bring them back at once (paced, it sent them behind the whole population and their
-cohort waited out a phase deadline for them). In-round polling (``GetStep``) is not a check-in.
+cohort waited out a phase deadline for them). Devices held for a job's next round and let go
+because another job's selection opened get ``at_once`` too. In-round polling (``GetStep``) is not
+a check-in.
 """
 
 from __future__ import annotations
