@@ -391,11 +391,9 @@ class _MaskedInputPhase(_SumPhase):
             return server._advance(_ConsistencyPhase(server, u3, self.position, masked), out)
         # A device needs only its own neighbourhood's status: the full list would make every
         # request O(n) and the session O(n^2) bytes. (ConsistencyCheck signs the full list.)
-        out = [
-            Outgoing(i, UnmaskRequest(ref, sum_id, status))
-            for i, status in zip(survivors, _surviving_neighbourhoods(server.config, survivors))
-        ]
-        return server._advance(_UnmaskPhase(server, u3, self.position, masked, u3), out)
+        unmask = _UnmaskPhase(server, u3, self.position, masked, u3)
+        out = [Outgoing(i, UnmaskRequest(ref, sum_id, unmask.status(i))) for i in survivors]
+        return server._advance(unmask, out)
 
 
 class _PlainSumPhase(_MaskedInputPhase):
@@ -474,26 +472,25 @@ class _UnmaskPhase(_SumPhase):
         self._expect = _expected_answers(server.config, sorted(expected), self._is_survivor,
                                          self._is_dropped, self._row_of)
         # Shares each secret has, and still waits for: t, or more once a rebuilt secret failed
-        # its check; `short` counts the secrets below their wanted count.
+        # its check.
         self.counts = np.zeros(len(self.secrets), dtype=np.int64)
         self.wanted = np.full(len(self.secrets), server.config.threshold, dtype=np.int64)
-        self.short = len(self.secrets)
-        # Per answer, in arrival order: its sender, the rows it fills and its m shares.
+        # Per answer, in arrival order: its sender, the rows it fills and its m shares. Which t
+        # shares of each secret the rebuild uses is decided once, over all of them, at the end.
         self._answers: list[tuple[int, np.ndarray, np.ndarray]] = []
-        # Each secret's first t shares and their holders, filled in as answers arrive: what the
-        # rebuild interpolates when nobody has been caught lying, with no sort over every share.
-        # Shares past the t-th land in a last column that nothing reads, so recording one
-        # answer is a few flat writes whatever its mix of early and late shares.
-        t = server.config.threshold
-        self._width = t + 1
-        self._first_holders = np.zeros((len(self.secrets), self._width), dtype=np.int32)
-        self._first_shares = np.zeros((len(self.secrets), self._width), dtype=_SHARE)
-        self._first_holders_flat = self._first_holders.reshape(-1)
-        self._first_shares_flat = self._first_shares.reshape(-1)
+        # Every secret can have its wanted shares only once this many shares have arrived; past
+        # that, each answer re-reads only the secrets still short at the previous one.
+        self._shares_in = 0
+        self._shares_wanted = int(self.wanted.sum())
+        self._short: np.ndarray | None = None
         # Checked secrets: a survivor's seed (bytes), a dropout's mask key (parsed once, as the
         # check needs it parsed anyway).
         self.rebuilt: dict[int, bytes | crypto.KeyPair] = {}
         self._commitment = SeedCommitments(server.config.ref, self.sum_id)
+
+    def status(self, device: int) -> tuple[int, ...]:
+        """What device's UnmaskRequest lists: itself and its surviving neighbours."""
+        return self._expect.status(device)
 
     def validate(self, message: UnmaskResponse) -> None:
         """An answer names its surviving neighbours' seeds, then its dropped neighbours' keys;
@@ -526,17 +523,23 @@ class _UnmaskPhase(_SumPhase):
         validated, rows, shares = self._validated
         assert validated is message
         self._answers.append((message.sender, rows, shares))
-        counts = self.counts[rows]
-        cells = rows * self._width + np.minimum(counts, self._width - 1)
-        self._first_holders_flat[cells] = message.sender
-        self._first_shares_flat[cells] = shares
-        counts += 1
-        self.counts[rows] = counts  # a message names each owner once
-        self.short -= int(np.count_nonzero(counts == self.wanted[rows]))
+        self.counts[rows] += 1  # a message names each owner once
+        self._shares_in += len(rows)
 
     def complete(self) -> bool:
         """Done when every needed secret has its shares: stragglers cannot delay the sum."""
-        return not self.short or super().complete()
+        return self._have_wanted() or super().complete()
+
+    def _have_wanted(self) -> bool:
+        if self._shares_in < self._shares_wanted:
+            return False
+        short = self._short
+        if short is None:
+            short = np.flatnonzero(self.counts < self.wanted)
+        else:
+            short = short[self.counts[short] < self.wanted[short]]
+        self._short = short
+        return not short.size
 
     def close(self) -> list[Outgoing]:
         return self._finish(final=not self.pending)
@@ -559,7 +562,8 @@ class _UnmaskPhase(_SumPhase):
         if failed and not final:
             # Wait for one more holder's share of each: more shares decode around wrong ones.
             self.wanted[failed] = self.counts[failed] + 1
-            self.short += len(failed)
+            self._shares_wanted = int(self.wanted.sum())
+            self._short = None
             return []
         if failed:
             owners = sorted(self.secrets[r][1] for r in failed)
@@ -579,53 +583,50 @@ class _UnmaskPhase(_SumPhase):
 
     def _held(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Every share received, in arrival order: (rows, holders, shares (m, 9))."""
-        rows = np.concatenate([rows for _, rows, _ in self._answers])
-        holders = np.concatenate([np.full(len(r), sender) for sender, r, _ in self._answers])
-        shares = np.concatenate([shares for _, _, shares in self._answers])
+        answers = self._answers
+        rows = np.concatenate([rows for _, rows, _ in answers])
+        holders = np.repeat([sender for sender, _, _ in answers], [len(r) for _, r, _ in answers])
+        shares = np.concatenate([shares for _, _, shares in answers])
         return rows, holders, shares.view("<u4").reshape(-1, shamir.CHUNKS)
 
     def _rebuild(self) -> list[int]:
         """Rebuild every secret not yet rebuilt; the rows that cannot be rebuilt and checked yet.
 
-        The common case costs one batched interpolation over t shares per secret (the first to
-        arrive, or holders never caught lying first once someone was) and one check per
-        secret; only a secret that fails its check is decoded from all of its shares, which
+        The common case costs one batched interpolation over t shares per secret and one check
+        per secret; only a secret that fails its check is decoded from all of its shares, which
         also names the holders whose shares were wrong.
         """
-        t = self.server.config.threshold
         pending = np.ones(len(self.secrets), dtype=bool)
         pending[list(self.rebuilt)] = False
-        rows = np.flatnonzero(pending)
-        if self.server.misbehaving:
-            holders, shares = self._chosen(pending)
-        else:
-            some = rows if len(rows) < len(pending) else slice(None)  # a first pass reads in place
-            holders = self._first_holders[some, :t]
-            shares = self._first_shares[some, :t].view("<u4").reshape(-1, t, shamir.CHUNKS)
-        secrets = shamir.reconstruct_block(holders, shares)
+        held = self._held()
+        secrets = shamir.reconstruct_block(*self._first_t(pending, *held))
         failed = []
-        held = None  # every share, gathered only if some secret must be decoded from all of them
-        for row, secret in zip(rows.tolist(), secrets):
+        for row, secret in zip(np.flatnonzero(pending).tolist(), secrets):
             checked = self._checked(row, secret) if secret is not None else None
             if checked is not None:
                 self.rebuilt[row] = checked
-                continue
-            held = held or self._held()
-            if not self._decode(row, *held):
+            elif not self._decode(row, *held):
                 failed.append(row)
         return failed
 
-    def _chosen(self, pending: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """t holders (S, t) and their shares (S, t, 9) for each pending row, holders never caught
-        lying first: the first-t arrays hold whoever answered first, suspects included."""
+    def _first_t(self, pending: np.ndarray, rows: np.ndarray, holders: np.ndarray,
+                 shares: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """t holders (S, t) and their shares (S, t, 9) for each pending row: the first t to answer,
+        holders never caught lying before the others. Every row has at least t shares.
+
+        One stable sort by row of every share received (a radix sort while rows fit 16 bits)
+        costs less than keeping each secret's first t up to date answer by answer."""
         t = self.server.config.threshold
-        rows, holders, shares = self._held()
-        suspect = np.isin(holders, list(self.server.misbehaving))
-        order = np.lexsort((holders, suspect, rows))
+        if self.server.misbehaving:
+            suspect = np.isin(holders, list(self.server.misbehaving))
+            order = np.lexsort((suspect, rows))
+        else:
+            narrow = np.uint16 if len(self.secrets) <= 1 << 16 else np.int64
+            order = np.argsort(rows.astype(narrow), kind="stable")
         by_row = rows[order]
         # Each row's entries are contiguous in `order`: keep the first t of the pending rows.
-        first = np.searchsorted(by_row, by_row)
-        chosen = order[(np.arange(len(order)) - first < t) & pending[by_row]]
+        first = np.cumsum(self.counts) - self.counts
+        chosen = order[(np.arange(len(order)) - first[by_row] < t) & pending[by_row]]
         return holders[chosen].reshape(-1, t), shares[chosen].reshape(-1, t, shamir.CHUNKS)
 
     def _decode(self, row: int, rows: np.ndarray, holders: np.ndarray, shares: np.ndarray) -> bool:
@@ -691,42 +692,35 @@ class _UnmaskPhase(_SumPhase):
 _SHARE = np.dtype((np.void, shamir.SHARE_BYTES))  # one share's 9 chunks as one element
 
 
-def _surviving_neighbourhoods(config: SessionConfig, survivors: tuple[int, ...]) -> list[tuple[int, ...]]:
-    """Per survivor i (sorted): i and its surviving neighbours, sorted; what its UnmaskRequest
-    lists. One vectorised pass over the neighbourhoods instead of a few array calls per device."""
-    if not survivors:
-        return []
-    alive = _indicator(config.n, survivors)
-    rows = np.asarray(survivors, dtype=np.int64)
-    block = np.concatenate([config.neighbour_rows(rows), rows[:, None]], axis=1)
-    block.sort(axis=1)
-    keep = alive[block]
-    flat = block[keep].tolist()
-    ends = np.cumsum(np.count_nonzero(keep, axis=1)).tolist()
-    return [tuple(flat[a:b]) for a, b in zip([0] + ends[:-1], ends)]
-
-
 class _ExpectedAnswers:
     """What each expected Unmask answer must name, computed for all senders in one vectorised
     pass: its surviving neighbours (seeds), its dropped neighbours (keys), ascending, and the
-    secret rows those fill in that order."""
+    secret rows those fill in that order; and what its UnmaskRequest lists: the sender and its
+    surviving neighbours, ascending (a device needs only its own neighbourhood's status)."""
 
     def __init__(self, owners: list[int], rows: np.ndarray,
-                 spans: dict[int, tuple[int, int, int]]) -> None:
+                 spans: dict[int, tuple[int, int, int, int, int]]) -> None:
         self._owners, self._rows, self._spans = owners, rows, spans
+
+    def status(self, sender: int) -> tuple[int, ...]:
+        start, _, split, _, _ = self._spans[sender]
+        return tuple(self._owners[start:split])
 
     def of(self, sender: int) -> tuple[tuple[int, ...], tuple[int, ...], np.ndarray]:
         """(seed owners, key owners, rows) of ``sender``'s answer."""
-        start, split, end = self._spans[sender]
+        start, me, split, end, row = self._spans[sender]
         owners = self._owners
-        return tuple(owners[start:split]), tuple(owners[split:end]), self._rows[start:end]
+        seeds = tuple(owners[start:me] + owners[me + 1 : split])
+        return seeds, tuple(owners[split:end]), self._rows[row : row + end - start - 1]
 
 
 def _expected_answers(config: SessionConfig, senders: list[int], is_survivor: np.ndarray,
                       is_dropped: np.ndarray, row_of: np.ndarray) -> _ExpectedAnswers:
+    """Senders are survivors: each sorts among its own surviving neighbours."""
     if not senders:
         return _ExpectedAnswers([], np.zeros(0, dtype=np.int64), {})
-    block = config.neighbour_rows(np.asarray(senders, dtype=np.int64))
+    me = np.asarray(senders, dtype=np.int64)
+    block = np.concatenate([config.neighbour_rows(me), me[:, None]], axis=1)
     # Seeds sort before keys, neighbours of neither kind (pruned before ShareKeys) last.
     span = config.n + 1
     order = np.where(is_survivor[block], block, np.where(is_dropped[block], span + block, 2 * span))
@@ -736,8 +730,10 @@ def _expected_answers(config: SessionConfig, senders: list[int], is_survivor: np
     ends = np.cumsum(np.count_nonzero(named, axis=1))
     splits = ends - np.count_nonzero(named & (order >= span), axis=1)
     starts = np.concatenate([[0], ends[:-1]])
-    spans = dict(zip(senders, zip(starts.tolist(), splits.tolist(), ends.tolist())))
-    return _ExpectedAnswers(owners.tolist(), row_of[owners], spans)
+    is_me = owners == np.repeat(me, ends - starts)
+    spans = dict(zip(senders, zip(starts.tolist(), np.flatnonzero(is_me).tolist(), splits.tolist(),
+                                  ends.tolist(), (starts - np.arange(len(me))).tolist())))
+    return _ExpectedAnswers(owners.tolist(), row_of[owners[~is_me]], spans)
 
 
 def _with_surviving_neighbour(config: SessionConfig, dropped: frozenset[int],
