@@ -33,6 +33,14 @@ def test_field_round_trip(secrets):
     assert shamir.field_to_secrets(field) == secrets
 
 
+@given(SECRETS)
+def test_chunks_are_the_secrets_bits_in_little_endian_order(secrets):
+    field = shamir.secrets_to_field(secrets)
+    for secret, chunks in zip(secrets, field.tolist()):
+        value = int.from_bytes(secret, "little")
+        assert chunks == [(value >> (30 * i)) & (2**30 - 1) for i in range(CHUNKS)]
+
+
 def test_field_edge_values():
     secrets = [bytes(32), b"\xff" * 32]
     assert shamir.secrets_to_field(secrets)[1].tolist() == [2**30 - 1] * 8 + [2**16 - 1]

@@ -106,7 +106,8 @@ class SecAggServer:
         return self._phase.close()
 
     def receive(self, message: ClientMessage) -> list[Outgoing]:
-        if message.ref != self.config.ref:
+        ref = self.config.ref
+        if message.ref is not ref and message.ref != ref:  # the in-process driver shares one ref
             raise StaleMessage(
                 f"message for {message.ref} reached session {self.config.ref}"
             )
@@ -171,9 +172,7 @@ class _Phase(abc.ABC):
         # Who the phase still waits for: kept incrementally, so a message costs O(1), not O(n).
         self.pending: set[int] = set(expected) - server.lost
 
-    @property
-    def sum_id(self) -> str:
-        return ""
+    sum_id = ""  # a sum's phases name their sum
 
     def accept(self, message: ClientMessage) -> list[Outgoing]:
         if not isinstance(message, self.message_type):
@@ -345,10 +344,7 @@ class _SumPhase(_Phase):
     def __init__(self, server: SecAggServer, expected: frozenset[int], position: int) -> None:
         super().__init__(server, expected)
         self.position = position
-
-    @property
-    def sum_id(self) -> str:
-        return self.server.config.sums[self.position].sum_id
+        self.sum_id = server.config.sums[position].sum_id
 
 
 class _MaskedInputPhase(_SumPhase):
@@ -475,9 +471,9 @@ class _UnmaskPhase(_SumPhase):
         # its check.
         self.counts = np.zeros(len(self.secrets), dtype=np.int64)
         self.wanted = np.full(len(self.secrets), server.config.threshold, dtype=np.int64)
-        # Per answer, in arrival order: its sender, the rows it fills and its m shares. Which t
-        # shares of each secret the rebuild uses is decided once, over all of them, at the end.
-        self._answers: list[tuple[int, np.ndarray, np.ndarray]] = []
+        # Per answer, in arrival order: its sender, the rows it fills, its m shares and how many
+        # shares of each row came before (the rebuild takes each secret's first t from these).
+        self._answers: list[tuple[int, np.ndarray, np.ndarray, np.ndarray]] = []
         # Every secret can have its wanted shares only once this many shares have arrived; past
         # that, each answer re-reads only the secrets still short at the previous one.
         self._shares_in = 0
@@ -522,8 +518,9 @@ class _UnmaskPhase(_SumPhase):
     def record(self, message: UnmaskResponse) -> None:
         validated, rows, shares = self._validated
         assert validated is message
-        self._answers.append((message.sender, rows, shares))
-        self.counts[rows] += 1  # a message names each owner once
+        before = self.counts[rows]
+        self.counts[rows] = before + 1  # a message names each owner once
+        self._answers.append((message.sender, rows, shares, before))
         self._shares_in += len(rows)
 
     def complete(self) -> bool:
@@ -582,12 +579,11 @@ class _UnmaskPhase(_SumPhase):
         return server._start_sum(self.position + 1, self.survivors)
 
     def _held(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """Every share received, in arrival order: (rows, holders, shares (m, 9))."""
+        """Every share received, in arrival order: (rows, holders, shares (m,) of _SHARE)."""
         answers = self._answers
-        rows = np.concatenate([rows for _, rows, _ in answers])
-        holders = np.repeat([sender for sender, _, _ in answers], [len(r) for _, r, _ in answers])
-        shares = np.concatenate([shares for _, _, shares in answers])
-        return rows, holders, shares.view("<u4").reshape(-1, shamir.CHUNKS)
+        rows = np.concatenate([a[1] for a in answers])
+        holders = np.repeat([a[0] for a in answers], [len(a[1]) for a in answers])
+        return rows, holders, np.concatenate([a[2] for a in answers])
 
     def _rebuild(self) -> list[int]:
         """Rebuild every secret not yet rebuilt; the rows that cannot be rebuilt and checked yet.
@@ -611,29 +607,34 @@ class _UnmaskPhase(_SumPhase):
 
     def _first_t(self, pending: np.ndarray, rows: np.ndarray, holders: np.ndarray,
                  shares: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """t holders (S, t) and their shares (S, t, 9) for each pending row: the first t to answer,
-        holders never caught lying before the others. Every row has at least t shares.
-
-        One stable sort by row of every share received (a radix sort while rows fit 16 bits)
-        costs less than keeping each secret's first t up to date answer by answer."""
+        """t holders (S, t) and their shares (S, t, 9) for each pending row, each of which has at
+        least t shares: the first t to answer, or, once someone was caught lying, holders never
+        caught first."""
         t = self.server.config.threshold
         if self.server.misbehaving:
             suspect = np.isin(holders, list(self.server.misbehaving))
-            order = np.lexsort((suspect, rows))
+            order = np.lexsort((suspect, rows))  # stable: arrival order among equals
+            by_row = rows[order]
+            # Each row's entries are contiguous in `order`: its rank is its place among them.
+            rank = np.arange(len(order)) - (np.cumsum(self.counts) - self.counts)[by_row]
+            rows, holders, shares = by_row, holders[order], shares[order]
         else:
-            narrow = np.uint16 if len(self.secrets) <= 1 << 16 else np.int64
-            order = np.argsort(rows.astype(narrow), kind="stable")
-        by_row = rows[order]
-        # Each row's entries are contiguous in `order`: keep the first t of the pending rows.
-        first = np.cumsum(self.counts) - self.counts
-        chosen = order[(np.arange(len(order)) - first[by_row] < t) & pending[by_row]]
-        return holders[chosen].reshape(-1, t), shares[chosen].reshape(-1, t, shamir.CHUNKS)
+            rank = np.concatenate([a[3] for a in self._answers])
+        keep = np.flatnonzero((rank < t) & pending[rows])
+        slot = np.cumsum(pending) - 1  # a pending row's place among the pending rows
+        cells = slot[rows[keep]] * t + rank[keep]
+        chosen_holders = np.empty(len(cells), dtype=holders.dtype)
+        chosen_holders[cells] = holders[keep]
+        chosen_shares = np.empty(len(cells), dtype=_SHARE)  # whole shares move faster than chunks
+        chosen_shares[cells] = shares[keep]
+        return chosen_holders.reshape(-1, t), _chunks(chosen_shares).reshape(-1, t, shamir.CHUNKS)
 
     def _decode(self, row: int, rows: np.ndarray, holders: np.ndarray, shares: np.ndarray) -> bool:
         mine = np.flatnonzero(rows == row)
         mine = mine[np.argsort(holders[mine])]
         try:
-            secret, wrong = shamir.decode(holders[mine].tolist(), shares[mine], self.server.config.threshold)
+            secret, wrong = shamir.decode(holders[mine].tolist(), _chunks(shares[mine]),
+                                          self.server.config.threshold)
         except ValueError:
             return False
         checked = self._checked(row, secret)
@@ -690,6 +691,11 @@ class _UnmaskPhase(_SumPhase):
 
 
 _SHARE = np.dtype((np.void, shamir.SHARE_BYTES))  # one share's 9 chunks as one element
+
+
+def _chunks(shares: np.ndarray) -> np.ndarray:
+    """(m, 9) field elements of m _SHARE elements."""
+    return shares.view("<u4").reshape(-1, shamir.CHUNKS)
 
 
 class _ExpectedAnswers:

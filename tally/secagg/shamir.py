@@ -22,12 +22,18 @@ SECRET_BYTES = 32
 _CHUNK_BITS = 30
 _LAST_CHUNK_BITS = 8 * SECRET_BYTES - _CHUNK_BITS * (CHUNKS - 1)  # 16
 _CHUNK_LIMITS = np.array([1 << _CHUNK_BITS] * (CHUNKS - 1) + [1 << _LAST_CHUNK_BITS], np.uint64)
-_BIT_WEIGHTS = np.uint64(1) << np.arange(_CHUNK_BITS, dtype=np.uint64)
-_PAD_BITS = _CHUNK_BITS * CHUNKS - 8 * SECRET_BYTES
 _P = np.uint64(P)
 # Below this many distinct holder sets per reconstruction, the per-set cache is cheaper than a
 # batch computation; above it, sets are the all-different SecAgg+ kind and batching wins.
 _CACHED_SETS_MAX = 8
+
+
+# Chunk i holds bits [30 i, 30 i + 30) of the secret: where they sit in its four 64-bit words.
+_WORD_OF = [(_CHUNK_BITS * i) // 64 for i in range(CHUNKS)]
+_SHIFT_OF = [(_CHUNK_BITS * i) % 64 for i in range(CHUNKS)]
+_SPILLS = [shift + (_CHUNK_BITS if i < CHUNKS - 1 else _LAST_CHUNK_BITS) > 64
+           for i, shift in enumerate(_SHIFT_OF)]
+_WORDS = SECRET_BYTES // 8
 
 
 def secrets_to_field(secrets: Sequence[bytes]) -> np.ndarray:
@@ -35,10 +41,14 @@ def secrets_to_field(secrets: Sequence[bytes]) -> np.ndarray:
     for s in secrets:
         if len(s) != SECRET_BYTES:
             raise ValueError(f"secrets must be {SECRET_BYTES} bytes, got {len(s)}")
-    raw = np.frombuffer(b"".join(secrets), dtype=np.uint8).reshape(len(secrets), SECRET_BYTES)
-    bits = np.unpackbits(raw, axis=1, bitorder="little")
-    bits = np.pad(bits, ((0, 0), (0, _PAD_BITS))).reshape(len(secrets), CHUNKS, _CHUNK_BITS)
-    return bits.astype(np.uint64) @ _BIT_WEIGHTS
+    words = np.frombuffer(b"".join(secrets), dtype="<u8").reshape(len(secrets), _WORDS)
+    out = np.empty((len(secrets), CHUNKS), dtype=np.uint64)
+    for i, (word, shift, spills) in enumerate(zip(_WORD_OF, _SHIFT_OF, _SPILLS)):
+        chunk = words[:, word] >> np.uint64(shift)
+        if spills:
+            chunk |= words[:, word + 1] << np.uint64(64 - shift)
+        out[:, i] = chunk & (_CHUNK_LIMITS[i] - np.uint64(1))
+    return out
 
 
 def field_to_secrets(arr: np.ndarray) -> list[bytes]:
@@ -48,12 +58,14 @@ def field_to_secrets(arr: np.ndarray) -> list[bytes]:
         raise ValueError(f"expected shape (S, {CHUNKS}), got {arr.shape}")
     if np.any(arr >= _CHUNK_LIMITS):
         raise ValueError("value is not a valid secret chunk (inconsistent or corrupted shares?)")
-    bits = ((arr[:, :, None] >> np.arange(_CHUNK_BITS, dtype=np.uint64)) & np.uint64(1)).astype(
-        np.uint8
-    )
-    bits = bits.reshape(len(arr), -1)[:, : 8 * SECRET_BYTES]
-    raw = np.packbits(bits, axis=1, bitorder="little")
-    return [row.tobytes() for row in raw]
+    # Chunks never overlap, so OR-ing each into its word (and its spill into the next) is exact.
+    words = np.zeros((len(arr), _WORDS), dtype="<u8")
+    for i, (word, shift, spills) in enumerate(zip(_WORD_OF, _SHIFT_OF, _SPILLS)):
+        words[:, word] |= arr[:, i] << np.uint64(shift)
+        if spills:
+            words[:, word + 1] |= arr[:, i] >> np.uint64(64 - shift)
+    raw = words.tobytes()
+    return [raw[i : i + SECRET_BYTES] for i in range(0, len(raw), SECRET_BYTES)]
 
 
 def _random_field(shape: tuple[int, ...]) -> np.ndarray:
