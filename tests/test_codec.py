@@ -83,15 +83,19 @@ def packed_sums(draw):
 
 
 @settings(max_examples=300)
-@given(packed_sums())
-def test_packed_sum_is_the_ring_sum_of_the_unpacked_vectors(case):
+@given(packed_sums(), st.one_of(st.none(), st.integers(1, 4)))
+def test_packed_sum_is_the_ring_sum_of_the_unpacked_vectors(case, batch):
+    """Whatever the batch of queued uploads (the default, or one that fills and is added several
+    times before ``total``), and ``total`` read in between."""
     bits, vectors = case
     count = vectors[0].size
-    total = PackedSum(count, bits)
-    for v in vectors:
+    total = PackedSum(count, bits, batch=batch)
+    for k, v in enumerate(vectors):
         data = pack(v, bits)
         assert data == reference_pack(v.tolist(), bits)
         total.add(data)
+        if k == 0:
+            assert total.total().tolist() == v.tolist()
     expected = [sum(int(v[j]) for v in vectors) % 2**bits for j in range(count)]
     result = total.total()
     assert result.dtype == ring_dtype(bits)

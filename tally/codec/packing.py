@@ -165,31 +165,46 @@ class _LaterRank:
 
     Only some columns of a row hold such a value. One column (28 bits: two values in a row's
     first word) is read as a strided view and shifted by a scalar, without copying it; several
-    are gathered into a buffer kept from one upload to the next, so adding an upload allocates
+    are gathered into a buffer kept from one batch to the next, so adding uploads allocates
     nothing (take's default mode would copy that buffer on every call, to restore it on error)."""
 
-    def __init__(self, start: _Start, acc: np.ndarray, rows: int) -> None:
+    def __init__(self, start: _Start, acc: np.ndarray, rows: int, batch: int = 1) -> None:
         self.acc = acc
-        self.buffer = np.empty((rows, len(start.words)), dtype=acc.dtype)
+        self.buffer = np.empty((batch, rows, len(start.words)), dtype=acc.dtype)
         self.column = int(start.words[0]) if len(start.words) == 1 else None
         self.columns = start.words
         self.shifts = start.shifts[0] if self.column is not None else _shift_tile(start.shifts, rows)
 
     def add(self, by_row: np.ndarray) -> None:
-        piece = self.buffer.ravel()
+        """Add uploads given as (uploads, rows, row words)."""
+        count = len(by_row)
+        buffer = self.buffer[:count]
+        pieces = buffer.reshape(count, -1)
         if self.column is not None:
-            np.right_shift(by_row[:, self.column], self.shifts, out=piece)
+            np.right_shift(by_row[:, :, self.column], self.shifts, out=pieces)
         else:
-            np.take(by_row, self.columns, axis=1, out=self.buffer, mode="clip")
-            np.right_shift(piece, self.shifts, out=piece)
-        np.add(self.acc, piece, out=self.acc)
+            np.take(by_row, self.columns, axis=2, out=buffer, mode="clip")
+            np.right_shift(pieces, self.shifts, out=pieces)
+        _add_rows(self.acc, pieces)
+
+
+# Small uploads are added a batch at a time: on a 10^4-value upload numpy's fixed cost per call
+# outweighs the shifts themselves, and a batch of them shares it. The batch stays within L2, past
+# which its passes run from memory and cost more than they share (10^5 values: one at a time).
+_BATCH_BYTES = 1 << 19
+_BATCH_MAX = 32
 
 
 class PackedSum:
-    """The ring sum of packed vectors of ``count`` values at ``bits`` bits, added one at a time
-    as they arrive, without materialising an unpacked copy of any of them."""
+    """The ring sum of packed vectors of ``count`` values at ``bits`` bits, added as they arrive,
+    without materialising an unpacked copy of any of them.
 
-    def __init__(self, count: int, bits: int) -> None:
+    Uploads of a width that is not a byte width are queued as raw words, at most ``batch`` of
+    them (by default as many as fit in 512 KiB, at most 32), and added together; ``total`` adds
+    whatever is queued.
+    """
+
+    def __init__(self, count: int, bits: int, batch: int | None = None) -> None:
         self.count = count
         self.bits = bits
         self.size = packed_size(count, bits)
@@ -201,14 +216,26 @@ class PackedSum:
         layout = self._layout = _layout(bits)
         self._rows = rows = layout.rows(count)
         word = layout.word
+        n_words = rows * layout.row_words
+        if batch is None:
+            batch = max(1, min(_BATCH_MAX, _BATCH_BYTES // max(1, n_words * word.itemsize)))
+        if batch < 1:
+            raise ValueError(f"batch must be >= 1, got {batch}")
+        self._batch = batch
+        # Queued uploads, one per row, zero past each upload's last byte (an upload that fills
+        # its words exactly is read in place when it is added alone).
+        self._queue = np.zeros((batch, n_words), dtype=word)
+        self._in_place = batch == 1 and n_words * word.itemsize == self.size
+        self._queued = 0
         # Per start rank: the sum of each value's word shifted down to the value (mod 2^word).
         self._shifted = [np.zeros(rows * len(s.words), dtype=word) for s in layout.starts]
         # The plain sum of the words, for the spills (a left shift commutes with the sum).
         spills = bool(np.any(layout.next_shifts < layout.word_bits))
-        self._words = np.zeros(rows * layout.row_words, dtype=word) if spills else None
-        self._scratch = np.empty(rows * layout.row_words, dtype=word)
+        self._words = np.zeros(n_words, dtype=word) if spills else None
+        self._scratch = np.empty((batch, n_words), dtype=word)
         self._first_shifts = _shift_tile(layout.starts[0].shifts, rows)
-        self._later = [_LaterRank(start, acc, rows) for start, acc in zip(layout.starts[1:], self._shifted[1:])]
+        self._later = [_LaterRank(start, acc, rows, batch)
+                       for start, acc in zip(layout.starts[1:], self._shifted[1:])]
 
     def add(self, data: bytes) -> None:
         """Add one packed vector; the length check is what rejects a truncated or padded one."""
@@ -216,29 +243,34 @@ class PackedSum:
             raise CodecError(f"packed data for {self.count} values at {self.bits} bits must be "
                              f"{self.size} bytes, got {len(data)}")
         self.added += 1
-        layout = self._layout
-        if layout is None:
+        if self._layout is None:
             view = np.frombuffer(data, dtype=f"<u{self.bits // 8}", count=self.count)
             np.add(self._total, view, out=self._total)
             return
-        words = self._words_of(data)
-        first, scratch = self._shifted[0], self._scratch
+        if self._in_place:
+            self._add_words(np.frombuffer(data, dtype=self._layout.word)[None, :])
+            return
+        self._queue.view(np.uint8)[self._queued, : self.size] = np.frombuffer(data, dtype=np.uint8)
+        self._queued += 1
+        if self._queued == self._batch:
+            self._flush()
+
+    def _flush(self) -> None:
+        queued, self._queued = self._queued, 0
+        if queued:
+            self._add_words(self._queue[:queued])
+
+    def _add_words(self, words: np.ndarray) -> None:
+        """Add uploads given as rows of words, (uploads, words)."""
+        layout = self._layout
+        scratch = self._scratch[: len(words)]
         np.right_shift(words, self._first_shifts, out=scratch)
-        np.add(first, scratch, out=first)
+        _add_rows(self._shifted[0], scratch)
         if self._words is not None:
-            np.add(self._words, words, out=self._words)
-        by_row = words.reshape(self._rows, layout.row_words)
+            _add_rows(self._words, words)
+        by_row = words.reshape(len(words), self._rows, layout.row_words)
         for later in self._later:
             later.add(by_row)
-
-    def _words_of(self, data: bytes) -> np.ndarray:
-        layout = self._layout
-        n_words = self._rows * layout.row_words
-        if n_words * layout.word.itemsize == self.size:
-            return np.frombuffer(data, dtype=layout.word, count=n_words)
-        padded = np.zeros(n_words, dtype=layout.word)  # the last row is partial: pad it
-        padded.view(np.uint8)[: self.size] = np.frombuffer(data, dtype=np.uint8)
-        return padded
 
     def total(self) -> np.ndarray:
         """The sum mod 2^bits, in the ring's dtype."""
@@ -246,6 +278,7 @@ class PackedSum:
         if self._layout is None:
             out = self._total.copy()
         else:
+            self._flush()
             layout, rows = self._layout, self._rows
             by_rank = np.concatenate(
                 [acc.reshape(rows, len(s.words)) for s, acc in zip(layout.starts, self._shifted)], axis=1
@@ -258,6 +291,14 @@ class PackedSum:
             out = values.ravel()[: self.count].astype(ring_dtype(self.bits))
         np.bitwise_and(out, out.dtype.type(mask), out=out)
         return out
+
+
+def _add_rows(acc: np.ndarray, rows: np.ndarray) -> None:
+    """acc += the sum of ``rows`` (uploads, n), mod 2^word."""
+    if len(rows) == 1:
+        np.add(acc, rows[0], out=acc)
+    else:
+        np.add(acc, rows.sum(axis=0, dtype=acc.dtype), out=acc)
 
 
 def unpack(data: bytes, bits: int, count: int) -> np.ndarray:
