@@ -350,7 +350,7 @@ class _SumPhase(_Phase):
 class _MaskedInputPhase(_SumPhase):
     """Each masked input is added to the running sum as it arrives, while the server would
     otherwise wait for the slowest device: Unmask then only removes the masks, and the server
-    never holds more than one upload at a time."""
+    holds at most a small batch of uploads (``PackedSum``: 512 KiB), never the cohort's."""
 
     name = "masked_input"
     message_type = MaskedInputResponse
