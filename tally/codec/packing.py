@@ -224,8 +224,8 @@ class PackedSum:
         self._batch = batch
         # Queued uploads, one per row, zero past each upload's last byte (an upload that fills
         # its words exactly is read in place when it is added alone).
-        self._queue = np.zeros((batch, n_words), dtype=word)
         self._in_place = batch == 1 and n_words * word.itemsize == self.size
+        self._queue = None if self._in_place else np.zeros((batch, n_words), dtype=word)
         self._queued = 0
         # Per start rank: the sum of each value's word shifted down to the value (mod 2^word).
         self._shifted = [np.zeros(rows * len(s.words), dtype=word) for s in layout.starts]
@@ -303,6 +303,6 @@ def _add_rows(acc: np.ndarray, rows: np.ndarray) -> None:
 
 def unpack(data: bytes, bits: int, count: int) -> np.ndarray:
     """Inverse of ``pack``; the length check is what rejects a truncated or padded upload."""
-    packed_sum = PackedSum(count, bits)
+    packed_sum = PackedSum(count, bits, batch=1)
     packed_sum.add(data)
     return packed_sum.total()
