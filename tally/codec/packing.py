@@ -10,7 +10,7 @@ a whole vector is a handful of vectorised shifts and adds instead of a pass per 
 The server never needs the uploads one by one, only their sum: ``PackedSum`` adds packed vectors
 without unpacking them. A value's spill into the next word is a left shift, which commutes with
 addition mod 2^word, so the raw words are summed and the spills applied once at the end; only
-the right shifts, which do not commute, are paid per upload.
+the right shifts, which do not commute, are paid per upload (per batch of small uploads).
 """
 
 from __future__ import annotations
@@ -165,8 +165,8 @@ class _LaterRank:
 
     Only some columns of a row hold such a value. One column (28 bits: two values in a row's
     first word) is read as a strided view and shifted by a scalar, without copying it; several
-    are gathered into a buffer kept from one batch to the next, so adding uploads allocates
-    nothing (take's default mode would copy that buffer on every call, to restore it on error)."""
+    are gathered into a buffer kept from one batch to the next, so the gather allocates nothing
+    (take's default mode would copy that buffer on every call, to restore it on error)."""
 
     def __init__(self, start: _Start, acc: np.ndarray, rows: int, batch: int = 1) -> None:
         self.acc = acc
@@ -209,6 +209,8 @@ class PackedSum:
         self.bits = bits
         self.size = packed_size(count, bits)
         self.added = 0
+        if batch is not None and batch < 1:
+            raise ValueError(f"batch must be >= 1, got {batch}")
         if bits in _BYTE_WIDTHS:
             self._layout = None
             self._total = np.zeros(count, dtype=ring_dtype(bits))
@@ -219,8 +221,6 @@ class PackedSum:
         n_words = rows * layout.row_words
         if batch is None:
             batch = max(1, min(_BATCH_MAX, _BATCH_BYTES // max(1, n_words * word.itemsize)))
-        if batch < 1:
-            raise ValueError(f"batch must be >= 1, got {batch}")
         self._batch = batch
         # Queued uploads, one per row, zero past each upload's last byte (an upload that fills
         # its words exactly is read in place when it is added alone).
@@ -256,9 +256,9 @@ class PackedSum:
             self._flush()
 
     def _flush(self) -> None:
-        queued, self._queued = self._queued, 0
-        if queued:
-            self._add_words(self._queue[:queued])
+        if self._queued:
+            self._add_words(self._queue[: self._queued])
+            self._queued = 0  # after the add: a failed one raises with the uploads still counted as queued
 
     def _add_words(self, words: np.ndarray) -> None:
         """Add uploads given as rows of words, (uploads, words)."""

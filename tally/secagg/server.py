@@ -348,9 +348,10 @@ class _SumPhase(_Phase):
 
 
 class _MaskedInputPhase(_SumPhase):
-    """Each masked input is added to the running sum as it arrives, while the server would
-    otherwise wait for the slowest device: Unmask then only removes the masks, and the server
-    holds at most a small batch of uploads (``PackedSum``: 512 KiB), never the cohort's."""
+    """Each masked input goes into the running sum as it arrives (small ones a batch at a time),
+    while the server would otherwise wait for the slowest device: Unmask then only removes the
+    masks, and the server holds at most a small batch of uploads (``PackedSum``: 512 KiB), never
+    the cohort's."""
 
     name = "masked_input"
     message_type = MaskedInputResponse
@@ -368,7 +369,7 @@ class _MaskedInputPhase(_SumPhase):
             )
 
     def kept(self, message: MaskedInputResponse) -> None:
-        return None  # its data is in the running sum
+        return None  # its data is in the running sum (or queued for it, as a copy)
 
     def record(self, message: MaskedInputResponse) -> None:
         self.masked.add(message.data)
