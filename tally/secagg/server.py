@@ -106,8 +106,7 @@ class SecAggServer:
         return self._phase.close()
 
     def receive(self, message: ClientMessage) -> list[Outgoing]:
-        ref = self.config.ref
-        if message.ref is not ref and message.ref != ref:  # the in-process driver shares one ref
+        if message.ref != self.config.ref:
             raise StaleMessage(
                 f"message for {message.ref} reached session {self.config.ref}"
             )
@@ -610,25 +609,21 @@ class _UnmaskPhase(_SumPhase):
                  shares: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """t holders (S, t) and their shares (S, t, 9) for each pending row, each of which has at
         least t shares: the first t to answer, or, once someone was caught lying, holders never
-        caught first."""
+        caught first. One gather each, from where every chosen share goes."""
         t = self.server.config.threshold
         if self.server.misbehaving:
             suspect = np.isin(holders, list(self.server.misbehaving))
             order = np.lexsort((suspect, rows))  # stable: arrival order among equals
-            by_row = rows[order]
-            # Each row's entries are contiguous in `order`: its rank is its place among them.
-            rank = np.arange(len(order)) - (np.cumsum(self.counts) - self.counts)[by_row]
-            rows, holders, shares = by_row, holders[order], shares[order]
+            # Each row's entries are contiguous in `order`: a share's rank is its place among them.
+            rank = np.empty(len(order), dtype=np.int64)
+            rank[order] = np.arange(len(order)) - (np.cumsum(self.counts) - self.counts)[rows[order]]
         else:
             rank = np.concatenate([a[3] for a in self._answers])
         keep = np.flatnonzero((rank < t) & pending[rows])
         slot = np.cumsum(pending) - 1  # a pending row's place among the pending rows
-        cells = slot[rows[keep]] * t + rank[keep]
-        chosen_holders = np.empty(len(cells), dtype=holders.dtype)
-        chosen_holders[cells] = holders[keep]
-        chosen_shares = np.empty(len(cells), dtype=_SHARE)  # whole shares move faster than chunks
-        chosen_shares[cells] = shares[keep]
-        return chosen_holders.reshape(-1, t), _chunks(chosen_shares).reshape(-1, t, shamir.CHUNKS)
+        source = np.empty(len(keep), dtype=np.intp)
+        source[slot[rows[keep]] * t + rank[keep]] = keep
+        return holders[source].reshape(-1, t), _chunks(shares[source]).reshape(-1, t, shamir.CHUNKS)
 
     def _decode(self, row: int, rows: np.ndarray, holders: np.ndarray, shares: np.ndarray) -> bool:
         mine = np.flatnonzero(rows == row)
