@@ -78,8 +78,17 @@ class SecureSpec(BaseModel):
     dropout_rate: float = Field(0.1, ge=0, lt=1, description="fraction of a cohort expected to drop out")
     corrupt_rate: float = Field(0.05, ge=0, lt=1, description="fraction that may collude with the server")
     malicious_server: bool = Field(True, description="defend against a server that lies about survivors")
-    consistency_check: bool = Field(False, description="run SecAgg's consistency-check phase")
+    consistency_check: bool | None = Field(
+        None, description="each device signs its survivor view and unmasks only once t neighbours "
+        "signed views that count it as a survivor (default: on; off only with malicious_server: "
+        "false, for a semi-honest deployment or a benchmark, and devices then need a semi-honest "
+        "policy; a plain sum has none)")
     plain: bool = Field(False, description="benchmarks only: sums in the clear, no privacy")
+
+    @property
+    def checks_consistency(self) -> bool:
+        """Whether sessions run the consistency check: unless plain or explicitly turned off."""
+        return not self.plain if self.consistency_check is None else self.consistency_check
 
     def threat(self) -> ThreatModel:
         return ThreatModel(self.dropout_rate, self.corrupt_rate, self.malicious_server)
@@ -423,6 +432,12 @@ def _check_secure(secure: SecureSpec, min_cohort: int | None, errors: list[str])
         if secure.consistency_check:
             errors.append("secure.plain: a plain sum has no survivor sets to check; drop consistency_check")
         return
+    if secure.consistency_check is False and secure.malicious_server:
+        errors.append(
+            "secure.consistency_check: false leaves a malicious server free to show each device its "
+            "own survivor set and read one device's input; keep it on, or declare the server "
+            "semi-honest with secure.malicious_server: false (devices must then accept a "
+            "semi-honest policy too)")
     if min_cohort is not None:  # the smallest cohort the coordinator may form must admit a threshold
         try:
             choose_params(min_cohort, threat)

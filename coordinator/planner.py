@@ -161,7 +161,7 @@ def attempt_bound_s(spec: JobSpec, n_steps: int) -> float:
     step's masked input (with local computation), consistency check and unmask."""
     d = spec.deadlines
     per_step = d["masked_input"] + d["unmask"]
-    if spec.secure.consistency_check:
+    if spec.secure.checks_consistency:
         per_step += d["consistency_check"]
     total = d["download"] + d["advertise_keys"] + d["share_keys"] + n_steps * per_step
     return total * (1 + ROUND_MARGIN_FRACTION) + ROUND_MARGIN_S

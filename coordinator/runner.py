@@ -657,7 +657,7 @@ class JobRunner:
         try:
             config = SessionConfig.plan(
                 SessionRef(self.job_id, round_, session_id), [(s.name, s.schema) for s in summed],
-                len(plan.devices), spec.secure.threat(), consistency_check=spec.secure.consistency_check,
+                len(plan.devices), spec.secure.threat(), consistency_check=spec.secure.checks_consistency,
                 plain=spec.secure.plain, identities=self._roster(plan),
             )
             # The privacy floor: the aggregator must abort rather than reveal a sum of fewer.

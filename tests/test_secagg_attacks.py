@@ -15,7 +15,17 @@ from collections.abc import Callable
 import numpy as np
 import pytest
 
-from secagg_helpers import LAX, identities, lax_client, make_config, random_inputs, share_pairs, with_shares
+from secagg_helpers import (
+    LAX,
+    identities,
+    lax_client,
+    make_config,
+    random_inputs,
+    roster,
+    share_pairs,
+    with_shares,
+)
+from secagg_split_view import SplitViewServer
 from tally.codec import Field, Kind, PayloadSchema, ring_mask, to_ring
 from tally.secagg import (
     DevicePolicy,
@@ -24,6 +34,7 @@ from tally.secagg import (
     SecAggServer,
     SessionAbortedError,
     SessionConfig,
+    SessionRef,
     SigningKey,
     ThreatModel,
     UnsafeSession,
@@ -43,7 +54,13 @@ from tally.secagg.messages import (
     UnmaskResponse,
 )
 from tally.secagg.params import GraphParams
-from tally.secagg.wire import SeedCommitments, advertise_statement, seed_commitment, share_associated_data
+from tally.secagg.wire import (
+    SeedCommitments,
+    advertise_statement,
+    consistency_message,
+    seed_commitment,
+    share_associated_data,
+)
 
 ServerHook = Callable[[Outgoing], Outgoing]
 ClientHook = Callable[[object], object]
@@ -53,9 +70,10 @@ class Cohort:
     """Real server and clients; ``tamper_server`` rewrites what the aggregator sends,
     ``tamper_client`` what devices send; refusals are recorded, not raised."""
 
-    def __init__(self, config: SessionConfig, seed: int = 0, policy: DevicePolicy = LAX) -> None:
+    def __init__(self, config: SessionConfig, seed: int = 0, policy: DevicePolicy = LAX,
+                 server: SecAggServer | None = None) -> None:
         self.config = config
-        self.server = SecAggServer(config)
+        self.server = server or SecAggServer(config)
         keys = identities(config.n)
         self.clients = {i: SecAggClient(config, i, keys[i], policy=policy) for i in range(1, config.n + 1)}
         self.inputs = random_inputs(config, np.random.default_rng(seed))
@@ -342,11 +360,17 @@ def test_a_device_refuses_to_mask_when_fewer_than_t_shares_are_delivered(deliver
 
 def test_a_device_refuses_unsafe_and_plain_configurations():
     keys = identities(10)
-    safe = make_config(10, 9, 6)
+    safe = make_config(10, 9, 6, consistency=True)
     SecAggClient(safe, 1, keys[1])  # the default policy accepts a safe full graph
+    # Without the consistency check only a device that declares the server semi-honest joins.
+    unchecked = dataclasses.replace(safe, consistency_check=False)
+    with pytest.raises(UnsafeSession, match="skips the consistency check"):
+        SecAggClient(unchecked, 1, keys[1])
+    semi_honest = DevicePolicy(threat=ThreatModel(dropout_rate=0.0, malicious_server=False))
+    SecAggClient(unchecked, 1, keys[1], policy=semi_honest)
     with pytest.raises(UnsafeSession, match="t=2 too low"):
         SecAggClient(dataclasses.replace(safe, params=GraphParams(10, 9, 2)), 1, keys[1])
-    plain = dataclasses.replace(safe, plain=True)
+    plain = dataclasses.replace(safe, plain=True, consistency_check=False)
     with pytest.raises(UnsafeSession, match="did not opt in to plain"):
         SecAggClient(plain, 1, keys[1])
     SecAggClient(plain, 1, keys[1], policy=DevicePolicy(allow_plain=True))  # benchmarks opt in
@@ -376,11 +400,11 @@ def test_consistency_check_needs_t_distinct_surviving_signers(forgery):
         if forgery == "repeated":  # one survivor's signature t times
             sigs = (sigs[1],) * config.threshold
         elif forgery == "non_survivor":  # t-1 survivors plus a device outside the signed set
-            statement = _statement(config, o.message)
+            statement = _statement(config, o.message, dropped)
             sigs = sigs[: config.threshold - 1] + ((dropped, identities(10)[dropped].sign(statement)),)
         else:  # the aggregator signs for t survivors with keys of its own
-            statement = _statement(config, o.message)
-            sigs = tuple((j, SigningKey.generate().sign(statement)) for j, _ in sigs[: config.threshold])
+            sigs = tuple((j, SigningKey.generate().sign(_statement(config, o.message, j)))
+                         for j, _ in sigs[: config.threshold])
         return Outgoing(1, dataclasses.replace(o.message, signatures=sigs))
 
     cohort.run(
@@ -392,10 +416,11 @@ def test_consistency_check_needs_t_distinct_surviving_signers(forgery):
     assert not any(isinstance(m, UnmaskResponse) and m.sender == 1 for m in cohort.sent)
 
 
-def _statement(config: SessionConfig, request: UnmaskRequest) -> bytes:
-    from tally.secagg.wire import consistency_message
-
-    return consistency_message(config.ref, request.sum_id, request.survivors)
+def _statement(config: SessionConfig, request: UnmaskRequest, signer: int) -> bytes:
+    """What ``signer`` would sign of the survivors the request names: its own view of them."""
+    closed = set(config.neighbours(signer).tolist()) | {signer}
+    view = [i for i in request.survivors if i in closed]
+    return consistency_message(config.ref, request.sum_id, signer, view)
 
 
 # ---- 11. out-of-range inputs -------------------------------------------------------------------
@@ -432,3 +457,47 @@ def test_seed_commitments_bind_the_seed():
         config.ref.job_id.encode(), str(config.ref.round).encode(), config.ref.session_id.encode(), b"s")), seed]
     layout = hashlib.sha256(b"".join(len(f).to_bytes(4, "big") + f for f in fields)).digest()
     assert SeedCommitments(config.ref, "s")(seed) == seed_commitment(config.ref, "s", seed) == layout
+
+
+# ---- 12. survivor split: each device shown its own survivor set (third review, finding 1) -----
+
+
+def _split_cohort(n: int, consistency: bool) -> tuple[Cohort, SplitViewServer]:
+    """A cohort of n with the parameters a real job gets (Harary from n = 100 on) and a malicious
+    aggregator splitting views against device 1. Without the check, devices run the semi-honest
+    policy, the only one that accepts such a session."""
+    config = SessionConfig.plan(SessionRef("job", 1, f"split-{n}"), [("s", PayloadSchema((
+        Field("w", (4,), clip=1.0, frac_bits=8),)))], n, consistency_check=consistency, identities=roster(n))
+    threat = ThreatModel(dropout_rate=0.1, malicious_server=consistency)
+    server = SplitViewServer(config, victim=1, attempts=[])
+    return Cohort(config, seed=n, policy=DevicePolicy(threat=threat), server=server), server
+
+
+@pytest.mark.parametrize("n", [20, 100, 1000])
+def test_a_survivor_split_reads_one_input_without_the_consistency_check(n):
+    """The attack is real: against devices that skip the check (a semi-honest policy, which the
+    default policy refuses) the aggregator alone gets device 1's exact input."""
+    cohort, server = _split_cohort(n, consistency=False)
+    cohort.run()
+    attempt = server.attempt
+    assert len(attempt.masked_with) == cohort.config.threshold
+    assert attempt.recovered is not None, attempt.why_not
+    assert np.array_equal(attempt.recovered, cohort.inputs[1]["s"])
+
+
+@pytest.mark.parametrize("n", [20, 100, 1000])
+def test_a_survivor_split_fails_against_the_consistency_check(n):
+    """With the check (the default), every device signs the view it was shown and answers only
+    once t neighbours signed views that count it as a survivor: split views cannot gather both
+    the victim's seed and its partners' keys, on the full graph (n = 20) as on sparse Harary
+    graphs (n = 100: k = 26, t = 16; n = 1,000: k = 78, t = 52)."""
+    cohort, server = _split_cohort(n, consistency=True)
+    params = cohort.config.params
+    assert (params.k, params.t) == {20: (19, 11), 100: (26, 16), 1000: (78, 52)}[n]
+    cohort.run()
+    attempt = server.attempt
+    assert len(attempt.masked_with) == cohort.config.threshold
+    assert attempt.recovered is None
+    assert "shares" in attempt.why_not
+    refusals = [str(e) for e in cohort.refused.values()]
+    assert any("signed views that count me as a survivor" in r for r in refusals), refusals[:3]

@@ -5,7 +5,10 @@ neighbourhood from the public graph seed, every neighbour's keys against the ide
 coordinator's roster lists for it (the aggregator relays them and must not be able to substitute
 its own), ciphertexts bound to their route. It masks its input only once at least t neighbours
 hold its shares, answers Unmask once per sum, and refuses to help unmask when too few of its
-neighbours survived (which would let a server isolate one device's input).
+neighbours survived (which would let a server isolate one device's input). Against a malicious
+server it answers only from the survivor view it signed, once t of its neighbours are shown to
+have signed views that count it as a survivor (``_AwaitUnmask._check_signatures`` says why that
+stops a server that shows different devices different survivor sets).
 """
 
 from __future__ import annotations
@@ -367,7 +370,26 @@ class _AwaitPlainInput(_AwaitInput):
         return _AwaitMaskedInputRequest(client, nxt) if nxt < len(client.config.sums) else _Done(client)
 
 
+def _ascending(devices: tuple[int, ...], n: int, what: str) -> np.ndarray:
+    """A list of device ids as the server must send it: integers in 1..n, strictly ascending
+    (so no device is named twice, say once surviving and once not)."""
+    try:
+        ids = np.asarray(devices)
+    except (TypeError, ValueError):
+        ids = None
+    if ids is None or ids.ndim != 1 or (ids.size and ids.dtype.kind not in "iu"):
+        raise MalformedMessage(f"{what} must be a list of device indices")
+    ids = ids.astype(np.int64)
+    if ids.size and (ids[0] < 1 or ids[-1] > n or not np.all(ids[1:] > ids[:-1])):
+        raise MalformedMessage(f"{what} must name devices of 1..{n} once each, ascending")
+    return ids
+
+
 class _AwaitConsistencyCheck(_Phase):
+    """The device signs its view (itself and its surviving neighbours) once per sum. An honest
+    device signs one view only, so no two views that disagree about a device j can each carry
+    the signatures of t of j's neighbours when 2t > k + corrupt neighbours."""
+
     name = "consistency_check"
     accepts = ConsistencyCheckRequest
 
@@ -380,23 +402,28 @@ class _AwaitConsistencyCheck(_Phase):
         sum_id = client.config.sums[self.position].sum_id
         if message.sum_id != sum_id:
             raise StaleMessage(f"consistency check for {message.sum_id!r}, expected {sum_id!r}")
-        survivors = tuple(message.survivors)
-        if client.index not in survivors or list(survivors) != sorted(set(survivors)):
-            raise MalformedMessage("survivor set must be sorted, unique and include me")
-        surviving_neighbours = len(client.neighbours.intersection(survivors))
+        view = _ascending(tuple(message.survivors), client.config.n, "the survivor set")
+        if client.index not in view or not client.neighbours.issuperset(set(view.tolist()) - {client.index}):
+            raise MalformedMessage("the survivor set must name me and only my neighbours")
+        surviving_neighbours = len(view) - 1
         if surviving_neighbours < client.config.threshold:
             client._refuse(
                 f"the survivor set holds {surviving_neighbours} of my neighbours, below the "
                 f"threshold {client.config.threshold}: refusing to sign it"
             )
-        statement = consistency_message(client.config.ref, sum_id, survivors)
+        signed = tuple(view.tolist())
+        statement = consistency_message(client.config.ref, sum_id, client.index, signed)
         response = ConsistencyCheckResponse(
             client.config.ref, sum_id, client.index, client.identity.sign(statement)
         )
-        return client._move(_AwaitUnmask(client, self.position, survivors), [response])
+        return client._move(_AwaitUnmask(client, self.position, signed), [response])
 
 
 class _AwaitUnmask(_Phase):
+    """Answers once, from one survivor set: the view it signed (with the consistency check) or
+    the one the request names (semi-honest policy only). Either way the request may name only
+    this device's neighbourhood, each device once."""
+
     name = "unmask"
     accepts = UnmaskRequest
 
@@ -411,20 +438,24 @@ class _AwaitUnmask(_Phase):
         sum_id = config.sums[self.position].sum_id
         if message.sum_id != sum_id:
             raise StaleMessage(f"unmask for {message.sum_id!r}, expected {sum_id!r}")
-        survivors = frozenset(message.survivors)
-        if client.index not in survivors:
-            raise MalformedMessage("unmask request does not count me as a survivor")
+        named = _ascending(tuple(message.survivors), config.n, "the unmask survivor set")
         if self.signed is not None:
-            self._check_signatures(message)
+            view = self._check_signatures(message, named)
+        else:
+            view = frozenset(named.tolist())
+            if not client.neighbours.issuperset(view - {client.index}):
+                raise MalformedMessage("the unmask request names devices that are not my neighbours")
+        if client.index not in view:
+            raise MalformedMessage("unmask request does not count me as a survivor")
         secrets = client.secrets[sum_id]
-        surviving_neighbours = survivors & secrets.held.keys()
+        surviving_neighbours = view & secrets.held.keys()
         if len(surviving_neighbours) < config.threshold:
             client._refuse(
                 f"only {len(surviving_neighbours)} of my neighbours survived, "
                 f"below the threshold {config.threshold}: refusing to unmask"
             )
         seed_owners = tuple(sorted(surviving_neighbours))
-        key_owners = tuple(sorted(secrets.held.keys() - survivors))
+        key_owners = tuple(sorted(secrets.held.keys() - view))
         held = secrets.held
         response = UnmaskResponse(
             config.ref, sum_id, client.index,
@@ -435,25 +466,41 @@ class _AwaitUnmask(_Phase):
         phase = _AwaitMaskedInputRequest(client, nxt) if nxt < len(config.sums) else _Done(client)
         return client._move(phase, [response])
 
-    def _check_signatures(self, message: UnmaskRequest) -> None:
+    def _check_signatures(self, message: UnmaskRequest, named: np.ndarray) -> frozenset[int]:
+        """The view this device signed, once t distinct neighbours are shown to have signed
+        views that count it as a survivor (each signer's view is read off the survivors named
+        within two hops of this device).
+
+        Why that is enough (with 2t > k + c, c the corrupt neighbours any device may have, as
+        the parameter finder guarantees): to read device v's input the server needs v's seed
+        (t seed shares from v's neighbours, at least t - c of them honest answerers that counted
+        v as a survivor) and the pairwise mask of v with every neighbour j it masked with (at
+        least t of them). Some honest answerer u of v's seed is one of those j: the two groups
+        lie in v's k neighbours and t - c + t > k. u answered, so t of u's neighbours signed
+        views with u surviving; the mask of v and u needs u's key (t shares from u's neighbours
+        that count u as dropped, each of which, honest, signed that view first) or v's key
+        (t from v's neighbours counting v dropped, beside the t - c that counted it surviving).
+        Either way two groups of t signers within one neighbourhood of k signed disagreeing
+        views, so at least 2t - k > c devices signed both: more than are corrupt."""
         client = self.client
-        if tuple(message.survivors) != self.signed:
-            raise MalformedMessage("unmask survivor set differs from the one I signed")
         config = client.config
-        statement = consistency_message(config.ref, message.sum_id, self.signed)
-        # Distinct signers only, each a surviving neighbour whose enrolled key verifies: one
-        # signature repeated, or signatures of devices outside the set, count once or not at all.
-        eligible = client.neighbours.intersection(self.signed)
+        closed = np.append(config.neighbours(client.index), client.index)
+        view = tuple(named[np.isin(named, closed)].tolist())
+        if view != self.signed:
+            raise MalformedMessage("unmask survivor set differs from the one I signed")
         signers: set[int] = set()
         for j, signature in message.signatures:
             if len(signers) >= config.threshold:
                 break
-            if j in eligible and j not in signers and crypto.verify_signature(
-                config.identity(j), signature, statement
-            ):
+            if type(j) is not int or j not in client.neighbours or j not in self.signed or j in signers:
+                continue
+            theirs = np.append(config.neighbours(j), j)
+            statement = consistency_message(config.ref, message.sum_id, j, named[np.isin(named, theirs)].tolist())
+            if crypto.verify_signature(config.identity(j), signature, statement):
                 signers.add(j)
         if len(signers) < config.threshold:
             raise MalformedMessage(
-                f"only {len(signers)} distinct surviving neighbours signed the survivor set, "
-                f"{config.threshold} required"
+                f"only {len(signers)} distinct surviving neighbours signed views that count me as "
+                f"a survivor, {config.threshold} required"
             )
+        return frozenset(self.signed)

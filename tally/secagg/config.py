@@ -107,6 +107,11 @@ class SessionConfig:
             return table[indices]
         return self.graph.rows(np.asarray(indices, dtype=np.int64) - 1) + 1
 
+    def two_hop_rows(self, indices: np.ndarray) -> np.ndarray:
+        """(len(indices), m): row r holds, ascending, the devices at most two hops from
+        ``indices[r]`` (itself included): all whose neighbourhoods meet its own."""
+        return self.graph.ball_rows(np.asarray(indices, dtype=np.int64) - 1, 2) + 1
+
     def neighbours(self, index: int) -> np.ndarray:
         """1-based indices of the devices holding ``index``'s shares (the graph is 0-based).
 
@@ -141,7 +146,7 @@ class SessionConfig:
         identities: Sequence[bytes] = (),
         k: int | None = None,
         t: int | None = None,
-        consistency_check: bool = False,
+        consistency_check: bool | None = None,
         min_survivors: int | None = None,
         graph_seed: bytes | None = None,
         plain: bool = False,
@@ -150,7 +155,9 @@ class SessionConfig:
 
         Refuses, before any device is contacted, a schema whose sum over ``n`` devices
         could wrap 64 bits, and any (k, t) override that is unsafe or infeasible.
-        ``plain`` is for benchmarks only: see the field's comment.
+        ``plain`` is for benchmarks only: see the field's comment. The consistency check is on
+        unless the session is plain or the caller turns it off (devices with a semi-honest
+        policy only: every other device refuses such a session).
         """
         threat = threat or ThreatModel()
         if k is None and t is None:
@@ -169,7 +176,7 @@ class SessionConfig:
             sums=tuple(sums),
             params=params,
             graph_seed=graph_seed if graph_seed is not None else os.urandom(32),
-            consistency_check=consistency_check,
+            consistency_check=not plain if consistency_check is None else consistency_check,
             min_survivors=min_survivors if min_survivors is not None else max(2, params.t),
             identities=tuple(identities),
             plain=plain,

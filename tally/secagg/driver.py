@@ -197,7 +197,7 @@ def secure_sum(
     dropouts: Mapping[int, Dropout] | None = None,
     rng: np.random.Generator | None = None,
     ref: SessionRef | None = None,
-    consistency_check: bool = False,
+    consistency_check: bool | None = None,
     observe: Callable[[ClientMessage], None] | None = None,
 ) -> tuple[dict[str, dict[str, np.ndarray]], CohortRun]:
     """Encode per-device payloads, run the protocol and decode each sum's total.
@@ -206,6 +206,9 @@ def secure_sum(
     totals (over the devices that survived each sum) and the run, for its timings.
     """
     rng = rng or np.random.default_rng()
+    threat = threat or ThreatModel()
+    if consistency_check is None:
+        consistency_check = threat.malicious_server
     n = len(values)
     if set(values) != set(range(1, n + 1)):
         raise ValueError("devices must be numbered 1..n")
@@ -225,7 +228,7 @@ def secure_sum(
             encoded = schemas[spec.sum_id].encode(per_sum[spec.sum_id], rng)
             inputs[i][spec.sum_id] = to_ring(encoded.vector, spec.bits)
     # The simulated devices assume the job's threat model: the caller chose it for all of them.
-    policy = DevicePolicy(threat=threat) if threat is not None else None
+    policy = DevicePolicy(threat=threat)
     run = run_cohort(config, inputs, dropouts, observe, identities=identities, policy=policy)
     decoded = {
         sum_id: schemas[sum_id].decode_sum(result.total, config.sum_spec(sum_id).bits)

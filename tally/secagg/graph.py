@@ -49,6 +49,16 @@ class HararyGraph:
             return others + (others >= nodes[:, None])
         return np.sort(self._ring[(self._position[nodes, None] + self._offsets[None, :]) % self.n], axis=1)
 
+    def ball_rows(self, nodes: np.ndarray, radius: int) -> np.ndarray:
+        """(len(nodes), m): row r holds, ascending, every node within ``radius`` hops of
+        ``nodes[r]``, itself included (on the ring: the ``radius * k/2`` nearest per side)."""
+        nodes = np.asarray(nodes, dtype=np.int64)
+        reach = radius * (self.k // 2)
+        if self.full or 2 * reach + 1 >= self.n:
+            return np.broadcast_to(np.arange(self.n), (len(nodes), self.n))
+        offsets = np.arange(-reach, reach + 1)
+        return np.sort(self._ring[(self._position[nodes, None] + offsets[None, :]) % self.n], axis=1)
+
     def neighbours(self, i: int) -> np.ndarray:
         """Sorted ids of the k nodes that hold node ``i``'s shares (never ``i`` itself)."""
         if not 0 <= i < self.n:

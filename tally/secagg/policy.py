@@ -4,7 +4,8 @@ The configuration of a session comes from servers the threat model does not trus
 therefore re-checks it against its own minimum threat model before it makes a single key: a
 threshold low enough for corrupt neighbours and a lying server to reach, a cohort below its own
 privacy floor, a roster that does not list its own identity key, or a plain (unmasked) session
-it never opted into are all refused. So is a step whose DP noise is below the device's noise
+it never opted into are all refused, and so is a session without the consistency check unless
+the device's policy says the server is semi-honest. So is a step whose DP noise is below the device's noise
 floor, checked when its broadcast arrives. (A survivor set smaller than t is refused later, phase by
 phase: the device unmasks only with t surviving neighbours.)
 """
@@ -49,6 +50,13 @@ class DevicePolicy:
                     "sessions: refusing to send its input in the clear"
                 )
             return
+        if self.threat is not None and self.threat.malicious_server and not config.consistency_check:
+            raise UnsafeSession(
+                "the session skips the consistency check, which this device requires of a server "
+                "that may be malicious (without it the server can show each device its own "
+                "survivor set and read one device's input); only a semi-honest policy "
+                "(ThreatModel(malicious_server=False)) accepts such a session"
+            )
         if config.n < self.min_cohort:
             raise UnsafeSession(f"cohort of {config.n} is below this device's floor {self.min_cohort}")
         try:

@@ -383,10 +383,11 @@ class _MaskedInputPhase(_SumPhase):
         survivors = tuple(sorted(u3))
         masked = self.masked.total()
         if server.config.consistency_check:
-            out = [Outgoing(i, ConsistencyCheckRequest(ref, sum_id, survivors)) for i in survivors]
-            return server._advance(_ConsistencyPhase(server, u3, self.position, masked), out)
+            check = _ConsistencyPhase(server, u3, self.position, masked)
+            out = [Outgoing(i, ConsistencyCheckRequest(ref, sum_id, check.views[i])) for i in survivors]
+            return server._advance(check, out)
         # A device needs only its own neighbourhood's status: the full list would make every
-        # request O(n) and the session O(n^2) bytes. (ConsistencyCheck signs the full list.)
+        # request O(n) and the session O(n^2) bytes.
         unmask = _UnmaskPhase(server, u3, self.position, masked, u3)
         out = [Outgoing(i, UnmaskRequest(ref, sum_id, unmask.status(i))) for i in survivors]
         return server._advance(unmask, out)
@@ -409,32 +410,60 @@ class _PlainSumPhase(_MaskedInputPhase):
 
 
 class _ConsistencyPhase(_SumPhase):
+    """Each survivor signs its view (the survivors among itself and its neighbours); each signer
+    then gets the survivors within two hops and its neighbours' signatures, all it needs to check
+    that t of them signed views that count it as a survivor. Messages stay O(k), not O(n)."""
+
     name = "consistency_check"
     message_type = ConsistencyCheckResponse
 
     def __init__(self, server, expected, position, masked: np.ndarray) -> None:
         super().__init__(server, expected, position)
         self.masked = masked
-        self.statement = consistency_message(server.config.ref, self.sum_id, sorted(expected))
+        self._is_survivor = _indicator(server.config.n, expected)
+        self.views = _views(server.config, sorted(expected), self._is_survivor)
 
     def validate(self, message: ConsistencyCheckResponse) -> None:
-        public = self.server.config.identity(message.sender)
-        if not crypto.verify_signature(public, message.signature, self.statement):
+        config = self.server.config
+        statement = consistency_message(config.ref, self.sum_id, message.sender, self.views[message.sender])
+        if not crypto.verify_signature(config.identity(message.sender), message.signature, statement):
             raise MalformedMessage(f"device {message.sender}: invalid survivor-set signature")
 
     def close(self) -> list[Outgoing]:
         server = self.server
+        config = server.config
         u4 = frozenset(self.received)
         refused = server._require(u4, f"{self.name}[{self.sum_id}]", self.expected)
         if refused is not None:
             return refused
-        survivors = tuple(sorted(self.expected))
-        signatures = tuple((i, self.received[i].signature) for i in sorted(u4))
-        request = UnmaskRequest(server.config.ref, self.sum_id, survivors, signatures)
-        out = [Outgoing(i, request) for i in sorted(u4)]
+        signers = sorted(u4)
+        me = np.asarray(signers, dtype=np.int64)
+        signed = _indicator(config.n, u4)
+        balls = config.two_hop_rows(me)
+        neighbours = config.neighbour_rows(me)
+        out = []
+        for r, i in enumerate(signers):
+            ball = balls[r]
+            near = neighbours[r]
+            request = UnmaskRequest(
+                config.ref, self.sum_id, tuple(ball[self._is_survivor[ball]].tolist()),
+                tuple((j, self.received[j].signature) for j in near[signed[near]].tolist()),
+            )
+            out.append(Outgoing(i, request))
         return server._advance(
             _UnmaskPhase(server, u4, self.position, self.masked, self.expected), out
         )
+
+
+def _views(config: SessionConfig, devices: list[int], is_survivor: np.ndarray) -> dict[int, tuple[int, ...]]:
+    """Each device's view: the survivors among itself and its neighbours, ascending."""
+    if not devices:
+        return {}
+    me = np.asarray(devices, dtype=np.int64)
+    block = np.concatenate([config.neighbour_rows(me), me[:, None]], axis=1)
+    block.sort(axis=1)
+    alive = is_survivor[block]
+    return {i: tuple(row[keep].tolist()) for i, row, keep in zip(devices, block, alive)}
 
 
 class _UnmaskPhase(_SumPhase):

@@ -58,10 +58,13 @@ class SeedCommitments:
         return h.digest()
 
 
-def consistency_message(ref: SessionRef, sum_id: str, survivors: Iterable[int]) -> bytes:
-    """What a device signs in ConsistencyCheck: this session's sum and its survivor set."""
-    digest = hashlib.sha256(",".join(str(int(i)) for i in survivors).encode()).digest()
-    return b"tally/consistency|" + ref.context(sum_id) + b"|" + digest
+def consistency_message(ref: SessionRef, sum_id: str, signer: int, view: Iterable[int]) -> bytes:
+    """What device ``signer`` signs in ConsistencyCheck: this session's sum and its view, the
+    survivors among itself and its neighbours. Views are local (O(k) per device, not O(n)): what
+    makes a split view useless is that every device's status is signed by t of its own
+    neighbours, each of which signs one view (see ``tally.secagg.client``)."""
+    digest = hashlib.sha256(",".join(str(int(i)) for i in view).encode()).digest()
+    return b"tally/consistency|" + ref.context(sum_id) + b"|%d|" % int(signer) + digest
 
 
 def payload_bytes(message: object) -> int:
