@@ -21,6 +21,7 @@ then aborts, as a caught attacker's would.
 from __future__ import annotations
 
 import dataclasses
+import threading
 
 import numpy as np
 from scipy.sparse import csr_matrix
@@ -43,10 +44,14 @@ from tally.secagg.messages import (
 @dataclasses.dataclass
 class Attempt:
     victim: int
+    ref: object = None
     masked_with: tuple[int, ...] = ()
     recovered: np.ndarray | None = None
     why_not: str = ""
     answers: int = 0
+    # Set once the attacker has tried: the aggregator does so on its own thread, when the last
+    # device answers or goes, which may be after the fleet has stopped.
+    done: threading.Event = dataclasses.field(default_factory=threading.Event)
 
 
 class SplitViewServer(SecAggServer):
@@ -58,7 +63,7 @@ class SplitViewServer(SecAggServer):
     def __init__(self, config: SessionConfig, victim: int = 1, attempts: list[Attempt] | None = None) -> None:
         super().__init__(config)
         self.victim = victim
-        self.attempt = Attempt(victim)
+        self.attempt = Attempt(victim, config.ref)
         (self.attempts if attempts is None else attempts).append(self.attempt)
         self._advertised: dict[int, AdvertiseKeys] = {}
         self._masked: dict[str, bytes] = {}
@@ -146,7 +151,10 @@ class SplitViewServer(SecAggServer):
             self._attacking = "unmask"
             self._pending = set(self._signatures)
             return [Outgoing(i, self._signed_request(i)) for i in sorted(self._signatures)]
-        self._recover()
+        try:
+            self._recover()
+        finally:
+            self.attempt.done.set()
         self._attacking = None
         return self._abort("split-view attacker gave up", self._views)
 

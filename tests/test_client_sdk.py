@@ -175,6 +175,7 @@ def make_plan(
         params=GraphParams(n, n - 1, t or max(2, n - 2)),
         graph_seed=b"\x05" * 32,
         min_survivors=min_survivors,
+        consistency_check=True,
         identities=roster_keys or roster(n),
     )
     steps = []
@@ -507,7 +508,7 @@ def test_cohort_sum_is_exact_through_chunked_resumed_download(tmp_path):
     assert ModelCache(tmp_path / "cache").get(plan.digest) == plan.blob
 
 
-@pytest.mark.parametrize("phase", ["advertise_keys", "share_keys", "masked_input", "unmask"])
+@pytest.mark.parametrize("phase", ["advertise_keys", "share_keys", "masked_input", "consistency_check", "unmask"])
 def test_planned_dropout_leaves_in_its_phase_and_the_others_sum_is_exact(phase):
     plan = fedavg_plan(5, t=3, min_survivors=3)
     trainers = {i: ShiftTrainer(0.02 * i - 0.05, examples=5 + i) for i in range(1, 6)}
@@ -521,12 +522,13 @@ def test_planned_dropout_leaves_in_its_phase_and_the_others_sum_is_exact(phase):
         "advertise_keys": set(),
         "share_keys": {"AdvertiseKeys"},
         "masked_input": {"AdvertiseKeys", "ShareKeysResponse"},
-        "unmask": {"AdvertiseKeys", "ShareKeysResponse", "MaskedInputResponse"},
+        "consistency_check": {"AdvertiseKeys", "ShareKeysResponse", "MaskedInputResponse"},
+        "unmask": {"AdvertiseKeys", "ShareKeysResponse", "MaskedInputResponse", "ConsistencyCheckResponse"},
     }[phase]
     assert sent_by_2 == expected_sent
     result = aggregator.server.results["update"]
     # Leaving at unmask is after the masked input was counted: the device is in the sum.
-    contributors = {1, 2, 3, 4, 5} if phase == "unmask" else {1, 3, 4, 5}
+    contributors = {1, 2, 3, 4, 5} if phase in ("consistency_check", "unmask") else {1, 3, 4, 5}
     assert set(result.contributors) == contributors
     if phase in ("masked_input",):
         assert result.dropped == (2,)

@@ -1,0 +1,82 @@
+"""The survivor-split attack (third security review, finding 1) over the real services: the
+aggregator service runs ``SplitViewServer`` in place of the honest engine, against a fleet of
+SDK devices over mutual TLS. Under the default job (consistency check on) it reads nothing;
+against devices that declare the server semi-honest it reads the victim's exact input, which
+shows the attacker is real."""
+
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+import pytest
+
+from aggregator import session as aggregator_session
+from client_sdk.fleet import device_ids
+from client_sdk.synthetic import SyntheticUpdates
+from secagg_split_view import Attempt, SplitViewServer
+from tally.secagg import DevicePolicy, SecAggClient, ThreatModel
+from test_full_stack import run, stack
+
+DEADLINES = "{checkin: 20, download: 10, advertise_keys: 8, share_keys: 8, masked_input: 8, consistency_check: 8, unmask: 8}"
+
+
+def _job(n: int, secure: str) -> str:
+    # One cohort of n (min_cohort n), so n = 100 is one session on a sparse Harary graph.
+    return (f"name: split-{n}\nalgorithm: fedavg\nrounds: 1\ncohort_size: {n}\nover_selection: 1.0\n"
+            f"min_cohort: {n}\nretries: 1\nmodel: {{inputs: 8, classes: 2, hidden: 4, seed: 0}}\n"
+            f"secure: {secure}\ndeadlines: {DEADLINES}\n")
+
+
+def _attack(tmp_path, monkeypatch, n: int, secure: str, policy: DevicePolicy | None):
+    """Run one task per device of a job under attack; the attempts and every input device 1 of
+    a session provided (by session)."""
+    attempts: list[Attempt] = []
+    monkeypatch.setattr(aggregator_session, "SecAggServer", lambda config: SplitViewServer(config, 1, attempts))
+    inputs: dict[object, np.ndarray] = {}
+    provide = SecAggClient.provide_input
+
+    def record(self, sum_id, vector):
+        if self.index == 1 and sum_id == self.config.sums[0].sum_id:
+            inputs[self.config.ref] = np.array(vector, copy=True)
+        return provide(self, sum_id, vector)
+
+    monkeypatch.setattr(SecAggClient, "provide_input", record)
+
+    async def main():
+        async with stack(tmp_path, tls=True) as s:
+            job_id = await s.submit(_job(n, secure))
+            options = {} if policy is None else {"device_policy": policy}
+            fleet = s.fleet([SyntheticUpdates(i, 1) for i in device_ids("sim", n)], seed=1, **options)
+            try:
+                await fleet.run(max_tasks_per_device=1)
+            finally:
+                fleet.close()
+            for attempt in attempts:
+                assert await asyncio.to_thread(attempt.done.wait, 60), "the attacker never finished"
+            return await s.job(job_id)
+
+    job = run(main())
+    return job, attempts, inputs
+
+
+@pytest.mark.parametrize("n", [20, 100])
+def test_a_split_view_aggregator_reads_nothing_under_the_default_job(tmp_path, monkeypatch, n):
+    job, attempts, inputs = _attack(tmp_path, monkeypatch, n, "{dropout_rate: 0.1, corrupt_rate: 0.05}", None)
+    assert attempts, "the attacker never ran"
+    assert all(len(a.masked_with) >= 2 for a in attempts)  # the victim masked with t partners only
+    assert [a.recovered for a in attempts] == [None] * len(attempts), [a.why_not for a in attempts]
+    assert all("shares" in a.why_not for a in attempts)
+    assert job.committed_round == 0
+
+
+@pytest.mark.parametrize("n", [20, 100])
+def test_a_split_view_aggregator_reads_a_semi_honest_devices_input(tmp_path, monkeypatch, n):
+    """The control: the same attacker against devices that skip the check (a job and a device
+    policy that both say the server is semi-honest) gets device 1's exact input."""
+    secure = "{dropout_rate: 0.1, corrupt_rate: 0.05, malicious_server: false, consistency_check: false}"
+    policy = DevicePolicy(threat=ThreatModel(dropout_rate=0.1, malicious_server=False))
+    _, attempts, inputs = _attack(tmp_path, monkeypatch, n, secure, policy)
+    read = [a for a in attempts if a.recovered is not None]
+    assert read, [a.why_not for a in attempts]
+    assert all(np.array_equal(a.recovered, inputs[a.ref]) for a in read)
