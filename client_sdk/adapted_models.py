@@ -21,6 +21,7 @@ from client_sdk.metrics import ClientMetrics
 from tally import logs
 from tally.adaptation_options import JobAdaptation
 from tally.security.certs import write_file_atomic
+from tally.security.files import private_dir
 
 log = logging.getLogger("tally.client_sdk.adapted_models")
 PENDING, MODEL, RECORD = ".adaptation-pending", ".adapted.onnx", ".who-gains.json"
@@ -36,7 +37,7 @@ class AdaptedModels:
         self._memory: dict[str, bytes] = {}
         self._owed: dict[str, JobAdaptation] = {}
         if self.directory is not None:
-            self.directory.mkdir(parents=True, exist_ok=True)
+            private_dir(self.directory)
             for path in self.directory.glob("*" + PENDING):
                 self._load_owed(unquote(path.name.removesuffix(PENDING)), path.read_bytes())
 

@@ -37,7 +37,7 @@ from client_sdk.enrolment import register_request
 from client_sdk.local_state import LocalStateStore
 from client_sdk.metrics import ClientMetrics
 from client_sdk.onnx_model import OnnxModel
-from client_sdk.reports import InputLedger, Outcome, TaskReports
+from client_sdk.reports import LEDGER_FILE, InputLedger, Outcome, TaskReports
 from client_sdk.retry import RETRYABLE, RetryPolicy, Stopped, pause
 from client_sdk.session import ABORTED, COMPLETED, DROPPED, SecAggSession, SessionEvents
 from client_sdk.trust import check_assignment
@@ -47,6 +47,7 @@ from tally.algorithms.base import Arrays, LocalTrainer
 from tally.secagg import DevicePolicy, SigningKey
 from tally.secagg.messages import ClientMessage
 from tally.security import TLSConfig, bearer_metadata
+from tally.security.files import private_dir
 from tally.version import VERSION as SDK_VERSION
 from tally.wire.convert import WireError, tensors_to_proto
 from tally.wire.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc
@@ -153,7 +154,9 @@ class Device:
         self._adapted = AdaptedModels(state_dir, self.metrics)
         self._adaptation_polled: dict[str, float] = {}
         self._reports = TaskReports()
-        self._inputs = InputLedger()
+        # Which round of each job this device sent an input in: on disk with a state directory,
+        # written before the input leaves, so a restart cannot make it send a second one.
+        self._inputs = InputLedger(private_dir(state_dir) / LEDGER_FILE if state_dir is not None else None)
         self._token: str | None = None
         self._token_renew_at = 0.0
         self._register_lock = asyncio.Lock()
@@ -257,7 +260,10 @@ class Device:
                 self._cache.put(digest, blob)
         finally:
             await self._release_channels()
-        from client_sdk.adaptation import adapt_for_job, trainer_data  # torch: only a device that adapts
+        from client_sdk.adaptation import (  # torch: only a device that adapts
+            adapt_for_job,
+            trainer_data,
+        )
 
         def work():
             module, features, labels = trainer_data(self.trainer)
@@ -341,6 +347,7 @@ class Device:
             self._computed(contribution), self.metrics, drop_phase,
             identity=self.identity, policy=self.policy, traits=self.traits, events=events,
             replay=self._last_opening,
+            on_input=lambda: self._inputs.sent(task.job_id, task.round),
         )
         try:
             outcome = await session.run()
@@ -366,8 +373,6 @@ class Device:
             # Local state advances only when this device's input is in the round's sums.
             self._local[task.job_id] = contribution.local_state
             stats.contributed.append((task.job_id, task.round))
-        if outcome.sent_input:
-            self._inputs.sent(task.job_id, task.round)
         self._reports.add(task, _REPORTED[outcome.status], outcome.label, outcome.reason,
                           sent_input=outcome.sent_input)
 

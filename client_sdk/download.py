@@ -22,6 +22,7 @@ import grpc
 
 from client_sdk.retry import RETRYABLE, RetryPolicy, pause
 from tally import logs
+from tally.security.files import private_dir
 from tally.wire.v1 import coordinator_pb2, coordinator_pb2_grpc
 
 log = logging.getLogger("tally.client_sdk.download")
@@ -49,7 +50,7 @@ class ModelCache:
         self.max_entries = max_entries
         self._memory: OrderedDict[str, bytes] = OrderedDict()
         if self.directory is not None:
-            self.directory.mkdir(parents=True, exist_ok=True)
+            private_dir(self.directory)
 
     def get(self, digest: str) -> bytes | None:
         data = self._memory.get(digest)

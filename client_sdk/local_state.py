@@ -22,6 +22,7 @@ from urllib.parse import quote
 import numpy as np
 
 from tally import logs, modelio
+from tally.security.files import private_dir
 
 log = logging.getLogger("tally.client_sdk.local_state")
 SUFFIX = ".local-state"
@@ -37,7 +38,7 @@ class LocalStateStore:
         self.directory = Path(directory) if directory is not None else None
         self._memory: dict[str, Any] = {}
         if self.directory is not None:
-            self.directory.mkdir(parents=True, exist_ok=True)
+            private_dir(self.directory)
 
     def path(self, job_id: str) -> Path:
         assert self.directory is not None

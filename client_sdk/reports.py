@@ -14,14 +14,18 @@ wasting seats on devices that will refuse.
 
 from __future__ import annotations
 
+import json
 from collections import deque
+from pathlib import Path
 
+from tally.security.files import write_new
 from tally.wire.task_reports import MAX_REPORTS, REASONS
 from tally.wire.v1 import coordinator_pb2
 
 Outcome = coordinator_pb2.TaskReport.Outcome
 
 DETAIL_CHARS = 500
+LEDGER_FILE = "input-ledger.json"  # in the device's state directory
 
 
 class TaskReports:
@@ -59,13 +63,39 @@ class TaskReports:
 
 
 class InputLedger:
-    """The latest round of each job in which this device sent a masked input."""
+    """The latest round of each job in which this device sent a masked input.
 
-    def __init__(self) -> None:
+    With a ``path`` the ledger is a file, written (and fsynced) before the masked input leaves the
+    device: a device that crashes or restarts mid-round still knows it sent one, so "at most one
+    input per device and round" holds across restarts. Without a path it lives in memory only (a
+    device without a state directory keeps nothing across restarts anyway). A ledger file that
+    does not parse is refused rather than treated as empty: forgetting would reopen the hole."""
+
+    def __init__(self, path: Path | None = None) -> None:
+        self.path = path
         self._rounds: dict[str, int] = {}
+        if path is not None and path.exists():
+            self._rounds = _read_ledger(path)
 
     def sent(self, job_id: str, round_: int) -> None:
-        self._rounds[job_id] = max(round_, self._rounds.get(job_id, round_))
+        latest = max(round_, self._rounds.get(job_id, round_))
+        if self._rounds.get(job_id) == latest:
+            return
+        rounds = {**self._rounds, job_id: latest}
+        if self.path is not None:
+            write_new(self.path, json.dumps(rounds, sort_keys=True).encode(), 0o600, replace=True)
+        self._rounds = rounds
 
     def already_sent(self, job_id: str, round_: int) -> bool:
         return self._rounds.get(job_id) == round_
+
+
+def _read_ledger(path: Path) -> dict[str, int]:
+    try:
+        rounds = json.loads(path.read_bytes())
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"input ledger {path} is unreadable ({exc}): refusing to start without it") from None
+    if not isinstance(rounds, dict) or not all(
+            isinstance(k, str) and type(v) is int for k, v in rounds.items()):
+        raise ValueError(f"input ledger {path} is not a mapping of job ids to rounds")
+    return rounds

@@ -27,7 +27,13 @@ from client_sdk.metrics import ClientMetrics
 from tally import logs
 from tally.algorithms.base import ModelMismatch
 from tally.privacy.payload import NoiseBelowFloor
-from tally.secagg import DevicePolicy, ProtocolError, SecAggClient, SessionConfig, SigningKey
+from tally.secagg import (
+    DevicePolicy,
+    ProtocolError,
+    SecAggClient,
+    SessionConfig,
+    SigningKey,
+)
 from tally.secagg.messages import (
     Abort,
     ClientMessage,
@@ -186,10 +192,12 @@ class SecAggSession:
         traits: Shaping | None = None,
         events: SessionEvents | None = None,
         replay: ClientMessage | None = None,
+        on_input: Callable[[], None] | None = None,
     ) -> None:
         """``traits`` delays each message as the device's network would; ``events`` and
         ``replay`` (the opening message of its previous session) make a simulated device
-        misbehave."""
+        misbehave. ``on_input`` runs (in a thread) before the first masked input is written:
+        the device's ledger records it durably first, and if that fails nothing is sent."""
         self.task = task
         self.config = config
         self.identity = identity
@@ -205,6 +213,7 @@ class SecAggSession:
         self._up = 0
         self._down = 0
         self._sent_input = False
+        self._on_input = on_input
         # The protocol phase the session is in, and when the aggregator asked for it while the
         # device's answer is not sent yet (tally_client_phase_duration_seconds).
         self._phase = "join"
@@ -338,6 +347,8 @@ class SecAggSession:
 
     async def _send(self, message: ClientMessage | secagg_pb2.Join) -> None:
         if isinstance(message, MaskedInputResponse):
+            if not self._sent_input and self._on_input is not None:
+                await asyncio.to_thread(self._on_input)
             self._sent_input = True  # before the write: once it may have left, it counts as sent
         opening = self.opening is None and not isinstance(message, secagg_pb2.Join) and message is not self._replay
         if opening:

@@ -20,6 +20,7 @@ import json
 import logging
 import os
 import socket
+import stat
 import subprocess
 import sys
 import threading
@@ -41,7 +42,10 @@ from rich.console import Console
 from client_sdk import ClientMetrics, Device, DropoutPlan, Fleet, ModelCache, OnnxModel, RetryPolicy
 from client_sdk import cli as client_cli
 from client_sdk.channels import open_aio_channel
-from client_sdk.enrolment import simulated_identity
+from client_sdk.adapted_models import AdaptedModels
+from client_sdk.enrolment import load_or_create_identity, simulated_identity
+from client_sdk.local_state import LocalStateStore
+from client_sdk.reports import LEDGER_FILE, InputLedger
 from client_sdk.session import settle, stream_timeout
 from tally import algorithms, data, modelio
 from tally.codec import Field, Kind, PayloadSchema, ring_mask, to_ring
@@ -66,6 +70,7 @@ from tally.security import (
     config_digest,
     token_from_metadata,
 )
+from tally.security.files import private_dir
 from tally.security.tls import TLSConfig
 from tally.training import TorchTrainer, get_params, mlp
 from tally.wire.convert import (
@@ -588,6 +593,83 @@ def test_a_device_sends_one_input_per_round_whatever_it_is_asked_and_reports_eve
     assert first == ("DROPPED", "dropped", False, 3)
     assert second == ("ABORTED", "session_aborted", False, 3)  # it took the task; no input left
     assert all(r.task_id == f"task-{d[-1]}" for d, rs in coordinator.reports.items() for r in rs)
+
+
+def test_a_restarted_device_still_sends_one_input_per_round(tmp_path):
+    """Third security review, finding 6: the ledger is written to the state directory before the
+    input leaves, so a device restarted after the round (a new process: a new ``Device`` on the
+    same state directory) refuses a second task of it. Without a state directory nothing can
+    survive, and a fresh device takes the task."""
+    plan = fedavg_plan(3, t=2, min_survivors=3)
+    trainers = {i: ShiftTrainer(0.01 * i, examples=5) for i in range(1, 4)}
+    aggregator = FakeAggregator(plan)
+    coordinator = FakeCoordinator(plan, {f"dev-{i}": i for i in trainers}, reassign="127.0.0.1:1")
+
+    async def scenario():
+        server, port = await serve(coordinator, aggregator)
+        coordinator.aggregator = f"127.0.0.1:{port}"
+
+        def fleet(with_state: bool):
+            return {i: device(f"127.0.0.1:{port}", f"dev-{i}", t, seed=100 + i, identity=identities(3)[i],
+                              policy=LAX, state_dir=tmp_path / f"dev-{i}" if with_state or i != 3 else None)
+                    for i, t in trainers.items()}
+
+        try:
+            first = await asyncio.gather(*(d.run(max_tasks=1) for d in fleet(with_state=True).values()))
+            await asyncio.wait_for(aggregator.done.wait(), TIMEOUT)
+            # Restarted: new objects; dev-3 had no state directory. The second task's report rides
+            # on the check-in after it, hence two tasks.
+            restarted = fleet(with_state=False)
+            await asyncio.gather(*(d.run(max_tasks=2) for d in restarted.values()))
+            return first
+        finally:
+            await server.stop(None)
+
+    first = run(scenario())
+    assert all(s.sessions_completed == 1 for s in first)
+    TR = coordinator_pb2.TaskReport
+    # The first tasks ended with their fleet (no check-in after them): the reports are the second.
+    second = {d: (TR.Outcome.Name(rs[0].outcome), rs[0].reason) for d, rs in coordinator.reports.items()}
+    assert second["dev-1"] == second["dev-2"] == ("REFUSED", "already_sent_input")
+    assert second["dev-3"] != ("REFUSED", "already_sent_input")  # nothing remembered it
+    ledger = json.loads((tmp_path / "dev-1" / LEDGER_FILE).read_text())
+    assert ledger == {JOB: 3}
+
+
+def test_the_input_ledger_is_durable_and_refuses_to_forget(tmp_path):
+    path = tmp_path / LEDGER_FILE
+    ledger = InputLedger(path)
+    ledger.sent("job-a", 4)
+    ledger.sent("job-a", 2)  # an older round never moves it back
+    ledger.sent("job-b", 1)
+    again = InputLedger(path)
+    assert again.already_sent("job-a", 4) and again.already_sent("job-b", 1)
+    assert not again.already_sent("job-a", 2) and not again.already_sent("job-c", 4)
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600
+    path.write_text("{not json")
+    with pytest.raises(ValueError, match="input ledger .* is unreadable"):
+        InputLedger(path)
+    path.write_text('{"job-a": "4"}')
+    with pytest.raises(ValueError, match="not a mapping of job ids to rounds"):
+        InputLedger(path)
+
+
+def test_directories_the_sdk_creates_are_private_whatever_the_umask(tmp_path):
+    """Third security review, finding 8: state, cache and identity directories are 0700 even
+    under umask 000 (parents the SDK creates too)."""
+    old = os.umask(0)
+    try:
+        LocalStateStore(tmp_path / "state" / "dev-1")
+        ModelCache(tmp_path / "cache" / "models")
+        AdaptedModels(tmp_path / "adapted" / "dev-1", ClientMetrics())
+        load_or_create_identity(tmp_path / "keys" / "dev-1.identity")
+        InputLedger(private_dir(tmp_path / "ledger" / "dev-1") / LEDGER_FILE).sent("j", 1)
+    finally:
+        os.umask(old)
+    made = [tmp_path / d for d in ("state", "state/dev-1", "cache", "cache/models", "adapted", "adapted/dev-1",
+                                    "keys", "ledger", "ledger/dev-1")]
+    assert {str(d.relative_to(tmp_path)): oct(stat.S_IMODE(d.stat().st_mode)) for d in made} == {
+        str(d.relative_to(tmp_path)): "0o700" for d in made}
 
 
 class TwoStepConfig:

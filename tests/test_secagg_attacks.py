@@ -14,7 +14,6 @@ from collections.abc import Callable
 
 import numpy as np
 import pytest
-
 from secagg_helpers import (
     LAX,
     identities,
@@ -26,6 +25,7 @@ from secagg_helpers import (
     with_shares,
 )
 from secagg_split_view import SplitViewServer
+
 from tally.codec import Field, Kind, PayloadSchema, ring_mask, to_ring
 from tally.secagg import (
     DevicePolicy,
@@ -38,9 +38,9 @@ from tally.secagg import (
     SigningKey,
     ThreatModel,
     UnsafeSession,
+    crypto,
     shamir,
 )
-from tally.secagg import crypto
 from tally.secagg.messages import (
     AdvertiseKeys,
     MaskedInputResponse,

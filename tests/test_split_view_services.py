@@ -10,13 +10,13 @@ import asyncio
 
 import numpy as np
 import pytest
+from secagg_split_view import Attempt, SplitViewServer
+from test_full_stack import run, stack
 
 from aggregator import session as aggregator_session
 from client_sdk.fleet import device_ids
 from client_sdk.synthetic import SyntheticUpdates
-from secagg_split_view import Attempt, SplitViewServer
 from tally.secagg import DevicePolicy, SecAggClient, ThreatModel
-from test_full_stack import run, stack
 
 DEADLINES = "{checkin: 20, download: 10, advertise_keys: 8, share_keys: 8, masked_input: 8, consistency_check: 8, unmask: 8}"
 

@@ -31,7 +31,6 @@ from tally.secagg.errors import (
     StaleMessage,
 )
 from tally.secagg.messages import (
-    NeighbourKeys,
     Abort,
     AdvertiseKeys,
     ClientMessage,
@@ -40,6 +39,7 @@ from tally.secagg.messages import (
     EncryptedShare,
     MaskedInputRequest,
     MaskedInputResponse,
+    NeighbourKeys,
     ServerMessage,
     ShareDelivery,
     ShareKeysRequest,

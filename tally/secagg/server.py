@@ -46,7 +46,6 @@ from tally.secagg.messages import (
     ShareKeysRequest,
     ShareKeysResponse,
     SumResult,
-    SumSpec,
     UnmaskRequest,
     UnmaskResponse,
 )

@@ -45,6 +45,7 @@ from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import ed25519
 
 from tally.security.errors import AuthError
+from tally.security.files import private_dir, write_new
 
 # -- device tokens -------------------------------------------------------------------------------
 
@@ -402,7 +403,7 @@ def load_or_create_ticket_key(directory: str | os.PathLike[str]) -> ed25519.Ed25
     )
     pub_path = d / TICKET_PUB_FILE
     if not pub_path.exists() or pub_path.read_bytes() != pub:
-        _write_new(pub_path, pub, 0o644, replace=True)
+        write_new(pub_path, pub, 0o644, replace=True)
     return key
 
 
@@ -420,31 +421,12 @@ def load_ticket_public_key(path: str | os.PathLike[str]) -> ed25519.Ed25519Publi
 def _load_or_create(path: Path, make) -> bytes:
     if path.exists():
         return path.read_bytes()
-    path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+    private_dir(path.parent)
     try:
-        _write_new(path, make(), 0o600, replace=False)
+        write_new(path, make(), 0o600, replace=False)
     except FileExistsError:  # another process won the race: use its file
         pass
     return path.read_bytes()
-
-
-def _write_new(path: Path, data: bytes, mode: int, *, replace: bool) -> None:
-    """Write through a temp file with ``mode`` set first; link it into place atomically, failing
-    with ``FileExistsError`` if ``path`` appeared meanwhile (unless ``replace``)."""
-    tmp = path.with_name(f".{path.name}.{secrets.token_hex(6)}.tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, mode)
-    try:
-        os.fchmod(fd, mode)
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        if replace:
-            os.replace(tmp, path)
-        else:
-            os.link(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
 
 
 # -- helpers -------------------------------------------------------------------------------------
