@@ -27,6 +27,7 @@ from tally.metrics import MetricsServer, watch_certificate
 from tally.security import TicketVerifier, TLSConfig, bind
 from tally.security.tls import server_options
 from tally.security.certs import COORDINATOR_CN
+from tally.wire.undecodable import RefuseUndecodable
 from tally.wire.v1 import aggregator_pb2, aggregator_pb2_grpc
 
 from aggregator.control import ControlServicer
@@ -151,7 +152,7 @@ class AggregatorService:
         return self._port
 
     def _build(self, services: tuple[str, ...], options: list[tuple[str, int]]) -> grpc.aio.Server:
-        server = grpc.aio.server(options=options)
+        server = grpc.aio.server(options=options, interceptors=(RefuseUndecodable(),))
         if CONTROL_SERVICE in services:
             aggregator_pb2_grpc.add_AggregatorControlServicer_to_server(
                 ControlServicer(self.id, self._verifier, self._registry, self.metrics, self._clock,

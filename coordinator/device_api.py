@@ -10,6 +10,7 @@ per source address.
 from __future__ import annotations
 
 import asyncio
+import math
 import re
 from collections.abc import AsyncIterator, Callable
 
@@ -266,4 +267,7 @@ def _malformed_registration(request: coordinator_pb2.RegisterRequest) -> str | N
         return f"RegisterRequest.identity_public: exactly {PUBLIC_KEY_BYTES} bytes"
     if len(request.signature) != SIGNATURE_BYTES:
         return f"RegisterRequest.signature: exactly {SIGNATURE_BYTES} bytes"
+    if not math.isfinite(request.timestamp):
+        # NaN compares false with everything: it would pass the freshness window.
+        return f"RegisterRequest.timestamp: a finite number of seconds, got {request.timestamp}"
     return None

@@ -38,6 +38,7 @@ from tally.security import (
 )
 from tally.security.enrolment import EnrolmentVerifier, SharedKeyEnrolment, load_or_create_enrolment_key
 from tally.security.tls import server_options
+from tally.wire.undecodable import RefuseUndecodable
 from tally.wire.v1 import admin_pb2, admin_pb2_grpc, coordinator_pb2, coordinator_pb2_grpc
 
 log = logging.getLogger("tally.coordinator")
@@ -145,7 +146,8 @@ class CoordinatorService:
                       lambda: sum(len(runner.sessions) for runner in list(engine.runners.values())))
 
         server = grpc.aio.server(
-            options=server_options(self.max_message_bytes, self.max_request_bytes))
+            options=server_options(self.max_message_bytes, self.max_request_bytes),
+            interceptors=(RefuseUndecodable(),))
         if self.enrolment is None:
             self.enrolment_key = load_or_create_enrolment_key(self.secrets_dir)
         enrolment = self.enrolment or SharedKeyEnrolment(self.enrolment_key)
