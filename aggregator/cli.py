@@ -10,13 +10,15 @@ from pathlib import Path
 
 from cryptography.hazmat.primitives.asymmetric import ed25519
 
-from tally import logs
+from tally import argtypes, logs
 from tally.metrics import add_metrics_arguments
 from tally.security import TLSConfig, load_ticket_public_key
 from tally.security.certs import COORDINATOR_CN
 from tally.security.tls import DEFAULT_MAX_MESSAGE_BYTES, add_tls_arguments, tls_config_from_args
 from tally.security.tokens import TICKET_PUB_FILE
 
+from aggregator.gate import StreamLimits
+from aggregator.memory import limit_malloc_arenas
 from aggregator.service import DEFAULT_MAX_REQUEST_BYTES, AggregatorService
 
 
@@ -55,6 +57,14 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-request-bytes", type=int, default=DEFAULT_MAX_REQUEST_BYTES,
                    help="largest gRPC message received, before the sender is authenticated; "
                         "raise it only for cohorts above ~40,000 devices (default: %(default)s)")
+    limits = StreamLimits()
+    p.add_argument("--join-timeout", type=argtypes.POSITIVE, default=limits.join_timeout_s, metavar="SECONDS",
+                   help="close a device stream that has not sent its Join within this long (default: %(default)s)")
+    p.add_argument("--max-unjoined-per-source", type=argtypes.integer(1), default=limits.per_source, metavar="N",
+                   help="device streams one address may hold open before they join a session; a fleet "
+                        "shard's largest cohort must fit (default: %(default)s)")
+    p.add_argument("--max-unjoined", type=argtypes.integer(1), default=limits.total, metavar="N",
+                   help="device streams the aggregator holds open before they join (default: %(default)s)")
     p.add_argument("--result-ttl", type=float, default=600.0, metavar="SECONDS",
                    help="drop a finished session's sums after this long if nobody closes it "
                         "(default: %(default)s)")
@@ -65,6 +75,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    limit_malloc_arenas()
     logs.configure(args.log_level)
     key_path = args.ticket_public_key or (args.tls_dir / TICKET_PUB_FILE if args.tls_dir else None)
     if key_path is None:
@@ -93,6 +104,7 @@ async def _serve(
         result_ttl_s=args.result_ttl,
         controller=args.controller_cn,
         control_listen=args.control_listen,
+        stream_limits=StreamLimits(args.join_timeout, args.max_unjoined_per_source, args.max_unjoined),
     )
     try:
         await service.start()

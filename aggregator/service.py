@@ -31,6 +31,7 @@ from tally.wire.undecodable import RefuseUndecodable
 from tally.wire.v1 import aggregator_pb2, aggregator_pb2_grpc
 
 from aggregator.control import ControlServicer
+from aggregator.gate import StreamLimits
 from aggregator.metrics import AggregatorMetrics
 from aggregator.registry import SessionRegistry
 from aggregator.stream import SERVICE as DEVICE_SERVICE
@@ -53,7 +54,8 @@ class AggregatorService:
     (behind a Service or NAT). ``controller``: the certificate CN the control API admits when
     ``tls`` demands client certificates. ``max_request_bytes``: the largest message received;
     masked inputs arrive in chunks (``tally.wire.chunks``), so only a very large cohort's
-    OpenSession needs more than the default."""
+    OpenSession needs more than the default. ``stream_limits``: what device streams may cost before
+    they join a session (``aggregator.gate``)."""
 
     def __init__(
         self,
@@ -71,6 +73,7 @@ class AggregatorService:
         clock: Callable[[], float] = time.time,
         controller: str = COORDINATOR_CN,
         control_listen: str | None = None,
+        stream_limits: StreamLimits = StreamLimits(),
     ) -> None:
         if not aggregator_id:
             raise ValueError("aggregator_id must be non-empty")
@@ -87,6 +90,7 @@ class AggregatorService:
         self._registry = SessionRegistry(result_ttl_s)
         self._clock = clock
         self._controller = controller
+        self._stream_limits = stream_limits
         self._servers: list[grpc.aio.Server] = []
         self._health: list[health.aio.HealthServicer] = []
         self._metrics_server = MetricsServer(self.metrics.registry, ready=lambda: self._ready)
@@ -161,7 +165,8 @@ class AggregatorService:
             )
         if DEVICE_SERVICE in services:
             add_device_streams(
-                DeviceStreams(self.id, self._verifier, self._registry, self.metrics, self._clock),
+                DeviceStreams(self.id, self._verifier, self._registry, self.metrics, self._clock,
+                              self._stream_limits),
                 server,
             )
         checker = health.aio.HealthServicer()

@@ -23,12 +23,14 @@ import grpc
 
 from tally import logs
 from tally.security import TicketVerifier
+from tally.security.peers import source_of
 from tally.wire.chunks import MaskedInputAssembler
 from tally.wire.convert import open_envelope
 from tally.wire.sized import already_serialized, sized
 from tally.wire.v1 import secagg_pb2, secagg_pb2_grpc
 
 from aggregator.errors import REFUSALS, Rejected, abort
+from aggregator.gate import MAX_JOIN_BYTES, StreamLimits, UnjoinedStreams
 from aggregator.metrics import AggregatorMetrics
 from aggregator.registry import SessionRegistry
 from aggregator.session import DeviceQueue, Session, StreamEnd
@@ -37,7 +39,6 @@ log = logging.getLogger("tally.aggregator.stream")
 
 
 SERVICE = secagg_pb2.DESCRIPTOR.services_by_name["SecureAggregation"].full_name
-SizedEnvelope = tuple[int, secagg_pb2.DeviceToAggregator | None]
 R = TypeVar("R")
 
 
@@ -59,10 +60,10 @@ def cpu_counted(fn: Callable[..., R], counter) -> Callable[..., R]:
 def add_to_server(streams: DeviceStreams, server: grpc.aio.Server) -> None:
     """Like the generated ``add_SecureAggregationServicer_to_server``, with requests delivered as
     (wire size, message) and responses written as the bytes ``_send`` serialised and counted."""
-    decode = streams.metrics.wire_cpu.labels(direction="decode")
+    # Requests arrive as bytes: the stream parses them (``_read``), so that a stream that has not
+    # joined yet cannot make the aggregator parse anything larger than a Join.
     handlers = {"Session": grpc.stream_stream_rpc_method_handler(
-        streams.Session, request_deserializer=cpu_counted(sized(secagg_pb2.DeviceToAggregator), decode),
-        response_serializer=already_serialized)}
+        streams.Session, request_deserializer=already_serialized, response_serializer=already_serialized)}
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, handlers),))
     server.add_registered_method_handlers(SERVICE, handlers)
 
@@ -75,13 +76,17 @@ class DeviceStreams(secagg_pb2_grpc.SecureAggregationServicer):
         registry: SessionRegistry,
         metrics: AggregatorMetrics,
         clock: Callable[[], float],
+        limits: StreamLimits = StreamLimits(),
     ) -> None:
         self._id = aggregator_id
+        self._unjoined = UnjoinedStreams(limits, metrics.unjoined_streams)
         self._verifier = verifier
         self._registry = registry
         self._metrics = metrics
         self._clock = clock
-        self._decode = cpu_counted(self._open, metrics.wire_cpu.labels(direction="decode"))
+        decode = metrics.wire_cpu.labels(direction="decode")
+        self._parse = cpu_counted(sized(secagg_pb2.DeviceToAggregator), decode)
+        self._decode = cpu_counted(self._open, decode)
         self._serialise = cpu_counted(secagg_pb2.AggregatorToDevice.SerializeToString,
                                       metrics.wire_cpu.labels(direction="encode"))
 
@@ -97,8 +102,16 @@ class DeviceStreams(secagg_pb2_grpc.SecureAggregationServicer):
         return None if whole is None else open_envelope(whole)
 
     async def Session(self, request_iterator, context: grpc.aio.ServicerContext) -> None:
+        source = source_of(context.peer())
         try:
-            joined = await self._join(context)
+            self._unjoined.admit(source)
+            try:
+                joined = await asyncio.wait_for(self._join(context), self._unjoined.limits.join_timeout_s)
+            except TimeoutError:
+                raise Rejected("DEADLINE_EXCEEDED", f"no Join within {self._unjoined.limits.join_timeout_s:g} s "
+                               "of opening the stream", "join_timeout") from None
+            finally:
+                self._unjoined.release(source)
         except REFUSALS as exc:
             rejected = Rejected.of(exc)
             self._metrics.reject(rejected.reason, rejected.status)
@@ -116,13 +129,19 @@ class DeviceStreams(secagg_pb2_grpc.SecureAggregationServicer):
             session.leave(index)
 
     async def _read(
-        self, context: grpc.aio.ServicerContext
+        self, context: grpc.aio.ServicerContext, limit: int | None = None
     ) -> secagg_pb2.DeviceToAggregator | None:
-        sized: SizedEnvelope = await context.read()
-        if sized is grpc.aio.EOF:
+        """The next message, parsed; ``limit``: the most bytes it may have, checked before parsing."""
+        data = await context.read()
+        if data is grpc.aio.EOF:
             return None
-        size, envelope = sized
+        size = len(data)
         self._metrics.received_bytes.inc(size)
+        if limit is not None and size > limit:
+            del data  # the refusal's traceback keeps this frame alive as long as the stream's task
+            raise Rejected("INVALID_ARGUMENT", f"the first message of a session stream must be a Join of at "
+                           f"most {limit} bytes, got {size} bytes", "not_joined")
+        size, envelope = self._parse(data)
         if envelope is None:
             raise Rejected("INVALID_ARGUMENT", f"a {size}-byte message that is not a DeviceToAggregator",
                            "malformed")
@@ -131,7 +150,7 @@ class DeviceStreams(secagg_pb2_grpc.SecureAggregationServicer):
     async def _join(
         self, context: grpc.aio.ServicerContext
     ) -> tuple[Session, int, DeviceQueue] | None:
-        envelope = await self._read(context)
+        envelope = await self._read(context, MAX_JOIN_BYTES)
         if envelope is None:  # the device hung up before joining
             return None
         join = open_envelope(envelope)

@@ -21,12 +21,13 @@ from coordinator.events import job_state, round_phase, timestamp
 from coordinator.metrics import CoordinatorMetrics
 from coordinator.planner import Retry
 from coordinator.pacing import CheckinPacer
-from coordinator.ratelimit import SourceRateLimiter, source_of
+from coordinator.ratelimit import SourceRateLimiter
 from coordinator.reveals import RevealOutOfPhase
 from coordinator.runner import CHUNK_SIZE
 from coordinator.store import SERVED_KINDS, EnrolmentRefused, Store
 from tally.secagg.crypto import PUBLIC_KEY_BYTES, SIGNATURE_BYTES, verify_signature
 from tally.security import AuthError, DeviceClaims, TokenIssuer, token_from_metadata
+from tally.security.peers import source_of
 from tally.security.tokens import MAX_ID_CHARS
 from tally.security.enrolment import (
     REGISTRATION_WINDOW_S,

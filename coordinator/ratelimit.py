@@ -50,12 +50,3 @@ class SourceRateLimiter:
             if now - last < refill_s:
                 return
             del self._buckets[source]
-
-
-def source_of(peer: str) -> str:
-    """The address part of a gRPC peer string (``ipv4:10.0.0.1:5000`` -> ``ipv4:10.0.0.1``):
-    a source's many connections share one bucket."""
-    kind, _, rest = peer.partition(":")
-    if kind in ("ipv4", "ipv6"):
-        return f"{kind}:{rest.rsplit(':', 1)[0]}"
-    return peer

@@ -24,7 +24,8 @@ from client_sdk.channels import open_aio_channel
 from client_sdk.enrolment import load_or_create_identity, register_request
 from coordinator import cli as coordinator_cli
 from coordinator import enrol_cli
-from coordinator.ratelimit import RateLimit, SourceRateLimiter, source_of
+from coordinator.ratelimit import RateLimit, SourceRateLimiter
+from tally.security.peers import source_of
 from coordinator.service import CoordinatorService
 from enrolment_helpers import provisioned_request
 from tally.secagg import SigningKey

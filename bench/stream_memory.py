@@ -1,0 +1,181 @@
+"""What unauthenticated device streams cost a real aggregator: memory and open streams.
+
+A peer with a device certificate (today's shared one, or any one device's) opens session streams
+on the aggregator's device port and never joins a session:
+
+- ``oversized``: each stream sends one ``--size``-byte message that is not a Join, ``--batch``
+  streams at a time, ``--messages`` in all. The aggregator's resident memory (VmRSS of its
+  process, sampled every 20 ms) is reported before, at its peak, when the last stream has ended
+  and ``--settle`` seconds later, with the peak's growth per message in flight.
+- ``idle``: ``--idle`` streams open and send nothing. Reported: how many the aggregator still holds
+  open after its Join deadline (``--join-timeout``) plus one second, and how many it refused at once.
+
+The aggregator is the ``tally aggregator`` command in its own process over mutual TLS, as deployed.
+Writes JSON (``--json``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import grpc
+
+from tally.security import TLSConfig
+from tally.security.certs import write_deployment
+from tally.security.tls import open_aio_channel
+from tally.security.tokens import load_or_create_ticket_key
+from tally.wire.v1 import secagg_pb2
+
+METHOD = "/tally.v1.SecureAggregation/Session"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _rss(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError("no VmRSS")
+
+
+class Sampler(threading.Thread):
+    """Peak VmRSS of a process since the last ``reset``."""
+
+    def __init__(self, pid: int) -> None:
+        super().__init__(daemon=True)
+        self.pid, self.peak, self._stop = pid, 0, threading.Event()
+
+    def run(self) -> None:
+        while not self._stop.wait(0.02):
+            self.peak = max(self.peak, _rss(self.pid))
+
+    def reset(self) -> None:
+        self.peak = _rss(self.pid)
+
+    def stop(self) -> None:
+        self._stop.set()
+
+
+async def _one_stream(channel: grpc.aio.Channel, payload: bytes | None) -> str:
+    """Open a stream, send ``payload`` (or nothing), wait for the aggregator to end it."""
+    call = channel.stream_stream(METHOD)()
+    if payload is not None:
+        await call.write(payload)
+    try:
+        async for _ in call:
+            pass
+    except grpc.aio.AioRpcError as exc:
+        return exc.code().name
+    return "OK"
+
+
+def _not_a_join(size: int) -> bytes:
+    """A well-formed device message of at most ``size`` bytes that is not a Join."""
+    message = secagg_pb2.DeviceToAggregator(masked_input_response=secagg_pb2.MaskedInputResponse(
+        sum_id="x", sender=1, data=b"\1" * (size - 32)))
+    return message.SerializeToString()
+
+
+async def oversized(target: str, tls: TLSConfig, args, sampler: Sampler, pid: int) -> dict:
+    payload = _not_a_join(args.size - 64)
+    options = [("grpc.max_send_message_length", 64 << 20)]
+    before = _rss(pid)
+    sampler.reset()
+    statuses: dict[str, int] = {}
+    async with open_aio_channel(target, tls, options) as channel:
+        for start in range(0, args.messages, args.batch):
+            batch = min(args.batch, args.messages - start)
+            for status in await asyncio.gather(*(_one_stream(channel, payload) for _ in range(batch))):
+                statuses[status] = statuses.get(status, 0) + 1
+    ended = _rss(pid)
+    peak = sampler.peak
+    await asyncio.sleep(args.settle)
+    settled = _rss(pid)
+    return {
+        "messages": args.messages, "batch": args.batch, "message_bytes": len(payload),
+        "statuses": statuses, "rss_before_bytes": before, "rss_peak_bytes": peak,
+        "rss_after_end_bytes": ended, "rss_after_settle_bytes": settled, "settle_s": args.settle,
+        "peak_growth_per_message_in_flight_bytes": (peak - before) / args.batch,
+        "retained_after_settle_bytes": settled - before,
+    }
+
+
+async def idle(target: str, tls: TLSConfig, args) -> dict:
+    async with open_aio_channel(target, tls) as channel:
+        started = time.perf_counter()
+        streams = [asyncio.ensure_future(_one_stream(channel, None)) for _ in range(args.idle)]
+        done, _ = await asyncio.wait(streams, timeout=args.join_timeout + 1.0)
+        open_after = len(streams) - len(done)
+        codes: dict[str, int] = {}
+        for task in done:
+            codes[task.result()] = codes.get(task.result(), 0) + 1
+        for task in streams:
+            task.cancel()
+        return {"idle_streams": args.idle, "still_open_after_deadline": open_after,
+                "ended_by_status": codes, "waited_s": time.perf_counter() - started}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--messages", type=int, default=80, help="oversized non-Join messages in all")
+    p.add_argument("--batch", type=int, default=40, help="streams open at once")
+    p.add_argument("--size", type=int, default=4 << 20, help="bytes per message (the aggregator's default limit)")
+    p.add_argument("--settle", type=float, default=15.0, help="seconds to wait after the last stream before sampling")
+    p.add_argument("--idle", type=int, default=1000, help="streams that never send anything")
+    p.add_argument("--join-timeout", type=float, default=10.0, help="the aggregator's --join-timeout")
+    p.add_argument("--json", type=Path, help="write the results here")
+    args = p.parse_args(argv)
+
+    with tempfile.TemporaryDirectory() as tmp:
+        pki = Path(tmp) / "pki"
+        write_deployment(pki, aggregators=1)
+        load_or_create_ticket_key(Path(tmp) / "state")
+        port = _free_port()
+        command = [sys.executable, "-m", "tally.cli", "aggregator", "--listen", f"127.0.0.1:{port}",
+                   "--id", "agg-1", "--tls-dir", str(pki / "aggregator-1"), "--require-client-cert",
+                   "--metrics-port", "0", "--log-level", "ERROR"]
+        if "--join-timeout" in subprocess.run([*command[:4], "--help"], capture_output=True, text=True).stdout:
+            command += ["--join-timeout", str(args.join_timeout)]
+        aggregator = subprocess.Popen(command, stdout=subprocess.DEVNULL)
+        try:
+            tls = TLSConfig.from_dir(pki / "device", "device")
+            target = f"127.0.0.1:{port}"
+
+            async def ready() -> None:
+                async with open_aio_channel(target, tls) as channel:
+                    await asyncio.wait_for(channel.channel_ready(), 60)
+
+            asyncio.run(ready())
+            sampler = Sampler(aggregator.pid)
+            sampler.start()
+            report = {"oversized": asyncio.run(oversized(target, tls, args, sampler, aggregator.pid)),
+                      "idle": asyncio.run(idle(target, tls, args)),
+                      "machine": {"cpus": os.cpu_count()}, "date": time.strftime("%Y-%m-%d")}
+            sampler.stop()
+        finally:
+            aggregator.terminate()
+            aggregator.wait(30)
+    text = json.dumps(report, indent=2)
+    print(text)
+    if args.json:
+        args.json.write_text(text + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
