@@ -27,6 +27,7 @@ and skips, with the reason recorded, points whose cohort would not fit ``--max-m
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import cProfile
 import gc
 import json
@@ -116,6 +117,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="corrupt fraction of the threat model that picks k and t")
     p.add_argument("--threat-dropout", type=float, default=None,
                    help="dropout rate of the threat model (default: --dropout)")
+    p.add_argument("--semi-honest", action="store_true",
+                   help="skip the consistency check, devices declaring the server semi-honest (same k and t): "
+                        "what the engine costs without the round that stops a lying server")
     p.add_argument("--k", type=int, default=None, help="override the graph degree")
     p.add_argument("--t", type=int, default=None, help="override the Shamir threshold")
     p.add_argument("--seed", type=int, default=0, help="seed of inputs, dropouts and graph")
@@ -349,7 +353,7 @@ def run_once(args: argparse.Namespace, schema: PayloadSchema, rep: int,
     identities = enrol(n)
     config = SessionConfig.plan(
         SessionRef("bench", rep, f"engine-{rep}"), [(SUM_ID, schema)], n, threat,
-        k=args.k, t=args.t, graph_seed=plan_rng.bytes(32),
+        k=args.k, t=args.t, graph_seed=plan_rng.bytes(32), consistency_check=not args.semi_honest,
         identities=[identities[i].public for i in range(1, n + 1)],
     )
     spec = config.sum_spec(SUM_ID)
@@ -382,8 +386,9 @@ def run_once(args: argparse.Namespace, schema: PayloadSchema, rep: int,
         if on_message is not None:
             on_message(message)
 
+    device_threat = dataclasses.replace(threat, malicious_server=not args.semi_honest)
     run = run_cohort(config, inputs, dropouts, observe=observe, identities=identities,
-                     policy=DevicePolicy(threat=threat))
+                     policy=DevicePolicy(threat=device_threat))
     if profiler:
         profiler.disable()
         profiler.dump_stats(str(args.profile))
@@ -396,6 +401,7 @@ def run_once(args: argparse.Namespace, schema: PayloadSchema, rep: int,
     result = run.results.get(SUM_ID)
     out: dict = {
         "k": config.params.k, "t": config.threshold, "bits": spec.bits,
+        "consistency_check": config.consistency_check,
         "wire_bits": wire_bits(spec),
         "dropped": n_drop, "aborted": run.aborted, "cohort_wall_s": cohort_wall,
         "refused": len(run.refused), "rejected": len(run.rejected),

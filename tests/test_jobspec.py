@@ -116,3 +116,14 @@ def test_options_that_do_not_fit_the_model_are_refused_before_the_job_starts():
     fitting = {**BASE, "algorithm": "lg_fedavg", "model": {"kind": "cnn", "hidden": 8},
                "config": {"global_patterns": ["head.*"]}}
     assert jobspec.parse(yaml.safe_dump(fitting)).algorithm == "lg_fedavg"
+
+
+def test_the_consistency_check_is_on_by_default_and_off_only_for_a_semi_honest_server():
+    """Third security review, finding 1: a job that turns the check off while assuming a malicious
+    server is refused; a default job runs it; a plain (benchmark) sum has no survivors to check."""
+    assert jobspec.parse(yaml.safe_dump(BASE)).secure.checks_consistency
+    (line,) = _errors(secure={"consistency_check": False})
+    assert line.startswith("secure.consistency_check: false leaves a malicious server free")
+    semi = jobspec.parse(yaml.safe_dump({**BASE, "secure": {"malicious_server": False, "consistency_check": False}}))
+    assert not semi.secure.checks_consistency
+    assert not jobspec.parse(yaml.safe_dump({**BASE, "secure": {"plain": True}})).secure.checks_consistency
