@@ -15,15 +15,16 @@ def test_ten_thousand_devices_with_dropouts_sum_exactly():
     schema = PayloadSchema((Field("count", (2,), kind=Kind.COUNT, clip=1000),))
     values = {i: {"s": {"count": rng.integers(0, 1001, size=2)}} for i in range(1, n + 1)}
     victims = rng.choice(np.arange(1, n + 1), size=n // 20, replace=False)
-    phases = ("share_keys", "masked_input", "unmask")
-    dropouts = {int(v): Dropout(phases[j % 3]) for j, v in enumerate(victims)}
+    # The default run checks consistency: devices also drop when asked to sign their view.
+    phases = ("share_keys", "masked_input", "consistency_check", "unmask")
+    dropouts = {int(v): Dropout(phases[j % 4]) for j, v in enumerate(victims)}
     decoded, run = secure_sum(
         {"s": schema}, values, threat=ThreatModel(dropout_rate=0.1, corrupt_rate=0.05), dropouts=dropouts, rng=rng
     )
     assert run.aborted is None
-    assert run.config.params.k < 200
+    assert run.config.params.k < 200 and run.config.consistency_check
     contributors = run.results["s"].contributors
     expected = sum(values[i]["s"]["count"] for i in contributors)
     assert np.array_equal(decoded["s"]["count"], expected)
-    dropped_before_masking = {int(v) for j, v in enumerate(victims) if j % 3 < 2}
+    dropped_before_masking = {int(v) for j, v in enumerate(victims) if j % 4 < 2}
     assert set(contributors) == set(range(1, n + 1)) - dropped_before_masking

@@ -484,9 +484,8 @@ class _AwaitUnmask(_Phase):
         views, so at least 2t - k > c devices signed both: more than are corrupt."""
         client = self.client
         config = client.config
-        closed = np.append(config.neighbours(client.index), client.index)
-        view = tuple(named[np.isin(named, closed)].tolist())
-        if view != self.signed:
+        survivors = frozenset(named.tolist())
+        if _view(config, client.index, survivors) != self.signed:
             raise MalformedMessage("unmask survivor set differs from the one I signed")
         signers: set[int] = set()
         for j, signature in message.signatures:
@@ -494,8 +493,7 @@ class _AwaitUnmask(_Phase):
                 break
             if type(j) is not int or j not in client.neighbours or j not in self.signed or j in signers:
                 continue
-            theirs = np.append(config.neighbours(j), j)
-            statement = consistency_message(config.ref, message.sum_id, j, named[np.isin(named, theirs)].tolist())
+            statement = consistency_message(config.ref, message.sum_id, j, _view(config, j, survivors))
             if crypto.verify_signature(config.identity(j), signature, statement):
                 signers.add(j)
         if len(signers) < config.threshold:
@@ -504,3 +502,9 @@ class _AwaitUnmask(_Phase):
                 f"a survivor, {config.threshold} required"
             )
         return frozenset(self.signed)
+
+
+def _view(config: SessionConfig, device: int, survivors: frozenset[int]) -> tuple[int, ...]:
+    """``device`` and its neighbours that are in ``survivors``, ascending: the view it signs."""
+    closed = sorted([*config.neighbours(device).tolist(), device])
+    return tuple(i for i in closed if i in survivors)
