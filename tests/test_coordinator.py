@@ -1399,7 +1399,7 @@ def test_exhausted_retries_fail_the_job_with_the_reason(tmp_path):
 
 
 def test_round_deadline_bounds_a_silent_aggregator(tmp_path):
-    deadlines = "deadlines: {download: 0.1, advertise_keys: 0.1, share_keys: 0.1, masked_input: 0.2, unmask: 0.1}\n"
+    deadlines = "deadlines: {download: 0.1, advertise_keys: 0.1, share_keys: 0.1, masked_input: 0.2, consistency_check: 0.1, unmask: 0.1}\n"
 
     async def main():
         async with stack(tmp_path, aggregators=1) as s:

@@ -6,6 +6,8 @@ import dataclasses
 import hashlib
 from collections.abc import Iterable
 
+import numpy as np
+
 from tally.secagg import shamir
 from tally.secagg.messages import SessionRef, SumPublicKeys
 
@@ -63,7 +65,7 @@ def consistency_message(ref: SessionRef, sum_id: str, signer: int, view: Iterabl
     survivors among itself and its neighbours. Views are local (O(k) per device, not O(n)): what
     makes a split view useless is that every device's status is signed by t of its own
     neighbours, each of which signs one view (see ``tally.secagg.client``)."""
-    digest = hashlib.sha256(",".join(str(int(i)) for i in view).encode()).digest()
+    digest = hashlib.sha256(np.asarray(view, dtype="<u8").tobytes()).digest()
     return b"tally/consistency|" + ref.context(sum_id) + b"|%d|" % int(signer) + digest
 
 
