@@ -40,7 +40,7 @@ over_selection: 1.1
 min_cohort: {min_cohort}
 retries: 3
 model: {{kind: mlp, inputs: 64, classes: 10, hidden: {hidden}, seed: 0}}
-secure: {{dropout_rate: {dropout}, corrupt_rate: 0.05{plain}}}
+secure: {{dropout_rate: {dropout}, corrupt_rate: 0.05{plain}{semi}}}
 deadlines: {{checkin: 60, download: 60, advertise_keys: 60, share_keys: 120, masked_input: 120, unmask: 60}}
 """
 
@@ -106,7 +106,8 @@ async def _run(args: argparse.Namespace, workdir: Path) -> dict:
         if not args.idle:
             job_id = await cluster.submit(SPEC.format(
                 rounds=args.rounds, cohort=args.cohort, hidden=args.hidden, min_cohort=min(10, args.cohort),
-                dropout=max(args.dropout, 0.05), plain=", plain: true" if args.plain else ""))
+                dropout=max(args.dropout, 0.05), plain=", plain: true" if args.plain else "",
+                semi=", malicious_server: false, consistency_check: false" if args.semi_honest else ""))
         for i in range(args.shards):
             argv = [sys.executable, "-m", "tally.cli", "fleet", "--coordinator", cluster.target,
                     "--tls-dir", str(cluster.certs / "device"), "--devices", str(args.devices),
@@ -116,6 +117,8 @@ async def _run(args: argparse.Namespace, workdir: Path) -> dict:
                     "--processes", "1"]  # a shard is the process this bench measures
             if args.plain:
                 argv.append("--allow-plain")
+            if args.semi_honest:
+                argv.append("--semi-honest-server")
             argv += ["--stay"] if args.idle else ["--audit-out", str(workdir / f"audit-{i}.json"),
                                                  "--until-job-done", job_id, "--report", str(workdir / f"report-{i}")]
             shards.append(await asyncio.create_subprocess_exec(
@@ -181,7 +184,7 @@ async def _run(args: argparse.Namespace, workdir: Path) -> dict:
     durations = [m["duration_seconds"] for m in round_metrics]
     rounds = len(durations)
     result.update({
-        "values": 75 * args.hidden + 10, "cohort": args.cohort, "plain": args.plain, "rounds_committed": rounds,
+        "values": 75 * args.hidden + 10, "cohort": args.cohort, "plain": args.plain, "consistency_check": not (args.plain or args.semi_honest), "rounds_committed": rounds,
         "round_seconds": durations, "round_metrics": round_metrics, "round_seconds_median": statistics.median(durations) if durations else None,
         "rounds_per_hour": 3600 / statistics.median(durations) if durations else None,
         "cpu_seconds_per_round": {k: (v - started_cpu.get(k, 0.0)) / max(rounds, 1) for k, v in sampler.cpu.items()},
@@ -223,6 +226,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--dropout", type=float, default=0.1)
     parser.add_argument("--plain", action="store_true", help="plain sums (benchmark-only) instead of secure ones")
+    parser.add_argument("--semi-honest", action="store_true",
+                        help="secure sums without the consistency check (devices trust the aggregators): what the check costs")
     parser.add_argument("--idle", type=float, default=0.0, metavar="SECONDS",
                         help="no job: run the fleet this long and report its memory per idle device")
     parser.add_argument("--checkin-rate", type=float, default=0.0,

@@ -29,7 +29,7 @@ from client_sdk.timeline import FleetTimeline
 from tally import argtypes, logs
 from tally.algorithms.base import LocalTrainer
 from tally.metrics import MetricsServer, add_metrics_arguments
-from tally.secagg import DevicePolicy
+from tally.secagg import DevicePolicy, ThreatModel
 from tally.security import bearer_metadata, load_ticket_public_key
 from tally.security.enrolment import read_enrolment_key
 from tally.security.tls import add_tls_arguments, open_aio_channel, tls_config_from_args
@@ -168,9 +168,21 @@ def _add_common(p: argparse.ArgumentParser) -> None:
         "--min-noise-multiplier", type=_non_negative, default=0.0, metavar="Z",
         help="refuse any sum whose differential-privacy noise is below multiplier Z: it must be "
         "distributed noise that the device adds its own share of (default: 0, no floor)")
+    p.add_argument(
+        "--semi-honest-server", action="store_true",
+        help="trust the aggregator not to lie about who survived: also join sessions without the "
+        "consistency check (benchmarks, trusted deployments; a lying aggregator could then read one "
+        "device's input). Without it the devices refuse such sessions")
     add_metrics_arguments(p, "client", optional=True)
     p.add_argument("--log-level", default="warning", help="structured JSON logs on stderr at this level")
     add_tls_arguments(p, identity="device")
+
+
+def _policy(args: argparse.Namespace, allow_plain: bool = False) -> DevicePolicy:
+    """What the devices accept, from their flags: by default a malicious server (the consistency
+    check required), ``--semi-honest-server`` a trusted one."""
+    threat = ThreatModel(dropout_rate=0.0, malicious_server=not args.semi_honest_server)
+    return DevicePolicy(threat=threat, allow_plain=allow_plain, min_noise_multiplier=args.min_noise_multiplier)
 
 
 def _load(flag: str, load: Callable[[Path], T], path: Path) -> T:
@@ -254,7 +266,7 @@ def run_client(args: argparse.Namespace) -> int:
         identity=identity,
         enrolment_credential=args.credential,
         coordinator_key=coordinator_key,
-        policy=DevicePolicy(min_noise_multiplier=args.min_noise_multiplier),
+        policy=_policy(args),
     )
     with _metrics_server(args, metrics):
         stats = _run_until_signal(lambda stop: device.run(stop, args.max_tasks))
@@ -340,7 +352,7 @@ def _play(args: argparse.Namespace, on_stats: Callable[[FleetStats], None] | Non
         id_prefix=args.id_prefix,
         first_index=first,
         audit=args.synthetic or args.audit_token_file is not None or args.audit_out is not None,
-        device_policy=DevicePolicy(allow_plain=args.allow_plain, min_noise_multiplier=args.min_noise_multiplier),
+        device_policy=_policy(args, allow_plain=args.allow_plain),
         enrolment_key=enrolment_key,
         profile=profile,
         metrics=ClientMetrics(FleetTimeline(args.seed) if args.report is not None else None),
