@@ -1,8 +1,9 @@
 import dataclasses
+import math
 
 import numpy as np
 import pytest
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tally.secagg.graph import HararyGraph
@@ -215,3 +216,18 @@ def test_server_neighbourhood_lookups_match_the_graph(case, data):
     # A cohort too large to tabulate computes the same rows for just the devices asked about.
     subset = np.asarray(survivors, dtype=np.int64)
     assert np.array_equal(config.graph.rows(subset - 1) + 1, config.neighbour_table[subset])
+
+
+@settings(max_examples=40, deadline=None)
+@given(n=st.integers(2, 3000), corrupt=st.floats(0.0, 0.2), dropout=st.floats(0.0, 0.3))
+def test_a_malicious_server_threshold_overlaps_beyond_the_corrupt_neighbours(n, corrupt, dropout):
+    """The consistency check's argument (tally/secagg/client.py) needs 2t > k + c, c the corrupt
+    neighbours a device may have: at least the expected share of corrupt devices among its k (the
+    finder's 2^-40 tail bound is higher still; the full graph rounds the count up)."""
+    threat = ThreatModel(dropout_rate=dropout, corrupt_rate=corrupt)
+    try:
+        p = choose_params(n, threat)
+    except UnsafeParameters:
+        return
+    expected_corrupt = math.ceil(corrupt * n) if p.full else math.floor(corrupt * p.k)
+    assert 2 * p.t > p.k + expected_corrupt
