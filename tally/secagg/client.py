@@ -53,6 +53,7 @@ from tally.secagg.wire import (
     SHARE_CIPHERTEXT_BYTES,
     advertise_statement,
     consistency_message,
+    device_list,
     seed_commitment,
     share_associated_data,
 )
@@ -373,13 +374,7 @@ class _AwaitPlainInput(_AwaitInput):
 def _ascending(devices: tuple[int, ...], n: int, what: str) -> np.ndarray:
     """A list of device ids as the server must send it: integers in 1..n, strictly ascending
     (so no device is named twice, say once surviving and once not)."""
-    try:
-        ids = np.asarray(devices)
-    except (TypeError, ValueError):
-        ids = None
-    if ids is None or ids.ndim != 1 or (ids.size and ids.dtype.kind not in "iu"):
-        raise MalformedMessage(f"{what} must be a list of device indices")
-    ids = ids.astype(np.int64)
+    ids = device_list(devices, what)
     if ids.size and (ids[0] < 1 or ids[-1] > n or not np.all(ids[1:] > ids[:-1])):
         raise MalformedMessage(f"{what} must name devices of 1..{n} once each, ascending")
     return ids

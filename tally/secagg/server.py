@@ -55,6 +55,7 @@ from tally.secagg.wire import (
     SeedCommitments,
     advertise_statement,
     consistency_message,
+    device_list,
 )
 
 
@@ -783,12 +784,4 @@ def _indicator(n: int, devices: Iterable[int]) -> np.ndarray:
 
 
 def _owners(sender: int, owners: tuple[int, ...]) -> np.ndarray:
-    """A list of integer device indices as an array; anything else (floats, strings, nesting) is
-    malformed rather than quietly converted."""
-    try:
-        array = np.asarray(owners)
-    except (TypeError, ValueError):
-        array = None
-    if array is None or array.ndim != 1 or (array.size and array.dtype.kind not in "iu"):
-        raise MalformedMessage(f"device {sender}: share owners must be a list of device indices")
-    return array.astype(np.int64)
+    return device_list(owners, f"device {sender}: share owners")

@@ -9,6 +9,7 @@ from collections.abc import Iterable
 import numpy as np
 
 from tally.secagg import shamir
+from tally.secagg.errors import MalformedMessage
 from tally.secagg.messages import SessionRef, SumPublicKeys
 
 GCM_TAG_BYTES = 16
@@ -88,3 +89,15 @@ def payload_bytes(message: object) -> int:
 
 
 _FIELDS: dict[type, tuple[str, ...]] = {}
+
+
+def device_list(values: object, what: str) -> np.ndarray:
+    """A list of integer device indices as an array; anything else (floats, strings, nesting) is
+    malformed rather than quietly converted. ``what`` names the list in the error."""
+    try:
+        array = np.asarray(values)
+    except (TypeError, ValueError):
+        array = None
+    if array is None or array.ndim != 1 or (array.size and array.dtype.kind not in "iu"):
+        raise MalformedMessage(f"{what} must be a list of device indices")
+    return array.astype(np.int64)

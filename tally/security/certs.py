@@ -29,7 +29,6 @@ import datetime as dt
 import ipaddress
 import os
 import secrets
-import tempfile
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -40,6 +39,7 @@ from cryptography.hazmat.primitives.asymmetric import ec, ed25519
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
 from tally.security.enrolment import ENROLMENT_KEY_FILE
+from tally.security.files import write_new
 
 SERVER_ROLES = ("coordinator", "aggregator")
 COORDINATOR_CN = "tally-coordinator"
@@ -295,17 +295,7 @@ def write_deployment(
 def write_file_atomic(path: Path, data: bytes, mode: int) -> Path:
     """Write ``data`` to ``path`` through a temporary file in the same directory, with ``mode``
     set before any byte is written (a key is never readable by others, even briefly)."""
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        os.fchmod(fd, mode)
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    write_new(path, data, mode, replace=True)
     return path
 
 
