@@ -49,6 +49,7 @@ class Attempt:
     recovered: np.ndarray | None = None
     why_not: str = ""
     answers: int = 0
+    attacked: bool = False  # the session got as far as the attack (past MaskedInput)
     # Set once the attacker has tried: the aggregator does so on its own thread, when the last
     # device answers or goes, which may be after the fleet has stopped.
     done: threading.Event = dataclasses.field(default_factory=threading.Event)
@@ -124,7 +125,15 @@ class SplitViewServer(SecAggServer):
             tampered.append(o)
         return tampered
 
+    def _abort(self, reason, recipients):
+        """Every way the session ends goes through here: the attempt is over, attacked or not."""
+        if not self.attempt.attacked:
+            self.attempt.why_not = f"the session ended before the attack: {reason}"
+        self.attempt.done.set()
+        return super()._abort(reason, recipients)
+
     def _begin(self, survivors: list[int]) -> list[Outgoing]:
+        self.attempt.attacked = True
         config = self.config
         self._views = _split_views(config, self.victim, self.attempt.masked_with, survivors)
         ref, sum_id = config.ref, self._sum_id
@@ -151,10 +160,7 @@ class SplitViewServer(SecAggServer):
             self._attacking = "unmask"
             self._pending = set(self._signatures)
             return [Outgoing(i, self._signed_request(i)) for i in sorted(self._signatures)]
-        try:
-            self._recover()
-        finally:
-            self.attempt.done.set()
+        self._recover()
         self._attacking = None
         return self._abort("split-view attacker gave up", self._views)
 

@@ -18,7 +18,8 @@ from client_sdk.fleet import device_ids
 from client_sdk.synthetic import SyntheticUpdates
 from tally.secagg import DevicePolicy, SecAggClient, ThreatModel
 
-DEADLINES = "{checkin: 20, download: 10, advertise_keys: 8, share_keys: 8, masked_input: 8, consistency_check: 8, unmask: 8}"
+DEADLINES = ("{checkin: 30, download: 15, advertise_keys: 15, share_keys: 15, masked_input: 15, consistency_check: 15, "
+             "unmask: 15}")
 
 
 def _job(n: int, secure: str) -> str:
@@ -52,8 +53,8 @@ def _attack(tmp_path, monkeypatch, n: int, secure: str, policy: DevicePolicy | N
                 await fleet.run(max_tasks_per_device=1)
             finally:
                 fleet.close()
-            for attempt in attempts:
-                assert await asyncio.to_thread(attempt.done.wait, 60), "the attacker never finished"
+            for attempt in attempts:  # the aggregator may end a session after the fleet stopped
+                await asyncio.to_thread(attempt.done.wait, 60)
             return await s.job(job_id)
 
     job = run(main())
@@ -63,10 +64,11 @@ def _attack(tmp_path, monkeypatch, n: int, secure: str, policy: DevicePolicy | N
 @pytest.mark.parametrize("n", [20, 100])
 def test_a_split_view_aggregator_reads_nothing_under_the_default_job(tmp_path, monkeypatch, n):
     job, attempts, inputs = _attack(tmp_path, monkeypatch, n, "{dropout_rate: 0.1, corrupt_rate: 0.05}", None)
-    assert attempts, "the attacker never ran"
-    assert all(len(a.masked_with) >= 2 for a in attempts)  # the victim masked with t partners only
+    attacked = [a for a in attempts if a.attacked]
+    assert attacked, [a.why_not for a in attempts]  # the attacker got past MaskedInput
+    assert all(len(a.masked_with) >= 2 for a in attacked)  # the victim masked with t partners only
     assert [a.recovered for a in attempts] == [None] * len(attempts), [a.why_not for a in attempts]
-    assert all("shares" in a.why_not for a in attempts)
+    assert all("shares" in a.why_not for a in attacked)
     assert job.committed_round == 0
 
 
