@@ -14,7 +14,12 @@ from tally import argtypes, logs
 from tally.metrics import add_metrics_arguments
 from tally.security import TLSConfig, load_ticket_public_key
 from tally.security.certs import COORDINATOR_CN
-from tally.security.tls import DEFAULT_MAX_MESSAGE_BYTES, add_tls_arguments, tls_config_from_args
+from tally.security.tls import (
+    DEFAULT_MAX_MESSAGE_BYTES,
+    add_tls_arguments,
+    check_listen,
+    tls_config_from_args,
+)
 from tally.security.tokens import TICKET_PUB_FILE
 
 from aggregator.gate import StreamLimits
@@ -77,16 +82,28 @@ def register(sub: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     limit_malloc_arenas()
     logs.configure(args.log_level)
+    try:
+        tls = tls_config_from_args(args)
+        for address in (args.listen, args.control_listen):
+            if address is not None:
+                check_listen(address, tls)
+    except ValueError as exc:
+        print(f"tally aggregator: {exc}", file=sys.stderr)
+        return 2
+    key_flag = "--ticket-public-key" if args.ticket_public_key else "--tls-dir"
     key_path = args.ticket_public_key or (args.tls_dir / TICKET_PUB_FILE if args.tls_dir else None)
     if key_path is None:
         print("tally aggregator: --ticket-public-key is required without --tls-dir",
               file=sys.stderr)
         return 2
     try:
-        tls = tls_config_from_args(args)
         public_key = load_ticket_public_key(key_path)
-    except (OSError, ValueError) as exc:
-        print(f"tally aggregator: {exc}", file=sys.stderr)
+    except OSError as exc:
+        print(f"tally aggregator: {key_flag}: cannot read the coordinator's ticket key {key_path}: "
+              f"{exc.strerror}", file=sys.stderr)
+        return 2
+    except ValueError as exc:
+        print(f"tally aggregator: {key_flag}: {exc}", file=sys.stderr)
         return 2
     return asyncio.run(_serve(args, tls, public_key))
 

@@ -166,3 +166,31 @@ def test_job_command_mistakes_are_one_line(tmp_path, capsys, argv, code, message
     assert message.format(**fill) in err and "Traceback" not in err, err
     if message == "UNAVAILABLE: ":
         assert f"is a coordinator listening at 127.0.0.1:{port}?" in err
+
+
+def _aggregator(argv: list[str]) -> int:
+    from aggregator import cli as aggregator_cli
+
+    parser = argparse.ArgumentParser(prog="tally")
+    aggregator_cli.register(parser.add_subparsers())
+    args = parser.parse_args(["aggregator", "--id", "a", "--metrics-port", "0", *argv])
+    return args.run(args)
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        # The refused bind comes first, not a complaint about the ticket key (issue 25, item 7).
+        (["--insecure", "--listen", "0.0.0.0:7001"], "refusing to serve without TLS on '0.0.0.0:7001'"),
+        (["--insecure", "--listen", "127.0.0.1:0", "--control-listen", "0.0.0.0:7002"],
+         "refusing to serve without TLS on '0.0.0.0:7002'"),
+        (["--listen", "127.0.0.1:0", "--tls-dir", "{tmp}/typo"],
+         "--tls-dir: cannot read the coordinator's ticket key {tmp}/typo/ticket.pub: No such file or directory"),
+        (["--insecure", "--listen", "127.0.0.1:0", "--ticket-public-key", "{tmp}/typo.pub"],
+         "--ticket-public-key: cannot read the coordinator's ticket key {tmp}/typo.pub"),
+    ],
+)
+def test_aggregator_cli_mistakes_are_messages_naming_the_flag(tmp_path, capsys, argv, message):
+    assert _aggregator([a.format(tmp=tmp_path) for a in argv]) == 2
+    err = capsys.readouterr().err
+    assert message.format(tmp=tmp_path) in err and "Traceback" not in err and "Errno" not in err

@@ -179,10 +179,10 @@ def server_options(
     return [*options.items(), ("grpc.so_reuseport", 0)]
 
 
-def bind(server: grpc.Server, address: str, config: TLSConfig) -> int:
-    """Add a listening port to ``server``; returns the bound port (useful with ``:0``).
-
-    Plaintext only on loopback; anything else raises ``ValueError`` before binding."""
+def check_listen(address: str, config: TLSConfig) -> None:
+    """``ValueError`` unless ``address`` is HOST:PORT (or a unix socket) that ``config`` may serve:
+    plaintext only on loopback. Commands call it before anything else, so that a refused bind is
+    the first thing they say, not a complaint about some other flag."""
     if not address.startswith("unix") and not re.fullmatch(r".*:\d{1,5}", address):
         raise ValueError(f"{address!r} is not HOST:PORT")
     if config.insecure:
@@ -192,6 +192,14 @@ def bind(server: grpc.Server, address: str, config: TLSConfig) -> int:
                 f"refusing to serve without TLS on {address!r}: --insecure is allowed only on "
                 "loopback addresses (127.0.0.0/8, ::1, localhost) or unix: sockets"
             )
+
+
+def bind(server: grpc.Server, address: str, config: TLSConfig) -> int:
+    """Add a listening port to ``server``; returns the bound port (useful with ``:0``).
+
+    Plaintext only on loopback; anything else raises ``ValueError`` before binding."""
+    check_listen(address, config)
+    if config.insecure:
         add = server.add_insecure_port
     else:
         credentials = server_credentials(config)
