@@ -57,7 +57,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     c.add_argument(
         "--identity", type=Path,
         help="the device's identity key file, created 0600 on first use and kept across restarts "
-        "(default: ~/.tally/<device-id>.identity)",
+        "(default: <state-dir>/identity.key with --state-dir, else ~/.tally/<device-id>.identity)",
     )
     c.add_argument("--credential", type=_hex, default=b"", help="enrolment credential from `tally enrol` (hex)")
     c.add_argument(
@@ -178,6 +178,16 @@ def _add_common(p: argparse.ArgumentParser) -> None:
     add_tls_arguments(p, identity="device")
 
 
+def _identity_path(args: argparse.Namespace) -> Path:
+    """Where the device's identity key lives: given, else beside the rest of its state (a device
+    given a state directory writes nothing outside it), else in the user's ~/.tally."""
+    if args.identity is not None:
+        return args.identity
+    if args.state_dir is not None:
+        return args.state_dir / "identity.key"
+    return Path.home() / ".tally" / f"{args.device_id}.identity"
+
+
 def _policy(args: argparse.Namespace, allow_plain: bool = False) -> DevicePolicy:
     """What the devices accept, from their flags: by default a malicious server (the consistency
     check required), ``--semi-honest-server`` a trusted one."""
@@ -241,8 +251,7 @@ def run_client(args: argparse.Namespace) -> int:
         print(f"--shard must be in 0..{args.shards - 1}", file=sys.stderr)
         return 2
     try:
-        identity = _load("--identity", load_or_create_identity,
-                         args.identity or Path.home() / ".tally" / f"{args.device_id}.identity")
+        identity = _load("--identity", load_or_create_identity, _identity_path(args))
         coordinator_key = (
             _load("--coordinator-key", load_ticket_public_key, args.coordinator_key).public_bytes_raw()
             if args.coordinator_key else None

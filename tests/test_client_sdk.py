@@ -1173,3 +1173,17 @@ def test_client_metrics_names_are_tally_client_base_units():
     names = {m.name for m in ClientMetrics().registry.collect() if m.name.startswith("tally_")} - {"tally_build_info"}
     assert names and all(n.startswith("tally_client_") for n in names)
     assert {"tally_client_upload_bytes", "tally_client_download_seconds"} <= names
+
+
+def test_a_client_given_a_state_directory_keeps_its_identity_key_there(tmp_path, monkeypatch):
+    """Issue 25, item 7: `tally client --state-dir D` wrote its identity key to ~/.tally, outside
+    the one directory it was given; now it lives in D unless --identity says otherwise."""
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    parser = argparse.ArgumentParser(prog="tally")
+    client_cli.register(parser.add_subparsers())
+    base = ["client", "--coordinator", "127.0.0.1:1", "--insecure", "--device-id", "dev-7", "--shard", "0", "--shards", "1"]
+    in_state = parser.parse_args([*base, "--state-dir", str(tmp_path / "state")])
+    assert client_cli._identity_path(in_state) == tmp_path / "state" / "identity.key"
+    given = parser.parse_args([*base, "--state-dir", str(tmp_path / "state"), "--identity", str(tmp_path / "k")])
+    assert client_cli._identity_path(given) == tmp_path / "k"
+    assert client_cli._identity_path(parser.parse_args(base)) == tmp_path / "home" / ".tally" / "dev-7.identity"
