@@ -67,7 +67,8 @@ class StreamEnd:
 # A plain session (benchmarks only) waits in this server phase for its devices to join; the window
 # lasts as long as AdvertiseKeys would in a secure session.
 JOIN = "join"
-_DEADLINE_OF = {JOIN: "advertise_keys"}
+# The share-checking phases run within the ShareKeys budget (no deadline of their own on the wire).
+_DEADLINE_OF = {JOIN: "advertise_keys", "share_complaints": "share_keys", "justify": "share_keys"}
 
 DeviceQueue = asyncio.Queue  # of secagg_pb2.AggregatorToDevice, then one StreamEnd
 Routed = list[tuple[int, secagg_pb2.AggregatorToDevice]]

@@ -526,9 +526,10 @@ def test_planned_dropout_leaves_in_its_phase_and_the_others_sum_is_exact(phase):
     expected_sent = {
         "advertise_keys": set(),
         "share_keys": {"AdvertiseKeys"},
-        "masked_input": {"AdvertiseKeys", "ShareKeysResponse"},
-        "consistency_check": {"AdvertiseKeys", "ShareKeysResponse", "MaskedInputResponse"},
-        "unmask": {"AdvertiseKeys", "ShareKeysResponse", "MaskedInputResponse", "ConsistencyCheckResponse"},
+        "masked_input": {"AdvertiseKeys", "ShareKeysResponse", "ShareComplaints"},
+        "consistency_check": {"AdvertiseKeys", "ShareKeysResponse", "ShareComplaints", "MaskedInputResponse"},
+        "unmask": {"AdvertiseKeys", "ShareKeysResponse", "ShareComplaints", "MaskedInputResponse",
+                   "ConsistencyCheckResponse"},
     }[phase]
     assert sent_by_2 == expected_sent
     result = aggregator.server.results["update"]

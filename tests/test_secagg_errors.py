@@ -21,6 +21,7 @@ from tally.secagg.client import SecAggClient
 from tally.secagg.messages import (
     AdvertiseKeys,
     MaskedInputResponse,
+    ShareComplaints,
     ShareDelivery,
     ShareKeysResponse,
     UnmaskRequest,
@@ -74,7 +75,8 @@ def test_replayed_and_stale_messages_are_rejected_and_the_sums_stay_exact():
     adverts = s.step()
     with pytest.raises(OutOfPhase):
         s.server.receive(adverts[0])  # replayed after its phase closed
-    s.step()  # share keys -> masked input of sum a
+    s.step()  # share keys -> deliveries
+    s.step()  # no complaints -> masked input of sum a
     masked_a = list(s.pending)
     s.step()
     # Replaying sum a's masked input while sum a is in Unmask.
@@ -123,6 +125,11 @@ def test_out_of_phase_unknown_and_malformed_messages():
     assert isinstance(shares, ShareKeysResponse)
     with pytest.raises(MalformedMessage, match="one share per sum"):
         s.server.receive(dataclasses.replace(shares, shares=shares.shares[1:]))
+    with pytest.raises(MalformedMessage, match="one check of"):
+        s.server.receive(dataclasses.replace(shares, checks=shares.checks[1:]))
+    s.step()
+    complaints = s.pending[0]
+    assert isinstance(complaints, ShareComplaints) and complaints.complaints == ()
     s.step()
     masked = s.pending[0]
     with pytest.raises(MalformedMessage, match="bytes"):
@@ -141,7 +148,7 @@ def test_unmask_answers_must_name_each_expected_owner_once_with_whole_shares():
     """Every way an Unmask answer can misname its owners or cut its shares is refused with the
     reason; the same shares in another order are accepted and the sums stay exact."""
     s = Session()
-    for _ in range(3):
+    for _ in range(4):
         s.step()
     unmask = s.pending[0]
     assert isinstance(unmask, UnmaskResponse) and not unmask.key_owners and len(unmask.seed_owners) > 2
@@ -185,7 +192,7 @@ def test_device_rejects_stale_out_of_phase_and_tampered_messages():
     # The server forwards ShareDelivery; tamper with one ciphertext addressed to device 1.
     with pytest.raises(StaleMessage):
         client.receive(ShareDelivery(SessionRef("job", 2, "sess"), ()))
-    # Forge a delivery to device 1: a flipped bit fails authentication.
+    # A delivery that is not for device 1 is refused; the device stays intact.
     fresh = Session(n=5)
     fresh.step()
     held_back = []
@@ -196,18 +203,21 @@ def test_device_rejects_stale_out_of_phase_and_tampered_messages():
                 held_back.append(o.message)
             else:
                 fresh.pending += fresh.clients[o.recipient].receive(o.message)
-    deliveries = [m for m in held_back if isinstance(m, ShareDelivery)]
-    delivery = deliveries[0]
+    delivery = next(m for m in held_back if isinstance(m, ShareDelivery))
     share = delivery.shares[0]
+    misrouted = dataclasses.replace(delivery, shares=(dataclasses.replace(share, recipient=2),) + delivery.shares[1:])
+    with pytest.raises(MalformedMessage, match="not for me"):
+        fresh.clients[1].receive(misrouted)
+    unchecked = dataclasses.replace(delivery, shares=(dataclasses.replace(share, check=b""),) + delivery.shares[1:])
+    with pytest.raises(MalformedMessage, match="wrong size"):
+        fresh.clients[1].receive(unchecked)
+    # A flipped ciphertext bit is no reason to abort: the device complains about that share.
     flipped = bytes([share.ciphertext[0] ^ 1]) + share.ciphertext[1:]
-    forged = dataclasses.replace(
-        delivery, shares=(dataclasses.replace(share, ciphertext=flipped),) + delivery.shares[1:]
-    )
-    with pytest.raises(MalformedMessage, match="authentication"):
-        fresh.clients[1].receive(forged)
-    # The untampered delivery is still accepted: a rejected message leaves the device intact.
-    assert fresh.clients[1].receive(delivery) == []
-    assert fresh.clients[1].phase == "masked_input"
+    forged = dataclasses.replace(delivery, shares=(dataclasses.replace(share, ciphertext=flipped),) + delivery.shares[1:])
+    [answer] = fresh.clients[1].receive(forged)
+    assert isinstance(answer, ShareComplaints)
+    assert [(c.dealer, c.holder) for c in answer.complaints] == [(share.sender, 1)]
+    assert fresh.clients[1].phase == "share_verdict"
 
 
 def test_advertise_keys_message_type_checked():

@@ -23,21 +23,28 @@ from tally.secagg.messages import (
     ConsistencyCheckRequest,
     ConsistencyCheckResponse,
     EncryptedShare,
+    JustifyRequest,
+    JustifyResponse,
     MaskedInputRequest,
     MaskedInputResponse,
     NeighbourKeys,
+    RevealedShareKey,
     SessionAborted,
     SessionRef,
+    ShareCheck,
+    ShareComplaint,
+    ShareComplaints,
     ShareDelivery,
     ShareKeysRequest,
     ShareKeysResponse,
+    ShareVerdict,
     SumPublicKeys,
     SumResult,
     SumSpec,
     UnmaskRequest,
     UnmaskResponse,
 )
-from tally.secagg import shamir
+from tally.secagg import shamir, sharecheck
 from tally.secagg.params import GraphParams
 from secagg_helpers import lax_client, roster
 from tally.secagg.wire import SHARE_CIPHERTEXT_BYTES
@@ -152,7 +159,11 @@ key = fixed(32)
 signature = fixed(64)
 refs = st.builds(SessionRef, ids, st.integers(0, 2**63 - 1), ids)
 sum_keys = st.builds(SumPublicKeys, ids, key, key, key)
-shares = st.builds(EncryptedShare, ids, index, index, fixed(SHARE_CIPHERTEXT_BYTES))
+shares = st.builds(EncryptedShare, ids, index, index, fixed(SHARE_CIPHERTEXT_BYTES),
+                   st.one_of(st.just(b""), fixed(sharecheck.CHECK_BYTES)))
+checks = st.builds(ShareCheck, ids, blob)
+complaints = st.builds(ShareComplaint, ids, index, index, signature)
+revealed = st.builds(RevealedShareKey, ids, index, index, key)
 # Owners and one share per owner, as one block.
 owned = st.integers(0, 5).flatmap(lambda m: st.tuples(st.lists(index, min_size=m, max_size=m).map(tuple),
                                                        fixed(m * shamir.SHARE_BYTES)))
@@ -164,7 +175,9 @@ def tuples(strategy, **kw):
 
 CLIENT_MESSAGES = {
     AdvertiseKeys: st.builds(AdvertiseKeys, refs, index, tuples(sum_keys), signature),
-    ShareKeysResponse: st.builds(ShareKeysResponse, refs, index, tuples(shares)),
+    ShareKeysResponse: st.builds(ShareKeysResponse, refs, index, tuples(shares), tuples(checks)),
+    ShareComplaints: st.builds(ShareComplaints, refs, index, tuples(complaints)),
+    JustifyResponse: st.builds(JustifyResponse, refs, index, tuples(revealed)),
     MaskedInputResponse: st.builds(MaskedInputResponse, refs, ids, index, st.binary(max_size=512)),
     ConsistencyCheckResponse: st.builds(ConsistencyCheckResponse, refs, ids, index, signature),
     UnmaskResponse: st.builds(lambda ref, sum_id, sender, seeds, keys: UnmaskResponse(ref, sum_id, sender, *seeds, *keys),
@@ -174,6 +187,8 @@ neighbours = st.builds(NeighbourKeys, index, tuples(sum_keys), signature)
 SERVER_MESSAGES = {
     ShareKeysRequest: st.builds(ShareKeysRequest, refs, tuples(neighbours)),
     ShareDelivery: st.builds(ShareDelivery, refs, tuples(shares)),
+    JustifyRequest: st.builds(JustifyRequest, refs, tuples(complaints)),
+    ShareVerdict: st.builds(ShareVerdict, refs, tuples(index), tuples(revealed)),
     MaskedInputRequest: st.builds(MaskedInputRequest, refs, ids),
     ConsistencyCheckRequest: st.builds(ConsistencyCheckRequest, refs, ids, tuples(index)),
     UnmaskRequest: st.builds(
@@ -211,6 +226,9 @@ VALUES = {
     SessionConfig: session_configs(),
     SumPublicKeys: sum_keys,
     EncryptedShare: shares,
+    ShareCheck: checks,
+    ShareComplaint: complaints,
+    RevealedShareKey: revealed,
     NeighbourKeys: neighbours,
     **CLIENT_MESSAGES,
     **SERVER_MESSAGES,
@@ -442,7 +460,7 @@ REF = secagg_pb2.SessionRef(job_id="j", round=1, session_id="s")
      r"UnmaskResponse\.key_shares must be 36 bytes per owner in key_owners \(2\), got 36"),
     (secagg_pb2.ShareKeysResponse(ref=REF, sender=1, shares=[
         secagg_pb2.EncryptedShare(sum_id="a", sender=1, recipient=2, ciphertext=bytes(10))]),
-     r"EncryptedShare\.ciphertext must be 88 bytes"),
+     r"EncryptedShare\.ciphertext must be 100 bytes"),
     (secagg_pb2.MaskedInputRequest(ref=REF, sum_id="x" * 257), r"sum_id: at most 256 characters"),
     (secagg_pb2.DeviceToAggregator(), r"DeviceToAggregator carries no message"),
     (secagg_pb2.AggregatorToDevice(), r"AggregatorToDevice carries no message"),

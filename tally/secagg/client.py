@@ -21,7 +21,7 @@ from typing import NoReturn
 import numpy as np
 
 from tally.codec import pack, ring_dtype, ring_mask
-from tally.secagg import crypto, shamir
+from tally.secagg import crypto, shamir, sharecheck
 from tally.secagg.config import SessionConfig
 from tally.secagg.errors import (
     DuplicateMessage,
@@ -37,13 +37,20 @@ from tally.secagg.messages import (
     ConsistencyCheckRequest,
     ConsistencyCheckResponse,
     EncryptedShare,
+    JustifyRequest,
+    JustifyResponse,
     MaskedInputRequest,
     MaskedInputResponse,
     NeighbourKeys,
     ServerMessage,
+    RevealedShareKey,
+    ShareCheck,
+    ShareComplaint,
+    ShareComplaints,
     ShareDelivery,
     ShareKeysRequest,
     ShareKeysResponse,
+    ShareVerdict,
     SumPublicKeys,
     UnmaskRequest,
     UnmaskResponse,
@@ -69,6 +76,13 @@ class _SumSecrets:
         self.pair_keys: dict[int, bytes] = {}  # neighbour -> pairwise mask AES key
         self.cipher_secrets: dict[int, bytes] = {}  # neighbour -> X25519 secret for shares
         self.held: dict[int, tuple[bytes, bytes]] = {}  # neighbour -> (key share, seed share)
+        # As dealer: the ciphertext sent to each holder and the check published for them, so a
+        # complaint can be judged against what was really sent.
+        self.dealt: dict[int, bytes] = {}
+        self.check_digest = b""
+        self.check_polynomials = np.zeros((0, 0), dtype=np.uint64)
+        # As holder: the share material each complaint was about, until the verdict settles it.
+        self.complained: dict[int, tuple[bytes, bytes]] = {}
 
 
 class SecAggClient:
@@ -224,32 +238,55 @@ class _AwaitShareKeysRequest(_Phase):
         xs = np.array(sorted(indices), dtype=np.int64)
         by_index = {nb.index: nb for nb in message.neighbours}
         shares_out: list[EncryptedShare] = []
+        checks: list[ShareCheck] = []
         for position, spec in enumerate(config.sums):
-            context = config.ref.context(spec.sum_id)
             secrets = client.secrets[spec.sum_id]
-            shares = shamir.share([secrets.mask.private, secrets.seed], config.threshold, xs)
-            # One row per holder: its key share then its seed share, as the wire lays them out.
-            rows = np.ascontiguousarray(shares.astype("<u4").transpose(1, 0, 2)).reshape(len(xs), -1)
-            for h, j in enumerate(xs.tolist()):
-                keys = by_index[j].keys[position]
-                try:
-                    cipher_secret = secrets.cipher.agree(keys.cipher_public)
-                    mask_secret = secrets.mask.agree(keys.mask_public)
-                except crypto.CryptoError as exc:
-                    raise MalformedMessage(f"neighbour {j}'s keys for sum {spec.sum_id!r}: {exc}") from None
-                secrets.cipher_secrets[j] = cipher_secret
-                secrets.pair_keys[j] = crypto.pairwise_mask_key(mask_secret, context)
-                plaintext = rows[h].tobytes()
-                key = crypto.share_key(cipher_secret, context, client.index, j)
-                ad = share_associated_data(config.ref, spec.sum_id, client.index, j)
-                shares_out.append(
-                    EncryptedShare(spec.sum_id, client.index, j, crypto.seal(key, plaintext, ad))
-                )
-        response = ShareKeysResponse(config.ref, client.index, tuple(shares_out))
+            shares_out += self._deal(spec.sum_id, position, secrets, xs, by_index)
+            checks.append(ShareCheck(spec.sum_id, secrets.check_polynomials.astype("<u4").tobytes()))
+        response = ShareKeysResponse(config.ref, client.index, tuple(shares_out), tuple(checks))
         return client._move(_AwaitShareDelivery(client, frozenset(indices)), [response])
+
+    def _deal(self, sum_id: str, position: int, secrets: _SumSecrets, xs: np.ndarray,
+              by_index: dict[int, NeighbourKeys]) -> list[EncryptedShare]:
+        """Shares of this sum's mask key and seed for each neighbour, with the blinding values
+        the check needs, encrypted for it; then the check polynomials over all ciphertexts."""
+        client = self.client
+        config = client.config
+        context = config.ref.context(sum_id)
+        t = config.threshold
+        secret_polynomials = shamir.polynomials([secrets.mask.private, secrets.seed], t)
+        blinding = shamir.random_polynomials(sharecheck.ROWS, t)
+        shares = shamir.evaluate(secret_polynomials, xs)  # (2, holders, chunks)
+        blinds = shamir.evaluate(blinding[:, :, None], xs)[:, :, 0]  # (rows, holders)
+        # One row per holder: its key share, its seed share, its blinding values.
+        rows = np.concatenate([shares.transpose(1, 0, 2).reshape(len(xs), -1), blinds.T], axis=1)
+        rows = np.ascontiguousarray(rows.astype("<u4"))
+        out = []
+        for h, j in enumerate(xs.tolist()):
+            keys = by_index[j].keys[position]
+            try:
+                cipher_secret = secrets.cipher.agree(keys.cipher_public)
+                mask_secret = secrets.mask.agree(keys.mask_public)
+            except crypto.CryptoError as exc:
+                raise MalformedMessage(f"neighbour {j}'s keys for sum {sum_id!r}: {exc}") from None
+            secrets.cipher_secrets[j] = cipher_secret
+            secrets.pair_keys[j] = crypto.pairwise_mask_key(mask_secret, context)
+            key = crypto.share_key(cipher_secret, context, client.index, j)
+            ad = share_associated_data(config.ref, sum_id, client.index, j)
+            ciphertext = crypto.seal(key, rows[h].tobytes(), ad)
+            secrets.dealt[j] = ciphertext
+            out.append(EncryptedShare(sum_id, client.index, j, ciphertext))
+        secrets.check_digest = sharecheck.digest(config.ref, sum_id, client.index, list(secrets.dealt.values()))
+        c = sharecheck.challenge(secrets.check_digest)
+        secrets.check_polynomials = sharecheck.check_polynomials(secret_polynomials, blinding, c)
+        return out
 
 
 class _AwaitShareDelivery(_Phase):
+    """Checks every delivered share against its dealer's check and answers with a signed
+    complaint for each that fails to decrypt or check. It never aborts over one dealer's bad
+    share, nor drops that dealer on its own: the verdict decides for every device at once."""
+
     name = "share_keys"
     accepts = ShareDelivery
 
@@ -261,40 +298,128 @@ class _AwaitShareDelivery(_Phase):
         client = self.client
         config = client.config
         senders: dict[str, set[int]] = {spec.sum_id: set() for spec in config.sums}
+        complaints: list[ShareComplaint] = []
         for share in message.shares:
             if share.recipient != client.index or share.sender not in self.keyed:
                 raise MalformedMessage(f"share from {share.sender} to {share.recipient} is not for me")
             if share.sum_id not in senders or share.sender in senders[share.sum_id]:
                 raise MalformedMessage(f"unexpected or repeated share for sum {share.sum_id!r}")
-            if len(share.ciphertext) != SHARE_CIPHERTEXT_BYTES:
-                raise MalformedMessage("share ciphertext has the wrong size")
-            secrets = client.secrets[share.sum_id]
-            context = config.ref.context(share.sum_id)
-            key = crypto.share_key(secrets.cipher_secrets[share.sender], context, share.sender, client.index)
-            ad = share_associated_data(config.ref, share.sum_id, share.sender, client.index)
-            try:
-                plaintext = crypto.open_sealed(key, share.ciphertext, ad)
-            except crypto.CryptoError as exc:
-                raise MalformedMessage(f"share from {share.sender}: {exc}") from exc
-            half = shamir.SHARE_BYTES
-            secrets.held[share.sender] = (plaintext[:half], plaintext[half:])
+            if len(share.ciphertext) != SHARE_CIPHERTEXT_BYTES or len(share.check) != sharecheck.CHECK_BYTES:
+                raise MalformedMessage("share ciphertext or check has the wrong size")
             senders[share.sum_id].add(share.sender)
+            secrets = client.secrets[share.sum_id]
+            key = crypto.share_key(secrets.cipher_secrets[share.sender], config.ref.context(share.sum_id),
+                                   share.sender, client.index)
+            plaintext = _open_share(config, share, key)
+            if plaintext is None:
+                secrets.complained[share.sender] = (share.ciphertext, share.check)
+                statement = sharecheck.complaint_statement(
+                    config.ref, share.sum_id, share.sender, client.index, share.ciphertext, share.check)
+                complaints.append(ShareComplaint(share.sum_id, share.sender, client.index,
+                                                 client.identity.sign(statement)))
+            else:
+                secrets.held[share.sender] = plaintext
         if len({frozenset(s) for s in senders.values()}) > 1:
             raise MalformedMessage("shares of different sums came from different neighbours")
-        delivered = len(next(iter(senders.values())))
-        if delivered < config.threshold:
-            # Fewer than t holders: the server could rebuild nothing of ours, but with fewer
-            # pairwise masks than the threshold assumes our input would be exposed.
-            client._refuse(
-                f"only {delivered} of my neighbours' shares were delivered, below the threshold "
-                f"{config.threshold}: refusing to send my input"
-            )
-        # Pairwise masks only with neighbours that finished ShareKeys: exactly the
-        # devices whose masks the server can remove if they drop later.
+        delivered = frozenset(next(iter(senders.values())))
+        _require_holders(client, len(delivered), "of my neighbours' shares were delivered")
+        response = ShareComplaints(config.ref, client.index, tuple(complaints))
+        return client._move(_AwaitShareVerdict(client, delivered), [response])
+
+
+def _open_share(config: SessionConfig, share: EncryptedShare, key: bytes) -> tuple[bytes, bytes] | None:
+    """(key share, seed share) of a share that decrypts under ``key`` and passes its check."""
+    ad = share_associated_data(config.ref, share.sum_id, share.sender, share.recipient)
+    try:
+        plaintext = crypto.open_sealed(key, share.ciphertext, ad)
+    except crypto.CryptoError:
+        return None
+    if not sharecheck.passes(plaintext, share.check):
+        return None
+    half = shamir.SHARE_BYTES
+    return plaintext[:half], plaintext[half : 2 * half]
+
+
+def _require_holders(client: SecAggClient, count: int, what: str) -> None:
+    if count < client.config.threshold:
+        # Fewer than t holders: the server could rebuild nothing of ours, but with fewer
+        # pairwise masks than the threshold assumes our input would be exposed.
+        client._refuse(
+            f"only {count} {what}, below the threshold {client.config.threshold}: refusing to send my input"
+        )
+
+
+class _AwaitShareVerdict(_Phase):
+    """Until the verdict: a dealer answers complaints about its genuine shares with their keys
+    (the complainer is lying or this device is faulty; either way the share is already the
+    complainer's); then the excluded dealers are treated as never having shared, and this
+    device's complaints must each be settled by an exclusion or a key that opens a good share."""
+
+    name = "share_verdict"
+    accepts = (JustifyRequest, ShareVerdict)
+
+    def __init__(self, client: SecAggClient, delivered: frozenset[int]) -> None:
+        super().__init__(client)
+        self.delivered = delivered
+
+    def on(self, message: JustifyRequest | ShareVerdict) -> list[ClientMessage]:
+        if isinstance(message, JustifyRequest):
+            return self._justify(message)
+        client = self.client
+        config = client.config
+        excluded = _ascending(tuple(message.excluded), config.n, "the excluded dealers")
+        excluded = frozenset(excluded.tolist())
+        if not excluded <= self.delivered:
+            raise MalformedMessage("the verdict excludes devices that did not deal me shares")
+        settled: dict[tuple[str, int], bytes] = {}
+        for reveal in message.keys:
+            if reveal.holder != client.index or reveal.sum_id not in client.secrets:
+                raise MalformedMessage("the verdict settles a complaint that is not mine")
+            settled[(reveal.sum_id, reveal.dealer)] = reveal.key
         for spec in config.sums:
             secrets = client.secrets[spec.sum_id]
+            for dealer, (ciphertext, check) in secrets.complained.items():
+                if dealer in excluded:
+                    continue
+                key = settled.pop((spec.sum_id, dealer), None)
+                opened = None if key is None else _open_share(
+                    config, EncryptedShare(spec.sum_id, dealer, client.index, ciphertext, check), key)
+                if opened is None:
+                    raise MalformedMessage(f"my complaint about device {dealer}'s share was not settled")
+                secrets.held[dealer] = opened
+            secrets.complained.clear()
+            for dealer in excluded:
+                secrets.held.pop(dealer, None)
+            # Pairwise masks only with neighbours that shared and were not excluded: exactly
+            # the devices whose masks the server can remove if they drop later.
             secrets.pair_keys = {j: k for j, k in secrets.pair_keys.items() if j in secrets.held}
+        if settled:
+            raise MalformedMessage("the verdict settles complaints I did not make")
+        _require_holders(client, len(self.delivered - excluded), "neighbours' shares remain after exclusions")
         return client._move(_AwaitMaskedInputRequest(client, 0), [])
+
+    def _justify(self, message: JustifyRequest) -> list[ClientMessage]:
+        client = self.client
+        config = client.config
+        keys = []
+        for complaint in message.complaints:
+            secrets = client.secrets.get(complaint.sum_id)
+            if complaint.dealer != client.index or secrets is None or complaint.holder not in secrets.dealt:
+                raise MalformedMessage("a complaint to justify is not about a share I dealt")
+            holder = complaint.holder
+            check = sharecheck.check_bytes(
+                secrets.check_digest, sharecheck.evaluate_rows(secrets.check_polynomials[None], np.array([[holder]]))[0, 0])
+            statement = sharecheck.complaint_statement(
+                config.ref, complaint.sum_id, client.index, holder, secrets.dealt[holder], check)
+            if not crypto.verify_signature(config.identity(holder), complaint.signature, statement):
+                # Device ``holder`` never complained about what this device sent: the server
+                # altered the delivery or forged the complaint, and a key would open an honest
+                # holder's share to it.
+                raise MalformedMessage(f"complaint of device {holder} is not about the share I sent it")
+            context = config.ref.context(complaint.sum_id)
+            keys.append(RevealedShareKey(complaint.sum_id, client.index, holder, crypto.share_key(
+                secrets.cipher_secrets[holder], context, client.index, holder)))
+        return [JustifyResponse(config.ref, client.index, tuple(keys))]
 
 
 class _AwaitMaskedInputRequest(_Phase):

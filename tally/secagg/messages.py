@@ -70,6 +70,17 @@ class EncryptedShare:
     sender: int
     recipient: int
     ciphertext: bytes
+    # Empty from the dealer; on delivery, the dealer's ciphertext digest and its check values at
+    # the recipient (``tally.secagg.sharecheck``).
+    check: bytes = b""
+
+
+@dataclass(frozen=True)
+class ShareCheck:
+    """A dealer's check polynomials for one sum, ``ROWS`` x t little-endian field elements."""
+
+    sum_id: str
+    coefficients: bytes
 
 
 @dataclass(frozen=True)
@@ -77,6 +88,43 @@ class ShareKeysResponse:
     ref: SessionRef
     sender: int
     shares: tuple[EncryptedShare, ...]
+    checks: tuple[ShareCheck, ...] = ()
+
+
+@dataclass(frozen=True)
+class ShareComplaint:
+    """A holder's signed claim that ``dealer``'s share of one sum fails to decrypt or check."""
+
+    sum_id: str
+    dealer: int
+    holder: int
+    signature: bytes
+
+
+@dataclass(frozen=True)
+class ShareComplaints:
+    """Every device answers its delivery, with no complaint when all its shares check."""
+
+    ref: SessionRef
+    sender: int
+    complaints: tuple[ShareComplaint, ...]
+
+
+@dataclass(frozen=True)
+class RevealedShareKey:
+    """The key of one share's ciphertext, revealed by its dealer against a complaint."""
+
+    sum_id: str
+    dealer: int
+    holder: int
+    key: bytes
+
+
+@dataclass(frozen=True)
+class JustifyResponse:
+    ref: SessionRef
+    sender: int
+    keys: tuple[RevealedShareKey, ...]
 
 
 @dataclass(frozen=True)
@@ -113,6 +161,8 @@ class UnmaskResponse:
 ClientMessage = (
     AdvertiseKeys
     | ShareKeysResponse
+    | ShareComplaints
+    | JustifyResponse
     | MaskedInputResponse
     | ConsistencyCheckResponse
     | UnmaskResponse
@@ -145,6 +195,24 @@ class ShareDelivery:
 
 
 @dataclass(frozen=True)
+class JustifyRequest:
+    """The complaints against this dealer: it answers each with the share's key, or is excluded."""
+
+    ref: SessionRef
+    complaints: tuple[ShareComplaint, ...]
+
+
+@dataclass(frozen=True)
+class ShareVerdict:
+    """Sent to every device before any masked input: the dealers excluded for everyone (treated
+    as never having shared), and the keys that settle this device's own complaints."""
+
+    ref: SessionRef
+    excluded: tuple[int, ...]
+    keys: tuple[RevealedShareKey, ...]
+
+
+@dataclass(frozen=True)
 class MaskedInputRequest:
     ref: SessionRef
     sum_id: str
@@ -174,6 +242,8 @@ class Abort:
 ServerMessage = (
     ShareKeysRequest
     | ShareDelivery
+    | JustifyRequest
+    | ShareVerdict
     | MaskedInputRequest
     | ConsistencyCheckRequest
     | UnmaskRequest

@@ -15,13 +15,14 @@ the other holders, and its sender is recorded in ``misbehaving``.
 from __future__ import annotations
 
 import abc
+import dataclasses
 from collections.abc import Iterable
 
 import numpy as np
 
 from tally.codec import ring_mask
 from tally.codec.packing import PackedSum
-from tally.secagg import crypto, shamir
+from tally.secagg import crypto, shamir, sharecheck
 from tally.secagg.config import SessionConfig
 from tally.secagg.errors import (
     DuplicateMessage,
@@ -37,14 +38,21 @@ from tally.secagg.messages import (
     ClientMessage,
     ConsistencyCheckRequest,
     ConsistencyCheckResponse,
+    EncryptedShare,
+    JustifyRequest,
+    JustifyResponse,
     MaskedInputRequest,
     MaskedInputResponse,
     NeighbourKeys,
     Outgoing,
+    RevealedShareKey,
     SessionAborted,
+    ShareComplaint,
+    ShareComplaints,
     ShareDelivery,
     ShareKeysRequest,
     ShareKeysResponse,
+    ShareVerdict,
     SumResult,
     UnmaskRequest,
     UnmaskResponse,
@@ -56,6 +64,7 @@ from tally.secagg.wire import (
     advertise_statement,
     consistency_message,
     device_list,
+    share_associated_data,
 )
 
 
@@ -80,6 +89,10 @@ class SecAggServer:
         self.lost: set[int] = set()
         # Devices caught sending wrong shares, and what they did: their shares are not trusted.
         self.misbehaving: dict[int, str] = {}
+        # Dealers excluded before any masked input, and why: for every device, they never shared.
+        self.excluded: dict[int, str] = {}
+        # Each holder's delivery, kept until the verdict to judge complaints about it.
+        self.deliveries: dict[int, ShareDelivery] = {}
         everyone = frozenset(range(1, config.n + 1))
         self._phase: _Phase = (
             _NotStarted(self, everyone) if config.plain else _AdvertiseKeysPhase(self, everyone)
@@ -317,10 +330,17 @@ class _ShareKeysPhase(_Phase):
         for share in message.shares:
             if share.sender != message.sender:
                 raise MalformedMessage("share sender does not match message sender")
-            if len(share.ciphertext) != SHARE_CIPHERTEXT_BYTES:
+            if len(share.ciphertext) != SHARE_CIPHERTEXT_BYTES or share.check:
                 raise MalformedMessage(
-                    f"share ciphertext must be {SHARE_CIPHERTEXT_BYTES} bytes"
+                    f"share ciphertext must be {SHARE_CIPHERTEXT_BYTES} bytes, with no check"
                 )
+        size = sharecheck.POLYNOMIAL_BYTES_PER_DEGREE * config.threshold
+        if tuple(c.sum_id for c in message.checks) != tuple(s.sum_id for s in config.sums) or any(
+                len(c.coefficients) != size for c in message.checks):
+            raise MalformedMessage(
+                f"device {message.sender} must send one check of {size} bytes per sum, in session order")
+        if any(np.any(np.frombuffer(c.coefficients, "<u4") >= shamir.P) for c in message.checks):
+            raise MalformedMessage(f"device {message.sender}: check coefficients must be below {shamir.P}")
 
     def close(self) -> list[Outgoing]:
         server = self.server
@@ -329,14 +349,139 @@ class _ShareKeysPhase(_Phase):
         if refused is not None:
             return refused
         server.sharers = u2
-        inbox: dict[int, list] = {j: [] for j in u2}
-        for sender in sorted(u2):
-            for share in self.received[sender].shares:
-                if share.recipient in inbox:
-                    inbox[share.recipient].append(share)
-        out = [Outgoing(j, ShareDelivery(server.config.ref, tuple(inbox[j]))) for j in sorted(u2)]
-        out += server._start_sum(0, u2)
-        return out
+        server.deliveries = _deliveries(server.config, {i: self.received[i] for i in sorted(u2)})
+        out = [Outgoing(j, server.deliveries[j]) for j in sorted(u2)]
+        return server._advance(_ComplaintsPhase(server, u2), out)
+
+
+def _deliveries(config: SessionConfig, responses: dict[int, ShareKeysResponse]) -> dict[int, ShareDelivery]:
+    """Each holder's shares, each with its dealer's ciphertext digest and check value at the
+    holder; the check polynomials are evaluated for all dealers of a sum at once."""
+    inbox: dict[int, list[EncryptedShare]] = {j: [] for j in responses}
+    for position, spec in enumerate(config.sums):
+        routed = {i: [s for s in r.shares if s.sum_id == spec.sum_id and s.recipient in inbox]
+                  for i, r in responses.items()}
+        for i in routed:
+            routed[i].sort(key=lambda share: share.recipient)
+        polynomials = np.stack([
+            np.frombuffer(r.checks[position].coefficients, "<u4").astype(np.uint64).reshape(sharecheck.ROWS, -1)
+            for r in responses.values()])
+        width = max(len(shares) for shares in routed.values())
+        xs = np.array([[s.recipient for s in shares] + [1] * (width - len(shares)) for shares in routed.values()])
+        values = sharecheck.evaluate_rows(polynomials, xs)
+        for row, (dealer, shares) in enumerate(routed.items()):
+            # Every share of the dealer, not only those delivered, is in its digest.
+            mine = sorted((s for s in responses[dealer].shares if s.sum_id == spec.sum_id),
+                          key=lambda share: share.recipient)
+            digest = sharecheck.digest(config.ref, spec.sum_id, dealer, [s.ciphertext for s in mine])
+            for column, share in enumerate(shares):
+                check = sharecheck.check_bytes(digest, values[row, column])
+                inbox[share.recipient].append(dataclasses.replace(share, check=check))
+    return {j: ShareDelivery(config.ref, tuple(shares)) for j, shares in inbox.items()}
+
+
+class _ComplaintsPhase(_Phase):
+    """Every holder answers its delivery; a complaint must be signed by its holder over the
+    share exactly as delivered (an honest server can check that, and the dealer will)."""
+
+    name = "share_complaints"
+    message_type = ShareComplaints
+
+    def validate(self, message: ShareComplaints) -> None:
+        server = self.server
+        delivered = {(s.sum_id, s.sender): s for s in server.deliveries[message.sender].shares}
+        seen = set()
+        for complaint in message.complaints:
+            share = delivered.get((complaint.sum_id, complaint.dealer))
+            if complaint.holder != message.sender or share is None or (complaint.sum_id, complaint.dealer) in seen:
+                raise MalformedMessage(
+                    f"device {message.sender} complains about a share it was not delivered, or twice")
+            seen.add((complaint.sum_id, complaint.dealer))
+            statement = sharecheck.complaint_statement(
+                server.config.ref, complaint.sum_id, complaint.dealer, complaint.holder, share.ciphertext, share.check)
+            if not crypto.verify_signature(server.config.identity(message.sender), complaint.signature, statement):
+                raise MalformedMessage(f"device {message.sender}: complaint not signed over the delivered share")
+
+    def close(self) -> list[Outgoing]:
+        server = self.server
+        answered = frozenset(self.received)
+        against: dict[int, list[ShareComplaint]] = {}
+        for message in self.received.values():
+            for complaint in message.complaints:
+                against.setdefault(complaint.dealer, []).append(complaint)
+        for dealer in sorted(set(against) - answered):
+            server.excluded[dealer] = "left before answering complaints about its shares"
+        accused = frozenset(against) & answered
+        if not accused:
+            return _verdict(server, answered, {})
+        justify = _JustifyPhase(server, accused, answered, against)
+        out = [Outgoing(j, JustifyRequest(server.config.ref, tuple(against[j]))) for j in sorted(accused)]
+        return server._advance(justify, out)
+
+
+class _JustifyPhase(_Phase):
+    """Each accused dealer reveals the key of every share complained about; the server opens
+    the share it delivered with it. A dealer that does not, or whose share fails, is excluded;
+    a complaint about a good share names its holder as misbehaving."""
+
+    name = "justify"
+    message_type = JustifyResponse
+
+    def __init__(self, server: SecAggServer, accused: frozenset[int], answered: frozenset[int],
+                 against: dict[int, list[ShareComplaint]]) -> None:
+        super().__init__(server, accused)
+        self.answered = answered
+        self.against = against
+        self.settled: dict[int, list[RevealedShareKey]] = {}
+
+    def validate(self, message: JustifyResponse) -> None:
+        wanted = [(c.sum_id, c.holder) for c in self.against[message.sender]]
+        got = [(k.sum_id, k.holder) for k in message.keys]
+        if got != wanted or any(k.dealer != message.sender or len(k.key) != crypto.KEY_BYTES for k in message.keys):
+            raise MalformedMessage(f"device {message.sender} must reveal one key per complaint, in order")
+
+    def record(self, message: JustifyResponse) -> None:
+        server = self.server
+        for reveal in message.keys:
+            delivered = {(s.sum_id, s.sender): s for s in server.deliveries[reveal.holder].shares}
+            share = delivered[(reveal.sum_id, reveal.dealer)]
+            ad = share_associated_data(server.config.ref, share.sum_id, share.sender, share.recipient)
+            try:
+                good = sharecheck.passes(crypto.open_sealed(reveal.key, share.ciphertext, ad), share.check)
+            except crypto.CryptoError:
+                good = False
+            if not good:
+                server.excluded[reveal.dealer] = f"its share for device {reveal.holder} fails its check"
+                return
+        for reveal in message.keys:
+            server.misbehaving[reveal.holder] = f"complained about a good share from device {reveal.dealer}"
+            self.settled.setdefault(reveal.holder, []).append(reveal)
+
+    def close(self) -> list[Outgoing]:
+        server = self.server
+        for dealer in sorted(self.expected - frozenset(self.received)):
+            server.excluded[dealer] = "did not answer complaints about its shares"
+        return _verdict(server, self.answered, self.settled)
+
+
+def _verdict(server: SecAggServer, answered: frozenset[int],
+             settled: dict[int, list[RevealedShareKey]]) -> list[Outgoing]:
+    """Every device learns the excluded dealers among its neighbours, and the keys settling its
+    complaints; then the first sum starts without the excluded devices."""
+    config = server.config
+    excluded = frozenset(server.excluded)
+    server.sharers -= excluded
+    alive = answered - excluded
+    server.deliveries = {}
+    refused = server._require(alive, "share_verdict", alive)
+    if refused is not None:
+        return refused
+    out = []
+    for i in sorted(alive):
+        named = tuple(j for j in config.neighbours(i).tolist() if j in excluded)
+        keys = tuple(k for k in settled.get(i, ()) if k.dealer not in excluded)
+        out.append(Outgoing(i, ShareVerdict(config.ref, named, keys)))
+    return out + server._start_sum(0, alive)
 
 
 class _SumPhase(_Phase):

@@ -99,19 +99,42 @@ def _check_holder_sets(xs: np.ndarray) -> np.ndarray:
 
 def share(secrets: Sequence[bytes], t: int, xs: np.ndarray) -> np.ndarray:
     """Shares of each secret for each holder, (S, len(xs), 9) uint64; any t of them recover it."""
+    x = holder_coordinates(xs, t)
+    return evaluate(polynomials(secrets, t), x)
+
+
+def holder_coordinates(xs: np.ndarray, t: int) -> np.ndarray:
+    """Validated x-coordinates of one sharing's holders: distinct, in [1, p), at least ``t``."""
     if np.ndim(xs) != 1:
         raise ValueError("holder x-coordinates must be a 1-d array")
     x = _check_holder_sets(np.asarray(xs)[None, :])[0]
     if not 1 <= t <= len(x):
         raise ValueError(f"threshold t={t} must lie in [1, {len(x)}] (the number of holders)")
-    secret_chunks = secrets_to_field(secrets)
-    coefficients = _random_field((t - 1, len(secret_chunks), CHUNKS))
-    x = x[None, :, None]
+    return x
+
+
+def polynomials(secrets: Sequence[bytes], t: int) -> np.ndarray:
+    """(S, t, 9) coefficients, constant term first: each chunk of each secret gets a random
+    polynomial of degree t - 1 whose value at 0 is that chunk. Kept whole (rather than only
+    evaluated) so the dealer can also publish a check polynomial derived from them."""
+    coefficients = _random_field((len(secrets), t, CHUNKS))
+    coefficients[:, 0, :] = secrets_to_field(secrets)
+    return coefficients
+
+
+def random_polynomials(count: int, t: int) -> np.ndarray:
+    """(count, t) uniformly random polynomials of degree < t (all coefficients random)."""
+    return _random_field((count, t))
+
+
+def evaluate(coefficients: np.ndarray, xs: np.ndarray) -> np.ndarray:
+    """Values of polynomials (..., t, C) at points ``xs`` (L,), as (..., L, C) mod p."""
+    x = np.asarray(xs, dtype=np.uint64)[:, None]
+    acc = np.zeros((*coefficients.shape[:-2], len(x), coefficients.shape[-1]), dtype=np.uint64)
     # Horner from the top coefficient; each step stays below 2^62 + 2^31 before the reduction.
-    acc = np.zeros((len(secret_chunks), x.shape[1], CHUNKS), dtype=np.uint64)
-    for c in coefficients[::-1]:
-        acc = (acc * x + c[:, None, :]) % _P
-    return (acc * x + secret_chunks[:, None, :]) % _P
+    for d in range(coefficients.shape[-2] - 1, -1, -1):
+        acc = (acc * x + coefficients[..., d, None, :]) % _P
+    return acc
 
 
 def share_to_bytes(arr: np.ndarray) -> bytes:

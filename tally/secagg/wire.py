@@ -8,13 +8,14 @@ from collections.abc import Iterable
 
 import numpy as np
 
-from tally.secagg import shamir
+from tally.secagg import shamir, sharecheck
 from tally.secagg.errors import MalformedMessage
 from tally.secagg.messages import SessionRef, SumPublicKeys
 
 GCM_TAG_BYTES = 16
-# A share message carries the mask-key share and the self-mask-seed share of one sum.
-SHARE_PLAINTEXT_BYTES = 2 * shamir.SHARE_BYTES
+# A share message carries the mask-key share and the self-mask-seed share of one sum, and the
+# holder's values of the dealer's blinding polynomials (``sharecheck``).
+SHARE_PLAINTEXT_BYTES = 2 * shamir.SHARE_BYTES + sharecheck.BLIND_BYTES
 SHARE_CIPHERTEXT_BYTES = SHARE_PLAINTEXT_BYTES + GCM_TAG_BYTES
 COMMITMENT_BYTES = 32
 

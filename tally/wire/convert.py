@@ -33,22 +33,29 @@ from tally.secagg.messages import (
     ConsistencyCheckRequest,
     ConsistencyCheckResponse,
     EncryptedShare,
+    JustifyRequest,
+    JustifyResponse,
     MaskedInputRequest,
     MaskedInputResponse,
     NeighbourKeys,
+    RevealedShareKey,
     ServerMessage,
     SessionAborted,
     SessionRef,
+    ShareCheck,
+    ShareComplaint,
+    ShareComplaints,
     ShareDelivery,
     ShareKeysRequest,
     ShareKeysResponse,
+    ShareVerdict,
     SumPublicKeys,
     SumResult,
     SumSpec,
     UnmaskRequest,
     UnmaskResponse,
 )
-from tally.secagg import crypto, shamir
+from tally.secagg import crypto, shamir, sharecheck
 from tally.secagg.params import GraphParams
 from tally.secagg.wire import COMMITMENT_BYTES, SHARE_CIPHERTEXT_BYTES
 from tally.wire.v1 import aggregator_pb2, common_pb2, secagg_pb2
@@ -224,16 +231,26 @@ def _advertise_keys_from(p: secagg_pb2.AdvertiseKeys) -> AdvertiseKeys:
 
 
 def _share_to(v: EncryptedShare, out: secagg_pb2.EncryptedShare) -> None:
-    out.sum_id, out.sender, out.recipient, out.ciphertext = (
-        v.sum_id, v.sender, v.recipient, v.ciphertext
+    out.sum_id, out.sender, out.recipient, out.ciphertext, out.check = (
+        v.sum_id, v.sender, v.recipient, v.ciphertext, v.check
     )
 
 
 def _share_from(p: secagg_pb2.EncryptedShare) -> EncryptedShare:
+    if len(p.check) not in (0, sharecheck.CHECK_BYTES):
+        raise WireError(f"{_name(p)}.check must be empty or {sharecheck.CHECK_BYTES} bytes, got {len(p.check)}")
     return EncryptedShare(
         _text(p, "sum_id"), _index(p, "sender"), _index(p, "recipient"),
-        _fixed(p, "ciphertext", SHARE_CIPHERTEXT_BYTES),
+        _fixed(p, "ciphertext", SHARE_CIPHERTEXT_BYTES), p.check,
     )
+
+
+def _share_check_to(v: ShareCheck, out: secagg_pb2.ShareCheck) -> None:
+    out.sum_id, out.coefficients = v.sum_id, v.coefficients
+
+
+def _share_check_from(p: secagg_pb2.ShareCheck) -> ShareCheck:
+    return ShareCheck(_text(p, "sum_id"), p.coefficients)
 
 
 def _share_keys_response_to(v: ShareKeysResponse, out: secagg_pb2.ShareKeysResponse) -> None:
@@ -241,10 +258,53 @@ def _share_keys_response_to(v: ShareKeysResponse, out: secagg_pb2.ShareKeysRespo
     out.sender = v.sender
     for share in v.shares:
         _share_to(share, out.shares.add())
+    for check in v.checks:
+        _share_check_to(check, out.checks.add())
 
 
 def _share_keys_response_from(p: secagg_pb2.ShareKeysResponse) -> ShareKeysResponse:
-    return ShareKeysResponse(_ref(p), _index(p, "sender"), tuple(map(_share_from, p.shares)))
+    return ShareKeysResponse(_ref(p), _index(p, "sender"), tuple(map(_share_from, p.shares)),
+                             tuple(map(_share_check_from, p.checks)))
+
+
+def _complaint_to(v: ShareComplaint, out: secagg_pb2.ShareComplaint) -> None:
+    out.sum_id, out.dealer, out.holder, out.signature = v.sum_id, v.dealer, v.holder, v.signature
+
+
+def _complaint_from(p: secagg_pb2.ShareComplaint) -> ShareComplaint:
+    return ShareComplaint(_text(p, "sum_id"), _index(p, "dealer"), _index(p, "holder"),
+                          _fixed(p, "signature", crypto.SIGNATURE_BYTES))
+
+
+def _complaints_to(v: ShareComplaints, out: secagg_pb2.ShareComplaints) -> None:
+    _session_ref_to(v.ref, out.ref)
+    out.sender = v.sender
+    for complaint in v.complaints:
+        _complaint_to(complaint, out.complaints.add())
+
+
+def _complaints_from(p: secagg_pb2.ShareComplaints) -> ShareComplaints:
+    return ShareComplaints(_ref(p), _index(p, "sender"), tuple(map(_complaint_from, p.complaints)))
+
+
+def _revealed_to(v: RevealedShareKey, out: secagg_pb2.RevealedShareKey) -> None:
+    out.sum_id, out.dealer, out.holder, out.key = v.sum_id, v.dealer, v.holder, v.key
+
+
+def _revealed_from(p: secagg_pb2.RevealedShareKey) -> RevealedShareKey:
+    return RevealedShareKey(_text(p, "sum_id"), _index(p, "dealer"), _index(p, "holder"),
+                            _fixed(p, "key", crypto.KEY_BYTES))
+
+
+def _justify_response_to(v: JustifyResponse, out: secagg_pb2.JustifyResponse) -> None:
+    _session_ref_to(v.ref, out.ref)
+    out.sender = v.sender
+    for key in v.keys:
+        _revealed_to(key, out.keys.add())
+
+
+def _justify_response_from(p: secagg_pb2.JustifyResponse) -> JustifyResponse:
+    return JustifyResponse(_ref(p), _index(p, "sender"), tuple(map(_revealed_from, p.keys)))
 
 
 def _masked_input_response_to(v: MaskedInputResponse, out: secagg_pb2.MaskedInputResponse) -> None:
@@ -337,6 +397,27 @@ def _share_delivery_from(p: secagg_pb2.ShareDelivery) -> ShareDelivery:
     return ShareDelivery(_ref(p), tuple(map(_share_from, p.shares)))
 
 
+def _justify_request_to(v: JustifyRequest, out: secagg_pb2.JustifyRequest) -> None:
+    _session_ref_to(v.ref, out.ref)
+    for complaint in v.complaints:
+        _complaint_to(complaint, out.complaints.add())
+
+
+def _justify_request_from(p: secagg_pb2.JustifyRequest) -> JustifyRequest:
+    return JustifyRequest(_ref(p), tuple(map(_complaint_from, p.complaints)))
+
+
+def _verdict_to(v: ShareVerdict, out: secagg_pb2.ShareVerdict) -> None:
+    _session_ref_to(v.ref, out.ref)
+    out.excluded.extend(v.excluded)
+    for key in v.keys:
+        _revealed_to(key, out.keys.add())
+
+
+def _verdict_from(p: secagg_pb2.ShareVerdict) -> ShareVerdict:
+    return ShareVerdict(_ref(p), _indices(p, "excluded"), tuple(map(_revealed_from, p.keys)))
+
+
 def _masked_input_request_to(v: MaskedInputRequest, out: secagg_pb2.MaskedInputRequest) -> None:
     _session_ref_to(v.ref, out.ref)
     out.sum_id = v.sum_id
@@ -394,6 +475,13 @@ _CODECS: dict[type, tuple[type[Message], Callable[[Any, Any], None], Callable[[A
     SumPublicKeys: (secagg_pb2.SumPublicKeys, _sum_keys_to, _sum_keys_from),
     AdvertiseKeys: (secagg_pb2.AdvertiseKeys, _advertise_keys_to, _advertise_keys_from),
     EncryptedShare: (secagg_pb2.EncryptedShare, _share_to, _share_from),
+    ShareCheck: (secagg_pb2.ShareCheck, _share_check_to, _share_check_from),
+    ShareComplaint: (secagg_pb2.ShareComplaint, _complaint_to, _complaint_from),
+    RevealedShareKey: (secagg_pb2.RevealedShareKey, _revealed_to, _revealed_from),
+    ShareComplaints: (secagg_pb2.ShareComplaints, _complaints_to, _complaints_from),
+    JustifyResponse: (secagg_pb2.JustifyResponse, _justify_response_to, _justify_response_from),
+    JustifyRequest: (secagg_pb2.JustifyRequest, _justify_request_to, _justify_request_from),
+    ShareVerdict: (secagg_pb2.ShareVerdict, _verdict_to, _verdict_from),
     ShareKeysResponse: (
         secagg_pb2.ShareKeysResponse, _share_keys_response_to, _share_keys_response_from
     ),
@@ -426,6 +514,8 @@ _DECODERS: dict[type[Message], Callable[[Any], Any]] = {
 _DEVICE_FIELDS: dict[type, str] = {
     AdvertiseKeys: "advertise_keys",
     ShareKeysResponse: "share_keys_response",
+    ShareComplaints: "share_complaints",
+    JustifyResponse: "justify_response",
     MaskedInputResponse: "masked_input_response",
     ConsistencyCheckResponse: "consistency_check_response",
     UnmaskResponse: "unmask_response",
@@ -434,6 +524,8 @@ _DEVICE_FIELDS: dict[type, str] = {
 _AGGREGATOR_FIELDS: dict[type, str] = {
     ShareKeysRequest: "share_keys_request",
     ShareDelivery: "share_delivery",
+    JustifyRequest: "justify_request",
+    ShareVerdict: "share_verdict",
     MaskedInputRequest: "masked_input_request",
     ConsistencyCheckRequest: "consistency_check_request",
     UnmaskRequest: "unmask_request",

@@ -89,26 +89,82 @@ class AdvertiseKeys(_message.Message):
     def __init__(self, ref: _Optional[_Union[SessionRef, _Mapping]] = ..., sender: _Optional[int] = ..., keys: _Optional[_Iterable[_Union[SumPublicKeys, _Mapping]]] = ..., signature: _Optional[bytes] = ...) -> None: ...
 
 class EncryptedShare(_message.Message):
-    __slots__ = ("sum_id", "sender", "recipient", "ciphertext")
+    __slots__ = ("sum_id", "sender", "recipient", "ciphertext", "check")
     SUM_ID_FIELD_NUMBER: _ClassVar[int]
     SENDER_FIELD_NUMBER: _ClassVar[int]
     RECIPIENT_FIELD_NUMBER: _ClassVar[int]
     CIPHERTEXT_FIELD_NUMBER: _ClassVar[int]
+    CHECK_FIELD_NUMBER: _ClassVar[int]
     sum_id: str
     sender: int
     recipient: int
     ciphertext: bytes
-    def __init__(self, sum_id: _Optional[str] = ..., sender: _Optional[int] = ..., recipient: _Optional[int] = ..., ciphertext: _Optional[bytes] = ...) -> None: ...
+    check: bytes
+    def __init__(self, sum_id: _Optional[str] = ..., sender: _Optional[int] = ..., recipient: _Optional[int] = ..., ciphertext: _Optional[bytes] = ..., check: _Optional[bytes] = ...) -> None: ...
+
+class ShareCheck(_message.Message):
+    __slots__ = ("sum_id", "coefficients")
+    SUM_ID_FIELD_NUMBER: _ClassVar[int]
+    COEFFICIENTS_FIELD_NUMBER: _ClassVar[int]
+    sum_id: str
+    coefficients: bytes
+    def __init__(self, sum_id: _Optional[str] = ..., coefficients: _Optional[bytes] = ...) -> None: ...
 
 class ShareKeysResponse(_message.Message):
-    __slots__ = ("ref", "sender", "shares")
+    __slots__ = ("ref", "sender", "shares", "checks")
     REF_FIELD_NUMBER: _ClassVar[int]
     SENDER_FIELD_NUMBER: _ClassVar[int]
     SHARES_FIELD_NUMBER: _ClassVar[int]
+    CHECKS_FIELD_NUMBER: _ClassVar[int]
     ref: SessionRef
     sender: int
     shares: _containers.RepeatedCompositeFieldContainer[EncryptedShare]
-    def __init__(self, ref: _Optional[_Union[SessionRef, _Mapping]] = ..., sender: _Optional[int] = ..., shares: _Optional[_Iterable[_Union[EncryptedShare, _Mapping]]] = ...) -> None: ...
+    checks: _containers.RepeatedCompositeFieldContainer[ShareCheck]
+    def __init__(self, ref: _Optional[_Union[SessionRef, _Mapping]] = ..., sender: _Optional[int] = ..., shares: _Optional[_Iterable[_Union[EncryptedShare, _Mapping]]] = ..., checks: _Optional[_Iterable[_Union[ShareCheck, _Mapping]]] = ...) -> None: ...
+
+class ShareComplaint(_message.Message):
+    __slots__ = ("sum_id", "dealer", "holder", "signature")
+    SUM_ID_FIELD_NUMBER: _ClassVar[int]
+    DEALER_FIELD_NUMBER: _ClassVar[int]
+    HOLDER_FIELD_NUMBER: _ClassVar[int]
+    SIGNATURE_FIELD_NUMBER: _ClassVar[int]
+    sum_id: str
+    dealer: int
+    holder: int
+    signature: bytes
+    def __init__(self, sum_id: _Optional[str] = ..., dealer: _Optional[int] = ..., holder: _Optional[int] = ..., signature: _Optional[bytes] = ...) -> None: ...
+
+class ShareComplaints(_message.Message):
+    __slots__ = ("ref", "sender", "complaints")
+    REF_FIELD_NUMBER: _ClassVar[int]
+    SENDER_FIELD_NUMBER: _ClassVar[int]
+    COMPLAINTS_FIELD_NUMBER: _ClassVar[int]
+    ref: SessionRef
+    sender: int
+    complaints: _containers.RepeatedCompositeFieldContainer[ShareComplaint]
+    def __init__(self, ref: _Optional[_Union[SessionRef, _Mapping]] = ..., sender: _Optional[int] = ..., complaints: _Optional[_Iterable[_Union[ShareComplaint, _Mapping]]] = ...) -> None: ...
+
+class RevealedShareKey(_message.Message):
+    __slots__ = ("sum_id", "dealer", "holder", "key")
+    SUM_ID_FIELD_NUMBER: _ClassVar[int]
+    DEALER_FIELD_NUMBER: _ClassVar[int]
+    HOLDER_FIELD_NUMBER: _ClassVar[int]
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    sum_id: str
+    dealer: int
+    holder: int
+    key: bytes
+    def __init__(self, sum_id: _Optional[str] = ..., dealer: _Optional[int] = ..., holder: _Optional[int] = ..., key: _Optional[bytes] = ...) -> None: ...
+
+class JustifyResponse(_message.Message):
+    __slots__ = ("ref", "sender", "keys")
+    REF_FIELD_NUMBER: _ClassVar[int]
+    SENDER_FIELD_NUMBER: _ClassVar[int]
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    ref: SessionRef
+    sender: int
+    keys: _containers.RepeatedCompositeFieldContainer[RevealedShareKey]
+    def __init__(self, ref: _Optional[_Union[SessionRef, _Mapping]] = ..., sender: _Optional[int] = ..., keys: _Optional[_Iterable[_Union[RevealedShareKey, _Mapping]]] = ...) -> None: ...
 
 class MaskedInputResponse(_message.Message):
     __slots__ = ("ref", "sum_id", "sender", "data", "offset", "more")
@@ -182,6 +238,24 @@ class ShareDelivery(_message.Message):
     shares: _containers.RepeatedCompositeFieldContainer[EncryptedShare]
     def __init__(self, ref: _Optional[_Union[SessionRef, _Mapping]] = ..., shares: _Optional[_Iterable[_Union[EncryptedShare, _Mapping]]] = ...) -> None: ...
 
+class JustifyRequest(_message.Message):
+    __slots__ = ("ref", "complaints")
+    REF_FIELD_NUMBER: _ClassVar[int]
+    COMPLAINTS_FIELD_NUMBER: _ClassVar[int]
+    ref: SessionRef
+    complaints: _containers.RepeatedCompositeFieldContainer[ShareComplaint]
+    def __init__(self, ref: _Optional[_Union[SessionRef, _Mapping]] = ..., complaints: _Optional[_Iterable[_Union[ShareComplaint, _Mapping]]] = ...) -> None: ...
+
+class ShareVerdict(_message.Message):
+    __slots__ = ("ref", "excluded", "keys")
+    REF_FIELD_NUMBER: _ClassVar[int]
+    EXCLUDED_FIELD_NUMBER: _ClassVar[int]
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    ref: SessionRef
+    excluded: _containers.RepeatedScalarFieldContainer[int]
+    keys: _containers.RepeatedCompositeFieldContainer[RevealedShareKey]
+    def __init__(self, ref: _Optional[_Union[SessionRef, _Mapping]] = ..., excluded: _Optional[_Iterable[int]] = ..., keys: _Optional[_Iterable[_Union[RevealedShareKey, _Mapping]]] = ...) -> None: ...
+
 class MaskedInputRequest(_message.Message):
     __slots__ = ("ref", "sum_id")
     REF_FIELD_NUMBER: _ClassVar[int]
@@ -253,23 +327,27 @@ class SessionDone(_message.Message):
     def __init__(self, sum_ids: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class DeviceToAggregator(_message.Message):
-    __slots__ = ("join", "advertise_keys", "share_keys_response", "masked_input_response", "consistency_check_response", "unmask_response")
+    __slots__ = ("join", "advertise_keys", "share_keys_response", "masked_input_response", "consistency_check_response", "unmask_response", "share_complaints", "justify_response")
     JOIN_FIELD_NUMBER: _ClassVar[int]
     ADVERTISE_KEYS_FIELD_NUMBER: _ClassVar[int]
     SHARE_KEYS_RESPONSE_FIELD_NUMBER: _ClassVar[int]
     MASKED_INPUT_RESPONSE_FIELD_NUMBER: _ClassVar[int]
     CONSISTENCY_CHECK_RESPONSE_FIELD_NUMBER: _ClassVar[int]
     UNMASK_RESPONSE_FIELD_NUMBER: _ClassVar[int]
+    SHARE_COMPLAINTS_FIELD_NUMBER: _ClassVar[int]
+    JUSTIFY_RESPONSE_FIELD_NUMBER: _ClassVar[int]
     join: Join
     advertise_keys: AdvertiseKeys
     share_keys_response: ShareKeysResponse
     masked_input_response: MaskedInputResponse
     consistency_check_response: ConsistencyCheckResponse
     unmask_response: UnmaskResponse
-    def __init__(self, join: _Optional[_Union[Join, _Mapping]] = ..., advertise_keys: _Optional[_Union[AdvertiseKeys, _Mapping]] = ..., share_keys_response: _Optional[_Union[ShareKeysResponse, _Mapping]] = ..., masked_input_response: _Optional[_Union[MaskedInputResponse, _Mapping]] = ..., consistency_check_response: _Optional[_Union[ConsistencyCheckResponse, _Mapping]] = ..., unmask_response: _Optional[_Union[UnmaskResponse, _Mapping]] = ...) -> None: ...
+    share_complaints: ShareComplaints
+    justify_response: JustifyResponse
+    def __init__(self, join: _Optional[_Union[Join, _Mapping]] = ..., advertise_keys: _Optional[_Union[AdvertiseKeys, _Mapping]] = ..., share_keys_response: _Optional[_Union[ShareKeysResponse, _Mapping]] = ..., masked_input_response: _Optional[_Union[MaskedInputResponse, _Mapping]] = ..., consistency_check_response: _Optional[_Union[ConsistencyCheckResponse, _Mapping]] = ..., unmask_response: _Optional[_Union[UnmaskResponse, _Mapping]] = ..., share_complaints: _Optional[_Union[ShareComplaints, _Mapping]] = ..., justify_response: _Optional[_Union[JustifyResponse, _Mapping]] = ...) -> None: ...
 
 class AggregatorToDevice(_message.Message):
-    __slots__ = ("joined", "share_keys_request", "share_delivery", "masked_input_request", "consistency_check_request", "unmask_request", "abort", "session_done")
+    __slots__ = ("joined", "share_keys_request", "share_delivery", "masked_input_request", "consistency_check_request", "unmask_request", "abort", "session_done", "justify_request", "share_verdict")
     JOINED_FIELD_NUMBER: _ClassVar[int]
     SHARE_KEYS_REQUEST_FIELD_NUMBER: _ClassVar[int]
     SHARE_DELIVERY_FIELD_NUMBER: _ClassVar[int]
@@ -278,6 +356,8 @@ class AggregatorToDevice(_message.Message):
     UNMASK_REQUEST_FIELD_NUMBER: _ClassVar[int]
     ABORT_FIELD_NUMBER: _ClassVar[int]
     SESSION_DONE_FIELD_NUMBER: _ClassVar[int]
+    JUSTIFY_REQUEST_FIELD_NUMBER: _ClassVar[int]
+    SHARE_VERDICT_FIELD_NUMBER: _ClassVar[int]
     joined: Joined
     share_keys_request: ShareKeysRequest
     share_delivery: ShareDelivery
@@ -286,4 +366,6 @@ class AggregatorToDevice(_message.Message):
     unmask_request: UnmaskRequest
     abort: Abort
     session_done: SessionDone
-    def __init__(self, joined: _Optional[_Union[Joined, _Mapping]] = ..., share_keys_request: _Optional[_Union[ShareKeysRequest, _Mapping]] = ..., share_delivery: _Optional[_Union[ShareDelivery, _Mapping]] = ..., masked_input_request: _Optional[_Union[MaskedInputRequest, _Mapping]] = ..., consistency_check_request: _Optional[_Union[ConsistencyCheckRequest, _Mapping]] = ..., unmask_request: _Optional[_Union[UnmaskRequest, _Mapping]] = ..., abort: _Optional[_Union[Abort, _Mapping]] = ..., session_done: _Optional[_Union[SessionDone, _Mapping]] = ...) -> None: ...
+    justify_request: JustifyRequest
+    share_verdict: ShareVerdict
+    def __init__(self, joined: _Optional[_Union[Joined, _Mapping]] = ..., share_keys_request: _Optional[_Union[ShareKeysRequest, _Mapping]] = ..., share_delivery: _Optional[_Union[ShareDelivery, _Mapping]] = ..., masked_input_request: _Optional[_Union[MaskedInputRequest, _Mapping]] = ..., consistency_check_request: _Optional[_Union[ConsistencyCheckRequest, _Mapping]] = ..., unmask_request: _Optional[_Union[UnmaskRequest, _Mapping]] = ..., abort: _Optional[_Union[Abort, _Mapping]] = ..., session_done: _Optional[_Union[SessionDone, _Mapping]] = ..., justify_request: _Optional[_Union[JustifyRequest, _Mapping]] = ..., share_verdict: _Optional[_Union[ShareVerdict, _Mapping]] = ...) -> None: ...
