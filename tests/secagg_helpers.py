@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import hashlib
+from collections.abc import Callable
 
 import numpy as np
 
@@ -13,15 +14,19 @@ from tally.secagg import (
     CohortRun,
     DevicePolicy,
     Dropout,
+    MalformedMessage,
     SecAggClient,
     SessionConfig,
+    SessionAbortedError,
     SessionRef,
     SigningKey,
     SumSpec,
     run_cohort,
     shamir,
 )
-from tally.secagg.messages import UnmaskResponse
+from tally.secagg.client import DealingFault
+from tally.secagg.messages import Outgoing, UnmaskResponse
+from tally.secagg.server import SecAggServer
 from tally.secagg.params import GraphParams
 
 # The protocol tests use thresholds below what a real device accepts (small t makes dropout
@@ -152,3 +157,63 @@ def with_shares(answer: UnmaskResponse, seeds=None, keys=None) -> UnmaskResponse
             fields[f"{kind}_owners"] = tuple(owner for owner, _ in given)
             fields[f"{kind}_shares"] = b"".join(share for _, share in given)
     return dataclasses.replace(answer, **fields)
+
+
+ServerHook = Callable[[Outgoing], Outgoing]
+ClientHook = Callable[[object], object]
+
+
+class Cohort:
+    """Real server and clients; ``tamper_server`` rewrites what the aggregator sends,
+    ``tamper_client`` what devices send; refusals are recorded, not raised."""
+
+    def __init__(self, config: SessionConfig, seed: int = 0, policy: DevicePolicy = LAX,
+                 server: SecAggServer | None = None, faults: dict[int, DealingFault] | None = None) -> None:
+        self.config = config
+        self.server = server or SecAggServer(config)
+        keys = identities(config.n)
+        faults = faults or {}
+        self.clients = {i: SecAggClient(config, i, keys[i], policy=policy, fault=faults.get(i))
+                        for i in range(1, config.n + 1)}
+        self.inputs = random_inputs(config, np.random.default_rng(seed))
+        for i, client in self.clients.items():
+            for sum_id, vector in self.inputs[i].items():
+                client.provide_input(sum_id, vector)
+        self.refused: dict[int, Exception] = {}
+        self.rejected: dict[int, Exception] = {}
+        self.sent: list[object] = []
+
+    def run(self, tamper_server: ServerHook = lambda o: o, tamper_client: ClientHook = lambda m: m) -> None:
+        pending = [m for c in self.clients.values() for m in c.start()]
+        while not self.server.finished:
+            while pending:
+                message = tamper_client(pending.pop(0))
+                self.sent.append(message)
+                try:
+                    out = self.server.receive(message)
+                except MalformedMessage as exc:
+                    self.rejected[message.sender] = exc
+                    continue
+                except Exception:  # late answers once the server has what it needs
+                    if self.server.finished:
+                        continue
+                    raise
+                pending += self._deliver(out, tamper_server)
+            if not self.server.finished:
+                pending += self._deliver(self.server.on_deadline(), tamper_server)
+
+    def _deliver(self, out: list[Outgoing], tamper: ServerHook) -> list[object]:
+        replies = []
+        for o in map(tamper, out):
+            if o.recipient in self.refused:
+                continue
+            try:
+                replies += self.clients[o.recipient].receive(o.message)
+            except (MalformedMessage, SessionAbortedError) as exc:
+                self.refused[o.recipient] = exc
+        return replies
+
+    def exact(self, sum_id: str, contributors) -> list[int]:
+        bits = self.config.sum_spec(sum_id).bits
+        total = sum(self.inputs[i][sum_id].astype(object) for i in contributors)
+        return [int(v) % (1 << bits) for v in total]

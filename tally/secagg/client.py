@@ -14,6 +14,7 @@ stops a server that shows different devices different survivor sets).
 from __future__ import annotations
 
 import abc
+import enum
 import os
 from collections.abc import Callable
 from typing import NoReturn
@@ -85,10 +86,19 @@ class _SumSecrets:
         self.complained: dict[int, tuple[bytes, bytes]] = {}
 
 
+class DealingFault(enum.Enum):
+    """How a corrupt dealer deals, for load tests and attack tests: shares that lie on no
+    polynomial (each holder's own share looks fine), or random bytes for its lowest neighbour.
+    Either way it then answers the complaints with its real keys, which convict it."""
+
+    INCONSISTENT = "inconsistent"
+    GARBAGE = "garbage"
+
+
 class SecAggClient:
     """``identity`` is the device's enrolled long-term key; ``policy`` what it accepts (checked
     before anything else); ``entropy`` the source of every session key and seed: os.urandom, or
-    a seeded source in tests that must be deterministic."""
+    a seeded source in tests that must be deterministic; ``fault`` makes it a corrupt dealer."""
 
     def __init__(
         self,
@@ -98,6 +108,7 @@ class SecAggClient:
         *,
         policy: DevicePolicy | None = None,
         entropy: Callable[[int], bytes] = os.urandom,
+        fault: DealingFault | None = None,
     ) -> None:
         if not 1 <= index <= config.n:
             raise ValueError(f"index {index} is outside the cohort 1..{config.n}")
@@ -105,6 +116,7 @@ class SecAggClient:
         self.config = config
         self.index = index
         self.identity = identity
+        self.fault = fault
         self.neighbours = frozenset(int(j) for j in config.neighbours(index))
         self.secrets = (
             {} if config.plain else {spec.sum_id: _SumSecrets(entropy) for spec in config.sums}
@@ -260,6 +272,9 @@ class _AwaitShareKeysRequest(_Phase):
         blinds = shamir.evaluate(blinding[:, :, None], xs)[:, :, 0]  # (rows, holders)
         # One row per holder: its key share, its seed share, its blinding values.
         rows = np.concatenate([shares.transpose(1, 0, 2).reshape(len(xs), -1), blinds.T], axis=1)
+        if client.fault is DealingFault.INCONSISTENT:  # the first chunk of the key and of the seed
+            columns = [0, shamir.CHUNKS]
+            rows[:, columns] = (rows[:, columns] + shamir.random_polynomials(len(xs), 2)) % shamir.P
         rows = np.ascontiguousarray(rows.astype("<u4"))
         out = []
         for h, j in enumerate(xs.tolist()):
@@ -274,6 +289,8 @@ class _AwaitShareKeysRequest(_Phase):
             key = crypto.share_key(cipher_secret, context, client.index, j)
             ad = share_associated_data(config.ref, sum_id, client.index, j)
             ciphertext = crypto.seal(key, rows[h].tobytes(), ad)
+            if client.fault is DealingFault.GARBAGE and h == 0:
+                ciphertext = os.urandom(len(ciphertext))
             secrets.dealt[j] = ciphertext
             out.append(EncryptedShare(sum_id, client.index, j, ciphertext))
         secrets.check_digest = sharecheck.digest(config.ref, sum_id, client.index, list(secrets.dealt.values()))
