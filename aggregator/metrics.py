@@ -83,7 +83,13 @@ class AggregatorMetrics:
         self.misbehaving_devices = Counter(
             "tally_aggregator_misbehaving_devices_total",
             "Devices caught sending shares that do not rebuild their owner's committed secret "
-            "(decoded around; the sum went on without trusting them)", registry=r,
+            "(decoded around; the sum went on without trusting them), or complaining about a "
+            "good share", registry=r,
+        )
+        self.excluded_devices = Counter(
+            "tally_aggregator_excluded_devices_total",
+            "Dealers excluded for every device before any masked input: their shares were proved "
+            "bad by their own key, or they left complaints about them unanswered", registry=r,
         )
         self.late_messages = Counter(
             "tally_aggregator_late_messages_total",

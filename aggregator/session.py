@@ -366,6 +366,11 @@ class Session:
             logs.event(log, "devices sent wrong shares", logging.WARNING,
                        devices={str(i): why for i, why in sorted(self.server.misbehaving.items())},
                        **self.log_fields)
+        if self.server.excluded:
+            self._metrics.excluded_devices.inc(len(self.server.excluded))
+            logs.event(log, "devices excluded", logging.WARNING,
+                       devices={str(i): why for i, why in sorted(self.server.excluded.items())},
+                       **self.log_fields)
         logs.event(log, "session finished", level=logging.INFO if outcome == COMPLETED
                    else logging.WARNING, outcome=outcome, reason=reason,
                    sums=sorted(self.server.results), **self.log_fields)

@@ -12,7 +12,8 @@ machines are one population and a run can be replayed::
     network: {uplink_mbps: 20, downlink_mbps: 50, bandwidth_sigma: 0.7, latency_ms: [20, 200]}
     dropout: {advertise_keys: 0.02, share_keys: 0.02, masked_input: 0.05, unmask: 0.01}
     churn: {leave_per_hour: 0.5}
-    misbehaviour: {late: 0.01, duplicate: 0.01, replay: 0.01, corrupt: 0.01, stall: 0.01}
+    misbehaviour: {late: 0.01, duplicate: 0.01, replay: 0.01, corrupt: 0.01, stall: 0.01,
+                   bad_shares: 0.01, garbage_share: 0.01}
 
 Bandwidth and latency are applied on the device side (a delay before each message it sends and
 after each it receives), so a fleet on one machine sees the session timings of a slow network
@@ -32,6 +33,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 from client_sdk.dropout import DEFAULT_PHASES
 from client_sdk.session import SessionEvents
+from tally.secagg import DealingFault
 
 Probability = Annotated[float, Field(ge=0.0, le=1.0)]
 Positive = Annotated[float, Field(gt=0.0)]
@@ -110,15 +112,18 @@ class Churn(_Section):
 class Misbehaviour(_Section):
     """Per session, the probability that the device sends its masked input after the phase's
     deadline (``late``), sends one message twice (``duplicate``), sends a message of an earlier
-    session again (``replay``), sends bytes that are no message (``corrupt``), or stops reading
-    and writing without closing its stream (``stall``). The aggregator must refuse or outwait
-    each, and the round go on."""
+    session again (``replay``), sends bytes that are no message (``corrupt``), stops reading
+    and writing without closing its stream (``stall``), deals Shamir shares that lie on no
+    polynomial (``bad_shares``) or random bytes for one neighbour (``garbage_share``). The
+    aggregator must refuse, outwait or exclude each, and the round go on."""
 
     late: Probability = 0.0
     duplicate: Probability = 0.0
     replay: Probability = 0.0
     corrupt: Probability = 0.0
     stall: Probability = 0.0
+    bad_shares: Probability = 0.0
+    garbage_share: Probability = 0.0
 
 
 class BehaviourProfile(_Section):
@@ -210,8 +215,13 @@ class DeviceTraits:
             if self._events.random() < self.profile.dropout.get(phase, 0.0) and drop is None:
                 drop = phase
         bad = self.profile.misbehaviour
-        return SessionEvents(drop, *(bool(self._events.random() < p)
-                                     for p in (bad.late, bad.duplicate, bad.replay, bad.corrupt, bad.stall)))
+        flags = [bool(self._events.random() < p) for p in (bad.late, bad.duplicate, bad.replay, bad.corrupt, bad.stall)]
+        fault = None
+        # Drawn only when asked for, so the profiles before these faults keep their draws.
+        for kind, p in ((DealingFault.INCONSISTENT, bad.bad_shares), (DealingFault.GARBAGE, bad.garbage_share)):
+            if p > 0 and self._events.random() < p and fault is None:
+                fault = kind
+        return SessionEvents(drop, *flags, fault=fault)
 
 
 def _bandwidth(rng: np.random.Generator, median_mbps: float | None, sigma: float) -> float | None:

@@ -89,7 +89,8 @@ class ClientMetrics:
         self.misbehaviours = Counter(
             "tally_client_misbehaviours_total",
             "Misbehaviour a simulated device's behaviour profile made it commit, by kind (late, duplicate, "
-            "replay, corrupt, stall): what the aggregators' refusals should account for", ["kind"], registry=r,
+            "replay, corrupt, stall, inconsistent, garbage): what the aggregators' refusals and "
+            "exclusions should account for", ["kind"], registry=r,
         )
         self.dropouts = Counter(
             "tally_client_dropouts_total",

@@ -28,6 +28,7 @@ from tally import logs
 from tally.algorithms.base import ModelMismatch
 from tally.privacy.payload import NoiseBelowFloor
 from tally.secagg import (
+    DealingFault,
     DevicePolicy,
     ProtocolError,
     SecAggClient,
@@ -96,6 +97,7 @@ class SessionEvents:
     replay: bool = False
     corrupt: bool = False
     stall: bool = False
+    fault: DealingFault | None = None  # deal bad shares (``SecAggClient``'s corrupt dealer)
 
 
 class Shaping(Protocol):
@@ -265,7 +267,10 @@ class SecAggSession:
             return self._outcome(ABORTED, f"expected Joined, got {type(joined).__name__}")
         if from_proto(joined.config) != self.config:
             raise SessionMismatch("the aggregator's session config differs from the assignment")
-        client = SecAggClient(self.config, task.device_index, self.identity, policy=self.policy)
+        client = SecAggClient(self.config, task.device_index, self.identity, policy=self.policy,
+                              fault=self._events.fault)
+        if self._events.fault is not None:
+            self.metrics.misbehaviours.labels(kind=self._events.fault.value).inc()
         self._asked("advertise_keys")  # Joined is the aggregator's request for the device's keys
         if self.drop_phase == "advertise_keys":
             return self._drop()

@@ -49,6 +49,11 @@ class CoordinatorMetrics:
         self.devices_selected = Counter(
             "tally_coordinator_devices_selected", "Devices placed in a cohort", registry=registry
         )
+        self.devices_excluded = Counter(
+            "tally_coordinator_devices_excluded",
+            "Devices an aggregator excluded from a session before any masked input, their shares "
+            "proved bad (each is named in the job's events)", registry=registry,
+        )
         self.devices_seated_early = Counter(
             "tally_coordinator_devices_seated_early",
             "Devices a selection seated as it opened, held since they checked in while the previous "

@@ -74,7 +74,7 @@ from tally.privacy import metrics as privacy_metrics
 from tally.privacy.spec import private_job_server
 from tally.security import SessionTicket, TicketSigner, config_digest
 from tally.secagg import SessionConfig, SessionRef
-from tally.secagg.messages import SessionAborted
+from tally.secagg.messages import SessionAborted, SumResult
 from tally.wire.convert import (
     WireError,
     cohort_sum_from_proto,
@@ -118,6 +118,7 @@ class OpenedSession:
     config: SessionConfig
     ticket: bytes
     tokens: dict[int, str]  # device index -> session token
+    devices: tuple[str, ...]  # device ids, by index - 1
 
 
 @dataclass
@@ -686,7 +687,8 @@ class JobRunner:
             )
         if not reply.address:
             raise AggregatorCallFailed(plan.aggregator_id, "OpenSession returned no address")
-        return OpenedSession(cohort, plan.aggregator_id, session_id, reply.address, config, ticket, tokens)
+        return OpenedSession(cohort, plan.aggregator_id, session_id, reply.address, config, ticket, tokens,
+                             tuple(plan.devices))
 
     def _roster(self, plan: CohortPlan) -> list[bytes]:
         """Each seat's enrolled identity key: the config carries it, the ticket signs it, and
@@ -831,10 +833,24 @@ class JobRunner:
             counter.labels(outcome="rejected").inc()
             raise AttemptFailed(f"{where}: {exc}") from None
         counter.labels(outcome="accepted").inc()
+        self._report_excluded(session, step, result)
         fingerprint = ring_fingerprint(result.total, spec.bits, sum_key(session.session_id, step.name))
         self.ctx.store.add_cohort_sum(self.job_id, self.round, self.attempt, CohortSumRecord(
             session.session_id, step.name, session.cohort, spec.bits, tuple(result.contributors), fingerprint))
         return total
+
+    def _report_excluded(self, session: OpenedSession, step: StepSpec, result: SumResult) -> None:
+        """Name each device its session excluded, once (every sum of the session lists it)."""
+        if step.name != session.config.sums[0].sum_id:
+            return
+        for index, reason in result.excluded:
+            device = session.devices[index - 1] if 0 < index <= len(session.devices) else f"index {index}"
+            message = f"device {device} excluded from cohort {session.cohort}'s session {session.session_id}: {reason}"
+            self.ctx.metrics.devices_excluded.inc()
+            self.ctx.events.publish(self.job_id, round=self.round, state="RUNNING", phase="AGGREGATION",
+                                    step=step.name, message=message)
+            logs.event(log, "device excluded", logging.WARNING, job_id=self.job_id, round=self.round,
+                       device_id=device, session_id=session.session_id, reason=reason)
 
     async def _commit(self, round_: int, attempt: int, state: Any, metrics: dict[str, float]) -> None:
         ctx = self.ctx

@@ -6,6 +6,7 @@ aggregator is caught."""
 
 from __future__ import annotations
 
+import dataclasses
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -21,6 +22,7 @@ from client_sdk.behaviour import BehaviourProfile
 from client_sdk.fleet import device_ids
 from client_sdk.sum_audit import EXACT, FOREIGN, MISMATCH, SumAudit, check_committed, outcome_counts
 from client_sdk.synthetic import SyntheticUpdates
+from tally.secagg import DealingFault
 from tally.codec import Field, Kind, PayloadSchema, to_ring
 from tally.codec.fingerprint import add_fingerprints, ring_fingerprint
 from tally.secagg.messages import SumResult
@@ -82,6 +84,9 @@ class SyntheticRun:
     refused: dict[str, float]
     # What the devices' behaviour profile made them do, by kind.
     misbehaved: dict[str, float]
+    # Dealers the aggregators excluded (their metric), and the job's events.
+    excluded: float
+    events: list[str]
 
 
 def _run_synthetic_job(tmp_path, n: int, rounds: int, cohort: int, dropout: float = 0.2,
@@ -110,7 +115,10 @@ def _run_synthetic_job(tmp_path, n: int, rounds: int, cohort: int, dropout: floa
                             refused[reason] = refused.get(reason, 0.0) + sample.value
             misbehaved = {sample.labels["kind"]: sample.value for family in fleet.metrics.misbehaviours.collect()
                           for sample in family.samples if sample.name.endswith("_total")}
-            return SyntheticRun(await s.job(job_id), stats, checks, fleet.inputs, refused, misbehaved)
+            excluded = sum(a.metrics.registry.get_sample_value("tally_aggregator_excluded_devices_total") or 0.0
+                           for a in s.aggregators)
+            events = [e.message for e in s.coordinator.store.events(job_id)]
+            return SyntheticRun(await s.job(job_id), stats, checks, fleet.inputs, refused, misbehaved, excluded, events)
 
     return run(main())
 
@@ -140,11 +148,11 @@ def test_a_total_corrupted_on_an_aggregator_is_caught(tmp_path, monkeypatch):
     original = SumResult.__init__
     corrupted = []
 
-    def corrupt(self, sum_id, total, contributors, dropped):
+    def corrupt(self, sum_id, total, contributors, dropped, excluded=()):
         total = total.copy()
         total[3] = total[3] + 1
         corrupted.append(sum_id)
-        original(self, sum_id, total, contributors, dropped)
+        original(self, sum_id, total, contributors, dropped, excluded)
 
     monkeypatch.setattr(SumResult, "__init__", corrupt)
     result = _run_synthetic_job(tmp_path, n=20, rounds=1, cohort=10, dropout=0.0)
@@ -152,3 +160,47 @@ def test_a_total_corrupted_on_an_aggregator_is_caught(tmp_path, monkeypatch):
     assert corrupted and job.committed_round == 1
     counts = outcome_counts(checks)
     assert checks and counts[MISMATCH] == len(checks) and counts[EXACT] == 0
+
+
+class _CorruptDealers:
+    """A profile whose draws stand, except that the fleet's first ``count`` sessions deal shares
+    on no polynomial and the next ``count`` send one neighbour garbage; it records who did."""
+
+    def __init__(self, profile: BehaviourProfile, count: int) -> None:
+        self._profile = profile
+        self._left = [DealingFault.INCONSISTENT] * count + [DealingFault.GARBAGE] * count
+        self.dealers: list[str] = []
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._profile, name)
+
+    def traits(self, seed: int, device_id: str):
+        traits = self._profile.traits(seed, device_id)
+        drawn = traits.session_events
+
+        def session_events():
+            events = drawn()
+            if self._left:
+                self.dealers.append(device_id)
+                return dataclasses.replace(events, fault=self._left.pop(0))
+            return events
+
+        traits.session_events = session_events
+        return traits
+
+
+def test_corrupt_dealers_are_excluded_named_and_every_committed_sum_is_exact(tmp_path):
+    """Issue 23, findings 2 and 3 over the real services: devices that deal shares on no
+    polynomial, or garbage to one neighbour, are excluded before any masked input; the rounds
+    commit, every committed sum is exact, and each dealer is counted and named."""
+    profile = _CorruptDealers(BehaviourProfile(), count=2)
+    result = _run_synthetic_job(tmp_path, n=40, rounds=2, cohort=20, dropout=0.0, profile=profile)
+    job, checks = result.job, result.checks
+    assert job.committed_round == 2, job.message
+    counts = outcome_counts(checks)
+    assert counts[EXACT] >= 2 and counts[MISMATCH] == counts[FOREIGN] == 0
+    assert result.misbehaved.get("inconsistent") == result.misbehaved.get("garbage") == 2, result.misbehaved
+    assert result.excluded == 4
+    named = [m for m in result.events if "excluded from cohort" in m]
+    assert sorted(m.split()[1] for m in named) == sorted(profile.dealers), named
+    assert all("fails its check" in m for m in named)

@@ -270,6 +270,8 @@ class SumResult:
     total: np.ndarray = field(repr=False)
     contributors: tuple[int, ...]
     dropped: tuple[int, ...]
+    # Dealers excluded before any masked input (``SecAggServer.excluded``): why, per device.
+    excluded: tuple[tuple[int, str], ...] = ()
 
 
 @dataclass(frozen=True)

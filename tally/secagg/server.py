@@ -746,7 +746,8 @@ class _UnmaskPhase(_SumPhase):
             )
         total = self._unmask()
         result = SumResult(
-            self.sum_id, total, tuple(sorted(self.survivors)), tuple(sorted(self.dropped))
+            self.sum_id, total, tuple(sorted(self.survivors)), tuple(sorted(self.dropped)),
+            tuple(sorted(server.excluded.items())),
         )
         server.results[self.sum_id] = result
         # Stragglers the early close did not wait for are alive: ask every contributor.

@@ -714,6 +714,8 @@ def cohort_sum_to_proto(
     out.total = pack(np.asarray(result.total), spec.wire_bits)
     out.contributors.extend(result.contributors)
     out.dropped.extend(result.dropped)
+    for index, reason in result.excluded:
+        out.excluded.add(index=index, reason=reason)
     return out
 
 
@@ -731,4 +733,5 @@ def cohort_sum_from_proto(proto: aggregator_pb2.CohortSum) -> SumResult | Sessio
         raise WireError(f"CohortSum {sum_id!r}: {exc}") from exc
     if total.size and int(total.max()) > ring_mask(spec.bits):
         raise WireError(f"CohortSum {sum_id!r}: total has values >= 2^{spec.bits}")
-    return SumResult(sum_id, total, _indices(proto, "contributors"), _indices(proto, "dropped"))
+    excluded = tuple((_index(e, "index"), e.reason) for e in proto.excluded)
+    return SumResult(sum_id, total, _indices(proto, "contributors"), _indices(proto, "dropped"), excluded)

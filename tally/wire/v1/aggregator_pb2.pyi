@@ -80,7 +80,7 @@ class AwaitResultRequest(_message.Message):
     def __init__(self, session_id: _Optional[str] = ..., sum_id: _Optional[str] = ...) -> None: ...
 
 class CohortSum(_message.Message):
-    __slots__ = ("session_id", "sum_id", "total", "bits", "dim", "contributors", "dropped", "aborted_reason")
+    __slots__ = ("session_id", "sum_id", "total", "bits", "dim", "contributors", "dropped", "aborted_reason", "excluded")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     SUM_ID_FIELD_NUMBER: _ClassVar[int]
     TOTAL_FIELD_NUMBER: _ClassVar[int]
@@ -89,6 +89,7 @@ class CohortSum(_message.Message):
     CONTRIBUTORS_FIELD_NUMBER: _ClassVar[int]
     DROPPED_FIELD_NUMBER: _ClassVar[int]
     ABORTED_REASON_FIELD_NUMBER: _ClassVar[int]
+    EXCLUDED_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     sum_id: str
     total: bytes
@@ -97,7 +98,16 @@ class CohortSum(_message.Message):
     contributors: _containers.RepeatedScalarFieldContainer[int]
     dropped: _containers.RepeatedScalarFieldContainer[int]
     aborted_reason: str
-    def __init__(self, session_id: _Optional[str] = ..., sum_id: _Optional[str] = ..., total: _Optional[bytes] = ..., bits: _Optional[int] = ..., dim: _Optional[int] = ..., contributors: _Optional[_Iterable[int]] = ..., dropped: _Optional[_Iterable[int]] = ..., aborted_reason: _Optional[str] = ...) -> None: ...
+    excluded: _containers.RepeatedCompositeFieldContainer[ExcludedDevice]
+    def __init__(self, session_id: _Optional[str] = ..., sum_id: _Optional[str] = ..., total: _Optional[bytes] = ..., bits: _Optional[int] = ..., dim: _Optional[int] = ..., contributors: _Optional[_Iterable[int]] = ..., dropped: _Optional[_Iterable[int]] = ..., aborted_reason: _Optional[str] = ..., excluded: _Optional[_Iterable[_Union[ExcludedDevice, _Mapping]]] = ...) -> None: ...
+
+class ExcludedDevice(_message.Message):
+    __slots__ = ("index", "reason")
+    INDEX_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    index: int
+    reason: str
+    def __init__(self, index: _Optional[int] = ..., reason: _Optional[str] = ...) -> None: ...
 
 class CloseSessionRequest(_message.Message):
     __slots__ = ("session_id", "reason")
