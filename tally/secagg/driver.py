@@ -38,6 +38,10 @@ from tally.secagg.server import SecAggServer
 from tally.secagg.wire import payload_bytes
 
 PHASES = ("advertise_keys", "share_keys", "masked_input", "consistency_check", "unmask")
+# Every phase a run times, in protocol order: the share-checking ones (server: complaints, and
+# justify when a dealer was accused; device: waiting for the verdict) have no dropout of their own.
+TIMED_PHASES = ("advertise_keys", "share_keys", "share_complaints", "justify", "share_verdict",
+                "masked_input", "consistency_check", "unmask")
 
 
 @dataclass(frozen=True)

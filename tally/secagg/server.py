@@ -15,7 +15,6 @@ the other holders, and its sender is recorded in ``misbehaving``.
 from __future__ import annotations
 
 import abc
-import dataclasses
 from collections.abc import Iterable
 
 import numpy as np
@@ -359,25 +358,30 @@ def _deliveries(config: SessionConfig, responses: dict[int, ShareKeysResponse]) 
     holder; the check polynomials are evaluated for all dealers of a sum at once."""
     inbox: dict[int, list[EncryptedShare]] = {j: [] for j in responses}
     for position, spec in enumerate(config.sums):
-        routed = {i: [s for s in r.shares if s.sum_id == spec.sum_id and s.recipient in inbox]
-                  for i, r in responses.items()}
-        for i in routed:
-            routed[i].sort(key=lambda share: share.recipient)
+        sum_id = spec.sum_id
+        # Every share of a dealer, delivered or not, is in its digest (ascending recipient).
+        dealt = {i: sorted((s for s in r.shares if s.sum_id == sum_id), key=_recipient)
+                 for i, r in responses.items()}
+        routed = {i: [s for s in shares if s.recipient in inbox] for i, shares in dealt.items()}
         polynomials = np.stack([
             np.frombuffer(r.checks[position].coefficients, "<u4").astype(np.uint64).reshape(sharecheck.ROWS, -1)
             for r in responses.values()])
         width = max(len(shares) for shares in routed.values())
         xs = np.array([[s.recipient for s in shares] + [1] * (width - len(shares)) for shares in routed.values()])
-        values = sharecheck.evaluate_rows(polynomials, xs)
+        values = sharecheck.evaluate_rows(polynomials, xs).astype("<u4").tobytes()
+        size = 4 * sharecheck.ROWS
         for row, (dealer, shares) in enumerate(routed.items()):
-            # Every share of the dealer, not only those delivered, is in its digest.
-            mine = sorted((s for s in responses[dealer].shares if s.sum_id == spec.sum_id),
-                          key=lambda share: share.recipient)
-            digest = sharecheck.digest(config.ref, spec.sum_id, dealer, [s.ciphertext for s in mine])
-            for column, share in enumerate(shares):
-                check = sharecheck.check_bytes(digest, values[row, column])
-                inbox[share.recipient].append(dataclasses.replace(share, check=check))
+            digest = sharecheck.digest(config.ref, sum_id, dealer, [s.ciphertext for s in dealt[dealer]])
+            at = row * width * size
+            for share in shares:
+                check = digest + values[at : at + size]
+                at += size
+                inbox[share.recipient].append(EncryptedShare(sum_id, dealer, share.recipient, share.ciphertext, check))
     return {j: ShareDelivery(config.ref, tuple(shares)) for j, shares in inbox.items()}
+
+
+def _recipient(share: EncryptedShare) -> int:
+    return share.recipient
 
 
 class _ComplaintsPhase(_Phase):

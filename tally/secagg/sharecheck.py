@@ -77,8 +77,10 @@ def evaluate_rows(polynomials: np.ndarray, xs: np.ndarray) -> np.ndarray:
     """h_r at each dealer's holders: (D, ROWS, t) coefficients and (D, L) points -> (D, L, ROWS)."""
     x = np.asarray(xs, dtype=np.uint64)[:, :, None]
     acc = np.zeros((*x.shape[:2], polynomials.shape[1]), dtype=np.uint64)
-    for d in range(polynomials.shape[2] - 1, -1, -1):
-        acc = (acc * x + polynomials[:, None, :, d]) % _P
+    for d in range(polynomials.shape[2] - 1, -1, -1):  # in place: thousands of dealers at once
+        np.multiply(acc, x, out=acc)
+        np.add(acc, polynomials[:, None, :, d], out=acc)
+        np.remainder(acc, _P, out=acc)
     return acc
 
 
