@@ -10,7 +10,7 @@ from pathlib import Path
 
 from cryptography.hazmat.primitives.asymmetric import ed25519
 
-from tally import argtypes, logs
+from tally import logs
 from tally.metrics import add_metrics_arguments
 from tally.security import TLSConfig, load_ticket_public_key
 from tally.security.certs import COORDINATOR_CN
@@ -22,7 +22,6 @@ from tally.security.tls import (
 )
 from tally.security.tokens import TICKET_PUB_FILE
 
-from aggregator.gate import StreamLimits
 from aggregator.memory import limit_malloc_arenas
 from aggregator.service import DEFAULT_MAX_REQUEST_BYTES, AggregatorService
 
@@ -54,22 +53,15 @@ def register(sub: argparse._SubParsersAction) -> None:
                         f"(default: <tls-dir>/{TICKET_PUB_FILE})")
     add_tls_arguments(p, "aggregator")
     p.add_argument("--controller-cn", default=COORDINATOR_CN, metavar="NAME",
-                   help="with --require-client-cert, the only certificate CN admitted to "
-                        "AggregatorControl (default: %(default)s)")
+                   help="with --require-client-cert (which needs --control-listen: devices present "
+                        "no certificate), the only certificate CN admitted to AggregatorControl "
+                        "(default: %(default)s)")
     add_metrics_arguments(p, "aggregator")
     p.add_argument("--max-message-bytes", type=int, default=DEFAULT_MAX_MESSAGE_BYTES,
                    help="largest gRPC message sent (default: %(default)s)")
     p.add_argument("--max-request-bytes", type=int, default=DEFAULT_MAX_REQUEST_BYTES,
-                   help="largest gRPC message received, before the sender is authenticated; "
-                        "raise it only for cohorts above ~40,000 devices (default: %(default)s)")
-    limits = StreamLimits()
-    p.add_argument("--join-timeout", type=argtypes.POSITIVE, default=limits.join_timeout_s, metavar="SECONDS",
-                   help="close a device stream that has not sent its Join within this long (default: %(default)s)")
-    p.add_argument("--max-unjoined-per-source", type=argtypes.integer(1), default=limits.per_source, metavar="N",
-                   help="device streams one address may hold open before they join a session; a fleet "
-                        "shard's largest cohort must fit (default: %(default)s)")
-    p.add_argument("--max-unjoined", type=argtypes.integer(1), default=limits.total, metavar="N",
-                   help="device streams the aggregator holds open before they join (default: %(default)s)")
+                   help="largest gRPC message received (a device stream's only after its Join "
+                        "was checked); raise it only for cohorts above ~40,000 devices (default: %(default)s)")
     p.add_argument("--result-ttl", type=float, default=600.0, metavar="SECONDS",
                    help="drop a finished session's sums after this long if nobody closes it "
                         "(default: %(default)s)")
@@ -84,6 +76,10 @@ def run(args: argparse.Namespace) -> int:
     logs.configure(args.log_level)
     try:
         tls = tls_config_from_args(args)
+        if tls.require_client_auth and args.control_listen is None:
+            raise ValueError("--require-client-cert needs --control-listen: only the coordinator presents a "
+                             "certificate (devices are authenticated by their Join), so the control API needs "
+                             "a port of its own")
         for address in (args.listen, args.control_listen):
             if address is not None:
                 check_listen(address, tls)
@@ -121,7 +117,6 @@ async def _serve(
         result_ttl_s=args.result_ttl,
         controller=args.controller_cn,
         control_listen=args.control_listen,
-        stream_limits=StreamLimits(args.join_timeout, args.max_unjoined_per_source, args.max_unjoined),
     )
     try:
         await service.start()

@@ -75,11 +75,6 @@ class AggregatorMetrics:
             "Requests and device messages refused, by reason and gRPC status",
             ["reason", "status"], registry=r,
         )
-        self.unjoined_streams = Gauge(
-            "tally_aggregator_unjoined_streams",
-            "Device streams open that have not joined a session yet (each bounded by the Join "
-            "deadline and the per-source and total caps)", registry=r,
-        )
         self.misbehaving_devices = Counter(
             "tally_aggregator_misbehaving_devices_total",
             "Devices caught sending shares that do not rebuild their owner's committed secret "

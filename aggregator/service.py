@@ -12,6 +12,7 @@ the sessions the coordinator opened on it, and only until they end.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import socket
 import time
@@ -31,7 +32,6 @@ from tally.wire.undecodable import RefuseUndecodable
 from tally.wire.v1 import aggregator_pb2, aggregator_pb2_grpc
 
 from aggregator.control import ControlServicer
-from aggregator.gate import StreamLimits
 from aggregator.metrics import AggregatorMetrics
 from aggregator.registry import SessionRegistry
 from aggregator.stream import SERVICE as DEVICE_SERVICE
@@ -43,8 +43,8 @@ log = logging.getLogger("tally.aggregator")
 CONTROL_SERVICE = aggregator_pb2.DESCRIPTOR.services_by_name["AggregatorControl"].full_name
 SERVICE_NAMES = (CONTROL_SERVICE, DEVICE_SERVICE)
 _WILDCARD_HOSTS = {"", "0.0.0.0", "[::]", "::"}
-# What an unauthenticated peer can make the aggregator buffer: gRPC reads a message whole before
-# the Join in it is checked. Four masked-input chunks, and an OpenSession of ~40,000 devices.
+# The largest message received: four masked-input chunks, and an OpenSession of ~40,000 devices.
+# A device stream's messages are read only after its Join (in the stream's metadata) was checked.
 DEFAULT_MAX_REQUEST_BYTES = 4 << 20
 
 
@@ -52,10 +52,11 @@ class AggregatorService:
     """``ticket_public_key``: the coordinator's Ed25519 ticket key (raw 32 bytes or a key
     object). ``advertised_address``: what devices should dial, when it differs from ``listen``
     (behind a Service or NAT). ``controller``: the certificate CN the control API admits when
-    ``tls`` demands client certificates. ``max_request_bytes``: the largest message received;
-    masked inputs arrive in chunks (``tally.wire.chunks``), so only a very large cohort's
-    OpenSession needs more than the default. ``stream_limits``: what device streams may cost before
-    they join a session (``aggregator.gate``)."""
+    ``tls`` demands client certificates, which it then does on the control port only: devices
+    present no certificate (each stream is authenticated by its Join), so mutual TLS needs
+    ``control_listen``. ``max_request_bytes``: the largest message received; masked inputs arrive
+    in chunks (``tally.wire.chunks``), so only a very large cohort's OpenSession needs more than
+    the default."""
 
     def __init__(
         self,
@@ -73,10 +74,12 @@ class AggregatorService:
         clock: Callable[[], float] = time.time,
         controller: str = COORDINATOR_CN,
         control_listen: str | None = None,
-        stream_limits: StreamLimits = StreamLimits(),
     ) -> None:
         if not aggregator_id:
             raise ValueError("aggregator_id must be non-empty")
+        if tls.require_client_auth and control_listen is None:
+            raise ValueError("client certificates are demanded of the coordinator only: give the control API "
+                             "its own port (--control-listen); devices present none, their Join authenticates them")
         self.id = aggregator_id
         self.metrics = AggregatorMetrics()
         self._listen = listen
@@ -90,7 +93,6 @@ class AggregatorService:
         self._registry = SessionRegistry(result_ttl_s)
         self._clock = clock
         self._controller = controller
-        self._stream_limits = stream_limits
         self._servers: list[grpc.aio.Server] = []
         self._health: list[health.aio.HealthServicer] = []
         self._metrics_server = MetricsServer(self.metrics.registry, ready=lambda: self._ready)
@@ -132,12 +134,13 @@ class AggregatorService:
         if self._servers:
             raise RuntimeError("the aggregator is already started")
         if self._control_listen is None:
-            ports = [(SERVICE_NAMES, self._listen, self._options)]
+            ports = [(SERVICE_NAMES, self._listen, self._options, self._tls)]
         else:
-            ports = [((DEVICE_SERVICE,), self._listen, self._options),
-                     ((CONTROL_SERVICE,), self._control_listen, self._control_options)]
-        servers = [(self._build(names, options), names) for names, _, options in ports]
-        bound = [bind(server, listen, self._tls) for (server, _), (_, listen, _) in zip(servers, ports)]
+            devices = dataclasses.replace(self._tls, require_client_auth=False)
+            ports = [((DEVICE_SERVICE,), self._listen, self._options, devices),
+                     ((CONTROL_SERVICE,), self._control_listen, self._control_options, self._tls)]
+        servers = [(self._build(names, options), names) for names, _, options, _ in ports]
+        bound = [bind(server, listen, tls) for (server, _), (_, listen, _, tls) in zip(servers, ports)]
         self._port, self._control_port = bound[0], bound[-1]
         self._metrics_port = self._metrics_server.start(*self._metrics_request)
         try:
@@ -165,10 +168,7 @@ class AggregatorService:
             )
         if DEVICE_SERVICE in services:
             add_device_streams(
-                DeviceStreams(self.id, self._verifier, self._registry, self.metrics, self._clock,
-                              self._stream_limits),
-                server,
-            )
+                DeviceStreams(self.id, self._verifier, self._registry, self.metrics, self._clock), server)
         checker = health.aio.HealthServicer()
         self._health.append(checker)
         health_pb2_grpc.add_HealthServicer_to_server(checker, server)

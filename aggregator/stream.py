@@ -1,8 +1,11 @@
 """``SecureAggregation.Session``: one bidirectional stream per device per session.
 
-The stream's first message must be ``Join``: its session ticket names the session (and must be the
-one the session was opened with), its session token must hash to the coordinator's grant for the
-device index. After ``Joined``, two halves run side by side: one reads the device's messages and
+The stream's metadata must carry its ``Join`` (``tally.wire.join``): its session ticket names the
+session (and must be the one the session was opened with), its session token must hash to the
+coordinator's grant for the device index. Both are checked before a single message is read, so a
+stream that is not a selected device's costs the aggregator nothing it parses or keeps, and the
+device port needs no client certificate shared by every device. After ``Joined``, two halves run
+side by side: one reads the device's messages and
 feeds them to the session, the other writes what the session routes to the device. A refused
 message ends only this device's stream, with the refusal's status; the session goes on without the
 device, which is then a dropout like any other.
@@ -23,14 +26,13 @@ import grpc
 
 from tally import logs
 from tally.security import TicketVerifier
-from tally.security.peers import source_of
 from tally.wire.chunks import MaskedInputAssembler
 from tally.wire.convert import open_envelope
+from tally.wire.join import JoinError, join_from_metadata
 from tally.wire.sized import already_serialized, sized
 from tally.wire.v1 import secagg_pb2, secagg_pb2_grpc
 
 from aggregator.errors import REFUSALS, Rejected, abort
-from aggregator.gate import MAX_JOIN_BYTES, StreamLimits, UnjoinedStreams
 from aggregator.metrics import AggregatorMetrics
 from aggregator.registry import SessionRegistry
 from aggregator.session import DeviceQueue, Session, StreamEnd
@@ -76,10 +78,8 @@ class DeviceStreams(secagg_pb2_grpc.SecureAggregationServicer):
         registry: SessionRegistry,
         metrics: AggregatorMetrics,
         clock: Callable[[], float],
-        limits: StreamLimits = StreamLimits(),
     ) -> None:
         self._id = aggregator_id
-        self._unjoined = UnjoinedStreams(limits, metrics.unjoined_streams)
         self._verifier = verifier
         self._registry = registry
         self._metrics = metrics
@@ -102,25 +102,14 @@ class DeviceStreams(secagg_pb2_grpc.SecureAggregationServicer):
         return None if whole is None else open_envelope(whole)
 
     async def Session(self, request_iterator, context: grpc.aio.ServicerContext) -> None:
-        source = source_of(context.peer())
         try:
-            self._unjoined.admit(source)
-            try:
-                joined = await asyncio.wait_for(self._join(context), self._unjoined.limits.join_timeout_s)
-            except TimeoutError:
-                raise Rejected("DEADLINE_EXCEEDED", f"no Join within {self._unjoined.limits.join_timeout_s:g} s "
-                               "of opening the stream", "join_timeout") from None
-            finally:
-                self._unjoined.release(source)
+            session, index, queue = self._join(context)
         except REFUSALS as exc:
             rejected = Rejected.of(exc)
             self._metrics.reject(rejected.reason, rejected.status)
             logs.event(log, "join refused", level=logging.WARNING, status=rejected.status,
                        reason=rejected.reason, detail=rejected.message)
             await abort(context, rejected)
-        if joined is None:
-            return
-        session, index, queue = joined
         reader = asyncio.create_task(self._relay(context, session, index, queue))
         try:
             await self._send(context, queue)
@@ -128,36 +117,23 @@ class DeviceStreams(secagg_pb2_grpc.SecureAggregationServicer):
             reader.cancel()
             session.leave(index)
 
-    async def _read(
-        self, context: grpc.aio.ServicerContext, limit: int | None = None
-    ) -> secagg_pb2.DeviceToAggregator | None:
-        """The next message, parsed; ``limit``: the most bytes it may have, checked before parsing."""
+    async def _read(self, context: grpc.aio.ServicerContext) -> secagg_pb2.DeviceToAggregator | None:
+        """The next message, parsed."""
         data = await context.read()
         if data is grpc.aio.EOF:
             return None
-        size = len(data)
-        self._metrics.received_bytes.inc(size)
-        if limit is not None and size > limit:
-            del data  # the refusal's traceback keeps this frame alive as long as the stream's task
-            raise Rejected("INVALID_ARGUMENT", f"the first message of a session stream must be a Join of at "
-                           f"most {limit} bytes, got {size} bytes", "not_joined")
+        self._metrics.received_bytes.inc(len(data))
         size, envelope = self._parse(data)
         if envelope is None:
             raise Rejected("INVALID_ARGUMENT", f"a {size}-byte message that is not a DeviceToAggregator",
                            "malformed")
         return envelope
 
-    async def _join(
-        self, context: grpc.aio.ServicerContext
-    ) -> tuple[Session, int, DeviceQueue] | None:
-        envelope = await self._read(context, MAX_JOIN_BYTES)
-        if envelope is None:  # the device hung up before joining
-            return None
-        join = open_envelope(envelope)
-        if not isinstance(join, secagg_pb2.Join):
-            raise Rejected("FAILED_PRECONDITION",
-                           f"the first message of a session stream must be Join, got "
-                           f"{envelope.WhichOneof('message')}", "not_joined")
+    def _join(self, context: grpc.aio.ServicerContext) -> tuple[Session, int, DeviceQueue]:
+        try:
+            join = join_from_metadata(context.invocation_metadata())
+        except JoinError as exc:
+            raise Rejected("UNAUTHENTICATED", str(exc), "not_joined") from None
         ticket = self._verifier.verify(join.session_ticket, self._clock(), aggregator_id=self._id)
         session = self._registry.get(ticket.session_id)
         queue = session.join(join.session_ticket, join.device_index, join.session_token)
@@ -176,9 +152,6 @@ class DeviceStreams(secagg_pb2_grpc.SecureAggregationServicer):
             while (envelope := await self._read(context)) is not None:
                 if (message := self._decode(chunks, envelope)) is None:
                     continue  # a masked input's chunk: wait for the rest
-                if isinstance(message, secagg_pb2.Join):
-                    raise Rejected("FAILED_PRECONDITION",
-                                   f"device {index} already joined on this stream", "rejoin")
                 await session.submit(index, message)
         except REFUSALS as exc:
             rejected = Rejected.of(exc)

@@ -54,14 +54,12 @@ class Pattern:
 
 
 def _credentials(directory: Path) -> tuple[grpc.ServerCredentials, grpc.ChannelCredentials]:
-    """The aggregator's and a device's credentials from a ``tally certs`` deployment (mutual TLS)."""
+    """The aggregator's and a device's credentials from a ``tally certs`` deployment, as the device
+    port runs: server-authenticated TLS, the device holding the CA only."""
     read = lambda name: (directory / name).read_bytes()  # noqa: E731
     server = grpc.ssl_server_credentials(
-        [(read("aggregator-1/aggregator.key"), read("aggregator-1/aggregator.pem"))],
-        root_certificates=read("ca/ca.pem"), require_client_auth=True)
-    channel = grpc.ssl_channel_credentials(
-        root_certificates=read("device/ca.pem"), private_key=read("device/device.key"),
-        certificate_chain=read("device/device.pem"))
+        [(read("aggregator-1/aggregator.key"), read("aggregator-1/aggregator.pem"))])
+    channel = grpc.ssl_channel_credentials(root_certificates=read("device/ca.pem"))
     return server, channel
 
 

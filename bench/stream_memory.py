@@ -1,16 +1,17 @@
 """What unauthenticated device streams cost a real aggregator: memory and open streams.
 
-A peer with a device certificate (today's shared one, or any one device's) opens session streams
-on the aggregator's device port and never joins a session:
+Anyone who reaches the aggregator's device port (devices hold no certificate: each stream is
+authenticated by the Join in its metadata) opens session streams without a Join:
 
-- ``oversized``: each stream sends one ``--size``-byte message that is not a Join, ``--batch``
-  streams at a time, ``--messages`` in all. The aggregator's resident memory (VmRSS of its
-  process, sampled every 20 ms) is reported before, at its peak, when the last stream has ended
-  and ``--settle`` seconds later, with the peak's growth per message in flight.
+- ``oversized``: each stream sends one ``--size``-byte message, ``--batch`` streams at a time,
+  ``--messages`` in all. The aggregator's resident memory (VmRSS of its process, sampled every
+  20 ms) is reported before, at its peak, when the last stream has ended and ``--settle`` seconds
+  later, with the peak's growth per message in flight.
 - ``idle``: ``--idle`` streams open and send nothing. Reported: how many the aggregator still holds
-  open after its Join deadline (``--join-timeout``) plus one second, and how many it refused at once.
+  open ``--wait`` seconds later, and how each one ended.
 
-The aggregator is the ``tally aggregator`` command in its own process over mutual TLS, as deployed.
+The aggregator is the ``tally aggregator`` command in its own process over TLS, as deployed (the
+control API on its own mutual-TLS port).
 Writes JSON (``--json``).
 """
 
@@ -74,25 +75,25 @@ class Sampler(threading.Thread):
 async def _one_stream(channel: grpc.aio.Channel, payload: bytes | None) -> str:
     """Open a stream, send ``payload`` (or nothing), wait for the aggregator to end it."""
     call = channel.stream_stream(METHOD)()
-    if payload is not None:
-        await call.write(payload)
     try:
+        if payload is not None:
+            await call.write(payload)  # fails once the aggregator has refused the stream
         async for _ in call:
             pass
-    except grpc.aio.AioRpcError as exc:
-        return exc.code().name
+    except (grpc.aio.AioRpcError, asyncio.InvalidStateError):
+        return (await call.code()).name
     return "OK"
 
 
-def _not_a_join(size: int) -> bytes:
-    """A well-formed device message of at most ``size`` bytes that is not a Join."""
+def _message(size: int) -> bytes:
+    """A well-formed device message of at most ``size`` bytes."""
     message = secagg_pb2.DeviceToAggregator(masked_input_response=secagg_pb2.MaskedInputResponse(
         sum_id="x", sender=1, data=b"\1" * (size - 32)))
     return message.SerializeToString()
 
 
 async def oversized(target: str, tls: TLSConfig, args, sampler: Sampler, pid: int) -> dict:
-    payload = _not_a_join(args.size - 64)
+    payload = _message(args.size - 64)
     options = [("grpc.max_send_message_length", 64 << 20)]
     before = _rss(pid)
     sampler.reset()
@@ -119,25 +120,25 @@ async def idle(target: str, tls: TLSConfig, args) -> dict:
     async with open_aio_channel(target, tls) as channel:
         started = time.perf_counter()
         streams = [asyncio.ensure_future(_one_stream(channel, None)) for _ in range(args.idle)]
-        done, _ = await asyncio.wait(streams, timeout=args.join_timeout + 1.0)
+        done, _ = await asyncio.wait(streams, timeout=args.wait)
         open_after = len(streams) - len(done)
         codes: dict[str, int] = {}
         for task in done:
             codes[task.result()] = codes.get(task.result(), 0) + 1
         for task in streams:
             task.cancel()
-        return {"idle_streams": args.idle, "still_open_after_deadline": open_after,
+        return {"idle_streams": args.idle, "still_open_after_wait": open_after, "wait_s": args.wait,
                 "ended_by_status": codes, "waited_s": time.perf_counter() - started}
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--messages", type=int, default=80, help="oversized non-Join messages in all")
+    p.add_argument("--messages", type=int, default=80, help="oversized messages in all")
     p.add_argument("--batch", type=int, default=40, help="streams open at once")
     p.add_argument("--size", type=int, default=4 << 20, help="bytes per message (the aggregator's default limit)")
     p.add_argument("--settle", type=float, default=15.0, help="seconds to wait after the last stream before sampling")
     p.add_argument("--idle", type=int, default=1000, help="streams that never send anything")
-    p.add_argument("--join-timeout", type=float, default=10.0, help="the aggregator's --join-timeout")
+    p.add_argument("--wait", type=float, default=2.0, help="seconds after which idle streams still open are counted")
     p.add_argument("--json", type=Path, help="write the results here")
     args = p.parse_args(argv)
 
@@ -147,13 +148,12 @@ def main(argv: list[str] | None = None) -> int:
         load_or_create_ticket_key(Path(tmp) / "state")
         port = _free_port()
         command = [sys.executable, "-m", "tally.cli", "aggregator", "--listen", f"127.0.0.1:{port}",
+                   "--control-listen", f"127.0.0.1:{_free_port()}",
                    "--id", "agg-1", "--tls-dir", str(pki / "aggregator-1"), "--require-client-cert",
                    "--metrics-port", "0", "--log-level", "ERROR"]
-        if "--join-timeout" in subprocess.run([*command[:4], "--help"], capture_output=True, text=True).stdout:
-            command += ["--join-timeout", str(args.join_timeout)]
         aggregator = subprocess.Popen(command, stdout=subprocess.DEVNULL)
         try:
-            tls = TLSConfig.from_dir(pki / "device", "device")
+            tls = TLSConfig.from_dir(pki / "device", None)
             target = f"127.0.0.1:{port}"
 
             async def ready() -> None:

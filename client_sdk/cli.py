@@ -175,7 +175,7 @@ def _add_common(p: argparse.ArgumentParser) -> None:
         "device's input). Without it the devices refuse such sessions")
     add_metrics_arguments(p, "client", optional=True)
     p.add_argument("--log-level", default="warning", help="structured JSON logs on stderr at this level")
-    add_tls_arguments(p, identity="device")
+    add_tls_arguments(p, identity=None)  # the CA only: a device presents no certificate
 
 
 def _identity_path(args: argparse.Namespace) -> Path:

@@ -1,7 +1,7 @@
 """The device end of one secure-aggregation session: a bidirectional gRPC stream to the
 aggregator, pumping messages between it and the sans-IO ``SecAggClient``.
 
-The device sends Join, checks that the configuration the aggregator answers with is the one the
+The device opens the stream with its Join in the metadata, checks that the configuration the aggregator answers with is the one the
 coordinator assigned (an aggregator must not be able to run the device in another session or
 graph), then relays protocol messages until SessionDone or Abort. Its masked input goes out as
 soon as both the aggregator has asked and the local computation is ready; an Abort that arrives
@@ -48,6 +48,7 @@ from tally.secagg.messages import (
 )
 from tally.wire.chunks import split_masked_input
 from tally.wire.convert import WireError, device_envelope, from_proto, open_envelope
+from tally.wire.join import join_metadata
 from tally.wire.sized import already_serialized, sized
 from tally.wire.v1 import coordinator_pb2, secagg_pb2
 
@@ -252,14 +253,11 @@ class SecAggSession:
 
     async def _run(self) -> SessionOutcome:
         task = self.task
-        self._call = self._open(timeout=stream_timeout(task.deadlines, len(self.config.sums)))
-        await self._send(
-            secagg_pb2.Join(
-                session_ticket=task.session_ticket,
-                device_index=task.device_index,
-                session_token=task.session_token,
-            )
-        )
+        join = secagg_pb2.Join(session_ticket=task.session_ticket, device_index=task.device_index,
+                               session_token=task.session_token)
+        # The Join rides in the stream's metadata: the aggregator checks it before reading anything.
+        self._call = self._open(timeout=stream_timeout(task.deadlines, len(self.config.sums)),
+                                metadata=join_metadata(join))
         joined = await self._read()
         if joined is None:
             return self._outcome(ABORTED, "the aggregator closed the stream before Joined")
@@ -350,12 +348,12 @@ class SecAggSession:
         self._cancel()
         return self._outcome(DROPPED, f"planned dropout in {self.drop_phase}")
 
-    async def _send(self, message: ClientMessage | secagg_pb2.Join) -> None:
+    async def _send(self, message: ClientMessage) -> None:
         if isinstance(message, MaskedInputResponse):
             if not self._sent_input and self._on_input is not None:
                 await asyncio.to_thread(self._on_input)
             self._sent_input = True  # before the write: once it may have left, it counts as sent
-        opening = self.opening is None and not isinstance(message, secagg_pb2.Join) and message is not self._replay
+        opening = self.opening is None and message is not self._replay
         if opening:
             self.opening = message
         copies = 2 if self._events.duplicate and opening else 1

@@ -142,6 +142,13 @@ class AdminService(admin_pb2_grpc.AdminServicer):
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
         return self.job_proto(await self._record(request.job_id, context))
 
+    async def RevokeDevice(self, request: admin_pb2.RevokeDeviceRequest, context: grpc.aio.ServicerContext):
+        await self._authorize(context)
+        if not self.store.revoke_device(request.device_id, self.engine.clock()):
+            await context.abort(grpc.StatusCode.NOT_FOUND, f"no enrolled device {request.device_id!r}")
+        logs.event(log, "device revoked", logging.WARNING, device_id=request.device_id)
+        return admin_pb2.RevokedDevice(device_id=request.device_id)
+
     async def WatchJob(
         self, request: admin_pb2.WatchJobRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[admin_pb2.JobEvent]:

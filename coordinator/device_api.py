@@ -71,12 +71,17 @@ class DeviceService(coordinator_pb2_grpc.CoordinatorServicer):
         self._limits = {"Register": register_limit, "CheckIn": checkin_limit}
         self.pacer = pacer
 
-    async def _claims(self, context: grpc.aio.ServicerContext) -> DeviceClaims:
+    async def _claims(self, context: grpc.aio.ServicerContext, rpc: str) -> DeviceClaims:
         try:
-            return self.issuer.verify(token_from_metadata(context.invocation_metadata()), self.clock())
+            claims = self.issuer.verify(token_from_metadata(context.invocation_metadata()), self.clock())
         except AuthError as exc:
             await context.abort(exc.code, exc.message)
             raise  # unreachable: abort raises
+        if self.store.is_revoked(claims.device_id):
+            # Its token is still unexpired: revocation must not wait for it to run out.
+            await self._refuse(context, rpc, "revoked", grpc.StatusCode.PERMISSION_DENIED,
+                               f"device {claims.device_id!r} is revoked")
+        return claims
 
     async def _refuse(
         self, context: grpc.aio.ServicerContext, rpc: str, reason: str, code: grpc.StatusCode, message: str
@@ -132,7 +137,7 @@ class DeviceService(coordinator_pb2_grpc.CoordinatorServicer):
 
     async def CheckIn(self, request: coordinator_pb2.CheckInRequest, context: grpc.aio.ServicerContext):
         await self._limit("CheckIn", context)
-        claims = await self._claims(context)
+        claims = await self._claims(context, "CheckIn")
         if len(request.reports) > MAX_REPORTS:
             await self._refuse(context, "CheckIn", "malformed", grpc.StatusCode.INVALID_ARGUMENT,
                                f"reports: at most {MAX_REPORTS} per check-in, got {len(request.reports)}")
@@ -153,7 +158,7 @@ class DeviceService(coordinator_pb2_grpc.CoordinatorServicer):
     async def DownloadModel(
         self, request: coordinator_pb2.DownloadModelRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[coordinator_pb2.ModelChunk]:
-        claims = await self._claims(context)
+        claims = await self._claims(context, "DownloadModel")
         if request.offset < 0:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "offset must be >= 0")
         if request.digest and not _DIGEST.fullmatch(request.digest):
@@ -199,7 +204,7 @@ class DeviceService(coordinator_pb2_grpc.CoordinatorServicer):
                     return
 
     async def GetStep(self, request: coordinator_pb2.GetStepRequest, context: grpc.aio.ServicerContext):
-        claims = await self._claims(context)
+        claims = await self._claims(context, "GetStep")
         runner = self.engine.runner(request.job_id)
         if runner is None:
             await context.abort(grpc.StatusCode.NOT_FOUND, f"no running job {request.job_id!r}")
@@ -215,7 +220,7 @@ class DeviceService(coordinator_pb2_grpc.CoordinatorServicer):
 
     async def Reveal(self, request: coordinator_pb2.RevealRequest, context: grpc.aio.ServicerContext):
         """A device's payload of a reveal step, accepted only under the job's reveal opt-in."""
-        claims = await self._claims(context)
+        claims = await self._claims(context, "Reveal")
         runner = self.engine.runner(request.job_id)
         if runner is None:
             await context.abort(grpc.StatusCode.NOT_FOUND, f"no running job {request.job_id!r}")
@@ -234,7 +239,7 @@ class DeviceService(coordinator_pb2_grpc.CoordinatorServicer):
     async def RoundStatus(
         self, request: coordinator_pb2.RoundStatusRequest, context: grpc.aio.ServicerContext
     ):
-        await self._claims(context)
+        await self._claims(context, "RoundStatus")
         record = self.store.job(request.job_id)
         if record is None:
             await context.abort(grpc.StatusCode.NOT_FOUND, f"no job {request.job_id!r}")

@@ -27,24 +27,8 @@ def register(sub: argparse._SubParsersAction) -> None:
         "Admin API (submit, status, list, cancel, watch, model).",
     )
     actions = job.add_subparsers(dest="action", required=True, metavar="ACTION")
-    output = argparse.ArgumentParser(add_help=False)
-    output.add_argument("--json", action="store_true", help="print JSON (one object per line for watch)")
-    client = argparse.ArgumentParser(add_help=False, parents=[output])
-    client.add_argument(
-        "--coordinator", default=DEFAULT_ADDRESS, metavar="HOST:PORT",
-        help="the coordinator's address (default: %(default)s, where `tally coordinator` listens by default)",
-    )
-    client.add_argument(
-        "--admin-token-file", type=Path,
-        help=f"file with the admin token (default: <state-dir>/{ADMIN_TOKEN_FILE})",
-    )
-    client.add_argument(
-        "--state-dir", type=Path, help="the coordinator's state directory, to find admin.token"
-    )
-    client.add_argument("--timeout", type=POSITIVE, default=30.0, help="seconds per call (watch: none)")
-    from tally.security.tls import add_tls_arguments
-
-    add_tls_arguments(client, None)
+    output = output_parser()
+    client = admin_client_parser(output)
 
     init = actions.add_parser("init", parents=[output], help="print a commented, valid spec for an algorithm")
     init.add_argument("algorithm", help="fedavg, agnostic_fedavg, aaggff_d, aaggff_s, feddar_wa, feddar_sa, ...")
@@ -164,7 +148,34 @@ def _schema(args: argparse.Namespace) -> int:
 Action = Callable[[Any, argparse.Namespace, tuple], int]
 
 
-def _job(action: Action) -> Callable[[argparse.Namespace], int]:
+def output_parser() -> argparse.ArgumentParser:
+    output = argparse.ArgumentParser(add_help=False)
+    output.add_argument("--json", action="store_true", help="print JSON (one object per line for watch)")
+    return output
+
+
+def admin_client_parser(output: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """The flags every command that calls the coordinator's Admin API takes."""
+    client = argparse.ArgumentParser(add_help=False, parents=[output])
+    client.add_argument(
+        "--coordinator", default=DEFAULT_ADDRESS, metavar="HOST:PORT",
+        help="the coordinator's address (default: %(default)s, where `tally coordinator` listens by default)",
+    )
+    client.add_argument(
+        "--admin-token-file", type=Path,
+        help=f"file with the admin token (default: <state-dir>/{ADMIN_TOKEN_FILE})",
+    )
+    client.add_argument(
+        "--state-dir", type=Path, help="the coordinator's state directory, to find admin.token"
+    )
+    client.add_argument("--timeout", type=POSITIVE, default=30.0, help="seconds per call (watch: none)")
+    from tally.security.tls import add_tls_arguments
+
+    add_tls_arguments(client, None)
+    return client
+
+
+def _job(action: Action, command: str = "job") -> Callable[[argparse.Namespace], int]:
     """Wrap an action with the channel, the admin token and readable errors."""
 
     def run(args: argparse.Namespace) -> int:
@@ -175,7 +186,7 @@ def _job(action: Action) -> Callable[[argparse.Namespace], int]:
         from tally.wire.v1 import admin_pb2_grpc
 
         def fail(message: str, code: int) -> int:
-            print(f"tally job {args.action}: {message}", file=sys.stderr)
+            print(f"tally {command} {args.action}: {message}", file=sys.stderr)
             return code
 
         token_file = args.admin_token_file or (args.state_dir / ADMIN_TOKEN_FILE if args.state_dir else None)

@@ -36,7 +36,7 @@ class CoordinatorMetrics:
         self.refusals = Counter(
             "tally_coordinator_refusals",
             "Device calls refused before any work, by RPC and reason (rate_limited, malformed, stale, "
-            "not_enrolled, bad_signature, id_taken, key_taken, population_mismatch, replay)",
+            "not_enrolled, bad_signature, id_taken, key_taken, population_mismatch, replay, revoked)",
             ["rpc", "reason"], registry=registry,
         )
         self.task_reports = Counter(

@@ -102,7 +102,9 @@ CREATE TABLE IF NOT EXISTS devices (
     identity_public BLOB NOT NULL UNIQUE,
     enrolled_at REAL NOT NULL,
     -- the timestamp of its latest registration statement: an older or equal one is a replay
-    registered_at REAL NOT NULL
+    registered_at REAL NOT NULL,
+    -- set once an operator revoked the device: it may not register, check in or download again
+    revoked_at REAL
 );
 -- Devices seated in an attempt of a round whose sessions opened: a retry of the round seats
 -- none of them again (so no two sums of one round can be differenced), unless the seat is
@@ -245,6 +247,11 @@ class Store:
             # A state directory of an earlier version: its seats have no task id and so can
             # never be released, which errs on the safe side.
             self._db.execute("ALTER TABLE seated ADD COLUMN task_id TEXT NOT NULL DEFAULT ''")
+        if "revoked_at" not in {c[1] for c in self._db.execute("PRAGMA table_info(devices)")}:
+            self._db.execute("ALTER TABLE devices ADD COLUMN revoked_at REAL")
+        # Every device call asks whether its device is revoked: kept in memory, not queried.
+        self._revoked = {row[0] for row in self._db.execute(
+            "SELECT device_id FROM devices WHERE revoked_at IS NOT NULL")}
         # Tighten what an older version (or another umask) left behind.
         for path in (self.directory, self._blobs, *self.directory.glob("coordinator.*")):
             os.chmod(path, 0o700 if path.is_dir() else 0o600)
@@ -361,6 +368,8 @@ class Store:
             )
             return
         enrolled_population, enrolled_key, registered_at = row
+        if device_id in self._revoked:
+            raise EnrolmentRefused("revoked", f"device id {device_id!r} is revoked")
         if bytes(enrolled_key) != identity_public:
             raise EnrolmentRefused(
                 "id_taken", f"device id {device_id!r} is enrolled with another identity key"
@@ -377,6 +386,20 @@ class Store:
         self._db.execute(
             "UPDATE devices SET registered_at = ? WHERE device_id = ?", (statement_at, device_id)
         )
+
+    def revoke_device(self, device_id: str, now: float) -> bool:
+        """Revoke one enrolled device for good (False: no such device). Nothing else changes: no
+        other device shares a secret with it."""
+        with self._transaction(durable=True):
+            updated = self._db.execute(
+                "UPDATE devices SET revoked_at = COALESCE(revoked_at, ?) WHERE device_id = ?", (now, device_id),
+            ).rowcount
+        if updated:
+            self._revoked.add(device_id)
+        return bool(updated)
+
+    def is_revoked(self, device_id: str) -> bool:
+        return device_id in self._revoked
 
     def device_identities(self, device_ids: Iterable[str]) -> dict[str, bytes]:
         """The identity keys the given devices enrolled with (devices never enrolled are left

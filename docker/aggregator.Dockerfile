@@ -31,10 +31,11 @@ USER 10001:10001
 # 7001: devices (SecureAggregation); 7002: the coordinator (AggregatorControl);
 # 9465: /metrics, /healthz, /readyz.
 EXPOSE 7001 7002 9465
-# The device port demands client certificates (--require-client-cert): the probe presents the
-# fleet's device certificate, mounted at /etc/tally/client-tls.
+# The device port demands no client certificate (--require-client-cert holds on the control port
+# only; devices are authenticated by the Join in each stream): the probe checks the server
+# against the CA in the aggregator's own TLS directory.
 HEALTHCHECK --interval=10s --timeout=5s --start-period=10s --retries=3 \
-    CMD ["tally-probe", "127.0.0.1:7001", "--tls-dir", "/etc/tally/client-tls", "--identity", "device"]
+    CMD ["tally-probe", "127.0.0.1:7001", "--tls-dir", "/etc/tally/tls"]
 ENTRYPOINT ["tally-aggregator"]
 CMD ["--listen", "0.0.0.0:7001", "--control-listen", "0.0.0.0:7002", "--id", "aggregator-0", \
      "--tls-dir", "/etc/tally/tls", "--require-client-cert", \

@@ -36,7 +36,7 @@ def application_trainer(shard: int, shards: int, hidden: int) -> tuple[TorchTrai
 
 
 async def main(args: argparse.Namespace) -> None:
-    tls = TLSConfig.plaintext() if args.insecure else TLSConfig.from_dir(args.tls_dir, "device")
+    tls = TLSConfig.plaintext() if args.insecure else TLSConfig.from_dir(args.tls_dir, None)
     trainer, inputs = application_trainer(args.shard, args.shards, args.hidden)
     device = Device(
         args.coordinator, tls, args.device_id, trainer,

@@ -68,6 +68,7 @@ from tally.security.tls import channel_credentials, channel_options, open_channe
 from tally.security.tokens import load_or_create_ticket_key
 from client_sdk.session import stream_status
 from tally.wire.chunks import split_masked_input
+from tally.wire.join import join_metadata
 from tally.wire.convert import (
     cohort_sum_from_proto,
     device_envelope,
@@ -102,7 +103,7 @@ class Deployment:
         return TLSConfig.from_dir(self.tls_dir / "aggregator-1", "aggregator", require_client_auth=require_client_auth)
 
     def channel(self, target: str, identity: str | None = None) -> grpc.aio.Channel:
-        """A channel presenting ``identity``'s certificate (``coordinator`` or ``device``), or none."""
+        """A channel presenting ``identity``'s certificate (``coordinator``), or none (a device)."""
         directory = self.tls_dir / (identity or "device")
         credentials = channel_credentials(TLSConfig.from_dir(directory, identity))
         return grpc.aio.secure_channel(target, credentials, options=channel_options(8 << 20))
@@ -198,7 +199,10 @@ def plan(deployment: Deployment, session_id: str, *, n: int = 8, seconds: float 
 @asynccontextmanager
 async def running(deployment: Deployment, aggregator_id: str = "agg-a", mutual: bool = False,
                   **options) -> AsyncIterator[AggregatorService]:
-    """``mutual``: the aggregator demands client certificates."""
+    """``mutual``: the aggregator demands client certificates (of the coordinator, on a control
+    port of its own)."""
+    if mutual:
+        options.setdefault("control_listen", "127.0.0.1:0")
     service = AggregatorService("127.0.0.1:0", deployment.server_tls(mutual), deployment.public_key,
                                 aggregator_id, **options)
     await service.start()
@@ -210,7 +214,9 @@ async def running(deployment: Deployment, aggregator_id: str = "agg-a", mutual: 
 
 @asynccontextmanager
 async def connected(deployment: Deployment, service: AggregatorService, identity: str | None = None):
-    async with deployment.channel(f"127.0.0.1:{service.port}", identity) as channel:
+    """A channel to the device port, or with the coordinator's identity to the control port."""
+    port = service.control_port if identity == "coordinator" else service.port
+    async with deployment.channel(f"127.0.0.1:{port}", identity) as channel:
         yield channel, aggregator_pb2_grpc.AggregatorControlStub(channel)
 
 
@@ -255,13 +261,12 @@ async def device(channel: grpc.aio.Channel, cohort: Cohort, index: int,
     rewrites what the device sends (a misbehaving device); ``split`` turns an envelope into the
     envelopes that go on the stream (masked inputs in chunks)."""
     seen = seen or DeviceRun()
-    call = secagg_pb2_grpc.SecureAggregationStub(channel).Session()
+    call = secagg_pb2_grpc.SecureAggregationStub(channel).Session(metadata=join_metadata(join(cohort, index)))
     client = SecAggClient(cohort.config, index, identities(cohort.config.n)[index],
                           policy=DevicePolicy(threat=THREAT))
     for sum_id, vector in cohort.ring_inputs(index).items():
         client.provide_input(sum_id, vector)
     try:
-        await call.write(device_envelope(join(cohort, index)))
         while (reply := await call.read()) is not grpc.aio.EOF:
             message = open_envelope(reply)
             if isinstance(message, secagg_pb2.Joined):
@@ -296,8 +301,12 @@ def _drop(call, seen: DeviceRun) -> DeviceRun:
 
 
 async def misbehave(channel: grpc.aio.Channel, *messages) -> tuple[grpc.StatusCode, str]:
-    """Send ``messages`` on one stream and read until the server ends it: its status."""
-    call = secagg_pb2_grpc.SecureAggregationStub(channel).Session()
+    """Send ``messages`` on one stream and read until the server ends it: its status. A leading
+    Join goes in the stream's metadata, as devices send it."""
+    metadata = ()
+    if messages and isinstance(messages[0], secagg_pb2.Join):
+        metadata, messages = join_metadata(messages[0]), messages[1:]
+    call = secagg_pb2_grpc.SecureAggregationStub(channel).Session(metadata=metadata)
     for m in messages:
         await call.write(m if isinstance(m, secagg_pb2.DeviceToAggregator) else device_envelope(m))
     await call.done_writing()
@@ -411,8 +420,9 @@ def _one_chunk_too_many(parts: list) -> None:
 
 
 def test_bytes_that_are_no_message_end_the_stream_with_a_clear_status(deployment):
-    """A device that sends garbage (issue 8's campaign: corrupt messages) is refused with
-    INVALID_ARGUMENT naming what was wrong, before and after joining; nothing else is affected."""
+    """A device that sends garbage after joining (issue 8's campaign: corrupt messages) is refused
+    with INVALID_ARGUMENT naming what was wrong; nothing else is affected. (Before joining nothing
+    it sends is read: ``test_aggregator_attacks``.)"""
     async def scenario():
         async with running(deployment) as service, connected(deployment, service) as (ch, stub):
             cohort = plan(deployment, "s-corrupt")
@@ -420,9 +430,9 @@ def test_bytes_that_are_no_message_end_the_stream_with_a_clear_status(deployment
             raw = ch.stream_stream("/tally.v1.SecureAggregation/Session", request_serializer=lambda data: data,
                                    response_deserializer=secagg_pb2.AggregatorToDevice.FromString)
             outcomes = []
-            for opening in ([CORRUPT_MESSAGE], [device_envelope(join(cohort, 1)).SerializeToString(), CORRUPT_MESSAGE]):
-                call = raw()
-                for data in opening:
+            for index in (1, 2):
+                call = raw(metadata=join_metadata(join(cohort, index)))
+                for data in [CORRUPT_MESSAGE] * index:
                     await call.write(data)
                 await call.done_writing()
                 with contextlib.suppress(grpc.aio.AioRpcError):
@@ -440,15 +450,15 @@ def test_bytes_that_are_no_message_end_the_stream_with_a_clear_status(deployment
 
 def test_masked_inputs_travel_in_chunks_and_bad_chunks_end_only_their_stream(deployment):
     """Issue 12, finding 10: masked inputs arrive in chunks, so the device port's receive limit
-    (4 MiB by default) is far below the largest vector; a bigger message is refused before its
-    Join is even read, and a device whose chunks are out of order, of another sum or too many
-    loses its own stream only."""
+    (4 MiB by default) is far below the largest vector; a bigger message is refused, and a device
+    whose chunks are out of order, of another sum or too many loses its own stream only."""
     async def scenario():
         async with running(deployment) as service, connected(deployment, service) as (ch, stub):
             cohort = plan(deployment, "s-chunks")
             await stub.OpenSession(cohort.request)
-            huge = secagg_pb2.Join(session_ticket=b"\0" * (5 << 20), device_index=1)
-            code, message = await misbehave(ch, huge)
+            huge = secagg_pb2.DeviceToAggregator(masked_input_response=secagg_pb2.MaskedInputResponse(
+                sum_id="update", sender=8, data=bytes(5 << 20)))
+            code, message = await misbehave(ch, join(cohort, 8), huge)
             assert code == CODE.RESOURCE_EXHAUSTED, message
             update_spec = cohort.config.sum_spec("update")
             assert packed_size(update_spec.dim, update_spec.wire_bits) > 16  # several chunks
@@ -459,21 +469,21 @@ def test_masked_inputs_travel_in_chunks_and_bad_chunks_end_only_their_stream(dep
             def other_sum(parts):
                 parts[-1].masked_input_response.sum_id = "count"
 
-            spoilt = {6: gap, 7: other_sum, 8: _one_chunk_too_many}
+            spoilt = {5: gap, 6: other_sum, 7: _one_chunk_too_many}  # 8 sent the huge message
             runs = await asyncio.gather(
                 *(device(ch, cohort, i, split=partial(split_masked_input, chunk_bytes=7))
-                  for i in range(1, 6)),
+                  for i in range(1, 5)),
                 *(device(ch, cohort, i, split=_bad_chunks(spoil)) for i, spoil in spoilt.items()),
                 await_sum(stub, cohort, "update"), await_sum(stub, cohort, "count"),
             )
-            devices, (_, update), (_, count) = runs[:8], runs[8], runs[9]
-            assert_sum(cohort, "update", update, [1, 2, 3, 4, 5], [6, 7, 8])
-            assert_sum(cohort, "count", count, [1, 2, 3, 4, 5], [6, 7, 8])
-            assert [d.outcome for d in devices] == ["done"] * 5 + ["error"] * 3
-            assert {d.code for d in devices[5:]} == {CODE.INVALID_ARGUMENT}
-            assert re.search(r"chunk at offset (\d+), expected (?!\1)\d+", devices[5].detail)
-            assert "chunk for sum 'count' arrived before the last chunk" in devices[6].detail
-            assert "larger than its" in devices[7].detail
+            devices, (_, update), (_, count) = runs[:7], runs[7], runs[8]
+            assert_sum(cohort, "update", update, [1, 2, 3, 4], [5, 6, 7])  # 8 left before its keys
+            assert_sum(cohort, "count", count, [1, 2, 3, 4], [5, 6, 7])
+            assert [d.outcome for d in devices] == ["done"] * 4 + ["error"] * 3
+            assert {d.code for d in devices[4:]} == {CODE.INVALID_ARGUMENT}
+            assert re.search(r"chunk at offset (\d+), expected (?!\1)\d+", devices[4].detail)
+            assert "chunk for sum 'count' arrived before the last chunk" in devices[5].detail
+            assert "larger than its" in devices[6].detail
             metrics = scrape(service.metrics_port)
             assert metrics['tally_aggregator_rejected_total{reason="malformed",'
                            'status="INVALID_ARGUMENT"}'] == 3
@@ -564,7 +574,7 @@ def test_bad_tickets_and_bad_devices_get_clear_statuses_and_the_session_still_co
                 SessionTicket(**ticket))))
             assert code == CODE.PERMISSION_DENIED
             code, message = await misbehave(ch, AdvertiseKeys(config.ref, 2, (), bytes(64)))
-            assert code == CODE.FAILED_PRECONDITION and "must be Join" in message
+            assert code == CODE.UNAUTHENTICATED and "Join in its 'tally-join-bin' metadata" in message
             # Devices 6, 7 and 8 join and misbehave: each loses its own stream only.
             malformed = secagg_pb2.DeviceToAggregator(
                 advertise_keys=secagg_pb2.AdvertiseKeys(sender=6))
@@ -843,9 +853,10 @@ def test_the_coordinator_follows_a_certificate_rotation_without_a_restart(tmp_pa
     served = TLSConfig.from_dir(old / "aggregator-1", "aggregator", require_client_auth=True)
 
     async def scenario():
-        first = AggregatorService("127.0.0.1:0", served, public, "agg-1")
-        port = await first.start()
-        pool = AggregatorPool([("agg-1", f"localhost:{port}")], TLSConfig.from_dir(old / "coordinator", "coordinator"),
+        first = AggregatorService("127.0.0.1:0", served, public, "agg-1", control_listen="127.0.0.1:0")
+        await first.start()
+        port, control = first.port, first.control_port
+        pool = AggregatorPool([("agg-1", f"localhost:{control}")], TLSConfig.from_dir(old / "coordinator", "coordinator"),
                               1 << 20, OWNER_TOKENS)
         try:
             assert await pool.healthy() == ["agg-1"]
@@ -855,7 +866,8 @@ def test_the_coordinator_follows_a_certificate_rotation_without_a_restart(tmp_pa
                     source = new / role / name
                     write_file_atomic(old / role / name, source.read_bytes(), source.stat().st_mode & 0o777)
             await first.stop(0)
-            second = AggregatorService(f"127.0.0.1:{port}", served, public, "agg-1")
+            second = AggregatorService(f"127.0.0.1:{port}", served, public, "agg-1",
+                                       control_listen=f"127.0.0.1:{control}")
             await second.start()
             try:
                 assert await pool.healthy() == ["agg-1"]

@@ -1,21 +1,29 @@
 """Attacks on the real aggregator over gRPC with TLS (issue 12): a key of small order or wrong
-Unmask shares from one device leave the others' sum exact (item 3); under mutual TLS a device's
-certificate cannot reach the control API (item 12)."""
+Unmask shares from one device leave the others' sum exact (item 3); under mutual TLS only the
+coordinator's certificate reaches the control API (item 12); devices hold no shared certificate,
+and a stream without a valid Join is refused before anything it sends is read (issue 23,
+findings 4, 5 and 9)."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
+from pathlib import Path
 
 import grpc
 import pytest
+from cryptography.hazmat.primitives import serialization
 
-from aggregator.errors import Rejected
-from aggregator.gate import MAX_JOIN_BYTES, StreamLimits, UnjoinedStreams
+from aggregator import AggregatorService
 from secagg_helpers import identities
 from tally.secagg.messages import AdvertiseKeys, UnmaskResponse
+from tally.security import TLSConfig, certs
+from tally.security.tls import channel_credentials
+from tally.wire.join import JOIN_METADATA, join_metadata
 from tally.wire.v1 import secagg_pb2
 from tally.wire.v1.aggregator_pb2 import AwaitResultRequest, CloseSessionRequest
+from tally.wire.v1.aggregator_pb2_grpc import AggregatorControlStub
 from tally.secagg.wire import advertise_statement
 from test_aggregator import (  # noqa: F401  (deployment is a fixture)
     CODE,
@@ -25,6 +33,7 @@ from test_aggregator import (  # noqa: F401  (deployment is a fixture)
     connected,
     deployment,
     device,
+    join,
     plan,
     run,
     running,
@@ -72,24 +81,44 @@ def test_a_zero_key_excludes_its_sender_and_wrong_shares_are_decoded_around(depl
     run(scenario)
 
 
-def test_under_mutual_tls_the_control_api_admits_only_the_coordinators_certificate(deployment):
-    """Attack 12: a device's certificate (valid, same CA) is refused on every AggregatorControl
-    call; the coordinator's is admitted; devices still join and the sum is exact."""
+def test_under_mutual_tls_only_the_coordinator_reaches_the_control_api_and_devices_need_no_certificate(
+        deployment, tmp_path):
+    """Attack 12 and the third review's finding 9: the control API has a port of its own that
+    demands a client certificate (a device has none: no handshake) and admits only the
+    coordinator's CN (another certificate of the same CA is refused on every call); the device
+    port serves no control API; devices present no certificate, each stream authenticated by
+    its Join, and the sum is exact."""
+    ca_key = serialization.load_pem_private_key((deployment.tls_dir / "ca" / "ca.key").read_bytes(), None)
+    ca_cert = certs.load_certificate(deployment.tls_dir / "ca" / "ca.pem")
+    key, cert = certs.make_leaf(ca_key, ca_cert, "tally-impostor", server=False, client=True)
+    (tmp_path / "impostor.pem").write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    (tmp_path / "impostor.key").write_bytes(key.private_bytes(
+        serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()))
+    impostor = TLSConfig(ca=deployment.tls_dir / "ca" / "ca.pem", cert=tmp_path / "impostor.pem",
+                         key=tmp_path / "impostor.key")
 
     async def scenario():
         async with running(deployment, mutual=True) as service, \
                 connected(deployment, service, "coordinator") as (_, control), \
-                connected(deployment, service, "device") as (devices, as_device):
+                connected(deployment, service) as (devices, on_device_port):
             cohort = plan(deployment, "s-mtls")
-            refused = (CODE.PERMISSION_DENIED,
-                       "AggregatorControl admits only the coordinator's certificate (tally-coordinator), "
-                       "not 'tally-device'")
-            assert await rpc_error(as_device.OpenSession(cohort.request)) == refused
-            await control.OpenSession(cohort.request)
-            assert await rpc_error(as_device.AwaitResult(
-                AwaitResultRequest(session_id="s-mtls", sum_id="update"), metadata=cohort.owner_md)) == refused
-            assert await rpc_error(as_device.CloseSession(
-                CloseSessionRequest(session_id="s-mtls"), metadata=cohort.owner_md)) == refused
+            control_target = f"127.0.0.1:{service.control_port}"
+            async with deployment.channel(control_target) as no_certificate:
+                code, _ = await rpc_error(AggregatorControlStub(no_certificate).OpenSession(cohort.request))
+                assert code == CODE.UNAVAILABLE  # the TLS handshake itself fails
+            async with grpc.aio.secure_channel(control_target, channel_credentials(impostor)) as other:
+                as_impostor = AggregatorControlStub(other)
+                refused = (CODE.PERMISSION_DENIED,
+                           "AggregatorControl admits only the coordinator's certificate (tally-coordinator), "
+                           "not 'tally-impostor'")
+                assert await rpc_error(as_impostor.OpenSession(cohort.request)) == refused
+                await control.OpenSession(cohort.request)
+                assert await rpc_error(as_impostor.AwaitResult(
+                    AwaitResultRequest(session_id="s-mtls", sum_id="update"), metadata=cohort.owner_md)) == refused
+                assert await rpc_error(as_impostor.CloseSession(
+                    CloseSessionRequest(session_id="s-mtls"), metadata=cohort.owner_md)) == refused
+            code, _ = await rpc_error(on_device_port.OpenSession(cohort.request))
+            assert code == CODE.UNIMPLEMENTED
             runs = await asyncio.gather(
                 *(device(devices, cohort, i) for i in range(1, 9)),
                 await_sum(control, cohort, "update"),
@@ -102,7 +131,14 @@ def test_under_mutual_tls_the_control_api_admits_only_the_coordinators_certifica
     run(scenario)
 
 
-# ---- third review, findings 4 and 5: streams that never join -----------------------------------
+def test_mutual_tls_without_a_control_port_is_refused():
+    """Devices present no certificate, so an aggregator that demands client certificates must
+    keep them to the coordinator's port."""
+    with pytest.raises(ValueError, match="control API its own port"):
+        AggregatorService("127.0.0.1:0", TLSConfig(ca=Path("ca.pem"), require_client_auth=True), bytes(32), "agg")
+
+
+# ---- third review, findings 4, 5 and 9: streams that are not a selected device's ---------------
 
 SESSION = "/tally.v1.SecureAggregation/Session"
 
@@ -114,75 +150,37 @@ async def _status(call) -> tuple[CODE, str]:
     return err.value.code(), err.value.details()
 
 
-def test_a_stream_that_never_joins_is_closed_at_the_join_deadline(deployment):
-    async def scenario():
-        async with running(deployment, stream_limits=StreamLimits(join_timeout_s=0.5)) as service, \
-                connected(deployment, service) as (channel, _):
-            code, detail = await _status(channel.stream_stream(SESSION)())
-            assert (code, detail) == (CODE.DEADLINE_EXCEEDED, "no Join within 0.5 s of opening the stream")
-            metrics = scrape(service.metrics_port)
-            assert metrics['tally_aggregator_rejected_total{reason="join_timeout",status="DEADLINE_EXCEEDED"}'] == 1
-            assert metrics["tally_aggregator_unjoined_streams"] == 0
-
-    run(scenario)
-
-
-def test_a_first_message_larger_than_a_join_is_refused_unparsed(deployment):
-    """Anyone with a device certificate may open a stream: before its Join is checked, its one
-    message may not exceed what a Join needs (bench/stream_memory.py measures what that saves)."""
-    message = secagg_pb2.DeviceToAggregator(masked_input_response=secagg_pb2.MaskedInputResponse(
-        sum_id="x", sender=1, data=bytes(MAX_JOIN_BYTES)))
+def test_a_stream_without_a_valid_join_is_refused_before_any_message_is_read(deployment):
+    """The Join rides in the stream's metadata and is checked first: a stream without one, with
+    bytes that are no Join, or with a Join for no session is refused at once, and none of the
+    4 MiB messages they sent was read (the received-bytes counter stays at zero)."""
+    big = secagg_pb2.DeviceToAggregator(masked_input_response=secagg_pb2.MaskedInputResponse(
+        sum_id="x", sender=1, data=bytes((4 << 20) - 64)))
 
     async def scenario():
         async with running(deployment) as service, connected(deployment, service) as (channel, _):
-            call = channel.stream_stream(SESSION, request_serializer=secagg_pb2.DeviceToAggregator.SerializeToString)()
-            await call.write(message)
-            code, detail = await _status(call)
-            assert code == CODE.INVALID_ARGUMENT
-            assert detail == (f"the first message of a session stream must be a Join of at most {MAX_JOIN_BYTES} "
-                              f"bytes, got {message.ByteSize()} bytes")
+            cohort = plan(deployment, "s-nojoin")
+            attempts = {
+                "none": (),
+                "not a join": ((JOIN_METADATA, b"\xff\xff\xff"),),
+                "two joins": join_metadata(join(cohort, 1)) * 2,
+                "no session": join_metadata(join(cohort, 1)),  # the session was never opened
+            }
+            outcomes = {}
+            for name, metadata in attempts.items():
+                call = channel.stream_stream(SESSION, request_serializer=secagg_pb2.DeviceToAggregator.SerializeToString)(
+                    metadata=metadata)
+                with contextlib.suppress(grpc.aio.AioRpcError, asyncio.InvalidStateError):
+                    await call.write(big)
+                outcomes[name] = await _status(call)
             metrics = scrape(service.metrics_port)
-            assert metrics['tally_aggregator_rejected_total{reason="not_joined",status="INVALID_ARGUMENT"}'] == 1
+            return outcomes, metrics
 
-    run(scenario)
-
-
-def test_unjoined_streams_are_capped_per_source_and_in_all():
-    """The caps hold before anything is read: the stream over the cap is refused at once, and a
-    stream that joins or ends makes room again."""
-    gate = UnjoinedStreams(StreamLimits(per_source=2, total=3))
-    gate.admit("ipv4:10.0.0.1")
-    gate.admit("ipv4:10.0.0.1")
-    with pytest.raises(Rejected, match="ipv4:10.0.0.1 already holds 2 streams") as err:
-        gate.admit("ipv4:10.0.0.1")
-    assert (err.value.status, err.value.reason) == ("RESOURCE_EXHAUSTED", "too_many_unjoined_from_source")
-    gate.admit("ipv4:10.0.0.2")
-    with pytest.raises(Rejected, match="already holds 3 streams") as err:
-        gate.admit("ipv4:10.0.0.3")
-    assert err.value.reason == "too_many_unjoined"
-    gate.release("ipv4:10.0.0.1")
-    gate.admit("ipv4:10.0.0.3")
-    assert gate.open == 3
-    with pytest.raises(ValueError, match="must lie in 1..total"):
-        StreamLimits(per_source=5, total=4)
-
-
-def test_streams_over_the_per_source_cap_are_refused_by_the_service(deployment):
-    async def scenario():
-        limits = StreamLimits(join_timeout_s=30, per_source=2, total=10)
-        async with running(deployment, stream_limits=limits) as service, \
-                connected(deployment, service) as (channel, _):
-            held = [channel.stream_stream(SESSION)() for _ in range(2)]
-            for call in held:
-                await call.wait_for_connection()
-            while service.metrics.unjoined_streams._value.get() < 2:  # both handlers admitted
-                await asyncio.sleep(0.01)
-            code, detail = await _status(channel.stream_stream(SESSION)())
-            assert code == CODE.RESOURCE_EXHAUSTED and "already holds 2 streams" in detail
-            for call in held:
-                call.cancel()
-            metrics = scrape(service.metrics_port)
-            assert metrics['tally_aggregator_rejected_total{reason="too_many_unjoined_from_source",'
-                           'status="RESOURCE_EXHAUSTED"}'] == 1
-
-    run(scenario)
+    outcomes, metrics = asyncio.run(asyncio.wait_for(scenario(), 60))
+    assert outcomes["none"] == (CODE.UNAUTHENTICATED, f"a session stream must carry exactly one Join in its "
+                                                      f"{JOIN_METADATA!r} metadata")
+    assert outcomes["two joins"][0] == CODE.UNAUTHENTICATED
+    assert outcomes["not a join"] == (CODE.UNAUTHENTICATED, "the stream's Join metadata is not a Join message")
+    assert outcomes["no session"][0] == CODE.NOT_FOUND
+    assert metrics['tally_aggregator_rejected_total{reason="not_joined",status="UNAUTHENTICATED"}'] == 3
+    assert metrics["tally_aggregator_received_bytes_total"] == 0

@@ -73,6 +73,7 @@ from tally.security import (
 from tally.security.files import private_dir
 from tally.security.tls import TLSConfig
 from tally.training import TorchTrainer, get_params, mlp
+from tally.wire.join import join_from_metadata
 from tally.wire.convert import (
     aggregator_envelope,
     open_envelope,
@@ -368,8 +369,7 @@ class FakeAggregator(secagg_pb2_grpc.SecureAggregationServicer):
         self.done = asyncio.Event()
 
     async def Session(self, request_iterator, context):
-        join = open_envelope(await context.read())
-        assert isinstance(join, secagg_pb2.Join)
+        join = join_from_metadata(context.invocation_metadata())
         index = join.device_index
         if join.session_ticket != self.plan.ticket or join.session_token != self.plan.tokens.get(index):
             await context.abort(grpc.StatusCode.PERMISSION_DENIED, "bad ticket or session token")
@@ -799,15 +799,16 @@ def one_torch_thread():
     torch.set_num_threads(threads)
 
 
-def test_device_speaks_mutual_tls_with_deployment_certificates(tmp_path):
+def test_device_speaks_tls_with_the_deployment_ca_alone(tmp_path):
+    """Devices hold the CA and no certificate of their own: nothing is shared by every device."""
     certs.write_deployment(tmp_path)
 
     async def scenario():
         coordinator = FakeCoordinator(assign=False)
-        server_tls = TLSConfig.from_dir(tmp_path / "coordinator", "coordinator", require_client_auth=True)
+        server_tls = TLSConfig.from_dir(tmp_path / "coordinator", "coordinator")
         server, port = await serve(coordinator, tls=server_tls)
         stop = asyncio.Event()
-        d = Device(f"localhost:{port}", TLSConfig.from_dir(tmp_path / "device", "device"), "tls-dev", ShiftTrainer(0, 1),
+        d = Device(f"localhost:{port}", TLSConfig.from_dir(tmp_path / "device", None), "tls-dev", ShiftTrainer(0, 1),
                    retry=FAST)
         runner = asyncio.ensure_future(d.run(stop))
         try:
@@ -841,7 +842,7 @@ def test_a_device_refuses_neighbour_keys_the_aggregator_substituted(tmp_path):
 
     trainers = {i: ShiftTrainer(0.1 * i, 4) for i in range(1, 6)}
     aggregator = FakeAggregator(plan, rewrite=substitute)
-    tls = (TLSConfig.from_dir(tmp_path / "coordinator", "coordinator"), TLSConfig.from_dir(tmp_path / "device", "device"))
+    tls = (TLSConfig.from_dir(tmp_path / "coordinator", "coordinator"), TLSConfig.from_dir(tmp_path / "device", None))
     aggregator, _, _, stats = run(run_cohort(plan, trainers, aggregator=aggregator, tls=tls))
     assert stats[1].sessions_aborted == 1 and stats[1].sessions_completed == 0
     assert not any(isinstance(m, ShareKeysResponse) and m.sender == 1 for m in aggregator.received)
@@ -866,7 +867,7 @@ def test_a_device_whose_shares_were_withheld_sends_no_input(tmp_path):
         return dataclasses.replace(message, shares=message.shares[:1])
 
     trainers = {i: ShiftTrainer(0.1 * i, 4) for i in range(1, 6)}
-    tls = (TLSConfig.from_dir(tmp_path / "coordinator", "coordinator"), TLSConfig.from_dir(tmp_path / "device", "device"))
+    tls = (TLSConfig.from_dir(tmp_path / "coordinator", "coordinator"), TLSConfig.from_dir(tmp_path / "device", None))
     aggregator, _, _, stats = run(run_cohort(plan, trainers, aggregator=FakeAggregator(plan, rewrite=withhold), tls=tls))
     assert stats[1].sessions_aborted == 1 and stats[1].sessions_completed == 0
     assert not any(isinstance(m, MaskedInputResponse) and m.sender == 1 for m in aggregator.received)

@@ -28,6 +28,7 @@ from coordinator.ratelimit import RateLimit, SourceRateLimiter
 from tally.security.peers import source_of
 from coordinator.service import CoordinatorService
 from enrolment_helpers import provisioned_request
+from tally.cli import main as tally
 from tally.secagg import SigningKey
 from tally.security import TLSConfig, bearer_metadata, load_or_create_ticket_key
 from tally.security.certs import write_deployment
@@ -81,7 +82,7 @@ async def coordinator(tmp_path: Path, **kwargs) -> AsyncIterator[Coordinator]:
         clock=clock, **kwargs,
     )
     port = await service.start()
-    channel = open_aio_channel(f"localhost:{port}", TLSConfig.from_dir(pki / "device", "device"))
+    channel = open_aio_channel(f"localhost:{port}", TLSConfig.from_dir(pki / "device", None))
     try:
         yield Coordinator(service, coordinator_pb2_grpc.CoordinatorStub(channel), clock)
     finally:
@@ -303,3 +304,45 @@ def with_fields(request: coordinator_pb2.RegisterRequest, **fields) -> coordinat
     for name, value in fields.items():
         setattr(copy, name, value)
     return copy
+
+
+def test_revoking_one_device_refuses_it_everywhere_and_touches_no_other(tmp_path, capsys):
+    """Issue 23, finding 9: devices share no secret, so one can be revoked alone (`tally device
+    revoke`, the Admin API over TLS): its unexpired token no longer checks in, its own key no
+    longer registers, and the other device goes on; the revocation survives a restart."""
+    keys = {d: SigningKey.generate() for d in ("d1", "d2")}
+
+    async def checkin(c: Coordinator, token: str) -> grpc.StatusCode:
+        try:
+            await c.stub.CheckIn(coordinator_pb2.CheckInRequest(), metadata=bearer_metadata(token), timeout=10)
+        except grpc.aio.AioRpcError as exc:
+            return exc.code()
+        return grpc.StatusCode.OK
+
+    def revoke(c: Coordinator, device: str) -> int:
+        return tally(["device", "revoke", device, "--coordinator", f"localhost:{c.service.port}",
+                      "--state-dir", str(tmp_path / "state"), "--tls-dir", str(tmp_path / "pki" / "device"), "--json"])
+
+    async def main():
+        async with coordinator(tmp_path) as c:
+            tokens = {}
+            for device, key in keys.items():
+                _, _, reply = await c.register(provisioned_request(c.service, device, identity=key))
+                tokens[device] = reply.token
+            revoked = await asyncio.to_thread(revoke, c, "d1")
+            unknown = await asyncio.to_thread(revoke, c, "never-enrolled")
+            codes = {d: await checkin(c, t) for d, t in tokens.items()}
+            again = await c.register(provisioned_request(c.service, "d1", identity=keys["d1"], now=time.time() + 1))
+            refusals = c.refusals("revoked", "CheckIn"), c.refusals("revoked")
+        async with coordinator(tmp_path) as restarted:
+            after_restart = await checkin(restarted, tokens["d1"]), await checkin(restarted, tokens["d2"])
+        return revoked, unknown, codes, again, refusals, after_restart
+
+    revoked, unknown, codes, again, refusals, after_restart = run(main())
+    out, err = capsys.readouterr()
+    assert revoked == 0 and json.loads(out.splitlines()[0]) == {"device_id": "d1", "revoked": True}
+    assert unknown == 1 and "NOT_FOUND: no enrolled device 'never-enrolled'" in err
+    assert codes == {"d1": grpc.StatusCode.PERMISSION_DENIED, "d2": grpc.StatusCode.OK}
+    assert again[0] == grpc.StatusCode.PERMISSION_DENIED and "revoked" in again[1]
+    assert refusals == (1, 1)
+    assert after_restart == (grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.OK)

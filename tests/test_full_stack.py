@@ -117,8 +117,9 @@ class Stack:
 
 @contextlib.asynccontextmanager
 async def stack(tmp_path: Path, tls: bool = False) -> AsyncIterator[Stack]:
-    """``tls``: every connection over TLS with ``tally certs`` identities (aggregators require
-    client certificates, as deployed) instead of plaintext on loopback."""
+    """``tls``: every connection over TLS with ``tally certs`` identities instead of plaintext on
+    loopback; as deployed, each aggregator's control API has its own port and admits only the
+    coordinator's certificate, and devices present none (their Join authenticates each stream)."""
     state_dir = tmp_path / "state"
     public = load_or_create_ticket_key(state_dir).public_key()
     pki = tmp_path / "pki"
@@ -128,16 +129,17 @@ async def stack(tmp_path: Path, tls: bool = False) -> AsyncIterator[Stack]:
     def identity(role: str, directory: str, **kwargs) -> TLSConfig:
         return TLSConfig.from_dir(pki / directory, role, **kwargs) if tls else PLAINTEXT
 
-    aggregators = [AggregatorService("127.0.0.1:0", identity("aggregator", f"aggregator-{i}", require_client_auth=True),
-                                     public, f"agg-{i}") for i in (1, 2)]
+    aggregators = [AggregatorService("127.0.0.1:0", identity("aggregator", f"aggregator-{i}", require_client_auth=tls),
+                                     public, f"agg-{i}", control_listen="127.0.0.1:0" if tls else None)
+                   for i in (1, 2)]
     for a in aggregators:
         await a.start()
     coordinator = CoordinatorService(
-        "127.0.0.1:0", identity("coordinator", "coordinator"), state_dir, [(a.id, a.address) for a in aggregators],
-        checkin_hold_s=2.0,
+        "127.0.0.1:0", identity("coordinator", "coordinator"), state_dir,
+        [(a.id, f"127.0.0.1:{a.control_port}") for a in aggregators], checkin_hold_s=2.0,
     )
     await coordinator.start()
-    s = Stack(state_dir, aggregators, coordinator, identity("device", "device"))
+    s = Stack(state_dir, aggregators, coordinator, identity(None, "device"))
     try:
         yield s
     finally:
@@ -355,7 +357,8 @@ def test_oversized_messages_get_resource_exhausted_and_the_services_keep_serving
                 s.aggregators[0].address, options=[("grpc.max_send_message_length", 128 << 20)]
             ) as channel:
                 call = secagg_pb2_grpc.SecureAggregationStub(channel).Session(timeout=30)
-                await call.write(secagg_pb2.DeviceToAggregator(join=secagg_pb2.Join(session_token=huge)))
+                await call.write(secagg_pb2.DeviceToAggregator(
+                    masked_input_response=secagg_pb2.MaskedInputResponse(data=huge.encode())))
                 with pytest.raises(grpc.aio.AioRpcError) as refused:
                     await call.read()
                 codes.append(refused.value.code())
@@ -367,7 +370,9 @@ def test_oversized_messages_get_resource_exhausted_and_the_services_keep_serving
             return codes, healthy
 
     codes, healthy = run(main())
-    assert codes == [grpc.StatusCode.RESOURCE_EXHAUSTED] * 2
+    # The aggregator never reads a message of a stream without a Join in its metadata: 65 MiB
+    # sent on one are refused as unauthenticated, unread.
+    assert codes == [grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.UNAUTHENTICATED]
     assert healthy == [True, True]
 
 

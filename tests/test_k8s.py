@@ -67,7 +67,7 @@ def test_overlays_render_what_they_promise(rendered: dict[str, list[dict[str, An
     assert aggregators["template"]["spec"]["affinity"]["podAntiAffinity"]
     assert {p["metadata"]["name"] for p in find(prod, "PodDisruptionBudget")} >= {"tally-aggregator"}
     assert {c["metadata"]["name"] for c in find(prod, "Certificate")} >= {
-        "tally-coordinator", "tally-aggregator", "tally-device"}
+        "tally-coordinator", "tally-aggregator", "tally-device-ca"}
     paced = one(prod, "StatefulSet", "tally-coordinator")["spec"]["template"]["spec"]["containers"][0]["args"]
     assert "--checkin-rate=200" in paced  # pace steering in production
 

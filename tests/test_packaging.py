@@ -115,7 +115,7 @@ def test_each_role_from_its_own_venv_runs_a_job(venvs: dict[str, Path], tmp_path
         found = aggregator.wait_for(r"port (\d+), control API on port (\d+)")
         device_port, control_port = found.group(1), found.group(2)
         poll_until_ok([str(venvs["aggregator"] / "tally-probe"), f"localhost:{device_port}",
-                       "--tls-dir", str(tls / "device"), "--identity", "device"], env=env)
+                       "--tls-dir", str(tls / "device")], env=env)
 
         coordinator = Service("coordinator", [
             str(venvs["coordinator"] / "tally-coordinator"), "--listen", "127.0.0.1:0", "--metrics-port", "0",

@@ -206,17 +206,17 @@ def test_mtls_rejects_client_without_certificate(pki, mtls_server):
 
 
 def test_mtls_rejects_client_cert_from_other_ca(other_pki, pki, mtls_server):
-    config = TLSConfig(ca=pki / "ca" / "ca.pem", cert=other_pki / "device" / "device.pem",
-                       key=other_pki / "device" / "device.key")
+    config = TLSConfig(ca=pki / "ca" / "ca.pem", cert=other_pki / "coordinator" / "coordinator.pem",
+                       key=other_pki / "coordinator" / "coordinator.key")
     assert _fails_with(f"localhost:{mtls_server}", config) == grpc.StatusCode.UNAVAILABLE
 
 
 def test_mtls_accepts_client_certificate_and_reports_identity(pki, mtls_server):
-    config = TLSConfig.from_dir(pki / "device", "device")
+    config = TLSConfig.from_dir(pki / "coordinator", "coordinator")
     assert _check(f"localhost:{mtls_server}", config) == health_pb2.HealthCheckResponse.SERVING
     with open_channel(f"localhost:{mtls_server}", config) as channel:
         who = channel.unary_unary("/test.Who/Am")(b"", timeout=TIMEOUT)
-    assert who == b"tally-device"
+    assert who == b"tally-coordinator"
 
 
 def test_plaintext_loopback_server_works():
@@ -329,7 +329,7 @@ def test_certs_cli_writes_files_with_permissions(pki):
 
 def test_each_role_gets_its_own_identity_and_only_its_own_secrets(tmp_path):
     """Attack 12: aggregators receive no CA key, ticket key, token secret or enrolment key, each
-    aggregator has its own key pair, and devices a client-only certificate of their own."""
+    aggregator has its own key pair, and devices the CA only."""
     certs.write_deployment(tmp_path, aggregators=3)
     roles = {p.name: {f.name for f in p.iterdir()} for p in tmp_path.iterdir()}
     assert set(roles) == {"ca", "coordinator", "aggregator-1", "aggregator-2", "aggregator-3", "device"}
@@ -344,10 +344,10 @@ def test_each_role_gets_its_own_identity_and_only_its_own_secrets(tmp_path):
     keys = {(tmp_path / f"aggregator-{i}" / "aggregator.key").read_bytes() for i in (1, 2, 3)}
     assert len(keys) == 3
     names = {role: certs.load_certificate(tmp_path / role / f"{stem}.pem").subject.rfc4514_string()
-             for role, stem in (("coordinator", "coordinator"), ("aggregator-2", "aggregator"),
-                                ("device", "device"))}
-    assert names == {"coordinator": "CN=tally-coordinator,O=Tally", "aggregator-2": "CN=tally-aggregator-2,O=Tally",
-                     "device": "CN=tally-device,O=Tally"}
+             for role, stem in (("coordinator", "coordinator"), ("aggregator-2", "aggregator"))}
+    assert names == {"coordinator": "CN=tally-coordinator,O=Tally", "aggregator-2": "CN=tally-aggregator-2,O=Tally"}
+    # No secret is shared by every device: they get the CA, nothing else (issue 23, finding 9).
+    assert sorted(p.name for p in (tmp_path / "device").iterdir()) == ["ca.pem"]
 
 
 def test_a_new_output_directory_is_private(tmp_path):
@@ -378,9 +378,6 @@ def test_certificate_contents(pki):
     ).value.get_values_for_type(x509.DNSName)
     eku = coord.extensions.get_extension_for_class(x509.ExtendedKeyUsage).value
     assert list(eku) == [ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH]
-    device = certs.load_certificate(pki / "device" / "device.pem")
-    eku = device.extensions.get_extension_for_class(x509.ExtendedKeyUsage).value
-    assert list(eku) == [ExtendedKeyUsageOID.CLIENT_AUTH]
 
 
 def test_certs_cli_refuses_overwrite_without_force(tmp_path, capsys):
@@ -394,9 +391,9 @@ def test_certs_cli_refuses_overwrite_without_force(tmp_path, capsys):
     lone = tmp_path / "lone"
     lone.mkdir()
     (lone / "device").mkdir()
-    (lone / "device" / "device.key").write_text("mine")
+    (lone / "device" / "ca.pem").write_text("mine")
     assert _run_certs(["certs", "--out", str(lone)]) == 1
-    assert sorted(str(p.relative_to(lone)) for p in lone.rglob("*")) == ["device", "device/device.key"]
+    assert sorted(str(p.relative_to(lone)) for p in lone.rglob("*")) == ["device", "device/ca.pem"]
     assert _run_certs(["certs", "--out", str(out), "--force"]) == 0
     assert (out / "ca" / "ca.pem").read_bytes() != before["ca/ca.pem"]
     assert stat.S_IMODE((out / "ca" / "ca.key").stat().st_mode) == 0o600

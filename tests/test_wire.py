@@ -49,6 +49,7 @@ from tally.secagg.params import GraphParams
 from secagg_helpers import lax_client, roster
 from tally.secagg.wire import SHARE_CIPHERTEXT_BYTES
 from tally.wire import generate
+from tally.wire.join import join_from_metadata, join_metadata
 from tally.wire.chunks import ChunkError, MaskedInputAssembler, split_masked_input
 from tally.wire.convert import (
     WireError,
@@ -293,7 +294,9 @@ def test_server_messages_round_trip_through_the_stream_envelope(message):
 
 def test_session_plumbing_travels_as_protos():
     join = secagg_pb2.Join(session_ticket=b"ticket", device_index=3, session_token="secret")
-    assert open_envelope(reparse(device_envelope(join))) == join
+    assert join_from_metadata(join_metadata(join)) == join  # the Join rides in the metadata
+    with pytest.raises(TypeError, match="does not travel in DeviceToAggregator"):
+        device_envelope(join)
     done = secagg_pb2.SessionDone()  # no sums: the oneof must still be set
     assert open_envelope(reparse(aggregator_envelope(done))) == done
     with pytest.raises(TypeError, match="does not travel in DeviceToAggregator"):
@@ -572,7 +575,8 @@ def test_unknown_values_have_no_proto():
 
 
 def test_stubs_serve_a_session_stream_over_real_grpc():
-    """The generated service and stub work together: Join answered by Joined, then Abort."""
+    """The generated service and stub work together: the Join (in metadata) answered by Joined,
+    then Abort."""
     from concurrent import futures
 
     import grpc
@@ -582,8 +586,8 @@ def test_stubs_serve_a_session_stream_over_real_grpc():
 
     class Servicer(secagg_pb2_grpc.SecureAggregationServicer):
         def Session(self, request_iterator, context):
-            join = open_envelope(next(request_iterator))
-            assert isinstance(join, secagg_pb2.Join) and join.device_index == 2
+            join = join_from_metadata(context.invocation_metadata())
+            assert join.device_index == 2
             yield aggregator_envelope(secagg_pb2.Joined(config=to_proto(config)))
             keys = open_envelope(next(request_iterator))
             yield aggregator_envelope(Abort(keys.ref, f"test ends after {keys.sender}"))
@@ -596,13 +600,12 @@ def test_stubs_serve_a_session_stream_over_real_grpc():
         with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
             stub = secagg_pb2_grpc.SecureAggregationStub(channel)
             outgoing = [
-                device_envelope(secagg_pb2.Join(session_ticket=b"t", device_index=2,
-                                                session_token="x")),
                 device_envelope(AdvertiseKeys(
                     config.ref, 2, (SumPublicKeys("a", bytes(32), bytes(32), bytes(32)),), bytes(64)
                 )),
             ]
-            replies = [open_envelope(m) for m in stub.Session(iter(outgoing), timeout=10)]
+            metadata = join_metadata(secagg_pb2.Join(session_ticket=b"t", device_index=2, session_token="x"))
+            replies = [open_envelope(m) for m in stub.Session(iter(outgoing), timeout=10, metadata=metadata)]
     finally:
         server.stop(None)
     assert from_proto(replies[0].config) == config
@@ -628,7 +631,7 @@ def test_chunks_reassemble_to_the_masked_input_they_were_split_from(data, chunk_
     outputs = [assembler.add(p) for p in parts]
     assert outputs[:-1] == [None] * (len(parts) - 1)
     assert outputs[-1] == envelope
-    other = secagg_pb2.DeviceToAggregator(join=secagg_pb2.Join(device_index=3))
+    other = secagg_pb2.DeviceToAggregator(advertise_keys=secagg_pb2.AdvertiseKeys(sender=3))
     assert assembler.add(other) is other  # nothing left pending
 
 
@@ -638,7 +641,7 @@ def test_chunks_reassemble_to_the_masked_input_they_were_split_from(data, chunk_
     (lambda parts: parts[1].masked_input_response.__setattr__("sender", 4),
      "arrived before the last chunk"),
     (lambda parts: parts.insert(1, secagg_pb2.DeviceToAggregator(
-        join=secagg_pb2.Join(device_index=3))), "join arrived before the last chunk"),
+        advertise_keys=secagg_pb2.AdvertiseKeys(sender=3))), "advertise_keys arrived before the last chunk"),
     (lambda parts: parts[-1].masked_input_response.__setattr__("data", b"\0" * 5),
      "larger than its 10 packed bytes"),
 ])

@@ -20,7 +20,7 @@ from tally.security.enrolment import ENROLMENT_KEY_FILE, read_enrolment_key
 from tally.security.tls import open_aio_channel
 from tally.wire.v1 import admin_pb2, admin_pb2_grpc
 
-AGGREGATOR_READY = r"\(port (\d+)\)"
+AGGREGATOR_READY = r"\(port (\d+)[,)]"  # "(port N)", or "(port N, control API on port M)"
 COORDINATOR_READY = r"coordinator on port (\d+)"
 # Both roles name their metrics port on the same first line (started with --metrics-port 0).
 METRICS_PORT = re.compile(r"metrics on (?:http://\S*:|port )(\d+)")
@@ -49,17 +49,19 @@ class LocalCluster:
         self.workdir = workdir
         self.certs, self.state = workdir / "certs", workdir / "state"
         write_deployment(self.certs, aggregators=aggregators, force=True)
-        self.tls = TLSConfig.from_dir(self.certs / "device", "device")
+        self.tls = TLSConfig.from_dir(self.certs / "device", None)
         self.enrolment_key = read_enrolment_key(self.certs / "coordinator" / ENROLMENT_KEY_FILE)
         logs = workdir / "logs"
         agg_ports = [free_port() for _ in range(aggregators)]
+        control_ports = [free_port() for _ in range(aggregators)]
         self.processes: dict[str, Process] = {
             f"aggregator-{i}": Process(
                 f"aggregator-{i}",
-                ["aggregator", "--listen", f"127.0.0.1:{port}", "--id", f"agg-{i}", "--metrics-port", "0",
+                ["aggregator", "--listen", f"127.0.0.1:{port}", "--control-listen", f"127.0.0.1:{control}",
+                 "--id", f"agg-{i}", "--metrics-port", "0",
                  "--tls-dir", str(self.certs / f"aggregator-{i}"), "--require-client-cert"],
                 logs / f"aggregator-{i}.log")
-            for i, port in enumerate(agg_ports, start=1)
+            for i, (port, control) in enumerate(zip(agg_ports, control_ports), start=1)
         }
         self.port = free_port()
         self.processes["coordinator"] = Process(
@@ -67,7 +69,7 @@ class LocalCluster:
             ["coordinator", "--listen", f"127.0.0.1:{self.port}", "--state-dir", str(self.state),
              "--tls-dir", str(self.certs / "coordinator"), "--metrics-port", "0",
              "--checkin-hold", str(checkin_hold_s), *coordinator_flags,
-             *[a for i, port in enumerate(agg_ports, start=1) for a in ("--aggregator", f"agg-{i}=localhost:{port}")]],
+             *[a for i, port in enumerate(control_ports, start=1) for a in ("--aggregator", f"agg-{i}=localhost:{port}")]],
             logs / "coordinator.log")
         self.target = f"localhost:{self.port}"
         self.metrics_ports: dict[str, int] = {}

@@ -24,6 +24,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "fleet": ("client_sdk.cli", "run N simulated devices (load tests, demos)"),
     "coordinator": ("coordinator.cli", "run the coordinator service"),
     "job": ("coordinator.job_cli", "write, check, submit, inspect, cancel and watch jobs; fetch trained models"),
+    "device": ("coordinator.device_cli", "revoke an enrolled device"),
     "enrol": ("coordinator.enrol_cli",
               "print enrolment credentials for devices (what `tally client --credential` takes)"),
     "chaos": ("tally.cli.chaos", "a fault campaign: random faults against real services, every committed sum checked"),

@@ -170,10 +170,13 @@ async def _unfinished_job(target: str, tls: TLSConfig, token: str) -> admin_pb2.
 async def _demo(args: argparse.Namespace, console: Console) -> dict:
     out = args.out.resolve()
     certs, state = _prepare(out, args.resume, console)
-    tls = TLSConfig.from_dir(certs / "device", "device")
+    tls = TLSConfig.from_dir(certs / "device", None)
     processes = [
         # Any free metrics port: two aggregators on one host cannot both have the default.
-        Process(f"aggregator-{i}", ["aggregator", "--listen", "127.0.0.1:0", "--id", f"agg-{i}", "--metrics-port", "0",
+        # Devices dial --listen with no client certificate; only the coordinator's is demanded, on
+        # the control port.
+        Process(f"aggregator-{i}", ["aggregator", "--listen", "127.0.0.1:0", "--control-listen", "127.0.0.1:0",
+                                    "--id", f"agg-{i}", "--metrics-port", "0",
                                     "--tls-dir", str(certs / f"aggregator-{i}"), "--require-client-cert"],
                 out / "logs" / f"aggregator-{i}.log")
         for i in (1, 2)
@@ -181,7 +184,7 @@ async def _demo(args: argparse.Namespace, console: Console) -> dict:
     try:
         aggregators = []
         for i, p in enumerate(processes, start=1):
-            port = (await p.start(r"\(port (\d+)\)")).group(1)
+            port = (await p.start(r"control API on port (\d+)\)")).group(1)
             aggregators.append(f"agg-{i}=localhost:{port}")
         console.print(f"aggregators up: {', '.join(aggregators)}")
         coordinator = Process(

@@ -46,7 +46,9 @@ def secret_manifests(deployment: Path, namespace: str) -> dict[str, list[dict[st
         "tls.yaml": [
             _tls("tally-coordinator-tls", namespace, coordinator, "coordinator"),
             _tls("tally-aggregator-tls", namespace, deployment / AGGREGATOR_DIR, "aggregator"),
-            _tls("tally-device-tls", namespace, deployment / certs.DEVICE_ROLE, certs.DEVICE_ROLE),
+            # Devices get the CA only: no key is shared by every device.
+            _secret("tally-device-ca", namespace, "Opaque",
+                    {"ca.crt": deployment / certs.DEVICE_ROLE / certs.CA_CERT}),
         ],
         "keys.yaml": [
             _secret("tally-coordinator-keys", namespace, "Opaque", {

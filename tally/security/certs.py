@@ -11,8 +11,10 @@ every party is told apart by its certificate:
 - ``aggregator-<i>/`` (one per aggregator): its own ``aggregator.pem``/``.key`` (CN
   ``tally-aggregator-<i>``, serverAuth) and ``ticket.pub``; no CA key and no coordinator secret,
   so a compromised aggregator can neither mint certificates nor tickets nor device tokens;
-- ``device/``: ``device.pem``/``.key`` (CN ``tally-device``, clientAuth only) for devices that
-  must present a certificate, which never passes for the coordinator.
+- ``device/``: ``ca.pem`` only. No secret is shared by every device: a device checks the servers
+  against the CA and authenticates itself with its own enrolled identity key (coordinator) and,
+  per session, the coordinator's signed ticket and a per-session token (the Join in its
+  aggregator stream's metadata). Revoking one device touches no other.
 
 Server certificates cover loopback (``localhost``, ``127.0.0.1``, ``::1``), the Kubernetes service
 names of their role (``tally-<role>``, ``tally-<role>.<ns>``, ``tally-<role>.<ns>.svc``,
@@ -205,7 +207,7 @@ def deployment_files(aggregators: int = 1) -> list[str]:
                                            TICKET_PUB, TOKEN_SECRET, ENROLMENT_KEY_FILE)]
     for i in range(1, aggregators + 1):
         names += [f"{aggregator_dir(i)}/{n}" for n in (CA_CERT, "aggregator.pem", "aggregator.key", TICKET_PUB)]
-    return names + [f"{DEVICE_ROLE}/{n}" for n in (CA_CERT, "device.pem", "device.key")]
+    return names + [f"{DEVICE_ROLE}/{CA_CERT}"]
 
 
 def write_deployment(
@@ -270,9 +272,7 @@ def write_deployment(
         d = aggregator_dir(i)
         contents.update({f"{d}/{CA_CERT}": ca_pem, f"{d}/aggregator.pem": cert, f"{d}/aggregator.key": key,
                          f"{d}/{TICKET_PUB}": ticket_pub})
-    cert, key = leaf(f"tally-{DEVICE_ROLE}", None, server=False, client=True)
-    contents.update({f"{DEVICE_ROLE}/{CA_CERT}": ca_pem, f"{DEVICE_ROLE}/device.pem": cert,
-                     f"{DEVICE_ROLE}/device.key": key})
+    contents[f"{DEVICE_ROLE}/{CA_CERT}"] = ca_pem
 
     # The output directory too: it holds the CA key and every role's secrets until handed out.
     directory.mkdir(mode=0o700, parents=True, exist_ok=True)

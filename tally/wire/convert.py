@@ -519,7 +519,6 @@ _DEVICE_FIELDS: dict[type, str] = {
     MaskedInputResponse: "masked_input_response",
     ConsistencyCheckResponse: "consistency_check_response",
     UnmaskResponse: "unmask_response",
-    secagg_pb2.Join: "join",
 }
 _AGGREGATOR_FIELDS: dict[type, str] = {
     ShareKeysRequest: "share_keys_request",
@@ -575,8 +574,8 @@ def _wrap(envelope: Message, fields: Mapping[type, str], message: Any) -> Messag
     return envelope
 
 
-def device_envelope(message: ClientMessage | secagg_pb2.Join) -> secagg_pb2.DeviceToAggregator:
-    """Wrap what a device sends (a client protocol message, or the Join proto)."""
+def device_envelope(message: ClientMessage) -> secagg_pb2.DeviceToAggregator:
+    """Wrap what a device sends (a client protocol message; its Join rides in metadata)."""
     return _wrap(secagg_pb2.DeviceToAggregator(), _DEVICE_FIELDS, message)
 
 
@@ -588,8 +587,8 @@ def aggregator_envelope(
 
 
 def open_envelope(envelope: secagg_pb2.DeviceToAggregator | secagg_pb2.AggregatorToDevice) -> Any:
-    """The message a stream envelope carries: a protocol value, or the Join, Joined or
-    SessionDone proto as is (session plumbing, which the services handle themselves)."""
+    """The message a stream envelope carries: a protocol value, or the Joined or SessionDone
+    proto as is (session plumbing, which the services handle themselves)."""
     if not isinstance(envelope, (secagg_pb2.DeviceToAggregator, secagg_pb2.AggregatorToDevice)):
         raise WireError(f"not a stream envelope: {type(envelope).__name__}")
     field = envelope.WhichOneof("message")

@@ -87,6 +87,18 @@ class ListJobsResponse(_message.Message):
     next_page_token: str
     def __init__(self, jobs: _Optional[_Iterable[_Union[Job, _Mapping]]] = ..., next_page_token: _Optional[str] = ...) -> None: ...
 
+class RevokeDeviceRequest(_message.Message):
+    __slots__ = ("device_id",)
+    DEVICE_ID_FIELD_NUMBER: _ClassVar[int]
+    device_id: str
+    def __init__(self, device_id: _Optional[str] = ...) -> None: ...
+
+class RevokedDevice(_message.Message):
+    __slots__ = ("device_id",)
+    DEVICE_ID_FIELD_NUMBER: _ClassVar[int]
+    device_id: str
+    def __init__(self, device_id: _Optional[str] = ...) -> None: ...
+
 class CancelJobRequest(_message.Message):
     __slots__ = ("job_id", "reason")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]

@@ -69,6 +69,11 @@ class AdminStub:
                 request_serializer=tally_dot_v1_dot_admin__pb2.GetRoundSumsRequest.SerializeToString,
                 response_deserializer=tally_dot_v1_dot_admin__pb2.RoundSums.FromString,
                 _registered_method=True)
+        self.RevokeDevice = channel.unary_unary(
+                '/tally.v1.Admin/RevokeDevice',
+                request_serializer=tally_dot_v1_dot_admin__pb2.RevokeDeviceRequest.SerializeToString,
+                response_deserializer=tally_dot_v1_dot_admin__pb2.RevokedDevice.FromString,
+                _registered_method=True)
 
 
 class AdminServicer:
@@ -122,6 +127,14 @@ class AdminServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def RevokeDevice(self, request, context):
+        """Revokes one enrolled device for good: from its next call it can no longer register, check
+        in, download or be seated. NOT_FOUND for a device never enrolled. Revoking twice is harmless.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_AdminServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -159,6 +172,11 @@ def add_AdminServicer_to_server(servicer, server):
                     servicer.GetRoundSums,
                     request_deserializer=tally_dot_v1_dot_admin__pb2.GetRoundSumsRequest.FromString,
                     response_serializer=tally_dot_v1_dot_admin__pb2.RoundSums.SerializeToString,
+            ),
+            'RevokeDevice': grpc.unary_unary_rpc_method_handler(
+                    servicer.RevokeDevice,
+                    request_deserializer=tally_dot_v1_dot_admin__pb2.RevokeDeviceRequest.FromString,
+                    response_serializer=tally_dot_v1_dot_admin__pb2.RevokedDevice.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -350,6 +368,33 @@ class Admin:
             '/tally.v1.Admin/GetRoundSums',
             tally_dot_v1_dot_admin__pb2.GetRoundSumsRequest.SerializeToString,
             tally_dot_v1_dot_admin__pb2.RoundSums.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RevokeDevice(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tally.v1.Admin/RevokeDevice',
+            tally_dot_v1_dot_admin__pb2.RevokeDeviceRequest.SerializeToString,
+            tally_dot_v1_dot_admin__pb2.RevokedDevice.FromString,
             options,
             channel_credentials,
             insecure,

@@ -327,8 +327,7 @@ class SessionDone(_message.Message):
     def __init__(self, sum_ids: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class DeviceToAggregator(_message.Message):
-    __slots__ = ("join", "advertise_keys", "share_keys_response", "masked_input_response", "consistency_check_response", "unmask_response", "share_complaints", "justify_response")
-    JOIN_FIELD_NUMBER: _ClassVar[int]
+    __slots__ = ("advertise_keys", "share_keys_response", "masked_input_response", "consistency_check_response", "unmask_response", "share_complaints", "justify_response")
     ADVERTISE_KEYS_FIELD_NUMBER: _ClassVar[int]
     SHARE_KEYS_RESPONSE_FIELD_NUMBER: _ClassVar[int]
     MASKED_INPUT_RESPONSE_FIELD_NUMBER: _ClassVar[int]
@@ -336,7 +335,6 @@ class DeviceToAggregator(_message.Message):
     UNMASK_RESPONSE_FIELD_NUMBER: _ClassVar[int]
     SHARE_COMPLAINTS_FIELD_NUMBER: _ClassVar[int]
     JUSTIFY_RESPONSE_FIELD_NUMBER: _ClassVar[int]
-    join: Join
     advertise_keys: AdvertiseKeys
     share_keys_response: ShareKeysResponse
     masked_input_response: MaskedInputResponse
@@ -344,7 +342,7 @@ class DeviceToAggregator(_message.Message):
     unmask_response: UnmaskResponse
     share_complaints: ShareComplaints
     justify_response: JustifyResponse
-    def __init__(self, join: _Optional[_Union[Join, _Mapping]] = ..., advertise_keys: _Optional[_Union[AdvertiseKeys, _Mapping]] = ..., share_keys_response: _Optional[_Union[ShareKeysResponse, _Mapping]] = ..., masked_input_response: _Optional[_Union[MaskedInputResponse, _Mapping]] = ..., consistency_check_response: _Optional[_Union[ConsistencyCheckResponse, _Mapping]] = ..., unmask_response: _Optional[_Union[UnmaskResponse, _Mapping]] = ..., share_complaints: _Optional[_Union[ShareComplaints, _Mapping]] = ..., justify_response: _Optional[_Union[JustifyResponse, _Mapping]] = ...) -> None: ...
+    def __init__(self, advertise_keys: _Optional[_Union[AdvertiseKeys, _Mapping]] = ..., share_keys_response: _Optional[_Union[ShareKeysResponse, _Mapping]] = ..., masked_input_response: _Optional[_Union[MaskedInputResponse, _Mapping]] = ..., consistency_check_response: _Optional[_Union[ConsistencyCheckResponse, _Mapping]] = ..., unmask_response: _Optional[_Union[UnmaskResponse, _Mapping]] = ..., share_complaints: _Optional[_Union[ShareComplaints, _Mapping]] = ..., justify_response: _Optional[_Union[JustifyResponse, _Mapping]] = ...) -> None: ...
 
 class AggregatorToDevice(_message.Message):
     __slots__ = ("joined", "share_keys_request", "share_delivery", "masked_input_request", "consistency_check_request", "unmask_request", "abort", "session_done", "justify_request", "share_verdict")

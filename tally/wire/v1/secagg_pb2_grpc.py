@@ -27,7 +27,7 @@ if _version_not_supported:
 
 class SecureAggregationStub:
     """Device-facing secure aggregation. One bidirectional stream per device per session: the device
-    sends Join then AdvertiseKeys, and thereafter answers each request; a masked input is sent
+    opens it with its Join in the metadata, sends AdvertiseKeys, and thereafter answers each request; a masked input is sent
     whenever the device's local computation is ready (no separate ready signal). A device whose
     stream breaks is a dropout. Malformed, replayed, stale or out-of-phase messages end the stream
     with INVALID_ARGUMENT, FAILED_PRECONDITION or UNAUTHENTICATED; they never affect other devices.
@@ -48,7 +48,7 @@ class SecureAggregationStub:
 
 class SecureAggregationServicer:
     """Device-facing secure aggregation. One bidirectional stream per device per session: the device
-    sends Join then AdvertiseKeys, and thereafter answers each request; a masked input is sent
+    opens it with its Join in the metadata, sends AdvertiseKeys, and thereafter answers each request; a masked input is sent
     whenever the device's local computation is ready (no separate ready signal). A device whose
     stream breaks is a dropout. Malformed, replayed, stale or out-of-phase messages end the stream
     with INVALID_ARGUMENT, FAILED_PRECONDITION or UNAUTHENTICATED; they never affect other devices.
@@ -78,7 +78,7 @@ def add_SecureAggregationServicer_to_server(servicer, server):
  # This class is part of an EXPERIMENTAL API.
 class SecureAggregation:
     """Device-facing secure aggregation. One bidirectional stream per device per session: the device
-    sends Join then AdvertiseKeys, and thereafter answers each request; a masked input is sent
+    opens it with its Join in the metadata, sends AdvertiseKeys, and thereafter answers each request; a masked input is sent
     whenever the device's local computation is ready (no separate ready signal). A device whose
     stream breaks is a dropout. Malformed, replayed, stale or out-of-phase messages end the stream
     with INVALID_ARGUMENT, FAILED_PRECONDITION or UNAUTHENTICATED; they never affect other devices.
