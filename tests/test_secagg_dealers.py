@@ -3,7 +3,8 @@
 A corrupt dealer (shares on no polynomial, or garbage for one neighbour) is convicted by its own
 key and excluded for every device before any masked input; a holder that complains about a good
 share is settled by the dealer's key and named; a server that alters a delivery or forges a
-complaint gets no key. In process, against the real state machines.
+complaint gets no key; an Unmask request naming a device outside the neighbourhood is refused.
+In process, against the real state machines.
 """
 
 from __future__ import annotations
@@ -27,6 +28,8 @@ from tally.secagg.messages import (
     SessionRef,
     ShareDelivery,
     ShareVerdict,
+    UnmaskRequest,
+    UnmaskResponse,
 )
 
 
@@ -200,3 +203,26 @@ def _interpolate(xs: np.ndarray, ys: np.ndarray, at: np.ndarray) -> np.ndarray:
             total = (total + yi * num * pow(den, -1, p)) % p
         out.append(total)
     return np.array(out, dtype=np.uint64)
+
+
+@pytest.mark.parametrize("consistency, refusal", [(True, "more than two hops from me"),
+                                                  (False, "not my neighbours")])
+def test_an_unmask_request_naming_a_device_outside_the_neighbourhood_is_refused(consistency, refusal):
+    """Issue 23: a device answers Unmask only about its own neighbourhood (two hops with the
+    consistency check, whose signatures need it; its neighbours without). Naming anyone else is
+    refused, and the list's strict order already refuses naming one device twice."""
+    config = make_config(100, 4, 3, consistency=consistency)
+    ball = set(config.two_hop_rows(np.array([1]))[0].tolist())
+    stranger = min(set(range(1, 101)) - ball)
+
+    def widen(outgoing):
+        message = outgoing.message
+        if outgoing.recipient == 1 and isinstance(message, UnmaskRequest):
+            survivors = tuple(sorted({*message.survivors, stranger}))
+            return dataclasses.replace(outgoing, message=dataclasses.replace(message, survivors=survivors))
+        return outgoing
+
+    cohort = Cohort(config)
+    cohort.run(tamper_server=widen)
+    assert refusal in str(cohort.refused[1])
+    assert not any(isinstance(m, UnmaskResponse) and m.sender == 1 for m in cohort.sent)

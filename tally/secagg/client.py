@@ -621,6 +621,8 @@ class _AwaitUnmask(_Phase):
         views, so at least 2t - k > c devices signed both: more than are corrupt."""
         client = self.client
         config = client.config
+        if not np.isin(named, config.two_hop_rows(np.array([client.index]))[0]).all():
+            raise MalformedMessage("the unmask request names devices more than two hops from me")
         survivors = frozenset(named.tolist())
         if _view(config, client.index, survivors) != self.signed:
             raise MalformedMessage("unmask survivor set differs from the one I signed")
