@@ -70,10 +70,12 @@ class AdminService(admin_pb2_grpc.AdminServicer):
         )
         if runner is not None:
             out.round, out.phase, out.step = runner.round, round_phase(runner.phase), runner.step
-        counts = self.store.task_report_counts(record.job_id, out.round)
+        elif record.state in ("FAILED", "CANCELLED") and record.committed_round < out.rounds:
+            out.round = record.committed_round + 1  # the round it ended in, and its devices' reports
+        summary = self.store.task_report_summary(record.job_id, out.round)
         out.task_reports.extend(
-            admin_pb2.TaskReportCount(outcome=outcome, reason=reason, count=count)
-            for (outcome, reason), count in sorted(counts.items())
+            admin_pb2.TaskReportCount(outcome=outcome, reason=reason, count=count, example=example)
+            for (outcome, reason), (count, example) in sorted(summary.items())
         )
         return out
 

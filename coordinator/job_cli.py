@@ -236,7 +236,8 @@ def job_dict(job: Any) -> dict[str, Any]:
         "round": job.round, "rounds": job.rounds, "phase": phase, "step": job.step,
         "committed_round": job.committed_round, "message": job.message,
         "created_at": _time(job.created_at), "updated_at": _time(job.updated_at),
-        "task_reports": [{"outcome": r.outcome, "reason": r.reason, "count": r.count} for r in job.task_reports],
+        "task_reports": [{"outcome": r.outcome, "reason": r.reason, "count": r.count, "example": r.example}
+                         for r in job.task_reports],
         "warnings": list(job.warnings),
     }
 
@@ -248,9 +249,10 @@ def show(job: dict[str, Any]) -> str:
         where += f" ({job['phase']}{' ' + job['step'] if job['step'] else ''})"
     parts = [job["job_id"], job["state"], job["algorithm"], where, f"committed {job['committed_round']}",
              f"created {job['created_at']}", f"updated {job['updated_at']}"]
-    failures = [f"{r['reason']} {r['count']}" for r in job["task_reports"] if r["outcome"] != "completed"]
+    failures = [f"{r['reason']} {r['count']}" + (f" (e.g. {r['example']!r})" if r.get("example") else "")
+                for r in job["task_reports"] if r["outcome"] != "completed"]
     if failures:
-        parts.append("device failures: " + ", ".join(failures))
+        parts.append(f"device failures in round {job['round']}: " + ", ".join(failures))
     if job["message"]:
         parts.append(job["message"])
     return "  ".join(parts)

@@ -101,6 +101,9 @@ DURATION_SMOOTHING = 0.5
 CheckInResult = coordinator_pb2.TaskAssignment | Retry
 
 
+# Task failures that fail the same way on every retry: the job stops at once with them.
+PERMANENT_REASONS = frozenset({"model_mismatch", "training_error", "invalid_task"})
+
 class AttemptFailed(Exception):
     """The current attempt is discarded; the round may be retried."""
 
@@ -501,6 +504,10 @@ class JobRunner:
             except AttemptFailed as exc:
                 failures += self._extensions_used() + 1
                 self._end_attempt(round_, attempt, str(exc))
+                permanent = self._permanent_cause(round_)
+                if permanent is not None:
+                    raise JobFailed(f"round {round_} attempt {attempt} failed: {exc}; {permanent}: no retry "
+                                    "can fix that, so the job stops here") from None
                 if failures > spec.retries:
                     raise JobFailed(
                         f"round {round_} failed after {attempt} attempt(s), retry budget "
@@ -509,6 +516,21 @@ class JobRunner:
                 ctx.metrics.rounds_retried.inc()
         await self._commit(round_, attempt, new_state, metrics)
         return new_state
+
+    def _permanent_cause(self, round_: int) -> str | None:
+        """What the devices' reports say when a retry cannot help: no device completed its task
+        and at least a cohort's worth failed for a reason no retry changes (its model does not
+        match the job's, its training raises, the task is invalid). None otherwise."""
+        summary = self.ctx.store.task_report_summary(self.job_id, round_)
+        if any(outcome == "completed" for outcome, _ in summary):
+            return None
+        failed = {reason: (count, example) for (outcome, reason), (count, example) in summary.items()
+                  if reason in PERMANENT_REASONS}
+        if sum(count for count, _ in failed.values()) < self.spec.min_cohort:
+            return None
+        return "devices report " + ", ".join(
+            f"{reason} x{count}" + (f" (e.g. {example!r})" if example else "")
+            for reason, (count, example) in sorted(failed.items()))
 
     def _extensions_used(self) -> int:
         return self.planner.selection.extensions_used if self.planner is not None else 0

@@ -32,6 +32,8 @@ BLOB_KINDS = ("model", "broadcast", "onnx", "state")
 SERVED_KINDS = ("model", "broadcast", "onnx")
 # Well below SQLite's limit on bound parameters per statement (32,766).
 _IDS_PER_QUERY = 10_000
+# A task report's detail kept as its reason's example: enough for an exception's message.
+MAX_EXAMPLE_CHARS = 300
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS jobs (
@@ -124,6 +126,8 @@ CREATE TABLE IF NOT EXISTS task_reports (
     outcome TEXT NOT NULL,
     reason TEXT NOT NULL,
     count INTEGER NOT NULL,
+    -- the detail of the first such report (cut short): what an operator reads to see why
+    example TEXT NOT NULL DEFAULT '',
     PRIMARY KEY (job_id, round, outcome, reason)
 );
 -- Each cohort's unmasked sum as a fingerprint (tally/codec/fingerprint.py) and the devices in it,
@@ -247,6 +251,8 @@ class Store:
             # A state directory of an earlier version: its seats have no task id and so can
             # never be released, which errs on the safe side.
             self._db.execute("ALTER TABLE seated ADD COLUMN task_id TEXT NOT NULL DEFAULT ''")
+        if "example" not in {c[1] for c in self._db.execute("PRAGMA table_info(task_reports)")}:
+            self._db.execute("ALTER TABLE task_reports ADD COLUMN example TEXT NOT NULL DEFAULT ''")
         if "revoked_at" not in {c[1] for c in self._db.execute("PRAGMA table_info(devices)")}:
             self._db.execute("ALTER TABLE devices ADD COLUMN revoked_at REAL")
         # Every device call asks whether its device is revoked: kept in memory, not queried.
@@ -557,22 +563,27 @@ class Store:
                 for device, task in seats
             )
 
-    def count_task_report(self, job_id: str, round_: int, outcome: str, reason: str) -> None:
+    def count_task_report(self, job_id: str, round_: int, outcome: str, reason: str, detail: str = "") -> None:
         with self._transaction(durable=False):
             self._db.execute(
-                "INSERT INTO task_reports (job_id, round, outcome, reason, count) "
-                "VALUES (?, ?, ?, ?, 1) ON CONFLICT (job_id, round, outcome, reason) "
-                "DO UPDATE SET count = count + 1", (job_id, round_, outcome, reason),
+                "INSERT INTO task_reports (job_id, round, outcome, reason, count, example) "
+                "VALUES (?, ?, ?, ?, 1, ?) ON CONFLICT (job_id, round, outcome, reason) "
+                "DO UPDATE SET count = count + 1, example = CASE WHEN example = '' THEN excluded.example "
+                "ELSE example END", (job_id, round_, outcome, reason, detail[:MAX_EXAMPLE_CHARS]),
             )
 
     def task_report_counts(self, job_id: str, round_: int) -> dict[tuple[str, str], int]:
         """{(outcome, reason): count} of the reports on a round's tasks."""
+        return {key: count for key, (count, _) in self.task_report_summary(job_id, round_).items()}
+
+    def task_report_summary(self, job_id: str, round_: int) -> dict[tuple[str, str], tuple[int, str]]:
+        """{(outcome, reason): (count, one example detail)} of the reports on a round's tasks."""
         with self._lock:
             rows = self._db.execute(
-                "SELECT outcome, reason, count FROM task_reports WHERE job_id = ? AND round = ?",
+                "SELECT outcome, reason, count, example FROM task_reports WHERE job_id = ? AND round = ?",
                 (job_id, round_),
             ).fetchall()
-        return {(outcome, reason): count for outcome, reason, count in rows}
+        return {(outcome, reason): (count, example) for outcome, reason, count, example in rows}
 
     def add_cohort_sum(self, job_id: str, round_: int, attempt: int, record: CohortSumRecord) -> None:
         with self._lock:

@@ -62,7 +62,7 @@ class TaskReportBook:
             return Recorded.UNMATCHED
         del self._issued[report.task_id]
         outcome, reason = outcome_name(report), reason_label(report.reason)
-        self._store.count_task_report(self._job_id, report.round, outcome, reason)
+        self._store.count_task_report(self._job_id, report.round, outcome, reason, report.detail)
         released = 0
         if not report.sent_input:
             released = self._store.release_seats(self._job_id, report.round,

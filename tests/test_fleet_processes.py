@@ -12,6 +12,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from prometheus_client.parser import text_string_to_metric_families
@@ -75,14 +76,17 @@ def _checkins(exposition: str) -> float:
                for sample in family.samples if sample.name == "tally_coordinator_checkins_total")
 
 
-def test_sigterm_to_a_fleet_of_processes_ends_them_all_with_merged_statistics(tmp_path):
+@pytest.mark.parametrize("processes, sig", [(2, signal.SIGTERM), (1, signal.SIGINT)])
+def test_a_signal_to_a_fleet_ends_it_cleanly_with_merged_statistics(tmp_path, processes, sig):
+    """SIGTERM, or Ctrl-C's SIGINT, ends every process with its statistics and exit code 0, and
+    nothing on stderr but log lines: no traceback, no "exception was never retrieved"."""
     async def main():
         cluster = LocalCluster(tmp_path / "cluster", aggregators=1)
         try:
             await cluster.start()
             argv = [sys.executable, "-m", "tally.cli", "fleet", "--coordinator", cluster.target,
                     "--tls-dir", str(cluster.certs / "device"), "--devices", "6", "--synthetic",
-                    "--no-progress", "--stay", "--processes", "2", "--json", str(tmp_path / "fleet.json"),
+                    "--no-progress", "--stay", "--processes", str(processes), "--json", str(tmp_path / "fleet.json"),
                     "--enrolment-key", str(cluster.certs / "coordinator" / "enrolment.key")]
             fleet = await asyncio.create_subprocess_exec(*argv, stderr=subprocess.PIPE)
 
@@ -90,7 +94,7 @@ def test_sigterm_to_a_fleet_of_processes_ends_them_all_with_merged_statistics(tm
                 return _checkins(await asyncio.to_thread(cluster.scrape, "coordinator")) >= 6
 
             assert await wait_for(checked_in, timeout=60), "the fleet's devices never all checked in"
-            fleet.send_signal(signal.SIGTERM)
+            fleet.send_signal(sig)
             _, stderr = await asyncio.wait_for(fleet.communicate(), 60)
             return fleet.returncode, stderr.decode()
         finally:
@@ -98,5 +102,6 @@ def test_sigterm_to_a_fleet_of_processes_ends_them_all_with_merged_statistics(tm
 
     code, stderr = asyncio.run(main())
     assert code == 0, stderr
+    assert "Traceback" not in stderr and "never retrieved" not in stderr, stderr
     report = json.loads((tmp_path / "fleet.json").read_text())
     assert report["devices"] == 6 and report["checkins"] >= 6, report

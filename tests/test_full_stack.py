@@ -271,6 +271,32 @@ def test_devices_that_cannot_train_report_why_and_keep_running(tmp_path):
             in metrics)
 
 
+def test_a_failure_no_retry_can_fix_fails_the_job_at_once_and_says_why(tmp_path):
+    """Issue 25, item 2: every device holds a model of another shape. The job used to spend its
+    whole retry budget and then say only that too few devices answered, while `job status`
+    showed the committed round's (no) reports. Now it stops at the first attempt whose round
+    has a cohort's worth of model mismatches and no success, the message names the reason with
+    a count and one device's own words, and the status shows the failed round's reports."""
+    n = 10
+    devices, _ = trainers(n)
+    other = lambda: mlp(64, 10, hidden=HIDDEN // 2, seed=0)  # noqa: E731
+    devices = [TorchTrainer(other, d.features.numpy(), d.labels.numpy()) for d in devices]
+    text = spec("hopeless", 2, cohort=n).replace("retries: 3", "retries: 6")
+
+    async def main():
+        async with stack(tmp_path) as s:
+            job_id, _ = await s.run_job(text, devices)
+            return await s.job(job_id), [r for r in s.coordinator.store.rounds(job_id) if r.round == 1]
+
+    job, attempts = run(main())
+    assert job.state == common_pb2.JOB_STATE_FAILED
+    assert "devices report model_mismatch x" in job.message and "no retry can fix that" in job.message, job.message
+    assert len(attempts) < 7  # the budget was 1 + 6 attempts
+    assert job.round == 1 and job.committed_round == 0
+    [report] = [r for r in job.task_reports if r.reason == "model_mismatch"]
+    assert report.count >= 5 and report.outcome == "aborted" and report.example
+
+
 def test_a_cnn_job_trains_through_the_services_and_exports_to_onnx(tmp_path):
     """Issue 9, item 9: a model other than the built-in mlp through the services (it used to be
     'model.kind: cnn is not one of [mlp]'); the committed model's ONNX export computes what torch

@@ -54,14 +54,16 @@ class Job(_message.Message):
     def __init__(self, job_id: _Optional[str] = ..., name: _Optional[str] = ..., algorithm: _Optional[str] = ..., state: _Optional[_Union[_common_pb2.JobState, str]] = ..., round: _Optional[int] = ..., phase: _Optional[_Union[_common_pb2.RoundPhase, str]] = ..., step: _Optional[str] = ..., committed_round: _Optional[int] = ..., spec_yaml: _Optional[str] = ..., created_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., updated_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., message: _Optional[str] = ..., task_reports: _Optional[_Iterable[_Union[TaskReportCount, _Mapping]]] = ..., rounds: _Optional[int] = ..., warnings: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class TaskReportCount(_message.Message):
-    __slots__ = ("outcome", "reason", "count")
+    __slots__ = ("outcome", "reason", "count", "example")
     OUTCOME_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
     COUNT_FIELD_NUMBER: _ClassVar[int]
+    EXAMPLE_FIELD_NUMBER: _ClassVar[int]
     outcome: str
     reason: str
     count: int
-    def __init__(self, outcome: _Optional[str] = ..., reason: _Optional[str] = ..., count: _Optional[int] = ...) -> None: ...
+    example: str
+    def __init__(self, outcome: _Optional[str] = ..., reason: _Optional[str] = ..., count: _Optional[int] = ..., example: _Optional[str] = ...) -> None: ...
 
 class GetJobRequest(_message.Message):
     __slots__ = ("job_id",)
