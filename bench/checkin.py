@@ -51,7 +51,7 @@ async def _generate(target: str, tls_dir: str, key: bytes, first: int, count: in
                     seconds: float, start_at: float) -> list[dict]:
     """One generator process: register ``count`` devices, then for each step rate fire check-ins
     open-loop for ``seconds``; per step the latencies (ms) and the calls that failed."""
-    tls = TLSConfig.from_dir(Path(tls_dir), "device")
+    tls = TLSConfig.from_dir(Path(tls_dir), None)
     channel = open_aio_channel(target, tls)
     stub = coordinator_pb2_grpc.CoordinatorStub(channel)
     metadata = []

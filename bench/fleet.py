@@ -104,8 +104,11 @@ async def _run(args: argparse.Namespace, workdir: Path) -> dict:
         started_cpu = dict(sampler.cpu)
         job_id = None
         if not args.idle:
+            # Each aggregator's cohort must keep min_cohort of its devices: at most 10, and at most
+            # half of a cohort, so that a small run's dropouts do not fail most attempts.
+            min_cohort = min(10, max(2, args.cohort // (2 * args.aggregators)))
             job_id = await cluster.submit(SPEC.format(
-                rounds=args.rounds, cohort=args.cohort, hidden=args.hidden, min_cohort=min(10, args.cohort),
+                rounds=args.rounds, cohort=args.cohort, hidden=args.hidden, min_cohort=min_cohort,
                 dropout=max(args.dropout, 0.05), plain=", plain: true" if args.plain else "",
                 semi=", malicious_server: false, consistency_check: false" if args.semi_honest else ""))
         for i in range(args.shards):
@@ -217,14 +220,16 @@ async def _run(args: argparse.Namespace, workdir: Path) -> dict:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--devices", type=int, default=1000)
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser.add_argument("--devices", type=int, default=1000, help="simulated devices in all")
     parser.add_argument("--shards", type=int, default=1, help="fleet processes")
-    parser.add_argument("--aggregators", type=int, default=2)
-    parser.add_argument("--cohort", type=int, default=100)
+    parser.add_argument("--aggregators", type=int, default=2, help="aggregator processes")
+    parser.add_argument("--cohort", type=int, default=100, help="the job's cohort_size (devices per round)")
     parser.add_argument("--hidden", type=int, default=133, help="mlp hidden units: 75 * hidden + 10 values")
-    parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--dropout", type=float, default=0.1)
+    parser.add_argument("--rounds", type=int, default=3, help="rounds of the job")
+    parser.add_argument("--dropout", type=float, default=0.1,
+                        help="fraction of devices that leave each session (and the job's planned dropout rate)")
     parser.add_argument("--plain", action="store_true", help="plain sums (benchmark-only) instead of secure ones")
     parser.add_argument("--semi-honest", action="store_true",
                         help="secure sums without the consistency check (devices trust the aggregators): what the check costs")
@@ -232,7 +237,7 @@ def main() -> None:
                         help="no job: run the fleet this long and report its memory per idle device")
     parser.add_argument("--checkin-rate", type=float, default=0.0,
                         help="the coordinator's pace steering target (check-ins per second; 0: off)")
-    parser.add_argument("--json", type=Path)
+    parser.add_argument("--json", type=Path, help="write the results here (they are printed either way)")
     parser.add_argument("--keep", type=Path, metavar="DIR",
                         help="run in DIR and keep what the run leaves (the coordinator's SQLite, every "
                              "process's log, the fleet's reports and timelines) to look into a round")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import shutil
 import signal
 import sys
 from pathlib import Path
@@ -196,10 +197,13 @@ async def _serve(service: CoordinatorService, specs: list[tuple[Path, JobSpec]])
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stopping.set)
+    fresh = not service.state_dir.exists()
     try:
         port = await service.start()
     except (OSError, RuntimeError, ValueError) as exc:  # a port or state dir in use, bad TLS files
         await service.stop(grace=0)
+        if fresh:  # nothing of a coordinator that never ran is left behind (no admin.token)
+            shutil.rmtree(service.state_dir, ignore_errors=True)
         print(f"tally coordinator: {exc}", file=sys.stderr)
         return 1
     print(

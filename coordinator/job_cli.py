@@ -16,6 +16,10 @@ from typing import Any
 from coordinator.admin_token import ADMIN_TOKEN_FILE
 from tally.argtypes import POSITIVE
 
+# The built-in algorithms (tally.algorithms; a test keeps the two lists equal), named here so that
+# `--help` need not import them.
+ALGORITHMS = ("fedavg", "agnostic_fedavg", "aaggff_d", "aaggff_s", "feddar_wa", "feddar_sa", "lg_fedavg",
+              "superfed", "fedevg")
 DEFAULT_ADDRESS = "127.0.0.1:50051"  # where `tally coordinator` listens unless told otherwise
 STATES = ["PENDING", "RUNNING", "SUCCEEDED", "FAILED", "CANCELLED"]
 
@@ -31,7 +35,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     client = admin_client_parser(output)
 
     init = actions.add_parser("init", parents=[output], help="print a commented, valid spec for an algorithm")
-    init.add_argument("algorithm", help="fedavg, agnostic_fedavg, aaggff_d, aaggff_s, feddar_wa, feddar_sa, ...")
+    init.add_argument("algorithm", help=", ".join(ALGORITHMS))
     init.set_defaults(run=_offline(_init))
     validate = actions.add_parser("validate", parents=[output], help="check a spec offline (no coordinator)")
     validate.add_argument("spec", type=Path, help="job spec YAML file")
@@ -205,8 +209,9 @@ def _job(action: Action, command: str = "job") -> Callable[[argparse.Namespace],
             except OSError as exc:  # a spec that cannot be read, an --out that cannot be written
                 return fail(f"{exc.filename}: {exc.strerror}", 2)
             except grpc.RpcError as exc:
-                if args.json:
+                if args.json:  # the JSON says it all: no second copy on stderr
                     _print_json({"error": exc.code().name, "message": exc.details()})
+                    return 1
                 hint = (f" (is a coordinator listening at {args.coordinator}? --coordinator sets the address)"
                         if exc.code() == grpc.StatusCode.UNAVAILABLE else "")
                 return fail(f"{exc.code().name}: {exc.details()}{hint}", 1)

@@ -319,11 +319,23 @@ def _field_adapter(name: str) -> TypeAdapter:
     return TypeAdapter(annotated, config=ConfigDict(strict=True))
 
 
+def yaml_problem(exc: yaml.YAMLError) -> str:
+    """One line: where the YAML breaks and why (PyYAML's own message spans several lines and
+    names ``<unicode string>`` rather than the file)."""
+    def at(mark: yaml.Mark | None) -> str:
+        return f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+
+    problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+    context = getattr(exc, "context", None)
+    where = f" ({context}{at(getattr(exc, 'context_mark', None))})" if context else ""
+    return f"not valid YAML{at(getattr(exc, 'problem_mark', None))}: {problem}{where}"
+
+
 def parse(text: str) -> JobSpec:
     try:
         raw = yaml.safe_load(text)
     except yaml.YAMLError as exc:
-        raise JobSpecError(f"not valid YAML: {exc}") from None
+        raise JobSpecError(yaml_problem(exc)) from None
     if not isinstance(raw, Mapping):
         raise JobSpecError("a job spec is a YAML mapping")
     return from_dict(raw)

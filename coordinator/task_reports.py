@@ -68,7 +68,10 @@ class TaskReportBook:
             released = self._store.release_seats(self._job_id, report.round,
                                                  [(device_id, report.task_id)])
         if outcome != "completed":
-            logs.event(log, "device task report", logging.WARNING, job_id=self._job_id,
+            # A device that left its session is routine (fleets plan dropouts by the hundred); a
+            # device that could not do its task is what an operator must see.
+            level = logging.INFO if outcome == "dropped" else logging.WARNING
+            logs.event(log, "device task report", level, job_id=self._job_id,
                        round=report.round, device_id=device_id, outcome=outcome, reason=reason,
                        sent_input=report.sent_input, seat_released=bool(released),
                        detail=report.detail[:500])

@@ -67,3 +67,19 @@ def test_grpc_floor_bench_runs_a_sessions_messages_over_tls(tmp_path):
     assert len(result["server_cpu_seconds_per_round"]) == 2
     assert result["server_cpu_seconds_median"] == pytest.approx(
         result["server_cpu_microseconds_per_message"] * result["messages_per_round"] / 1e6)
+
+
+def test_every_fleet_bench_option_says_what_it_is_and_its_default():
+    """Issue 25, item 7: `bench/fleet.py --help` listed options with neither."""
+    import re
+
+    out = subprocess.run([sys.executable, str(ROOT / "bench" / "fleet.py"), "--help"], capture_output=True, text=True,
+                         check=True).stdout
+    options = out.split("options:", 1)[1]
+    entries = re.split(r"\n  (?=-)", options)[1:]
+    assert len(entries) >= 12
+    for entry in entries:
+        flag = entry.split()[0]
+        assert len(entry.split(None, 2)) > 2 or flag in ("-h,",), entry  # a description follows
+        if flag.startswith("--") and flag not in ("--plain", "--semi-honest", "--json", "--keep"):
+            assert "(default:" in " ".join(entry.split()), entry

@@ -88,6 +88,7 @@ def test_sigterm_stops_the_children_and_a_rerun_starts_fresh(tmp_path):
         time.sleep(0.1)
     assert not [pid for pid in children if _alive(pid)], "children outlived the demo"
     assert [j.state in ("PENDING", "RUNNING") for j in _jobs(out / "state")] == [True]  # what a re-run resumed
+    assert old_job in (out / "logs" / "coordinator.log").read_text()
 
     rerun = _demo("--rounds", "1", "--out", str(out))
     stdout, stderr = rerun.communicate(timeout=240)
@@ -95,6 +96,8 @@ def test_sigterm_stops_the_children_and_a_rerun_starts_fresh(tmp_path):
     assert "fresh state: removed the previous run's" in stdout
     jobs = _jobs(out / "state")
     assert len(jobs) == 1 and jobs[0].job_id != old_job and jobs[0].state == "SUCCEEDED"
+    # Fresh logs with fresh state (issue 25, item 7): the old job is in none of them.
+    assert not any(old_job in log.read_text() for log in (out / "logs").iterdir())
 
 
 def test_resume_continues_the_interrupted_job(tmp_path):

@@ -34,6 +34,22 @@ def test_coordinator_cli_mistakes_are_messages(tmp_path, capsys, argv, code, mes
     err = capsys.readouterr().err
     assert message.format(tmp=tmp_path) in err and "Traceback" not in err
     assert not (tmp_path / "typo").exists()
+    # Issue 25, item 7: a coordinator that could not start leaves no state (no admin.token) behind.
+    assert not (tmp_path / "state").exists()
+
+
+def test_a_port_in_use_is_a_message_and_leaves_no_state(tmp_path, capsys):
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        assert _coordinator(["--state-dir", str(tmp_path / "state"), "--insecure",
+                             "--listen", f"127.0.0.1:{port}", "--metrics-port", "0"]) == 1
+    err = capsys.readouterr().err
+    assert f"127.0.0.1:{port}" in err and "Traceback" not in err, err
+    assert not (tmp_path / "state").exists()
 
 
 def test_a_state_dir_in_use_is_a_message(tmp_path, capsys):

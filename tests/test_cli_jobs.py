@@ -120,6 +120,7 @@ def test_job_commands_as_processes_against_the_services(tmp_path, caplog):
                 "model": ("job", "model", job_id, "--out", str(out_dir / "model.onnx"), "--json"),
                 "first": ("job", "model", job_id, "--round", "1", "--out", str(out_dir / "v1.onnx")),
                 "beyond": ("job", "model", job_id, "--round", "9", "--out", str(out_dir / "v9.onnx")),
+                "beyond_json": ("job", "model", job_id, "--round", "9", "--out", str(out_dir / "v9.onnx"), "--json"),
             }.items():
                 results[name] = await _tally(*argv, *common)
             version = s.coordinator.store.model_version(job_id)
@@ -156,4 +157,28 @@ def test_job_commands_as_processes_against_the_services(tmp_path, caplog):
     assert (tmp_path / "out" / "v0.onnx").read_bytes() not in (onnx, (tmp_path / "out" / "v1.onnx").read_bytes())
     code, _, err = r["beyond"]
     assert code == 1 and "NOT_FOUND" in err and "no committed round 9" in err
+    code, out, err = r["beyond_json"]  # with --json the error is the JSON, said once
+    assert code == 1 and json.loads(out)["error"] == "NOT_FOUND" and "NOT_FOUND" not in err
     assert not (tmp_path / "out" / "v9.onnx").exists()
+
+
+def test_a_yaml_syntax_error_is_one_problem_naming_its_line(tmp_path, capsys):
+    """Issue 25, item 7: PyYAML's message used to count as "8 problem(s)" (one per line) and
+    named "<unicode string>" instead of the file."""
+    path = tmp_path / "broken.yaml"
+    path.write_text("name: x\nalgorithm: fedavg\nrounds: [1\n")
+    assert tally(["job", "validate", str(path)]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith(f"{path}: 1 problem(s)\n") and "line 3, column 9" in err, err
+    assert "<unicode string>" not in err
+
+
+def test_job_init_help_names_every_algorithm(capsys):
+    from coordinator.job_cli import ALGORITHMS
+    from tally.algorithms import NAMES
+
+    assert set(ALGORITHMS) == set(NAMES)
+    with pytest.raises(SystemExit):
+        tally(["job", "init", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert all(name in text for name in NAMES) and "..." not in text

@@ -1553,3 +1553,28 @@ def test_reveal_collector_builds_the_rows_as_the_simulator_and_refuses_what_does
         collector.add("a", 2, {"response": np.float64(0.0)})
     with pytest.raises(RevealOutOfPhase):
         collector.add("z", 1, {"response": np.float64(0.0), "count": np.int64(1)})
+
+
+def test_task_reports_keep_an_example_and_only_real_failures_are_warnings(tmp_path, caplog):
+    """Issue 25, items 2 and 7: each reason keeps the first device's own words (what `job status`
+    shows), and a planned dropout is logged as routine while a device that could not do its task
+    is a warning (a fleet's dropouts used to be 110 of 163 coordinator log lines, all warnings)."""
+    from coordinator.planner import Seat
+    from coordinator.task_reports import TaskReportBook
+    from tally.wire.v1 import coordinator_pb2
+
+    caplog.set_level("INFO", logger="tally.coordinator.reports")
+    store = Store(tmp_path)
+    book = TaskReportBook(store, "job")
+    seats = [Seat(f"d{i}", 0, i + 1, f"task-{i}") for i in range(3)]
+    book.issue(1, seats)
+    Outcome = coordinator_pb2.TaskReport.Outcome
+    reports = [("d0", Outcome.DROPPED, "dropped", ""), ("d1", Outcome.ABORTED, "model_mismatch", "shape (8,) vs (16,)"),
+               ("d2", Outcome.ABORTED, "model_mismatch", "another")]
+    for (device, outcome, reason, detail), seat in zip(reports, seats):
+        book.record(device, coordinator_pb2.TaskReport(task_id=seat.task_id, round=1, outcome=outcome,
+                                                       reason=reason, detail=detail))
+    assert store.task_report_summary("job", 1) == {("dropped", "dropped"): (1, ""),
+                                                    ("aborted", "model_mismatch"): (2, "shape (8,) vs (16,)")}
+    levels = [(r.fields["device_id"], r.levelname) for r in caplog.records if r.getMessage() == "device task report"]
+    assert levels == [("d0", "INFO"), ("d1", "WARNING"), ("d2", "WARNING")]

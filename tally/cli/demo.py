@@ -148,6 +148,8 @@ def _prepare(out: Path, resume: bool, console: Console) -> tuple[Path, Path]:
     if state.exists():
         shutil.rmtree(state)
         console.print(f"fresh state: removed the previous run's {state} (--resume continues its job instead)")
+    # Fresh logs too: a resumed run appends to its own, a new one must not read like the last.
+    shutil.rmtree(out / "logs", ignore_errors=True)
     # One identity per process, as a deployment would hand them out.
     write_deployment(certs, aggregators=2, force=True)
     return certs, state
