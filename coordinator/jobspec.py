@@ -24,6 +24,7 @@ from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError,
 
 from coordinator import registry
 from tally import algorithms, models
+from tally.algorithms.options import OPTIONS
 from tally.adaptation_options import (
     KD_FORMS, METHOD_OPTIONS, METHODS, AdaptationConfig, JobAdaptation, trainable_names,
 )
@@ -220,10 +221,16 @@ def options_model(algorithm: str) -> type[BaseModel] | None:
     config = algorithms.options_type(algorithm)
     hints = typing.get_type_hints(config)
     fields = {
-        f.name: (_strict_type(hints[f.name]), f.default)
+        f.name: (_strict_type(hints[f.name]), _option_field(f.name, f.default))
         for f in dataclasses.fields(config) if f.init and f.name != "reveal"  # reveal: top level
     }
     return create_model(f"{algorithm}_options", __config__=STRICT, __doc__=config.__doc__, **fields)
+
+
+def _option_field(name: str, default: Any) -> Any:
+    """The option's default, meaning and range (``tally.algorithms.options``)."""
+    option = OPTIONS[name]
+    return Field(default, description=option.meaning, **option.bounds())
 
 
 def option_type_errors(algorithm: str, options: Mapping[str, Any], where: str = "config") -> list[str]:

@@ -68,7 +68,7 @@ def test_validate_reports_every_problem_offline_and_init_refuses_an_unknown_algo
 def test_the_field_reference_is_generated_from_the_schema_and_up_to_date(capsys):
     assert DOCS.read_text() == reference(), "regenerate it: tally job schema > docs/job-spec.md"
     for line in ("| `secure.dropout_rate` | number (>= 0, < 1) | `0.1` |", "### `aaggff_d`",
-                 "| `config.local_epochs` | integer | `5` |"):
+                 "| `config.local_epochs` | integer (>= 1) | `5` | passes over the device's own data per round |"):
         assert line in DOCS.read_text()
     assert tally(["job", "schema", "--json"]) == 0
     schema = json.loads(capsys.readouterr().out)

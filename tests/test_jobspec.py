@@ -127,3 +127,28 @@ def test_the_consistency_check_is_on_by_default_and_off_only_for_a_semi_honest_s
     semi = jobspec.parse(yaml.safe_dump({**BASE, "secure": {"malicious_server": False, "consistency_check": False}}))
     assert not semi.secure.checks_consistency
     assert not jobspec.parse(yaml.safe_dump({**BASE, "secure": {"plain": True}})).secure.checks_consistency
+
+
+def test_every_algorithm_option_has_a_meaning_and_the_table_has_no_stale_entry():
+    import dataclasses
+
+    from tally import algorithms
+    from tally.algorithms.options import OPTIONS
+
+    used = {f.name for name in algorithms.NAMES for f in dataclasses.fields(algorithms.options_type(name))
+            if f.init and f.name != "reveal"}
+    assert used == set(OPTIONS), (used - set(OPTIONS), set(OPTIONS) - used)
+    assert all(option.meaning for option in OPTIONS.values())
+
+
+def test_option_ranges_are_checked_at_validation_each_naming_its_option():
+    """Issue 25, item 3: these were "valid", and every device then failed the round
+    (`ValueError: Invalid learning rate: -0.1`); `example_cap: -5` was blamed on a codec field."""
+    text = ("name: x\nalgorithm: fedavg\nrounds: 2\ncohort_size: 10\n"
+            "config: {local_epochs: -2, local_lr: -0.1, batch_size: 0, server_lr: 0, example_cap: -5}\n")
+    with pytest.raises(jobspec.JobSpecError) as err:
+        jobspec.parse(text)
+    assert str(err.value).splitlines() == [
+        "config.local_epochs: must be >= 1, got -2", "config.local_lr: must be > 0, got -0.1",
+        "config.batch_size: must be >= 1, got 0", "config.server_lr: must be > 0, got 0",
+        "config.example_cap: must be >= 1, got -5"]
