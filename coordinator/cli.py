@@ -10,21 +10,20 @@ import signal
 import sys
 from pathlib import Path
 
+from typing import TYPE_CHECKING
+
 from coordinator import job_cli
 from coordinator.admin_token import ADMIN_TOKEN_FILE
 from coordinator.aggregators import parse_aggregator
 from coordinator.job_cli import DEFAULT_ADDRESS
-from coordinator.jobspec import JobSpec, JobSpecError, parse as parse_job_spec
-from coordinator.ratelimit import RateLimit
-from coordinator.service import (
-    DEFAULT_CHECKIN_LIMIT,
-    DEFAULT_MAX_REQUEST_BYTES,
-    DEFAULT_REGISTER_LIMIT,
-    CoordinatorService,
-)
-from tally import argtypes, logs, models
+from coordinator.ratelimit import DEFAULT_CHECKIN_LIMIT, DEFAULT_MAX_REQUEST_BYTES, DEFAULT_REGISTER_LIMIT, RateLimit
+from tally import argtypes, logs
 from tally.metrics import add_metrics_arguments
 from tally.security.tls import add_tls_arguments, tls_config_from_args
+
+if TYPE_CHECKING:  # the service and job specs import torch: `--help` must not wait for it
+    from coordinator.jobspec import JobSpec
+    from coordinator.service import CoordinatorService
 
 log = logging.getLogger("tally.coordinator.cli")
 
@@ -125,6 +124,8 @@ def _aggregators(args: argparse.Namespace) -> list[tuple[str, str]]:
 
 def _job_specs(directory: Path) -> list[tuple[Path, JobSpec]]:
     """Every ``*.yaml`` spec in ``directory``, all checked (``ValueError`` naming the file)."""
+    from coordinator.jobspec import JobSpecError, parse as parse_job_spec
+
     if not directory.is_dir():
         raise ValueError(f"--jobs-dir {directory}: no such directory")
     specs = []
@@ -163,6 +164,9 @@ def _rate_limit(text: str) -> RateLimit:
 
 
 def run_coordinator(args: argparse.Namespace) -> int:
+    from coordinator.service import CoordinatorService
+    from tally import models
+
     logs.configure(args.log_level)
     for flag, path in (("--tls-dir", args.tls_dir), ("--secrets-dir", args.secrets_dir)):
         # Never create a mistyped directory and write fresh secrets into it.

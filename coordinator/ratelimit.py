@@ -25,6 +25,16 @@ class RateLimit:
             raise ValueError(f"a rate limit needs rate_per_s > 0 and burst >= 1, got {self}")
 
 
+# Per source address. Generous enough for a simulated fleet on one host; a deployment behind a
+# NAT or load balancer that hides device addresses should raise them.
+DEFAULT_REGISTER_LIMIT = RateLimit(rate_per_s=50.0, burst=2000.0)
+DEFAULT_CHECKIN_LIMIT = RateLimit(rate_per_s=500.0, burst=5000.0)
+# Nothing a device or an operator sends the coordinator is large (models travel the other way),
+# so requests are capped well below what it sends: an unauthenticated Register cannot make the
+# coordinator buffer megabytes.
+DEFAULT_MAX_REQUEST_BYTES = 1 << 20
+
+
 class SourceRateLimiter:
     def __init__(self, limit: RateLimit, clock: Callable[[], float], max_sources: int = 100_000) -> None:
         self.limit, self._clock, self._max = limit, clock, max_sources

@@ -23,7 +23,13 @@ from coordinator.device_api import DeviceService
 from coordinator.engine import Engine
 from coordinator.metrics import CoordinatorMetrics
 from coordinator.pacing import CheckinPacer
-from coordinator.ratelimit import RateLimit, SourceRateLimiter
+from coordinator.ratelimit import (
+    DEFAULT_CHECKIN_LIMIT,
+    DEFAULT_MAX_REQUEST_BYTES,
+    DEFAULT_REGISTER_LIMIT,
+    RateLimit,
+    SourceRateLimiter,
+)
 from coordinator.store import Store
 from tally import logs
 from tally.metrics import MetricsServer, watch_certificate
@@ -48,14 +54,6 @@ SERVICE_NAMES = (
     admin_pb2.DESCRIPTOR.services_by_name["Admin"].full_name,
 )
 DEFAULT_TOKEN_TTL_S = 24 * 3600.0
-# Nothing a device or an operator sends the coordinator is large (models travel the other way),
-# so requests are capped well below what it sends: an unauthenticated Register cannot make the
-# coordinator buffer megabytes.
-DEFAULT_MAX_REQUEST_BYTES = 1 << 20
-# Per source address. Generous enough for a simulated fleet on one host; a deployment behind a
-# NAT or load balancer that hides device addresses should raise them.
-DEFAULT_REGISTER_LIMIT = RateLimit(rate_per_s=50.0, burst=2000.0)
-DEFAULT_CHECKIN_LIMIT = RateLimit(rate_per_s=500.0, burst=5000.0)
 HEALTH_INTERVAL_S = 15.0
 
 

@@ -210,3 +210,30 @@ def test_aggregator_cli_mistakes_are_messages_naming_the_flag(tmp_path, capsys, 
     assert _aggregator([a.format(tmp=tmp_path) for a in argv]) == 2
     err = capsys.readouterr().err
     assert message.format(tmp=tmp_path) in err and "Traceback" not in err and "Errno" not in err
+
+
+def _subcommands() -> list[str]:
+    from tally.cli import COMMANDS
+
+    return sorted(COMMANDS)
+
+
+@pytest.mark.parametrize("command", _subcommands())
+def test_help_imports_nothing_heavy(command):
+    """Issue 25, item 7: `tally demo --help` and `tally coordinator --help` took 3.2-3.4 s, importing
+    torch, scikit-learn and the privacy accountant to print a usage text. (What the help costs is
+    what it imports: a timing would depend on the machine.)"""
+    import subprocess
+    import sys
+
+    code = ("import sys\nfrom tally.cli import main\ntry:\n    main([%r, '--help'])\nexcept SystemExit:\n    pass\n"
+            "print(sorted(m for m in ('torch', 'sklearn', 'dp_accounting') if m in sys.modules))") % command
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip().splitlines()[-1] == "[]", out
+
+
+def test_the_simulate_command_line_names_every_dataset():
+    from tally import tasks
+    from tally.cli.simulate import DATASETS
+
+    assert DATASETS == tuple(tasks.BUILDERS)

@@ -26,15 +26,12 @@ import yaml
 from rich.console import Console
 from rich.table import Table
 
-from client_sdk import Device, DropoutPlan, Fleet, OnnxModel
-from tally import data
 from tally.argtypes import FRACTION, POSITIVE, integer
 from tally.ops.processes import Process
 from tally.security import TLSConfig, bearer_metadata
 from tally.security.certs import write_deployment
 from tally.security.enrolment import ENROLMENT_KEY_FILE, SharedKeyEnrolment, read_enrolment_key
 from tally.security.tls import open_channel
-from tally.training import TorchTrainer, mlp, single_threaded
 from tally.wire.v1 import admin_pb2, admin_pb2_grpc, common_pb2
 
 JOB_SPEC = """\
@@ -170,6 +167,12 @@ async def _unfinished_job(target: str, tls: TLSConfig, token: str) -> admin_pb2.
 
 
 async def _demo(args: argparse.Namespace, console: Console) -> dict:
+    # Imported here, not with the module: they bring torch and scikit-learn, and `--help` must
+    # not wait for them.
+    from client_sdk import Device, DropoutPlan, Fleet, OnnxModel
+    from tally import data
+    from tally.training import TorchTrainer, mlp, single_threaded
+
     out = args.out.resolve()
     certs, state = _prepare(out, args.resume, console)
     tls = TLSConfig.from_dir(certs / "device", None)

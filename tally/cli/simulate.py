@@ -1,33 +1,24 @@
-"""``tally simulate``: an algorithm in process through the secure-sum engine, metrics as
-JSON, and with ``--report DIR`` the plots a researcher wants next to a FedAvg baseline."""
+"""``tally simulate``: its command line. The run itself (``tally.cli.simulate_run``) brings
+torch, scikit-learn and the algorithms; `--help` and a mistyped option need none of them."""
 
 from __future__ import annotations
 
 import argparse
-import json
-import sys
 from pathlib import Path
-from typing import Any
 
-import numpy as np
-from rich.console import Console
-from rich.progress import Progress
-
-from tally import algorithms, tasks
+from coordinator.job_cli import ALGORITHMS
 from tally.argtypes import FRACTION, POSITIVE, integer, number
-from tally.algorithms import aaggff
-from tally.secagg import ThreatModel, UnsafeParameters
-from tally.simulation import SecureSum, plain_sum, run_rounds
-from tally.training import single_threaded
 
-# client_sdk.adaptation's methods, named here so --help does not import the SDK.
 ADAPTATIONS = ("finetune", "freeze_base", "ewc", "distill")
+# The datasets of tally.tasks.BUILDERS (a test keeps the two equal).
+DATASETS = ("digits", "toy-regression", "domain-digits", "heterogeneous-digits", "domain-linear",
+            "pathological-digits", "rotated-digits")
 
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("simulate", help="run an algorithm in process (no network) and write metrics as JSON")
-    p.add_argument("--algorithm", choices=algorithms.NAMES, default="fedavg", help="algorithm to run")
-    p.add_argument("--dataset", choices=tuple(tasks.BUILDERS), default="digits", help="bundled or generated data")
+    p.add_argument("--algorithm", choices=ALGORITHMS, default="fedavg", help="algorithm to run")
+    p.add_argument("--dataset", choices=DATASETS, default="digits", help="bundled or generated data")
     p.add_argument("--clients", type=integer(2), default=50, help="devices in the population")
     p.add_argument("--cohort", type=integer(2), default=None, help="devices per round (default: all)")
     p.add_argument("--rounds", type=integer(1), default=20, help="rounds to run")
@@ -46,7 +37,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="opt in to revealing a per-device value (only aaggff_s: response)")
     p.add_argument("--json", type=Path, required=True, help="where to write the metrics")
     p.add_argument("--report", type=Path, default=None, help="also write per-round JSON and PNG plots here")
-    p.add_argument("--baseline", default="fedavg", choices=(*algorithms.NAMES, "none"),
+    p.add_argument("--baseline", default="fedavg", choices=(*ALGORITHMS, "none"),
                    help="algorithm the report compares against ('none': no baseline)")
     p.add_argument("--classes-per-device", type=integer(1), default=2,
                    help="classes each device holds (pathological-digits, rotated-digits)")
@@ -57,151 +48,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(run=run)
 
 
-class UsageError(ValueError):
-    """A mistake in the command line, reported as one line naming the option."""
-
-
-def _options(algorithm: str, pairs: list[str]) -> dict[str, Any]:
-    """``--option KEY=VALUE`` pairs (values as JSON, else strings), type-checked against the
-    algorithm's options as a job spec's ``config`` is."""
-    from coordinator.jobspec import option_type_errors
-
-    options = {}
-    for pair in pairs:
-        key, sep, value = pair.partition("=")
-        if not sep or not key:
-            raise UsageError(f"--option needs KEY=VALUE, got {pair!r}")
-        try:
-            options[key] = json.loads(value)
-        except json.JSONDecodeError:
-            options[key] = value
-    errors = option_type_errors(algorithm, options, where="--option")
-    if errors:
-        raise UsageError("; ".join(e.replace("--option.", "--option ", 1) for e in errors))
-    return options
-
-
-def _check(args: argparse.Namespace) -> None:
-    """What argparse cannot see option by option."""
-    if args.cohort is not None and args.cohort > args.clients:
-        raise UsageError(f"--cohort {args.cohort} exceeds --clients {args.clients}")
-    if args.reveal and args.algorithm != "aaggff_s":
-        raise UsageError(f"--reveal: {args.algorithm} reveals nothing (only aaggff_s can reveal: response)")
-    unknown = sorted(set(args.reveal) - {"response"})
-    if unknown:
-        raise UsageError(f"--reveal: {unknown} cannot be revealed (only: response)")
-
-
-def _trace(algorithm: str, server: Any, clients: int):
-    """What the report plots per round: λ (AgnosticFedAvg), p (AAggFF)."""
-
-    def trace(state: Any, local: dict[int, Any]) -> dict[str, Any]:
-        out: dict[str, Any] = {}
-        if algorithm == "agnostic_fedavg":
-            out["lambda"] = state.weights.tolist()
-            out["domain_loss"] = np.asarray(state.domain_loss).tolist()
-        elif getattr(state, "decision", None) is not None:
-            out["p"] = np.asarray(state.decision).tolist()
-        elif algorithm.startswith("aaggff"):
-            out["p"] = aaggff.decision(server.config, state.round, [local.get(i) for i in range(clients)]).tolist()
-        return out
-
-    return trace
-
-
-def simulate_one(args: argparse.Namespace, algorithm: str, given: dict[str, Any], console: Console) -> dict:
-    task_args = tasks.TaskArgs(args.clients, args.cohort, args.domains, args.alpha, args.samples,
-                               args.noise, args.partition, args.seed, algorithm,
-                               classes_per_device=args.classes_per_device)
-    try:  # the dataset and the algorithm refuse what does not fit them (num_clients, domains, ...)
-        task = tasks.build(args.dataset, task_args)
-        options = task.options(algorithm, given)
-        if algorithm == "aaggff_s" and args.reveal:
-            options.setdefault("reveal", list(args.reveal))
-        server, client = algorithms.make(algorithm, options)
-    except (TypeError, ValueError) as exc:
-        raise UsageError(f"{algorithm} on {args.dataset}: {exc}") from None
-    if args.adapt and task.fleet is None:
-        raise UsageError(f"--adapt: the devices of {args.dataset} have no validation and test splits of their "
-                         "own (use pathological-digits or rotated-digits)")
-    sum_fn = (
-        SecureSum(ThreatModel(dropout_rate=max(args.dropout, 0.05)), args.dropout, args.seed)
-        if args.secure
-        else plain_sum
-    )
-    from tally.personal_report import UploadCounter
-
-    sum_fn = uploads = UploadCounter(sum_fn)
-    local: dict[int, Any] = {}
-    with Progress(console=console, transient=True) as progress:
-        bar = progress.add_task(f"{algorithm} rounds", total=args.rounds)
-        state, logs = run_rounds(
-            server, client, task.devices, task.initial, args.rounds, args.cohort or args.clients, sum_fn,
-            seed=args.seed, evaluate=task.evaluate, reveal=args.reveal,
-            trace=_trace(algorithm, server, args.clients),
-            on_round=lambda log: progress.update(bar, advance=1, description=f"{algorithm} round {log.round}"),
-            local_states=local,
-        )
-    out = {
-        "algorithm": algorithm,
-        "options": options,
-        "dataset": args.dataset,
-        "clients": args.clients,
-        "rounds": args.rounds,
-        "secure": args.secure,
-        "dropout": args.dropout,
-        "seed": args.seed,
-        "per_round": [
-            {"round": log.round, "test_loss": log.test_loss, "test_accuracy": log.test_accuracy,
-             "contributors": {k: len(v) for k, v in log.contributors.items()}, **log.trace}
-            for log in logs
-        ],
-        "final": task.final(server.model(state)),
-        "uploaded_values": uploads.values,
-    }
-    if task.fleet is not None:
-        from tally.personal_report import personal_results
-
-        plot = (args.report or args.json.parent) / f"who-gains-{algorithm}.png"
-        out.update(personal_results(client, server.model(state), local, task.fleet, uploads, args.adapt,
-                                    args.adapt_epochs, plot))
-    return out
-
-
 def run(args: argparse.Namespace) -> int:
-    try:
-        return _run(args, Console())
-    except (UsageError, UnsafeParameters) as exc:
-        print(f"tally simulate: {exc}", file=sys.stderr)
-        return 2
-    except OSError as exc:  # --json or --report where nothing can be written
-        print(f"tally simulate: {exc.filename}: {exc.strerror}", file=sys.stderr)
-        return 2
+    from tally.cli import simulate_run
 
-
-def _run(args: argparse.Namespace, console: Console) -> int:
-    _check(args)
-    given = _options(args.algorithm, args.option)
-    single_threaded()
-    report = simulate_one(args, args.algorithm, given, console)
-    args.json.parent.mkdir(parents=True, exist_ok=True)
-    args.json.write_text(json.dumps(report, indent=2))
-    f = report["final"]
-    summary = ", ".join(
-        f"{key} {f[key]:.4g}" for key in ("test_accuracy", "worst_domain_loss", "worst10_accuracy", "gini") if key in f
-    )
-    console.print(f"{args.algorithm} on {args.dataset}: {summary}")
-    if "personal" in report:
-        from tally.personal_report import summary_line
-
-        console.print(f"{args.algorithm} on {args.dataset}: {summary_line(report)}")
-    if args.report is not None:
-        baseline = None
-        if args.baseline != "none" and args.baseline != args.algorithm:
-            baseline = simulate_one(args, args.baseline, {}, console)
-        from tally.report import write_report
-
-        paths = write_report(args.report, report, baseline)
-        console.print(f"report: {', '.join(str(p) for p in paths)}")
-    console.print(f"metrics written to {args.json}")
-    return 0
+    return simulate_run.run(args)
