@@ -16,7 +16,7 @@ from typing import TypeVar
 from rich.console import Console
 
 from client_sdk.behaviour import BehaviourProfile
-from client_sdk.device import Device
+from client_sdk.device import Device, DeviceStats
 from client_sdk.dropout import DEFAULT_PHASES, DropoutPlan
 from client_sdk.enrolment import load_or_create_identity
 from client_sdk.fleet import CoordinatorUnreachable, Fleet, FleetStats, device_ids
@@ -64,6 +64,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         "--coordinator-key", type=Path,
         help="pin the coordinator's ticket.pub instead of learning it at registration",
     )
+    _add_connect_timeout(c, "the device")
     c.set_defaults(run=run_client)
 
     f = sub.add_parser(
@@ -98,11 +99,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="keep running after the jobs the fleet worked on end (default: exit when every job it "
         "was given tasks of has finished)",
     )
-    f.add_argument(
-        "--connect-timeout", type=float, default=30.0, metavar="SECONDS",
-        help="exit with an error if no device reaches the coordinator within this time "
-        "(default: %(default)s; 0: wait forever)",
-    )
+    _add_connect_timeout(f, "no device")
     f.add_argument("--json", type=Path, help="write the fleet's statistics here as JSON")
     f.add_argument(
         "--allow-plain", action="store_true",
@@ -246,6 +243,29 @@ def _trainers(args: argparse.Namespace, shards: int) -> list[LocalTrainer]:
     return [TorchTrainer(factory, X, y, seed=args.seed + i) for i, (X, y) in enumerate(fed.clients)]
 
 
+def _add_connect_timeout(parser: argparse.ArgumentParser, who: str) -> None:
+    parser.add_argument(
+        "--connect-timeout", type=float, default=30.0, metavar="SECONDS",
+        help=f"exit with an error if {who} reaches the coordinator within this time "
+        "(default: %(default)s; 0: wait forever)",
+    )
+
+
+async def _run_device(device: Device, stop: asyncio.Event, max_tasks: int | None, connect_timeout: float) -> DeviceStats:
+    """``device.run``, given up with ``CoordinatorUnreachable`` when it has not checked in once
+    within ``connect_timeout`` seconds (0: never given up), rather than retrying in silence."""
+    running = asyncio.ensure_future(device.run(stop, max_tasks))
+    if connect_timeout > 0:
+        done, _ = await asyncio.wait({running}, timeout=connect_timeout)
+        if not done and device.stats.checkins == 0:
+            stop.set()
+            await running
+            raise CoordinatorUnreachable(
+                f"no answer from the coordinator at {device.coordinator} within {connect_timeout:g} s (last "
+                f"error: {device.stats.last_error or 'none yet'}); is it running, and is the address right?")
+    return await running
+
+
 def run_client(args: argparse.Namespace) -> int:
     if not 0 <= args.shard < args.shards:
         print(f"--shard must be in 0..{args.shards - 1}", file=sys.stderr)
@@ -277,8 +297,12 @@ def run_client(args: argparse.Namespace) -> int:
         coordinator_key=coordinator_key,
         policy=_policy(args),
     )
-    with _metrics_server(args, metrics):
-        stats = _run_until_signal(lambda stop: device.run(stop, args.max_tasks))
+    try:
+        with _metrics_server(args, metrics):
+            stats = _run_until_signal(lambda stop: _run_device(device, stop, args.max_tasks, args.connect_timeout))
+    except CoordinatorUnreachable as exc:
+        print(f"tally client: {exc}", file=sys.stderr)
+        return 1
     print(json.dumps(asdict(stats)))
     return 0
 

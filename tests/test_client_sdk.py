@@ -1189,3 +1189,18 @@ def test_a_client_given_a_state_directory_keeps_its_identity_key_there(tmp_path,
     given = parser.parse_args([*base, "--state-dir", str(tmp_path / "state"), "--identity", str(tmp_path / "k")])
     assert client_cli._identity_path(given) == tmp_path / "k"
     assert client_cli._identity_path(parser.parse_args(base)) == tmp_path / "home" / ".tally" / "dev-7.identity"
+
+
+def test_a_client_pointed_at_nothing_says_so_and_exits(capsys, tally_logger, tmp_path):
+    """Issue 25, item 4: `tally client` at a dead address printed nothing for 150 s (19 retries)."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        dead = f"127.0.0.1:{probe.getsockname()[1]}"
+    parser = argparse.ArgumentParser(prog="tally")
+    client_cli.register(parser.add_subparsers())
+    args = parser.parse_args(["client", "--coordinator", dead, "--insecure", "--device-id", "d", "--shard", "0",
+                              "--shards", "2", "--hidden", "8", "--state-dir", str(tmp_path), "--connect-timeout", "1"])
+    assert args.run(args) == 1
+    err = " ".join(capsys.readouterr().err.split())
+    assert f"tally client: no answer from the coordinator at {dead} within 1 s" in err
+    assert "Register: UNAVAILABLE" in err
