@@ -1148,15 +1148,20 @@ def test_a_fleet_never_selected_exits_when_its_population_has_no_job_left(one_to
     assert min(never_busy.checkins.values()) > 1
 
 
-def test_a_fleet_pointed_at_nothing_says_so_and_exits(capsys, tally_logger):
-    """Issue 9, item 6: a fleet pointed at a dead address printed nothing, forever."""
+def _pointed_at_nothing(argv: list[str]) -> tuple[str, argparse.Namespace]:
+    """A free loopback address nothing listens on, and ``tally ARGV`` parsed to dial it."""
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         dead = f"127.0.0.1:{probe.getsockname()[1]}"
     parser = argparse.ArgumentParser(prog="tally")
     client_cli.register(parser.add_subparsers())
-    args = parser.parse_args(["fleet", "--coordinator", dead, "--insecure", "--devices", "2", "--hidden", "8",
-                              "--connect-timeout", "1", "--no-progress"])
+    return dead, parser.parse_args([argv[0], "--coordinator", dead, "--insecure", *argv[1:]])
+
+
+def test_a_fleet_pointed_at_nothing_says_so_and_exits(capsys, tally_logger):
+    """Issue 9, item 6: a fleet pointed at a dead address printed nothing, forever."""
+    dead, args = _pointed_at_nothing(["fleet", "--devices", "2", "--hidden", "8", "--connect-timeout", "1",
+                                      "--no-progress"])
     assert args.run(args) == 1
     err = " ".join(capsys.readouterr().err.split())
     assert f"no device reached the coordinator at {dead} within 1 s" in err
@@ -1193,13 +1198,8 @@ def test_a_client_given_a_state_directory_keeps_its_identity_key_there(tmp_path,
 
 def test_a_client_pointed_at_nothing_says_so_and_exits(capsys, tally_logger, tmp_path):
     """Issue 25, item 4: `tally client` at a dead address printed nothing for 150 s (19 retries)."""
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        dead = f"127.0.0.1:{probe.getsockname()[1]}"
-    parser = argparse.ArgumentParser(prog="tally")
-    client_cli.register(parser.add_subparsers())
-    args = parser.parse_args(["client", "--coordinator", dead, "--insecure", "--device-id", "d", "--shard", "0",
-                              "--shards", "2", "--hidden", "8", "--state-dir", str(tmp_path), "--connect-timeout", "1"])
+    dead, args = _pointed_at_nothing(["client", "--device-id", "d", "--shard", "0", "--shards", "2", "--hidden", "8",
+                                      "--state-dir", str(tmp_path), "--connect-timeout", "1"])
     assert args.run(args) == 1
     err = " ".join(capsys.readouterr().err.split())
     assert f"tally client: no answer from the coordinator at {dead} within 1 s" in err

@@ -392,6 +392,8 @@ class _ComplaintsPhase(_Phase):
     message_type = ShareComplaints
 
     def validate(self, message: ShareComplaints) -> None:
+        if not message.complaints:  # every honest device's answer: no per-message lookup to build
+            return
         server = self.server
         delivered = {(s.sum_id, s.sender): s for s in server.deliveries[message.sender].shares}
         seen = set()
