@@ -288,6 +288,7 @@ class Device:
         request = coordinator_pb2.CheckInRequest(
             capabilities=coordinator_pb2.Capabilities(accelerator=self._accelerator(), sdk_version=SDK_VERSION),
             reports=reports,
+            input_ledger=self._inputs.statement(),
         )
         response = await self._call("CheckIn", request)
         self._reports.delivered(reports)

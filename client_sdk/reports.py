@@ -19,7 +19,7 @@ from collections import deque
 from pathlib import Path
 
 from tally.security.files import write_new
-from tally.wire.task_reports import MAX_REPORTS, REASONS
+from tally.wire.task_reports import MAX_LEDGER_JOBS, MAX_REPORTS, REASONS
 from tally.wire.v1 import coordinator_pb2
 
 Outcome = coordinator_pb2.TaskReport.Outcome
@@ -81,13 +81,23 @@ class InputLedger:
         latest = max(round_, self._rounds.get(job_id, round_))
         if self._rounds.get(job_id) == latest:
             return
-        rounds = {**self._rounds, job_id: latest}
+        # The job just written goes last: the file keeps the order in which jobs were updated.
+        rounds = {**{k: v for k, v in self._rounds.items() if k != job_id}, job_id: latest}
         if self.path is not None:
-            write_new(self.path, json.dumps(rounds, sort_keys=True).encode(), 0o600, replace=True)
+            write_new(self.path, json.dumps(rounds).encode(), 0o600, replace=True)
         self._rounds = rounds
 
     def already_sent(self, job_id: str, round_: int) -> bool:
         return self._rounds.get(job_id) == round_
+
+    def statement(self) -> coordinator_pb2.InputLedger | None:
+        """What a check-in says of the inputs sent: the most recently updated jobs' latest rounds,
+        only from a ledger on disk. A ledger in memory started empty with this process, so it
+        cannot say that a restarted device sent nothing before."""
+        if self.path is None:
+            return None
+        recent = list(self._rounds.items())[-MAX_LEDGER_JOBS:]
+        return coordinator_pb2.InputLedger(latest_round=dict(recent))
 
 
 def _read_ledger(path: Path) -> dict[str, int]:

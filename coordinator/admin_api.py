@@ -72,6 +72,12 @@ class AdminService(admin_pb2_grpc.AdminServicer):
             out.round, out.phase, out.step = runner.round, round_phase(runner.phase), runner.step
         elif record.state in ("FAILED", "CANCELLED") and record.committed_round < out.rounds:
             out.round = record.committed_round + 1  # the round it ended in, and its devices' reports
+        out.attempts.extend(
+            admin_pb2.RoundAttempt(attempt=a.attempt, state=a.state, started_at=timestamp(a.started_at),
+                                   finished_at=timestamp(a.finished_at) if a.finished_at is not None else None,
+                                   message=a.message)
+            for a in self.store.rounds(record.job_id, out.round)
+        )
         summary = self.store.task_report_summary(record.job_id, out.round)
         out.task_reports.extend(
             admin_pb2.TaskReportCount(outcome=outcome, reason=reason, count=count, example=example)

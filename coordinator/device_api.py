@@ -35,7 +35,7 @@ from tally.security.enrolment import (
     EnrolmentVerifier,
     registration_statement,
 )
-from tally.wire.task_reports import MAX_REPORTS
+from tally.wire.task_reports import MAX_LEDGER_JOBS, MAX_REPORTS
 from tally.wire.v1 import coordinator_pb2, coordinator_pb2_grpc
 
 
@@ -141,7 +141,13 @@ class DeviceService(coordinator_pb2_grpc.CoordinatorServicer):
         if len(request.reports) > MAX_REPORTS:
             await self._refuse(context, "CheckIn", "malformed", grpc.StatusCode.INVALID_ARGUMENT,
                                f"reports: at most {MAX_REPORTS} per check-in, got {len(request.reports)}")
+        ledger = request.input_ledger.latest_round
+        if len(ledger) > MAX_LEDGER_JOBS or any(r < 1 for r in ledger.values()):
+            await self._refuse(context, "CheckIn", "malformed", grpc.StatusCode.INVALID_ARGUMENT,
+                               f"input_ledger: at most {MAX_LEDGER_JOBS} jobs, each with a round >= 1")
         self.engine.record_reports(claims, request.reports)
+        if request.HasField("input_ledger"):
+            self.engine.record_ledger(claims, request.input_ledger)
         try:
             result = await self.engine.check_in(claims, context.time_remaining())
         except asyncio.CancelledError:

@@ -55,7 +55,8 @@ class Engine:
         resumed (its algorithm is no longer registered, say) fails with the reason."""
         for record in self.store.jobs(("PENDING", "RUNNING")):
             try:
-                self._launch(record.seq, record.job_id, record.committed_round, parse(record.spec_yaml))
+                self._launch(record.seq, record.job_id, record.committed_round, parse(record.spec_yaml),
+                             resumed=True)
             except (ValueError, TypeError) as exc:  # JobSpecError is a ValueError
                 message = f"cannot resume: {exc}"
                 self.store.set_job_state(record.job_id, "FAILED", self.clock(), message)
@@ -71,8 +72,8 @@ class Engine:
         await asyncio.gather(*(r.task for r in runners if r.task is not None), return_exceptions=True)
         self.events.close()
 
-    def _launch(self, seq: int, job_id: str, committed: int, spec: JobSpec) -> JobRunner:
-        runner = JobRunner(self._ctx, seq, job_id, committed, spec, self._runner_done)
+    def _launch(self, seq: int, job_id: str, committed: int, spec: JobSpec, *, resumed: bool = False) -> JobRunner:
+        runner = JobRunner(self._ctx, seq, job_id, committed, spec, self._runner_done, resumed=resumed)
         self.runners[job_id] = runner
         runner.task = asyncio.get_running_loop().create_task(runner.run(), name=f"job {job_id}")
         return runner
@@ -136,6 +137,13 @@ class Engine:
             outcome = outcome_name(report) if matched else "unmatched"
             reason = reason_label(report.reason) if matched else ""
             self._ctx.metrics.task_reports.labels(outcome, reason).inc()
+
+    def record_ledger(self, claims: DeviceClaims, ledger: coordinator_pb2.InputLedger) -> None:
+        """What a device's durable ledger says of its inputs, for each running job of its
+        population (``JobRunner.ledger_says``)."""
+        for runner in self.runners.values():
+            if runner.population == claims.population:
+                runner.ledger_says(claims.device_id, ledger.latest_round.get(runner.job_id))
 
     async def check_in(
         self, claims: DeviceClaims, caller_timeout_s: float | None = None

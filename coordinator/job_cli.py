@@ -244,6 +244,8 @@ def job_dict(job: Any) -> dict[str, Any]:
         "task_reports": [{"outcome": r.outcome, "reason": r.reason, "count": r.count, "example": r.example}
                          for r in job.task_reports],
         "warnings": list(job.warnings),
+        "attempts": [{"attempt": a.attempt, "state": a.state, "started_at": _time(a.started_at),
+                      "finished_at": _time(a.finished_at), "message": a.message} for a in job.attempts],
     }
 
 
@@ -258,6 +260,10 @@ def show(job: dict[str, Any]) -> str:
                 for r in job["task_reports"] if r["outcome"] != "completed"]
     if failures:
         parts.append(f"device failures in round {job['round']}: " + ", ".join(failures))
+    ended = [f"#{a['attempt']} {a['message'] or a['state']}" for a in job.get("attempts", ())
+             if a["state"] != "running" and job["round"] > job["committed_round"]]
+    if ended:
+        parts.append(f"earlier attempts of round {job['round']}: " + "; ".join(ended))
     if job["message"]:
         parts.append(job["message"])
     return "  ".join(parts)

@@ -54,6 +54,15 @@ class CoordinatorMetrics:
             "Devices an aggregator excluded from a session before any masked input, their shares "
             "proved bad (each is named in the job's events)", registry=registry,
         )
+        self.seats_released = Counter(
+            "tally_coordinator_seats_released",
+            "Seats of a round given back for its retries because their device cannot have sent an "
+            "input, by cause (undelivered: the task never reached it; report: its task report says "
+            "so; ledger: its durable input ledger, e.g. after the device restarted)",
+            ["cause"], registry=registry,
+        )
+        for cause in ("undelivered", "report", "ledger"):
+            self.seats_released.labels(cause=cause)
         self.devices_seated_early = Counter(
             "tally_coordinator_devices_seated_early",
             "Devices a selection seated as it opened, held since they checked in while the previous "

@@ -28,8 +28,9 @@ Two rules stop a privacy attack on the cohorts themselves:
   recorded before any task is handed out and kept across restarts) are turned away for the
   rest of the round, unless the seat is released because its device cannot have sent an input:
   its task never reached it (released when the attempt fails), or it reported that it sent none
-  (``coordinator.task_reports``; a device can only release its own seat, and lying exposes
-  only itself). The device enforces the rule too: one that sent an input in a round refuses to
+  (``coordinator.task_reports``), or the durable input ledger it states at each check-in shows
+  no input in the round (how a restarted device, its reports lost, is seated again). A device
+  can only release its own seat, and lying exposes only itself. The device enforces the rule too: one that sent an input in a round refuses to
   send another in it, whatever the coordinator asks (``client_sdk.reports``). So any two sums
   of a round are over equal or disjoint sets of the devices that sent inputs.
   The price is liveness where inputs were sent: a retry after a failure past MaskedInput needs

@@ -65,7 +65,7 @@ from coordinator.planner import (
 )
 from coordinator.reveals import RevealCollector, RevealOutOfPhase, is_personal, reveal_names
 from coordinator.state_codec import UnsupportedState, state_from_bytes, state_to_bytes
-from coordinator.store import CohortSumRecord, ModelVersion, Store
+from coordinator.store import CohortSumRecord, ModelVersion, RoundRecord, Store
 from coordinator.task_reports import Recorded, TaskReportBook
 from tally import logs, modelio
 from tally.algorithms.base import StepSpec
@@ -180,9 +180,13 @@ class JobRunner:
         committed: int,
         spec: JobSpec,
         on_done: Callable[[JobRunner], None],
+        *,
+        resumed: bool = False,
     ) -> None:
+        """``resumed``: a restarted coordinator picks the job up (logged, and an event says so)."""
         self.ctx, self.seq, self.job_id, self.spec = ctx, seq, job_id, spec
         self._on_done = on_done
+        self.resumed = resumed
         # A job with a privacy: section releases noisy sums only (tally/privacy).
         self.server = private_job_server(registry.make_server(spec.algorithm, spec.config), spec)
         self.ledger = getattr(self.server, "ledger", None)
@@ -225,9 +229,27 @@ class JobRunner:
     def report(self, device_id: str, report: coordinator_pb2.TaskReport) -> bool:
         """A device's report on one of its tasks; False when it is not one (nothing counted)."""
         recorded = self.reports.record(device_id, report)
-        if recorded is Recorded.RELEASED and report.round == self.round and self.planner is not None:
-            self.planner.readmit(device_id)
+        if recorded is Recorded.RELEASED:
+            self.ctx.metrics.seats_released.labels(cause="report").inc()
+            if report.round == self.round and self.planner is not None:
+                self.planner.readmit(device_id)
         return recorded is not Recorded.UNMATCHED
+
+    def ledger_says(self, device_id: str, latest_round: int | None) -> None:
+        """A device's durable ledger names ``latest_round`` as the last round it sent this job an
+        input in (None: never). Before the current round, none of its seats in this round carried
+        one, so they are released like a report's (``coordinator.task_reports``): this is how a
+        device restarted with its reports lost is seated again in a round it sent nothing to."""
+        planner = self.planner
+        if planner is None or device_id not in planner.selection.excluded:
+            return
+        if latest_round is not None and latest_round >= self.round:
+            return
+        released = self.ctx.store.release_device(self.job_id, self.round, device_id)
+        self.ctx.metrics.seats_released.labels(cause="ledger").inc(released)
+        planner.readmit(device_id)
+        logs.event(log, "seat released: the device's ledger shows no input in this round", logging.DEBUG,
+                   job_id=self.job_id, round=self.round, device_id=device_id, seats=released)
 
     def offer(self, device_id: str, now: float) -> Hold | coordinator_pb2.TaskAssignment | Retry:
         planner = self.planner
@@ -391,9 +413,10 @@ class JobRunner:
     async def run(self) -> None:
         ctx = self.ctx
         try:
-            state = await self._restore()
+            state, interrupted = await self._restore()
             ctx.store.set_job_state(self.job_id, "RUNNING", ctx.clock())
-            ctx.events.publish(self.job_id, round=self.committed, state="RUNNING", message="running")
+            ctx.events.publish(self.job_id, round=self.committed, state="RUNNING",
+                               message=self._resumed(interrupted) if self.resumed else "running")
             while self.committed < self.spec.rounds:  # the last commit marks the job SUCCEEDED
                 state = await self._round(state)
             logs.event(log, "job succeeded", job_id=self.job_id, rounds=self.committed)
@@ -425,10 +448,22 @@ class JobRunner:
         )
         logs.event(log, f"job {state.lower()}", job_id=self.job_id, reason=message)
 
-    async def _restore(self) -> Any:
-        """The state to continue from: the last committed checkpoint, or a fresh model."""
+    def _resumed(self, interrupted: list[RoundRecord]) -> str:
+        """The job event and log line of a restart: where the job goes on, and what it cut short."""
+        cut = "; ".join(f"round {a.round} attempt {a.attempt} interrupted ({len(a.sessions)} session(s) closed)"
+                        for a in interrupted)
+        message = f"resumed by a restarted coordinator after round {self.committed}" + (f"; {cut}" if cut else "")
+        logs.event(log, "job resumed", logging.WARNING if interrupted else logging.INFO, job_id=self.job_id,
+                   committed_round=self.committed, interrupted_attempts=[a.attempt for a in interrupted],
+                   detail=message)
+        return message
+
+    async def _restore(self) -> tuple[Any, list[RoundRecord]]:
+        """The state to continue from (the last committed checkpoint, or a fresh model) and the
+        attempts a stopped coordinator left open, now closed as interrupted."""
         store = self.ctx.store
-        for attempt in store.running_attempts(self.job_id):  # left open by a stopped coordinator
+        interrupted = store.running_attempts(self.job_id)  # left open by a stopped coordinator
+        for attempt in interrupted:
             for s in attempt.sessions:
                 await self.ctx.pool.close_session(
                     s["aggregator_id"], s["session_id"], "coordinator restarted", CLOSE_TIMEOUT_S
@@ -445,7 +480,7 @@ class JobRunner:
         if version is None:
             state = self.server.init(registry.initial_model(self.spec.model))
             store.add_model_version(await self._checkpoint(0, state))
-            return state
+            return state, interrupted
         if version.round != self.committed:
             raise JobFailed(
                 f"store is inconsistent: latest model is round {version.round}, "
@@ -453,8 +488,8 @@ class JobRunner:
             )
         template = self.server.init(modelio.deserialize(store.read_blob(version.model_digest)))
         if version.state_digest is None:
-            return template
-        return state_from_bytes(store.read_blob(version.state_digest), template)
+            return template, interrupted
+        return state_from_bytes(store.read_blob(version.state_digest), template), interrupted
 
     async def _checkpoint(self, round_: int, state: Any) -> ModelVersion:
         """Model, algorithm state and ONNX export as blobs (in a worker thread)."""
@@ -584,10 +619,11 @@ class JobRunner:
         except AttemptFailed as exc:
             planner.fail(str(exc))
             # A seat whose task never reached its device cannot be in any sum of the round.
-            ctx.store.release_seats(self.job_id, round_, [
+            released = ctx.store.release_seats(self.job_id, round_, [
                 (s.device_id, s.task_id) for s in planner.seats.values()
                 if s.device_id not in planner.delivered
             ])
+            ctx.metrics.seats_released.labels(cause="undelivered").inc(released)
             self._release_waiters(f"round attempt failed: {exc}", keep=self.waiting)
             await self._close_sessions(f"round attempt failed: {exc}")
             raise

@@ -532,12 +532,14 @@ class Store:
     def running_attempts(self, job_id: str) -> list[RoundRecord]:
         return [r for r in self.rounds(job_id) if r.state == "running"]
 
-    def rounds(self, job_id: str) -> list[RoundRecord]:
+    def rounds(self, job_id: str, round_: int | None = None) -> list[RoundRecord]:
+        """Every attempt of the job's rounds, or of round ``round_`` only."""
+        only = "" if round_ is None else " AND round = ?"
         with self._lock:
             rows = self._db.execute(
                 "SELECT job_id, round, attempt, state, started_at, finished_at, message, metrics, "
-                "sessions FROM rounds WHERE job_id = ? ORDER BY round, attempt",
-                (job_id,),
+                f"sessions FROM rounds WHERE job_id = ?{only} ORDER BY round, attempt",
+                (job_id,) if round_ is None else (job_id, round_),
             ).fetchall()
         return [RoundRecord(*r[:7], json.loads(r[7]), json.loads(r[8])) for r in rows]
 
@@ -562,6 +564,21 @@ class Store:
                 ).rowcount
                 for device, task in seats
             )
+
+    def has_seat(self, job_id: str, round_: int, device_id: str, task_id: str) -> bool:
+        with self._lock:
+            return self._db.execute(
+                "SELECT 1 FROM seated WHERE job_id = ? AND round = ? AND device_id = ? AND task_id = ?",
+                (job_id, round_, device_id, task_id),
+            ).fetchone() is not None
+
+    def release_device(self, job_id: str, round_: int, device_id: str) -> int:
+        """Let every seat of ``device_id`` in the round be given out again: its own durable ledger
+        says it sent no input in the round (``CheckInRequest.input_ledger``). The count released."""
+        with self._transaction(durable=False):
+            return self._db.execute(
+                "DELETE FROM seated WHERE job_id = ? AND round = ? AND device_id = ?", (job_id, round_, device_id),
+            ).rowcount
 
     def count_task_report(self, job_id: str, round_: int, outcome: str, reason: str, detail: str = "") -> None:
         with self._transaction(durable=False):

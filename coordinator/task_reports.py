@@ -49,6 +49,8 @@ class TaskReportBook:
     def __init__(self, store: Store, job_id: str) -> None:
         self._store, self._job_id = store, job_id
         self._issued: dict[str, tuple[str, int]] = {}  # task id -> (device id, round)
+        # Tasks issued before a restart are known from the store's seats; each is counted once.
+        self._reported_from_store: set[str] = set()
 
     def issue(self, round_: int, seats: Iterable[Seat]) -> None:
         """An attempt's tasks are going out; tasks of rounds before the kept ones are forgotten."""
@@ -58,9 +60,10 @@ class TaskReportBook:
 
     def record(self, device_id: str, report: coordinator_pb2.TaskReport) -> Recorded:
         """Count ``device_id``'s report on its task and free its seat if it sent no input."""
-        if self._issued.get(report.task_id) != (device_id, report.round):
+        if self._issued.get(report.task_id) == (device_id, report.round):
+            del self._issued[report.task_id]
+        elif not self._seated_before_restart(device_id, report):
             return Recorded.UNMATCHED
-        del self._issued[report.task_id]
         outcome, reason = outcome_name(report), reason_label(report.reason)
         self._store.count_task_report(self._job_id, report.round, outcome, reason, report.detail)
         released = 0
@@ -76,3 +79,12 @@ class TaskReportBook:
                        sent_input=report.sent_input, seat_released=bool(released),
                        detail=report.detail[:500])
         return Recorded.RELEASED if released else Recorded.COUNTED
+
+    def _seated_before_restart(self, device_id: str, report: coordinator_pb2.TaskReport) -> bool:
+        """A task this process did not issue, but the store's seats record for this device: one
+        an earlier coordinator handed out before it stopped, reported for the first time."""
+        if report.task_id in self._reported_from_store or not self._store.has_seat(
+                self._job_id, report.round, device_id, report.task_id):
+            return False
+        self._reported_from_store.add(report.task_id)
+        return True

@@ -14,8 +14,9 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def _bench(tmp_path: Path, script: str, *args: str, timeout: float = 240) -> dict:
     out = tmp_path / "out.json"
-    subprocess.run([sys.executable, str(ROOT / "bench" / script), *args, "--json", str(out)],
-                   cwd=tmp_path, check=True, timeout=timeout, capture_output=True)
+    done = subprocess.run([sys.executable, str(ROOT / "bench" / script), *args, "--json", str(out)],
+                          cwd=tmp_path, timeout=timeout, capture_output=True, text=True)
+    assert done.returncode == 0, f"{script} exited {done.returncode}: {done.stderr[-4000:]}"
     return json.loads(out.read_text())
 
 

@@ -33,6 +33,8 @@ from typing import Any
 import grpc
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 import torch
 from secagg_helpers import LAX, identities, roster
 from google.protobuf.timestamp_pb2 import Timestamp
@@ -46,6 +48,7 @@ from client_sdk.adapted_models import AdaptedModels
 from client_sdk.enrolment import load_or_create_identity, simulated_identity
 from client_sdk.local_state import LocalStateStore
 from client_sdk.reports import LEDGER_FILE, InputLedger
+from tally.wire.task_reports import MAX_LEDGER_JOBS
 from client_sdk.session import settle, stream_timeout
 from tally import algorithms, data, modelio
 from tally.codec import Field, Kind, PayloadSchema, ring_mask, to_ring
@@ -653,6 +656,25 @@ def test_the_input_ledger_is_durable_and_refuses_to_forget(tmp_path):
     path.write_text('{"job-a": "4"}')
     with pytest.raises(ValueError, match="not a mapping of job ids to rounds"):
         InputLedger(path)
+
+
+@settings(max_examples=40, deadline=None)
+@given(sends=st.lists(st.tuples(st.integers(0, 30), st.integers(1, 9)), max_size=80))
+def test_a_check_in_states_the_durable_ledger_of_the_most_recently_updated_jobs(tmp_path_factory, sends):
+    """Issue 25, item 1: a check-in carries what the ledger on disk says (at most 16 jobs, those
+    updated last, each with its latest round), read back the same after a restart; a ledger in
+    memory says nothing, as a restarted device without one cannot know what it sent."""
+    path = tmp_path_factory.mktemp("ledger") / LEDGER_FILE
+    ledger, latest, order = InputLedger(path), {}, []
+    assert InputLedger().statement() is None and ledger.statement().latest_round == {}
+    for job, round_ in sends:
+        ledger.sent(f"job-{job}", round_)
+        if round_ > latest.get(f"job-{job}", 0):
+            latest[f"job-{job}"] = round_
+            order = [j for j in order if j != f"job-{job}"] + [f"job-{job}"]
+    expected = {j: latest[j] for j in order[-MAX_LEDGER_JOBS:]}
+    assert dict(ledger.statement().latest_round) == expected
+    assert dict(InputLedger(path).statement().latest_round) == expected
 
 
 def test_directories_the_sdk_creates_are_private_whatever_the_umask(tmp_path):

@@ -1578,3 +1578,41 @@ def test_task_reports_keep_an_example_and_only_real_failures_are_warnings(tmp_pa
                                                     ("aborted", "model_mismatch"): (2, "shape (8,) vs (16,)")}
     levels = [(r.fields["device_id"], r.levelname) for r in caplog.records if r.getMessage() == "device task report"]
     assert levels == [("d0", "INFO"), ("d1", "WARNING"), ("d2", "WARNING")]
+
+
+def test_a_restarted_coordinator_matches_reports_of_tasks_issued_before_it_stopped(tmp_path):
+    """Issue 25, item 5: reports on tasks an earlier coordinator handed out were all unmatched
+    after a restart (the issued tasks lived in memory), so their devices' seats stayed taken and
+    the retried round seated 10 devices instead of 52. The store's seats now vouch for them: each
+    such task is counted once, only for its own device, and "sent no input" frees its seat."""
+    from coordinator.task_reports import Recorded, TaskReportBook
+    from tally.wire.v1 import coordinator_pb2
+
+    store = Store(tmp_path)
+    store.add_seated("job", 1, [("d0", "task-0"), ("d1", "task-1"), ("d2", "task-2")])
+    book = TaskReportBook(store, "job")  # a fresh book: nothing issued by this process
+    Outcome = coordinator_pb2.TaskReport.Outcome
+
+    def report(device: str, task: str, sent_input: bool) -> Recorded:
+        return book.record(device, coordinator_pb2.TaskReport(
+            task_id=task, round=1, outcome=Outcome.DROPPED, reason="dropped", sent_input=sent_input))
+
+    assert report("d0", "task-0", sent_input=False) is Recorded.RELEASED
+    assert report("d0", "task-0", sent_input=False) is Recorded.UNMATCHED  # once
+    assert report("d1", "task-2", sent_input=False) is Recorded.UNMATCHED  # another device's task
+    assert report("d1", "task-1", sent_input=True) is Recorded.COUNTED
+    assert report("d1", "task-1", sent_input=True) is Recorded.UNMATCHED
+    assert store.seated("job", 1) == frozenset({"d1", "d2"})
+    assert store.task_report_counts("job", 1) == {("dropped", "dropped"): 2}
+
+
+@pytest.mark.parametrize("ledger", [{f"job-{i}": 1 for i in range(17)}, {"job": 0}, {"job": -3}])
+def test_a_check_in_with_a_malformed_input_ledger_is_refused_naming_it(tmp_path, ledger):
+    async def main():
+        async with stack(tmp_path, aggregators=1) as s:
+            device = (await s.devices(1))[0]
+            request = coordinator_pb2.CheckInRequest(input_ledger=coordinator_pb2.InputLedger(latest_round=ledger))
+            return await status_of(device.stub.CheckIn(request, metadata=device.md, timeout=5))
+
+    code, details = run(main())
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and details.startswith("input_ledger: at most 16 jobs"), details

@@ -34,12 +34,14 @@ from tally.security.enrolment import ENROLMENT_KEY_FILE, SharedKeyEnrolment, rea
 from tally.security.tls import open_channel
 from tally.wire.v1 import admin_pb2, admin_pb2_grpc, common_pb2
 
+DEVICES_DIR = "devices"  # under --out: each simulated device's state (its input ledger)
+
 JOB_SPEC = """\
 name: demo-digits-fedavg
 algorithm: fedavg
 rounds: {rounds}
 cohort_size: {cohort}
-over_selection: 1.3
+over_selection: {over_selection}
 min_cohort: 10
 model: {{kind: mlp, inputs: 64, classes: 10, hidden: 64, seed: 0}}
 config: {{local_epochs: 5, local_lr: 0.1, batch_size: 16}}
@@ -68,8 +70,11 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(run=run)
 
 
-MIN_DEVICES = 50
-WHY_MIN_DEVICES = "each of the two aggregators sums cohorts of at least 10 devices after over-selection and dropouts"
+MIN_DEVICES = 60
+WHY_MIN_DEVICES = ("a round selects at most half of them, so a round interrupted after devices sent inputs can be "
+                   "retried with the other half, and each of the two aggregators still sums at least 10 after "
+                   "dropouts")
+OVER_SELECTION = 1.3  # the job spec's
 
 
 def _devices(text: str) -> int:
@@ -145,8 +150,10 @@ def _prepare(out: Path, resume: bool, console: Console) -> tuple[Path, Path]:
     if state.exists():
         shutil.rmtree(state)
         console.print(f"fresh state: removed the previous run's {state} (--resume continues its job instead)")
-    # Fresh logs too: a resumed run appends to its own, a new one must not read like the last.
-    shutil.rmtree(out / "logs", ignore_errors=True)
+    # Fresh logs and device ledgers too: a resumed run appends to its own, a new one must not
+    # read like the last.
+    for leftover in ("logs", DEVICES_DIR):
+        shutil.rmtree(out / leftover, ignore_errors=True)
     # One identity per process, as a deployment would hand them out.
     write_deployment(certs, aggregators=2, force=True)
     return certs, state
@@ -204,13 +211,16 @@ async def _demo(args: argparse.Namespace, console: Console) -> dict:
         target = f"localhost:{started.group(1)}"
         console.print(f"coordinator up on {target} (TLS, CA in {certs})")
         token = (state / "admin.token").read_text().strip()
-        cohort = max(10, int(args.devices / 1.3 / 1.1))
+        # A device that sent an input in a round never serves the round's retry: the other half of
+        # the population is what a retry past MaskedInput (after a failure or a --resume) seats.
+        cohort = int(args.devices / 2 / OVER_SELECTION)
         resumed = await _unfinished_job(target, tls, token) if args.resume else None
         if resumed is not None:
             job_id, cohort = resumed.job_id, int(yaml.safe_load(resumed.spec_yaml)["cohort_size"])
             console.print(f"job {job_id}: resumed after round {resumed.committed_round}")
         else:
-            spec = JOB_SPEC.format(rounds=args.rounds, cohort=cohort, dropout_rate=max(args.dropout, 0.05))
+            spec = JOB_SPEC.format(rounds=args.rounds, cohort=cohort, over_selection=OVER_SELECTION,
+                                   dropout_rate=max(args.dropout, 0.05))
             submitted = await _submit(target, tls, token, spec)
             job_id = submitted.job_id
             for warning in submitted.warnings:  # e.g. cohorts split too close to min_cohort
@@ -223,8 +233,10 @@ async def _demo(args: argparse.Namespace, console: Console) -> dict:
         trainers = [TorchTrainer(factory, X, y, seed=args.seed + i) for i, (X, y) in enumerate(fed.clients)]
         # The demo provisions its simulated devices with the coordinator's enrolment key.
         enrolment_key = read_enrolment_key(certs / "coordinator" / ENROLMENT_KEY_FILE)
+        # Each device keeps its input ledger on disk, as a real one would: after an interruption
+        # it can show the coordinator which rounds it sent nothing to, and be seated again in them.
         fleet = Fleet(target, tls, trainers, dropout=DropoutPlan(args.dropout, seed=args.seed), seed=args.seed,
-                      enrolment_key=enrolment_key)
+                      enrolment_key=enrolment_key, state_dir=out / DEVICES_DIR)
         start = time.perf_counter()
         stats = await fleet.run(until=fleet.until_job_done(job_id), progress=True, console=console)
         elapsed = time.perf_counter() - start

@@ -10,6 +10,8 @@ REASONS = frozenset({
 })
 # The most reports one check-in may carry.
 MAX_REPORTS = 16
+# The most jobs one check-in's input ledger statement may name (the most recently updated).
+MAX_LEDGER_JOBS = 16
 
 
 def reason_label(reason: str) -> str:

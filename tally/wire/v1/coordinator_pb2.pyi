@@ -80,12 +80,27 @@ class TaskReport(_message.Message):
     def __init__(self, job_id: _Optional[str] = ..., round: _Optional[int] = ..., task_id: _Optional[str] = ..., outcome: _Optional[_Union[TaskReport.Outcome, str]] = ..., reason: _Optional[str] = ..., detail: _Optional[str] = ..., sent_input: _Optional[bool] = ...) -> None: ...
 
 class CheckInRequest(_message.Message):
-    __slots__ = ("capabilities", "reports")
+    __slots__ = ("capabilities", "reports", "input_ledger")
     CAPABILITIES_FIELD_NUMBER: _ClassVar[int]
     REPORTS_FIELD_NUMBER: _ClassVar[int]
+    INPUT_LEDGER_FIELD_NUMBER: _ClassVar[int]
     capabilities: Capabilities
     reports: _containers.RepeatedCompositeFieldContainer[TaskReport]
-    def __init__(self, capabilities: _Optional[_Union[Capabilities, _Mapping]] = ..., reports: _Optional[_Iterable[_Union[TaskReport, _Mapping]]] = ...) -> None: ...
+    input_ledger: InputLedger
+    def __init__(self, capabilities: _Optional[_Union[Capabilities, _Mapping]] = ..., reports: _Optional[_Iterable[_Union[TaskReport, _Mapping]]] = ..., input_ledger: _Optional[_Union[InputLedger, _Mapping]] = ...) -> None: ...
+
+class InputLedger(_message.Message):
+    __slots__ = ("latest_round",)
+    class LatestRoundEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
+    LATEST_ROUND_FIELD_NUMBER: _ClassVar[int]
+    latest_round: _containers.ScalarMap[str, int]
+    def __init__(self, latest_round: _Optional[_Mapping[str, int]] = ...) -> None: ...
 
 class RetryAfter(_message.Message):
     __slots__ = ("seconds", "reason", "population_idle")
