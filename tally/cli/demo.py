@@ -58,7 +58,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--devices", type=_devices, default=60,
                    help=f"simulated devices (at least {MIN_DEVICES}: {WHY_MIN_DEVICES})")
-    p.add_argument("--rounds", type=integer(1), default=25, help="rounds of the job")
+    p.add_argument("--rounds", type=integer(1), default=30, help="rounds of the job")
     p.add_argument("--dropout", type=FRACTION, default=0.1, help="probability a device drops in a session, in [0, 1)")
     p.add_argument("--alpha", type=POSITIVE, default=0.5, help="Dirichlet label skew of the split")
     p.add_argument("--seed", type=integer(0), default=0, help="seed of the split, training and dropouts")
