@@ -17,6 +17,7 @@ from rich.console import Console
 
 from client_sdk.behaviour import BehaviourProfile
 from client_sdk.device import Device, DeviceStats
+from client_sdk.device_progress import DeviceProgress, summary
 from client_sdk.dropout import DEFAULT_PHASES, DropoutPlan
 from client_sdk.enrolment import load_or_create_identity
 from client_sdk.fleet import CoordinatorUnreachable, Fleet, FleetStats, device_ids
@@ -65,6 +66,9 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="pin the coordinator's ticket.pub instead of learning it at registration",
     )
     _add_connect_timeout(c, "the device")
+    c.add_argument("--progress", action=argparse.BooleanOptionalAction, default=True,
+                   help="a line on stderr when the device connects, ends a task or meets a new error, and a "
+                   "summary at the end (the JSON statistics go to stdout either way)")
     c.set_defaults(run=run_client)
 
     f = sub.add_parser(
@@ -260,9 +264,8 @@ async def _run_device(device: Device, stop: asyncio.Event, max_tasks: int | None
         if not done and device.stats.checkins == 0:
             stop.set()
             await running
-            raise CoordinatorUnreachable(
-                f"no answer from the coordinator at {device.coordinator} within {connect_timeout:g} s (last "
-                f"error: {device.stats.last_error or 'none yet'}); is it running, and is the address right?")
+            raise CoordinatorUnreachable.after("the device did not reach", device.coordinator, connect_timeout,
+                                               device.stats.last_error)
     return await running
 
 
@@ -296,6 +299,7 @@ def run_client(args: argparse.Namespace) -> int:
         enrolment_credential=args.credential,
         coordinator_key=coordinator_key,
         policy=_policy(args),
+        on_update=DeviceProgress(args.device_id, args.coordinator) if args.progress else None,
     )
     try:
         with _metrics_server(args, metrics):
@@ -303,6 +307,8 @@ def run_client(args: argparse.Namespace) -> int:
     except CoordinatorUnreachable as exc:
         print(f"tally client: {exc}", file=sys.stderr)
         return 1
+    if args.progress:
+        print(f"tally client: {summary(stats)}", file=sys.stderr)
     print(json.dumps(asdict(stats)))
     return 0
 

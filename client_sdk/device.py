@@ -48,6 +48,7 @@ from tally.secagg import DevicePolicy, SigningKey
 from tally.secagg.messages import ClientMessage
 from tally.security import TLSConfig, bearer_metadata
 from tally.security.files import private_dir
+from tally.security.tls_failures import tls_failure
 from tally.version import VERSION as SDK_VERSION
 from tally.wire.convert import WireError, tensors_to_proto
 from tally.wire.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc
@@ -97,6 +98,8 @@ class DeviceStats:
     population_idle: bool = False
     # Left the population for good (a churn profile's lifetime ended).
     left: bool = False
+    # How the latest task ended, for people: "job J round R: completed", "... refused: why".
+    last_task: str = ""
 
 
 class Device:
@@ -374,6 +377,8 @@ class Device:
             # Local state advances only when this device's input is in the round's sums.
             self._local[task.job_id] = contribution.local_state
             stats.contributed.append((task.job_id, task.round))
+        why = f": {outcome.label or outcome.reason}" if outcome.status != COMPLETED else " (input summed)"
+        stats.last_task = f"job {task.job_id} round {task.round}: {outcome.status}{why}"
         self._reports.add(task, _REPORTED[outcome.status], outcome.label, outcome.reason,
                           sent_input=outcome.sent_input)
 
@@ -427,6 +432,7 @@ class Device:
         logs.event(log, "task refused", logging.WARNING, device_id=self.device_id, reason=str(reason), **fields)
         self.stats.tasks_done += 1
         self.stats.sessions_aborted += 1
+        self.stats.last_task = f"job {task.job_id} round {task.round}: refused: {reason}"
         self._reports.add(task, Outcome.REFUSED, label, str(reason),
                           sent_input=label == "already_sent_input")
 
@@ -497,7 +503,7 @@ class Device:
                     continue
                 if code not in RETRYABLE or self.retry.exhausted(attempt):
                     raise
-                self._count_retry(method, code)
+                self._count_retry(method, code, exc.details() or "")
             await pause(self.retry.delay(attempt, self._jitter), self._stop)
             attempt += 1
 
@@ -508,11 +514,17 @@ class Device:
             return await pause(self.traits.checkin_wait(seconds), self._stop)
         await pause(seconds * (1 + RETRY_AFTER_JITTER * self._jitter.random()), self._stop)
 
-    def _count_retry(self, method: str, code: grpc.StatusCode) -> None:
+    def _count_retry(self, method: str, code: grpc.StatusCode, details: str = "") -> None:
+        """A call to be retried; a TLS handshake failure is named as one, not as a dead address."""
+        tls = tls_failure(details)
+        error = f"{method}: {code.name}" + (f" ({tls})" if tls else "")
+        changed, self.stats.last_error = error != self.stats.last_error, error
         self.stats.retries += 1
-        self.stats.last_error = f"{method}: {code.name}"
         self.metrics.retries.labels(method, code.name).inc()
-        logs.event(log, "rpc retry", device_id=self.device_id, method=method, code=code.name)
+        logs.event(log, "rpc retry", device_id=self.device_id, method=method, code=code.name,
+                   **({"tls": tls} if tls else {}))
+        if changed:  # a new kind of trouble is news; the same one again is not
+            self._on_update(self.stats)
 
     async def _current_token(self) -> str:
         """The token, registering first when there is none or it is about to expire."""

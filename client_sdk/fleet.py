@@ -152,6 +152,15 @@ def device_ids(prefix: str, count: int, first: int = 0) -> list[str]:
 class CoordinatorUnreachable(ConnectionError):
     """No device of the fleet completed a single check-in within the connect timeout."""
 
+    @classmethod
+    def after(cls, who: str, coordinator: str, seconds: float, last_error: str) -> CoordinatorUnreachable:
+        """``who`` ("no device reached") the coordinator in ``seconds``; the hint follows the last
+        error, since a coordinator that answers with a certificate the devices refuse is not down."""
+        hint = ("it answers, but the TLS handshake fails" if "(TLS: " in last_error
+                else "is it running, and is the address right?")
+        return cls(f"{who} the coordinator at {coordinator} within {seconds:g} s (last error: "
+                   f"{last_error or 'none yet'}); {hint}")
+
 
 class Fleet:
     """``trainers[i]`` is simulated device i's data and training (``SyntheticUpdates`` for a
@@ -279,10 +288,8 @@ class Fleet:
                     if on_stats is not None:
                         on_stats(stats)
                     if stats.checkins == 0 and connect_timeout is not None and stats.elapsed_seconds > connect_timeout:
-                        raise CoordinatorUnreachable(
-                            f"no device reached the coordinator at {self.coordinator} within "
-                            f"{connect_timeout:g} s (last error: {stats.last_error or 'none yet'}); "
-                            "is it running, and is the address right?")
+                        raise CoordinatorUnreachable.after("no device reached", self.coordinator, connect_timeout,
+                                                           stats.last_error)
                     if halt.is_set():
                         continue  # devices are finishing their tasks
                     if (stop is not None and stop.is_set()) or (predicate and await _holds(predicate, stats)):

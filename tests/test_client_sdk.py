@@ -1224,5 +1224,5 @@ def test_a_client_pointed_at_nothing_says_so_and_exits(capsys, tally_logger, tmp
                                       "--state-dir", str(tmp_path), "--connect-timeout", "1"])
     assert args.run(args) == 1
     err = " ".join(capsys.readouterr().err.split())
-    assert f"tally client: no answer from the coordinator at {dead} within 1 s" in err
+    assert f"tally client: the device did not reach the coordinator at {dead} within 1 s" in err
     assert "Register: UNAVAILABLE" in err

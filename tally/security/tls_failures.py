@@ -1,0 +1,34 @@
+"""TLS handshake failures in words an operator acts on.
+
+gRPC reports a failed handshake as ``UNAVAILABLE: failed to connect to all addresses`` with the
+TLS library's message buried in the details (``CERTIFICATE_VERIFY_FAILED: unable to get local
+issuer certificate``), which reads like a dead address. A client names the actual cause (wrong
+CA, wrong name, expired) so the operator fixes the certificate instead of the network.
+"""
+
+from __future__ import annotations
+
+# (text in gRPC's status details, what it means), the first match wins: the specific causes
+# before the generic handshake failure.
+_CAUSES = (
+    ("certificate has expired", "the server's certificate has expired (renew it: `tally certs`)"),
+    ("certificate is not yet valid", "the server's certificate is not valid yet (compare the clocks)"),
+    ("unable to get local issuer certificate",
+     "the server's certificate is not signed by the CA this client trusts (wrong --tls-dir or CA)"),
+    ("self signed certificate", "the server's certificate is not signed by the CA this client trusts "
+     "(wrong --tls-dir or CA)"),
+    ("Hostname Verification Check failed",
+     "the server's certificate does not name the host dialled (dial a name it has, or add this one: "
+     "`tally certs --dns/--ip`)"),
+    ("WRONG_VERSION_NUMBER", "the server does not speak TLS (is it started with --insecure?)"),
+    ("CERTIFICATE_VERIFY_FAILED", "the server's certificate was not accepted"),
+    ("handshake failed", "the TLS handshake failed"),
+)
+
+
+def tls_failure(details: str) -> str | None:
+    """What went wrong, when gRPC status ``details`` say a TLS handshake failed; else None."""
+    for needle, meaning in _CAUSES:
+        if needle in details:
+            return f"TLS: {meaning}"
+    return None
