@@ -143,6 +143,35 @@ def test_tally_help_imports_no_command_module():
     assert version.returncode == 0 and version.stdout.startswith("tally ")
 
 
+@pytest.mark.parametrize("command", ["aggregator", "client", "coordinator", "demo", "fleet", "job", "simulate", "sum"])
+def test_no_command_help_loads_torch_scipy_or_the_sdk(command):
+    """Issue 25, item 7: `tally client --help` and `tally fleet --help` loaded the whole SDK, the
+    algorithms and scipy (0.52 s); each command's flags now live apart from what it runs."""
+    import subprocess
+    import sys
+
+    code = (f"import sys; from tally.cli import main\ntry: main([{command!r}, '--help'])\nexcept SystemExit: pass\n"
+            "heavy = [m for m in ('torch', 'sklearn', 'scipy', 'client_sdk.device', 'coordinator.service') "
+            "if m in sys.modules]\nprint('HEAVY', heavy)")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert "HEAVY []" in done.stdout, done.stdout + done.stderr
+
+
+def test_the_help_bench_times_each_command_against_the_limit(tmp_path):
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    out = tmp_path / "help.json"
+    subprocess.run([sys.executable, str(Path(__file__).resolve().parents[1] / "bench" / "cli_help.py"),
+                    "--commands", "client", "job", "--repeats", "1", "--json", str(out)], check=True,
+                   capture_output=True, timeout=120)
+    result = json.loads(out.read_text())
+    assert set(result["commands"]) == {"client", "job"} and result["limit_s"] == 0.5
+    assert all(r["ratio_to_limit"] == pytest.approx(r["median_s"] / 0.5) for r in result["commands"].values())
+
+
 def test_the_readme_deploy_directory_with_its_keys_is_git_ignored():
     import shutil
     import subprocess
