@@ -93,6 +93,7 @@ def run_client(args: argparse.Namespace) -> int:
             _load("--coordinator-key", load_ticket_public_key, args.coordinator_key).public_bytes_raw()
             if args.coordinator_key else None
         )
+        tls = tls_config_from_args(args)
         trainer = _trainers(args, args.shards)[args.shard]
     except ValueError as exc:
         print(exc, file=sys.stderr)
@@ -101,7 +102,7 @@ def run_client(args: argparse.Namespace) -> int:
     metrics = ClientMetrics()
     device = Device(
         args.coordinator,
-        tls_config_from_args(args),
+        tls,
         args.device_id,
         trainer,
         population=args.population,
@@ -134,6 +135,7 @@ def run_fleet(args: argparse.Namespace) -> int:
         return 2
     try:
         # Read before any process starts: a bad file is one message, not one per process.
+        tls_config_from_args(args)
         audit_token = _load("--audit-token-file", _read_token, args.audit_token_file) if args.audit_token_file else None
         if args.enrolment_key:
             _load("--enrolment-key", read_enrolment_key, args.enrolment_key)

@@ -230,12 +230,20 @@ def _aggregator(argv: list[str]) -> int:
         (["--insecure", "--listen", "127.0.0.1:0", "--control-listen", "0.0.0.0:7002"],
          "refusing to serve without TLS on '0.0.0.0:7002'"),
         (["--listen", "127.0.0.1:0", "--tls-dir", "{tmp}/typo"],
-         "--tls-dir: cannot read the coordinator's ticket key {tmp}/typo/ticket.pub: No such file or directory"),
+         "--tls-dir: {tmp}/typo has no ca.pem (is it this role's directory of `tally certs` output?)"),
+        # Another role's directory used to be a raw "[Errno 2] ... aggregator.pem" (issue 25, item 7).
+        (["--listen", "127.0.0.1:0", "--tls-dir", "{tmp}/pki/coordinator"],
+         "--tls-dir: {tmp}/pki/coordinator has no aggregator.pem"),
+        (["--listen", "127.0.0.1:0", "--tls-dir", "{tmp}/pki/aggregator-1", "--cert", "{tmp}/typo.pem"],
+         "--cert: no such file {tmp}/typo.pem"),
         (["--insecure", "--listen", "127.0.0.1:0", "--ticket-public-key", "{tmp}/typo.pub"],
          "--ticket-public-key: cannot read the coordinator's ticket key {tmp}/typo.pub"),
     ],
 )
 def test_aggregator_cli_mistakes_are_messages_naming_the_flag(tmp_path, capsys, argv, message):
+    from tally.security import certs
+
+    certs.write_deployment(tmp_path / "pki")
     assert _aggregator([a.format(tmp=tmp_path) for a in argv]) == 2
     err = capsys.readouterr().err
     assert message.format(tmp=tmp_path) in err and "Traceback" not in err and "Errno" not in err
@@ -266,3 +274,20 @@ def test_the_simulate_command_line_names_every_dataset():
     from tally.cli.simulate import DATASETS
 
     assert DATASETS == tuple(tasks.BUILDERS)
+
+
+@pytest.mark.parametrize("argv", [["client", "--device-id", "d", "--shard", "0", "--shards", "2"],
+                                  ["fleet", "--devices", "2", "--no-progress"]])
+def test_a_device_command_with_a_missing_ca_names_the_flag(tmp_path, capsys, argv):
+    """A missing CA file was a traceback from `tally client` (issue 25, item 7)."""
+    import argparse
+
+    from client_sdk import cli as client_cli
+
+    parser = argparse.ArgumentParser(prog="tally")
+    client_cli.register(parser.add_subparsers())
+    args = parser.parse_args([*argv, "--coordinator", "127.0.0.1:1", "--ca", str(tmp_path / "nope.pem"),
+                              "--state-dir", str(tmp_path / "state")])
+    assert args.run(args) == 2
+    err = capsys.readouterr().err
+    assert f"--ca: no such file {tmp_path / 'nope.pem'}" in err and "Traceback" not in err

@@ -332,6 +332,12 @@ def tls_config_from_args(args: argparse.Namespace) -> TLSConfig:
     ca = args.ca or (base / "ca.pem" if base else None)
     cert = args.cert or (base / f"{identity}.pem" if base and identity else None)
     key = args.key or (base / f"{identity}.key" if base and identity else None)
+    for flag, given, path in (("--ca", args.ca, ca), ("--cert", args.cert, cert), ("--key", args.key, key)):
+        if path is not None and not path.is_file():  # named here, not as a raw [Errno 2] at start-up
+            if given:
+                raise ValueError(f"{flag}: no such file {path}")
+            raise ValueError(f"--tls-dir: {base} has no {path.name} (is it this role's directory of "
+                             "`tally certs` output?)")
     return TLSConfig(
         ca=ca, cert=cert, key=key, require_client_auth=getattr(args, "require_client_cert", False)
     )
