@@ -12,8 +12,6 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import TypeVar
 
-from rich.console import Console
-
 from client_sdk.behaviour import BehaviourProfile
 from client_sdk.cli import _identity_path
 from client_sdk.device import Device, DeviceStats
@@ -29,6 +27,7 @@ from client_sdk.synthetic import SyntheticUpdates
 from client_sdk.timeline import FleetTimeline
 from tally import logs
 from tally.algorithms.base import LocalTrainer
+from tally.cli.console import console as cli_console
 from tally.metrics import MetricsServer
 from tally.secagg import DevicePolicy, ThreatModel
 from tally.security import bearer_metadata, load_ticket_public_key
@@ -144,7 +143,7 @@ def run_fleet(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(exc, file=sys.stderr)
         return 2
-    console = Console(stderr=True)
+    console = cli_console(stderr=True)
     first, end = _block(args.devices, shard, shards)
     processes = args.processes or default_processes(end - first)
     played = run_processes(args, processes, _play, console) if processes > 1 else _play(args, None)
@@ -195,7 +194,7 @@ def _play(args: argparse.Namespace, on_stats: Callable[[FleetStats], None] | Non
     phases = (tuple(p.strip() for p in args.dropout_phases.split(",") if p.strip()) if args.dropout_phases
               else DEFAULT_PHASES)
     plan = DropoutPlan(args.dropout, phases, seed=args.seed) if args.dropout > 0 else None
-    console = Console(stderr=True)
+    console = cli_console(stderr=True)
     fleet = Fleet(
         args.coordinator,
         tls_config_from_args(args),

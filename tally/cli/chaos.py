@@ -9,11 +9,11 @@ import json
 import tempfile
 from pathlib import Path
 
-from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
 from tally import argtypes
+from tally.cli.console import console as cli_console
 
 
 def _faults(text: str) -> tuple[str, ...]:
@@ -59,7 +59,7 @@ def run(args: argparse.Namespace) -> int:
         print("--devices must be at least twice --cohort: a retried round may not reuse the devices "
               "seated in its failed attempt")
         return 2
-    console = Console(stderr=True)
+    console = cli_console(stderr=True)
     with tempfile.TemporaryDirectory(prefix="tally-chaos-") as tmp:
         workdir = args.workdir or Path(tmp)
         with Progress(TextColumn("[bold]chaos[/bold] {task.description}"), BarColumn(), MofNCompleteColumn(),

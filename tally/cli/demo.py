@@ -27,6 +27,7 @@ from rich.console import Console
 from rich.table import Table
 
 from tally.argtypes import FRACTION, POSITIVE, integer
+from tally.cli.console import console as cli_console
 from tally.ops.processes import Process
 from tally.security import TLSConfig, bearer_metadata
 from tally.security.certs import write_deployment
@@ -293,7 +294,7 @@ def _plot(report: dict, path: Path) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    console = Console()
+    console = cli_console()
     try:
         report = asyncio.run(_until_signal(_demo(args, console)))
     except Stopped as stopped:

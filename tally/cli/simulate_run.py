@@ -15,6 +15,7 @@ from rich.progress import Progress
 
 from tally import algorithms, tasks
 from tally.algorithms import aaggff
+from tally.cli.console import console as cli_console
 from tally.secagg import ThreatModel, UnsafeParameters
 from tally.simulation import SecureSum, plain_sum, run_rounds
 from tally.training import single_threaded
@@ -133,7 +134,7 @@ def simulate_one(args: argparse.Namespace, algorithm: str, given: dict[str, Any]
 
 def run(args: argparse.Namespace) -> int:
     try:
-        return _run(args, Console())
+        return _run(args, cli_console())
     except (UsageError, UnsafeParameters) as exc:
         print(f"tally simulate: {exc}", file=sys.stderr)
         return 2

@@ -15,6 +15,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from tally import argtypes
+from tally.cli.console import console as cli_console
 from tally.codec import Field, PayloadSchema, to_ring
 from tally.secagg import DevicePolicy, Dropout, SessionConfig, SessionRef, ThreatModel, enrol, run_cohort
 from tally.secagg.driver import PHASES
@@ -170,7 +171,7 @@ def _plot(report: dict, path: Path) -> None:
 
 
 def run_sum(args: argparse.Namespace) -> int:
-    console = Console()
+    console = cli_console()
     report = simulate(args, console)
     console.print(_table(report))
     console.print(_summary(report))

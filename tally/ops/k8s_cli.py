@@ -14,9 +14,9 @@ import argparse
 import sys
 from pathlib import Path
 
-from rich.console import Console
 from rich.table import Table
 
+from tally.cli.console import console as cli_console
 from tally.ops import k8s
 
 DEFAULT_OVERLAY = Path("k8s/overlays/dev")
@@ -102,7 +102,7 @@ def run_fleet(args: argparse.Namespace) -> int:
 
 
 def run_status(args: argparse.Namespace) -> int:
-    console = Console()
+    console = cli_console()
     try:
         cluster = k8s.Cluster(args.kubeconfig, args.context)
         state = cluster.status(args.namespace)
