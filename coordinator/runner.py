@@ -97,6 +97,12 @@ NO_AGGREGATOR_WAIT_S = 20.0
 AGGREGATOR_POLL_S = 0.5
 # Weight of the newest round in the running estimate of a round's duration (pace steering).
 DURATION_SMOOTHING = 0.5
+# After a failed attempt, the next one waits 1 s, then 2, 4, ... at most 30 s: a transient cause
+# (an aggregator restarting, a burst of dropouts) gets time to pass instead of the whole retry
+# budget being spent in seconds.
+RETRY_BACKOFF_FIRST_S = 1.0
+RETRY_BACKOFF_MAX_S = 30.0
+INTERRUPTED = "interrupted: coordinator stopped"  # how a restart closes the attempts it cut short
 
 CheckInResult = coordinator_pb2.TaskAssignment | Retry
 
@@ -215,6 +221,7 @@ class JobRunner:
         self.timed_rounds = 0
         self.round_started_at = ctx.clock()
         self.cancel_reason: str | None = None
+        self.next_attempt_at = 0.0  # while a failed attempt's retry backs off (clock time)
         self.task: asyncio.Task[None] | None = None
         self._options = json.dumps(dict(spec.config), sort_keys=True)
         self._adaptation = spec.adaptation.option().to_json() if spec.adaptation is not None else ""
@@ -253,6 +260,8 @@ class JobRunner:
 
     def offer(self, device_id: str, now: float) -> Hold | coordinator_pb2.TaskAssignment | Retry:
         planner = self.planner
+        if now < self.next_attempt_at:
+            return Retry(self.next_attempt_at - now, "round attempt failed; the next one backs off")
         if planner is None:  # between rounds: the next selection opens as soon as the commit is done
             return Retry(MIN_RETRY_S, "next round starting")
         if self._silos_full(device_id):
@@ -470,7 +479,7 @@ class JobRunner:
                 )
             store.finish_attempt(
                 self.job_id, attempt.round, attempt.attempt, self.ctx.clock(),
-                "interrupted: coordinator stopped",
+                INTERRUPTED,
             )
         if self.ledger is not None:  # the epsilon spent before a restart is still spent
             for record in store.rounds(self.job_id):
@@ -549,8 +558,22 @@ class JobRunner:
                         f"{spec.retries} spent: {exc}"
                     ) from None
                 ctx.metrics.rounds_retried.inc()
+                await self._back_off(round_, attempt)
         await self._commit(round_, attempt, new_state, metrics)
         return new_state
+
+    async def _back_off(self, round_: int, failed_attempt: int) -> None:
+        """Wait before the round's next attempt, longer after each failed one in this process."""
+        failed_here = sum(1 for a in self.ctx.store.rounds(self.job_id, round_) if a.state == "failed"
+                          and a.message != INTERRUPTED)
+        delay = min(RETRY_BACKOFF_FIRST_S * 2 ** max(failed_here - 1, 0), RETRY_BACKOFF_MAX_S)
+        self.next_attempt_at = self.ctx.clock() + delay
+        logs.event(log, "next attempt backs off", job_id=self.job_id, round=round_, failed_attempt=failed_attempt,
+                   seconds=delay)
+        try:
+            await asyncio.sleep(delay)
+        finally:
+            self.next_attempt_at = 0.0
 
     def _permanent_cause(self, round_: int) -> str | None:
         """What the devices' reports say when a retry cannot help: no device completed its task

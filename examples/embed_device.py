@@ -43,6 +43,8 @@ async def main(args: argparse.Namespace) -> None:
         # The identity key must survive restarts: the coordinator binds the device id to it.
         identity=load_or_create_identity(args.state_dir / "identity.key"),
         enrolment_credential=bytes.fromhex(args.credential),
+        # The input ledger (one masked input per round, across restarts) and per-job local state.
+        state_dir=args.state_dir,
         cache_dir=args.state_dir / "models",
     )
     stats = await device.run(max_tasks=args.tasks)
@@ -59,7 +61,8 @@ if __name__ == "__main__":
     parser.add_argument("--insecure", action="store_true", help="plaintext (loopback only)")
     parser.add_argument("--device-id", required=True, help="this device's id, as enrolled")
     parser.add_argument("--credential", required=True, help="hex credential from `tally enrol`")
-    parser.add_argument("--state-dir", type=Path, required=True, help="identity key and model cache")
+    parser.add_argument("--state-dir", type=Path, required=True,
+                        help="identity key, input ledger, local state and model cache")
     parser.add_argument("--shard", type=int, default=0, help="which digits shard stands in for the app's data")
     parser.add_argument("--shards", type=int, default=10, help="how many shards the digits are split into")
     parser.add_argument("--hidden", type=int, default=64, help="hidden units of the job's mlp")

@@ -36,6 +36,7 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from enrolment_helpers import provisioned_request
 from coordinator import cli as coordinator_cli
 from coordinator import jobspec, registry
+from coordinator.runner import RETRY_BACKOFF_FIRST_S
 from coordinator.aggregators import aio_channel, parse_aggregator
 from coordinator.planner import (
     CohortRejected,
@@ -1363,6 +1364,9 @@ def test_failed_cohort_round_is_retried_and_the_job_goes_on(tmp_path, failure):
     failed = [r for r in rows if r.state == "failed"]
     assert len(failed) == 1 and failed[0].round == 1 and "aggregator agg1" in failed[0].message
     assert [r.round for r in rows if r.state == "committed"] == [1, 2]
+    # The retry backed off before it began (issue 25: retries ran back to back, the budget spent in 5 s).
+    [retry] = [r for r in rows if r.round == 1 and r.attempt == failed[0].attempt + 1]
+    assert retry.started_at - failed[0].finished_at >= RETRY_BACKOFF_FIRST_S
     assert any(e.phase == common_pb2.ROUND_PHASE_FAILED and "agg1" in e.message for e in events)
     assert "tally_coordinator_rounds_retried_total 1.0" in metrics
     cohorts = [r.metrics["cohorts"] for r in rows if r.state == "committed"]
