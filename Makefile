@@ -5,12 +5,12 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: test demo bench-smoke clean prometheus
+.PHONY: test demo docs bench-smoke clean prometheus
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet -c constraints.txt -e '.[all,test]'
+	$(PY) -m pip install --quiet -c constraints.txt -e '.[all,test,docs]'
 	# checkov (policy checks of k8s/ and docker/) pins old versions of common packages: own venv.
 	test -x $(VENV)/checkov/bin/checkov || { $(PYTHON) -m venv $(VENV)/checkov && \
 		$(VENV)/checkov/bin/pip install --quiet checkov==3.3.30; }
@@ -29,6 +29,10 @@ test: $(STAMP) prometheus
 
 demo: $(STAMP)
 	$(VENV)/bin/tally demo
+
+# The documentation site, into site/; warnings (a broken link, a page outside the navigation) fail it.
+docs: $(STAMP)
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict
 
 bench-smoke: $(STAMP)
 	$(PY) bench/secagg_engine.py --clients 20 --dim 1000 --dropout 0.1 --repeat 1 --json $(VENV)/bench-smoke.json

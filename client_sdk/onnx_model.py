@@ -28,13 +28,18 @@ class OnnxModel:
 
     @classmethod
     def from_bytes(cls, data: bytes, providers: list[str] | None = None) -> OnnxModel:
+        """The model from ONNX bytes (``Device.fetch_onnx``); ``providers``: ONNX Runtime's
+        execution providers (default: CUDA when ONNX Runtime has it, else the CPU)."""
         return cls(ort.InferenceSession(data, _options(), providers=providers or _providers()))
 
     @classmethod
     def from_path(cls, path: str | os.PathLike[str], providers: list[str] | None = None) -> OnnxModel:
+        """The model from an ONNX file (``tally job model --out``)."""
         return cls.from_bytes(Path(path).read_bytes(), providers)
 
     def logits(self, X: np.ndarray) -> np.ndarray:
+        """Logits ``[batch, classes]`` for float32 inputs ``[batch, inputs]`` (one row: one
+        example), scaled as the model was trained (the bundled datasets: [0, 1])."""
         X = np.ascontiguousarray(X, dtype=np.float32)
         if X.ndim == 1:
             X = X[None, :]

@@ -1,5 +1,6 @@
-"""The README works from a clone (issue 9, items 4 and 10): its links point inside the repository,
-and every `tally` command in its shell blocks parses with today's options."""
+"""The README and the documentation work from a clone: the README is a landing page whose links
+point inside the repository, and every `tally` command in a shell block of the README or of a
+docs page parses with today's options."""
 
 from __future__ import annotations
 
@@ -13,13 +14,15 @@ from tally.cli import COMMANDS, build_parser
 
 REPO = Path(__file__).resolve().parents[1]
 README = (REPO / "README.md").read_text()
+PAGES = sorted((REPO / "docs").glob("*.md"))
 PLACEHOLDERS = {"<hex>": "00ff", "$(JOB_COMPLETION_INDEX)": "0"}  # what a reader substitutes
 
 
-def test_readme_links_resolve_inside_the_repository():
+def test_readme_is_a_landing_page_whose_links_resolve_inside_the_repository():
+    assert len(README.splitlines()) <= 200
     targets = re.findall(r"\]\(([^)#\s]+)\)", README)
     local = [t for t in targets if not re.match(r"[a-z]+://", t)]
-    assert "docs/job-spec.md" in local and "examples/" in local and "docs/DESIGN.md" in local
+    assert {"docs/quickstart.md", "docs/job-spec.md", "docs/embedding.md", "docs/DESIGN.md"} <= set(local)
     for target in local:
         assert not target.startswith(".."), target
         assert (REPO / target).exists(), target
@@ -27,12 +30,14 @@ def test_readme_links_resolve_inside_the_repository():
 
 
 def _commands() -> list[list[str]]:
-    """Every `.venv/bin/tally ...` line of the README's shell blocks, continuations joined."""
+    """Every `.venv/bin/tally ...` or `tally ...` line of the shell blocks of the README and the
+    docs pages, continuations joined."""
     out = []
-    for block in re.findall(r"```bash\n(.*?)```", README, flags=re.S):
+    texts = [README, *(page.read_text() for page in PAGES)]
+    for block in (b for text in texts for b in re.findall(r"```bash\n(.*?)```", text, flags=re.S)):
         for line in block.replace("\\\n", " ").splitlines():
             line = line.strip()
-            if line.startswith(".venv/bin/tally "):
+            if line.startswith((".venv/bin/tally ", "tally ")):
                 argv = shlex.split(line, comments=True)[1:]
                 for placeholder, value in PLACEHOLDERS.items():
                     argv = [a.replace(placeholder, value) for a in argv]
