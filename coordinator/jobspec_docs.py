@@ -153,7 +153,8 @@ def template(algorithm: str) -> str:
     out.append(f"config:  # {algorithm} options; every option with its default")
     starters = STARTER_OPTIONS.get(algorithm, {})
     for key, info in jobspec.options_model(algorithm).model_fields.items():
-        value, why = starters.get(key, (info.default, type_name(info.annotation)))
+        kind = f"{type_name(info.annotation)}{_constraints(info)}"
+        value, why = starters.get(key, (info.default, f"{info.description}: {kind}" if info.description else kind))
         text = yaml.safe_dump(value, default_flow_style=True).split("\n")[0]
         out.append(f"  {key}: {text}{_comment(why)}")
     return "\n".join(out) + "\n"

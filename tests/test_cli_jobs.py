@@ -42,6 +42,14 @@ def test_job_init_writes_a_commented_spec_that_validates(tmp_path, capsys, algor
     assert tally(["job", "init", algorithm]) == 0
     text = capsys.readouterr().out
     assert text.startswith("#") and f"algorithm: {algorithm}" in text
+    # Each option says what it means and what it takes, not only its type (issue 25, item 3).
+    from coordinator import jobspec
+    from coordinator.jobspec_docs import STARTER_OPTIONS
+
+    lines = dict(line.strip().split(":", 1) for line in text.split("\nconfig:", 1)[1].splitlines()[1:] if line.strip())
+    for key, info in jobspec.options_model(algorithm).model_fields.items():
+        if info.description and key not in STARTER_OPTIONS.get(algorithm, {}):
+            assert f"# {info.description}: " in lines[key], (key, lines[key])
     path = tmp_path / "job.yaml"
     path.write_text(text)
     assert tally(["job", "validate", str(path), "--json"]) == 0
