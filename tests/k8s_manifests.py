@@ -90,6 +90,12 @@ class Cluster:
     def local_port(self, pod: str, port: int) -> int:
         return self.ports.setdefault((pod, port), free_port())
 
+    def is_service_host(self, host: str) -> bool:
+        """``host`` names a Service, or a pod behind a headless one (``pod.svc[.ns[.svc...]]``)."""
+        labels = host.split(".")
+        services = {o["metadata"]["name"] for o in find(self.objects, "Service")}
+        return labels[0] in services or (len(labels) > 1 and labels[1] in services)
+
     def resolve(self, host: str, port: int) -> int:
         """The local port behind ``host:port``: a Service name (``svc[.ns[.svc...]]``) or a
         StatefulSet pod behind a headless Service (``pod.svc.ns.svc``)."""
@@ -190,9 +196,11 @@ class LocalPod:
             host, port = m.group(1), int(m.group(2))
             if host in ("0.0.0.0", "127.0.0.1"):
                 return f"127.0.0.1:{self.cluster.local_port(self.name, port)}"
+            if not self.cluster.is_service_host(host):
+                return m.group(0)
             return f"localhost:{self.cluster.resolve(host.replace('{i}', '0'), port)}"
 
-        arg = re.sub(r"([A-Za-z0-9{}.-]+\.svc|0\.0\.0\.0|127\.0\.0\.1):(\d+)", address, arg)
+        arg = re.sub(r"([A-Za-z0-9{}][A-Za-z0-9{}.-]*):(\d+)", address, arg)
         arg = re.sub(r"^(--metrics-port=)(\d+)$",
                      lambda m: m.group(1) + str(self.cluster.local_port(self.name, int(m.group(2))))
                      if int(m.group(2)) in own else m.group(0), arg)

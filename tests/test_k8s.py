@@ -138,6 +138,65 @@ def test_cert_manager_objects_issue_the_secrets_pods_mount(rendered: dict[str, l
     assert "127.0.0.1" in one(prod, "Certificate", "tally-aggregator")["spec"]["ipAddresses"]
 
 
+WRAPPER = """\
+apiVersion: kustomize.config.k8s.io/v1beta1
+kind: Kustomization
+resources:
+  - ../k8s/overlays/prod
+transformers:
+  - |-
+    apiVersion: builtin
+    kind: NamespaceTransformer
+    metadata: {name: move, namespace: fl-prod}
+    setRoleBindingSubjects: allServiceAccounts
+"""
+
+
+def _covers(pattern: str, host: str) -> bool:
+    """A certificate name covers ``host``: equal, or a wildcard standing for one leftmost label."""
+    if pattern.startswith("*."):
+        first, _, rest = host.partition(".")
+        return bool(first) and rest == pattern[2:]
+    return pattern == host
+
+
+def test_the_prod_overlay_moved_to_another_namespace_spells_it_everywhere(tmp_path: Path) -> None:
+    """Wrapped into another namespace, prod used to keep `*.tally-aggregator.tally.svc` in its
+    certificates: TLS broke. Names are namespace-free now, and every address a pod dials is one
+    its server's certificate covers."""
+    shutil.copytree(K8S, tmp_path / "k8s")
+    (tmp_path / "wrap").mkdir()
+    (tmp_path / "wrap" / "kustomization.yaml").write_text(WRAPPER)
+    objects = render(tmp_path / "wrap")
+    text = yaml.safe_dump_all(objects)
+    assert not re.search(r"\.tally(?![\w-])|namespace: tally$", text, re.M), "the old namespace is spelled"
+    assert {o["metadata"].get("namespace", "fl-prod") for o in objects if o["kind"] != "Namespace"} == {"fl-prod"}
+    names = {c["metadata"]["name"]: c["spec"].get("dnsNames", []) for c in find(objects, "Certificate")}
+    args = [a for kind in ("StatefulSet", "Job") for o in find(objects, kind) for c in _containers(o)
+            for a in c.get("args", [])]
+    dialled = [(flag, value.rsplit("=", 1)[-1].rsplit(":", 1)[0].replace("$(POD_NAME)", "tally-aggregator-0")
+                .replace("{i}", "0"))
+               for a in args for flag, _, value in [a.partition("=")]
+               if flag in ("--advertise", "--aggregator-template", "--coordinator")]
+    assert {flag for flag, _ in dialled} == {"--advertise", "--aggregator-template", "--coordinator"}
+    for flag, host in dialled:
+        server = "tally-coordinator" if flag == "--coordinator" else "tally-aggregator"
+        assert any(_covers(name, host) for name in names[server]), (flag, host, names[server])
+
+
+def test_the_kubernetes_page_names_the_ports_the_manifests_open(rendered: dict[str, list[dict[str, Any]]]) -> None:
+    """The page said metrics were on 9100-9102 while every manifest used 9464-9466."""
+    sentence = re.search(r"Ports: (.*?)\.\n", (ROOT / "docs" / "kubernetes.md").read_text(), re.S)
+    assert sentence, "the page's Ports: sentence"
+    said = {(role, int(port)) for role, ports in re.findall(r"(coordinator|aggregator|fleet) ([^;]*)", sentence.group(1))
+            for port in re.findall(r"\b(\d{4})\b", ports)}
+    workloads = {"coordinator": ("StatefulSet", "tally-coordinator"), "aggregator": ("StatefulSet", "tally-aggregator"),
+                 "fleet": ("Job", "tally-fleet")}
+    opened = {(role, p["containerPort"]) for role, (kind, name) in workloads.items()
+              for c in _containers(one(rendered["prod"], kind, name)) for p in c.get("ports", [])}
+    assert said == opened
+
+
 def _hours(duration: str) -> float:
     units = {"h": 1, "m": 1 / 60, "s": 1 / 3600}
     return sum(float(n) * units[u] for n, u in re.findall(r"(\d+(?:\.\d+)?)([hms])", duration))

@@ -77,6 +77,7 @@ def service_names(role: str, namespace: str = DEFAULT_NAMESPACE) -> list[str]:
     svc = f"tally-{role}"
     return [
         svc,
+        f"*.{svc}",  # a StatefulSet pod behind the headless Service, by the short name pods dial
         f"{svc}.{namespace}",
         f"{svc}.{namespace}.svc",
         f"{svc}.{namespace}.svc.cluster.local",
