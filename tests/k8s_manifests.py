@@ -26,7 +26,8 @@ import yaml
 from deploy_helpers import ROOT, free_port
 
 K8S = ROOT / "k8s"
-OVERLAYS = ("dev", "prod")
+OVERLAYS = ("dev", "prod", "loadtest")
+FLEET_OVERLAYS = ("dev", "loadtest")  # those with the simulated fleet (components/loadtest)
 kubernetes_validate = pytest.importorskip("kubernetes_validate.utils", reason="kubernetes-validate not installed")
 
 

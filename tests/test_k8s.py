@@ -17,7 +17,8 @@ import yaml
 
 from deploy_helpers import ROOT, Service, clean_env, poll_until_ok
 from k8s_manifests import (
-    K8S, OVERLAYS, Cluster, LocalPod, env_value, find, kubernetes_validate, load_secrets, one, render, versions,
+    FLEET_OVERLAYS, K8S, OVERLAYS, Cluster, LocalPod, env_value, find, kubernetes_validate, load_secrets, one, render,
+    versions,
 )
 from tally.cli import main as tally_main
 
@@ -53,13 +54,23 @@ def secrets_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def test_overlays_render_what_they_promise(rendered: dict[str, list[dict[str, Any]]]) -> None:
-    dev, prod = rendered["dev"], rendered["prod"]
-    for objects in (dev, prod):
+    dev, prod, loadtest = rendered["dev"], rendered["prod"], rendered["loadtest"]
+    for objects in (dev, prod, loadtest):
         assert all(o["metadata"].get("namespace") == "tally" for o in objects if o["kind"] != "Namespace")
         coordinator = one(objects, "StatefulSet", "tally-coordinator")
         assert coordinator["spec"]["replicas"] == 1 and coordinator["spec"]["volumeClaimTemplates"]
         assert one(objects, "Service", "tally-aggregator")["spec"]["clusterIP"] == "None"
+        # Images fully qualified and tagged, named in one place (the base's kustomize images:).
+        images = {c["image"] for kind in ("StatefulSet", "Job") for o in find(objects, kind) for c in _containers(o)}
+        assert images and all(re.fullmatch(r"[a-z0-9.-]+/tally-(coordinator|aggregator|client):[\w.-]+", i)
+                              for i in images), images
+    for objects in (dev, loadtest):
         assert one(objects, "Job", "tally-fleet")["spec"]["completionMode"] == "Indexed"
+    # Prod is servers only: no simulated fleet, no job submitted at start.
+    assert not find(prod, "Job") and not find(prod, "ConfigMap")
+    assert not [o for o in prod if o["metadata"]["name"] == "tally-fleet"]
+    assert one(loadtest, "Job", "tally-fleet")["spec"]["completions"] == 10
+    assert {o["kind"] for o in loadtest} >= {o["kind"] for o in prod}  # prod's servers and more
     assert one(dev, "StatefulSet", "tally-aggregator")["spec"]["replicas"] == 1
     assert not find(dev, "HorizontalPodAutoscaler") and not find(dev, "PodDisruptionBudget")
     aggregators = one(prod, "StatefulSet", "tally-aggregator")["spec"]
@@ -142,7 +153,7 @@ WRAPPER = """\
 apiVersion: kustomize.config.k8s.io/v1beta1
 kind: Kustomization
 resources:
-  - ../k8s/overlays/prod
+  - ../k8s/overlays/{overlay}
 transformers:
   - |-
     apiVersion: builtin
@@ -160,13 +171,14 @@ def _covers(pattern: str, host: str) -> bool:
     return pattern == host
 
 
-def test_the_prod_overlay_moved_to_another_namespace_spells_it_everywhere(tmp_path: Path) -> None:
+@pytest.mark.parametrize("overlay", ["prod", "loadtest"])
+def test_an_overlay_moved_to_another_namespace_spells_it_everywhere(tmp_path: Path, overlay: str) -> None:
     """Wrapped into another namespace, prod used to keep `*.tally-aggregator.tally.svc` in its
     certificates: TLS broke. Names are namespace-free now, and every address a pod dials is one
-    its server's certificate covers."""
+    its server's certificate covers (docs/kubernetes.md shows this wrapper)."""
     shutil.copytree(K8S, tmp_path / "k8s")
     (tmp_path / "wrap").mkdir()
-    (tmp_path / "wrap" / "kustomization.yaml").write_text(WRAPPER)
+    (tmp_path / "wrap" / "kustomization.yaml").write_text(WRAPPER.replace("{overlay}", overlay))
     objects = render(tmp_path / "wrap")
     text = yaml.safe_dump_all(objects)
     assert not re.search(r"\.tally(?![\w-])|namespace: tally$", text, re.M), "the old namespace is spelled"
@@ -178,7 +190,8 @@ def test_the_prod_overlay_moved_to_another_namespace_spells_it_everywhere(tmp_pa
                 .replace("{i}", "0"))
                for a in args for flag, _, value in [a.partition("=")]
                if flag in ("--advertise", "--aggregator-template", "--coordinator")]
-    assert {flag for flag, _ in dialled} == {"--advertise", "--aggregator-template", "--coordinator"}
+    fleet = {"--coordinator"} if overlay == "loadtest" else set()
+    assert {flag for flag, _ in dialled} == {"--advertise", "--aggregator-template", *fleet}
     for flag, host in dialled:
         server = "tally-coordinator" if flag == "--coordinator" else "tally-aggregator"
         assert any(_covers(name, host) for name in names[server]), (flag, host, names[server])
@@ -193,7 +206,7 @@ def test_the_kubernetes_page_names_the_ports_the_manifests_open(rendered: dict[s
     workloads = {"coordinator": ("StatefulSet", "tally-coordinator"), "aggregator": ("StatefulSet", "tally-aggregator"),
                  "fleet": ("Job", "tally-fleet")}
     opened = {(role, p["containerPort"]) for role, (kind, name) in workloads.items()
-              for c in _containers(one(rendered["prod"], kind, name)) for p in c.get("ports", [])}
+              for c in _containers(one(rendered["loadtest"], kind, name)) for p in c.get("ports", [])}
     assert said == opened
 
 
@@ -215,7 +228,7 @@ def _secret_references(objects: list[dict[str, Any]]) -> list[tuple[str, str, se
     return out
 
 
-@pytest.mark.parametrize("overlay", OVERLAYS)
+@pytest.mark.parametrize("overlay", FLEET_OVERLAYS)
 def test_job_specs_fit_the_fleet(rendered: dict[str, list[dict[str, Any]]], overlay: str) -> None:
     """Every spec in the jobs ConfigMap is valid, trains the model the fleet trains, and can be
     filled by the overlay's fleet."""
@@ -340,9 +353,9 @@ def test_recipe_shape(role: str, rendered: dict[str, list[dict[str, Any]]]) -> N
     assert entry in scripts
     exposed = {int(p) for p in re.search(r"^EXPOSE (.+)$", final, re.M).group(1).split()}
     image = f"tally-{role}"
-    ports = {p["containerPort"] for obj in rendered["dev"] for c in _containers(obj)
-             if c["image"].split(":")[0] == image for p in c.get("ports", [])}
-    commands = {c["command"][0] for obj in rendered["dev"] for c in _containers(obj) if c["image"].split(":")[0] == image}
+    ours = [c for obj in rendered["dev"] for c in _containers(obj) if c["image"].split(":")[0].rsplit("/", 1)[-1] == image]
+    ports = {p["containerPort"] for c in ours for p in c.get("ports", [])}
+    commands = {c["command"][0] for c in ours}
     assert ports and exposed == ports
     assert commands and commands <= set(scripts)
 

@@ -61,7 +61,7 @@ def test_fleet_job_refuses_bad_values_naming_the_option(
         k8s.fleet_job(fleet_template, **kwargs)
 
 
-@pytest.mark.parametrize("overlay", ["dev", "prod"])
+@pytest.mark.parametrize("overlay", ["dev", "prod", "loadtest"])
 def test_apply_sends_valid_objects_in_dependency_order(overlay: str, tmp_path: Path) -> None:
     assert tally_main(["certs", "--out", str(tmp_path / "certs"), "--k8s-secrets", str(tmp_path / "k8s")]) == 0
     objects = k8s.apply_order(k8s.render(K8S / "overlays" / overlay) + k8s.load_manifests(tmp_path / "k8s"))
@@ -76,11 +76,25 @@ def test_apply_sends_valid_objects_in_dependency_order(overlay: str, tmp_path: P
                 kubernetes_validate.validate(obj, version, strict=True)
 
 
+def test_render_prints_an_overlay_offline_in_apply_order() -> None:
+    """`tally k8s render OVERLAY` needs no cluster (no kubeconfig either): the overlay's objects
+    as YAML, in the order apply sends them."""
+    import yaml
+
+    result = subprocess.run([sys.executable, "-m", "tally.cli", "k8s", "render", str(K8S / "overlays" / "prod")],
+                            capture_output=True, text=True, timeout=120, env={**os.environ, "KUBECONFIG": "/nonexistent"})
+    assert result.returncode == 0, result.stderr
+    printed = [doc for doc in yaml.safe_load_all(result.stdout) if doc]
+    assert printed == k8s.apply_order(render(K8S / "overlays" / "prod"))
+    assert printed[0]["kind"] == "Namespace" and not [o for o in printed if o["kind"] == "Job"]
+
+
 def test_cli_errors_are_one_line(tmp_path: Path) -> None:
-    result = subprocess.run([sys.executable, "-m", "tally.cli", "k8s", "apply", str(tmp_path / "nowhere")],
-                            capture_output=True, text=True, timeout=60)
-    assert result.returncode == 2 and result.stderr.startswith("tally k8s: kubectl kustomize")
-    assert "Traceback" not in result.stderr
+    for action in ("apply", "render"):
+        result = subprocess.run([sys.executable, "-m", "tally.cli", "k8s", action, str(tmp_path / "nowhere")],
+                                capture_output=True, text=True, timeout=60)
+        assert result.returncode == 2 and result.stderr.startswith("tally k8s: kubectl kustomize")
+        assert "Traceback" not in result.stderr
     result = subprocess.run([sys.executable, "-m", "tally.cli", "k8s", "fleet", "--devices", "3", "--shards", "4"],
                             capture_output=True, text=True, timeout=60)
     assert result.returncode == 2 and "--devices (3) must be at least --shards (4)" in result.stderr

@@ -1,7 +1,8 @@
-"""``tally k8s apply|fleet|status``: what an operator otherwise does by hand with kubectl.
+"""``tally k8s apply|render|fleet|status``: what an operator otherwise does by hand with kubectl.
 
 - ``apply OVERLAY``: render the kustomize overlay and server-side apply every object (plus the
   Secrets ``tally certs --k8s-secrets`` wrote, with ``--secrets``);
+- ``render OVERLAY``: the same objects printed as YAML, offline (no cluster);
 - ``fleet``: launch the overlay's indexed fleet Job for N devices in S shards (or scale a running
   one's parallelism), a load test from inside the cluster;
 - ``status``: pods, aggregators ready, the fleet Job, and the coordinator's jobs with their round
@@ -43,6 +44,15 @@ def register(sub: argparse._SubParsersAction) -> None:
     apply.add_argument("--dry-run", action="store_true", help="server-side dry run: validate, change nothing")
     apply.set_defaults(run=run_apply)
 
+    render = actions.add_parser("render", help="print an overlay's manifests (offline, no cluster)",
+                                description="Render OVERLAY with `kubectl kustomize` and print every object "
+                                "as YAML, in the order `apply` sends them (namespaces and CRD-free objects "
+                                "first); no kubeconfig, no API server.")
+    render.add_argument("overlay", type=Path, help="kustomize directory, e.g. k8s/overlays/prod")
+    render.add_argument("--secrets", type=Path, metavar="DIR",
+                        help="also print DIR/*.yaml (from `tally certs --k8s-secrets DIR`)")
+    render.set_defaults(run=run_render)
+
     fleet = actions.add_parser("fleet", parents=[common], help="launch or scale the simulated fleet Job",
                                description="Run the overlay's indexed fleet Job: pod i plays shard i of "
                                "--shards of the --devices devices. A running fleet of the same size is "
@@ -72,11 +82,27 @@ def _fail(message: str) -> int:
     return 2
 
 
+def _objects(args: argparse.Namespace) -> list[dict]:
+    objects = k8s.render(args.overlay)
+    if args.secrets is not None:
+        objects += k8s.load_manifests(args.secrets)
+    return objects
+
+
+def run_render(args: argparse.Namespace) -> int:
+    import yaml
+
+    try:
+        objects = k8s.apply_order(_objects(args))
+    except k8s.K8sError as exc:
+        return _fail(str(exc))
+    sys.stdout.write(yaml.safe_dump_all(objects, sort_keys=False))
+    return 0
+
+
 def run_apply(args: argparse.Namespace) -> int:
     try:
-        objects = k8s.render(args.overlay)
-        if args.secrets is not None:
-            objects += k8s.load_manifests(args.secrets)
+        objects = _objects(args)
         cluster = k8s.Cluster(args.kubeconfig, args.context)
         for line in cluster.apply(objects, dry_run=args.dry_run):
             print(line)
