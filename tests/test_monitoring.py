@@ -76,8 +76,8 @@ def test_the_operator_objects_carry_the_rules_and_select_the_services():
     monitors = list(yaml.safe_load_all((MONITORING / "service-monitor.yaml").read_text()))
     service_monitor = next(m for m in monitors if m["kind"] == "ServiceMonitor")
     selector = service_monitor["spec"]["selector"]["matchLabels"]
-    base = [doc for path in (ROOT / "k8s" / "base").glob("*.yaml") for doc in yaml.safe_load_all(path.read_text())
-            if doc]
+    manifests = [*(ROOT / "k8s" / "base").glob("*.yaml"), *(ROOT / "k8s" / "components" / "loadtest").glob("*.yaml")]
+    base = [doc for path in manifests for doc in yaml.safe_load_all(path.read_text()) if doc and "kind" in doc]
     services = {d["metadata"]["name"]: d for d in base if d["kind"] == "Service"}
     for name in ("tally-coordinator", "tally-aggregator"):  # the job names the rules use
         service = services[name]
@@ -88,6 +88,15 @@ def test_the_operator_objects_carry_the_rules_and_select_the_services():
     pod = fleet["spec"]["template"]
     assert pod_monitor["spec"]["selector"]["matchLabels"].items() <= pod["metadata"]["labels"].items()
     assert "metrics" in {p["name"] for c in pod["spec"]["containers"] for p in c.get("ports", [])}
+    # The job label each monitor gives its targets, by the operator's defaults (a ServiceMonitor:
+    # the Service's name; a PodMonitor: <namespace>/<name> unless relabelled) matches the
+    # dashboard's job=~"tally-.*" (the PodMonitor's default did not).
+    jobs = [relabelled for endpoint in pod_monitor["spec"]["podMetricsEndpoints"]
+            for relabelled in [next((r["replacement"] for r in endpoint.get("relabelings", [])
+                                     if r.get("targetLabel") == "job"), f"tally/{pod_monitor['metadata']['name']}")]]
+    dashboard_jobs = set(re.findall(r'job=~\\"([^\\]+)\\"', DASHBOARD.read_text()))
+    assert dashboard_jobs and all(re.fullmatch(p, job) for p in dashboard_jobs
+                                  for job in [*jobs, "tally-coordinator", "tally-aggregator"]), (jobs, dashboard_jobs)
     if shutil.which("kubectl") is None:
         pytest.skip("kubectl not installed: the monitoring kustomization was not rendered")
     rendered = subprocess.run(["kubectl", "kustomize", str(MONITORING)], capture_output=True, text=True, timeout=60)
