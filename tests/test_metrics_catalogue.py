@@ -181,7 +181,8 @@ def test_default_ports_are_the_documented_ones_everywhere():
     assert parsed["fleet"](["--metrics-port", "0"]).metrics_port == 0
     for args in (parsed["coordinator"]([]), parsed["fleet"](["--metrics-port"])):
         assert args.metrics_addr == "127.0.0.1"
-    base = [doc for path in (ROOT / "k8s" / "base").glob("*.yaml") for doc in yaml.safe_load_all(path.read_text()) if doc]
+    manifests = [*(ROOT / "k8s" / "base").glob("*.yaml"), *(ROOT / "k8s" / "components" / "loadtest").glob("*.yaml")]
+    base = [doc for path in manifests for doc in yaml.safe_load_all(path.read_text()) if doc and "kind" in doc]
     declared = {}
     for workload in base:
         if workload["kind"] in ("StatefulSet", "Job"):
