@@ -281,8 +281,11 @@ def test_tls_config_validation_and_args(pki):
 
     parser = argparse.ArgumentParser()
     add_tls_arguments(parser, "aggregator")
-    cfg = tls_config_from_args(parser.parse_args(["--tls-dir", str(pki), "--require-client-cert"]))
-    assert cfg == TLSConfig.from_dir(pki, "aggregator", require_client_auth=True)
+    role_dir = pki / "aggregator-1"
+    cfg = tls_config_from_args(parser.parse_args(["--tls-dir", str(role_dir), "--require-client-cert"]))
+    assert cfg == TLSConfig.from_dir(role_dir, "aggregator", require_client_auth=True)
+    with pytest.raises(ValueError, match="--tls-dir: .* has no ca.pem"):  # the deployment's root, not a role's
+        tls_config_from_args(parser.parse_args(["--tls-dir", str(pki)]))
     assert tls_config_from_args(parser.parse_args(["--insecure"])).insecure
 
 
