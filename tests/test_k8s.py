@@ -280,7 +280,9 @@ def test_network_policies_admit_only_what_each_port_serves(rendered: dict[str, l
     assert policies["tally-default-deny"]["podSelector"] == {}
     ingress = {name: [(rule.get("from"), [p["port"] for p in rule["ports"]]) for rule in spec.get("ingress", [])]
                for name, spec in policies.items()}
-    monitoring = [{"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}}}]
+    # The namespace named monitoring, or any labelled as Prometheus's (kube-prometheus-stack may live elsewhere).
+    monitoring = [{"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}}},
+                  {"namespaceSelector": {"matchLabels": {"tally.io/metrics-scraper": "true"}}}]
     coordinator_pods = [{"podSelector": {"matchLabels": {"app.kubernetes.io/name": "tally",
                                                          "app.kubernetes.io/component": "coordinator"}}}]
     assert ingress["tally-coordinator"] == [(None, [7000]), (monitoring, [9464])]

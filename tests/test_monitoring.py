@@ -69,6 +69,30 @@ def test_the_rules_pass_promtool_and_every_alert_fires_and_stays_silent_in_its_u
     assert alerts - silent == {"TallyCertificateExpiring"}
 
 
+def test_the_kube_prometheus_stack_kustomization_is_picked_up_by_the_stacks_defaults():
+    """kube-prometheus-stack's Prometheus selects monitors and rules labelled release=<release>,
+    its Grafana sidecar loads dashboards from its own namespace: k8s/kube-prometheus-stack sets
+    both, and changes nothing else."""
+    if shutil.which("kubectl") is None:
+        pytest.skip("kubectl not installed: the kustomizations were not rendered")
+
+    def render(path):
+        done = subprocess.run(["kubectl", "kustomize", str(path)], capture_output=True, text=True, timeout=60)
+        assert done.returncode == 0, done.stderr
+        return {(d["kind"], d["metadata"]["name"]): d for d in yaml.safe_load_all(done.stdout) if d}
+
+    plain, stack = render(MONITORING), render(ROOT / "k8s" / "kube-prometheus-stack")
+    assert plain.keys() == stack.keys()
+    for key, obj in stack.items():
+        labels = obj["metadata"]["labels"]
+        if obj["apiVersion"].startswith("monitoring.coreos.com/"):
+            assert labels.pop("release") == "kube-prometheus-stack", key
+        if obj["kind"] == "ConfigMap":
+            assert obj["metadata"]["namespace"] == "monitoring" and labels["grafana_dashboard"] == "1"
+            obj["metadata"]["namespace"] = plain[key]["metadata"]["namespace"]
+        assert obj == plain[key], key  # nothing else differs
+
+
 def test_the_operator_objects_carry_the_rules_and_select_the_services():
     rule = yaml.safe_load((MONITORING / "prometheus-rule.yaml").read_text())
     assert rule["kind"] == "PrometheusRule" and rule["apiVersion"] == "monitoring.coreos.com/v1"
