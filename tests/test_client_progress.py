@@ -5,7 +5,6 @@ up at the end, while stdout keeps the JSON statistics."""
 
 from __future__ import annotations
 
-import asyncio
 import json
 import sys
 from pathlib import Path
@@ -29,18 +28,11 @@ def test_a_client_process_says_what_it_does_and_sums_up(tmp_path):
         async with stack(tmp_path) as s:
             job_id = await s.submit(text)
             credential = SharedKeyEnrolment(s.coordinator.enrolment_key).credential("default", "cli-device")
-            client = await asyncio.create_subprocess_exec(
-                sys.executable, "-m", "tally.cli", "client", "--coordinator", s.target, "--insecure",
-                "--device-id", "cli-device", "--credential", credential.hex(), "--shard", "0", "--shards", "12",
-                "--hidden", "16", "--max-tasks", "1", "--state-dir", str(tmp_path / "client"),
-                cwd=REPO, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
-            fleet = s.fleet(devices, seed=1)
-            try:
-                await fleet.run(until=fleet.until_job_done(job_id, every_seconds=0.2))
-            finally:
-                fleet.close()
-            out, err = await asyncio.wait_for(client.communicate(), 120)
-            return job_id, s.target, await s.job(job_id), client.returncode, out.decode(), err.decode()
+            client = [sys.executable, "-m", "tally.cli", "client", "--coordinator", s.target, "--insecure",
+                      "--device-id", "cli-device", "--credential", credential.hex(), "--shard", "0", "--shards",
+                      "12", "--hidden", "16", "--max-tasks", "1", "--state-dir", str(tmp_path / "client")]
+            code, out, err = await s.run_beside_a_fleet(job_id, devices, client, REPO)
+            return job_id, s.target, await s.job(job_id), code, out, err
 
     job_id, target, job, code, out, err = run(main())
     assert job.state == common_pb2.JOB_STATE_SUCCEEDED, job.message

@@ -5,7 +5,6 @@ contribute to the round and predict with the committed model through ONNX Runtim
 
 from __future__ import annotations
 
-import asyncio
 import re
 import sys
 from pathlib import Path
@@ -35,18 +34,11 @@ def test_the_guide_program_takes_part_in_a_secure_round_as_written(tmp_path):
         async with stack(tmp_path, tls=True) as s:
             job_id = await s.submit(text)
             credential = SharedKeyEnrolment(s.coordinator.enrolment_key).credential("default", "app-device")
-            guide = await asyncio.create_subprocess_exec(
-                sys.executable, str(program), s.target.replace("127.0.0.1", "localhost"),
-                str(tmp_path / "pki" / "device" / "ca.pem"), "app-device", credential.hex(),
-                str(tmp_path / "app-state"), cwd=tmp_path, stdout=asyncio.subprocess.PIPE,
-                stderr=asyncio.subprocess.PIPE)
-            fleet = s.fleet(devices, seed=1)
-            try:
-                await fleet.run(until=fleet.until_job_done(job_id, every_seconds=0.2))
-            finally:
-                fleet.close()
-            out, err = await asyncio.wait_for(guide.communicate(), 120)
-            return job_id, await s.job(job_id), guide.returncode, out.decode(), err.decode()
+            guide = [sys.executable, str(program), s.target.replace("127.0.0.1", "localhost"),
+                     str(tmp_path / "pki" / "device" / "ca.pem"), "app-device", credential.hex(),
+                     str(tmp_path / "app-state")]
+            code, out, err = await s.run_beside_a_fleet(job_id, devices, guide, tmp_path)
+            return job_id, await s.job(job_id), code, out, err
 
     job_id, job, code, out, err = run(main())
     assert job.state == common_pb2.JOB_STATE_SUCCEEDED, job.message

@@ -88,6 +88,19 @@ class Stack:
         finally:
             fleet.close()
 
+    async def run_beside_a_fleet(self, job_id: str, devices, argv: list[str], cwd: Path) -> tuple[int, str, str]:
+        """Run ``argv`` as a device process while ``devices`` run as a fleet until ``job_id`` is
+        done; the process's exit code, stdout and stderr."""
+        process = await asyncio.create_subprocess_exec(*argv, cwd=cwd, stdout=asyncio.subprocess.PIPE,
+                                                       stderr=asyncio.subprocess.PIPE)
+        fleet = self.fleet(devices, seed=1)
+        try:
+            await fleet.run(until=fleet.until_job_done(job_id, every_seconds=0.2))
+        finally:
+            fleet.close()
+        out, err = await asyncio.wait_for(process.communicate(), 120)
+        return process.returncode, out.decode(), err.decode()
+
     async def job(self, job_id: str) -> admin_pb2.Job:
         stub, md = self.admin()
         return await asyncio.to_thread(stub.GetJob, admin_pb2.GetJobRequest(job_id=job_id), metadata=md, timeout=10)
