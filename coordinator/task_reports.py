@@ -49,8 +49,9 @@ class TaskReportBook:
     def __init__(self, store: Store, job_id: str) -> None:
         self._store, self._job_id = store, job_id
         self._issued: dict[str, tuple[str, int]] = {}  # task id -> (device id, round)
-        # Tasks issued before a restart are known from the store's seats; each is counted once.
-        self._reported_from_store: set[str] = set()
+        # Tasks already reported: a task issued before a restart is known from the store's seats,
+        # whose seat may outlive its report (an input was sent), so each is counted once here.
+        self._reported: set[str] = set()
 
     def issue(self, round_: int, seats: Iterable[Seat]) -> None:
         """An attempt's tasks are going out; tasks of rounds before the kept ones are forgotten."""
@@ -62,6 +63,7 @@ class TaskReportBook:
         """Count ``device_id``'s report on its task and free its seat if it sent no input."""
         if self._issued.get(report.task_id) == (device_id, report.round):
             del self._issued[report.task_id]
+            self._reported.add(report.task_id)
         elif not self._seated_before_restart(device_id, report):
             return Recorded.UNMATCHED
         outcome, reason = outcome_name(report), reason_label(report.reason)
@@ -83,8 +85,8 @@ class TaskReportBook:
     def _seated_before_restart(self, device_id: str, report: coordinator_pb2.TaskReport) -> bool:
         """A task this process did not issue, but the store's seats record for this device: one
         an earlier coordinator handed out before it stopped, reported for the first time."""
-        if report.task_id in self._reported_from_store or not self._store.has_seat(
+        if report.task_id in self._reported or not self._store.has_seat(
                 self._job_id, report.round, device_id, report.task_id):
             return False
-        self._reported_from_store.add(report.task_id)
+        self._reported.add(report.task_id)
         return True

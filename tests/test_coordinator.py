@@ -1589,6 +1589,7 @@ def test_a_restarted_coordinator_matches_reports_of_tasks_issued_before_it_stopp
     after a restart (the issued tasks lived in memory), so their devices' seats stayed taken and
     the retried round seated 10 devices instead of 52. The store's seats now vouch for them: each
     such task is counted once, only for its own device, and "sent no input" frees its seat."""
+    from coordinator.planner import Seat
     from coordinator.task_reports import Recorded, TaskReportBook
     from tally.wire.v1 import coordinator_pb2
 
@@ -1608,6 +1609,12 @@ def test_a_restarted_coordinator_matches_reports_of_tasks_issued_before_it_stopp
     assert report("d1", "task-1", sent_input=True) is Recorded.UNMATCHED
     assert store.seated("job", 1) == frozenset({"d1", "d2"})
     assert store.task_report_counts("job", 1) == {("dropped", "dropped"): 2}
+    # A task this process issued is counted once too, though its seat outlives the report.
+    store.add_seated("job", 1, [("d3", "task-3")])
+    book.issue(1, [Seat("d3", 0, 4, "task-3")])
+    assert report("d3", "task-3", sent_input=True) is Recorded.COUNTED
+    assert report("d3", "task-3", sent_input=True) is Recorded.UNMATCHED
+    assert store.task_report_counts("job", 1) == {("dropped", "dropped"): 3}
 
 
 @pytest.mark.parametrize("ledger", [{f"job-{i}": 1 for i in range(17)}, {"job": 0}, {"job": -3}])
