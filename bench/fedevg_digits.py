@@ -17,7 +17,7 @@ from tally.algorithms.fedevg import SYNTHETIC_X, SYNTHETIC_Y, FedEvgClient, FedE
 from tally.energy_training import EnergyTrainer, export_synthetic, synthetic_classifier_accuracy
 from tally.models.energy import energy_mlp
 from tally.secagg import ThreatModel
-from tally.simulation import SecureSum, plain_sum, run_rounds
+from tally.sim.engine import SecureSum, plain_sum, run_rounds
 from tally.training import get_params, single_threaded
 
 

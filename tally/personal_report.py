@@ -16,7 +16,7 @@ from client_sdk.adaptation import AdaptationConfig
 from tally.algorithms.base import Arrays, ClientAlgorithm, StepSpec
 from tally.personalisation import (PersonalFleet, local_only_accuracy, personal_accuracy, personal_params,
                                    summary)
-from tally.simulation import SumFn
+from tally.sim.engine import SumFn
 from tally.who_gains import plot, who_gains
 
 

@@ -19,7 +19,7 @@ from tally.algorithms.fedavg import FedAvgClient, FedAvgConfig, FedAvgServer
 from tally.codec import to_ring
 from tally.datasets.heterogeneous import fleet, heterogeneous_digits
 from tally.secagg import ThreatModel
-from tally.simulation import SecureSum, plain_sum, run_rounds
+from tally.sim.engine import SecureSum, plain_sum, run_rounds
 from tally.training import single_threaded
 
 SEMI_HONEST = ThreatModel(0.0, 0.0, malicious_server=False)
@@ -88,7 +88,7 @@ def quadratic_fleet(k: int, dim: int = 3, seed: int = 0) -> list[QuadraticDevice
 
 
 class Runner:
-    """What ``tally/simulation.py`` needs for AAggFF-S's reveal path, as wrappers around the unchanged
+    """What ``tally/sim/engine.py`` needs for AAggFF-S's reveal path, as wrappers around the unchanged
     ``run_rounds``: it stands in for the server (remembering the state it broadcasts), the client (a
     ``personal`` step gets ``broadcast_to(state, step, device id)``) and the sum function (a
     ``reveal`` step is served per device, each payload encoded and decoded alone, no masks).

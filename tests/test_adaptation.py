@@ -19,7 +19,7 @@ from tally import algorithms
 from tally.algorithms.base import flatten
 from tally.datasets.personal import pathological_digits
 from tally.personalisation import local_only_accuracy, personal_fleet
-from tally.simulation import plain_sum, run_rounds
+from tally.sim.engine import plain_sum, run_rounds
 from tally.training import get_params, mlp, single_threaded
 from tally.who_gains import plot, share_worse, who_gains
 

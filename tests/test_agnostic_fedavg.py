@@ -23,7 +23,7 @@ from tally.algorithms.fedavg import FedAvgClient, FedAvgConfig, FedAvgServer
 from tally.datasets.domain_digits import TorchDomainTrainer, domain_digits
 from tally.datasets.toy_regression import ScalarRegressionDevice, toy_regression
 from tally.secagg import ThreatModel
-from tally.simulation import SecureSum, plain_sum, run_rounds
+from tally.sim.engine import SecureSum, plain_sum, run_rounds
 from tally.training import get_params, mlp, single_threaded
 
 W0 = {"w": np.array([5.0])}

@@ -29,7 +29,7 @@ from tally.codec import packed_size, wire_width
 from tally.datasets.domain_linear import domain_linear, federation, subspace_distance
 from tally.domain_training import DomainTrainer, initial_params, linear_encoder, mlp_encoder
 from tally.secagg import ThreatModel
-from tally.simulation import SecureSum, plain_sum, run_rounds
+from tally.sim.engine import SecureSum, plain_sum, run_rounds
 
 CPU = torch.device("cpu")
 EXACT = {"head_solver": "newton", "head_epochs": 1, "damping": 0.0}

@@ -24,7 +24,7 @@ from tally.datasets.energy_toy import four_blobs, in_own_region
 from tally.energy_training import EnergyTrainer, export_synthetic, pcd_loss, synthetic_classifier_accuracy
 from tally.models.energy import energy_mlp
 from tally.secagg import ThreatModel
-from tally.simulation import SecureSum, plain_sum, run_rounds
+from tally.sim.engine import SecureSum, plain_sum, run_rounds
 from tally.training import get_params, single_threaded
 
 # The spec's 1-D example: E_1 = (x+2)^2/2, E_2 = (x-2)^2/2, w = (1/2, 1/2), at x = 0.5.

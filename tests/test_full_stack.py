@@ -28,7 +28,7 @@ from tally.secagg import DevicePolicy, SecAggServer
 from tally.secagg.messages import MaskedInputResponse
 from tally.security import TLSConfig, bearer_metadata, certs, load_or_create_ticket_key
 from tally.security.tls import open_channel
-from tally.simulation import plain_sum, run_rounds
+from tally.sim.engine import plain_sum, run_rounds
 from tally.training import TorchTrainer, get_params, mlp, set_params, single_threaded
 from tally.wire.v1 import admin_pb2, admin_pb2_grpc, coordinator_pb2, common_pb2
 

@@ -17,7 +17,7 @@ from tally import algorithms, modelio
 from tally.algorithms.base import flatten
 from tally.datasets.personal import pathological_digits
 from tally.personal_training import MixingTrainer
-from tally.simulation import plain_sum, run_rounds
+from tally.sim.engine import plain_sum, run_rounds
 from tally.training import get_params, mlp, single_threaded
 from tally.wire.v1 import common_pb2
 

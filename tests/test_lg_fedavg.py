@@ -29,7 +29,7 @@ from tally.algorithms.lg_fedavg import (
 from tally.datasets.personal import alpha_sweep, linear_devices, pathological_digits
 from tally.personalisation import local_only_accuracy, personal_accuracy, personal_fleet
 from tally.secagg import ThreatModel
-from tally.simulation import SecureSum, plain_sum, run_rounds
+from tally.sim.engine import SecureSum, plain_sum, run_rounds
 from tally.training import get_params, mlp, single_threaded
 
 FAST = {"local_epochs": 1, "local_lr": 0.05, "batch_size": 10}

@@ -11,7 +11,7 @@ from tally import algorithms, data
 from tally.algorithms.base import flatten
 from tally.cli import main
 from tally.secagg import ThreatModel
-from tally.simulation import SecureSum, plain_sum, run_rounds
+from tally.sim.engine import SecureSum, plain_sum, run_rounds
 from tally.training import TorchTrainer, get_params, mlp, single_threaded
 
 

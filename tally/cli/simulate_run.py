@@ -17,7 +17,7 @@ from tally import algorithms, tasks
 from tally.algorithms import aaggff
 from tally.cli.console import console as cli_console
 from tally.secagg import ThreatModel, UnsafeParameters
-from tally.simulation import SecureSum, plain_sum, run_rounds
+from tally.sim.engine import SecureSum, plain_sum, run_rounds
 from tally.training import single_threaded
 
 # client_sdk.adaptation's methods, named here so --help does not import the SDK.
