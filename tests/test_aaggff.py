@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from scipy import optimize
 
-from tally import fairness
+from tally.sim import fairness
 from tally.algorithms import aaggff as A
 from tally.algorithms.base import StepSpec
 from tally.algorithms.fedavg import FedAvgClient, FedAvgConfig, FedAvgServer

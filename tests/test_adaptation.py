@@ -18,10 +18,10 @@ from tally.models.onnx import export_onnx
 from tally import algorithms
 from tally.algorithms.base import flatten
 from tally.datasets.personal import pathological_digits
-from tally.personalisation import local_only_accuracy, personal_fleet
+from tally.sim.personalisation import local_only_accuracy, personal_fleet
 from tally.sim.engine import plain_sum, run_rounds
 from tally.training import get_params, mlp, single_threaded
-from tally.who_gains import plot, share_worse, who_gains
+from tally.sim.who_gains import plot, share_worse, who_gains
 
 FAST = {"local_epochs": 1, "local_lr": 0.05, "batch_size": 10}
 

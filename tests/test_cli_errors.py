@@ -270,7 +270,7 @@ def test_help_imports_nothing_heavy(command):
 
 
 def test_the_simulate_command_line_names_every_dataset():
-    from tally import tasks
+    from tally.sim import tasks
     from tally.cli.simulate import DATASETS
 
     assert DATASETS == tuple(tasks.BUILDERS)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from tally import report
+from tally.sim import report
 
 
 def _run(algorithm: str, rounds: int, domains: int, floor: float) -> dict:

@@ -27,7 +27,7 @@ from tally.algorithms.lg_fedavg import (
     upload_accounting,
 )
 from tally.datasets.personal import alpha_sweep, linear_devices, pathological_digits
-from tally.personalisation import local_only_accuracy, personal_accuracy, personal_fleet
+from tally.sim.personalisation import local_only_accuracy, personal_accuracy, personal_fleet
 from tally.secagg import ThreatModel
 from tally.sim.engine import SecureSum, plain_sum, run_rounds
 from tally.training import get_params, mlp, single_threaded

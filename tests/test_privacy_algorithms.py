@@ -14,7 +14,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from coordinator.jobspec import JobSpecError, parse
-from tally import algorithms, tasks
+from tally import algorithms
+from tally.sim import tasks
 from tally.algorithms.base import StepSpec
 from tally.codec import Field, PayloadSchema
 from tally.privacy.accounting import calibrate

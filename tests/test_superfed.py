@@ -16,7 +16,7 @@ from tally.algorithms.base import flatten
 from tally.algorithms.superfed import CONTROL, LAMBDA_GRID, SuPerFedClient, SuPerFedConfig, mix
 from tally.datasets.personal import gaussian_classes, pathological_digits
 from tally.personal_training import cos_squared, mixed_objective, module_of
-from tally.personalisation import personal_accuracy, personal_fleet
+from tally.sim.personalisation import personal_accuracy, personal_fleet
 from tally.secagg import ThreatModel
 from tally.sim.engine import SecureSum, plain_sum, run_rounds
 from tally.training import TorchTrainer, get_params, mlp, single_threaded

@@ -10,7 +10,7 @@ from coordinator.job_cli import ALGORITHMS
 from tally.argtypes import FRACTION, POSITIVE, integer, number
 
 ADAPTATIONS = ("finetune", "freeze_base", "ewc", "distill")
-# The datasets of tally.tasks.BUILDERS (a test keeps the two equal).
+# The datasets of tally.sim.tasks.BUILDERS (a test keeps the two equal).
 DATASETS = ("digits", "toy-regression", "domain-digits", "heterogeneous-digits", "domain-linear",
             "pathological-digits", "rotated-digits")
 

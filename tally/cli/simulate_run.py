@@ -13,7 +13,8 @@ import numpy as np
 from rich.console import Console
 from rich.progress import Progress
 
-from tally import algorithms, tasks
+from tally import algorithms
+from tally.sim import tasks
 from tally.algorithms import aaggff
 from tally.cli.console import console as cli_console
 from tally.secagg import ThreatModel, UnsafeParameters
@@ -93,7 +94,7 @@ def simulate_one(args: argparse.Namespace, algorithm: str, given: dict[str, Any]
         if args.secure
         else plain_sum
     )
-    from tally.personal_report import UploadCounter
+    from tally.sim.personal_report import UploadCounter
 
     sum_fn = uploads = UploadCounter(sum_fn)
     local: dict[int, Any] = {}
@@ -124,7 +125,7 @@ def simulate_one(args: argparse.Namespace, algorithm: str, given: dict[str, Any]
         "uploaded_values": uploads.values,
     }
     if task.fleet is not None:
-        from tally.personal_report import personal_results
+        from tally.sim.personal_report import personal_results
 
         plot = (args.report or args.json.parent) / f"who-gains-{algorithm}.png"
         out.update(personal_results(client, server.model(state), local, task.fleet, uploads, args.adapt,
@@ -156,14 +157,14 @@ def _run(args: argparse.Namespace, console: Console) -> int:
     )
     console.print(f"{args.algorithm} on {args.dataset}: {summary}")
     if "personal" in report:
-        from tally.personal_report import summary_line
+        from tally.sim.personal_report import summary_line
 
         console.print(f"{args.algorithm} on {args.dataset}: {summary_line(report)}")
     if args.report is not None:
         baseline = None
         if args.baseline != "none" and args.baseline != args.algorithm:
             baseline = simulate_one(args, args.baseline, {}, console)
-        from tally.report import write_report
+        from tally.sim.report import write_report
 
         paths = write_report(args.report, report, baseline)
         console.print(f"report: {', '.join(str(p) for p in paths)}")

@@ -14,10 +14,10 @@ import numpy as np
 
 from client_sdk.adaptation import AdaptationConfig
 from tally.algorithms.base import Arrays, ClientAlgorithm, StepSpec
-from tally.personalisation import (PersonalFleet, local_only_accuracy, personal_accuracy, personal_params,
+from tally.sim.personalisation import (PersonalFleet, local_only_accuracy, personal_accuracy, personal_params,
                                    summary)
 from tally.sim.engine import SumFn
-from tally.who_gains import plot, who_gains
+from tally.sim.who_gains import plot, who_gains
 
 
 @dataclass

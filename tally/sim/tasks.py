@@ -13,7 +13,8 @@ from typing import Any
 
 import numpy as np
 
-from tally import data, fairness
+from tally import data
+from tally.sim import fairness
 from tally.algorithms.base import Arrays
 from tally.training import TorchTrainer, get_params, mlp
 
@@ -164,7 +165,7 @@ def personal_digits_task(args: TaskArgs, domains: int = 1) -> Task:
     own train / validation / test split; ``domains`` > 1 turns device i's images by 90° x (i mod
     domains). The global model is tested on the union of the devices' test splits."""
     from tally.datasets.personal import pathological_digits
-    from tally.personalisation import personal_fleet
+    from tally.sim.personalisation import personal_fleet
 
     data = pathological_digits(args.clients, args.classes_per_device, domains, seed=args.seed)
     factory = lambda: mlp(data.num_features, data.num_classes, seed=args.seed)  # noqa: E731

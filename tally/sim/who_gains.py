@@ -18,7 +18,7 @@ import numpy as np
 
 from client_sdk.adaptation import AdaptationConfig, adapt
 from tally.algorithms.base import Arrays
-from tally.personalisation import PersonalFleet
+from tally.sim.personalisation import PersonalFleet
 
 
 def share_worse(local: np.ndarray, other: np.ndarray) -> float:
