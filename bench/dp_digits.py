@@ -53,7 +53,9 @@ from tally.privacy.server import PrivacySettings, PrivateServer  # noqa: E402
 from tally.privacy.simulation import RingSum  # noqa: E402
 from tally.privacy.spec import PrivacySpec, settings_for  # noqa: E402
 from tally.sim.engine import plain_sum, run_rounds  # noqa: E402
-from tally.training import TorchTrainer, get_params, mlp  # noqa: E402
+from tally.models.mlp import mlp  # noqa: E402
+from tally.models.params import get_params  # noqa: E402
+from tally.training import TorchTrainer  # noqa: E402
 
 TFF_MAX_BITS = 22  # tff.learning.ddp_secure_aggregator: bits "in the inclusive range of [1, 22]"
 TFF_DEFAULT_BITS = 20

@@ -14,11 +14,12 @@ from pathlib import Path
 
 from tally import data
 from tally.algorithms.fedevg import SYNTHETIC_X, SYNTHETIC_Y, FedEvgClient, FedEvgConfig, FedEvgServer
-from tally.energy_training import EnergyTrainer, export_synthetic, synthetic_classifier_accuracy
+from tally.training.energy import EnergyTrainer, export_synthetic, synthetic_classifier_accuracy
 from tally.models.energy import energy_mlp
 from tally.secagg import ThreatModel
 from tally.sim.engine import SecureSum, plain_sum, run_rounds
-from tally.training import get_params, single_threaded
+from tally.models.params import get_params
+from tally.training import single_threaded
 
 
 def main() -> None:

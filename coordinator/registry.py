@@ -17,8 +17,9 @@ from typing import TYPE_CHECKING, Any
 
 from tally import algorithms, models
 from tally.algorithms.base import Arrays, ServerAlgorithm
-from tally.domain_training import initial_params, mlp_encoder
-from tally.training import get_params
+from tally.models.domain import mlp_encoder
+from tally.training.domain import initial_params
+from tally.models.params import get_params
 
 if TYPE_CHECKING:  # jobspec validates against this registry
     from coordinator.jobspec import ModelSpec

@@ -23,7 +23,8 @@ from client_sdk import Device, OnnxModel
 from client_sdk.enrolment import load_or_create_identity
 from tally import data
 from tally.security import TLSConfig
-from tally.training import TorchTrainer, mlp
+from tally.models.mlp import mlp
+from tally.training import TorchTrainer
 
 
 def application_trainer(shard: int, shards: int, hidden: int) -> tuple[TorchTrainer, np.ndarray]:

@@ -20,7 +20,9 @@ from tally.algorithms.base import flatten
 from tally.datasets.personal import pathological_digits
 from tally.sim.personalisation import local_only_accuracy, personal_fleet
 from tally.sim.engine import plain_sum, run_rounds
-from tally.training import get_params, mlp, single_threaded
+from tally.models.mlp import mlp
+from tally.models.params import get_params
+from tally.training import single_threaded
 from tally.sim.who_gains import plot, share_worse, who_gains
 
 FAST = {"local_epochs": 1, "local_lr": 0.05, "batch_size": 10}
@@ -72,7 +74,7 @@ def test_fisher_is_the_mean_squared_per_example_gradient(device):
     X, y, start = device
     net = mlp(64, 10)
     fisher = fisher_diagonal(net, start, X[:5], y[:5])
-    from tally.training import set_params
+    from tally.models.params import set_params
 
     set_params(net, start)
     squares = []
@@ -184,7 +186,7 @@ def test_adapted_model_is_served_by_onnx_runtime_without_torch(tmp_path, device)
         "assert 'torch' not in sys.modules\n"
     )
     subprocess.run([sys.executable, "-c", script], check=True, timeout=60)
-    from tally.training import set_params
+    from tally.models.params import set_params
 
     set_params(net, adapted)
     with torch.no_grad():

@@ -28,7 +28,9 @@ from coordinator import jobspec
 from test_full_stack import PLAINTEXT, run, spec, stack
 from tally.adaptation_options import METHODS, AdaptationConfig, JobAdaptation
 from tally.datasets.personal import pathological_digits
-from tally.training import TorchTrainer, get_params, mlp, single_threaded
+from tally.models.mlp import mlp
+from tally.models.params import get_params
+from tally.training import TorchTrainer, single_threaded
 from tally.wire.v1 import admin_pb2, common_pb2
 
 N, ROUNDS, HIDDEN = 10, 2, 16  # ten devices: two cohorts of five, one per aggregator

@@ -24,7 +24,9 @@ from tally.datasets.domain_digits import TorchDomainTrainer, domain_digits
 from tally.datasets.toy_regression import ScalarRegressionDevice, toy_regression
 from tally.secagg import ThreatModel
 from tally.sim.engine import SecureSum, plain_sum, run_rounds
-from tally.training import get_params, mlp, single_threaded
+from tally.models.mlp import mlp
+from tally.models.params import get_params
+from tally.training import single_threaded
 
 W0 = {"w": np.array([5.0])}
 # The spec's toy recipe (§5.3.2): client SGD lr 0.1, batch 10, one epoch, server SGD lr 1,

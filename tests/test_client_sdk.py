@@ -75,7 +75,9 @@ from tally.security import (
 )
 from tally.security.files import private_dir
 from tally.security.tls import TLSConfig
-from tally.training import TorchTrainer, get_params, mlp
+from tally.models.mlp import mlp
+from tally.models.params import get_params
+from tally.training import TorchTrainer
 from tally.wire.join import join_from_metadata
 from tally.wire.convert import (
     aggregator_envelope,

@@ -80,7 +80,8 @@ from tally.security import (
 from tally.security.tls import tls_config_from_args
 from tally.security.tokens import OWNER_METADATA_KEY
 from tally.sim.engine import plain_sum, run_rounds
-from tally.training import get_params, mlp, set_params
+from tally.models.mlp import mlp
+from tally.models.params import get_params, set_params
 from tally.wire.convert import (
     cohort_sum_to_proto,
     from_proto,

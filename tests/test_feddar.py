@@ -27,7 +27,8 @@ from tally.algorithms.feddar import (
 )
 from tally.codec import packed_size, wire_width
 from tally.datasets.domain_linear import domain_linear, federation, subspace_distance
-from tally.domain_training import DomainTrainer, initial_params, linear_encoder, mlp_encoder
+from tally.models.domain import linear_encoder, mlp_encoder
+from tally.training.domain import DomainTrainer, initial_params
 from tally.secagg import ThreatModel
 from tally.sim.engine import SecureSum, plain_sum, run_rounds
 

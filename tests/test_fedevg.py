@@ -21,11 +21,12 @@ from tally.algorithms.fedevg import (
     step_size,
 )
 from tally.datasets.energy_toy import four_blobs, in_own_region
-from tally.energy_training import EnergyTrainer, export_synthetic, pcd_loss, synthetic_classifier_accuracy
+from tally.training.energy import EnergyTrainer, export_synthetic, pcd_loss, synthetic_classifier_accuracy
 from tally.models.energy import energy_mlp
 from tally.secagg import ThreatModel
 from tally.sim.engine import SecureSum, plain_sum, run_rounds
-from tally.training import get_params, single_threaded
+from tally.models.params import get_params
+from tally.training import single_threaded
 
 # The spec's 1-D example: E_1 = (x+2)^2/2, E_2 = (x-2)^2/2, w = (1/2, 1/2), at x = 0.5.
 W = np.array([0.5, 0.5])

@@ -29,7 +29,9 @@ from tally.secagg.messages import MaskedInputResponse
 from tally.security import TLSConfig, bearer_metadata, certs, load_or_create_ticket_key
 from tally.security.tls import open_channel
 from tally.sim.engine import plain_sum, run_rounds
-from tally.training import TorchTrainer, get_params, mlp, set_params, single_threaded
+from tally.models.mlp import mlp
+from tally.models.params import get_params, set_params
+from tally.training import TorchTrainer, single_threaded
 from tally.wire.v1 import admin_pb2, admin_pb2_grpc, coordinator_pb2, common_pb2
 
 TIMEOUT = 240

@@ -16,9 +16,11 @@ from test_full_stack_algorithms import job_text, max_error
 from tally import algorithms, modelio
 from tally.algorithms.base import flatten
 from tally.datasets.personal import pathological_digits
-from tally.personal_training import MixingTrainer
+from tally.training.personal import MixingTrainer
 from tally.sim.engine import plain_sum, run_rounds
-from tally.training import get_params, mlp, single_threaded
+from tally.models.mlp import mlp
+from tally.models.params import get_params
+from tally.training import single_threaded
 from tally.wire.v1 import common_pb2
 
 N, ROUNDS = 8, 3

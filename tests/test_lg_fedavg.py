@@ -30,7 +30,9 @@ from tally.datasets.personal import alpha_sweep, linear_devices, pathological_di
 from tally.sim.personalisation import local_only_accuracy, personal_accuracy, personal_fleet
 from tally.secagg import ThreatModel
 from tally.sim.engine import SecureSum, plain_sum, run_rounds
-from tally.training import get_params, mlp, single_threaded
+from tally.models.mlp import mlp
+from tally.models.params import get_params
+from tally.training import single_threaded
 
 FAST = {"local_epochs": 1, "local_lr": 0.05, "batch_size": 10}
 
@@ -243,7 +245,7 @@ def test_ensemble_of_identical_local_models_is_the_single_model():
     X = torch.as_tensor(np.random.default_rng(0).random((5, 64)), dtype=torch.float32)
 
     def logits(params):
-        from tally.training import set_params
+        from tally.models.params import set_params
 
         set_params(net, params)
         with torch.no_grad():
@@ -325,7 +327,7 @@ def test_lg_fedavg_beats_fedavg_per_device_at_under_half_the_upload():
 
 def _fair_batch(lam=0.0, seed=0):
     from tally.datasets.personal import fair_toy
-    from tally.fair_training import fair_model
+    from tally.models.fair import fair_model
 
     (x, y, p), _ = fair_toy(devices=1, train=64, test=1, seed=seed)[0]
     model = fair_model(6, seed=seed).double()
@@ -336,7 +338,7 @@ def _fair_batch(lam=0.0, seed=0):
 def test_fair_encoder_gradient_is_task_minus_lambda_adversary_and_the_adversary_step_is_detached():
     """11.A.8: λ = 0 gives the plain task gradient; λ > 0 gives ∇L^g − λ∇L^a (checked by finite
     differences), which is *not* ∇L^g (the [C] bug); the adversary's loss never reaches the encoder."""
-    from tally.fair_training import adversary_objective, encoder_objective
+    from tally.training.fair import adversary_objective, encoder_objective
 
     model, x, y, p = _fair_batch()
     bce = torch.nn.functional.binary_cross_entropy_with_logits
@@ -375,7 +377,8 @@ def test_fair_variant_hides_the_protected_attribute_from_a_post_hoc_probe():
     adversary's AUC is at most the probe's. Only the head ("head.*") is summed."""
     from tally.algorithms.lg_fedavg import personal_model
     from tally.datasets.personal import fair_toy
-    from tally.fair_training import GLOBAL_PATTERNS, FairTrainer, fair_model, fairness_metrics
+    from tally.models.fair import fair_model
+    from tally.training.fair import FairTrainer, GLOBAL_PATTERNS, fairness_metrics
 
     data = fair_toy(seed=0)
     results = {}

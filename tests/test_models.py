@@ -18,7 +18,7 @@ from coordinator.onnx_export import export_model
 from coordinator.registry import initial_model
 from tally import models
 from tally.algorithms.base import ModelMismatch
-from tally.training import get_params, set_params
+from tally.models.params import get_params, set_params
 
 SPEC = """name: m
 algorithm: fedavg

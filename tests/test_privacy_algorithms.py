@@ -92,9 +92,9 @@ def task_for(algorithm: str, clients: int) -> tuple[tasks.Task, dict[str, Any]]:
     single_threaded()
     if algorithm == "fedevg":
         from tally.datasets.energy_toy import four_blobs
-        from tally.energy_training import EnergyTrainer
+        from tally.training.energy import EnergyTrainer
         from tally.models.energy import energy_mlp
-        from tally.training import get_params
+        from tally.models.params import get_params
 
         data = four_blobs(clients=clients, alpha=1.0, samples=600, seed=0)
         factory = lambda: energy_mlp(2, 4, 16, 0)  # noqa: E731

@@ -12,7 +12,9 @@ from tally.algorithms.base import flatten
 from tally.cli import main
 from tally.secagg import ThreatModel
 from tally.sim.engine import SecureSum, plain_sum, run_rounds
-from tally.training import TorchTrainer, get_params, mlp, single_threaded
+from tally.models.mlp import mlp
+from tally.models.params import get_params
+from tally.training import TorchTrainer, single_threaded
 
 
 def _devices(clients=12, seed=0):

@@ -15,11 +15,13 @@ from tally import algorithms
 from tally.algorithms.base import flatten
 from tally.algorithms.superfed import CONTROL, LAMBDA_GRID, SuPerFedClient, SuPerFedConfig, mix
 from tally.datasets.personal import gaussian_classes, pathological_digits
-from tally.personal_training import cos_squared, mixed_objective, module_of
+from tally.training.personal import cos_squared, mixed_objective, module_of
 from tally.sim.personalisation import personal_accuracy, personal_fleet
 from tally.secagg import ThreatModel
 from tally.sim.engine import SecureSum, plain_sum, run_rounds
-from tally.training import TorchTrainer, get_params, mlp, single_threaded
+from tally.models.mlp import mlp
+from tally.models.params import get_params
+from tally.training import TorchTrainer, single_threaded
 
 
 @pytest.fixture(autouse=True)
@@ -125,7 +127,7 @@ def test_with_mu_the_federated_update_is_fedprox():
     payload, local = client.contribute("update", {**initial, CONTROL: np.array([0.0, 1.0])}, device, None)
     reference = TorchTrainer(fleet.factory, device.features.numpy(), device.labels.numpy(), seed=0)
     net = reference.model
-    from tally.training import set_params
+    from tally.models.params import set_params
 
     set_params(net, initial)
     anchor = {k: torch.as_tensor(v) for k, v in initial.items()}

@@ -73,7 +73,7 @@ class DomainDevice(Protocol):
     Parameters are the encoder's arrays (any names but ``heads``) plus ``heads`` of shape
     (M, N, k + 1): N outputs over k features and a bias. Head m's parameter vector is its
     (N, k + 1) matrix in row-major order; Hessians are over that vector (P = N (k + 1)).
-    ``tally.domain_training.DomainTrainer`` implements it with torch.
+    ``tally.training.domain.DomainTrainer`` implements it with torch.
     """
 
     @property

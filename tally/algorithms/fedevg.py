@@ -167,7 +167,7 @@ class FedEvgServer:
 
 class EnergyDevice(Protocol):
     """What FedEvg needs from a device: its data count, local training of its energy model, and
-    the energy signals at given points. ``tally.energy_training.EnergyTrainer`` implements it."""
+    the energy signals at given points. ``tally.training.energy.EnergyTrainer`` implements it."""
 
     @property
     def num_examples(self) -> int: ...

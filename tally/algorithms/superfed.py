@@ -39,7 +39,7 @@ LAMBDA_GRID = tuple(round(0.1 * i, 1) for i in range(11))
 
 class MixingDevice(Protocol):
     """What SuPerFed needs from a device beyond ``LocalTrainer``
-    (``tally.personal_training.MixingTrainer`` implements it with torch)."""
+    (``tally.training.personal.MixingTrainer`` implements it with torch)."""
 
     @property
     def num_examples(self) -> int: ...

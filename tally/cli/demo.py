@@ -179,7 +179,8 @@ async def _demo(args: argparse.Namespace, console: Console) -> dict:
     # not wait for them.
     from client_sdk import Device, DropoutPlan, Fleet, OnnxModel
     from tally import data
-    from tally.training import TorchTrainer, mlp, single_threaded
+    from tally.models.mlp import mlp
+    from tally.training import TorchTrainer, single_threaded
 
     out = args.out.resolve()
     certs, state = _prepare(out, args.resume, console)

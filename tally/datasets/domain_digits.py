@@ -25,7 +25,8 @@ import torch
 from sklearn.datasets import load_digits
 from torch import nn
 
-from tally.training import TorchTrainer, get_params, set_params
+from tally.models.params import get_params, set_params
+from tally.training import TorchTrainer
 
 PARTITIONS = ("data", "client")
 SIDE = 8

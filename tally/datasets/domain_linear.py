@@ -11,7 +11,7 @@ paper leaves open is filled in as the spec reconstructs it from FedRep's code: d
 standard deviation, p uniform (so each domain's Dirichlet concentration is alpha / M), rows of W*
 normalised to unit length, 100 test samples per client drawn from that client's own mixture.
 
-``federation`` turns the data into ``tally.domain_training.DomainTrainer`` devices with the model
+``federation`` turns the data into ``tally.training.domain.DomainTrainer`` devices with the model
 the spec's reproduction uses, and reports the paper's metric (test ½·MSE averaged over clients).
 """
 
@@ -25,7 +25,8 @@ import numpy as np
 import torch
 from torch import nn
 
-from tally.domain_training import PREFIX, DomainTrainer, initial_params, linear_encoder
+from tally.models.domain import linear_encoder
+from tally.training.domain import DomainTrainer, PREFIX, initial_params
 
 
 @dataclass(frozen=True)

@@ -22,7 +22,9 @@ import numpy as np
 
 from tally import data
 from tally.algorithms.base import Arrays
-from tally.training import TorchTrainer, get_params, mlp
+from tally.models.mlp import mlp
+from tally.models.params import get_params
+from tally.training import TorchTrainer
 
 SIDE = 8
 Split = tuple[np.ndarray, np.ndarray]

@@ -18,7 +18,7 @@ from torch import nn
 
 from tally.models.cnn import digits_cnn
 from tally.models.energy import energy_mlp
-from tally.training import mlp
+from tally.models.mlp import mlp
 
 ModuleBuilder = Callable[[int, int, int, int], nn.Module]
 

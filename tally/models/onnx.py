@@ -18,7 +18,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from tally.training import set_params
+from tally.models.params import set_params
 
 INPUT_NAME = "input"
 OUTPUT_NAME = "logits"

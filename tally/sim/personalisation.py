@@ -1,9 +1,9 @@
 """Personal models in simulation: each device's model judged on its own test split.
 
-A personalised algorithm's client half offers ``personal_model(model, local_state, validation)``:
-the model a device would use, from the federated model and what it kept on the device, tuned
-(where the algorithm tunes anything) on the device's *validation* split, never its test split.
-An algorithm without it personalises nothing: every device uses the federated model.
+A personalised algorithm's client half is a ``PersonalisedClient`` (``tally.algorithms.base``):
+its ``personal_model`` is the model a device would use, from the federated model and what it kept
+on the device, tuned (where the algorithm tunes anything) on the device's *validation* split, never
+its test split. An algorithm without it personalises nothing: every device uses the federated model.
 """
 
 from __future__ import annotations
@@ -15,10 +15,11 @@ from typing import Any
 import numpy as np
 from torch import nn
 
-from tally.algorithms.base import Arrays, ClientAlgorithm
+from tally.algorithms.base import Arrays, ClientAlgorithm, PersonalisedClient
 from tally.datasets.personal import PersonalData
-from tally.personal_training import MixingTrainer
-from tally.training import TorchTrainer, get_params
+from tally.training.personal import MixingTrainer
+from tally.models.params import get_params
+from tally.training import TorchTrainer
 
 
 @dataclass
@@ -42,8 +43,9 @@ def personal_fleet(data: PersonalData, factory: Callable[[], nn.Module], seed: i
 
 def personal_params(client: ClientAlgorithm, model: Mapping[str, np.ndarray], local_state: Any,
                     validation: TorchTrainer | None) -> Arrays:
-    personalise = getattr(client, "personal_model", None)
-    return dict(model) if personalise is None else personalise(model, local_state, validation)
+    if isinstance(client, PersonalisedClient):
+        return client.personal_model(model, local_state, validation)
+    return dict(model)
 
 
 def personal_accuracy(client: ClientAlgorithm, model: Mapping[str, np.ndarray], local_states: Mapping[int, Any],

@@ -16,7 +16,9 @@ import numpy as np
 from tally import data
 from tally.sim import fairness
 from tally.algorithms.base import Arrays
-from tally.training import TorchTrainer, get_params, mlp
+from tally.models.mlp import mlp
+from tally.models.params import get_params
+from tally.training import TorchTrainer
 
 
 @dataclass(frozen=True)

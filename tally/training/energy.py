@@ -19,7 +19,8 @@ from torch import nn
 
 from tally.algorithms.base import Arrays
 from tally.algorithms.fedevg import SYNTHETIC_X, SYNTHETIC_Y, FedEvgConfig
-from tally.training import default_device, get_params, set_params
+from tally.models.params import get_params, set_params
+from tally.training import default_device
 
 
 class EnergyTrainer:

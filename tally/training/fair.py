@@ -26,28 +26,10 @@ from sklearn.metrics import roc_auc_score
 from torch import nn
 
 from tally.algorithms.base import Arrays
-from tally.training import get_params, set_params
+from tally.models.fair import FairModel
+from tally.models.params import get_params, set_params
 
 GLOBAL_PATTERNS = ("head.*",)
-
-
-class FairModel(nn.Module):
-    def __init__(self, inputs: int, width: int = 4) -> None:
-        super().__init__()
-        self.encoder = nn.Linear(inputs, width)
-        self.head = nn.Linear(width, 1)
-        self.adversary = nn.Linear(width, 1)
-
-    def represent(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.tanh(self.encoder(x))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.head(self.represent(x)).squeeze(-1)
-
-
-def fair_model(inputs: int, width: int = 4, seed: int = 0) -> FairModel:
-    torch.manual_seed(seed)
-    return FairModel(inputs, width)
 
 
 def encoder_objective(model: FairModel, x: torch.Tensor, y: torch.Tensor, p: torch.Tensor, lam: float

@@ -1,7 +1,9 @@
 """Local training with torch: the ``LocalTrainer`` a device (real or simulated) offers.
 
-Parameters cross the algorithm boundary as numpy arrays keyed by state-dict name, so
-algorithms stay framework-free and the wire carries plain tensors.
+Parameters cross the algorithm boundary as numpy arrays keyed by state-dict name
+(``tally.models.params``), so algorithms stay framework-free and the wire carries plain tensors.
+The trainers of algorithms whose devices do more than plain SGD are beside this one: ``domain``
+(FedDAR), ``energy`` (FedEvg), ``fair`` (LG-FedAvg+Adv) and ``personal`` (SuPerFed).
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from tally.algorithms.base import check_fits
+from tally.models.params import get_params, set_params
 
 Arrays = dict[str, np.ndarray]
 
@@ -25,16 +27,6 @@ def default_device() -> torch.device:
 def single_threaded() -> None:
     """Small models on many simulated devices: thread handoff costs ~60x the math itself."""
     torch.set_num_threads(1)
-
-
-def get_params(model: nn.Module) -> Arrays:
-    return {k: v.detach().cpu().numpy().copy() for k, v in model.state_dict().items()}
-
-
-def set_params(model: nn.Module, params: Mapping[str, np.ndarray]) -> None:
-    state = model.state_dict()
-    check_fits(params, {k: tuple(v.shape) for k, v in state.items()})
-    model.load_state_dict({k: torch.as_tensor(np.asarray(params[k]), dtype=state[k].dtype) for k in state})
 
 
 class TorchTrainer:
@@ -83,8 +75,3 @@ class TorchTrainer:
         loss = float(nn.functional.cross_entropy(logits, self.labels))
         accuracy = float((logits.argmax(dim=1) == self.labels).float().mean())
         return loss, accuracy
-
-
-def mlp(inputs: int, classes: int, hidden: int = 64, seed: int = 0) -> nn.Module:
-    torch.manual_seed(seed)
-    return nn.Sequential(nn.Linear(inputs, hidden), nn.ReLU(), nn.Linear(hidden, classes))
