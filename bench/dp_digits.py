@@ -45,7 +45,7 @@ from rich.table import Table
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from tally import data  # noqa: E402
+from tally.datasets.digits import digits  # noqa: E402
 from tally.algorithms.fedavg import FedAvgClient, FedAvgConfig, FedAvgServer  # noqa: E402
 from tally.privacy.errors import PrivacyRefused  # noqa: E402
 from tally.privacy.payload import PrivateClient  # noqa: E402
@@ -90,7 +90,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def population(args: argparse.Namespace, seed: int):
-    fed = data.digits(args.clients, alpha=args.alpha, seed=seed)
+    fed = digits(args.clients, alpha=args.alpha, seed=seed)
     factory = lambda: mlp(fed.num_features, fed.num_classes, hidden=args.hidden, seed=seed)  # noqa: E731
     devices = [TorchTrainer(factory, X, y, seed=seed + i) for i, (X, y) in enumerate(fed.clients)]
     return devices, get_params(factory()), TorchTrainer(factory, *fed.test)

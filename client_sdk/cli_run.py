@@ -56,14 +56,15 @@ def _load(flag: str, load: Callable[[Path], T], path: Path) -> T:
 def _trainers(args: argparse.Namespace, shards: int) -> list[LocalTrainer]:
     """Raises ValueError naming --model or --model-plugin when the model cannot be built.
     Torch is imported here, not at start: a synthetic fleet never loads it."""
-    from tally import data, models
+    from tally import models
+    from tally.datasets.digits import digits
     from tally.training import TorchTrainer, single_threaded
 
     single_threaded()  # many small models: one torch thread each beats thread handoffs
     models.load_plugins(args.model_plugin)
     if args.model not in models.kinds():
         raise ValueError(f"--model: {args.model!r} is not one of {list(models.kinds())}")
-    fed = data.digits(shards, alpha=args.alpha, seed=args.seed)
+    fed = digits(shards, alpha=args.alpha, seed=args.seed)
     factory = lambda: models.build(args.model, fed.num_features, fed.num_classes, args.hidden, args.seed)  # noqa: E731
     return [TorchTrainer(factory, X, y, seed=args.seed + i) for i, (X, y) in enumerate(fed.clients)]
 

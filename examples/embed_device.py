@@ -21,7 +21,7 @@ import numpy as np
 
 from client_sdk import Device, OnnxModel
 from client_sdk.enrolment import load_or_create_identity
-from tally import data
+from tally.datasets.digits import digits
 from tally.security import TLSConfig
 from tally.models.mlp import mlp
 from tally.training import TorchTrainer
@@ -29,7 +29,7 @@ from tally.training import TorchTrainer
 
 def application_trainer(shard: int, shards: int, hidden: int) -> tuple[TorchTrainer, np.ndarray]:
     """The app's data and model (must be the job's model), and a few inputs to predict on later."""
-    split = data.digits(shards, alpha=0.5, seed=0)
+    split = digits(shards, alpha=0.5, seed=0)
     features, labels = split.clients[shard]
     trainer = TorchTrainer(lambda: mlp(split.num_features, split.num_classes, hidden=hidden, seed=0),
                            features, labels)

@@ -50,7 +50,8 @@ from client_sdk.local_state import LocalStateStore
 from client_sdk.reports import LEDGER_FILE, InputLedger
 from tally.wire.task_reports import MAX_LEDGER_JOBS
 from client_sdk.session import settle, stream_timeout
-from tally import algorithms, data, modelio
+from tally import algorithms, modelio
+from tally.datasets.digits import digits
 from tally.codec import Field, Kind, PayloadSchema, ring_mask, to_ring
 from tally.secagg import (
     GraphParams,
@@ -936,7 +937,7 @@ def test_plaintext_channels_only_to_loopback():
 
 
 def test_fleet_of_torch_devices_on_digits_shards(one_torch_thread):
-    fed = data.digits(4, alpha=1.0, seed=0)
+    fed = digits(4, alpha=1.0, seed=0)
     factory = lambda: mlp(fed.num_features, fed.num_classes, hidden=8, seed=0)  # noqa: E731
     params = get_params(factory())
     server_half, client_half = algorithms.make("fedavg", FEDAVG_OPTIONS)
@@ -983,7 +984,7 @@ def test_fleet_of_torch_devices_on_digits_shards(one_torch_thread):
 
 
 def test_fetch_onnx_verifies_the_announced_digest_and_evaluates(tmp_path):
-    X, y = data.digits(2, seed=0).test
+    X, y = digits(2, seed=0).test
     model = mlp(64, 10, hidden=16, seed=3)
     onnx_bytes = export_onnx(model, tmp_path / "model.onnx")
 
@@ -1021,7 +1022,7 @@ def export_onnx(model: torch.nn.Module, path) -> bytes:
 
 
 def test_onnx_model_matches_torch_predictions(tmp_path):
-    X, y = data.digits(2, seed=1).test
+    X, y = digits(2, seed=1).test
     model = mlp(64, 10, hidden=32, seed=4)
     export_onnx(model, tmp_path / "m.onnx")
     onnx_model = OnnxModel.from_path(tmp_path / "m.onnx")

@@ -21,7 +21,8 @@ from aggregator import AggregatorService
 from aggregator import session as aggregator_session
 from client_sdk import DropoutPlan, Fleet, FleetStats, OnnxModel
 from coordinator.service import CoordinatorService
-from tally import data, modelio, models
+from tally import modelio, models
+from tally.datasets.digits import digits
 from tally.algorithms.fedavg import FedAvgClient, FedAvgConfig, FedAvgServer
 from tally.codec import unpack
 from tally.secagg import DevicePolicy, SecAggServer
@@ -52,7 +53,7 @@ def spec(name: str, rounds: int, cohort: int, over_selection: float = 1.0) -> st
 
 def trainers(n: int, seed: int = 0) -> tuple[list[TorchTrainer], tuple]:
     single_threaded()
-    fed = data.digits(n, alpha=0.5, seed=seed)
+    fed = digits(n, alpha=0.5, seed=seed)
     factory = lambda: mlp(64, 10, hidden=HIDDEN, seed=0)  # noqa: E731
     return [TorchTrainer(factory, X, y, seed=seed + i) for i, (X, y) in enumerate(fed.clients)], fed.test
 
@@ -317,7 +318,7 @@ def test_a_cnn_job_trains_through_the_services_and_exports_to_onnx(tmp_path):
     'model.kind: cnn is not one of [mlp]'); the committed model's ONNX export computes what torch
     does, and the held-out loss fell."""
     n, rounds, channels = 10, 2, 8
-    fed = data.digits(n, alpha=0.5, seed=4)
+    fed = digits(n, alpha=0.5, seed=4)
     cnn = lambda: models.build("cnn", 64, 10, channels, 0)  # noqa: E731
     single_threaded()
     devices = [TorchTrainer(cnn, X, y, seed=i) for i, (X, y) in enumerate(fed.clients)]

@@ -21,7 +21,7 @@ from hypothesis.extra.numpy import arrays
 
 from tally import salvage_toy as toy
 from tally.codec.schema import Field, PayloadSchema
-from tally.data import dirichlet_label_split
+from tally.datasets.digits import dirichlet_label_split
 from tally.privacy.mechanisms import central_noise
 from tally.secagg import ThreatModel
 from tally.secagg.driver import secure_sum

@@ -7,7 +7,8 @@ import json
 
 import numpy as np
 
-from tally import algorithms, data
+from tally import algorithms
+from tally.datasets.digits import digits
 from tally.algorithms.base import flatten
 from tally.cli import main
 from tally.secagg import ThreatModel
@@ -19,7 +20,7 @@ from tally.training import TorchTrainer, single_threaded
 
 def _devices(clients=12, seed=0):
     single_threaded()
-    fed = data.digits(clients, alpha=0.5, seed=seed)
+    fed = digits(clients, alpha=0.5, seed=seed)
     factory = lambda: mlp(fed.num_features, fed.num_classes, seed=seed)  # noqa: E731
     devices = [TorchTrainer(factory, X, y, seed=i) for i, (X, y) in enumerate(fed.clients)]
     return devices, get_params(factory())

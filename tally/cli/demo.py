@@ -178,7 +178,7 @@ async def _demo(args: argparse.Namespace, console: Console) -> dict:
     # Imported here, not with the module: they bring torch and scikit-learn, and `--help` must
     # not wait for them.
     from client_sdk import Device, DropoutPlan, Fleet, OnnxModel
-    from tally import data
+    from tally.datasets.digits import digits
     from tally.models.mlp import mlp
     from tally.training import TorchTrainer, single_threaded
 
@@ -230,7 +230,7 @@ async def _demo(args: argparse.Namespace, console: Console) -> dict:
             console.print(f"job {job_id}: fedavg, {args.rounds} rounds, cohorts of {cohort} of {args.devices} devices")
 
         single_threaded()
-        fed = data.digits(args.devices, alpha=args.alpha, seed=args.seed)
+        fed = digits(args.devices, alpha=args.alpha, seed=args.seed)
         factory = lambda: mlp(fed.num_features, fed.num_classes, hidden=64, seed=0)  # noqa: E731
         trainers = [TorchTrainer(factory, X, y, seed=args.seed + i) for i, (X, y) in enumerate(fed.clients)]
         # The demo provisions its simulated devices with the coordinator's enrolment key.

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from tally.data import FederatedData, dirichlet_label_split
+from tally.datasets.digits import FederatedData, dirichlet_label_split
 
 CENTRES = np.array([[1.5, 1.5], [-1.5, 1.5], [-1.5, -1.5], [1.5, -1.5]])
 SPREAD = 0.25

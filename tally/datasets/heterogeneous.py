@@ -1,6 +1,6 @@
 """A heterogeneous classification task where fairness across devices matters (``heterogeneous-digits``).
 
-scikit-learn's digits split by Dirichlet label skew (``alpha``) with ``tally.data.digits``; the
+scikit-learn's digits split by Dirichlet label skew (``alpha``, ``tally.datasets.digits``); the
 Dirichlet split already makes device sizes unequal, and ``size_sigma`` adds log-normal size skew on
 top. A minority of the devices (``minority``, 10 % by default) sees every image turned a quarter turn
 and holds less data (``minority_share``): an under-represented group, as in the fairness literature.
@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from tally import data
+from tally.datasets.digits import digits
 from tally.algorithms.base import Arrays
 from tally.models.mlp import mlp
 from tally.models.params import get_params
@@ -61,7 +61,7 @@ def heterogeneous_digits(
         raise ValueError("minority must lie in [0, 1) and minority_share in (0, 1]")
     if size_sigma < 0 or holdout_size < 1:
         raise ValueError("size_sigma must be >= 0 and holdout_size >= 1")
-    fed = data.digits(clients, alpha=alpha, seed=seed)
+    fed = digits(clients, alpha=alpha, seed=seed)
     rng = np.random.default_rng([seed, 1])
     log_share = size_sigma * rng.standard_normal(clients)
     shares = np.exp(log_share - log_share.max())

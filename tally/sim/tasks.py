@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from tally import data
+from tally.datasets.digits import digits
 from tally.sim import fairness
 from tally.algorithms.base import Arrays
 from tally.models.mlp import mlp
@@ -71,7 +71,7 @@ def _population_options(args: TaskArgs) -> dict[str, dict[str, Any]]:
 
 
 def digits_task(args: TaskArgs) -> Task:
-    fed = data.digits(args.clients, alpha=args.alpha, seed=args.seed)
+    fed = digits(args.clients, alpha=args.alpha, seed=args.seed)
     factory = lambda: mlp(fed.num_features, fed.num_classes, seed=args.seed)  # noqa: E731
     devices = [TorchTrainer(factory, X, y, seed=args.seed + i) for i, (X, y) in enumerate(fed.clients)]
     test = TorchTrainer(factory, *fed.test)

@@ -1,4 +1,6 @@
-"""Federated datasets that ship with the packages: nothing is downloaded at run time."""
+"""scikit-learn's digits split over devices by Dirichlet label skew, and the ``FederatedData`` and the
+split that the other datasets share: everything ships with the packages, nothing is downloaded at
+run time."""
 
 from __future__ import annotations
 
