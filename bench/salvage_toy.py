@@ -18,7 +18,7 @@ from rich.console import Console
 from rich.progress import Progress
 from rich.table import Table
 
-from tally import salvage_toy as toy
+from tally.research import salvage_toy as toy
 
 CONFIGS = {"A": toy.CONFIG_A, "B": toy.CONFIG_B}
 

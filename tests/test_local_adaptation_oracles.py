@@ -19,7 +19,7 @@ import torch
 from hypothesis import given
 from hypothesis.extra.numpy import arrays
 
-from tally import salvage_toy as toy
+from tally.research import salvage_toy as toy
 from tally.codec.schema import Field, PayloadSchema
 from tally.datasets.digits import dirichlet_label_split
 from tally.privacy.mechanisms import central_noise
