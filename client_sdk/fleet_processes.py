@@ -30,11 +30,12 @@ from typing import Any
 
 from rich.console import Console
 
-from client_sdk.cli import DEVICES_PER_EXTRA_PROCESS
 from client_sdk.fleet import FleetStats, progress_display
 from client_sdk.sum_audit import SumAudit
 from client_sdk.timeline import FleetTimeline
 
+# Below this many devices one process keeps up: more would only pay for their start-up.
+DEVICES_PER_EXTRA_PROCESS = 200
 
 
 def available_cores() -> int:

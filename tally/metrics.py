@@ -10,7 +10,6 @@ no rule or dashboard reads). ``MetricsServer`` serves it beside plain-HTTP ``/he
 
 from __future__ import annotations
 
-import argparse
 import socket
 import threading
 from collections.abc import Callable, Iterable, Iterator
@@ -19,19 +18,11 @@ from socketserver import ThreadingMixIn
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
 from cryptography import x509
-from prometheus_client import (
-    CollectorRegistry,
-    GCCollector,
-    Gauge,
-    PlatformCollector,
-    ProcessCollector,
-    make_wsgi_app,
-)
+from prometheus_client import CollectorRegistry, Gauge, GCCollector, PlatformCollector, ProcessCollector, make_wsgi_app
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.metrics_core import Metric
 from prometheus_client.registry import Collector
 
-from tally.argtypes import integer
 from tally.version import VERSION
 
 # Phase durations span milliseconds (keys) to minutes (local training).
@@ -91,29 +82,6 @@ def watch_certificate(registry: CollectorRegistry, certificate: Path | None, rol
     """Export the expiry of ``certificate`` (nothing for a plaintext service)."""
     if certificate is not None:
         registry.register(CertificateExpiry(certificate, role))
-
-
-def add_metrics_arguments(parser: argparse.ArgumentParser, role: str, *, optional: bool = False) -> None:
-    """``--metrics-port`` and ``--metrics-addr`` for ``role``. ``optional``: serve nothing unless
-    ``--metrics-port`` is given (a device is no server); alone, it means the role's default port."""
-    port, kind = METRICS_PORTS[role], integer(0, 65535)
-    served = f"/metrics (tally_{role}_*), /healthz and /readyz"
-    if optional:
-        parser.add_argument(
-            "--metrics-port", type=kind, nargs="?", const=port, metavar="PORT",
-            help=f"serve {served} on this port ({port} when no port follows; 0: any free port; "
-            "default: not served)",
-        )
-    else:
-        parser.add_argument(
-            "--metrics-port", type=kind, default=port, metavar="PORT",
-            help=f"port of {served} (default: %(default)s; 0: any free port)",
-        )
-    parser.add_argument(
-        "--metrics-addr", default="127.0.0.1", metavar="HOST",
-        help="address the metrics server binds (default: %(default)s, this host only; 0.0.0.0 lets "
-        "a Prometheus on another host scrape it)",
-    )
 
 
 class _Server(ThreadingMixIn, WSGIServer):

@@ -35,7 +35,7 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from aggregator import AggregatorService
 from aggregator.admission import admit
-from aggregator.cli import register
+from tally.cli.aggregator import register
 from aggregator.errors import Rejected
 from aggregator.metrics import AggregatorMetrics
 from aggregator.session import Session
@@ -802,7 +802,7 @@ def test_stopping_the_aggregator_aborts_running_sessions_for_their_devices(deplo
 def test_cli_serves_until_sigterm_and_stops_gracefully(deployment):
     """``tally aggregator`` with a --tls-dir: ticket.pub is found there, health answers over TLS,
     SIGTERM ends it with status 0."""
-    launcher = ("import argparse, sys; from aggregator.cli import register; "
+    launcher = ("import argparse, sys; from tally.cli.aggregator import register; "
                 "p = argparse.ArgumentParser(prog='tally'); register(p.add_subparsers()); "
                 "a = p.parse_args(sys.argv[1:]); sys.exit(a.run(a))")
     command = [sys.executable, "-c", launcher, "aggregator", "--listen", "127.0.0.1:0",

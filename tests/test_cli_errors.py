@@ -8,7 +8,7 @@ import argparse
 
 import pytest
 
-from coordinator import cli as coordinator_cli
+from tally.cli import coordinator as coordinator_cli
 from coordinator.store import Store
 
 
@@ -214,7 +214,7 @@ def test_job_command_mistakes_are_one_line(tmp_path, capsys, argv, code, message
 
 
 def _aggregator(argv: list[str]) -> int:
-    from aggregator import cli as aggregator_cli
+    from tally.cli import aggregator as aggregator_cli
 
     parser = argparse.ArgumentParser(prog="tally")
     aggregator_cli.register(parser.add_subparsers())
@@ -282,7 +282,7 @@ def test_a_device_command_with_a_missing_ca_names_the_flag(tmp_path, capsys, arg
     """A missing CA file was a traceback from `tally client` (issue 25, item 7)."""
     import argparse
 
-    from client_sdk import cli as client_cli
+    from tally.cli import client as client_cli
 
     parser = argparse.ArgumentParser(prog="tally")
     client_cli.register(parser.add_subparsers())

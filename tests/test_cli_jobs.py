@@ -182,7 +182,7 @@ def test_a_yaml_syntax_error_is_one_problem_naming_its_line(tmp_path, capsys):
 
 
 def test_job_init_help_names_every_algorithm(capsys):
-    from coordinator.job_cli import ALGORITHMS
+    from tally.cli.job import ALGORITHMS
     from tally.algorithms import NAMES
 
     assert set(ALGORITHMS) == set(NAMES)

@@ -42,7 +42,8 @@ from cryptography.hazmat.primitives.asymmetric import ed25519
 from rich.console import Console
 
 from client_sdk import ClientMetrics, Device, DropoutPlan, Fleet, ModelCache, OnnxModel, RetryPolicy
-from client_sdk import cli as client_cli
+from tally.cli import client as client_cli
+from tally.cli import client_run
 from client_sdk.channels import open_aio_channel
 from client_sdk.adapted_models import AdaptedModels
 from client_sdk.enrolment import load_or_create_identity, simulated_identity
@@ -1215,10 +1216,10 @@ def test_a_client_given_a_state_directory_keeps_its_identity_key_there(tmp_path,
     client_cli.register(parser.add_subparsers())
     base = ["client", "--coordinator", "127.0.0.1:1", "--insecure", "--device-id", "dev-7", "--shard", "0", "--shards", "1"]
     in_state = parser.parse_args([*base, "--state-dir", str(tmp_path / "state")])
-    assert client_cli._identity_path(in_state) == tmp_path / "state" / "identity.key"
+    assert client_run._identity_path(in_state) == tmp_path / "state" / "identity.key"
     given = parser.parse_args([*base, "--state-dir", str(tmp_path / "state"), "--identity", str(tmp_path / "k")])
-    assert client_cli._identity_path(given) == tmp_path / "k"
-    assert client_cli._identity_path(parser.parse_args(base)) == tmp_path / "home" / ".tally" / "dev-7.identity"
+    assert client_run._identity_path(given) == tmp_path / "k"
+    assert client_run._identity_path(parser.parse_args(base)) == tmp_path / "home" / ".tally" / "dev-7.identity"
 
 
 def test_a_client_pointed_at_nothing_says_so_and_exits(capsys, tally_logger, tmp_path):

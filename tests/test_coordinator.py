@@ -34,7 +34,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from enrolment_helpers import provisioned_request
-from coordinator import cli as coordinator_cli
+from tally.cli import coordinator as coordinator_cli
 from coordinator import jobspec, registry
 from coordinator.runner import RETRY_BACKOFF_FIRST_S
 from coordinator.aggregators import aio_channel, parse_aggregator

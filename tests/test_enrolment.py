@@ -22,8 +22,8 @@ from hypothesis import strategies as st
 
 from client_sdk.channels import open_aio_channel
 from client_sdk.enrolment import load_or_create_identity, register_request
-from coordinator import cli as coordinator_cli
-from coordinator import enrol_cli
+from tally.cli import coordinator as coordinator_cli
+from tally.cli import enrol as enrol_cli
 from coordinator.ratelimit import RateLimit, SourceRateLimiter
 from tally.security.peers import source_of
 from coordinator.service import CoordinatorService

@@ -69,7 +69,7 @@ def test_fingerprints_add_like_the_vectors_they_fingerprint(bits, parts, dim, se
 
 
 def test_a_synthetic_fleet_imports_no_torch():
-    code = ("import sys, client_sdk.fleet, client_sdk.synthetic, client_sdk.sum_audit, client_sdk.cli; "
+    code = ("import sys, client_sdk.fleet, client_sdk.synthetic, client_sdk.sum_audit, tally.cli.client; "
             "assert 'torch' not in sys.modules, 'torch was imported'")
     subprocess.run([sys.executable, "-c", code], check=True)
 

@@ -17,7 +17,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from prometheus_client.parser import text_string_to_metric_families
 
-from client_sdk.cli_run import _block
+from tally.cli.client_run import _block
 from client_sdk.fleet import FleetStats
 from client_sdk.fleet_processes import DEVICES_PER_EXTRA_PROCESS, _part, available_cores, default_processes
 from tally.chaos.cluster import LocalCluster, wait_for

@@ -16,7 +16,7 @@ from deploy_helpers import JOB_SPEC, Service, clean_env, poll_until_ok
 from k8s_manifests import K8S, kubernetes_validate, render, versions
 from tally.cli import main as tally_main
 from tally.ops import k8s
-from tally.ops.k8s_cli import coordinator_jobs
+from tally.cli.k8s import coordinator_jobs
 from tally.security import certs
 
 

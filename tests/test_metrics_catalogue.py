@@ -19,11 +19,11 @@ import pytest
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
-from aggregator import cli as aggregator_cli
+from tally.cli import aggregator as aggregator_cli
 from aggregator.service import AggregatorService
-from client_sdk import cli as client_cli
+from tally.cli import client as client_cli
 from client_sdk.metrics import ClientMetrics
-from coordinator import cli as coordinator_cli
+from tally.cli import coordinator as coordinator_cli
 from coordinator.service import CoordinatorService
 from tally.metrics import METRICS_PORTS, MetricsServer
 from tally.security import TLSConfig, certs, load_or_create_ticket_key

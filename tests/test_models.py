@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from client_sdk.onnx_model import OnnxModel
-from coordinator import cli as coordinator_cli
+from tally.cli import coordinator as coordinator_cli
 from coordinator import jobspec
 from coordinator.jobspec import ModelSpec
 from coordinator.onnx_export import export_model

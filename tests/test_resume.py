@@ -27,7 +27,7 @@ from aggregator import session as aggregator_session
 from client_sdk.fleet import device_ids
 from client_sdk.sum_audit import EXACT, FOREIGN, MISMATCH, SumAudit, check_committed, outcome_counts
 from client_sdk.synthetic import SyntheticUpdates
-from coordinator.job_cli import job_dict, show
+from tally.cli.job import job_dict, show
 from tally.secagg.messages import AdvertiseKeys, MaskedInputResponse, ShareKeysResponse, UnmaskResponse
 from tally.wire.v1 import admin_pb2, admin_pb2_grpc, common_pb2
 from test_full_stack import Stack, run, scrape_text, spec, stack

@@ -41,7 +41,8 @@ from tally.security import (
     open_channel,
     token_from_metadata,
 )
-from tally.security import certs, certs_cli
+from tally.cli import certs as certs_cli
+from tally.security import certs
 from tally.security.tls import (
     add_tls_arguments,
     peer_identity,

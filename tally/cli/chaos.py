@@ -12,7 +12,7 @@ from pathlib import Path
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from tally import argtypes
+from tally.cli import argtypes
 from tally.cli.console import console as cli_console
 
 

@@ -26,7 +26,7 @@ import yaml
 from rich.console import Console
 from rich.table import Table
 
-from tally.argtypes import FRACTION, POSITIVE, integer
+from tally.cli.argtypes import FRACTION, POSITIVE, integer
 from tally.cli.console import console as cli_console
 from tally.ops.processes import Process
 from tally.security import TLSConfig, bearer_metadata

@@ -6,8 +6,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from coordinator.job_cli import ALGORITHMS
-from tally.argtypes import FRACTION, POSITIVE, integer, number
+from tally.cli.argtypes import FRACTION, POSITIVE, integer, number
+from tally.cli.job import ALGORITHMS
 
 ADAPTATIONS = ("finetune", "freeze_base", "ewc", "distill")
 # The datasets of tally.sim.tasks.BUILDERS (a test keeps the two equal).

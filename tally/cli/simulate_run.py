@@ -14,12 +14,13 @@ from rich.console import Console
 from rich.progress import Progress
 
 from tally import algorithms
-from tally.sim import tasks
 from tally.algorithms import aaggff
 from tally.cli.console import console as cli_console
 from tally.secagg import ThreatModel, UnsafeParameters
+from tally.sim import tasks
 from tally.sim.engine import SecureSum, plain_sum, run_rounds
 from tally.training import single_threaded
+
 
 # client_sdk.adaptation's methods, named here so --help does not import the SDK.
 class UsageError(ValueError):

@@ -14,7 +14,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from tally import argtypes
+from tally.cli import argtypes
 from tally.cli.console import console as cli_console
 from tally.codec import Field, PayloadSchema, to_ring
 from tally.secagg import DevicePolicy, Dropout, SessionConfig, SessionRef, ThreatModel, enrol, run_cohort

@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from tally.models.domain import linear_encoder
-from tally.training.domain import DomainTrainer, PREFIX, initial_params
+from tally.training.domain import PREFIX, DomainTrainer, initial_params
 
 
 @dataclass(frozen=True)

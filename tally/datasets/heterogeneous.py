@@ -20,8 +20,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from tally.datasets.digits import digits
 from tally.algorithms.base import Arrays
+from tally.datasets.digits import digits
 from tally.models.mlp import mlp
 from tally.models.params import get_params
 from tally.training import TorchTrainer

@@ -17,9 +17,9 @@ from torch import nn
 
 from tally.algorithms.base import Arrays, ClientAlgorithm, PersonalisedClient
 from tally.datasets.personal import PersonalData
-from tally.training.personal import MixingTrainer
 from tally.models.params import get_params
 from tally.training import TorchTrainer
+from tally.training.personal import MixingTrainer
 
 
 @dataclass

@@ -13,11 +13,11 @@ from typing import Any
 
 import numpy as np
 
-from tally.datasets.digits import digits
-from tally.sim import fairness
 from tally.algorithms.base import Arrays
+from tally.datasets.digits import digits
 from tally.models.mlp import mlp
 from tally.models.params import get_params
+from tally.sim import fairness
 from tally.training import TorchTrainer
 
 

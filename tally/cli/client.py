@@ -1,6 +1,6 @@
 """``tally client`` (one device on a dataset shard) and ``tally fleet`` (N simulated devices in
 one or several processes), both against a running coordinator: their flags. What they do is in
-``client_sdk.cli_run``, imported only when a command runs, so ``--help`` needs neither torch nor
+``tally.cli.client_run``, imported only when a command runs, so ``--help`` needs neither torch nor
 gRPC nor the SDK."""
 
 from __future__ import annotations
@@ -9,21 +9,18 @@ import argparse
 import functools
 from pathlib import Path
 
-from tally import argtypes
-from tally.metrics import add_metrics_arguments
+from tally.cli import argtypes
+from tally.cli.argtypes import add_metrics_arguments
 from tally.security.tls import add_tls_arguments
 
 DATASETS = ("digits",)
-# Below this many devices one process keeps up: more would only pay for their start-up
-# (``client_sdk.fleet_processes.default_processes``).
-DEVICES_PER_EXTRA_PROCESS = 200
 
 
 def _run(name: str, args: argparse.Namespace) -> int:
-    """The command ``client_sdk.cli_run.<name>``, imported when it runs."""
-    from client_sdk import cli_run
+    """The command ``tally.cli.client_run.<name>``, imported when it runs."""
+    from tally.cli import client_run
 
-    return getattr(cli_run, name)(args)
+    return getattr(client_run, name)(args)
 
 
 def _runs(name: str) -> functools.partial[int]:
@@ -137,7 +134,8 @@ def register(sub: argparse._SubParsersAction) -> None:
         "--processes", type=argtypes.integer(1), metavar="P",
         help="play this shard's devices in P processes (process p plays sub-shard I*P+p of N*P; each "
         "serves its own metrics on --metrics-port + p); default: one per core this process may use "
-        f"(affinity and cgroup CPU limit), at most one per {DEVICES_PER_EXTRA_PROCESS} devices",
+        "(affinity and cgroup CPU limit), fewer for a small shard (one per 200 devices at most: "
+        "client_sdk.fleet_processes.DEVICES_PER_EXTRA_PROCESS)",
     )
     f.add_argument("--progress", action=argparse.BooleanOptionalAction, default=True, help="live progress display")
     f.set_defaults(run=_runs("run_fleet"))
@@ -168,16 +166,6 @@ def _add_common(p: argparse.ArgumentParser) -> None:
     add_metrics_arguments(p, "client", optional=True)
     p.add_argument("--log-level", default="warning", help="structured JSON logs on stderr at this level")
     add_tls_arguments(p, identity=None)  # the CA only: a device presents no certificate
-
-
-def _identity_path(args: argparse.Namespace) -> Path:
-    """Where the device's identity key lives: given, else beside the rest of its state (a device
-    given a state directory writes nothing outside it), else in the user's ~/.tally."""
-    if args.identity is not None:
-        return args.identity
-    if args.state_dir is not None:
-        return args.state_dir / "identity.key"
-    return Path.home() / ".tally" / f"{args.device_id}.identity"
 
 
 def _non_negative(text: str) -> float:

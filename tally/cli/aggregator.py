@@ -10,20 +10,14 @@ from pathlib import Path
 
 from cryptography.hazmat.primitives.asymmetric import ed25519
 
-from tally import logs
-from tally.metrics import add_metrics_arguments
-from tally.security import TLSConfig, load_ticket_public_key
-from tally.security.certs import COORDINATOR_CN
-from tally.security.tls import (
-    DEFAULT_MAX_MESSAGE_BYTES,
-    add_tls_arguments,
-    check_listen,
-    tls_config_from_args,
-)
-from tally.security.tokens import TICKET_PUB_FILE
-
 from aggregator.memory import limit_malloc_arenas
 from aggregator.service import DEFAULT_MAX_REQUEST_BYTES, AggregatorService
+from tally import logs
+from tally.cli.argtypes import add_metrics_arguments
+from tally.security import TLSConfig, load_ticket_public_key
+from tally.security.certs import COORDINATOR_CN
+from tally.security.tls import DEFAULT_MAX_MESSAGE_BYTES, add_tls_arguments, check_listen, tls_config_from_args
+from tally.security.tokens import TICKET_PUB_FILE
 
 
 def register(sub: argparse._SubParsersAction) -> None:

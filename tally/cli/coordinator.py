@@ -1,4 +1,4 @@
-"""``tally coordinator``: run the service (``tally job``, which operates it, is ``job_cli``)."""
+"""``tally coordinator``: run the service (``tally job``, which operates it, is ``tally.cli.job``)."""
 
 from __future__ import annotations
 
@@ -9,23 +9,22 @@ import shutil
 import signal
 import sys
 from pathlib import Path
-
 from typing import TYPE_CHECKING
 
-from coordinator import job_cli
 from coordinator.admin_token import ADMIN_TOKEN_FILE
 from coordinator.aggregators import parse_aggregator
-from coordinator.job_cli import DEFAULT_ADDRESS
 from coordinator.ratelimit import DEFAULT_CHECKIN_LIMIT, DEFAULT_MAX_REQUEST_BYTES, DEFAULT_REGISTER_LIMIT, RateLimit
-from tally import argtypes, logs
-from tally.metrics import add_metrics_arguments
+from tally import logs
+from tally.cli import argtypes, job
+from tally.cli.argtypes import add_metrics_arguments
+from tally.cli.job import DEFAULT_ADDRESS
 from tally.security.tls import add_tls_arguments, tls_config_from_args
 
 if TYPE_CHECKING:  # the service and job specs import torch: `--help` must not wait for it
     from coordinator.jobspec import JobSpec
     from coordinator.service import CoordinatorService
 
-log = logging.getLogger("tally.coordinator.cli")
+log = logging.getLogger("tally.tally.cli.coordinator")
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -98,7 +97,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(run=run_coordinator)
 
     if "job" not in sub.choices:  # `tally` may have registered it alone (it needs none of the service)
-        job_cli.register(sub)
+        job.register(sub)
 
 
 def _aggregator_template(text: str) -> tuple[str, str]:
@@ -124,7 +123,8 @@ def _aggregators(args: argparse.Namespace) -> list[tuple[str, str]]:
 
 def _job_specs(directory: Path) -> list[tuple[Path, JobSpec]]:
     """Every ``*.yaml`` spec in ``directory``, all checked (``ValueError`` naming the file)."""
-    from coordinator.jobspec import JobSpecError, parse as parse_job_spec
+    from coordinator.jobspec import JobSpecError
+    from coordinator.jobspec import parse as parse_job_spec
 
     if not directory.is_dir():
         raise ValueError(f"--jobs-dir {directory}: no such directory")

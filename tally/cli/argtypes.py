@@ -1,12 +1,14 @@
 """Command-line value types with their bounds, so a bad value is argparse's one-line error naming
 the option (``argument --dropout: must be a number in [0, 1), got '1.5'``), never a traceback from
-deep inside a run."""
+deep inside a run; and the arguments every service's command shares (``--metrics-port``)."""
 
 from __future__ import annotations
 
 import argparse
 import math
 from collections.abc import Callable
+
+from tally.metrics import METRICS_PORTS
 
 
 def integer(low: int, high: int | None = None) -> Callable[[str], int]:
@@ -45,3 +47,26 @@ def number(low: float, high: float = math.inf, *, open_low: bool = False, open_h
 
 FRACTION = number(0.0, 1.0)  # a probability that must leave someone: [0, 1)
 POSITIVE = number(0.0, open_low=True)
+
+
+def add_metrics_arguments(parser: argparse.ArgumentParser, role: str, *, optional: bool = False) -> None:
+    """``--metrics-port`` and ``--metrics-addr`` for ``role``. ``optional``: serve nothing unless
+    ``--metrics-port`` is given (a device is no server); alone, it means the role's default port."""
+    port, kind = METRICS_PORTS[role], integer(0, 65535)
+    served = f"/metrics (tally_{role}_*), /healthz and /readyz"
+    if optional:
+        parser.add_argument(
+            "--metrics-port", type=kind, nargs="?", const=port, metavar="PORT",
+            help=f"serve {served} on this port ({port} when no port follows; 0: any free port; "
+            "default: not served)",
+        )
+    else:
+        parser.add_argument(
+            "--metrics-port", type=kind, default=port, metavar="PORT",
+            help=f"port of {served} (default: %(default)s; 0: any free port)",
+        )
+    parser.add_argument(
+        "--metrics-addr", default="127.0.0.1", metavar="HOST",
+        help="address the metrics server binds (default: %(default)s, this host only; 0.0.0.0 lets "
+        "a Prometheus on another host scrape it)",
+    )

@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from coordinator.job_cli import _job, _print_json, admin_client_parser, output_parser
+from tally.cli.job import _job, _print_json, admin_client_parser, output_parser
 
 
 def register(sub: argparse._SubParsersAction) -> None:

@@ -1,4 +1,4 @@
-"""What ``tally client`` and ``tally fleet`` do (their flags are in ``client_sdk.cli``)."""
+"""What ``tally client`` and ``tally fleet`` do (their flags are in ``tally.cli.client``)."""
 
 from __future__ import annotations
 
@@ -7,13 +7,12 @@ import asyncio
 import json
 import signal
 import sys
-from dataclasses import asdict
 from collections.abc import Awaitable, Callable
+from dataclasses import asdict
 from pathlib import Path
 from typing import TypeVar
 
 from client_sdk.behaviour import BehaviourProfile
-from client_sdk.cli import _identity_path
 from client_sdk.device import Device, DeviceStats
 from client_sdk.device_progress import DeviceProgress, summary
 from client_sdk.dropout import DEFAULT_PHASES, DropoutPlan
@@ -36,6 +35,16 @@ from tally.security.tls import open_aio_channel, tls_config_from_args
 from tally.wire.v1 import admin_pb2_grpc
 
 T = TypeVar("T")
+
+
+def _identity_path(args: argparse.Namespace) -> Path:
+    """Where the device's identity key lives: given, else beside the rest of its state (a device
+    given a state directory writes nothing outside it), else in the user's ~/.tally."""
+    if args.identity is not None:
+        return args.identity
+    if args.state_dir is not None:
+        return args.state_dir / "identity.key"
+    return Path.home() / ".tally" / f"{args.device_id}.identity"
 
 
 def _policy(args: argparse.Namespace, allow_plain: bool = False) -> DevicePolicy:

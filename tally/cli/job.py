@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from coordinator.admin_token import ADMIN_TOKEN_FILE
-from tally.argtypes import POSITIVE
+from tally.cli.argtypes import POSITIVE
 
 # The built-in algorithms (tally.algorithms; a test keeps the two lists equal), named here so that
 # `--help` need not import them.

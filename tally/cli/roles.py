@@ -25,19 +25,19 @@ def _run(command: str, module: str, argv: Sequence[str] | None) -> int:
 
 def aggregator(argv: Sequence[str] | None = None) -> int:
     """``tally aggregator``: the secure-sum service (base dependencies only)."""
-    return _run("aggregator", "aggregator.cli", argv)
+    return _run("aggregator", "tally.cli.aggregator", argv)
 
 
 def coordinator(argv: Sequence[str] | None = None) -> int:
     """``tally coordinator``: jobs, rounds, cohorts (``tally[coordinator]``)."""
-    return _run("coordinator", "coordinator.cli", argv)
+    return _run("coordinator", "tally.cli.coordinator", argv)
 
 
 def client(argv: Sequence[str] | None = None) -> int:
     """``tally client``: one device on a dataset shard (``tally[client]``)."""
-    return _run("client", "client_sdk.cli", argv)
+    return _run("client", "tally.cli.client", argv)
 
 
 def fleet(argv: Sequence[str] | None = None) -> int:
     """``tally fleet``: simulated devices for load tests (``tally[client]``)."""
-    return _run("fleet", "client_sdk.cli", argv)
+    return _run("fleet", "tally.cli.client", argv)
