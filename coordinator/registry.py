@@ -13,19 +13,31 @@ kind are submitted or resumed.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from tally import algorithms, models
 from tally.algorithms.base import Arrays, ServerAlgorithm
 from tally.models.domain import mlp_encoder
-from tally.training.domain import initial_params
 from tally.models.params import get_params
+from tally.training.domain import initial_params
 
-if TYPE_CHECKING:  # jobspec validates against this registry
-    from coordinator.jobspec import ModelSpec
+
+class ModelSpec(Protocol):
+    """What a model factory reads of a job's ``model:`` section (``coordinator.jobspec.ModelSpec``).
+
+    Declared here rather than imported: jobspec validates against this registry, so the registry
+    must not depend on jobspec (tests/test_layers.py refuses the cycle)."""
+
+    kind: str
+    inputs: int
+    classes: int
+    hidden: int
+    domains: int
+    seed: int
+
 
 ServerFactory = Callable[[Mapping[str, Any] | None], ServerAlgorithm]
-ModelFactory = Callable[["ModelSpec"], Arrays]
+ModelFactory = Callable[[ModelSpec], Arrays]
 
 _EXTRA: dict[str, ServerFactory] = {}
 _MODELS: dict[str, ModelFactory] = {}
