@@ -1,3 +1,4 @@
-"""Running Tally as a deployment: per-role entry points, the gRPC health probe the images and
-Kubernetes probes use, and ``tally k8s``. Importing this package imports nothing heavy: the
-aggregator's image has no torch, and its entry point lives here."""
+"""Running Tally as a deployment: the gRPC health probe the images and Kubernetes probes use, local
+processes of each role, and the Kubernetes client behind ``tally k8s`` (the commands and the
+per-role entry points are in ``tally.cli``). Importing this package imports nothing heavy: the
+aggregator's image has no torch, and its probe lives here."""
