@@ -22,14 +22,6 @@ class RevealOutOfPhase(Exception):
     """A reveal for a step that is not being collected now (FAILED_PRECONDITION)."""
 
 
-def reveal_names(step: StepSpec) -> tuple[str, ...]:
-    return tuple(getattr(step, "reveal", ()))
-
-
-def is_personal(step: StepSpec) -> bool:
-    return bool(getattr(step, "personal", False))
-
-
 class RevealCollector:
     """One reveal step's rows, keyed by task; ``complete`` is set once every task has answered."""
 

@@ -63,7 +63,7 @@ from coordinator.planner import (
     WaitingRoom,
     pace,
 )
-from coordinator.reveals import RevealCollector, RevealOutOfPhase, is_personal, reveal_names
+from coordinator.reveals import RevealCollector, RevealOutOfPhase
 from coordinator.state_codec import UnsupportedState, state_from_bytes, state_to_bytes
 from coordinator.store import CohortSumRecord, ModelVersion, RoundRecord, Store
 from coordinator.task_reports import Recorded, TaskReportBook
@@ -151,7 +151,7 @@ def phase_deadlines(spec: JobSpec) -> secagg_pb2.PhaseDeadlines:
 def step_proto(step: StepSpec, broadcast: dict[str, Any] | None = None) -> coordinator_pb2.Step:
     out = coordinator_pb2.Step(
         name=step.name, sum_id=step.name, schema=schema_to_proto(step.name, step.schema),
-        reveal=bool(reveal_names(step)), personal=is_personal(step),
+        reveal=bool(step.reveal), personal=step.personal,
     )
     if broadcast is not None:
         out.broadcast.extend(tensors_to_proto(broadcast))
@@ -362,7 +362,7 @@ class JobRunner:
             # A reveal step this task still owes comes first: the device learns of it here.
             for k in range(planner.step_index, names.index(sum_id)):
                 reveal = self.reveals.get(k)
-                if reveal_names(planner.steps[k]) and not (reveal is not None and reveal.revealed(task_id)):
+                if planner.steps[k].reveal and not (reveal is not None and reveal.revealed(task_id)):
                     sum_id = names[k]
                     break
         answer = planner.step_request(device_id, task_id, sum_id, now)
@@ -391,7 +391,7 @@ class JobRunner:
         planner = self.planner
         steps = {s.name: (k, s) for k, s in enumerate(planner.steps)} if planner is not None else {}
         found = steps.get(step_name)
-        wanted = reveal_names(found[1]) if found is not None else ()
+        wanted = found[1].reveal if found is not None else ()
         if not self.spec.reveal or not set(wanted) <= set(self.spec.reveal):
             raise PermissionError(
                 f"job {self.job_id} did not opt in to reveal {list(wanted) or 'anything'} "
@@ -532,7 +532,7 @@ class JobRunner:
         self.round_started_at = ctx.clock()
         ctx.metrics.current_round.labels(job_id=self.job_id).set(round_)
         steps = self.server.steps(state)
-        if any(is_personal(s) or reveal_names(s) for s in steps):
+        if any(s.personal or s.reveal for s in steps):
             self.silo_limit = int(self.server.config.num_clients)
         first = modelio.serialize(self.server.broadcast(state, steps[0].name))
         digest = await asyncio.to_thread(ctx.store.put_blob, first, "broadcast")
@@ -735,7 +735,7 @@ class JobRunner:
     ) -> OpenedSession:
         spec = self.spec
         session_id = secrets.token_hex(8)
-        summed = [s for s in steps if not reveal_names(s)]  # reveal steps go to the coordinator
+        summed = [s for s in steps if not s.reveal]  # reveal steps go to the coordinator
         try:
             config = SessionConfig.plan(
                 SessionRef(self.job_id, round_, session_id), [(s.name, s.schema) for s in summed],
@@ -811,7 +811,7 @@ class JobRunner:
         )
         phases = self.ctx.metrics.phase_duration
         with phases.labels(phase="aggregation").time():
-            total = await (self._collect_reveals(planner, k, step) if reveal_names(step) else self._collect(planner, step))
+            total = await (self._collect_reveals(planner, k, step) if step.reveal else self._collect(planner, step))
         if self.ledger is not None:  # decoded here, so spent here, whatever happens to the attempt
             self.server.account(self.round, step.name, int(planner.sums.contributors))
         # Scalar fields of the total (FedAvg's summed weight and examples) are aggregates too:
@@ -828,7 +828,7 @@ class JobRunner:
             with phases.labels(phase="update").time():
                 state = self.server.apply(state, step.name, total)
             following = planner.steps[k + 1] if k + 1 < len(planner.steps) else None
-            if following is not None and is_personal(following):
+            if following is not None and following.personal:
                 self.step_states[k + 1] = state
                 self.step_protos[k + 1] = step_proto(following)
             elif following is not None:
@@ -852,7 +852,7 @@ class JobRunner:
             raise AttemptFailed(
                 f"reveal {step.name!r}: {count} device(s) answered, below min_cohort {self.spec.min_cohort}"
             )
-        names = reveal_names(step)
+        names = step.reveal
         self.ctx.metrics.revealed_values.labels(job_id=self.job_id, step=step.name).inc(count * len(names))
         logs.event(log, "per-device values revealed (job opt-in)", job_id=self.job_id, round=self.round,
                    step=step.name, devices=count, values=list(names))

@@ -17,7 +17,9 @@ import fnmatch
 import json
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
+
+from tally.algorithms.base import Options
 
 METHODS = ("finetune", "freeze_base", "ewc", "distill")
 KD_FORMS = ("hinton", "paper")
@@ -27,7 +29,9 @@ METHOD_OPTIONS = {"trainable": ("freeze_base",), "ewc_lambda": ("ewc",), "alpha"
 
 
 @dataclass(frozen=True)
-class AdaptationConfig:
+class AdaptationConfig(Options):
+    options_of: ClassVar[str] = "adaptation"
+
     method: str = "finetune"
     epochs: int = 20
     lr: float = 0.1
@@ -48,18 +52,6 @@ class AdaptationConfig:
             raise ValueError("epochs must be >= 0, batch_size >= 1, lr and temperature > 0")
         if not 0 <= self.alpha <= 1 or self.ewc_lambda < 0:
             raise ValueError("alpha must lie in [0, 1] and ewc_lambda be >= 0")
-
-    @classmethod
-    def from_dict(cls, raw: Mapping[str, Any] | None) -> AdaptationConfig:
-        raw = dict(raw or {})
-        unknown = set(raw) - set(cls.__dataclass_fields__)
-        if unknown:
-            raise ValueError(f"unknown adaptation options {sorted(unknown)}")
-        if isinstance(raw.get("trainable"), str):
-            raw["trainable"] = (raw["trainable"],)
-        elif "trainable" in raw:
-            raw["trainable"] = tuple(raw["trainable"])
-        return cls(**raw)
 
 
 @dataclass(frozen=True)

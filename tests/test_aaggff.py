@@ -115,7 +115,7 @@ class Runner:
 
     def steps(self, state):
         steps = self.server.steps(state)
-        self.personal = {s.name for s in steps if getattr(s, "personal", False)}
+        self.personal = {s.name for s in steps if s.personal}
         return steps
 
     def broadcast(self, state, step):
@@ -148,7 +148,7 @@ class Runner:
     # sum facade
     def __call__(self, round_, step, contributions):
         self.contributions[(round_, step.name)] = dict(contributions)
-        if getattr(step, "reveal", ()):
+        if step.reveal:
             if not set(step.reveal) <= set(self.job_reveal):
                 raise PermissionError(f"step {step.name} reveals {step.reveal}; the job allows {self.job_reveal}")
             ids = sorted(contributions)
@@ -496,7 +496,7 @@ def test_sums_only_protocols_equal_the_centralised_algorithms(kind):
         cfg = s_config(num_clients=k, solver=solver, cdf="gumbel", reveal=["response"] if kind == "ons" else [])
         server, cohort = A.AAggFFSServer(cfg), k
     state, logs, runner = run(server, A.AAggFFClient(cfg), devices, rounds, cohort,
-                              SecureSum(SEMI_HONEST, seed=3), seed=5, job_reveal=getattr(cfg, "reveal", ()))
+                              SecureSum(SEMI_HONEST, seed=3), seed=5, job_reveal=("response",) if kind == "ons" else ())
     want_w, want_p = _reference(devices, cfg, [log.cohort for log in logs], dim, kind)
     np.testing.assert_allclose(state.params["w"], want_w, atol=2e-4)
     got_p = state.decision if kind == "ons" else A.decision(cfg, rounds, [runner.states.get(i) for i in range(k)])
@@ -528,7 +528,7 @@ def test_server_half_receives_only_sums_and_broadcasts_only_aggregates(variant):
     assert not runner.revealed
     if variant == "separable":
         assert server.revealed_values(state) == 0
-    assert all(not getattr(s, "reveal", ()) and not getattr(s, "personal", False) for s in server.steps(state))
+    assert all(not s.reveal and not s.personal for s in server.steps(state))
     # 1. every total apply() got is the secure sum of that step's contributions (up to quantisation)
     assert len(runner.applied) == len(runner.totals) == 3 * rounds
     for (step_name, got), (round_, step, total, contributors) in zip(runner.applied, runner.totals):
@@ -580,7 +580,7 @@ def test_ons_reveals_only_responses_counted_and_each_silo_gets_only_its_own_coef
     devices = quadratic_fleet(k, seed=1)
     state, logs, runner = run(server, A.AAggFFClient(cfg), devices, rounds, k, SecureSum(SEMI_HONEST, seed=2),
                               job_reveal=cfg.reveal)
-    reveal_steps = [s for s in server.steps(state) if getattr(s, "reveal", ())]
+    reveal_steps = [s for s in server.steps(state) if s.reveal]
     assert [s.name for s in reveal_steps] == [A.RESPONSE] and reveal_steps[0].reveal == ("response",)
     assert server.revealed_values(state) == k * rounds == sum(len(ids) for _, _, ids in runner.revealed)
     assert calls == [(r, tuple(range(k))) for r in range(rounds)]

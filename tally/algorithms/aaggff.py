@@ -27,10 +27,11 @@ cohort's normaliser before the update, Σ_S exp(-D_i/ζ - c): an aggregate of th
   couples all silos' responses, so the server needs each silo's response r_i in the clear. This is the
   one documented exception to the sums-only rule (DESIGN.md section 1): :class:`AAggFFSServer` refuses
   to be constructed unless the config says ``reveal: ["response"]``. The ``response`` step is then a
-  :class:`SiloStepSpec` with ``reveal=("response",)`` and the ``update`` step one with ``personal=True``:
-  each silo gets only its own p_i (§4: sending everyone p would leak the others' histories), and
-  Σ p_i·Δ_i, Σ p_i are secure sums. What a runner must do with those flags is in
-  :class:`SiloStepSpec`; ``revealed_values(state)`` and ``on_reveal`` let it log and count reveals.
+  :class:`~tally.algorithms.base.StepSpec` with ``reveal=("response",)`` and the ``update`` step one
+  with ``personal=True``: each silo gets only its own p_i (§4: sending everyone p would leak the
+  others' histories), and Σ p_i·Δ_i, Σ p_i are secure sums. What a runner must do with those flags
+  is in :class:`~tally.algorithms.base.StepSpec`; ``revealed_values(state)`` and ``on_reveal`` let
+  it log and count reveals.
 * ``"separable"``, the spec's secure-aggregation-compatible replacement (§4, option 3): entropic FTRL
   with the *true* gradient g_i = -r_i/(1 + <p, r>), where <p, r> = Σ p_i r_i is a secure sum and so
   is the softmax normaliser Z = Σ exp(-G_i/ζ - c). Same three sums as AAggFF-D; regret O(√(T log K))
@@ -73,7 +74,7 @@ from typing import Any, ClassVar
 import numpy as np
 from scipy import special
 
-from tally.algorithms.base import Arrays, LocalTrainer, StepSpec, flatten, unflatten
+from tally.algorithms.base import Arrays, LocalTrainer, Options, StepSpec, flatten, unflatten
 from tally.codec import Field, Kind, PayloadSchema
 
 LOSS, RESPONSE, UPDATE = "loss", "response", "update"
@@ -279,14 +280,8 @@ def simplex_qp(A: np.ndarray, b: np.ndarray, tol: float = 1e-13) -> np.ndarray:
 # Configuration
 
 
-def _tuple(raw: dict[str, Any], key: str) -> None:
-    if key in raw:
-        value = raw[key]
-        raw[key] = (value,) if isinstance(value, str) else tuple(value)
-
-
 @dataclass(frozen=True)
-class _Common:
+class _Common(Options):
     """Options shared by both variants. ``num_clients`` is K, the whole population (required)."""
 
     num_clients: int = 0
@@ -306,16 +301,6 @@ class _Common:
     code_deviations: tuple[str, ...] = ()
 
     ALLOWED_DEVIATIONS: ClassVar[tuple[str, ...]] = ()
-
-    @classmethod
-    def from_dict(cls, raw: Mapping[str, Any] | None) -> Any:
-        raw = dict(raw or {})
-        unknown = set(raw) - set(cls.__dataclass_fields__)
-        if unknown:
-            raise ValueError(f"unknown {cls.__name__} options {sorted(unknown)}")
-        _tuple(raw, "code_deviations")
-        _tuple(raw, "reveal")
-        return cls(**raw)
 
     def __post_init__(self) -> None:
         if self.num_clients < 2:
@@ -358,6 +343,8 @@ class AAggFFDConfig(_Common):
     """AAggFF-D. ``cohort_size`` is ⌊C·K⌋ (default K, full participation): C = cohort_size/K, the
     inclusion probability of sampling without replacement (§3.3). Responses default to [0, C] (§2)."""
 
+    options_of: ClassVar[str] = "aaggff_d"
+
     cohort_size: int | None = None
 
     ALLOWED_DEVIATIONS: ClassVar[tuple[str, ...]] = DEVIATIONS_D
@@ -387,6 +374,8 @@ class AAggFFDConfig(_Common):
 class AAggFFSConfig(_Common):
     """AAggFF-S. ``solver``: "ons" (as specified; needs ``reveal: ["response"]``) or "separable"
     (sums only). Responses default to the thesis's [0, 3] (§2; the code's [0, 1/K] by flag)."""
+
+    options_of: ClassVar[str] = "aaggff_s"
 
     solver: str = "ons"
     reveal: tuple[str, ...] = ()
@@ -433,31 +422,6 @@ def _response_bound(config: Config) -> float:
 
 # ----------------------------------------------------------------------------------------------
 # Steps and schemas
-
-
-@dataclass(frozen=True)
-class SiloStepSpec(StepSpec):
-    """A step of AAggFF-S's opt-in reveal path, where silos are addressed by identity.
-
-    What a runner (simulator or coordinator) must do:
-
-    * ``personal=True``: instead of one ``broadcast(state, name)`` for everyone, give each device d
-      ``broadcast_to(state, name, d)``, d being the device's stable id in [0, num_clients). The
-      contributions are then summed securely as for any step.
-    * ``reveal`` non-empty (the names of the opted-in values this step reveals): do *not* run a
-      secure sum. Check that the job's ``reveal`` list contains every name in ``reveal`` (the server
-      already refused to exist otherwise); encode each answering device's payload with ``schema``
-      (same fixed point, no masks) and decode it alone, then call
-      ``apply(state, name, {"device_ids": int64[n], field: values[n, *shape] for every field})`` with
-      rows in ascending id order; the contributors are the devices that answered. The schema's
-      ``count`` field is 1, or 0 for a device with nothing to reveal (it missed this round's first
-      sum), which the runner knows anyway. Log one line per reveal and add the number of revealed
-      values (devices × revealed fields) to a counter, e.g. ``tally_revealed_values_total{job,step}``;
-      ``revealed_values(state)`` is the server's own count of the values it used, for cross-checking.
-    """
-
-    reveal: tuple[str, ...] = ()
-    personal: bool = False
 
 
 def _scalar(name: str, clip: float) -> Field:
@@ -610,9 +574,9 @@ class _OnsServer:
         cfg = self.config
         return [
             StepSpec(LOSS, PayloadSchema((_scalar("loss", cfg.loss_clip), COUNT))),
-            SiloStepSpec(RESPONSE, PayloadSchema((_scalar("response", _response_bound(cfg)), COUNT)),
-                         reveal=("response",)),
-            SiloStepSpec(UPDATE, PayloadSchema(_update_fields(cfg, _model_dim(state.params), 1.0)), personal=True),
+            StepSpec(RESPONSE, PayloadSchema((_scalar("response", _response_bound(cfg)), COUNT)),
+                     reveal=("response",)),
+            StepSpec(UPDATE, PayloadSchema(_update_fields(cfg, _model_dim(state.params), 1.0)), personal=True),
         ]
 
     def broadcast(self, state: OnsState, step: str) -> Arrays:

@@ -48,11 +48,11 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
-from typing import Any, Protocol
+from typing import Any, ClassVar, Protocol
 
 import numpy as np
 
-from tally.algorithms.base import Arrays, StepSpec, flatten, unflatten
+from tally.algorithms.base import Arrays, Options, StepSpec, flatten, unflatten
 from tally.codec import Field, Kind, PayloadSchema
 
 STEP = "update"
@@ -90,7 +90,7 @@ class DomainDevice(Protocol):
 
 
 @dataclass(frozen=True)
-class AgnosticFedAvgConfig:
+class AgnosticFedAvgConfig(Options):
     """Options of a job. Codec bounds are per device and per value; see ``steps``.
 
     ``domain_lr`` is γ_λ; the paper used 0.005 (Stack Overflow) and 0.01 (EMNIST) and reports
@@ -98,6 +98,8 @@ class AgnosticFedAvgConfig:
     oscillating above γ_λ ≈ 1/(2a²). ``window`` is r, ``initial_counts`` N_0 (default ones, the
     window starting as r copies), ``initial_weights`` λ_0 (default uniform; strictly positive).
     """
+
+    options_of: ClassVar[str] = "agnostic_fedavg"
 
     domains: int = 2
     domain_lr: float = 0.01
@@ -147,14 +149,6 @@ class AgnosticFedAvgConfig:
                                  "(exponentiated gradient never leaves a face of the simplex)")
         if self.initial_counts is not None and min(self.initial_counts) < 0:
             raise ValueError("initial_counts must be non-negative")
-
-    @classmethod
-    def from_dict(cls, raw: Mapping[str, Any] | None) -> AgnosticFedAvgConfig:
-        raw = dict(raw or {})
-        unknown = set(raw) - set(cls.__dataclass_fields__)
-        if unknown:
-            raise ValueError(f"unknown agnostic_fedavg options {sorted(unknown)}")
-        return cls(**raw)
 
 
 @dataclass(frozen=True)

@@ -10,19 +10,21 @@ FedAvg for devices below the cap. Updates are clipped elementwise at ``delta_cli
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, replace
-from typing import Any
+from dataclasses import dataclass, fields, replace
+from typing import Any, ClassVar
 
 import numpy as np
 
-from tally.algorithms.base import Arrays, LocalTrainer, StepSpec, flatten, unflatten
+from tally.algorithms.base import Arrays, LocalTrainer, Options, StepSpec, flatten, unflatten
 from tally.codec import Field, Kind, PayloadSchema
 
 STEP = "update"
 
 
 @dataclass(frozen=True)
-class FedAvgConfig:
+class FedAvgConfig(Options):
+    options_of: ClassVar[str] = "fedavg"
+
     local_epochs: int = 5
     local_lr: float = 0.1
     batch_size: int = 16
@@ -32,17 +34,9 @@ class FedAvgConfig:
     example_cap: int = 1000
 
     @classmethod
-    def from_dict(cls, raw: Mapping[str, Any] | None) -> FedAvgConfig:
-        raw = dict(raw or {})
-        unknown = set(raw) - set(cls.__dataclass_fields__)
-        if unknown:
-            raise ValueError(f"unknown fedavg options {sorted(unknown)}")
-        return cls(**raw)
-
-    @classmethod
     def part_of(cls, config: FedAvgConfig) -> FedAvgConfig:
         """The FedAvg part of a config that extends FedAvg's (LG-FedAvg's, SuPerFed's)."""
-        return cls(**{name: getattr(config, name) for name in cls.__dataclass_fields__})
+        return cls(**{f.name: getattr(config, f.name) for f in fields(cls)})
 
 
 @dataclass(frozen=True)

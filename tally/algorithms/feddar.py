@@ -51,11 +51,11 @@ from __future__ import annotations
 import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
-from typing import Any, Protocol
+from typing import Any, ClassVar, Protocol
 
 import numpy as np
 
-from tally.algorithms.base import Arrays, StepSpec, flatten, unflatten
+from tally.algorithms.base import Arrays, Options, StepSpec, flatten, unflatten
 from tally.codec import Field, Kind, PayloadSchema, packed_size, wire_width
 
 HEADS = "heads"
@@ -107,8 +107,10 @@ def encoder_part(params: Mapping[str, np.ndarray]) -> Arrays:
 
 
 @dataclass(frozen=True)
-class FedDARConfig:
+class FedDARConfig(Options):
     """FedDAR-WA's options (and the options both variants share)."""
+
+    options_of: ClassVar[str] = "feddar_wa"
 
     head_solver: str = "sgd"  # "sgd": head_epochs epochs (Algorithm 1); "newton": head_epochs iterations
     head_start: str = "global"  # "global": from h^{t-1} (Algorithm 1); "zero": from scratch
@@ -133,18 +135,12 @@ class FedDARConfig:
         if any(getattr(self, n) < 1 for n in counts) or self.projection < 0:
             raise ValueError(f"{', '.join(counts)} must be >= 1 and projection >= 0")
 
-    @classmethod
-    def from_dict(cls, raw: Mapping[str, Any] | None) -> FedDARConfig:
-        raw = dict(raw or {})
-        unknown = set(raw) - set(cls.__dataclass_fields__)
-        if unknown:
-            raise ValueError(f"unknown {cls.__name__} options {sorted(unknown)}")
-        return cls(**raw)
-
 
 @dataclass(frozen=True)
 class FedDARSAConfig(FedDARConfig):
     """FedDAR-SA adds the Hessian options."""
+
+    options_of: ClassVar[str] = "feddar_sa"
 
     hessian_at: str = "local"  # "local": at the device's fitted head (Algorithm 1); "global": at h^{t-1}
     damping: float = 1e-4  # λ = damping · trace(S_m) / P; 0 is undamped Eq. 8

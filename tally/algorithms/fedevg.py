@@ -20,11 +20,11 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
-from typing import Any, Protocol
+from typing import Any, ClassVar, Protocol
 
 import numpy as np
 
-from tally.algorithms.base import Arrays, StepSpec
+from tally.algorithms.base import Arrays, Options, StepSpec
 from tally.codec import Field, PayloadSchema
 
 STEP = "energy"
@@ -33,7 +33,9 @@ WEIGHTINGS = ("sign", "exact")
 
 
 @dataclass(frozen=True)
-class FedEvgConfig:
+class FedEvgConfig(Options):
+    options_of: ClassVar[str] = "fedevg"
+
     classes: int = 10  # L
     inputs: int = 64  # D
     per_class: int = 10  # spc: M = L * spc synthetic samples
@@ -67,16 +69,6 @@ class FedEvgConfig:
             raise ValueError("gradient_clip and logit_clamp must be positive")
         if self.input_range is not None and not self.input_range[0] < self.input_range[1]:
             raise ValueError(f"input_range must be (low, high) with low < high, got {self.input_range}")
-
-    @classmethod
-    def from_dict(cls, raw: Mapping[str, Any] | None) -> FedEvgConfig:
-        raw = dict(raw or {})
-        unknown = set(raw) - set(cls.__dataclass_fields__)
-        if unknown:
-            raise ValueError(f"unknown fedevg options {sorted(unknown)}")
-        if raw.get("input_range") is not None:
-            raw["input_range"] = tuple(float(v) for v in raw["input_range"])
-        return cls(**raw)
 
     @property
     def samples(self) -> int:

@@ -33,7 +33,7 @@ from __future__ import annotations
 import fnmatch
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 
@@ -49,6 +49,8 @@ class LGFedAvgConfig(FedAvgConfig):
     """FedAvg's options (its sums over the global part) with the paper's MNIST defaults, plus
     the split and the warm-up length."""
 
+    options_of: ClassVar[str] = "lg_fedavg"
+
     local_epochs: int = 1
     local_lr: float = 0.05
     batch_size: int = 10
@@ -60,17 +62,6 @@ class LGFedAvgConfig(FedAvgConfig):
             raise ValueError("global_patterns must list at least one parameter-name pattern (nothing else is summed)")
         if self.warmup_rounds < 0:
             raise ValueError(f"warmup_rounds must be >= 0, got {self.warmup_rounds}")
-
-    @classmethod
-    def from_dict(cls, raw: Mapping[str, Any] | None) -> LGFedAvgConfig:
-        raw = dict(raw or {})
-        unknown = set(raw) - set(cls.__dataclass_fields__)
-        if unknown:
-            raise ValueError(f"unknown lg_fedavg options {sorted(unknown)}")
-        if "global_patterns" in raw:
-            value = raw["global_patterns"]
-            raw["global_patterns"] = (value,) if isinstance(value, str) else tuple(value)
-        return cls(**raw)
 
 
 @dataclass(frozen=True)

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, ClassVar, Protocol
 
 import numpy as np
 
@@ -57,6 +57,8 @@ class MixingDevice(Protocol):
 class SuPerFedConfig(FedAvgConfig):
     """FedAvg's options (the federated model's sums) with the spec's toy defaults, plus mixing."""
 
+    options_of: ClassVar[str] = "superfed"
+
     local_epochs: int = 2
     local_lr: float = 0.05
     batch_size: int = 10
@@ -77,14 +79,6 @@ class SuPerFedConfig(FedAvgConfig):
             raise ValueError(f"prox_form must be 'thesis' or 'code', got {self.prox_form!r}")
         if self.start_round < 0 or self.mu < 0 or self.nu < 0 or not 0 < self.lr_decay <= 1:
             raise ValueError("start_round, mu and nu must be >= 0 and lr_decay in (0, 1]")
-
-    @classmethod
-    def from_dict(cls, raw: Mapping[str, Any] | None) -> SuPerFedConfig:
-        raw = dict(raw or {})
-        unknown = set(raw) - set(cls.__dataclass_fields__)
-        if unknown:
-            raise ValueError(f"unknown superfed options {sorted(unknown)}")
-        return cls(**raw)
 
 
 class SuPerFedServer:

@@ -135,7 +135,7 @@ def declared_roles(algorithm: str, server: object) -> Mapping[str, Declared] | N
 
 def layout(algorithm: str, server: object, step: StepSpec) -> Layout:
     """``PrivacyRefused`` names every field DP cannot bound, and steps it cannot privatise."""
-    if getattr(step, "reveal", ()) or getattr(step, "personal", False):
+    if step.reveal or step.personal:
         raise PrivacyRefused(
             f"{algorithm} step {step.name!r} reveals per-device values or is personalised; differential "
             "privacy here covers secure sums only")

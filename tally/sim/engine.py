@@ -136,13 +136,12 @@ def run_rounds(
                   sorted(rng.choice(len(devices), size=min(cohort_size, len(devices)), replace=False).tolist()))
         log = RoundLog(r, cohort, {})
         for step in server.steps(state):
-            personal = getattr(step, "personal", False)
-            broadcast = None if personal else server.broadcast(state, step.name)
+            broadcast = None if step.personal else server.broadcast(state, step.name)
             contributions, pending = {}, {}
             for d in cohort:
-                b = server.broadcast_to(state, step.name, d) if personal else broadcast
+                b = server.broadcast_to(state, step.name, d) if step.personal else broadcast
                 contributions[d], pending[d] = client.contribute(step.name, b, devices[d], local.get(d))
-            if getattr(step, "reveal", ()):
+            if step.reveal:
                 total, contributors = reveal_values(r, step, contributions, reveal, rng)
             else:
                 total, contributors = sum_fn(r, step, contributions)
