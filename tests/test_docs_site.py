@@ -21,10 +21,14 @@ def test_the_site_builds_with_warnings_as_errors(tmp_path):
                           env={**os.environ, "NO_MKDOCS_2_WARNING": "1"})
     assert done.returncode == 0, done.stderr[-4000:]
     for page in ("quickstart", "concepts", "running", "job-spec", "kubernetes", "operating", "embedding",
-                 "sdk-api", "algorithms", "privacy", "security", "load-testing", "benchmarks", "contributing"):
+                 "sdk-api", "algorithms", "adding-an-algorithm", "privacy", "security", "load-testing", "benchmarks",
+                 "contributing"):
         assert (site / page / "index.html").exists(), page
     api = (site / "sdk-api" / "index.html").read_text()
     assert 'id="client_sdk.device.Device.run"' in api and 'id="tally.algorithms.base.LocalTrainer"' in api
+    recipe = (site / "adding-an-algorithm" / "index.html").read_text()  # the contract, from its docstrings
+    assert all(f'id="tally.algorithms.base.{name}"' in recipe for name in ("StepSpec", "ServerAlgorithm.init",
+                                                                          "Options"))
 
 
 def test_no_page_refers_to_issue_numbers():

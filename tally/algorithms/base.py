@@ -5,9 +5,9 @@ sum, the server updates. The server half only ever receives the *total* of a ste
 round's devices: that is the one rule made structural. The client half keeps whatever must stay on the
 device in ``local_state``. The simulator (``tally.sim.engine``) and the services (coordinator, client
 SDK) run any pair of halves that follows this contract, so everything they rely on is declared here:
-the step flags on :class:`StepSpec`, the server half's methods, the per-silo broadcast of personal
-steps (:class:`PersonalBroadcast`), the personal model of a personalised client half
-(:class:`PersonalisedClient`) and the one parser of an algorithm's options (:class:`Options`).
+the step flags on ``StepSpec``, the server half's methods, the per-silo broadcast of personal
+steps (``PersonalBroadcast``), the personal model of a personalised client half
+(``PersonalisedClient``) and the one parser of an algorithm's options (``Options``).
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from __future__ import annotations
 import dataclasses
 import types
 import typing
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar, Protocol, TypeVar, runtime_checkable
 
@@ -37,7 +37,7 @@ class StepSpec:
 
     * ``personal``: each device gets its own broadcast, ``broadcast_to(state, name, d)`` with ``d``
       its stable id in ``[0, num_clients)`` (the server half must implement
-      :class:`PersonalBroadcast`), because what it is sent (its own coefficient) must not reach the
+      ``PersonalBroadcast``), because what it is sent (its own coefficient) must not reach the
       others. The contributions are still summed securely.
     * ``reveal``: the names of the values this step reveals in the clear, each one the job opted in
       to. A runner does *not* run a secure sum: it checks that the job's ``reveal:`` list names every
@@ -109,8 +109,10 @@ class ServerAlgorithm(Protocol):
     def init(self, params: Arrays) -> Any:
         """The state before round 0 from the job's initial model.
 
-        The options were fixed when the half was built (``Options.from_dict``), so only the model
-        is left: the job names it, and the runner builds it before any algorithm sees it."""
+        Only the model, because the options were fixed when the half was built
+        (``Options.from_dict``) and the model is the job's (its ``model:`` section, or the
+        simulator's task): one server half then serves any model, and a restarted coordinator
+        rebuilds the same half from the job spec alone."""
         ...
 
     def steps(self, state: Any) -> list[StepSpec]:
@@ -118,8 +120,8 @@ class ServerAlgorithm(Protocol):
 
         A function of the state because a round's shape may change as rounds pass (LG-FedAvg's
         warm-up sums the whole model, later rounds the global layers only) and a schema's sizes
-        follow the model. The runner asks once per round, before the first broadcast, and opens
-        one secure sum per step with exactly these schemas."""
+        follow the model. The runner asks at the start of each round and opens one secure sum per
+        step with exactly these schemas, so devices and aggregators agree on every payload."""
         ...
 
     def broadcast(self, state: Any, step: str) -> Arrays:
@@ -229,7 +231,7 @@ def _as_declared(options_of: str, name: str, hint: Any, value: Any) -> Any:
         return value
     if isinstance(value, str):
         value = (value,)
-    elif not isinstance(value, typing.Iterable):
+    elif not isinstance(value, Iterable):
         raise ValueError(f"{options_of} option {name} takes a list, got {value!r}")
     element = typing.get_args(hint)[0]
     return tuple(float(v) for v in value) if element is float else tuple(value)
