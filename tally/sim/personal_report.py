@@ -14,9 +14,9 @@ import numpy as np
 
 from client_sdk.adaptation import AdaptationConfig
 from tally.algorithms.base import Arrays, ClientAlgorithm, StepSpec
-from tally.sim.personalisation import (PersonalFleet, local_only_accuracy, personal_accuracy, personal_params,
-                                   summary)
+from tally.algorithms.superfed import SuPerFedClient
 from tally.sim.engine import SumFn
+from tally.sim.personalisation import PersonalFleet, local_only_accuracy, personal_accuracy, personal_params, summary
 from tally.sim.who_gains import plot, who_gains
 
 
@@ -42,7 +42,7 @@ def personal_results(client: ClientAlgorithm, model: Arrays, local: Mapping[int,
         "personal": summary(personal_accuracy(client, model, local, fleet)),
         "uploaded_values_per_step": dict(uploads.per_step),
     }
-    if hasattr(client, "choose_lambda"):
+    if isinstance(client, SuPerFedClient):
         out["lambda_protocols"] = lambda_protocols(client, model, local, fleet)
     if adapt:
         # Local-only uses the same local training settings as the adaptation (lr 0.05, batch 10),
@@ -58,7 +58,8 @@ def personal_results(client: ClientAlgorithm, model: Arrays, local: Mapping[int,
     return out
 
 
-def lambda_protocols(client: Any, model: Arrays, local: Mapping[int, Any], fleet: PersonalFleet) -> dict[str, float]:
+def lambda_protocols(client: SuPerFedClient, model: Arrays, local: Mapping[int, Any], fleet: PersonalFleet
+                     ) -> dict[str, float]:
     """SuPerFed's mixing weight three ways (spec 9): chosen on each device's validation split (what
     a device can do), fixed at 0.5, and the paper's protocol, the best λ on each device's *test*
     split (optimistic: it selects on the data it reports)."""
