@@ -43,6 +43,7 @@ from tally.security import (
 )
 from tally.cli import certs as certs_cli
 from tally.security import certs
+from tally.security.certs import POD_ORDINALS
 from tally.security.tls import (
     add_tls_arguments,
     peer_identity,
@@ -135,6 +136,17 @@ def test_tls_health_check_verifies_ca_and_san(pki, tls_server, host):
 def test_tls_kubernetes_service_name_verified(pki, tls_server):
     config = TLSConfig(ca=pki / "ca" / "ca.pem", server_name="tally-aggregator.prod.svc")
     assert _check(f"127.0.0.1:{tls_server}", config) == health_pb2.HealthCheckResponse.SERVING
+
+
+@pytest.mark.parametrize("pod", [0, 1, POD_ORDINALS - 1])
+def test_tls_verifies_each_statefulset_pod_by_the_short_name_pods_dial(pki, tls_server, pod):
+    """Pods dial `tally-aggregator-<i>.tally-aggregator`; gRPC refuses a wildcard over the one-label
+    `tally-aggregator`, so each pod's name is in the certificate (the dev overlay's containers
+    failed every session with `*.tally-aggregator`)."""
+    config = TLSConfig(ca=pki / "ca" / "ca.pem", server_name=f"tally-aggregator-{pod}.tally-aggregator")
+    assert _check(f"127.0.0.1:{tls_server}", config) == health_pb2.HealthCheckResponse.SERVING
+    beyond = TLSConfig(ca=pki / "ca" / "ca.pem", server_name=f"tally-aggregator-{POD_ORDINALS}.tally-aggregator")
+    assert _fails_with(f"127.0.0.1:{tls_server}", beyond) == grpc.StatusCode.UNAVAILABLE
 
 
 def test_tls_wrong_ca_is_unavailable(other_pki, tls_server):

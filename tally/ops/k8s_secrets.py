@@ -16,7 +16,7 @@ from typing import Any
 from tally.security import certs
 from tally.security.enrolment import ENROLMENT_KEY_FILE
 
-# Every aggregator replica mounts the same certificate: it covers *.tally-aggregator.<ns>.svc.
+# Every aggregator replica mounts the same certificate: it names every pod (tally-aggregator-<i>.tally-aggregator).
 AGGREGATOR_DIR = certs.aggregator_dir(1)
 
 

@@ -18,8 +18,8 @@ every party is told apart by its certificate:
 
 Server certificates cover loopback (``localhost``, ``127.0.0.1``, ``::1``), the Kubernetes service
 names of their role (``tally-<role>``, ``tally-<role>.<ns>``, ``tally-<role>.<ns>.svc``,
-``tally-<role>.<ns>.svc.cluster.local``, plus ``*.tally-<role>.<ns>.svc`` for the pods of a
-headless service) and whatever DNS names and IP addresses the operator adds. Every role directory
+``tally-<role>.<ns>.svc.cluster.local``, plus ``*.tally-<role>.<ns>.svc`` and the first
+``POD_ORDINALS`` short pod names ``tally-<role>-<i>.tally-<role>`` for the pods of a headless service) and whatever DNS names and IP addresses the operator adds. Every role directory
 holds ``ca.pem`` and the role's default file names, so ``--tls-dir <out>/<role>`` just works.
 Certificates are written 0644, keys and secrets 0600, directories 0700, and nothing is
 overwritten unless ``force`` is given (nothing at all is written when any target exists).
@@ -47,6 +47,10 @@ SERVER_ROLES = ("coordinator", "aggregator")
 COORDINATOR_CN = "tally-coordinator"
 DEVICE_ROLE = "device"
 DEFAULT_NAMESPACE = "tally"
+# StatefulSet pods behind a headless Service are dialled as ``tally-<role>-<i>.tally-<role>``; a
+# wildcard cannot stand for them, since TLS clients (gRPC's among them) refuse a wildcard over a
+# one-label domain such as ``*.tally-aggregator``. Server certificates name the first this many.
+POD_ORDINALS = 16
 DEFAULT_DAYS = 365
 LOOPBACK_DNS = ("localhost",)
 LOOPBACK_IPS = ("127.0.0.1", "::1")
@@ -77,7 +81,7 @@ def service_names(role: str, namespace: str = DEFAULT_NAMESPACE) -> list[str]:
     svc = f"tally-{role}"
     return [
         svc,
-        f"*.{svc}",  # a StatefulSet pod behind the headless Service, by the short name pods dial
+        *(f"{svc}-{i}.{svc}" for i in range(POD_ORDINALS)),  # the pods, by the short names pods dial
         f"{svc}.{namespace}",
         f"{svc}.{namespace}.svc",
         f"{svc}.{namespace}.svc.cluster.local",
