@@ -11,12 +11,8 @@ import json
 import re
 import runpy
 import shutil
-import socket
 import subprocess
 import time
-import urllib.error
-import urllib.parse
-import urllib.request
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -24,6 +20,7 @@ import pytest
 import yaml
 
 from client_sdk import ClientMetrics, DropoutPlan
+from live_prometheus import PROMTOOL, LivePrometheus, needs_prometheus, needs_promtool
 from tally.metrics import MetricsServer
 from test_full_stack import run, spec, stack, trainers
 from test_metrics_catalogue import catalogue
@@ -42,11 +39,6 @@ MAY_BE_EMPTY = {
     "tally_tls_certificate_expiry_timestamp_seconds": "the test stack runs without TLS",
     "tally_coordinator_current_round": "the gauge is removed when the job ends",
 }
-PROMTOOL, PROMETHEUS = shutil.which("promtool"), shutil.which("prometheus")
-needs_promtool = pytest.mark.skipif(
-    PROMTOOL is None, reason="promtool not installed (Debian package prometheus; `make test` installs it)")
-needs_prometheus = pytest.mark.skipif(
-    PROMETHEUS is None, reason="prometheus not installed (Debian package prometheus; `make test` installs it)")
 
 
 def _rules() -> list[dict]:
@@ -67,6 +59,21 @@ def test_the_rules_pass_promtool_and_every_alert_fires_and_stays_silent_in_its_u
     # Each alert also has a case where it must stay silent (the certificate's: the coordinator's
     # certificate, 100 days out, beside the aggregator's that fires).
     assert alerts - silent == {"TallyCertificateExpiring"}
+
+
+def test_every_alert_links_a_runbook_that_says_what_it_means_how_to_confirm_and_what_to_do():
+    page = (ROOT / "docs" / "runbooks.md").read_text()
+    sections = dict(re.findall(r"^## (\w+)\n(.*?)(?=^## |\Z)", page, re.M | re.S))
+    alerts = [rule for rule in _rules() if "alert" in rule]
+    assert alerts
+    for rule in alerts:
+        name = rule["alert"]
+        # MkDocs' anchor for a heading that is one word is that word in lower case.
+        assert rule["annotations"].get("runbook_url") == f"docs/runbooks.md#{name.lower()}", name
+        assert name in sections, f"docs/runbooks.md has no section for {name}"
+        for part in ("**What it means.**", "**Confirm.**", "**Act.**"):
+            assert part in sections[name], f"{name}: no {part}"
+    assert set(sections) == {rule["alert"] for rule in alerts}, "a runbook for an alert that no longer exists"
 
 
 def test_the_kube_prometheus_stack_kustomization_is_picked_up_by_the_stacks_defaults():
@@ -180,68 +187,6 @@ def test_every_dashboard_query_parses(tmp_path):
                           capture_output=True, timeout=60).returncode != 0
 
 
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
-class LivePrometheus:
-    """A real Prometheus scraping the given targets every second, with Tally's rules loaded."""
-
-    def __init__(self, directory: Path, targets: dict[str, list[int]]) -> None:
-        self.port = _free_port()
-        config = {
-            "global": {"scrape_interval": "1s", "evaluation_interval": "1s"},
-            "rule_files": [str(RULES)],
-            "scrape_configs": [{"job_name": job, "static_configs": [{"targets": [f"127.0.0.1:{p}" for p in ports]}]}
-                               for job, ports in targets.items()],
-        }
-        (directory / "prometheus.yml").write_text(yaml.safe_dump(config))
-        self.process = subprocess.Popen(
-            [PROMETHEUS, f"--config.file={directory / 'prometheus.yml'}", f"--storage.tsdb.path={directory / 'data'}",
-             f"--web.listen-address=127.0.0.1:{self.port}"],
-            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-
-    def _api(self, path: str, **params: str) -> list[dict]:
-        url = f"http://127.0.0.1:{self.port}/api/v1/{path}?" + urllib.parse.urlencode(params)
-        try:
-            with urllib.request.urlopen(url, timeout=5) as reply:
-                body = json.loads(reply.read())
-        except urllib.error.HTTPError as error:  # a query Prometheus cannot parse or run
-            raise AssertionError(f"{params}: {error.read().decode()}") from None
-        assert body["status"] == "success", body
-        return body["data"]
-
-    def query(self, expr: str) -> list[dict]:
-        return self._api("query", query=expr)["result"]
-
-    def series(self, match: str) -> list[dict[str, str]]:
-        return self._api("series", **{"match[]": match})
-
-    def value(self, expr: str) -> float | None:
-        result = self.query(expr)
-        return float(result[0]["value"][1]) if result else None
-
-    def until(self, expr: str, predicate, deadline_s: float = 60.0) -> float:
-        """Poll ``expr`` until ``predicate(value)`` holds (scrapes arrive every second)."""
-        end = time.monotonic() + deadline_s
-        last = None
-        while time.monotonic() < end:
-            try:
-                last = self.value(expr)
-            except OSError:  # not listening yet
-                last = None
-            if last is not None and predicate(last):
-                return last
-            time.sleep(0.2)  # nothing to wait on but the next scrape
-        raise AssertionError(f"{expr} = {last} after {deadline_s} s")
-
-    def stop(self) -> None:
-        self.process.terminate()
-        self.process.wait(timeout=30)
-
-
 def _own(registries, name: str) -> float:
     """What the services' own registries say (sum over every label set)."""
     return sum(sample.value for registry in registries for metric in registry.collect()
@@ -266,7 +211,7 @@ def test_a_real_prometheus_scrapes_a_job_and_agrees_with_it(tmp_path):
 
     async def main():
         async with stack(tmp_path) as s:
-            prometheus = LivePrometheus(tmp_path, {
+            prometheus = LivePrometheus.every_second(tmp_path, RULES, {
                 "tally-coordinator": [s.coordinator.metrics_port],
                 "tally-aggregator": [a.metrics_port for a in s.aggregators],
                 "tally-fleet": [fleet_server.start()],
