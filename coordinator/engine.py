@@ -14,7 +14,8 @@ from coordinator.events import TERMINAL_STATES, EventHub
 from coordinator.jobspec import JobSpec, parse
 from coordinator.metrics import CoordinatorMetrics
 from coordinator.planner import IDLE_RETRY_S, Hold, Retry
-from coordinator.runner import CheckInResult, JobRunner, RunnerContext
+from coordinator.checkin_holds import CheckInResult
+from coordinator.runner import JobRunner, RunnerContext
 from coordinator.store import Store
 from coordinator.task_reports import outcome_name
 from tally import logs

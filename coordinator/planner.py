@@ -1,7 +1,7 @@
 """The decisions of one round attempt, without I/O.
 
 ``RoundPlanner`` is fed events (check-ins, withdrawals, clock ticks, cohort sums, failures) and
-answers with decisions; ``coordinator.engine`` does the talking (gRPC, storage, the algorithm).
+answers with decisions; ``coordinator.runner`` does the talking (gRPC, storage, the algorithm).
 Keeping the rules here makes each of them a unit test: selection with over-selection, window
 extensions charged to the retry budget, the split into cohorts, the privacy floor on cohort sums,
 and the all-or-nothing treatment of an attempt.

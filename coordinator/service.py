@@ -141,7 +141,7 @@ class CoordinatorService:
             checkin_rate=self.pacer.rate_per_s,
         )
         metrics.watch(self._store.job_counts,
-                      lambda: sum(len(runner.sessions) for runner in list(engine.runners.values())))
+                      lambda: sum(len(runner.sessions.opened) for runner in list(engine.runners.values())))
 
         server = grpc.aio.server(
             options=server_options(self.max_message_bytes, self.max_request_bytes),

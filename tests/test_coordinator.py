@@ -891,7 +891,7 @@ def test_check_ins_during_aggregation_are_seated_when_the_next_round_opens(tmp_p
             await all_in.wait()
             left = await leaver.check_in_once(timeout=1.5)  # held 0.5 s, then its hold ends
             held = [asyncio.create_task(d.check_in_once(timeout=30)) for d in later]
-            await until_true(lambda: runner.waiting is not None and len(runner.waiting.held) == len(later))
+            await until_true(lambda: runner.holds.waiting is not None and len(runner.holds.waiting.held) == len(later))
             release.set()
             replies = await asyncio.gather(*held)  # the one check-in each made, during round 1
             in_last_round = await leaver.check_in_once(timeout=30)
@@ -959,7 +959,7 @@ async def held_for_round_two(s: Stack, first: list[Device], later: list[Device],
         asyncio.create_task(d.loop(contribute, release, before))
     await all_in.wait()
     held = [asyncio.create_task(d.check_in_once(timeout=30)) for d in later]
-    await until_true(lambda: runner.waiting is not None and len(runner.waiting.held) == len(later))
+    await until_true(lambda: runner.holds.waiting is not None and len(runner.holds.waiting.held) == len(later))
     return job_id, release, held
 
 
