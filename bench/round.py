@@ -135,7 +135,7 @@ def phase_means(before: dict, after: dict) -> dict[str, float]:
 async def run_mode(args: argparse.Namespace, coordinator: CoordinatorService,
                    aggregators: list[AggregatorService], plain: bool) -> dict:
     mode = "plain" if plain else "secure"
-    job_id = coordinator.engine.submit(parse(job_spec(args, f"bench-{mode}", plain)))
+    job_id = coordinator.jobs.submit(parse(job_spec(args, f"bench-{mode}", plain)))
     trainers = [DeltaTrainer(seed=i) for i in range(args.devices)]
     # The same devices in both modes: same ids, same seeds, same dropout draws.
     fleet = Fleet(f"127.0.0.1:{coordinator.port}", PLAINTEXT, trainers, seed=args.seed,

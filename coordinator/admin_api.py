@@ -19,7 +19,7 @@ from google.protobuf import json_format
 from coordinator import jobspec
 from coordinator.admin_token import ADMIN_TOKEN_FILE, load_or_create_admin_token  # noqa: F401 (re-exported)
 from coordinator.cohort_risk import cohort_warnings
-from coordinator.engine import Engine
+from coordinator.active_jobs import ActiveJobs
 from coordinator.events import TERMINAL_STATES, event_to_proto, job_state, round_phase, timestamp
 from coordinator.store import JobRecord, Store
 from tally import logs
@@ -47,8 +47,8 @@ def integral(value: Any) -> Any:
 
 
 class AdminService(admin_pb2_grpc.AdminServicer):
-    def __init__(self, engine: Engine, store: Store, admin_token: str) -> None:
-        self.engine, self.store = engine, store
+    def __init__(self, jobs: ActiveJobs, store: Store, admin_token: str) -> None:
+        self.jobs, self.store = jobs, store
         self._token = admin_token.encode()
 
     async def _authorize(self, context: grpc.aio.ServicerContext) -> None:
@@ -60,7 +60,7 @@ class AdminService(admin_pb2_grpc.AdminServicer):
             await context.abort(grpc.StatusCode.UNAUTHENTICATED, "admin token invalid")
 
     def job_proto(self, record: JobRecord) -> admin_pb2.Job:
-        runner = self.engine.runner(record.job_id)
+        runner = self.jobs.runner(record.job_id)
         out = admin_pb2.Job(
             job_id=record.job_id, name=record.name, algorithm=record.algorithm,
             state=job_state(record.state), committed_round=record.committed_round,
@@ -105,8 +105,8 @@ class AdminService(admin_pb2_grpc.AdminServicer):
                 raise jobspec.JobSpecError("spec_yaml or spec_struct is required")
         except jobspec.JobSpecError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"invalid job spec:\n{exc}")
-        job_id = self.engine.submit(spec)
-        warnings = cohort_warnings(spec, len(self.engine.pool.members))
+        job_id = self.jobs.submit(spec)
+        warnings = cohort_warnings(spec, len(self.jobs.pool.members))
         for warning in warnings:
             logs.event(log, "job spec warning", logging.WARNING, job_id=job_id, warning=warning)
         job = self.job_proto(await self._record(job_id, context))
@@ -143,7 +143,7 @@ class AdminService(admin_pb2_grpc.AdminServicer):
     async def CancelJob(self, request: admin_pb2.CancelJobRequest, context: grpc.aio.ServicerContext):
         await self._authorize(context)
         try:
-            await self.engine.cancel(request.job_id, request.reason)
+            await self.jobs.cancel(request.job_id, request.reason)
         except LookupError as exc:
             await context.abort(grpc.StatusCode.NOT_FOUND, str(exc))
         except ValueError as exc:
@@ -152,7 +152,7 @@ class AdminService(admin_pb2_grpc.AdminServicer):
 
     async def RevokeDevice(self, request: admin_pb2.RevokeDeviceRequest, context: grpc.aio.ServicerContext):
         await self._authorize(context)
-        if not self.store.revoke_device(request.device_id, self.engine.clock()):
+        if not self.store.revoke_device(request.device_id, self.jobs.clock()):
             await context.abort(grpc.StatusCode.NOT_FOUND, f"no enrolled device {request.device_id!r}")
         logs.event(log, "device revoked", logging.WARNING, device_id=request.device_id)
         return admin_pb2.RevokedDevice(device_id=request.device_id)
@@ -161,7 +161,7 @@ class AdminService(admin_pb2_grpc.AdminServicer):
         self, request: admin_pb2.WatchJobRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[admin_pb2.JobEvent]:
         await self._authorize(context)
-        queue = self.engine.events.subscribe(request.job_id)
+        queue = self.jobs.events.subscribe(request.job_id)
         try:
             record = await self._record(request.job_id, context)
             current = self.job_proto(record)
@@ -176,7 +176,7 @@ class AdminService(admin_pb2_grpc.AdminServicer):
                 if event.state in TERMINAL_STATES:
                     return
         finally:
-            self.engine.events.unsubscribe(request.job_id, queue)
+            self.jobs.events.unsubscribe(request.job_id, queue)
 
     async def GetModel(
         self, request: admin_pb2.GetModelRequest, context: grpc.aio.ServicerContext

@@ -16,7 +16,7 @@ from collections.abc import AsyncIterator, Callable
 
 import grpc
 
-from coordinator.engine import Engine
+from coordinator.active_jobs import ActiveJobs
 from coordinator.events import job_state, round_phase, timestamp
 from coordinator.metrics import CoordinatorMetrics
 from coordinator.planner import Retry
@@ -52,7 +52,7 @@ def retry_proto(retry: Retry) -> coordinator_pb2.RetryAfter:
 class DeviceService(coordinator_pb2_grpc.CoordinatorServicer):
     def __init__(
         self,
-        engine: Engine,
+        jobs: ActiveJobs,
         store: Store,
         issuer: TokenIssuer,
         metrics: CoordinatorMetrics,
@@ -65,7 +65,7 @@ class DeviceService(coordinator_pb2_grpc.CoordinatorServicer):
         checkin_limit: SourceRateLimiter,
         pacer: CheckinPacer,
     ) -> None:
-        self.engine, self.store, self.issuer, self.metrics = engine, store, issuer, metrics
+        self.jobs, self.store, self.issuer, self.metrics = jobs, store, issuer, metrics
         self.clock, self.token_ttl_s = clock, token_ttl_s
         self.enrolment, self.coordinator_key = enrolment, coordinator_key
         self._limits = {"Register": register_limit, "CheckIn": checkin_limit}
@@ -145,11 +145,11 @@ class DeviceService(coordinator_pb2_grpc.CoordinatorServicer):
         if len(ledger) > MAX_LEDGER_JOBS or any(r < 1 for r in ledger.values()):
             await self._refuse(context, "CheckIn", "malformed", grpc.StatusCode.INVALID_ARGUMENT,
                                f"input_ledger: at most {MAX_LEDGER_JOBS} jobs, each with a round >= 1")
-        self.engine.record_reports(claims, request.reports)
+        self.jobs.record_reports(claims, request.reports)
         if request.HasField("input_ledger"):
-            self.engine.record_ledger(claims, request.input_ledger)
+            self.jobs.record_ledger(claims, request.input_ledger)
         try:
-            result = await self.engine.check_in(claims, context.time_remaining())
+            result = await self.jobs.check_in(claims, context.time_remaining())
         except asyncio.CancelledError:
             self.metrics.checkins.labels(outcome="cancelled").inc()
             raise
@@ -174,7 +174,7 @@ class DeviceService(coordinator_pb2_grpc.CoordinatorServicer):
         digest = request.digest
         if request.model_version.endswith(".onnx"):
             try:
-                digest = self.engine.resolve_onnx(request.model_version, claims.population)
+                digest = self.jobs.resolve_onnx(request.model_version, claims.population)
             except LookupError as exc:
                 await context.abort(grpc.StatusCode.NOT_FOUND, str(exc))
             if request.digest and request.digest != digest:
@@ -211,7 +211,7 @@ class DeviceService(coordinator_pb2_grpc.CoordinatorServicer):
 
     async def GetStep(self, request: coordinator_pb2.GetStepRequest, context: grpc.aio.ServicerContext):
         claims = await self._claims(context, "GetStep")
-        runner = self.engine.runner(request.job_id)
+        runner = self.jobs.runner(request.job_id)
         if runner is None:
             await context.abort(grpc.StatusCode.NOT_FOUND, f"no running job {request.job_id!r}")
         try:
@@ -227,7 +227,7 @@ class DeviceService(coordinator_pb2_grpc.CoordinatorServicer):
     async def Reveal(self, request: coordinator_pb2.RevealRequest, context: grpc.aio.ServicerContext):
         """A device's payload of a reveal step, accepted only under the job's reveal opt-in."""
         claims = await self._claims(context, "Reveal")
-        runner = self.engine.runner(request.job_id)
+        runner = self.jobs.runner(request.job_id)
         if runner is None:
             await context.abort(grpc.StatusCode.NOT_FOUND, f"no running job {request.job_id!r}")
         try:
@@ -249,7 +249,7 @@ class DeviceService(coordinator_pb2_grpc.CoordinatorServicer):
         record = self.store.job(request.job_id)
         if record is None:
             await context.abort(grpc.StatusCode.NOT_FOUND, f"no job {request.job_id!r}")
-        runner = self.engine.runner(request.job_id)
+        runner = self.jobs.runner(request.job_id)
         committed = runner.committed if runner is not None else record.committed_round
         version = self.store.model_version(request.job_id, committed) if committed else None
         model = {} if version is None else {

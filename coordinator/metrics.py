@@ -129,7 +129,7 @@ class CoordinatorMetrics:
         )
 
     def watch(self, job_counts: Callable[[], dict[str, int]], open_sessions: Callable[[], int]) -> None:
-        """Export what the store and the engine know, read at scrape time: jobs per state, and
+        """Export what the store and the active jobs know, read at scrape time: jobs per state, and
         the aggregator sessions the running rounds hold open."""
         self.registry.register(_ServiceState(job_counts, open_sessions))
 

@@ -2,7 +2,7 @@
 algorithms of ``tally.algorithms`` and the torch models of ``tally.models`` (built in or plugged
 in with ``--model-plugin``), plus any registered here.
 
-The hooks exist so an algorithm or a model can be plugged into the round engine (and job-spec
+The hooks exist so an algorithm or a model can be plugged into the coordinator's rounds (and job-spec
 validation) without editing ``tally/algorithms`` or the job-spec format: tests register tiny
 algorithms that exercise paths FedAvg does not (several sums per round), research jobs start from
 a dataset's own model (the toy regression's ``{"w": [5.0]}``), and a deployment can add its own.

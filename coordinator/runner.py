@@ -113,7 +113,7 @@ class RunnerContext:
     events: EventHub
     clock: Callable[[], float]
     rng: random.Random
-    # Called as a job's selection opens: the engine lets the devices other jobs of the population
+    # Called as a job's selection opens: ``ActiveJobs`` lets the devices other jobs of the population
     # hold for their next rounds go to it.
     selection_opened: Callable[[JobRunner], None] = lambda runner: None
 
@@ -224,7 +224,7 @@ class JobRunner:
 
     def hold_for_next(self, device_id: str) -> bool:
         """Whether ``device_id``, turned away by ``offer`` while an attempt aggregates, is held
-        for the next attempt's selection instead (then ``hold`` it). The engine asks only after
+        for the next attempt's selection instead (then ``hold`` it). ``ActiveJobs`` asks only after
         every job's ``offer`` declined, so an open selection of another job is served first."""
         return self.holds.hold_for_next(device_id)
 

@@ -1,6 +1,6 @@
 """``CoordinatorService``: the coordinator as one object a process (or a test) starts and stops.
 
-It wires the store, the aggregator pool, the engine and the two gRPC services (device-facing
+It wires the store, the aggregator pool, the active jobs and the two gRPC services (device-facing
 ``Coordinator`` and operator-facing ``Admin``) onto one server, with health checking,
 reflection, explicit message limits and its own metrics port.
 """
@@ -20,7 +20,7 @@ from grpc_reflection.v1alpha import reflection
 from coordinator.admin_api import AdminService, load_or_create_admin_token
 from coordinator.aggregators import AggregatorPool
 from coordinator.device_api import DeviceService
-from coordinator.engine import Engine
+from coordinator.active_jobs import ActiveJobs
 from coordinator.metrics import CoordinatorMetrics
 from coordinator.pacing import CheckinPacer
 from coordinator.ratelimit import (
@@ -107,7 +107,7 @@ class CoordinatorService:
         self.admin_token: str | None = None
         # The key `tally enrol` derives device credentials from (None with a custom verifier).
         self.enrolment_key: bytes | None = None
-        self.engine: Engine | None = None
+        self.jobs: ActiveJobs | None = None
         self._server: grpc.aio.Server | None = None
         self._metrics_server: MetricsServer | None = None
         self._ready = False
@@ -136,12 +136,12 @@ class CoordinatorService:
             self.aggregators, self.aggregator_tls, self.max_message_bytes,
             OwnerTokens(token_secret), metrics.aggregators_up.set,
         )
-        self.engine = engine = Engine(
+        self.jobs = jobs = ActiveJobs(
             self._store, self._pool, signer, metrics, self.clock, checkin_hold_s=self.checkin_hold_s,
             checkin_rate=self.pacer.rate_per_s,
         )
         metrics.watch(self._store.job_counts,
-                      lambda: sum(len(runner.sessions.opened) for runner in list(engine.runners.values())))
+                      lambda: sum(len(runner.sessions.opened) for runner in list(jobs.runners.values())))
 
         server = grpc.aio.server(
             options=server_options(self.max_message_bytes, self.max_request_bytes),
@@ -151,7 +151,7 @@ class CoordinatorService:
         enrolment = self.enrolment or SharedKeyEnrolment(self.enrolment_key)
         coordinator_pb2_grpc.add_CoordinatorServicer_to_server(
             DeviceService(
-                self.engine, self._store, issuer, metrics, self.clock, self.token_ttl_s,
+                self.jobs, self._store, issuer, metrics, self.clock, self.token_ttl_s,
                 enrolment=enrolment, coordinator_key=signer.public_key.public_bytes_raw(),
                 register_limit=SourceRateLimiter(self.register_limit, self.clock),
                 checkin_limit=SourceRateLimiter(self.checkin_limit, self.clock),
@@ -160,7 +160,7 @@ class CoordinatorService:
             server,
         )
         admin_pb2_grpc.add_AdminServicer_to_server(
-            AdminService(self.engine, self._store, self.admin_token), server
+            AdminService(self.jobs, self._store, self.admin_token), server
         )
         self._health = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
@@ -174,7 +174,7 @@ class CoordinatorService:
         self._server = server
         for name in ("", *SERVICE_NAMES):
             await self._health.set(name, health_pb2.HealthCheckResponse.SERVING)
-        await self.engine.start()
+        await self.jobs.start()
         self._ready = True  # /readyz: serving, with the store open and unfinished jobs resumed
         self._watchdog = asyncio.get_running_loop().create_task(self._watch_aggregators())
         logs.event(log, "coordinator serving", port=self.port, metrics_port=self.metrics_port,
@@ -196,8 +196,8 @@ class CoordinatorService:
             await asyncio.gather(self._watchdog, return_exceptions=True)
         if self._health is not None:
             await self._health.enter_graceful_shutdown()
-        if self.engine is not None:
-            await self.engine.stop()
+        if self.jobs is not None:
+            await self.jobs.stop()
         if self._server is not None:
             await self._server.stop(grace)
         if self._pool is not None:
@@ -206,5 +206,5 @@ class CoordinatorService:
             self._metrics_server.stop()
         if self._store is not None:
             self._store.close()
-        self._server = self._pool = self._store = self.engine = self._metrics_server = self._watchdog = None
+        self._server = self._pool = self._store = self.jobs = self._metrics_server = self._watchdog = None
         logs.event(log, "coordinator stopped", port=self.port)

@@ -54,7 +54,7 @@ from coordinator.planner import (
     WaitingRoom,
     split_cohorts,
 )
-from coordinator.engine import Engine
+from coordinator.active_jobs import ActiveJobs
 from coordinator.metrics import CoordinatorMetrics
 from coordinator.service import CoordinatorService
 from coordinator.state_codec import UnsupportedState, state_from_bytes, state_to_bytes
@@ -875,7 +875,7 @@ def test_check_ins_during_aggregation_are_seated_when_the_next_round_opens(tmp_p
             leaver = (await s.devices(1, prefix="leaver"))[0]
             job_id = await s.submit(spec_yaml("overlap", rounds=2, cohort=5))
             watch = asyncio.create_task(s.until_done(job_id))
-            runner = s.service.engine.runner(job_id)
+            runner = s.service.jobs.runner(job_id)
             release, all_in = asyncio.Event(), asyncio.Event()
             round_one: set[str] = set()
 
@@ -924,7 +924,7 @@ def test_a_device_whose_hold_ends_as_its_cohort_forms_comes_back_at_once_for_its
             devices = await s.devices(5)
             gate = s.aggregators[0].open_gate = asyncio.Event()
             job_id = await s.submit(spec_yaml("late-hold", rounds=1, cohort=5))
-            runner = s.service.engine.runner(job_id)
+            runner = s.service.jobs.runner(job_id)
             await until_true(lambda: runner.planner is not None)
             replies = await asyncio.gather(*(d.check_in_once(timeout=2.0) for d in devices))
             opening = runner.planner.phase
@@ -945,7 +945,7 @@ async def held_for_round_two(s: Stack, first: list[Device], later: list[Device],
     each of ``later`` is held for round 2 by one check-in (the returned tasks answer them)."""
     contribute = fedavg_contribution(FedAvgConfig(local_epochs=1))
     job_id = await s.submit(spec_yaml("overlap", rounds=2, cohort=len(first), **job))
-    runner = s.service.engine.runner(job_id)
+    runner = s.service.jobs.runner(job_id)
     release, all_in = asyncio.Event(), asyncio.Event()
     round_one: set[str] = set()
 
@@ -1016,7 +1016,7 @@ def test_a_job_that_ends_answers_its_held_devices_and_holds_no_more(tmp_path):
 
 @dataclass
 class StandInRunner:
-    """What ``Engine.check_in`` asks of a job, scripted: its answer, whether its selection is open
+    """What ``ActiveJobs.check_in`` asks of a job, scripted: its answer, whether its selection is open
     or about to open, whether it would hold the device for its next selection."""
 
     seq: int
@@ -1040,11 +1040,11 @@ class StandInRunner:
 def test_a_job_about_to_select_comes_before_holding_a_device_for_another_jobs_next_round(other_selecting):
     """A device turned away by every job is held for an aggregating job's next selection only if
     no other job of its population is selecting or about to: that job would miss it while held."""
-    engine = Engine(None, None, None, CoordinatorMetrics(), time.monotonic)
+    jobs = ActiveJobs(None, None, None, CoordinatorMetrics(), time.monotonic)
     aggregating = StandInRunner(seq=1, selecting=False, room=True)
-    engine.runners = {"a": aggregating, "b": StandInRunner(seq=2, selecting=other_selecting, room=False)}
+    jobs.runners = {"a": aggregating, "b": StandInRunner(seq=2, selecting=other_selecting, room=False)}
     claims = DeviceClaims("dev", "default", issued_at=0.0, expires_at=60.0, token_id="t")
-    answer = asyncio.run(engine.check_in(claims, caller_timeout_s=30))
+    answer = asyncio.run(jobs.check_in(claims, caller_timeout_s=30))
     if other_selecting:
         assert isinstance(answer, Retry) and answer.seconds == MIN_RETRY_S and aggregating.held == []
     else:
@@ -1445,7 +1445,7 @@ def test_tls_to_devices_and_mutual_tls_to_aggregators_from_tally_certs(tmp_path)
         )
         port = await service.start()
         try:
-            healthy = await service.engine.pool.healthy()
+            healthy = await service.jobs.pool.healthy()
             channel = grpc.aio.secure_channel(
                 f"localhost:{port}", channel_credentials(TLSConfig.from_dir(pki / "device", None)),
                 options=channel_options(),
@@ -1460,7 +1460,7 @@ def test_tls_to_devices_and_mutual_tls_to_aggregators_from_tally_certs(tmp_path)
                 aggregator_tls=TLSConfig(ca=tls.ca),
             )
             await without_client_cert.start()
-            refused = await without_client_cert.engine.pool.healthy()
+            refused = await without_client_cert.jobs.pool.healthy()
             await without_client_cert.stop(grace=0)
         finally:
             await service.stop(grace=0)

@@ -139,10 +139,10 @@ def _job_specs(directory: Path) -> list[tuple[Path, JobSpec]]:
 
 def _submit_new(service: CoordinatorService, specs: list[tuple[Path, JobSpec]]) -> None:
     """Submit the specs whose name no job has: a restart does not submit a job twice."""
-    known = {record.name for record in service.engine.store.jobs()}
+    known = {record.name for record in service.jobs.store.jobs()}
     for path, spec in specs:
         if spec.name not in known:
-            print(f"submitted {path.name} as job {service.engine.submit(spec)}", flush=True)
+            print(f"submitted {path.name} as job {service.jobs.submit(spec)}", flush=True)
 
 
 def _aggregator(text: str) -> tuple[str, str]:

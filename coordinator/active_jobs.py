@@ -1,5 +1,5 @@
-"""The jobs of one coordinator: a ``JobRunner`` per active job, and the answers the device and
-admin APIs need from them (who gets a task, where a model is, how to cancel)."""
+"""The jobs one coordinator is running: a ``JobRunner`` per active job, and the answers the device
+and admin APIs need from them (who gets a task, where a model is, how to cancel)."""
 
 from __future__ import annotations
 
@@ -29,7 +29,7 @@ log = logging.getLogger("tally.coordinator")
 HOLD_MARGIN_S = 1.0
 
 
-class Engine:
+class ActiveJobs:
     """Every active job of one coordinator, and the answers the APIs need from them."""
 
     def __init__(
