@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Differentially private FedAvg on scikit-learn's digits: accuracy vs epsilon, and vs bits.
 
-Runs the in-process simulator (``tally.sim.engine.run_rounds``) with the privacy layer of
+Runs the in-process simulator (``tally.sim.rounds.run_rounds``) with the privacy layer of
 ``tally/privacy`` on a population of ``--clients`` devices (Dirichlet label split), cohorts of
 ``--cohort`` sampled uniformly each round, ``--rounds`` rounds, an MLP of ``--hidden`` units:
 
@@ -52,7 +52,7 @@ from tally.privacy.payload import PrivateClient  # noqa: E402
 from tally.privacy.server import PrivacySettings, PrivateServer  # noqa: E402
 from tally.privacy.simulation import RingSum  # noqa: E402
 from tally.privacy.spec import PrivacySpec, settings_for  # noqa: E402
-from tally.sim.engine import plain_sum, run_rounds  # noqa: E402
+from tally.sim.rounds import plain_sum, run_rounds  # noqa: E402
 from tally.models.mlp import mlp  # noqa: E402
 from tally.models.params import get_params  # noqa: E402
 from tally.training import TorchTrainer  # noqa: E402

@@ -17,7 +17,7 @@ from tally.algorithms.fedevg import SYNTHETIC_X, SYNTHETIC_Y, FedEvgClient, FedE
 from tally.training.energy import EnergyTrainer, export_synthetic, synthetic_classifier_accuracy
 from tally.models.energy import energy_mlp
 from tally.secagg import ThreatModel
-from tally.sim.engine import SecureSum, plain_sum, run_rounds
+from tally.sim.rounds import SecureSum, plain_sum, run_rounds
 from tally.models.params import get_params
 from tally.training import single_threaded
 

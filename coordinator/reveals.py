@@ -3,7 +3,7 @@ device of the round sends its payload in the clear and the server half receives 
 
 Only a job whose top-level ``reveal:`` lists every value a step reveals gets such a step at all
 (``coordinator.jobspec`` builds the server half with that list); ``RevealCollector`` gathers one
-step's rows exactly as ``tally.sim.engine.reveal_values`` builds them: each payload through the
+step's rows exactly as ``tally.sim.rounds.reveal_values`` builds them: each payload through the
 schema's fixed point alone, rows in ascending silo id, so the services and the simulator agree.
 """
 

@@ -13,7 +13,7 @@ clipped value, so the algorithm need not. The server half sees the four totals a
 device keeps the number of rounds it took part in as its local state, which never leaves it (and
 advances only where its update was summed).
 
-Run it in process with ``tally.sim.engine.run_rounds`` (tests/test_algorithm_contract.py does, through
+Run it in process with ``tally.sim.rounds.run_rounds`` (tests/test_algorithm_contract.py does, through
 the real secure sum) or make the coordinator run it with ``coordinator.registry.register_algorithm``.
 """
 

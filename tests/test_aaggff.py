@@ -1,6 +1,6 @@
 """AAggFF-D and AAggFF-S over secure sums: the spec's oracles (specs/aaggff.md §8), equivalence of the
 sums-only protocols with the centralised formulas, the opt-in reveal of AAggFF-S's online Newton step,
-the privacy rule, and the fairness result through the engine with masking on."""
+the privacy rule, and the fairness result through the simulator with masking on."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ from tally.algorithms.fedavg import FedAvgClient, FedAvgConfig, FedAvgServer
 from tally.codec import to_ring
 from tally.datasets.heterogeneous import fleet, heterogeneous_digits
 from tally.secagg import ThreatModel
-from tally.sim.engine import SecureSum, plain_sum, run_rounds
+from tally.sim.rounds import SecureSum, plain_sum, run_rounds
 from tally.training import single_threaded
 
 SEMI_HONEST = ThreatModel(0.0, 0.0, malicious_server=False)
@@ -88,7 +88,7 @@ def quadratic_fleet(k: int, dim: int = 3, seed: int = 0) -> list[QuadraticDevice
 
 
 class Runner:
-    """What ``tally/sim/engine.py`` needs for AAggFF-S's reveal path, as wrappers around the unchanged
+    """What ``tally/sim/rounds.py`` needs for AAggFF-S's reveal path, as wrappers around the unchanged
     ``run_rounds``: it stands in for the server (remembering the state it broadcasts), the client (a
     ``personal`` step gets ``broadcast_to(state, step, device id)``) and the sum function (a
     ``reveal`` step is served per device, each payload encoded and decoded alone, no masks).

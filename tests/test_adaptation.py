@@ -19,7 +19,7 @@ from tally import algorithms
 from tally.algorithms.base import flatten
 from tally.datasets.personal import pathological_digits
 from tally.sim.personalisation import local_only_accuracy, personal_fleet
-from tally.sim.engine import plain_sum, run_rounds
+from tally.sim.rounds import plain_sum, run_rounds
 from tally.models.mlp import mlp
 from tally.models.params import get_params
 from tally.training import single_threaded

@@ -23,7 +23,7 @@ from tally.algorithms.fedavg import FedAvgClient, FedAvgConfig, FedAvgServer
 from tally.datasets.domain_digits import TorchDomainTrainer, domain_digits
 from tally.datasets.toy_regression import ScalarRegressionDevice, toy_regression
 from tally.secagg import ThreatModel
-from tally.sim.engine import SecureSum, plain_sum, run_rounds
+from tally.sim.rounds import SecureSum, plain_sum, run_rounds
 from tally.models.mlp import mlp
 from tally.models.params import get_params
 from tally.training import single_threaded

@@ -21,7 +21,7 @@ from tally import algorithms
 from tally.algorithms import aaggff, fedavg, lg_fedavg, superfed
 from tally.algorithms.base import Options, PersonalBroadcast, PersonalisedClient
 from tally.secagg import ThreatModel
-from tally.sim.engine import SecureSum, run_rounds
+from tally.sim.rounds import SecureSum, run_rounds
 
 REPO = Path(__file__).resolve().parents[1]
 

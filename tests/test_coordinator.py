@@ -79,7 +79,7 @@ from tally.security import (
 )
 from tally.security.tls import tls_config_from_args
 from tally.security.tokens import OWNER_METADATA_KEY
-from tally.sim.engine import plain_sum, run_rounds
+from tally.sim.rounds import plain_sum, run_rounds
 from tally.models.mlp import mlp
 from tally.models.params import get_params, set_params
 from tally.wire.convert import (
@@ -754,7 +754,7 @@ async def run_devices(devices: list[Device], contribute: Contribute, until, befo
 
 
 def reference_model(initial: dict, trainers: list[FixedTrainer], rounds: int, config: FedAvgConfig) -> dict:
-    """The in-process result (tally.sim.engine with an exact sum) for the same devices."""
+    """The in-process result (tally.sim.rounds with an exact sum) for the same devices."""
     state, _ = run_rounds(FedAvgServer(config), FedAvgClient(config), trainers, initial, rounds,
                           len(trainers), plain_sum)
     return state.params
@@ -1530,14 +1530,14 @@ def test_reveal_opt_in_lives_at_the_top_level_and_is_refused_through_the_service
 
 
 def test_reveal_collector_builds_the_rows_as_the_simulator_and_refuses_what_does_not_fit():
-    """``RevealCollector`` gives ``apply`` what ``tally.sim.engine.reveal_values`` gives it (rows by
+    """``RevealCollector`` gives ``apply`` what ``tally.sim.rounds.reveal_values`` gives it (rows by
     ascending silo id, each through the schema's fixed point); a wrong field or shape is a
     ValueError (INVALID_ARGUMENT), a task outside the round RevealOutOfPhase (FAILED_PRECONDITION)."""
     import numpy as np
 
     from coordinator.reveals import RevealCollector, RevealOutOfPhase
     from tally import algorithms
-    from tally.sim.engine import reveal_values
+    from tally.sim.rounds import reveal_values
 
     server, _ = algorithms.make("aaggff_s", {"num_clients": 4, "reveal": ["response"]})
     step = server.steps(server.init({"w": np.zeros(3)}))[1]

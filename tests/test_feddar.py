@@ -30,7 +30,7 @@ from tally.datasets.domain_linear import domain_linear, federation, subspace_dis
 from tally.models.domain import linear_encoder, mlp_encoder
 from tally.training.domain import DomainTrainer, initial_params
 from tally.secagg import ThreatModel
-from tally.sim.engine import SecureSum, plain_sum, run_rounds
+from tally.sim.rounds import SecureSum, plain_sum, run_rounds
 
 CPU = torch.device("cpu")
 EXACT = {"head_solver": "newton", "head_epochs": 1, "damping": 0.0}
@@ -415,7 +415,7 @@ def test_default_options_learn_a_concept_shift_that_one_model_cannot():
 
 
 class _RecordingServer:
-    """The server half as the engine sees it, recording what crosses into it and out of it."""
+    """The server half as the simulator sees it, recording what crosses into it and out of it."""
 
     def __init__(self, inner):
         self.inner, self.name = inner, inner.name

@@ -24,7 +24,7 @@ from tally.datasets.energy_toy import four_blobs, in_own_region
 from tally.training.energy import EnergyTrainer, export_synthetic, pcd_loss, synthetic_classifier_accuracy
 from tally.models.energy import energy_mlp
 from tally.secagg import ThreatModel
-from tally.sim.engine import SecureSum, plain_sum, run_rounds
+from tally.sim.rounds import SecureSum, plain_sum, run_rounds
 from tally.models.params import get_params
 from tally.training import single_threaded
 

@@ -29,7 +29,7 @@ from tally.secagg import DevicePolicy, SecAggServer
 from tally.secagg.messages import MaskedInputResponse
 from tally.security import TLSConfig, bearer_metadata, certs, load_or_create_ticket_key
 from tally.security.tls import open_channel
-from tally.sim.engine import plain_sum, run_rounds
+from tally.sim.rounds import plain_sum, run_rounds
 from tally.models.mlp import mlp
 from tally.models.params import get_params, set_params
 from tally.training import TorchTrainer, single_threaded

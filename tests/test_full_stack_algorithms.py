@@ -16,7 +16,7 @@ from test_aaggff import quadratic_fleet
 from enrolment_helpers import provisioned_request
 from test_full_stack import run, stack
 from tally import algorithms, modelio
-from tally.sim.engine import plain_sum, run_rounds
+from tally.sim.rounds import plain_sum, run_rounds
 from tally.wire.v1 import common_pb2
 
 

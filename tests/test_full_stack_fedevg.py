@@ -10,7 +10,7 @@ from test_fedevg import TOY, _toy_devices
 from test_full_stack_algorithms import run_job
 from tally import algorithms
 from tally.algorithms.fedevg import SYNTHETIC_X, FedEvgConfig
-from tally.sim.engine import plain_sum, run_rounds
+from tally.sim.rounds import plain_sum, run_rounds
 from tally.models.params import get_params
 
 ROUNDS = 3

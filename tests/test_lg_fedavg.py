@@ -29,7 +29,7 @@ from tally.algorithms.lg_fedavg import (
 from tally.datasets.personal import alpha_sweep, linear_devices, pathological_digits
 from tally.sim.personalisation import local_only_accuracy, personal_accuracy, personal_fleet
 from tally.secagg import ThreatModel
-from tally.sim.engine import SecureSum, plain_sum, run_rounds
+from tally.sim.rounds import SecureSum, plain_sum, run_rounds
 from tally.models.mlp import mlp
 from tally.models.params import get_params
 from tally.training import single_threaded

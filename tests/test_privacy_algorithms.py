@@ -24,7 +24,7 @@ from tally.privacy.payload import FIELD_PREFIX, PARAMS, PrivateClient, privatise
 from tally.privacy.sensitivity import DECLARED, Role, layout
 from tally.privacy.server import PrivacySettings, PrivateServer
 from tally.privacy.simulation import RingSum
-from tally.sim.engine import run_rounds
+from tally.sim.rounds import run_rounds
 from tally.training import single_threaded
 
 PRIVACY = "privacy: {{mechanism: {mechanism}, clip: 1.0, target_epsilon: 8}}\n"

@@ -12,7 +12,7 @@ from tally.datasets.digits import digits
 from tally.algorithms.base import flatten
 from tally.cli import main
 from tally.secagg import ThreatModel
-from tally.sim.engine import SecureSum, plain_sum, run_rounds
+from tally.sim.rounds import SecureSum, plain_sum, run_rounds
 from tally.models.mlp import mlp
 from tally.models.params import get_params
 from tally.training import TorchTrainer, single_threaded

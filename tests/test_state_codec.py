@@ -17,7 +17,7 @@ import pytest
 
 from coordinator.state_codec import UnsupportedState, state_from_bytes, state_to_bytes
 from tally import algorithms
-from tally.sim.engine import plain_sum, run_rounds
+from tally.sim.rounds import plain_sum, run_rounds
 from tally.sim.tasks import TaskArgs, build
 
 # algorithm -> (dataset, extra options): the smallest setting that exercises its whole state.

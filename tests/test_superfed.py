@@ -18,7 +18,7 @@ from tally.datasets.personal import gaussian_classes, pathological_digits
 from tally.training.personal import cos_squared, mixed_objective, module_of
 from tally.sim.personalisation import personal_accuracy, personal_fleet
 from tally.secagg import ThreatModel
-from tally.sim.engine import SecureSum, plain_sum, run_rounds
+from tally.sim.rounds import SecureSum, plain_sum, run_rounds
 from tally.models.mlp import mlp
 from tally.models.params import get_params
 from tally.training import TorchTrainer, single_threaded

@@ -3,7 +3,7 @@
 A round is an ordered list of steps; each step is: the server broadcasts, devices compute, one secure
 sum, the server updates. The server half only ever receives the *total* of a step's payload over the
 round's devices: that is the one rule made structural. The client half keeps whatever must stay on the
-device in ``local_state``. The simulator (``tally.sim.engine``) and the services (coordinator, client
+device in ``local_state``. The simulator (``tally.sim.rounds``) and the services (coordinator, client
 SDK) run any pair of halves that follows this contract, so everything they rely on is declared here:
 the step flags on ``StepSpec``, the server half's methods, the per-silo broadcast of personal
 steps (``PersonalBroadcast``), the personal model of a personalised client half
@@ -48,7 +48,7 @@ class StepSpec:
       ``count`` field is 1, or 0 for a device with nothing to reveal. The runner logs every reveal
       and counts the values (devices × revealed names): the coordinator in
       ``tally_coordinator_revealed_values_total``, the simulator in
-      ``tally.sim.engine.REVEALED_VALUES``. Differential privacy refuses such a step.
+      ``tally.sim.rounds.REVEALED_VALUES``. Differential privacy refuses such a step.
     """
 
     name: str

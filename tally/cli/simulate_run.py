@@ -18,7 +18,7 @@ from tally.algorithms import aaggff
 from tally.cli.console import console as cli_console
 from tally.secagg import ThreatModel, UnsafeParameters
 from tally.sim import tasks
-from tally.sim.engine import SecureSum, plain_sum, run_rounds
+from tally.sim.rounds import SecureSum, plain_sum, run_rounds
 from tally.training import single_threaded
 
 
