@@ -72,7 +72,7 @@ from tally.secagg import (
     run_cohort,
 )
 from tally.secagg.driver import TIMED_PHASES
-from tally.secagg.wire import payload_bytes, seed_commitment
+from tally.secagg.layouts import payload_bytes, seed_commitment
 
 SUM_ID = "x"
 CLIP = 1.0

@@ -24,7 +24,7 @@ from tally.wire.join import JOIN_METADATA, join_metadata
 from tally.wire.v1 import secagg_pb2
 from tally.wire.v1.aggregator_pb2 import AwaitResultRequest, CloseSessionRequest
 from tally.wire.v1.aggregator_pb2_grpc import AggregatorControlStub
-from tally.secagg.wire import advertise_statement
+from tally.secagg.layouts import advertise_statement
 from test_aggregator import (  # noqa: F401  (deployment is a fixture)
     CODE,
     rpc_error,

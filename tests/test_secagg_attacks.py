@@ -52,7 +52,7 @@ from tally.secagg.messages import (
     UnmaskResponse,
 )
 from tally.secagg.params import GraphParams
-from tally.secagg.wire import (
+from tally.secagg.layouts import (
     SeedCommitments,
     advertise_statement,
     consistency_message,

@@ -47,7 +47,7 @@ from tally.secagg.messages import (
 from tally.secagg import shamir, sharecheck
 from tally.secagg.params import GraphParams
 from secagg_helpers import lax_client, roster
-from tally.secagg.wire import SHARE_CIPHERTEXT_BYTES
+from tally.secagg.layouts import SHARE_CIPHERTEXT_BYTES
 from tally.wire import generate
 from tally.wire.join import join_from_metadata, join_metadata
 from tally.wire.chunks import ChunkError, MaskedInputAssembler, split_masked_input

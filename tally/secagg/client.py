@@ -57,7 +57,7 @@ from tally.secagg.messages import (
     UnmaskResponse,
 )
 from tally.secagg.policy import DevicePolicy
-from tally.secagg.wire import (
+from tally.secagg.layouts import (
     SHARE_CIPHERTEXT_BYTES,
     advertise_statement,
     consistency_message,

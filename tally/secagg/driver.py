@@ -35,7 +35,7 @@ from tally.secagg.messages import (
 from tally.secagg.params import ThreatModel
 from tally.secagg.policy import DevicePolicy
 from tally.secagg.server import SecAggServer
-from tally.secagg.wire import payload_bytes
+from tally.secagg.layouts import payload_bytes
 
 PHASES = ("advertise_keys", "share_keys", "masked_input", "consistency_check", "unmask")
 # Every phase a run times, in protocol order: the share-checking ones (server: complaints, and

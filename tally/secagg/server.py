@@ -56,7 +56,7 @@ from tally.secagg.messages import (
     UnmaskRequest,
     UnmaskResponse,
 )
-from tally.secagg.wire import (
+from tally.secagg.layouts import (
     COMMITMENT_BYTES,
     SHARE_CIPHERTEXT_BYTES,
     SeedCommitments,

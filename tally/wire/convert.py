@@ -57,7 +57,7 @@ from tally.secagg.messages import (
 )
 from tally.secagg import crypto, shamir, sharecheck
 from tally.secagg.params import GraphParams
-from tally.secagg.wire import COMMITMENT_BYTES, SHARE_CIPHERTEXT_BYTES
+from tally.secagg.layouts import COMMITMENT_BYTES, SHARE_CIPHERTEXT_BYTES
 from tally.wire.v1 import aggregator_pb2, common_pb2, secagg_pb2
 
 __all__ = [
