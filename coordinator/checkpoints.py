@@ -13,7 +13,7 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
-from coordinator import registry
+from coordinator import catalogue
 from coordinator.failures import JobFailed
 from coordinator.jobspec import JobSpec
 from coordinator.onnx_export import export_model
@@ -40,7 +40,7 @@ class Checkpoints:
         store = self._store
         version = store.model_version(self.job_id)
         if version is None:
-            state = self.server.init(registry.initial_model(self.spec.model))
+            state = self.server.init(catalogue.initial_model(self.spec.model))
             store.add_model_version(await self.write(0, state))
             return state
         if version.round != committed:

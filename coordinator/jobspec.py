@@ -22,7 +22,7 @@ from typing import Annotated, Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, create_model
 
-from coordinator import registry
+from coordinator import catalogue
 from tally import algorithms, models
 from tally.algorithms.options import OPTIONS
 from tally.adaptation_options import (
@@ -387,15 +387,15 @@ def _check_relations(raw: Mapping[str, Any], valid: dict[str, Any], errors: list
     if min_cohort is not None and "max_cohort_per_aggregator" in raw and per_aggregator < min_cohort:
         errors.append(f"max_cohort_per_aggregator: {per_aggregator} is below min_cohort {min_cohort}")
     model = valid.get("model", ModelSpec() if "model" not in raw else None)
-    if model is not None and model.kind not in registry.model_kinds():
-        errors.append(f"model.kind: {model.kind!r} is not one of {list(registry.model_kinds())}")
+    if model is not None and model.kind not in catalogue.model_kinds():
+        errors.append(f"model.kind: {model.kind!r} is not one of {list(catalogue.model_kinds())}")
         model = None
     secure = valid.get("secure", SecureSpec() if "secure" not in raw else None)
     if secure is not None:
         _check_secure(secure, min_cohort, errors)
     algorithm = valid.get("algorithm")
-    if algorithm is not None and algorithm not in registry.algorithm_names():
-        errors.append(f"algorithm: {algorithm!r} is not one of {list(registry.algorithm_names())}")
+    if algorithm is not None and algorithm not in catalogue.algorithm_names():
+        errors.append(f"algorithm: {algorithm!r} is not one of {list(catalogue.algorithm_names())}")
         algorithm = None
     reveal = valid.get("reveal", () if "reveal" not in raw else None)
     if algorithm is not None and reveal is not None:
@@ -416,8 +416,8 @@ def _check_relations(raw: Mapping[str, Any], valid: dict[str, Any], errors: list
     if privacy is not None and None not in (algorithm, config, model, secure, min_cohort) and "rounds" in valid:
         errors += privacy_spec.job_problems(
             privacy, algorithm=algorithm,
-            make_server=lambda: registry.make_server(algorithm, {**config, "reveal": list(reveal)} if reveal else config),
-            initial=lambda: registry.initial_model(model), secure=secure, rounds=valid["rounds"],
+            make_server=lambda: catalogue.make_server(algorithm, {**config, "reveal": list(reveal)} if reveal else config),
+            initial=lambda: catalogue.initial_model(model), secure=secure, rounds=valid["rounds"],
             cohort_size=cohort, min_cohort=min_cohort,
         )
 
@@ -478,13 +478,13 @@ def _check_options(
     if typed_errors:
         return
     try:
-        server = registry.make_server(algorithm, {**config, "reveal": list(reveal)} if reveal else config)
+        server = catalogue.make_server(algorithm, {**config, "reveal": list(reveal)} if reveal else config)
     except (TypeError, ValueError) as exc:
         errors.append(f"config: {exc}")
         return
     if model is None:
         return
     try:  # what the first round does: options that do not fit the model fail here, not at start
-        server.steps(server.init(registry.initial_model(model)))
+        server.steps(server.init(catalogue.initial_model(model)))
     except (TypeError, ValueError, KeyError) as exc:
         errors.append(f"model: the {model.kind} model does not fit {algorithm}'s options: {exc}")

@@ -43,7 +43,7 @@ from typing import Any
 
 import numpy as np
 
-from coordinator import registry
+from coordinator import catalogue
 from coordinator.aggregators import AggregatorPool
 from coordinator.checkin_holds import CheckInHolds, CheckInResult
 from coordinator.checkpoints import Checkpoints
@@ -138,7 +138,7 @@ class JobRunner:
         self._on_done = on_done
         self.resumed = resumed
         # A job with a privacy: section releases noisy sums only (tally/privacy).
-        self.server = private_job_server(registry.make_server(spec.algorithm, spec.config), spec)
+        self.server = private_job_server(catalogue.make_server(spec.algorithm, spec.config), spec)
         self.ledger = getattr(self.server, "ledger", None)
         if self.ledger is not None:
             privacy_metrics.publish(job_id, self.ledger)

@@ -16,7 +16,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from coordinator import registry
+from coordinator import catalogue
 from tally import algorithms
 from tally.algorithms import aaggff, fedavg, lg_fedavg, superfed
 from tally.algorithms.base import Options, PersonalBroadcast, PersonalisedClient
@@ -154,9 +154,9 @@ class Recorder:
 @pytest.fixture(scope="module")
 def example():
     module = _example()
-    registry.register_algorithm("evaluated_average", module.make_server)
+    catalogue.register_algorithm("evaluated_average", module.make_server)
     yield module
-    registry.unregister_algorithm("evaluated_average")
+    catalogue.unregister_algorithm("evaluated_average")
 
 
 @settings(max_examples=8, deadline=None)
@@ -166,8 +166,8 @@ def example():
 def test_the_example_algorithm_runs_end_to_end_and_its_server_sees_exactly_the_sums(
         example, targets, rounds, server_lr, dropout, seed):
     options = {"local_epochs": 2, "local_lr": 0.3, "server_lr": server_lr}
-    assert "evaluated_average" in registry.algorithm_names()
-    server = registry.make_server("evaluated_average", options)
+    assert "evaluated_average" in catalogue.algorithm_names()
+    server = catalogue.make_server("evaluated_average", options)
     client = example.EvaluatedAverageClient(example.EvaluatedAverageConfig.from_dict(options))
     devices = [QuadraticDevice(np.array(t)) for t in targets]
     secure = SecureSum(ThreatModel(dropout_rate=0.2, corrupt_rate=0.0, malicious_server=False), dropout, seed)
@@ -202,9 +202,9 @@ def test_the_example_algorithm_runs_end_to_end_and_its_server_sees_exactly_the_s
 
 
 def test_the_example_refuses_a_round_no_device_counted_in(example):
-    server = registry.make_server("evaluated_average", None)
+    server = catalogue.make_server("evaluated_average", None)
     state = server.init({"w": np.zeros(2)})
     with pytest.raises(ValueError, match="no device contributed to the 'update' sum"):
         server.apply(state, "update", {"delta": np.zeros(2), "count": np.int64(0)})
     with pytest.raises(ValueError, match=r"unknown evaluated_average options \['lr'\]"):
-        registry.make_server("evaluated_average", {"lr": 0.1})
+        catalogue.make_server("evaluated_average", {"lr": 0.1})

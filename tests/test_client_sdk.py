@@ -720,7 +720,7 @@ class TwoStepClient:
 
 
 def test_multi_sum_session_fetches_later_steps_with_get_step(monkeypatch):
-    monkeypatch.setitem(algorithms._REGISTRY, "twostep", (TwoStepConfig, lambda config: None, TwoStepClient))
+    monkeypatch.setitem(algorithms._BUILT_IN, "twostep", (TwoStepConfig, lambda config: None, TwoStepClient))
     stats_schema = PayloadSchema((Field("value", (), clip=10.0, frac_bits=12),
                                   Field("n", (), kind=Kind.COUNT, clip=10)))
     centred_schema = PayloadSchema((Field("centred", (), clip=10.0, frac_bits=12),))

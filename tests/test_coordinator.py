@@ -35,7 +35,7 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from enrolment_helpers import provisioned_request
 from tally.cli import coordinator as coordinator_cli
-from coordinator import jobspec, registry
+from coordinator import catalogue, jobspec
 from coordinator.runner import RETRY_BACKOFF_FIRST_S
 from coordinator.aggregators import aio_channel, parse_aggregator
 from coordinator.planner import (
@@ -171,9 +171,9 @@ class TwoStepServer:
 
 @pytest.fixture
 def twostep():
-    registry.register_algorithm("twostep", TwoStepServer)
+    catalogue.register_algorithm("twostep", TwoStepServer)
     yield
-    registry.unregister_algorithm("twostep")
+    catalogue.unregister_algorithm("twostep")
 
 
 # -- unit tests of the planner -------------------------------------------------------------------

@@ -495,7 +495,7 @@ def test_agnostic_fedavg_through_the_services_with_a_coordinator_restart(tmp_pat
     the toy regression through the real services equals the in-process run, model and λ, with the
     coordinator restarted after round 1: the resumed job must continue from the checkpointed λ,
     window and optimizer state, not from ``server.init(model)``."""
-    from coordinator import registry
+    from coordinator import catalogue
     from coordinator.state_codec import state_from_bytes
     from tally import algorithms
     from tally.datasets.toy_regression import toy_regression
@@ -515,7 +515,7 @@ def test_agnostic_fedavg_through_the_services_with_a_coordinator_restart(tmp_pat
         "secure: {dropout_rate: 0.1, corrupt_rate: 0.05}\n"
         "deadlines: {checkin: 10, download: 10, advertise_keys: 4, share_keys: 4, masked_input: 8, unmask: 4}\n"
     )
-    registry.register_model("toy-scalar", lambda _spec: initial)
+    catalogue.register_model("toy-scalar", lambda _spec: initial)
 
     async def main():
         async with stack(tmp_path) as s:
@@ -536,7 +536,7 @@ def test_agnostic_fedavg_through_the_services_with_a_coordinator_restart(tmp_pat
     try:
         job, state, fleet_stats = run(main())
     finally:
-        registry.unregister_model("toy-scalar")
+        catalogue.unregister_model("toy-scalar")
     assert job.state == common_pb2.JOB_STATE_SUCCEEDED and job.committed_round == rounds, job.message
     assert fleet_stats.rounds[job.job_id] == list(range(1, rounds + 1))
     server, client = algorithms.make("agnostic_fedavg", options)

@@ -40,12 +40,12 @@ def run_job(tmp_path, algorithm: str, options: Mapping[str, Any], kind: str, ini
             rounds: int, extra: str = "", probe: Callable[[Any, str], Awaitable[Any]] | None = None):
     """Run the job (its spec plus ``extra`` YAML lines) on the real stack; return the final server
     state and what ``probe(stack, job_id)`` found once the job was done."""
-    from coordinator import registry
+    from coordinator import catalogue
     from coordinator.jobspec import parse
     from coordinator.state_codec import state_from_bytes
 
     text = job_text(kind, algorithm, rounds, len(devices), kind, options) + extra
-    registry.register_model(kind, lambda _spec: initial)
+    catalogue.register_model(kind, lambda _spec: initial)
 
     async def main():
         async with stack(tmp_path) as s:
@@ -61,7 +61,7 @@ def run_job(tmp_path, algorithm: str, options: Mapping[str, Any], kind: str, ini
     try:
         job, state, fleet_stats, probed = run(main())
     finally:
-        registry.unregister_model(kind)
+        catalogue.unregister_model(kind)
     assert job.state == common_pb2.JOB_STATE_SUCCEEDED and job.committed_round == rounds, job.message
     assert fleet_stats.rounds[job.job_id] == list(range(1, rounds + 1))
     return state, probed
@@ -187,12 +187,12 @@ def test_aaggff_s_ons_without_the_reveal_opt_in_is_refused_at_submit(tmp_path):
     import grpc
     import pytest
 
-    from coordinator import registry
+    from coordinator import catalogue
 
     kind = "aaggff-s-refused"
     text = job_text(kind, "aaggff_s", 2, 8, kind, {"num_clients": 8})  # solver defaults to "ons"
     assert "reveal" not in text
-    registry.register_model(kind, lambda _spec: {"w": np.zeros(3)})
+    catalogue.register_model(kind, lambda _spec: {"w": np.zeros(3)})
 
     async def main():
         async with stack(tmp_path) as s:
@@ -203,7 +203,7 @@ def test_aaggff_s_ons_without_the_reveal_opt_in_is_refused_at_submit(tmp_path):
     try:
         error = run(main())
     finally:
-        registry.unregister_model(kind)
+        catalogue.unregister_model(kind)
     assert error.code() == grpc.StatusCode.INVALID_ARGUMENT, error
     assert "reveal" in error.details(), error.details()
     print(f"aaggff_s ons refused: {error.details()!r}")
@@ -257,14 +257,14 @@ def test_a_reveal_for_a_job_without_the_opt_in_is_permission_denied(tmp_path):
     import grpc
     import pytest
 
-    from coordinator import registry
+    from coordinator import catalogue
     from tally.security import bearer_metadata
     from tally.wire.convert import tensors_to_proto
     from tally.wire.v1 import coordinator_pb2, coordinator_pb2_grpc
 
     kind = "aaggff-s-no-reveal"
     text = job_text(kind, "aaggff_s", 2, 8, kind, {"num_clients": 8, "solver": "separable"})
-    registry.register_model(kind, lambda _spec: {"w": np.zeros(3)})
+    catalogue.register_model(kind, lambda _spec: {"w": np.zeros(3)})
 
     async def main():
         async with stack(tmp_path) as s:
@@ -282,6 +282,6 @@ def test_a_reveal_for_a_job_without_the_opt_in_is_permission_denied(tmp_path):
     try:
         error = run(main())
     finally:
-        registry.unregister_model(kind)
+        catalogue.unregister_model(kind)
     assert error.code() == grpc.StatusCode.PERMISSION_DENIED, error
     assert "opt in" in error.details(), error.details()

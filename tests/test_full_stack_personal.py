@@ -36,12 +36,12 @@ def _trainers(seed: int = 0) -> tuple[list[MixingTrainer], dict]:
 def _through_the_services(tmp_path, algorithm: str, options: dict[str, Any]):
     """Run the job on the real stack with every device keeping its local state under a state
     directory; return the final server parameters and each device's local state by index."""
-    from coordinator import registry
+    from coordinator import catalogue
 
     kind = f"personal-{algorithm}"
     devices, initial = _trainers()
     text = job_text(kind, algorithm, ROUNDS, N, kind, options)
-    registry.register_model(kind, lambda _spec: initial)
+    catalogue.register_model(kind, lambda _spec: initial)
 
     async def main():
         async with stack(tmp_path) as s:
@@ -56,7 +56,7 @@ def _through_the_services(tmp_path, algorithm: str, options: dict[str, Any]):
     try:
         job, model, local = run(main())
     finally:
-        registry.unregister_model(kind)
+        catalogue.unregister_model(kind)
     assert job.state == common_pb2.JOB_STATE_SUCCEEDED and job.committed_round == ROUNDS, job.message
     return job.job_id, model, local
 

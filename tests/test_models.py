@@ -15,7 +15,7 @@ from tally.cli import coordinator as coordinator_cli
 from coordinator import jobspec
 from coordinator.jobspec import ModelSpec
 from coordinator.onnx_export import export_model
-from coordinator.registry import initial_model
+from coordinator.catalogue import initial_model
 from tally import models
 from tally.algorithms.base import ModelMismatch
 from tally.models.params import get_params, set_params

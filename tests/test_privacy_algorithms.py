@@ -158,13 +158,13 @@ def payload_from(draw, step: StepSpec) -> dict[str, np.ndarray]:
 
 def small_steps() -> list[tuple[str, StepSpec, Any]]:
     """Every accepted algorithm's steps on a tiny model (one state each)."""
-    from coordinator import registry
+    from coordinator import catalogue
 
     out = []
     for algorithm in sorted(JOBS):
         spec = parse(job(algorithm))
-        server = registry.make_server(algorithm, spec.config)
-        for step in server.steps(server.init(registry.initial_model(spec.model))):
+        server = catalogue.make_server(algorithm, spec.config)
+        for step in server.steps(server.init(catalogue.initial_model(spec.model))):
             out.append((algorithm, step, server))
     return out
 

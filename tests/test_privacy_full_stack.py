@@ -12,7 +12,7 @@ import numpy as np
 
 from test_full_stack import run, scrape_text, stack
 from test_full_stack_algorithms import job_text, run_job
-from coordinator import registry
+from coordinator import catalogue
 from tally.privacy.accounting import PrivacyLedger
 from tally.wire.v1 import common_pb2
 
@@ -79,7 +79,7 @@ def test_a_restarted_coordinator_keeps_the_epsilon_spent(tmp_path):
     growing from what was spent, not from zero."""
     rounds, n = 3, 10
     text = job_text("dp-restart", "fedavg", rounds, n, "dp-restart", {"example_cap": 1}) + PRIVACY
-    registry.register_model("dp-restart", lambda _spec: {"w": np.zeros(15)})
+    catalogue.register_model("dp-restart", lambda _spec: {"w": np.zeros(15)})
 
     async def main():
         async with stack(tmp_path) as s:
@@ -95,7 +95,7 @@ def test_a_restarted_coordinator_keeps_the_epsilon_spent(tmp_path):
     try:
         job, records = run(main())
     finally:
-        registry.unregister_model("dp-restart")
+        catalogue.unregister_model("dp-restart")
     assert job.state == common_pb2.JOB_STATE_SUCCEEDED, job.message
     total, committed = replayed_epsilon(records)
     after_restart = PrivacyLedger(1e-5)
@@ -114,7 +114,7 @@ def test_devices_refuse_noise_below_their_floor_through_the_services(tmp_path):
     rounds, trusting, wary = 2, 14, 3
     text = job_text("dp-floor", "fedavg", rounds, trusting + wary, "dp-floor", {"example_cap": 1}).replace(
         "dropout_rate: 0.1", "dropout_rate: 0.2").replace("min_cohort: 5", "min_cohort: 12") + PRIVACY  # z 0.5
-    registry.register_model("dp-floor", lambda _spec: {"w": np.zeros(15)})
+    catalogue.register_model("dp-floor", lambda _spec: {"w": np.zeros(15)})
 
     async def main():
         async with stack(tmp_path) as s:
@@ -131,7 +131,7 @@ def test_devices_refuse_noise_below_their_floor_through_the_services(tmp_path):
     try:
         job, records, (trusted_stats, wary_stats), metrics = run(main())
     finally:
-        registry.unregister_model("dp-floor")
+        catalogue.unregister_model("dp-floor")
     assert job.state == common_pb2.JOB_STATE_SUCCEEDED, job.message
     assert trusted_stats.rounds[job.job_id] == list(range(1, rounds + 1))
     assert wary_stats.rounds.get(job.job_id, []) == []  # not one sum holds a wary device's input

@@ -30,7 +30,8 @@ from tally.algorithms.feddar import (
 from tally.algorithms.lg_fedavg import LGFedAvgClient, LGFedAvgConfig, LGFedAvgServer
 from tally.algorithms.superfed import SuPerFedClient, SuPerFedConfig, SuPerFedServer
 
-_REGISTRY = {
+# name -> (options, server half, client half): what coordinators and devices build each algorithm from.
+_BUILT_IN = {
     "fedavg": (FedAvgConfig, FedAvgServer, FedAvgClient),
     "agnostic_fedavg": (AgnosticFedAvgConfig, AgnosticFedAvgServer, AgnosticFedAvgClient),
     "aaggff_d": (AAggFFDConfig, AAggFFDServer, AAggFFClient),
@@ -42,13 +43,13 @@ _REGISTRY = {
     "fedevg": (FedEvgConfig, FedEvgServer, FedEvgClient),
 }
 
-NAMES = tuple(_REGISTRY)
+NAMES = tuple(_BUILT_IN)
 
 
 def make(name: str, options: Mapping[str, Any] | None = None) -> tuple[ServerAlgorithm, ClientAlgorithm]:
     """The two halves of algorithm ``name`` with the job's options (validated)."""
     config = options_type(name).from_dict(options)
-    _, server, client = _REGISTRY[name]
+    _, server, client = _BUILT_IN[name]
     return server(config), client(config)
 
 
@@ -56,7 +57,7 @@ def options_type(name: str) -> type:
     """The config dataclass of algorithm ``name``: its options and their types (job specs are
     validated against it)."""
     try:
-        return _REGISTRY[name][0]
+        return _BUILT_IN[name][0]
     except KeyError:
         raise ValueError(f"unknown algorithm {name!r}; available: {', '.join(NAMES)}") from None
 

@@ -1,6 +1,6 @@
-"""Which server halves the coordinator can run, and which models a job may start from: the
-algorithms of ``tally.algorithms`` and the torch models of ``tally.models`` (built in or plugged
-in with ``--model-plugin``), plus any registered here.
+"""The coordinator's catalogue: which server halves it can run, and which models a job may start
+from: the algorithms of ``tally.algorithms`` and the torch models of ``tally.models`` (built in or
+plugged in with ``--model-plugin``), plus any registered here.
 
 The hooks exist so an algorithm or a model can be plugged into the coordinator's rounds (and job-spec
 validation) without editing ``tally/algorithms`` or the job-spec format: tests register tiny
@@ -25,7 +25,7 @@ from tally.training.domain import initial_params
 class ModelSpec(Protocol):
     """What a model factory reads of a job's ``model:`` section (``coordinator.jobspec.ModelSpec``).
 
-    Declared here rather than imported: jobspec validates against this registry, so the registry
+    Declared here rather than imported: jobspec validates against this catalogue, so the catalogue
     must not depend on jobspec (tests/test_layers.py refuses the cycle)."""
 
     kind: str
