@@ -35,7 +35,7 @@ from tally.wire.v1 import aggregator_pb2, aggregator_pb2_grpc
 from aggregator.admission import admit
 from aggregator.errors import Rejected, abort
 from aggregator.metrics import AggregatorMetrics
-from aggregator.registry import SessionRegistry
+from aggregator.held_sessions import HeldSessions
 from aggregator.session import Session
 
 log = logging.getLogger("tally.aggregator.control")
@@ -48,7 +48,7 @@ class ControlServicer(aggregator_pb2_grpc.AggregatorControlServicer):
         self,
         aggregator_id: str,
         verifier: TicketVerifier,
-        registry: SessionRegistry,
+        sessions: HeldSessions,
         metrics: AggregatorMetrics,
         clock: Callable[[], float],
         address: Callable[[], str],
@@ -57,7 +57,7 @@ class ControlServicer(aggregator_pb2_grpc.AggregatorControlServicer):
         self._id = aggregator_id
         self._controller = controller
         self._verifier = verifier
-        self._registry = registry
+        self._sessions = sessions
         self._metrics = metrics
         self._clock = clock
         self._address = address
@@ -68,8 +68,8 @@ class ControlServicer(aggregator_pb2_grpc.AggregatorControlServicer):
         try:
             self._check_peer(context)
             plan = admit(request, self._verifier, self._id, self._clock())
-            session = Session(plan, self._metrics, self._registry.finished)
-            self._registry.add(session)
+            session = Session(plan, self._metrics, self._sessions.finished)
+            self._sessions.add(session)
         except Rejected as rejected:
             await self._refuse(context, rejected, "open session refused")
         session.start()
@@ -83,7 +83,7 @@ class ControlServicer(aggregator_pb2_grpc.AggregatorControlServicer):
         try:
             self._check_peer(context)
             presented = self._owner_token(context)
-            session = self._registry.get(request.session_id)
+            session = self._sessions.get(request.session_id)
             self._check_owner(session, presented)
             future = session.result(request.sum_id)
         except Rejected as rejected:
@@ -99,12 +99,12 @@ class ControlServicer(aggregator_pb2_grpc.AggregatorControlServicer):
         try:
             self._check_peer(context)
             presented = self._owner_token(context)
-            session = self._registry.find(request.session_id)
+            session = self._sessions.find(request.session_id)
             if session is not None:  # closing what is already gone is a no-op, so it may be retried
                 self._check_owner(session, presented)
         except Rejected as rejected:
             await self._refuse(context, rejected, "close session refused")
-        self._registry.close(
+        self._sessions.close(
             request.session_id, f"by the coordinator: {request.reason or 'no reason given'}"
         )
         logs.event(log, "session closed", session_id=request.session_id, reason=request.reason)

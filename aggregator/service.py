@@ -33,7 +33,7 @@ from tally.wire.v1 import aggregator_pb2, aggregator_pb2_grpc
 
 from aggregator.control import ControlServicer
 from aggregator.metrics import AggregatorMetrics
-from aggregator.registry import SessionRegistry
+from aggregator.held_sessions import HeldSessions
 from aggregator.stream import SERVICE as DEVICE_SERVICE
 from aggregator.stream import DeviceStreams
 from aggregator.stream import add_to_server as add_device_streams
@@ -90,7 +90,7 @@ class AggregatorService:
         self._control_listen = control_listen
         self._control_options = server_options(max_message_bytes)
         self._verifier = TicketVerifier(ticket_public_key)
-        self._registry = SessionRegistry(result_ttl_s)
+        self._sessions = HeldSessions(result_ttl_s)
         self._clock = clock
         self._controller = controller
         self._servers: list[grpc.aio.Server] = []
@@ -162,13 +162,13 @@ class AggregatorService:
         server = grpc.aio.server(options=options, interceptors=(RefuseUndecodable(),))
         if CONTROL_SERVICE in services:
             aggregator_pb2_grpc.add_AggregatorControlServicer_to_server(
-                ControlServicer(self.id, self._verifier, self._registry, self.metrics, self._clock,
+                ControlServicer(self.id, self._verifier, self._sessions, self.metrics, self._clock,
                                 lambda: self.address, self._controller),
                 server,
             )
         if DEVICE_SERVICE in services:
             add_device_streams(
-                DeviceStreams(self.id, self._verifier, self._registry, self.metrics, self._clock), server)
+                DeviceStreams(self.id, self._verifier, self._sessions, self.metrics, self._clock), server)
         checker = health.aio.HealthServicer()
         self._health.append(checker)
         health_pb2_grpc.add_HealthServicer_to_server(checker, server)
@@ -185,7 +185,7 @@ class AggregatorService:
         self._ready = False
         for checker in self._health:
             await checker.enter_graceful_shutdown()
-        self._registry.close_all("the aggregator is shutting down")
+        self._sessions.close_all("the aggregator is shutting down")
         await self._stop_servers(grace)
         logs.event(log, "aggregator stopped", aggregator_id=self.id)
 

@@ -16,7 +16,7 @@ The protocol core decides everything; this class only feeds it and routes what i
 - what the server emits goes to the queue of each connected device; a device that is not
   connected just misses it, which is exactly what a dropout is.
 
-Nothing outlives the session: the registry drops it when the coordinator closes it or its
+Nothing outlives the session: ``HeldSessions`` drops it when the coordinator closes it or its
 results expire.
 """
 

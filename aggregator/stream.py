@@ -34,7 +34,7 @@ from tally.wire.v1 import secagg_pb2, secagg_pb2_grpc
 
 from aggregator.errors import REFUSALS, Rejected, abort
 from aggregator.metrics import AggregatorMetrics
-from aggregator.registry import SessionRegistry
+from aggregator.held_sessions import HeldSessions
 from aggregator.session import DeviceQueue, Session, StreamEnd
 
 log = logging.getLogger("tally.aggregator.stream")
@@ -75,13 +75,13 @@ class DeviceStreams(secagg_pb2_grpc.SecureAggregationServicer):
         self,
         aggregator_id: str,
         verifier: TicketVerifier,
-        registry: SessionRegistry,
+        sessions: HeldSessions,
         metrics: AggregatorMetrics,
         clock: Callable[[], float],
     ) -> None:
         self._id = aggregator_id
         self._verifier = verifier
-        self._registry = registry
+        self._sessions = sessions
         self._metrics = metrics
         self._clock = clock
         decode = metrics.wire_cpu.labels(direction="decode")
@@ -135,7 +135,7 @@ class DeviceStreams(secagg_pb2_grpc.SecureAggregationServicer):
         except JoinError as exc:
             raise Rejected("UNAUTHENTICATED", str(exc), "not_joined") from None
         ticket = self._verifier.verify(join.session_ticket, self._clock(), aggregator_id=self._id)
-        session = self._registry.get(ticket.session_id)
+        session = self._sessions.get(ticket.session_id)
         queue = session.join(join.session_ticket, join.device_index, join.session_token)
         return session, join.device_index, queue
 

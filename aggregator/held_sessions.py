@@ -13,7 +13,7 @@ from aggregator.errors import Rejected
 from aggregator.session import Session
 
 
-class SessionRegistry:
+class HeldSessions:
     def __init__(self, result_ttl_s: float) -> None:
         if not result_ttl_s > 0:
             raise ValueError(f"result_ttl_s must be > 0, got {result_ttl_s}")
