@@ -17,7 +17,7 @@ from tally.algorithms import aaggff as A
 from tally.algorithms.base import StepSpec
 from tally.algorithms.fedavg import FedAvgClient, FedAvgConfig, FedAvgServer
 from tally.codec import to_ring
-from tally.datasets.heterogeneous import fleet, heterogeneous_digits
+from tally.datasets.heterogeneous import heterogeneous_devices, heterogeneous_digits
 from tally.secagg import ThreatModel
 from tally.sim.rounds import SecureSum, plain_sum, run_rounds
 from tally.training import single_threaded
@@ -659,7 +659,7 @@ def test_aaggff_d_improves_the_worst_decile_over_fedavg_with_secure_sums():
         task = heterogeneous_digits(k, seed=seed)
         row = []
         for name in ("fedavg", "aaggff_d"):
-            devices = fleet(task, seed=seed)
+            devices = heterogeneous_devices(task, seed=seed)
             if name == "fedavg":
                 cfg = FedAvgConfig(local_epochs=1, local_lr=0.1, batch_size=20)
                 server, client = FedAvgServer(cfg), FedAvgClient(cfg)

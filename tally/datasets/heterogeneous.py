@@ -88,7 +88,7 @@ def _rotate(images: np.ndarray) -> np.ndarray:
 
 
 @dataclass
-class Fleet:
+class HeterogeneousDevices:
     """Torch devices for a :class:`HeterogeneousData`: trainers, per-device judges and the pooled test."""
 
     devices: list[TorchTrainer]
@@ -101,7 +101,7 @@ class Fleet:
         return np.array([judge.evaluate(params)[1] for judge in self.holdout])
 
 
-def fleet(task: HeterogeneousData, hidden: int = 32, seed: int = 0) -> Fleet:
+def heterogeneous_devices(task: HeterogeneousData, hidden: int = 32, seed: int = 0) -> HeterogeneousDevices:
     """One MLP per device, all starting from the same initial parameters."""
 
     def factory():
@@ -109,4 +109,4 @@ def fleet(task: HeterogeneousData, hidden: int = 32, seed: int = 0) -> Fleet:
 
     devices = [TorchTrainer(factory, X, y, seed=seed + i) for i, (X, y) in enumerate(task.train)]
     holdout = [TorchTrainer(factory, X, y) for X, y in task.holdout]
-    return Fleet(devices, holdout, TorchTrainer(factory, *task.test), get_params(factory()))
+    return HeterogeneousDevices(devices, holdout, TorchTrainer(factory, *task.test), get_params(factory()))

@@ -132,9 +132,10 @@ def domain_digits_task(args: TaskArgs) -> Task:
 
 
 def heterogeneous_digits_task(args: TaskArgs) -> Task:
-    from tally.datasets.heterogeneous import fleet, heterogeneous_digits
+    from tally.datasets.heterogeneous import heterogeneous_devices, heterogeneous_digits
 
-    fl = fleet(heterogeneous_digits(args.clients, alpha=args.alpha, seed=args.seed), hidden=32, seed=args.seed)
+    data = heterogeneous_digits(args.clients, alpha=args.alpha, seed=args.seed)
+    fl = heterogeneous_devices(data, hidden=32, seed=args.seed)
 
     def final(model: Arrays) -> dict[str, Any]:
         loss, accuracy = fl.test.evaluate(model)
