@@ -354,7 +354,7 @@ class FakeCoordinator(coordinator_pb2_grpc.CoordinatorServicer):
 # ---- fake aggregator: the real SecAggServer behind the device streams -------------------------
 
 
-class FakeAggregator(secagg_pb2_grpc.SecureAggregationServicer):
+class FakeSessionStreams(secagg_pb2_grpc.SecureAggregationServicer):
     """One session. A device whose stream breaks is dead; when the current phase waits only for
     dead devices, the phase's deadline is taken as passed (no clock needed)."""
 
@@ -466,10 +466,10 @@ def device(address: str, name: str, trainer: Any, seed: int, tls: TLSConfig = PL
 
 async def run_cohort(plan: Plan, trainers: dict[int, Any], *, dropouts: Mapping[int, DropoutPlan] | None = None,
                      coordinator_options: Mapping[str, Any] | None = None, announced: SessionConfig | None = None,
-                     cache_dirs: Mapping[int, Any] | None = None, aggregator: FakeAggregator | None = None,
+                     cache_dirs: Mapping[int, Any] | None = None, aggregator: FakeSessionStreams | None = None,
                      tls: tuple[TLSConfig, TLSConfig] = (PLAIN, PLAIN)):
     """``tls``: the servers' and the devices' TLS configuration."""
-    aggregator = aggregator or FakeAggregator(plan, announced)
+    aggregator = aggregator or FakeSessionStreams(plan, announced)
     coordinator = FakeCoordinator(plan, {f"dev-{i}": i for i in trainers}, **(coordinator_options or {}))
     server, port = await serve(coordinator, aggregator, tls=tls[0])
     coordinator.aggregator = f"127.0.0.1:{port}"
@@ -569,7 +569,7 @@ def test_a_device_sends_one_input_per_round_whatever_it_is_asked_and_reports_eve
     task's end reaches the coordinator at the next check-in, with whether an input was sent."""
     plan = fedavg_plan(6, t=3, min_survivors=3)
     trainers = {i: ShiftTrainer(0.02 * i - 0.05, examples=5 + i) for i in range(1, 7)}
-    aggregator = FakeAggregator(plan)
+    aggregator = FakeSessionStreams(plan)
     # Repeated tasks name an aggregator that is gone: a device that takes one fails fast.
     coordinator = FakeCoordinator(plan, {f"dev-{i}": i for i in trainers}, reassign="127.0.0.1:1")
     dropouts = {2: DropoutPlan(1.0, ("masked_input",), seed=1), 3: DropoutPlan(1.0, ("unmask",), seed=1)}
@@ -610,7 +610,7 @@ def test_a_restarted_device_still_sends_one_input_per_round(tmp_path):
     survive, and a fresh device takes the task."""
     plan = fedavg_plan(3, t=2, min_survivors=3)
     trainers = {i: ShiftTrainer(0.01 * i, examples=5) for i in range(1, 4)}
-    aggregator = FakeAggregator(plan)
+    aggregator = FakeSessionStreams(plan)
     coordinator = FakeCoordinator(plan, {f"dev-{i}": i for i in trainers}, reassign="127.0.0.1:1")
 
     async def scenario():
@@ -867,7 +867,7 @@ def test_a_device_refuses_neighbour_keys_the_aggregator_substituted(tmp_path):
             dataclasses.replace(n, keys=forged_keys) if n.index == 2 else n for n in message.neighbours))
 
     trainers = {i: ShiftTrainer(0.1 * i, 4) for i in range(1, 6)}
-    aggregator = FakeAggregator(plan, rewrite=substitute)
+    aggregator = FakeSessionStreams(plan, rewrite=substitute)
     tls = (TLSConfig.from_dir(tmp_path / "coordinator", "coordinator"), TLSConfig.from_dir(tmp_path / "device", None))
     aggregator, _, _, stats = run(run_cohort(plan, trainers, aggregator=aggregator, tls=tls))
     assert stats[1].sessions_aborted == 1 and stats[1].sessions_completed == 0
@@ -894,7 +894,7 @@ def test_a_device_whose_shares_were_withheld_sends_no_input(tmp_path):
 
     trainers = {i: ShiftTrainer(0.1 * i, 4) for i in range(1, 6)}
     tls = (TLSConfig.from_dir(tmp_path / "coordinator", "coordinator"), TLSConfig.from_dir(tmp_path / "device", None))
-    aggregator, _, _, stats = run(run_cohort(plan, trainers, aggregator=FakeAggregator(plan, rewrite=withhold), tls=tls))
+    aggregator, _, _, stats = run(run_cohort(plan, trainers, aggregator=FakeSessionStreams(plan, rewrite=withhold), tls=tls))
     assert stats[1].sessions_aborted == 1 and stats[1].sessions_completed == 0
     assert not any(isinstance(m, MaskedInputResponse) and m.sender == 1 for m in aggregator.received)
     assert aggregator.server.results["update"].contributors == (2, 3, 4, 5)
@@ -951,7 +951,7 @@ def test_fleet_of_torch_devices_on_digits_shards(one_torch_thread):
         return [TorchTrainer(factory, X, y, seed=i, device=torch.device("cpu")) for i, (X, y) in enumerate(fed.clients)]
 
     async def scenario():
-        aggregator = FakeAggregator(plan)
+        aggregator = FakeSessionStreams(plan)
         coordinator = FakeCoordinator(plan, {d: i + 1 for i, d in enumerate(ids)})
         coordinator.job_state = lambda: (common_pb2.JOB_STATE_SUCCEEDED if aggregator.done.is_set()
                                          else common_pb2.JOB_STATE_RUNNING)
@@ -1126,7 +1126,7 @@ def test_fleet_command_runs_devices_against_a_coordinator(until, tmp_path, one_t
     (tmp_path / "enrolment.key").write_bytes(ENROLMENT_KEY)
 
     async def start():
-        aggregator = FakeAggregator(plan)
+        aggregator = FakeSessionStreams(plan)
         coordinator = FakeCoordinator(plan, {d: i + 1 for i, d in enumerate(ids)})
         server, port = await serve(coordinator, aggregator)
         coordinator.aggregator = f"127.0.0.1:{port}"

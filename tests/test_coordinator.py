@@ -418,7 +418,7 @@ class FakeSession:
     changed: asyncio.Condition = field(default_factory=asyncio.Condition)
 
 
-class FakeAggregator(aggregator_pb2_grpc.AggregatorControlServicer):
+class FakeAggregatorControl(aggregator_pb2_grpc.AggregatorControlServicer):
     """Checks tickets and grants like a real aggregator; sums ring vectors in the clear."""
 
     def __init__(self, ident: str, verifier: TicketVerifier) -> None:
@@ -668,7 +668,7 @@ def fedavg_contribution(config: FedAvgConfig) -> Contribute:
 @dataclass
 class Stack:
     service: CoordinatorService
-    aggregators: list[FakeAggregator]
+    aggregators: list[FakeAggregatorControl]
     channel: grpc.aio.Channel
     state_dir: Path
 
@@ -684,7 +684,7 @@ class Stack:
     def admin_md(self):
         return bearer_metadata(self.service.admin_token)
 
-    def aggregator_at(self, address: str) -> FakeAggregator:
+    def aggregator_at(self, address: str) -> FakeAggregatorControl:
         return next(a for a in self.aggregators if a.address == address)
 
     async def devices(
@@ -721,7 +721,7 @@ class Stack:
 async def stack(tmp_path: Path, aggregators: int = 2, **service_args) -> AsyncIterator[Stack]:
     state_dir = tmp_path / "state"
     verifier = TicketVerifier(load_or_create_ticket_key(state_dir).public_key())
-    fakes = [FakeAggregator(f"agg{i}", verifier) for i in range(aggregators)]
+    fakes = [FakeAggregatorControl(f"agg{i}", verifier) for i in range(aggregators)]
     for fake in fakes:
         await fake.start()
     service = CoordinatorService(
@@ -1437,7 +1437,7 @@ def test_tls_to_devices_and_mutual_tls_to_aggregators_from_tally_certs(tmp_path)
     assert tls.cert == own / "coordinator.pem" and tls.ca == own / "ca.pem"
 
     async def main():
-        fake = FakeAggregator("agg0", TicketVerifier(load_or_create_ticket_key(own).public_key()))
+        fake = FakeAggregatorControl("agg0", TicketVerifier(load_or_create_ticket_key(own).public_key()))
         await fake.start(TLSConfig.from_dir(pki / "aggregator-1", "aggregator", require_client_auth=True),
                          host="localhost")
         service = CoordinatorService(
