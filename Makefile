@@ -5,7 +5,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: test demo docs bench-smoke clean prometheus
+.PHONY: test demo docs bench-smoke clean prometheus images test-containers
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -25,7 +25,17 @@ prometheus:
 			--no-install-recommends prometheus >/dev/null || echo "prometheus not installed: its tests will skip"; }
 
 test: $(STAMP) prometheus
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -m "not containers"
+
+# One image per role (localhost/tally-{aggregator,coordinator,client}), built offline with podman:
+# a debootstrap base once, a wheelhouse from this machine's pip (docker/build-images.sh). It needs
+# no .venv: any Python with pip builds the wheelhouse.
+images:
+	PYTHON=$(PYTHON) bash docker/build-images.sh
+
+# The images' contents, and the dev overlay's pods run from them with a real Prometheus.
+test-containers: images prometheus
+	TALLY_REQUIRE_CONTAINERS=1 $(PY) -m pytest -q -m containers -p no:cacheprovider tests/test_containers.py
 
 demo: $(STAMP)
 	$(VENV)/bin/tally demo

@@ -12,6 +12,8 @@ so a manifest that drifted from the code fails here.
 from __future__ import annotations
 
 import base64
+import json
+import os
 import re
 import shutil
 import subprocess
@@ -142,9 +144,12 @@ class LocalPod:
     # -- volumes ---------------------------------------------------------------------------------
 
     def _materialise(self, workload: dict[str, Any]) -> dict[str, Path]:
-        """mountPath -> local directory, with the volume's files written in it."""
+        """mountPath -> local directory, with the volume's files written in it as a kubelet
+        would: each file with its item's mode or the volume's defaultMode, group-owned by the
+        pod's fsGroup (where this process may chown)."""
         claims = {t["metadata"]["name"] for t in workload["spec"].get("volumeClaimTemplates", [])}
         volumes = {v["name"]: v for v in self.spec.get("volumes", [])}
+        fs_group = self.spec.get("securityContext", {}).get("fsGroup")
         config_maps = self.cluster.config_maps()
         mounts = {}
         for mount in self.container.get("volumeMounts", []):
@@ -153,22 +158,31 @@ class LocalPod:
             volume = volumes.get(mount["name"])
             assert volume is not None or mount["name"] in claims, f"{self.name}: no volume {mount['name']}"
             if volume is not None:
-                sources = volume.get("projected", {}).get("sources", [volume])
+                projected = volume.get("projected")
+                sources = projected["sources"] if projected else [volume]
+                mode = (projected or volume.get("secret") or volume.get("configMap") or {}).get("defaultMode", 0o644)
                 for source in sources:
                     if "secret" in source:
                         name = source["secret"].get("secretName") or source["secret"]["name"]
-                        self._write(local, self.cluster.secrets[name], source["secret"].get("items"))
+                        data, items = self.cluster.secrets[name], source["secret"].get("items")
                     elif "configMap" in source:
-                        self._write(local, config_maps[source["configMap"]["name"]], source["configMap"].get("items"))
+                        data, items = config_maps[source["configMap"]["name"]], source["configMap"].get("items")
+                    else:
+                        continue
+                    self._write(local, data, items, mode, fs_group)
             mounts[mount["mountPath"]] = local
         return mounts
 
     @staticmethod
-    def _write(directory: Path, data: dict[str, bytes], items: list[dict[str, str]] | None) -> None:
+    def _write(directory: Path, data: dict[str, bytes], items: list[dict[str, Any]] | None, mode: int,
+               fs_group: int | None) -> None:
         for item in items or [{"key": k, "path": k} for k in data]:
             assert item["key"] in data, f"key {item['key']} missing from a mounted Secret/ConfigMap"
-            (directory / item["path"]).write_bytes(data[item["key"]])
-            (directory / item["path"]).chmod(0o600)
+            path = directory / item["path"]
+            path.write_bytes(data[item["key"]])
+            path.chmod(item.get("mode", mode))
+            if fs_group is not None and os.geteuid() == 0:
+                os.chown(path, -1, fs_group)
 
     # -- env and arguments -----------------------------------------------------------------------
 
@@ -214,7 +228,9 @@ class LocalPod:
         return [str(program), *(self._local(a) for a in command[1:])]
 
     def command(self) -> list[str]:
-        return self.argv([*self.container["command"], *self.container.get("args", [])])
+        """The image's entrypoint program (without its PID-1 init) and the manifest's args."""
+        entry = self.container.get("command") or image_entrypoint(self.container["image"])[-1:]
+        return self.argv([*entry, *self.container.get("args", [])])
 
     def process_env(self, base: dict[str, str]) -> dict[str, str]:
         env = {**base, **self.env}
@@ -224,6 +240,13 @@ class LocalPod:
     def probes(self) -> dict[str, list[str]]:
         return {kind: self.argv(self.container[kind]["exec"]["command"])
                 for kind in ("startupProbe", "readinessProbe", "livenessProbe") if kind in self.container}
+
+
+def image_entrypoint(image: str) -> list[str]:
+    """The ENTRYPOINT of the recipe in docker/ that builds ``image`` (``.../tally-ROLE:TAG``)."""
+    role = image.rsplit("/", 1)[-1].split(":")[0].removeprefix("tally-")
+    recipe = (ROOT / "docker" / f"{role}.Dockerfile").read_text()
+    return json.loads(re.search(r"^ENTRYPOINT (\[.*\])$", recipe, re.M).group(1))
 
 
 def load_secrets(directory: Path) -> dict[str, dict[str, bytes]]:

@@ -25,7 +25,7 @@ pytestmark = pytest.mark.slow
 ROLES = ("aggregator", "coordinator", "client")
 # Distributions a role must not pull in (what the image would carry for nothing).
 FORBIDDEN = {
-    "aggregator": {"torch", "onnx", "onnxruntime", "scikit-learn", "matplotlib", "rich", "pyyaml",
+    "aggregator": {"torch", "scipy", "onnx", "onnxruntime", "scikit-learn", "matplotlib", "rich", "pyyaml",
                    "kubernetes"},
     "coordinator": {"onnxruntime", "scikit-learn", "matplotlib", "kubernetes"},
     "client": {"matplotlib", "kubernetes"},

@@ -8,7 +8,6 @@ the TLS helpers only, so it starts fast in every image, the aggregator's include
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import sys
 from collections.abc import Sequence
 
@@ -32,19 +31,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="present <tls-dir>/NAME.pem and NAME.key as a client certificate (servers that demand "
         "mutual TLS)",
     )
-    p.add_argument(
-        "--server-name", help="name to verify in the server certificate (default: the host of ADDRESS)"
-    )
     add_tls_arguments(p, None)
     return p
 
 
 def check(address: str, args: argparse.Namespace) -> str | None:
     """None when SERVING, else why not."""
-    tls = tls_config_from_args(args)
-    if args.server_name:
-        tls = dataclasses.replace(tls, server_name=args.server_name)
-    with open_channel(address, tls) as channel:
+    with open_channel(address, tls_config_from_args(args)) as channel:
         try:
             reply = health_pb2_grpc.HealthStub(channel).Check(
                 health_pb2.HealthCheckRequest(service=args.service), timeout=args.timeout

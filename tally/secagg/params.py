@@ -115,16 +115,23 @@ def _log_disconnect_bound(n: int, k: int, bad: int) -> float:
     )
 
 
+def _log_choose(n: int, k: int) -> float:
+    return math.lgamma(n + 1) - math.lgamma(k + 1) - math.lgamma(n - k + 1)
+
+
 def _log_tails(n: int, successes: int, k: int) -> tuple[np.ndarray, np.ndarray]:
     """log P[X > j] and log P[X < j] for j = 0..k, X ~ Hypergeometric(n, successes, k).
 
     Accumulating log-pmfs keeps the 2^-40-scale tails exact where 1 - cdf would round to zero.
-    scipy.stats is imported here, not with the module: it costs every process half a second of
-    start-up (an aggregator restarting mid-round, each fleet process), and only planning needs it.
+    The pmf is written out with lgamma rather than taken from scipy.stats: the aggregator checks
+    every session's parameters with it, and its image carries no scipy.
     """
-    from scipy.stats import hypergeom
-
-    logpmf = hypergeom.logpmf(np.arange(k + 1), n, successes, k)
+    total = _log_choose(n, k)
+    logpmf = np.array([
+        _log_choose(successes, j) + _log_choose(n - successes, k - j) - total
+        if j <= successes and k - j <= n - successes else -np.inf
+        for j in range(k + 1)
+    ])
     log_ge = np.logaddexp.accumulate(logpmf[::-1])[::-1]  # log P[X >= j]
     log_le = np.logaddexp.accumulate(logpmf)  # log P[X <= j]
     log_gt = np.append(log_ge[1:], -np.inf)

@@ -305,7 +305,7 @@ def peer_identity(context: grpc.ServicerContext) -> str | None:
 
 
 def add_tls_arguments(parser: argparse.ArgumentParser, identity: str | None) -> None:
-    """``--tls-dir``, ``--ca``, ``--cert``, ``--key``, ``--insecure`` and
+    """``--tls-dir``, ``--ca``, ``--cert``, ``--key``, ``--server-name``, ``--insecure`` and
     ``--require-client-cert``; ``identity`` is the default certificate name in ``--tls-dir``."""
     g = parser.add_argument_group("TLS")
     g.add_argument("--tls-dir", type=Path, help="this role's directory of `tally certs` output")
@@ -314,6 +314,11 @@ def add_tls_arguments(parser: argparse.ArgumentParser, identity: str | None) -> 
     g.add_argument("--key", type=Path, help="private key (overrides --tls-dir)")
     if identity is not None:
         g.set_defaults(tls_identity=identity)
+    g.add_argument(
+        "--server-name", metavar="NAME",
+        help="clients: the name to verify in the server's certificate (default: the host dialled); "
+        "for a server reached by IP or through a port-forward",
+    )
     g.add_argument(
         "--insecure", action="store_true", help="plaintext gRPC; refused unless on loopback"
     )
@@ -339,7 +344,8 @@ def tls_config_from_args(args: argparse.Namespace) -> TLSConfig:
             raise ValueError(f"--tls-dir: {base} has no {path.name} (is it this role's directory of "
                              "`tally certs` output?)")
     return TLSConfig(
-        ca=ca, cert=cert, key=key, require_client_auth=getattr(args, "require_client_cert", False)
+        ca=ca, cert=cert, key=key, require_client_auth=getattr(args, "require_client_cert", False),
+        server_name=getattr(args, "server_name", None),
     )
 
 

@@ -1,0 +1,82 @@
+#!/usr/bin/env bash
+# `make images`: the three role images, built with podman on this machine and without a registry.
+#
+#   1. a base image (Debian bookworm minbase + python3, python3-venv, tini) from debootstrap, once;
+#   2. a wheelhouse on the host (build/wheelhouse): the project's wheel and every dependency, torch
+#      the CPU build pip finds locally, so the image builds install with --no-index;
+#   3. one image per role: localhost/tally-{aggregator,coordinator,client}:VERSION.
+#
+# Environment: BASE (an existing image to build on instead of the debootstrap one), PYTHON (the
+# interpreter whose pip builds the wheelhouse; python3 by default), DEBIAN_MIRROR.
+# Podman runs with cgroupfs and runc and explicit ulimits: crun fails on this machine's hybrid
+# cgroups, and without limits setrlimit(RLIMIT_NOFILE) is refused.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+VERSION=$(sed -n 's/^version = "\(.*\)"/\1/p' pyproject.toml | head -1)
+BASE=${BASE:-localhost/tally-base:bookworm}
+PYTHON=${PYTHON:-python3}
+DEBIAN_MIRROR=${DEBIAN_MIRROR:-http://deb.debian.org/debian}
+PODMAN=(podman --cgroup-manager=cgroupfs)
+RUNTIME=(--runtime /usr/sbin/runc --ulimit nofile=20000:20000 --ulimit nproc=4096:4096)
+
+say() { printf '[images] %s\n' "$*" >&2; }
+
+need_tools() {
+    local missing=()
+    for tool in podman runc debootstrap; do
+        command -v "$tool" >/dev/null || missing+=("$tool")
+    done
+    [ ${#missing[@]} -eq 0 ] && return
+    say "installing podman, runc and debootstrap (missing: ${missing[*]})"
+    local sudo=""
+    [ "$(id -u)" = 0 ] || sudo="sudo -n"
+    $sudo apt-get update -qq
+    DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq --no-install-recommends \
+        podman runc debootstrap uidmap slirp4netns containernetworking-plugins iptables >/dev/null
+}
+
+build_base() {
+    if "${PODMAN[@]}" image exists "$BASE"; then
+        say "base $BASE: present"
+        return
+    fi
+    [ "$BASE" = localhost/tally-base:bookworm ] || { say "base image $BASE is missing"; exit 1; }
+    local root=build/base-rootfs
+    say "base $BASE: debootstrap bookworm from $DEBIAN_MIRROR (a few minutes, once)"
+    rm -rf "$root"
+    debootstrap --variant=minbase --include=python3,python3-venv,tini bookworm "$root" "$DEBIAN_MIRROR" >/dev/null
+    # What no container needs: package lists, documentation, man pages, locales, apt's caches.
+    rm -rf "$root"/var/lib/apt/lists/* "$root"/var/cache/apt/* "$root"/usr/share/doc/* \
+        "$root"/usr/share/man/* "$root"/usr/share/info/* "$root"/usr/share/locale/*
+    tar -C "$root" -c . | "${PODMAN[@]}" import --change 'CMD ["/bin/bash"]' - "$BASE" >/dev/null
+    rm -rf "$root"
+}
+
+build_wheelhouse() {
+    say "wheelhouse: build/wheelhouse"
+    mkdir -p build/wheelhouse
+    rm -f build/wheelhouse/tally-*.whl
+    # (pip's complaints about this machine's configured local indexes are noise here)
+    "$PYTHON" -m pip wheel --quiet --disable-pip-version-check -c constraints.txt \
+        --wheel-dir build/wheelhouse '.[coordinator,client]' 2> >(grep -v 'is ignored: it is neither' >&2)
+}
+
+build_role() {
+    local role=$1 image=localhost/tally-$1:$VERSION
+    say "image $image"
+    "${PODMAN[@]}" build --quiet --format docker "${RUNTIME[@]}" --pull=never \
+        --ignorefile "docker/$role.Dockerfile.dockerignore" \
+        --build-arg BASE="$BASE" --build-arg VERSION="$VERSION" \
+        --build-arg REVISION="$(git rev-parse HEAD 2>/dev/null || echo unknown)" \
+        -f "docker/$role.Dockerfile" -t "$image" . >/dev/null
+}
+
+need_tools
+build_base
+build_wheelhouse
+for role in aggregator coordinator client; do
+    build_role "$role"
+done
+"${PODMAN[@]}" image prune --force >/dev/null
+"${PODMAN[@]}" images --filter reference='localhost/tally-*' --format '{{.Repository}}:{{.Tag}} {{.Size}}'
