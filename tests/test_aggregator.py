@@ -41,7 +41,7 @@ from aggregator.metrics import AggregatorMetrics
 from aggregator.session import Session
 from client_sdk.session import CORRUPT_MESSAGE
 from tally.codec import Field, Kind, PayloadSchema, packed_size, to_ring
-from secagg_helpers import identities, roster
+from support.secagg import identities, roster
 from tally.secagg import DevicePolicy, SecAggClient, SessionConfig, SessionRef, ThreatModel
 from tally.secagg.messages import (
     Abort,

@@ -16,7 +16,7 @@ import pytest
 from cryptography.hazmat.primitives import serialization
 
 from aggregator import AggregatorService
-from secagg_helpers import identities
+from support.secagg import identities
 from tally.secagg.messages import AdvertiseKeys, UnmaskResponse
 from tally.security import TLSConfig, certs
 from tally.security.tls import channel_credentials

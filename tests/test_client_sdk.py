@@ -36,7 +36,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 import torch
-from secagg_helpers import LAX, identities, roster
+from support.secagg import LAX, identities, roster
 from google.protobuf.timestamp_pb2 import Timestamp
 from cryptography.hazmat.primitives.asymmetric import ed25519
 from rich.console import Console

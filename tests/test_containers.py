@@ -23,11 +23,11 @@ from typing import Any
 import pytest
 import yaml
 
-from deploy_helpers import ROOT
-from k8s_manifests import K8S, Cluster, LocalPod, find, image_entrypoint, load_secrets, one, render
-from live_prometheus import LivePrometheus, needs_prometheus
-from operator_scrape import scrape_configs, targets
-from pod_containers import ContainerPod, can_run_containers, podman, remove_everything, service_hosts, start
+from support.deploy import ROOT
+from support.manifests import K8S, Cluster, LocalPod, find, image_entrypoint, load_secrets, one, render
+from support.prometheus import LivePrometheus, needs_prometheus
+from support.operator_scrape import scrape_configs, targets
+from support.containers import ContainerPod, can_run_containers, podman, remove_everything, service_hosts, start
 from tally.cli import main as tally_main
 
 pytestmark = pytest.mark.containers

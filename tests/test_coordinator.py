@@ -33,7 +33,7 @@ import torch
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
-from enrolment_helpers import provisioned_request
+from support.enrolment import provisioned_request
 from tally.cli import coordinator as coordinator_cli
 from coordinator import catalogue, jobspec
 from coordinator.runner import RETRY_BACKOFF_FIRST_S

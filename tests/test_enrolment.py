@@ -27,7 +27,7 @@ from tally.cli import enrol as enrol_cli
 from coordinator.ratelimit import RateLimit, SourceRateLimiter
 from tally.security.peers import source_of
 from coordinator.service import CoordinatorService
-from enrolment_helpers import provisioned_request
+from support.enrolment import provisioned_request
 from tally.cli import main as tally
 from tally.secagg import SigningKey
 from tally.security import TLSConfig, bearer_metadata, load_or_create_ticket_key

@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 
 from test_aaggff import quadratic_fleet
-from enrolment_helpers import provisioned_request
+from support.enrolment import provisioned_request
 from test_full_stack import run, stack
 from tally import algorithms, modelio
 from tally.sim.rounds import plain_sum, run_rounds

@@ -15,8 +15,8 @@ from typing import Any
 import pytest
 import yaml
 
-from deploy_helpers import ROOT, Service, clean_env, poll_until_ok
-from k8s_manifests import (
+from support.deploy import ROOT, Service, clean_env, poll_until_ok
+from support.manifests import (
     FLEET_OVERLAYS, K8S, OVERLAYS, Cluster, LocalPod, env_value, find, image_entrypoint, kubernetes_validate, load_secrets, one, render,
     versions,
 )

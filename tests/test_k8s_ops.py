@@ -12,8 +12,8 @@ from typing import Any
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from deploy_helpers import JOB_SPEC, Service, clean_env, poll_until_ok
-from k8s_manifests import K8S, kubernetes_validate, render, versions
+from support.deploy import JOB_SPEC, Service, clean_env, poll_until_ok
+from support.manifests import K8S, kubernetes_validate, render, versions
 from tally.cli import main as tally_main
 from tally.ops import k8s
 from tally.cli.k8s import coordinator_jobs

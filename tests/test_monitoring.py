@@ -20,7 +20,7 @@ import pytest
 import yaml
 
 from client_sdk import ClientMetrics, DropoutPlan
-from live_prometheus import PROMTOOL, LivePrometheus, needs_prometheus, needs_promtool
+from support.prometheus import PROMTOOL, LivePrometheus, needs_prometheus, needs_promtool
 from tally.metrics import MetricsServer
 from test_full_stack import run, spec, stack, trainers
 from test_metrics_catalogue import catalogue

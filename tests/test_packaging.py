@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from deploy_helpers import JOB_SPEC, ROOT, Service, clean_env, poll_until_ok
+from support.deploy import JOB_SPEC, ROOT, Service, clean_env, poll_until_ok
 from tally.security import certs
 
 pytestmark = pytest.mark.slow

@@ -14,7 +14,7 @@ from collections.abc import Callable
 
 import numpy as np
 import pytest
-from secagg_helpers import (
+from support.secagg import (
     Cohort,
     identities,
     lax_client,
@@ -23,7 +23,7 @@ from secagg_helpers import (
     share_pairs,
     with_shares,
 )
-from secagg_split_view import SplitViewServer
+from support.split_view import SplitViewServer
 
 from tally.codec import Field, Kind, PayloadSchema, ring_mask, to_ring
 from tally.secagg import (

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from secagg_helpers import Cohort, identities, lax_client, make_config, random_inputs
+from support.secagg import Cohort, identities, lax_client, make_config, random_inputs
 
 from tally.secagg import DealingFault, MalformedMessage, SecAggServer, shamir, sharecheck
 from tally.secagg.client import _AwaitShareVerdict

@@ -8,7 +8,7 @@ import dataclasses
 import numpy as np
 import pytest
 
-from secagg_helpers import lax_client, lax_cohort, make_config, random_inputs, share_pairs, with_shares
+from support.secagg import lax_client, lax_cohort, make_config, random_inputs, share_pairs, with_shares
 from tally.secagg import (
     DuplicateMessage,
     MalformedMessage,

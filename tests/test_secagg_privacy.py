@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from scipy import stats
 
-from secagg_helpers import lax_client, lax_cohort, make_config, random_inputs
+from support.secagg import lax_client, lax_cohort, make_config, random_inputs
 from tally.codec import unpack
 from tally.secagg import Dropout, SessionAbortedError, run_cohort
 from tally.secagg.messages import MaskedInputResponse, UnmaskRequest, UnmaskResponse

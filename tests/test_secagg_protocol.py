@@ -9,7 +9,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from secagg_helpers import expected_outcome, lax_client, lax_cohort, make_config, random_inputs, roster
+from support.secagg import expected_outcome, lax_client, lax_cohort, make_config, random_inputs, roster
 from tally.codec import Field, Kind, OverflowRefused, PayloadSchema, ring_mask
 from tally.secagg import (
     Dropout,

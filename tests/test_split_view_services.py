@@ -10,7 +10,7 @@ import asyncio
 
 import numpy as np
 import pytest
-from secagg_split_view import Attempt, SplitViewServer
+from support.split_view import Attempt, SplitViewServer
 from test_full_stack import run, stack
 
 from aggregator import session as aggregator_session

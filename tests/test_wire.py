@@ -46,7 +46,7 @@ from tally.secagg.messages import (
 )
 from tally.secagg import shamir, sharecheck
 from tally.secagg.params import GraphParams
-from secagg_helpers import lax_client, roster
+from support.secagg import lax_client, roster
 from tally.secagg.layouts import SHARE_CIPHERTEXT_BYTES
 from tally.wire import generate
 from tally.wire.join import join_from_metadata, join_metadata

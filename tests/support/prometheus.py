@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 import yaml
 
-from deploy_helpers import free_port
+from support.deploy import free_port
 
 PROMTOOL, PROMETHEUS = shutil.which("promtool"), shutil.which("prometheus")
 needs_promtool = pytest.mark.skipif(

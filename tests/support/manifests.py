@@ -25,7 +25,7 @@ from typing import Any
 import pytest
 import yaml
 
-from deploy_helpers import ROOT, free_port
+from support.deploy import ROOT, free_port
 
 K8S = ROOT / "k8s"
 OVERLAYS = ("dev", "prod", "loadtest")

@@ -19,8 +19,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from k8s_manifests import Cluster, LocalPod, expand
-from operator_scrape import RunningPod
+from support.manifests import Cluster, LocalPod, expand
+from support.operator_scrape import RunningPod
 
 PODMAN = ["podman", "--cgroup-manager=cgroupfs"]
 # crun fails on this machine's hybrid cgroups; without explicit limits setrlimit is refused.
