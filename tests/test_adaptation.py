@@ -22,15 +22,12 @@ from tally.sim.personalisation import local_only_accuracy, personal_fleet
 from tally.sim.rounds import plain_sum, run_rounds
 from tally.models.mlp import mlp
 from tally.models.params import get_params
-from tally.training import single_threaded
 from tally.sim.who_gains import plot, share_worse, who_gains
 
 FAST = {"local_epochs": 1, "local_lr": 0.05, "batch_size": 10}
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    single_threaded()
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")

@@ -37,9 +37,7 @@ EXACT = {"head_solver": "newton", "head_epochs": 1, "damping": 0.0}
 fast = settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    torch.set_num_threads(1)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _devices(splits, domains, loss="squared", outputs=1, dim=None, rank=2):

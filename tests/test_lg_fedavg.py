@@ -32,14 +32,11 @@ from tally.secagg import ThreatModel
 from tally.sim.rounds import SecureSum, plain_sum, run_rounds
 from tally.models.mlp import mlp
 from tally.models.params import get_params
-from tally.training import single_threaded
 
 FAST = {"local_epochs": 1, "local_lr": 0.05, "batch_size": 10}
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    single_threaded()
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _count(module: nn.Module, split: Split | None = None) -> int:

@@ -21,12 +21,10 @@ from tally.secagg import ThreatModel
 from tally.sim.rounds import SecureSum, plain_sum, run_rounds
 from tally.models.mlp import mlp
 from tally.models.params import get_params
-from tally.training import TorchTrainer, single_threaded
+from tally.training import TorchTrainer
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    single_threaded()
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _digits(devices=6):
