@@ -182,7 +182,7 @@ def test_graph_table_rows_are_the_neighbourhoods(case):
 def test_server_neighbourhood_lookups_match_the_graph(case, data):
     """The server's tabulated neighbourhoods, its UnmaskRequest survivor lists, the owners each
     Unmask answer must name and its dropouts-with-a-surviving-neighbour equal the per-device computation they replace."""
-    from tally.secagg import server as server_module
+    from tally.secagg import unmask
     from tally.secagg.config import SessionConfig
     from tally.secagg.messages import SessionRef, SumSpec
 
@@ -198,11 +198,11 @@ def test_server_neighbourhood_lookups_match_the_graph(case, data):
         assert i not in g_neighbours.tolist()
     alive = data.draw(st.sets(st.integers(1, n), min_size=1))
     survivors = tuple(sorted(alive))
-    is_survivor = server_module._indicator(n, alive)
+    is_survivor = unmask.indicator(n, alive)
     dropped = frozenset(range(1, n + 1)) - alive
     row_of = np.arange(n + 1) * 10  # any distinct rows
-    expect = server_module._expected_answers(config, list(survivors), is_survivor,
-                                             server_module._indicator(n, dropped), row_of)
+    expect = unmask.expected_answers(config, list(survivors), is_survivor,
+                                     unmask.indicator(n, dropped), row_of)
     for i in survivors:
         neighbours = [int(j) for j in config.graph.neighbours(i - 1) + 1]
         seeds = sorted(j for j in neighbours if j in alive)
@@ -211,7 +211,7 @@ def test_server_neighbourhood_lookups_match_the_graph(case, data):
         got_seeds, got_keys, rows = expect.of(i)
         assert (list(got_seeds), list(got_keys)) == (seeds, keys)
         assert rows.tolist() == [10 * j for j in seeds + keys]
-    needed = server_module._with_surviving_neighbour(config, dropped, is_survivor)
+    needed = unmask.with_surviving_neighbour(config, dropped, is_survivor)
     assert needed == {j for j in dropped if any(int(i) in alive for i in config.graph.neighbours(j - 1) + 1)}
     # A cohort too large to tabulate computes the same rows for just the devices asked about.
     subset = np.asarray(survivors, dtype=np.int64)

@@ -19,7 +19,6 @@ from collections.abc import Iterable
 
 import numpy as np
 
-from tally.codec import ring_mask
 from tally.codec.packing import PackedSum
 from tally.secagg import crypto, shamir, sharecheck
 from tally.secagg.config import SessionConfig
@@ -59,11 +58,18 @@ from tally.secagg.messages import (
 from tally.secagg.layouts import (
     COMMITMENT_BYTES,
     SHARE_CIPHERTEXT_BYTES,
-    SeedCommitments,
     advertise_statement,
     consistency_message,
     device_list,
     share_associated_data,
+)
+from tally.secagg.unmask import (
+    SHARE,
+    NeededSecrets,
+    SecretRebuilder,
+    ShareBook,
+    indicator,
+    remove_masks,
 )
 
 
@@ -571,7 +577,7 @@ class _ConsistencyPhase(_SumPhase):
     def __init__(self, server, expected, position, masked: np.ndarray) -> None:
         super().__init__(server, expected, position)
         self.masked = masked
-        self._is_survivor = _indicator(server.config.n, expected)
+        self._is_survivor = indicator(server.config.n, expected)
         self.views = _views(server.config, sorted(expected), self._is_survivor)
 
     def validate(self, message: ConsistencyCheckResponse) -> None:
@@ -589,7 +595,7 @@ class _ConsistencyPhase(_SumPhase):
             return refused
         signers = sorted(u4)
         me = np.asarray(signers, dtype=np.int64)
-        signed = _indicator(config.n, u4)
+        signed = indicator(config.n, u4)
         balls = config.two_hop_rows(me)
         neighbours = config.neighbour_rows(me)
         out = []
@@ -618,62 +624,33 @@ def _views(config: SessionConfig, devices: list[int], is_survivor: np.ndarray) -
 
 
 class _UnmaskPhase(_SumPhase):
-    """Collects t shares of every secret the sum needs and rebuilds them all at once.
-
-    Secrets are rows of fixed arrays (survivors' seeds, then the needed dropouts' keys) and each
-    answer is kept as one block of shares with the rows it fills, so a message costs a few
-    vector operations however many shares it carries, and the rebuild interpolates every
-    secret in one batch.
-    """
+    """Collects t shares of every secret the sum needs and rebuilds them all at once; the secrets,
+    shares, rebuilding and unmasking are ``tally.secagg.unmask``'s."""
 
     name = "unmask"
     message_type = UnmaskResponse
 
     def __init__(self, server, expected, position, masked: np.ndarray, survivors) -> None:
         super().__init__(server, expected, position)
+        config = server.config
         self.masked = masked
         self.survivors: frozenset[int] = survivors
         self.dropped: frozenset[int] = server.sharers - survivors
-        # Only dropped devices that share an edge with a survivor left masks behind.
-        self._is_survivor = _indicator(server.config.n, survivors)
-        self.needed_keys = _with_surviving_neighbour(server.config, self.dropped, self._is_survivor)
-        self.secrets: list[tuple[str, int]] = (
-            [("seed", i) for i in sorted(survivors)] + [("key", j) for j in sorted(self.needed_keys)]
-        )
-        # Row of each owner's secret: its seed if it survived, its key if it dropped (nobody is
-        # both); -1: nothing of it is needed.
-        self._row_of = np.full(server.config.n + 1, -1, dtype=np.int64)
-        self._row_of[[owner for _, owner in self.secrets]] = np.arange(len(self.secrets))
-        self._is_dropped = _indicator(server.config.n, self.dropped)
-        self._expect = _expected_answers(server.config, sorted(expected), self._is_survivor,
-                                         self._is_dropped, self._row_of)
-        # Shares each secret has, and still waits for: t, or more once a rebuilt secret failed
-        # its check.
-        self.counts = np.zeros(len(self.secrets), dtype=np.int64)
-        self.wanted = np.full(len(self.secrets), server.config.threshold, dtype=np.int64)
-        # Per answer, in arrival order: its sender, the rows it fills, its m shares and how many
-        # shares of each row came before (the rebuild takes each secret's first t from these).
-        self._answers: list[tuple[int, np.ndarray, np.ndarray, np.ndarray]] = []
-        # Every secret can have its wanted shares only once this many shares have arrived; past
-        # that, each answer re-reads only the secrets still short at the previous one.
-        self._shares_in = 0
-        self._shares_wanted = int(self.wanted.sum())
-        self._short: np.ndarray | None = None
-        # Checked secrets: a survivor's seed (bytes), a dropout's mask key (parsed once, as the
-        # check needs it parsed anyway).
-        self.rebuilt: dict[int, bytes | crypto.KeyPair] = {}
-        self._commitment = SeedCommitments(server.config.ref, self.sum_id)
+        self.secrets = NeededSecrets(config, survivors, self.dropped, expected)
+        self.shares = ShareBook(len(self.secrets.rows), config.threshold)
+        self.rebuilder = SecretRebuilder(config, self.sum_id, position, self.secrets.rows, server.advertised,
+                                         server.misbehaving)
 
     def status(self, device: int) -> tuple[int, ...]:
         """What device's UnmaskRequest lists: itself and its surviving neighbours."""
-        return self._expect.status(device)
+        return self.secrets.expect.status(device)
 
     def validate(self, message: UnmaskResponse) -> None:
         """An answer names its surviving neighbours' seeds, then its dropped neighbours' keys;
         the usual ascending order is checked against the owners expected of the sender in one
         comparison, any other order is sorted first."""
         sender = message.sender
-        seeds, keys, rows = self._expect.of(sender)
+        seeds, keys, rows = self.secrets.expect.of(sender)
         seed_owners, key_owners = message.seed_owners, message.key_owners
         usual = type(seed_owners) is tuple and type(key_owners) is tuple  # what the wire decodes
         if not (usual and seed_owners == seeds and key_owners == keys):
@@ -687,36 +664,22 @@ class _UnmaskPhase(_SumPhase):
                 raise MalformedMessage(
                     f"device {sender} must reveal key shares of exactly its dropped neighbours"
                 )
-            rows = self._row_of[np.concatenate([seed_owners, key_owners])]
+            rows = self.secrets.row_of[np.concatenate([seed_owners, key_owners])]
         size = shamir.SHARE_BYTES
         blocks = message.seed_shares, message.key_shares
         if (not all(isinstance(b, bytes) for b in blocks)
                 or len(blocks[0]) != size * len(seeds) or len(blocks[1]) != size * len(keys)):
             raise MalformedMessage(f"device {sender}: shares must be {size} bytes, one per owner named")
-        self._validated = (message, rows, np.frombuffer(b"".join(blocks), dtype=_SHARE))
+        self._validated = (message, rows, np.frombuffer(b"".join(blocks), dtype=SHARE))
 
     def record(self, message: UnmaskResponse) -> None:
         validated, rows, shares = self._validated
         assert validated is message
-        before = self.counts[rows]
-        self.counts[rows] = before + 1  # a message names each owner once
-        self._answers.append((message.sender, rows, shares, before))
-        self._shares_in += len(rows)
+        self.shares.add(message.sender, rows, shares)  # a message names each owner once
 
     def complete(self) -> bool:
         """Done when every needed secret has its shares: stragglers cannot delay the sum."""
-        return self._have_wanted() or super().complete()
-
-    def _have_wanted(self) -> bool:
-        if self._shares_in < self._shares_wanted:
-            return False
-        short = self._short
-        if short is None:
-            short = np.flatnonzero(self.counts < self.wanted)
-        else:
-            short = short[self.counts[short] < self.wanted[short]]
-        self._short = short
-        return not short.size
+        return self.shares.have_wanted() or super().complete()
 
     def close(self) -> list[Outgoing]:
         return self._finish(final=not self.pending)
@@ -726,31 +689,31 @@ class _UnmaskPhase(_SumPhase):
 
     def _finish(self, final: bool) -> list[Outgoing]:
         server = self.server
-        t = server.config.threshold
-        short = np.flatnonzero(self.counts < t)
+        short = self.shares.below_threshold()
         if short.size:
-            owners = [self.secrets[r][1] for r in short[:10].tolist()]
+            owners = [self.secrets.rows[r][1] for r in short[:10].tolist()]
             return server._abort(
-                f"unmask[{self.sum_id}]: fewer than t={t} shares for devices {owners}"
+                f"unmask[{self.sum_id}]: fewer than t={server.config.threshold} shares for devices {owners}"
                 + (" ..." if short.size > 10 else ""),
                 self.expected,
             )
-        failed = self._rebuild()
+        failed = self.rebuilder.rebuild(self.shares)
         if failed and not final:
-            # Wait for one more holder's share of each: more shares decode around wrong ones.
-            self.wanted[failed] = self.counts[failed] + 1
-            self._shares_wanted = int(self.wanted.sum())
-            self._short = None
+            self.shares.want_more(failed)
             return []
         if failed:
-            owners = sorted(self.secrets[r][1] for r in failed)
+            owners = sorted(self.secrets.rows[r][1] for r in failed)
             return server._abort(
                 f"unmask[{self.sum_id}]: the shares of devices {owners[:10]} do not rebuild the "
                 "secrets they committed to, and too few holders answered to decode around the "
                 "wrong ones",
                 self.expected,
             )
-        total = self._unmask()
+        seeds, keys = self.rebuilder.by_owner()
+        server.revealed_seeds[self.sum_id] = frozenset(seeds)
+        server.revealed_keys[self.sum_id] = frozenset(keys)
+        total = remove_masks(server.config, self.position, self.masked, self.survivors, seeds, keys,
+                             server.advertised)
         result = SumResult(
             self.sum_id, total, tuple(sorted(self.survivors)), tuple(sorted(self.dropped)),
             tuple(sorted(server.excluded.items())),
@@ -758,181 +721,6 @@ class _UnmaskPhase(_SumPhase):
         server.results[self.sum_id] = result
         # Stragglers the early close did not wait for are alive: ask every contributor.
         return server._start_sum(self.position + 1, self.survivors)
-
-    def _held(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """Every share received, in arrival order: (rows, holders, shares (m,) of _SHARE)."""
-        answers = self._answers
-        rows = np.concatenate([a[1] for a in answers])
-        holders = np.repeat([a[0] for a in answers], [len(a[1]) for a in answers])
-        return rows, holders, np.concatenate([a[2] for a in answers])
-
-    def _rebuild(self) -> list[int]:
-        """Rebuild every secret not yet rebuilt; the rows that cannot be rebuilt and checked yet.
-
-        The common case costs one batched interpolation over t shares per secret and one check
-        per secret; only a secret that fails its check is decoded from all of its shares, which
-        also names the holders whose shares were wrong.
-        """
-        pending = np.ones(len(self.secrets), dtype=bool)
-        pending[list(self.rebuilt)] = False
-        held = self._held()
-        secrets = shamir.reconstruct_block(*self._first_t(pending, *held))
-        failed = []
-        for row, secret in zip(np.flatnonzero(pending).tolist(), secrets):
-            checked = self._checked(row, secret) if secret is not None else None
-            if checked is not None:
-                self.rebuilt[row] = checked
-            elif not self._decode(row, *held):
-                failed.append(row)
-        return failed
-
-    def _first_t(self, pending: np.ndarray, rows: np.ndarray, holders: np.ndarray,
-                 shares: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """t holders (S, t) and their shares (S, t, 9) for each pending row, each of which has at
-        least t shares: the first t to answer, or, once someone was caught lying, holders never
-        caught first. One gather each, from where every chosen share goes."""
-        t = self.server.config.threshold
-        if self.server.misbehaving:
-            suspect = np.isin(holders, list(self.server.misbehaving))
-            order = np.lexsort((suspect, rows))  # stable: arrival order among equals
-            # Each row's entries are contiguous in `order`: a share's rank is its place among them.
-            rank = np.empty(len(order), dtype=np.int64)
-            rank[order] = np.arange(len(order)) - (np.cumsum(self.counts) - self.counts)[rows[order]]
-        else:
-            rank = np.concatenate([a[3] for a in self._answers])
-        keep = np.flatnonzero((rank < t) & pending[rows])
-        slot = np.cumsum(pending) - 1  # a pending row's place among the pending rows
-        source = np.empty(len(keep), dtype=np.intp)
-        source[slot[rows[keep]] * t + rank[keep]] = keep
-        return holders[source].reshape(-1, t), _chunks(shares[source]).reshape(-1, t, shamir.CHUNKS)
-
-    def _decode(self, row: int, rows: np.ndarray, holders: np.ndarray, shares: np.ndarray) -> bool:
-        mine = np.flatnonzero(rows == row)
-        mine = mine[np.argsort(holders[mine])]
-        try:
-            secret, wrong = shamir.decode(holders[mine].tolist(), _chunks(shares[mine]),
-                                          self.server.config.threshold)
-        except ValueError:
-            return False
-        checked = self._checked(row, secret)
-        if checked is None:
-            return False
-        self.rebuilt[row] = checked
-        kind, owner = self.secrets[row]
-        for holder in wrong:
-            self.server.misbehaving[holder] = f"wrong {kind} share of device {owner} in sum {self.sum_id!r}"
-        return True
-
-    def _checked(self, row: int, secret: bytes) -> bytes | crypto.KeyPair | None:
-        """The rebuilt secret, ready to use, if it is the one its owner committed to in its
-        signed keys; else None."""
-        kind, owner = self.secrets[row]
-        keys = self.server.advertised[owner].keys[self.position]
-        if kind == "seed":
-            ok = self._commitment(secret) == keys.seed_commitment
-            return secret if ok else None
-        try:
-            pair = crypto.KeyPair(secret)
-        except crypto.CryptoError:
-            return None
-        return pair if pair.public == keys.mask_public else None
-
-    def _unmask(self) -> np.ndarray:
-        server = self.server
-        spec = server.config.sums[self.position]
-        context = server.config.ref.context(spec.sum_id)
-        rebuilt = {self.secrets[row]: secret for row, secret in self.rebuilt.items()}
-        seeds = {owner: secret for (kind, owner), secret in rebuilt.items() if kind == "seed"}
-        keys = {owner: secret for (kind, owner), secret in rebuilt.items() if kind == "key"}
-        server.revealed_seeds[spec.sum_id] = frozenset(seeds)
-        server.revealed_keys[spec.sum_id] = frozenset(keys)
-        assert not (set(seeds) & set(keys)), "a device's seed and key were both reconstructed"
-
-        total = self.masked  # the survivors' masked inputs, summed as they arrived
-        dtype = total.dtype
-        expander = crypto.MaskExpander(spec.dim, dtype)
-        for i, seed in seeds.items():
-            expander.apply(total, crypto.self_mask_key(seed, context), subtract=True)
-        position = self.position
-        for j, pair in keys.items():
-            for i in server.config.neighbours(j):
-                i = int(i)
-                if i not in self.survivors:
-                    continue
-                peer = server.advertised[i].keys[position].mask_public
-                key = crypto.pairwise_mask_key(pair.agree(peer), context)
-                # Device i added the mask when i < j and subtracted it otherwise.
-                expander.apply(total, key, subtract=i < j)
-        np.bitwise_and(total, dtype.type(ring_mask(spec.bits)), out=total)
-        return total
-
-
-_SHARE = np.dtype((np.void, shamir.SHARE_BYTES))  # one share's 9 chunks as one element
-
-
-def _chunks(shares: np.ndarray) -> np.ndarray:
-    """(m, 9) field elements of m _SHARE elements."""
-    return shares.view("<u4").reshape(-1, shamir.CHUNKS)
-
-
-class _ExpectedAnswers:
-    """What each expected Unmask answer must name, computed for all senders in one vectorised
-    pass: its surviving neighbours (seeds), its dropped neighbours (keys), ascending, and the
-    secret rows those fill in that order; and what its UnmaskRequest lists: the sender and its
-    surviving neighbours, ascending (a device needs only its own neighbourhood's status)."""
-
-    def __init__(self, owners: list[int], rows: np.ndarray,
-                 spans: dict[int, tuple[int, int, int, int, int]]) -> None:
-        self._owners, self._rows, self._spans = owners, rows, spans
-
-    def status(self, sender: int) -> tuple[int, ...]:
-        start, _, split, _, _ = self._spans[sender]
-        return tuple(self._owners[start:split])
-
-    def of(self, sender: int) -> tuple[tuple[int, ...], tuple[int, ...], np.ndarray]:
-        """(seed owners, key owners, rows) of ``sender``'s answer."""
-        start, me, split, end, row = self._spans[sender]
-        owners = self._owners
-        seeds = tuple(owners[start:me] + owners[me + 1 : split])
-        return seeds, tuple(owners[split:end]), self._rows[row : row + end - start - 1]
-
-
-def _expected_answers(config: SessionConfig, senders: list[int], is_survivor: np.ndarray,
-                      is_dropped: np.ndarray, row_of: np.ndarray) -> _ExpectedAnswers:
-    """Senders are survivors: each sorts among its own surviving neighbours."""
-    if not senders:
-        return _ExpectedAnswers([], np.zeros(0, dtype=np.int64), {})
-    me = np.asarray(senders, dtype=np.int64)
-    block = np.concatenate([config.neighbour_rows(me), me[:, None]], axis=1)
-    # Seeds sort before keys, neighbours of neither kind (pruned before ShareKeys) last.
-    span = config.n + 1
-    order = np.where(is_survivor[block], block, np.where(is_dropped[block], span + block, 2 * span))
-    order.sort(axis=1)
-    named = order < 2 * span
-    owners = order[named] % span
-    ends = np.cumsum(np.count_nonzero(named, axis=1))
-    splits = ends - np.count_nonzero(named & (order >= span), axis=1)
-    starts = np.concatenate([[0], ends[:-1]])
-    is_me = owners == np.repeat(me, ends - starts)
-    spans = dict(zip(senders, zip(starts.tolist(), np.flatnonzero(is_me).tolist(), splits.tolist(),
-                                  ends.tolist(), (starts - np.arange(len(me))).tolist())))
-    return _ExpectedAnswers(owners.tolist(), row_of[owners[~is_me]], spans)
-
-
-def _with_surviving_neighbour(config: SessionConfig, dropped: frozenset[int],
-                              is_survivor: np.ndarray) -> frozenset[int]:
-    """The dropped devices with at least one surviving neighbour: their pairwise masks remain."""
-    rows = np.fromiter(sorted(dropped), dtype=np.int64, count=len(dropped))
-    if not len(rows):
-        return frozenset()
-    return frozenset(rows[is_survivor[config.neighbour_rows(rows)].any(axis=1)].tolist())
-
-
-def _indicator(n: int, devices: Iterable[int]) -> np.ndarray:
-    """Boolean lookup table over device indices 0..n."""
-    table = np.zeros(n + 1, dtype=bool)
-    table[list(devices)] = True
-    return table
 
 
 def _owners(sender: int, owners: tuple[int, ...]) -> np.ndarray:
