@@ -21,6 +21,7 @@ from tally.datasets.heterogeneous import heterogeneous_devices, heterogeneous_di
 from tally.secagg import ThreatModel
 from tally.sim.rounds import SecureSum, plain_sum, run_rounds
 from tally.training import single_threaded
+from support.devices import quadratic_fleet
 
 SEMI_HONEST = ThreatModel(0.0, 0.0, malicious_server=False)
 LOSSES = np.array([0.01, 0.10, 0.02])
@@ -56,35 +57,6 @@ class ScriptedDevice:
 
     def train(self, params, epochs, lr, batch_size):
         return {"w": np.asarray(params["w"], float) + self.update}, 0.0
-
-
-class QuadraticDevice:
-    """Loss ½‖w - target‖² + bias; training is ``epochs`` gradient steps (a contractive toy)."""
-
-    def __init__(self, target, bias: float, examples: int) -> None:
-        self.target, self.bias, self.examples = np.asarray(target, float), bias, examples
-
-    @property
-    def num_examples(self) -> int:
-        return self.examples
-
-    def loss(self, w) -> float:
-        return 0.5 * float(np.sum((np.asarray(w, float) - self.target) ** 2)) + self.bias
-
-    def evaluate(self, params):
-        return self.loss(params["w"]), 0.0
-
-    def train(self, params, epochs, lr, batch_size):
-        w = np.asarray(params["w"], float).copy()
-        for _ in range(epochs):
-            w -= lr * (w - self.target)
-        return {"w": w}, self.loss(w)
-
-
-def quadratic_fleet(k: int, dim: int = 3, seed: int = 0) -> list[QuadraticDevice]:
-    rng = np.random.default_rng(seed)
-    return [QuadraticDevice(rng.normal(size=dim), float(rng.uniform(0, 0.5)), int(rng.integers(5, 50)))
-            for _ in range(k)]
 
 
 class Runner:

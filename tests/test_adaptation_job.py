@@ -25,7 +25,7 @@ from client_sdk.adaptation import adapt_for_job, held_out
 from client_sdk.adapted_models import AdaptedModels
 from client_sdk.metrics import ClientMetrics
 from coordinator import jobspec
-from test_full_stack import PLAINTEXT, run, spec, stack
+from support.stack import PLAINTEXT, run, spec, stack
 from tally.adaptation_options import METHODS, AdaptationConfig, JobAdaptation
 from tally.datasets.personal import pathological_digits
 from tally.models.mlp import mlp

@@ -17,6 +17,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from coordinator import catalogue
+from support.devices import QuadraticDevice
 from tally import algorithms
 from tally.algorithms import aaggff, fedavg, lg_fedavg, superfed
 from tally.algorithms.base import Options, PersonalBroadcast, PersonalisedClient
@@ -107,26 +108,6 @@ def test_no_module_reads_a_step_flag_or_a_protocol_method_by_name():
 
 
 # -- the recipe's example, registered and run through the secure sum --------------------------------
-
-
-class QuadraticDevice:
-    """Loss ½‖w - target‖²; each epoch of training takes one gradient step of size lr."""
-
-    def __init__(self, target: np.ndarray) -> None:
-        self.target = target
-
-    @property
-    def num_examples(self) -> int:
-        return 1
-
-    def train(self, params, epochs, lr, batch_size):
-        w = np.asarray(params["w"], dtype=np.float64)
-        for _ in range(epochs):
-            w = w - lr * (w - self.target)
-        return {"w": w}, self.evaluate({"w": w})[0]
-
-    def evaluate(self, params):
-        return 0.5 * float(np.sum((np.asarray(params["w"]) - self.target) ** 2)), 0.0
 
 
 class Recorder:

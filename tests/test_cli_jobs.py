@@ -21,7 +21,7 @@ from client_sdk import OnnxModel
 from coordinator.jobspec_docs import reference
 from tally import algorithms
 from tally.cli import main as tally
-from test_full_stack import run, spec, stack, trainers
+from support.stack import run, spec, stack, trainers
 
 REPO = Path(__file__).resolve().parents[1]
 EXAMPLES = sorted((REPO / "examples").glob("*.yaml"))

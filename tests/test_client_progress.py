@@ -13,7 +13,7 @@ from client_sdk.device_progress import DeviceProgress, summary
 from client_sdk.device import DeviceStats
 from tally.security.enrolment import SharedKeyEnrolment
 from tally.wire.v1 import common_pb2
-from test_full_stack import run, spec, stack, trainers
+from support.stack import run, spec, stack, trainers
 
 REPO = Path(__file__).resolve().parents[1]
 FLEET = 11  # and the client: one cohort's selection of 12

@@ -11,7 +11,7 @@ from pathlib import Path
 
 from tally.security.enrolment import SharedKeyEnrolment
 from tally.wire.v1 import common_pb2
-from test_full_stack import run, spec, stack, trainers
+from support.stack import run, spec, stack, trainers
 
 GUIDE = Path(__file__).resolve().parents[1] / "docs" / "embedding.md"
 FLEET = 11

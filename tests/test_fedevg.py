@@ -27,6 +27,7 @@ from tally.secagg import ThreatModel
 from tally.sim.rounds import SecureSum, plain_sum, run_rounds
 from tally.models.params import get_params
 from tally.training import single_threaded
+from support.devices import FEDEVG_TOY, fedevg_toy_devices
 
 # The spec's 1-D example: E_1 = (x+2)^2/2, E_2 = (x-2)^2/2, w = (1/2, 1/2), at x = 0.5.
 W = np.array([0.5, 0.5])
@@ -161,17 +162,6 @@ def test_exact_weights_overflow_without_the_public_clamp_and_are_bounded_with_it
         FedEvgConfig(weighting="raw")
 
 
-TOY = dict(classes=4, inputs=2, per_class=25, step_start=0.05, step_end=0.001, noise=0.01,
-           local_iterations=20, local_lr=1e-3, batch_size=64, sgld_step=0.05, sgld_noise=0.01)
-
-
-def _toy_devices(seed: int):
-    single_threaded()
-    data = four_blobs(clients=10, alpha=0.1, seed=seed)
-    factory = lambda: energy_mlp(2, 4, 64, seed)  # noqa: E731
-    return data, factory, [EnergyTrainer(factory, X, y, seed=100 * seed + i) for i, (X, y) in enumerate(data.clients)]
-
-
 @pytest.mark.slow
 def test_the_toys_synthetic_points_move_into_their_class_regions_through_the_secure_sum():
     """Spec §6 / oracle 12 with the real secure-sum protocol (masking, fixed point): ten devices
@@ -179,8 +169,8 @@ def test_the_toys_synthetic_points_move_into_their_class_regions_through_the_sec
     class's quadrant 25 % of the time; they end in it > 90 %, and a classifier trained on the 100
     synthetic points alone scores >= 90 % on real held-out data."""
     rounds = 150
-    data, factory, devices = _toy_devices(seed=0)
-    config = FedEvgConfig(**TOY, schedule_rounds=rounds)
+    data, factory, devices = fedevg_toy_devices(seed=0)
+    config = FedEvgConfig(**FEDEVG_TOY, schedule_rounds=rounds)
     start = fedevg.initial_synthetic(config)
     assert in_own_region(start[SYNTHETIC_X], start[SYNTHETIC_Y]).mean() < 0.4
     state, _ = run_rounds(FedEvgServer(config), FedEvgClient(config), devices, get_params(factory()), rounds, 10,
@@ -203,10 +193,10 @@ def test_the_synthetic_set_exports_as_numpy_and_an_image_grid(tmp_path):
 def test_a_short_toy_run_is_the_same_through_plain_and_secure_sums():
     """The secure sum changes only fixed-point rounding: 3 rounds, the two synthetic sets agree to
     the codec's resolution."""
-    config = FedEvgConfig(**{**TOY, "local_iterations": 5}, schedule_rounds=3)
+    config = FedEvgConfig(**{**FEDEVG_TOY, "local_iterations": 5}, schedule_rounds=3)
     results = []
     for sum_fn in (plain_sum, SecureSum(ThreatModel(dropout_rate=0.1, corrupt_rate=0.05))):
-        _, factory, devices = _toy_devices(seed=1)
+        _, factory, devices = fedevg_toy_devices(seed=1)
         state, _ = run_rounds(FedEvgServer(config), FedEvgClient(config), devices, get_params(factory()), 3, 10,
                               sum_fn)
         results.append(state.synthetic[SYNTHETIC_X])

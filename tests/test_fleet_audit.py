@@ -9,25 +9,20 @@ from __future__ import annotations
 import dataclasses
 import subprocess
 import sys
-from dataclasses import dataclass
 from typing import Any
 
-import grpc
 import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from client_sdk import DropoutPlan
 from client_sdk.behaviour import BehaviourProfile
-from client_sdk.fleet import device_ids
-from client_sdk.sum_audit import EXACT, FOREIGN, MISMATCH, SumAudit, check_committed, outcome_counts
+from client_sdk.sum_audit import EXACT, FOREIGN, MISMATCH, SumAudit, outcome_counts
 from client_sdk.synthetic import SyntheticUpdates
 from tally.secagg import DealingFault
 from tally.codec import Field, Kind, PayloadSchema, to_ring
 from tally.codec.fingerprint import add_fingerprints, ring_fingerprint
 from tally.secagg.messages import SumResult
-from tally.wire.v1 import admin_pb2_grpc
-from test_full_stack import run, spec, stack
+from support.jobs import run_synthetic_job
 
 SCHEMA = PayloadSchema((
     Field("weighted_delta", (50,), clip=4.0, frac_bits=20),
@@ -74,58 +69,9 @@ def test_a_synthetic_fleet_imports_no_torch():
     subprocess.run([sys.executable, "-c", code], check=True)
 
 
-@dataclass
-class SyntheticRun:
-    job: Any
-    stats: Any
-    checks: list
-    inputs: list
-    # Device messages the aggregators refused, by reason (all aggregators together).
-    refused: dict[str, float]
-    # What the devices' behaviour profile made them do, by kind.
-    misbehaved: dict[str, float]
-    # Dealers the aggregators excluded (their metric), and the job's events.
-    excluded: float
-    events: list[str]
-
-
-def _run_synthetic_job(tmp_path, n: int, rounds: int, cohort: int, dropout: float = 0.2,
-                       profile: BehaviourProfile | None = None) -> SyntheticRun:
-    ids = device_ids("syn", n)
-    devices = [SyntheticUpdates(i, seed=7) for i in ids]
-
-    async def main():
-        async with stack(tmp_path) as s:
-            job_id = await s.submit(spec("synthetic", rounds, cohort=cohort, over_selection=1.2))
-            fleet = s.fleet(devices, id_prefix="syn", dropout=DropoutPlan(dropout, seed=4) if dropout else None,
-                            seed=3, audit=True, profile=profile)
-            try:
-                stats = await fleet.run(until=fleet.until_job_done(job_id, every_seconds=0.2))
-            finally:
-                fleet.close()
-            _, md = s.admin()
-            async with grpc.aio.insecure_channel(s.target) as channel:
-                checks = await check_committed(admin_pb2_grpc.AdminStub(channel), md, SumAudit.of(fleet.inputs))
-            refused: dict[str, float] = {}
-            for aggregator in s.aggregators:
-                for family in aggregator.metrics.rejected.collect():
-                    for sample in family.samples:
-                        if sample.name.endswith("_total"):
-                            reason = sample.labels["reason"]
-                            refused[reason] = refused.get(reason, 0.0) + sample.value
-            misbehaved = {sample.labels["kind"]: sample.value for family in fleet.metrics.misbehaviours.collect()
-                          for sample in family.samples if sample.name.endswith("_total")}
-            excluded = sum(a.metrics.registry.get_sample_value("tally_aggregator_excluded_devices_total") or 0.0
-                           for a in s.aggregators)
-            events = [e.message for e in s.coordinator.store.events(job_id)]
-            return SyntheticRun(await s.job(job_id), stats, checks, fleet.inputs, refused, misbehaved, excluded, events)
-
-    return run(main())
-
-
 def test_every_committed_sum_of_a_synthetic_fleet_is_exact(tmp_path):
     rounds = 3
-    result = _run_synthetic_job(tmp_path, n=40, rounds=rounds, cohort=16)
+    result = run_synthetic_job(tmp_path, n=40, rounds=rounds, cohort=16)
     job, stats, checks, inputs = result.job, result.stats, result.checks, result.inputs
     assert job.committed_round == rounds, job.message
     counts = outcome_counts(checks)
@@ -155,7 +101,7 @@ def test_a_total_corrupted_on_an_aggregator_is_caught(tmp_path, monkeypatch):
         original(self, sum_id, total, contributors, dropped, excluded)
 
     monkeypatch.setattr(SumResult, "__init__", corrupt)
-    result = _run_synthetic_job(tmp_path, n=20, rounds=1, cohort=10, dropout=0.0)
+    result = run_synthetic_job(tmp_path, n=20, rounds=1, cohort=10, dropout=0.0)
     job, checks = result.job, result.checks
     assert corrupted and job.committed_round == 1
     counts = outcome_counts(checks)
@@ -194,7 +140,7 @@ def test_corrupt_dealers_are_excluded_named_and_every_committed_sum_is_exact(tmp
     polynomial, or garbage to one neighbour, are excluded before any masked input; the rounds
     commit, every committed sum is exact, and each dealer is counted and named."""
     profile = _CorruptDealers(BehaviourProfile(), count=2)
-    result = _run_synthetic_job(tmp_path, n=40, rounds=2, cohort=20, dropout=0.0, profile=profile)
+    result = run_synthetic_job(tmp_path, n=40, rounds=2, cohort=20, dropout=0.0, profile=profile)
     job, checks = result.job, result.checks
     assert job.committed_round == 2, job.message
     counts = outcome_counts(checks)

@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 from client_sdk.behaviour import BehaviourProfile, DeviceTraits
 from client_sdk.fleet import device_ids
 from client_sdk.sum_audit import EXACT, FOREIGN, MISMATCH, outcome_counts
-from test_fleet_audit import _run_synthetic_job
+from support.jobs import run_synthetic_job
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "fleet" / "profile.yaml"
 
@@ -143,7 +143,7 @@ def test_a_misbehaving_churning_shaped_fleet_still_commits_exact_sums(tmp_path):
         # A refused message ends the sender's stream: each misbehaving device is a dropout.
         "misbehaviour: {duplicate: 0.08, replay: 0.12}",
     ]))
-    result = _run_synthetic_job(tmp_path, n=40, rounds=3, cohort=20, dropout=0.0,
+    result = run_synthetic_job(tmp_path, n=40, rounds=3, cohort=20, dropout=0.0,
                                 profile=_CertainMisbehaviour(profile, count=2))
     job, stats, checks, refused = result.job, result.stats, result.checks, result.refused
     assert job.committed_round == 3, job.message

@@ -5,172 +5,27 @@ a restarted coordinator, and a record of everything the servers received."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import json
-import urllib.request
-from collections.abc import AsyncIterator
-from dataclasses import dataclass
-from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 from scipy import stats
 
-from aggregator import AggregatorService
 from aggregator import session as aggregator_session
-from client_sdk import DropoutPlan, Fleet, FleetStats, OnnxModel
-from coordinator.service import CoordinatorService
+from support.jobs import job_text
+from support.stack import HIDDEN, run, scrape_text, spec, stack, trainers
+from client_sdk import DropoutPlan, OnnxModel
 from tally import modelio, models
 from tally.datasets.digits import digits
 from tally.algorithms.fedavg import FedAvgClient, FedAvgConfig, FedAvgServer
 from tally.codec import unpack
 from tally.secagg import DevicePolicy, SecAggServer
 from tally.secagg.messages import MaskedInputResponse
-from tally.security import TLSConfig, bearer_metadata, certs, load_or_create_ticket_key
-from tally.security.tls import open_channel
 from tally.sim.rounds import plain_sum, run_rounds
 from tally.models.mlp import mlp
 from tally.models.params import get_params, set_params
 from tally.training import TorchTrainer, single_threaded
-from tally.wire.v1 import admin_pb2, admin_pb2_grpc, coordinator_pb2, common_pb2
-
-TIMEOUT = 240
-HIDDEN = 16
-PLAINTEXT = TLSConfig.plaintext()
-
-
-def spec(name: str, rounds: int, cohort: int, over_selection: float = 1.0) -> str:
-    return (
-        f"name: {name}\nalgorithm: fedavg\nrounds: {rounds}\ncohort_size: {cohort}\n"
-        f"over_selection: {over_selection}\nmin_cohort: 5\nretries: 3\n"
-        f"model: {{inputs: 64, classes: 10, hidden: {HIDDEN}, seed: 0}}\n"
-        "config: {local_epochs: 1, local_lr: 0.1, batch_size: 16}\n"
-        "secure: {dropout_rate: 0.1, corrupt_rate: 0.05}\n"
-        "deadlines: {checkin: 10, download: 10, advertise_keys: 4, share_keys: 4, masked_input: 8, unmask: 4}\n"
-    )
-
-
-def trainers(n: int, seed: int = 0) -> tuple[list[TorchTrainer], tuple]:
-    single_threaded()
-    fed = digits(n, alpha=0.5, seed=seed)
-    factory = lambda: mlp(64, 10, hidden=HIDDEN, seed=0)  # noqa: E731
-    return [TorchTrainer(factory, X, y, seed=seed + i) for i, (X, y) in enumerate(fed.clients)], fed.test
-
-
-@dataclass
-class Stack:
-    state_dir: Path
-    aggregators: list[AggregatorService]
-    coordinator: CoordinatorService
-    client_tls: TLSConfig = PLAINTEXT  # what devices and the admin present to the services
-
-    @property
-    def target(self) -> str:
-        return f"127.0.0.1:{self.coordinator.port}"
-
-    def fleet(self, trainers, **kwargs) -> Fleet:
-        """A fleet provisioned with the coordinator's enrolment key."""
-        return Fleet(self.target, self.client_tls, trainers, enrolment_key=self.coordinator.enrolment_key, **kwargs)
-
-    def admin(self) -> tuple[admin_pb2_grpc.AdminStub, list]:
-        channel = open_channel(self.target, self.client_tls)
-        return admin_pb2_grpc.AdminStub(channel), bearer_metadata(self.coordinator.admin_token)
-
-    async def submit(self, text: str) -> str:
-        stub, md = self.admin()
-        return (await asyncio.to_thread(stub.SubmitJob, admin_pb2.SubmitJobRequest(spec_yaml=text), metadata=md,
-                                        timeout=10)).job_id
-
-    async def run_job(self, text: str, devices, **fleet_options) -> tuple[str, FleetStats]:
-        """Submit ``text`` and run ``devices`` as a fleet until the coordinator says it is done."""
-        job_id = await self.submit(text)
-        fleet = self.fleet(devices, **{"seed": 1, **fleet_options})
-        try:
-            return job_id, await fleet.run(until=fleet.until_job_done(job_id, every_seconds=0.2))
-        finally:
-            fleet.close()
-
-    async def run_beside_a_fleet(self, job_id: str, devices, argv: list[str], cwd: Path) -> tuple[int, str, str]:
-        """Run ``argv`` as a device process while ``devices`` run as a fleet until ``job_id`` is
-        done; the process's exit code, stdout and stderr."""
-        process = await asyncio.create_subprocess_exec(*argv, cwd=cwd, stdout=asyncio.subprocess.PIPE,
-                                                       stderr=asyncio.subprocess.PIPE)
-        fleet = self.fleet(devices, seed=1)
-        try:
-            await fleet.run(until=fleet.until_job_done(job_id, every_seconds=0.2))
-        finally:
-            fleet.close()
-        out, err = await asyncio.wait_for(process.communicate(), 120)
-        return process.returncode, out.decode(), err.decode()
-
-    async def job(self, job_id: str) -> admin_pb2.Job:
-        stub, md = self.admin()
-        return await asyncio.to_thread(stub.GetJob, admin_pb2.GetJobRequest(job_id=job_id), metadata=md, timeout=10)
-
-    async def committed(self, job_id: str, round_: int) -> None:
-        """Until round ``round_`` is committed (WatchJob streams each change)."""
-        stub, md = self.admin()
-
-        def watch() -> None:
-            for _ in stub.WatchJob(admin_pb2.WatchJobRequest(job_id=job_id), metadata=md, timeout=TIMEOUT):
-                job = stub.GetJob(admin_pb2.GetJobRequest(job_id=job_id), metadata=md, timeout=10)
-                if job.committed_round >= round_:
-                    return
-
-        await asyncio.to_thread(watch)
-
-    def model(self, job_id: str) -> dict:
-        version = self.coordinator.store.model_version(job_id)
-        return modelio.deserialize(self.coordinator.store.read_blob(version.model_digest))
-
-    async def restart_coordinator(self) -> None:
-        port, aggregators = self.coordinator.port, self.coordinator.aggregators
-        await self.coordinator.stop(grace=0)
-        self.coordinator = CoordinatorService(f"127.0.0.1:{port}", self.coordinator.tls, self.state_dir, aggregators)
-        await self.coordinator.start()
-
-
-@contextlib.asynccontextmanager
-async def stack(tmp_path: Path, tls: bool = False) -> AsyncIterator[Stack]:
-    """``tls``: every connection over TLS with ``tally certs`` identities instead of plaintext on
-    loopback; as deployed, each aggregator's control API has its own port and admits only the
-    coordinator's certificate, and devices present none (their Join authenticates each stream)."""
-    state_dir = tmp_path / "state"
-    public = load_or_create_ticket_key(state_dir).public_key()
-    pki = tmp_path / "pki"
-    if tls:
-        certs.write_deployment(pki, aggregators=2)
-
-    def identity(role: str, directory: str, **kwargs) -> TLSConfig:
-        return TLSConfig.from_dir(pki / directory, role, **kwargs) if tls else PLAINTEXT
-
-    aggregators = [AggregatorService("127.0.0.1:0", identity("aggregator", f"aggregator-{i}", require_client_auth=tls),
-                                     public, f"agg-{i}", control_listen="127.0.0.1:0" if tls else None)
-                   for i in (1, 2)]
-    for a in aggregators:
-        await a.start()
-    coordinator = CoordinatorService(
-        "127.0.0.1:0", identity("coordinator", "coordinator"), state_dir,
-        [(a.id, f"127.0.0.1:{a.control_port}") for a in aggregators], checkin_hold_s=2.0,
-    )
-    await coordinator.start()
-    s = Stack(state_dir, aggregators, coordinator, identity(None, "device"))
-    try:
-        yield s
-    finally:
-        await s.coordinator.stop(grace=0)
-        for a in aggregators:
-            await a.stop(grace=0)
-
-
-def run(coro):
-    return asyncio.run(asyncio.wait_for(coro, TIMEOUT))
-
-
-def scrape_text(port: int) -> str:
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as reply:
-        return reply.read().decode()
+from tally.wire.v1 import coordinator_pb2, common_pb2
 
 
 def test_fedavg_through_the_services_equals_the_in_process_result(tmp_path):
@@ -508,13 +363,7 @@ def test_agnostic_fedavg_through_the_services_with_a_coordinator_restart(tmp_pat
     # restart may have trained it once more).
     options = {"domains": toy.num_domains, "domain_lr": 0.005, "local_lr": 0.1, "batch_size": 20,
                "loss_clip": 1000000.0, "loss_frac_bits": 4, "delta_clip": 16}
-    text = (
-        f"name: agnostic\nalgorithm: agnostic_fedavg\nrounds: {rounds}\ncohort_size: {n}\n"
-        "over_selection: 1.0\nmin_cohort: 5\nretries: 3\nmodel: {kind: toy-scalar}\n"
-        f"config: {json.dumps(options)}\n"  # JSON is YAML
-        "secure: {dropout_rate: 0.1, corrupt_rate: 0.05}\n"
-        "deadlines: {checkin: 10, download: 10, advertise_keys: 4, share_keys: 4, masked_input: 8, unmask: 4}\n"
-    )
+    text = job_text("agnostic", "agnostic_fedavg", rounds, n, "toy-scalar", options)
     catalogue.register_model("toy-scalar", lambda _spec: initial)
 
     async def main():

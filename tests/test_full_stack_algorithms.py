@@ -6,70 +6,23 @@ cohort agree and a device's local state evolves the same way in both."""
 from __future__ import annotations
 
 import asyncio
-import json
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
 
-from test_aaggff import quadratic_fleet
+from support.devices import quadratic_fleet
 from support.enrolment import provisioned_request
-from test_full_stack import run, stack
-from tally import algorithms, modelio
+from support.jobs import job_text, max_error, run_job
+from support.stack import run, stack
+from tally import algorithms
 from tally.sim.rounds import plain_sum, run_rounds
-from tally.wire.v1 import common_pb2
-
-
-def job_text(name: str, algorithm: str, rounds: int, cohort: int, kind: str, options: Mapping[str, Any]) -> str:
-    return (
-        f"name: {name}\nalgorithm: {algorithm}\nrounds: {rounds}\ncohort_size: {cohort}\n"
-        f"over_selection: 1.0\nmin_cohort: 5\nretries: 3\nmodel: {{kind: {kind}}}\n"
-        f"config: {json.dumps(options)}\n"  # JSON is YAML
-        "secure: {dropout_rate: 0.1, corrupt_rate: 0.05}\n"
-        "deadlines: {checkin: 10, download: 10, advertise_keys: 4, share_keys: 4, masked_input: 8, unmask: 4}\n"
-    )
 
 
 def through_the_services(tmp_path, algorithm: str, options: Mapping[str, Any], kind: str, initial: dict,
                          devices: list, rounds: int):
     """Run the job on the real stack; return the final server state."""
     return run_job(tmp_path, algorithm, options, kind, initial, devices, rounds)[0]
-
-
-def run_job(tmp_path, algorithm: str, options: Mapping[str, Any], kind: str, initial: dict, devices: list,
-            rounds: int, extra: str = "", probe: Callable[[Any, str], Awaitable[Any]] | None = None):
-    """Run the job (its spec plus ``extra`` YAML lines) on the real stack; return the final server
-    state and what ``probe(stack, job_id)`` found once the job was done."""
-    from coordinator import catalogue
-    from coordinator.jobspec import parse
-    from coordinator.state_codec import state_from_bytes
-
-    text = job_text(kind, algorithm, rounds, len(devices), kind, options) + extra
-    catalogue.register_model(kind, lambda _spec: initial)
-
-    async def main():
-        async with stack(tmp_path) as s:
-            job_id, fleet_stats = await s.run_job(text, devices)
-            store = s.coordinator.store
-            version = store.model_version(job_id)
-            model = modelio.deserialize(store.read_blob(version.model_digest))
-            template = algorithms.make(algorithm, parse(text).config)[0].init(model)  # with the opt-in
-            state = state_from_bytes(store.read_blob(version.state_digest), template)
-            probed = await probe(s, job_id) if probe is not None else None
-            return await s.job(job_id), state, fleet_stats, probed
-
-    try:
-        job, state, fleet_stats, probed = run(main())
-    finally:
-        catalogue.unregister_model(kind)
-    assert job.state == common_pb2.JOB_STATE_SUCCEEDED and job.committed_round == rounds, job.message
-    assert fleet_stats.rounds[job.job_id] == list(range(1, rounds + 1))
-    return state, probed
-
-
-def max_error(a: Mapping[str, np.ndarray], b: Mapping[str, np.ndarray]) -> float:
-    assert set(a) == set(b)
-    return max(float(np.max(np.abs(np.asarray(a[k], float) - np.asarray(b[k], float)))) for k in a)
 
 
 def test_feddar_sa_through_the_services_equals_the_in_process_result(tmp_path):

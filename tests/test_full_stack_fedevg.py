@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from test_fedevg import TOY, _toy_devices
-from test_full_stack_algorithms import run_job
+from support.devices import FEDEVG_TOY, fedevg_toy_devices
+from support.jobs import run_job
 from tally import algorithms
 from tally.algorithms.fedevg import SYNTHETIC_X, FedEvgConfig
 from tally.sim.rounds import plain_sum, run_rounds
@@ -17,10 +17,10 @@ ROUNDS = 3
 
 
 def test_fedevg_through_the_services_equals_the_in_process_result(tmp_path):
-    options = {**TOY, "local_iterations": 5, "schedule_rounds": ROUNDS, "input_range": [-3.0, 3.0]}
-    _, factory, devices = _toy_devices(seed=2)
+    options = {**FEDEVG_TOY, "local_iterations": 5, "schedule_rounds": ROUNDS, "input_range": [-3.0, 3.0]}
+    _, factory, devices = fedevg_toy_devices(seed=2)
     state, _ = run_job(tmp_path, "fedevg", options, "fedevg-toy", get_params(factory()), devices, ROUNDS)
-    _, factory, reference_devices = _toy_devices(seed=2)
+    _, factory, reference_devices = fedevg_toy_devices(seed=2)
     server, client = algorithms.make("fedevg", options)
     reference, _ = run_rounds(server, client, reference_devices, get_params(factory()), ROUNDS,
                               len(reference_devices), plain_sum)

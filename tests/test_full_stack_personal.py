@@ -11,8 +11,8 @@ import numpy as np
 
 from client_sdk import Device
 from client_sdk.local_state import LocalStateStore
-from test_full_stack import PLAINTEXT, run, stack
-from test_full_stack_algorithms import job_text, max_error
+from support.stack import PLAINTEXT, run, stack
+from support.jobs import job_text, max_error
 from tally import algorithms, modelio
 from tally.algorithms.base import flatten
 from tally.datasets.personal import pathological_digits

@@ -22,7 +22,7 @@ import yaml
 from client_sdk import ClientMetrics, DropoutPlan
 from support.prometheus import PROMTOOL, LivePrometheus, needs_prometheus, needs_promtool
 from tally.metrics import MetricsServer
-from test_full_stack import run, spec, stack, trainers
+from support.stack import run, spec, stack, trainers
 from test_metrics_catalogue import catalogue
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -10,8 +10,8 @@ import re
 
 import numpy as np
 
-from test_full_stack import run, scrape_text, stack
-from test_full_stack_algorithms import job_text, run_job
+from support.stack import run, scrape_text, stack
+from support.jobs import job_text, run_job
 from coordinator import catalogue
 from tally.privacy.accounting import PrivacyLedger
 from tally.wire.v1 import common_pb2

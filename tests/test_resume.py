@@ -30,7 +30,7 @@ from client_sdk.synthetic import SyntheticUpdates
 from tally.cli.job import job_dict, show
 from tally.secagg.messages import AdvertiseKeys, MaskedInputResponse, ShareKeysResponse, UnmaskResponse
 from tally.wire.v1 import admin_pb2, admin_pb2_grpc, common_pb2
-from test_full_stack import Stack, run, scrape_text, spec, stack
+from support.stack import Stack, run, scrape_text, spec, stack
 
 PHASES = {"advertise_keys": AdvertiseKeys, "share_keys": ShareKeysResponse,
           "masked_input": MaskedInputResponse, "unmask": UnmaskResponse}

@@ -8,7 +8,7 @@ import asyncio
 import sys
 from pathlib import Path
 
-from test_full_stack import HIDDEN, run, spec, stack, trainers
+from support.stack import HIDDEN, run, spec, stack, trainers
 from tally.security.enrolment import SharedKeyEnrolment
 from tally.wire.v1 import common_pb2
 

@@ -11,7 +11,7 @@ import asyncio
 import numpy as np
 import pytest
 from support.split_view import Attempt, SplitViewServer
-from test_full_stack import run, stack
+from support.stack import run, stack
 
 from aggregator import session as aggregator_session
 from client_sdk.fleet import device_ids

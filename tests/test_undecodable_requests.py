@@ -15,7 +15,7 @@ from client_sdk.enrolment import register_request
 from tally.secagg import SigningKey
 from tally.security.enrolment import enrolment_credential
 from tally.wire.v1 import admin_pb2, aggregator_pb2, coordinator_pb2
-from test_full_stack import run, stack
+from support.stack import run, stack
 
 NOT_A_MESSAGE = b"\xff\xff\xff\xff"  # field 31 with wire type 7: no protobuf parses it
 
