@@ -21,3 +21,12 @@ def one_thread() -> None:
     from tally.training import single_threaded  # here: torch costs seconds to import, and `-m unit` needs none
 
     single_threaded()
+
+
+@pytest.fixture(scope="module")
+def deployment(tmp_path_factory: pytest.TempPathFactory):
+    """TLS identities and a ticket signer for the aggregator service tests (support.aggregator),
+    made once per module: writing a deployment's keys and certificates is the slow part."""
+    from support.aggregator import new_deployment  # here: it imports the services, `-m unit` needs none
+
+    return new_deployment(tmp_path_factory.mktemp("tls"))

@@ -25,13 +25,12 @@ from tally.wire.v1 import secagg_pb2
 from tally.wire.v1.aggregator_pb2 import AwaitResultRequest, CloseSessionRequest
 from tally.wire.v1.aggregator_pb2_grpc import AggregatorControlStub
 from tally.secagg.layouts import advertise_statement
-from test_aggregator import (  # noqa: F401  (deployment is a fixture)
+from support.aggregator import (
     CODE,
     rpc_error,
     assert_sum,
     await_sum,
     connected,
-    deployment,
     device,
     join,
     plan,

@@ -28,34 +28,10 @@ from coordinator.service import CoordinatorService
 from tally.metrics import METRICS_PORTS, MetricsServer
 from tally.security import TLSConfig, certs, load_or_create_ticket_key
 from tally.version import VERSION
+from support.metrics_catalogue import CATALOGUE, SECTIONS, catalogue
 
 ROOT = Path(__file__).resolve().parents[1]
-CATALOGUE = ROOT / "docs" / "metrics.md"
 MONITORING = ROOT / "k8s" / "monitoring"
-SERIES = re.compile(r"`(tally_[a-z0-9_]+)`")
-SECTIONS = {"Every role": "shared", "Coordinator": "coordinator", "Aggregator": "aggregator", "Client": "client"}
-
-
-@dataclass(frozen=True)
-class Entry:
-    type: str
-    unit: str
-    labels: frozenset[str]
-
-
-def catalogue() -> dict[str, dict[str, Entry]]:
-    """Section ("shared" or a role) -> series -> its row."""
-    out: dict[str, dict[str, Entry]] = {}
-    section = None
-    for line in CATALOGUE.read_text().splitlines():
-        if line.startswith("## "):
-            section = next((v for k, v in SECTIONS.items() if line[3:].startswith(k)), None)
-        elif line.startswith("| `tally_") and section is not None:
-            series, kind, unit, labels, meaning = (cell.strip() for cell in line.strip().strip("|").split("|"))
-            name = SERIES.fullmatch(series).group(1)
-            assert meaning and name not in out.setdefault(section, {}), f"{name}: listed twice or no meaning"
-            out[section][name] = Entry(kind, unit, frozenset(re.findall(r"`(\w+)`", labels)))
-    return out
 
 
 def _get(url: str) -> tuple[int, str]:

@@ -23,7 +23,7 @@ from client_sdk import ClientMetrics, DropoutPlan
 from support.prometheus import PROMTOOL, LivePrometheus, needs_prometheus, needs_promtool
 from tally.metrics import MetricsServer
 from support.stack import run, spec, stack, trainers
-from test_metrics_catalogue import catalogue
+from support.metrics_catalogue import catalogue
 
 ROOT = Path(__file__).resolve().parents[1]
 MONITORING = ROOT / "k8s" / "monitoring"
