@@ -30,3 +30,15 @@ def deployment(tmp_path_factory: pytest.TempPathFactory):
     from support.aggregator import new_deployment  # here: it imports the services, `-m unit` needs none
 
     return new_deployment(tmp_path_factory.mktemp("tls"))
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Mark each test with its module's kind (support/kinds.py): ``-m unit``, ``-m service``,
+    ``-m e2e``. A module missing from the table is left unmarked here and fails
+    test_suite_layout."""
+    from support.kinds import KINDS
+
+    for item in items:
+        kind = KINDS.get(item.path.stem)
+        if kind is not None:
+            item.add_marker(kind)
