@@ -32,6 +32,18 @@ def deployment(tmp_path_factory: pytest.TempPathFactory):
     return new_deployment(tmp_path_factory.mktemp("tls"))
 
 
+@pytest.fixture
+def twostep():
+    """``twostep`` registered as an algorithm for one test: a two-sum algorithm whose second
+    broadcast depends on the first sum (support.coordinator.TwoStepServer)."""
+    from coordinator import catalogue
+    from support.coordinator import TwoStepServer  # here: it imports the services, `-m unit` needs none
+
+    catalogue.register_algorithm("twostep", TwoStepServer)
+    yield
+    catalogue.unregister_algorithm("twostep")
+
+
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """Mark each test with its module's kind (support/kinds.py): ``-m unit``, ``-m service``,
     ``-m e2e``. A module missing from the table is left unmarked here and fails

@@ -11,7 +11,8 @@ from hypothesis import strategies as st
 
 from coordinator.pacing import MAX_PACED_RETRY_S, CheckinPacer
 from coordinator.planner import Retry
-from tests.test_coordinator import run, scrape, spec_yaml, stack
+from support.coordinator import coordinator_stack, run, spec_yaml
+from support.stack import scrape_text
 
 arrivals = st.lists(st.tuples(st.floats(0, 5), st.floats(0.2, 60)), min_size=1, max_size=200)
 
@@ -55,7 +56,7 @@ def test_the_coordinator_paces_idle_devices_and_exports_their_come_back_times(tm
     rate = 4.0
 
     async def main():
-        async with stack(tmp_path, aggregators=1, checkin_rate=rate) as s:
+        async with coordinator_stack(tmp_path, aggregators=1, checkin_rate=rate) as s:
             devices = await s.devices(12, trainers=False)
             replies = await asyncio.gather(*(d.check_in_once() for d in devices))
             waits = sorted(r.retry_after.seconds for r in replies)
@@ -64,7 +65,7 @@ def test_the_coordinator_paces_idle_devices_and_exports_their_come_back_times(tm
             gaps = [b - a for a, b in zip(waits, waits[1:])]
             assert min(gaps) >= 1 / rate - 0.05, waits
             assert waits[-1] - waits[0] >= (len(devices) - 1) / rate - 0.1
-            text = scrape(s.service.metrics_port)
+            text = scrape_text(s.service.metrics_port)
             assert "tally_coordinator_checkin_retry_after_seconds_count 12.0" in text
 
     run(main())
@@ -73,7 +74,7 @@ def test_the_coordinator_paces_idle_devices_and_exports_their_come_back_times(tm
 @pytest.mark.parametrize("rate, warned", [(1.0, True), (100.0, False)])
 def test_a_job_whose_selection_cannot_fill_at_the_paced_rate_is_warned_about(tmp_path, caplog, rate, warned):
     async def main():
-        async with stack(tmp_path, aggregators=1, checkin_rate=rate, checkin_hold_s=2.0) as s:
+        async with coordinator_stack(tmp_path, aggregators=1, checkin_rate=rate, checkin_hold_s=2.0) as s:
             with caplog.at_level(logging.WARNING):
                 await s.submit(spec_yaml("paced", cohort=10))
 

@@ -18,17 +18,17 @@ from coordinator.planner import Failed, FormCohorts, Hold, Phase, Retry, RoundPl
 from tally.algorithms.fedavg import FedAvgConfig
 from tally.wire.convert import from_proto
 from tally.wire.v1 import coordinator_pb2
-from test_coordinator import (
-    SUCCEEDED,
+from support.coordinator import (
     STEP,
-    _spec,
+    SUCCEEDED,
+    coordinator_stack,
     fedavg_contribution,
+    planner_spec,
     run,
     run_devices,
-    scrape,
     spec_yaml,
-    stack,
 )
+from support.stack import scrape_text
 
 
 def _formed(
@@ -37,7 +37,7 @@ def _formed(
     """Every device checks in, in list order; the selection closes and cohorts are drawn (with
     the OS CSPRNG unless ``seed`` fixes the draw)."""
     planner = RoundPlanner(
-        _spec(cohort_size=cohort_size, over_selection=1.0, min_cohort=5), [STEP], 0.0, extensions=0,
+        planner_spec(cohort_size=cohort_size, over_selection=1.0, min_cohort=5), [STEP], 0.0, extensions=0,
         attempt_key="k", cohort_rng=None if seed is None else random.Random(seed),
     )
     for d in devices:
@@ -83,13 +83,13 @@ def test_the_default_draw_is_not_check_in_order():
 
 
 def test_a_device_seated_earlier_in_the_round_is_not_selected_again():
-    planner = RoundPlanner(_spec(), [STEP], 0.0, extensions=0, attempt_key="k",
+    planner = RoundPlanner(planner_spec(), [STEP], 0.0, extensions=0, attempt_key="k",
                            excluded=frozenset({"seated"}))
     answer = planner.check_in("seated", 0.0)
     assert isinstance(answer, Retry) and answer.reason == "seated in an earlier attempt of this round"
     assert isinstance(planner.check_in("fresh", 0.0), Hold)
     assert list(planner.selection.seated) == ["fresh"]
-    plain = RoundPlanner(_spec(secure={"plain": True}), [STEP], 0.0, extensions=0, attempt_key="k",
+    plain = RoundPlanner(planner_spec(secure={"plain": True}), [STEP], 0.0, extensions=0, attempt_key="k",
                          excluded=frozenset({"seated"}))
     assert isinstance(plain.check_in("seated", 0.0), Hold)  # no masked input to protect
 
@@ -97,7 +97,7 @@ def test_a_device_seated_earlier_in_the_round_is_not_selected_again():
 def test_a_selection_short_of_devices_says_how_many_it_turned_away_as_seated_before():
     """A population used up by the no-reseat rule fails its selection naming the cause: how many
     devices checked in but may not be seated again (each counted once however often it came)."""
-    spec = _spec()
+    spec = planner_spec()
     window = spec.deadlines["checkin"]
     seated_before = frozenset(f"old{i}" for i in range(3))
     planner = RoundPlanner(spec, [STEP], 0.0, extensions=0, attempt_key="k", excluded=seated_before)
@@ -122,7 +122,7 @@ def test_a_withheld_sum_cannot_be_differenced_with_the_retry(tmp_path):
     every two sums computed in the round (by any aggregator) are over equal or disjoint devices."""
 
     async def main():
-        async with stack(tmp_path, aggregators=2) as s:
+        async with coordinator_stack(tmp_path, aggregators=2) as s:
             devices = await s.devices(15)
             s.aggregators[1].withhold_next = True
             job_id = await s.submit(spec_yaml("diff", extra="deadlines: {checkin: 0.5}\n"))
@@ -169,7 +169,7 @@ def test_a_retry_reseats_the_devices_that_report_they_sent_no_input(tmp_path):
     ABORTED = coordinator_pb2.TaskReport.ABORTED
 
     async def main():
-        async with stack(tmp_path, aggregators=1) as s:
+        async with coordinator_stack(tmp_path, aggregators=1) as s:
             devices = await s.devices(10)
             s.aggregators[0].aborts = ["share_keys: 4 devices sent shares, below t = 6"]
             job_id = await s.submit(spec_yaml("live", extra="deadlines: {checkin: 0.5}\n"))
@@ -204,7 +204,7 @@ def test_a_retry_reseats_the_devices_that_report_they_sent_no_input(tmp_path):
                 await asyncio.gather(*loops)
             job = await s.job(job_id)
             return (job, s.service.store.rounds(job_id), dict(attempts),
-                    scrape(s.service.metrics_port))
+                    scrape_text(s.service.metrics_port))
 
     job, rows, attempts, metrics = run(main())
     assert job.state == SUCCEEDED
