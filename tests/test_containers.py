@@ -269,8 +269,8 @@ def test_the_kubernetes_pages_commands_run_in_order_as_far_as_no_cluster_is_need
     # What the steps made is what the later steps and the manifests use.
     written = load_secrets(clone / "deploy" / "k8s")
     assert {"tally-coordinator-tls", "tally-aggregator-tls", "tally-device-ca", "tally-enrolment"} <= set(written)
-    prod = [d for d in yaml.safe_load_all((clone / "deploy" / "k8s" / "prod.yaml").read_text()) if d]
-    counts = dict(re.findall(r"(dev|prod|loadtest) (?:has )?(\d+)(?: objects)?", page[page.index("3. Render"):]))
+    prod = [d for d in yaml.safe_load_all((clone / "deploy" / "prod.yaml").read_text()) if d]
+    counts = dict(re.findall(r"\b(dev|prod|loadtest)\s+(?:has\s+)?(\d+)", page[page.index("3. Render"):]))
     assert int(counts["prod"]) == len(prod)
     assert int(counts["dev"]) == int(next(out for block, out in ran if "kubectl kustomize" in block).split()[-1])
     assert int(counts["loadtest"]) == len(render(K8S / "overlays" / "loadtest"))
