@@ -8,7 +8,7 @@ import dataclasses
 import numpy as np
 import pytest
 
-from support.secagg import lax_client, lax_cohort, make_config, random_inputs, share_pairs, with_shares
+from support.secagg import lax_client, make_config, random_inputs, share_pairs, with_shares
 from tally.secagg import (
     DuplicateMessage,
     MalformedMessage,
@@ -17,7 +17,6 @@ from tally.secagg import (
     StaleMessage,
     UnknownSender,
 )
-from tally.secagg.client import SecAggClient
 from tally.secagg.messages import (
     AdvertiseKeys,
     MaskedInputResponse,

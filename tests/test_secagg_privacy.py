@@ -11,7 +11,7 @@ from scipy import stats
 
 from support.secagg import lax_client, lax_cohort, make_config, random_inputs
 from tally.codec import unpack
-from tally.secagg import Dropout, SessionAbortedError, run_cohort
+from tally.secagg import Dropout, SessionAbortedError
 from tally.secagg.messages import MaskedInputResponse, UnmaskRequest, UnmaskResponse
 
 
@@ -103,7 +103,6 @@ def test_masks_cancel_only_in_the_total():
 
 def test_device_answers_unmask_once_and_refuses_an_isolating_survivor_set():
     from tally.secagg import OutOfPhase
-    from tally.secagg.client import SecAggClient
     from tally.secagg.server import SecAggServer
 
     config = make_config(6, 5, 3, sums=(("s", 4, 16),))

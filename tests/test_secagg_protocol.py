@@ -13,14 +13,12 @@ from support.secagg import expected_outcome, lax_client, lax_cohort, make_config
 from tally.codec import Field, Kind, OverflowRefused, PayloadSchema, ring_mask
 from tally.secagg import (
     Dropout,
-    SecAggClient,
     SecAggServer,
     SessionConfig,
     SessionRef,
     ThreatModel,
     UnsafeParameters,
     choose_params,
-    run_cohort,
     secure_sum,
 )
 from tally.secagg.driver import PHASES
@@ -186,7 +184,6 @@ def test_ring_wraps_only_mod_2_to_the_bits():
 
 def test_a_lost_device_closes_the_phase_without_waiting_for_the_deadline():
     from tally.secagg import SecAggServer
-    from tally.secagg.client import SecAggClient
 
     config = make_config(6, 5, 3, sums=(("s", 4, 16),))
     inputs = random_inputs(config, np.random.default_rng(5))

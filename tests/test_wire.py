@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
 from tally.codec import Field, Kind, PayloadSchema, ring_dtype, ring_mask
-from tally.secagg import OutOfPhase, SecAggClient, SecAggServer, SessionConfig
+from tally.secagg import OutOfPhase, SecAggServer, SessionConfig
 from tally.secagg.messages import (
     Abort,
     AdvertiseKeys,
