@@ -39,6 +39,9 @@ def _commands() -> list[list[str]]:
             line = line.strip()
             if line.startswith((".venv/bin/tally ", "tally ")):
                 argv = shlex.split(line, comments=True)[1:]
+                # The command ends where the shell takes over: a redirection, a pipe, a list.
+                ends = [i for i, a in enumerate(argv) if a in (">", ">>", "|", "&&", "||", ";", "&")]
+                argv = argv[:ends[0]] if ends else argv
                 for placeholder, value in PLACEHOLDERS.items():
                     argv = [a.replace(placeholder, value) for a in argv]
                 out.append(argv)
