@@ -5,7 +5,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: test demo docs bench-smoke clean prometheus images test-containers
+.PHONY: test demo docs bench-smoke clean prometheus images test-containers test-full
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -26,6 +26,10 @@ prometheus:
 
 test: $(STAMP) prometheus
 	$(PY) -m pytest -q -m "not containers"
+
+# The campaigns `make test` runs at a smaller size, at full size (the 10,000-device cohort).
+test-full: $(STAMP)
+	TALLY_FULL_SIZE=1 $(PY) -m pytest -q -p no:cacheprovider tests/test_secagg_large.py
 
 # One image per role (localhost/tally-{aggregator,coordinator,client}), built offline with podman:
 # a debootstrap base once, a wheelhouse from this machine's pip (docker/build-images.sh). It needs
