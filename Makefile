@@ -38,7 +38,7 @@ images:
 	PYTHON=$(PYTHON) bash docker/build-images.sh
 
 # The images' contents, and the dev overlay's pods run from them with a real Prometheus.
-test-containers: images prometheus
+test-containers: $(STAMP) images prometheus
 	TALLY_REQUIRE_CONTAINERS=1 $(PY) -m pytest -q -m containers -p no:cacheprovider tests/test_containers.py
 
 demo: $(STAMP)
