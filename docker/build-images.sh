@@ -6,6 +6,8 @@
 #      the CPU build pip finds locally, so the image builds install with --no-index;
 #   3. one image per role: localhost/tally-{aggregator,coordinator,client}:VERSION.
 #
+# Runs as root (debootstrap and rootful podman). `podman image prune` at the end removes the
+# dangling images the builds leave (the build stages), and any other dangling image on the host.
 # Environment: BASE (an existing image to build on instead of the debootstrap one), PYTHON (the
 # interpreter whose pip builds the wheelhouse; python3 by default), DEBIAN_MIRROR.
 # Podman runs with cgroupfs and runc and explicit ulimits: crun fails on this machine's hybrid
@@ -53,10 +55,22 @@ build_base() {
     rm -rf "$root"
 }
 
+same_python() {
+    # The wheelhouse is resolved for $PYTHON and installed with --no-index into the base's python3:
+    # their versions must agree, or no wheel of a compiled dependency matches.
+    local host base
+    host=$("$PYTHON" -c 'import sys; print("%d.%d" % sys.version_info[:2])')
+    base=$("${PODMAN[@]}" run --rm "${RUNTIME[@]}" --pull=never --entrypoint python3 "$BASE" \
+        -c 'import sys; print("%d.%d" % sys.version_info[:2])')
+    [ "$host" = "$base" ] || { say "$PYTHON is Python $host but $BASE has $base: set PYTHON to a $base"; exit 1; }
+}
+
 build_wheelhouse() {
     say "wheelhouse: build/wheelhouse"
+    # From scratch each time (pip's cache keeps it cheap): wheels left from other versions would
+    # be preferred by the unconstrained --no-index install in the images.
+    rm -rf build/wheelhouse
     mkdir -p build/wheelhouse
-    rm -f build/wheelhouse/tally-*.whl
     # (pip's complaints about this machine's configured local indexes are noise here)
     "$PYTHON" -m pip wheel --quiet --disable-pip-version-check -c constraints.txt \
         --wheel-dir build/wheelhouse '.[coordinator,client]' 2> >(grep -v 'is ignored: it is neither' >&2)
@@ -74,6 +88,7 @@ build_role() {
 
 need_tools
 build_base
+same_python
 build_wheelhouse
 for role in aggregator coordinator client; do
     build_role "$role"

@@ -27,7 +27,9 @@ from support.deploy import ROOT
 from support.manifests import K8S, Cluster, LocalPod, find, image_entrypoint, load_secrets, one, render
 from support.prometheus import LivePrometheus, needs_prometheus
 from support.operator_scrape import scrape_configs, targets
-from support.containers import ContainerPod, can_run_containers, podman, remove_everything, service_hosts, start
+from support.containers import (
+    CANNOT_HONOUR, RUNTIME, ContainerPod, can_run_containers, podman, remove_everything, service_hosts, start,
+)
 from tally.cli import main as tally_main
 
 pytestmark = pytest.mark.containers
@@ -44,6 +46,10 @@ def images() -> dict[str, str]:
                and podman("image", "exists", f"localhost/tally-{r}:{VERSION}", check=False).returncode != 0]
     if missing:
         why = f"images not built (`make images`): {', '.join(missing)}"
+    # What the dev-overlay test needs besides: without it that test would skip, not fail.
+    for program, package in (("prometheus", "prometheus"), ("kubectl", "kubectl with kustomize")):
+        if why is None and shutil.which(program) is None:
+            why = f"{program} is not installed ({package})"
     if why is not None:
         if os.environ.get("TALLY_REQUIRE_CONTAINERS"):
             pytest.fail(why)
@@ -53,9 +59,8 @@ def images() -> dict[str, str]:
 
 def _inside(image: str, script: str) -> subprocess.CompletedProcess[str]:
     """``script`` in a throwaway container of ``image``, as the image's own user."""
-    return podman("run", "--rm", "--pull", "never", "--runtime", "/usr/sbin/runc", "--ulimit", "nofile=20000:20000",
-                  "--ulimit", "nproc=4096:4096", "--read-only", "--entrypoint", "python3", image, "-c", script,
-                  check=False)
+    return podman("run", "--rm", "--pull", "never", *RUNTIME, "--read-only", "--entrypoint", "python3", image,
+                  "-c", script, check=False)
 
 
 @pytest.mark.parametrize("role", ROLES)
@@ -72,8 +77,7 @@ def test_each_image_runs_its_role_as_a_user_under_tini(images: dict[str, str], r
     uid, tini, program = result.stdout.split()
     assert uid == "10001" and tini != "None" and program.startswith("/opt/tally/bin/")
     # tini is PID 1 and the role its child: the role's --help answers through it.
-    helped = podman("run", "--rm", "--pull", "never", "--runtime", "/usr/sbin/runc", "--ulimit",
-                    "nofile=20000:20000", "--ulimit", "nproc=4096:4096", images[role], "--help", check=False)
+    helped = podman("run", "--rm", "--pull", "never", *RUNTIME, images[role], "--help", check=False)
     assert helped.returncode == 0 and "usage: tally-" in helped.stdout, helped.stderr
 
 
@@ -163,7 +167,7 @@ def test_the_dev_overlay_runs_in_containers_and_prometheus_sees_an_aggregator_go
     assert len(aggregator_pods) == 2, "the dev overlay runs two aggregators"
     unhonoured = {field: why for pod in pods + fleet for field, why in pod.unhonoured().items()}
     if find(objects, "NetworkPolicy"):
-        unhonoured["NetworkPolicy"] = "the podman network enforces no policy"
+        unhonoured["NetworkPolicy"] = CANNOT_HONOUR["NetworkPolicy"]
     print("not honoured here:\n" + "\n".join(f"  {f}: {why}" for f, why in sorted(unhonoured.items())))
     hosts = service_hosts(cluster, pods)
     prometheus = None
@@ -222,9 +226,11 @@ def test_the_dev_overlay_runs_in_containers_and_prometheus_sees_an_aggregator_go
         for pod in pods:
             assert pod.probe("livenessProbe").returncode == 0, pod.logs()
     finally:
-        if prometheus is not None:
-            prometheus.stop()
-        remove_everything(prefix)
+        try:
+            remove_everything(prefix)
+        finally:
+            if prometheus is not None:
+                prometheus.stop()
 
 
 # -- the Kubernetes page, run ------------------------------------------------------------------
@@ -247,6 +253,7 @@ def _copy_of_the_repository(target: Path) -> None:
     (target / ".venv").symlink_to(ROOT / ".venv")
 
 
+@pytest.mark.timeout(2400)  # `make images` again, from the copy (cached layers; minutes on 2 cores)
 def test_the_kubernetes_pages_commands_run_in_order_as_far_as_no_cluster_is_needed(
         images: dict[str, str], tmp_path: Path) -> None:
     page = PAGE.read_text()
@@ -259,7 +266,7 @@ def test_the_kubernetes_pages_commands_run_in_order_as_far_as_no_cluster_is_need
             skipped.append(block.strip())
             continue
         done = subprocess.run(["bash", "-euo", "pipefail", "-c", block], cwd=clone, capture_output=True, text=True,
-                              timeout=1200, env={**os.environ, "CI": "true"})
+                              timeout=2000, env={**os.environ, "CI": "true"})
         assert done.returncode == 0, f"{block}\n{done.stdout[-2000:]}\n{done.stderr[-3000:]}"
         ran.append((block, done.stdout))
     print("not run here (a cluster or a registry):\n" + "\n---\n".join(skipped))

@@ -6,6 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from tally.secagg import params as params_module
 from tally.secagg.graph import HararyGraph
 from tally.secagg.params import (
     MIN_HARARY_N,
@@ -232,3 +233,24 @@ def test_a_malicious_server_threshold_overlaps_beyond_the_corrupt_neighbours(n, 
     # Counts as the finder takes them: float noise below 1e-9 device is no device.
     expected_corrupt = math.ceil(round(corrupt * n, 9)) if p.full else math.floor(round(corrupt * p.k, 9))
     assert 2 * p.t > p.k + expected_corrupt
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.data())
+def test_the_hypergeometric_tails_agree_with_scipy(data):
+    """The tails are computed with lgamma (the aggregator's image has no scipy); scipy.stats, in
+    the test environment, is the reference, edge cases included (no successes, all successes,
+    a sample larger than the failures, a sample of 0)."""
+    from scipy.stats import hypergeom
+
+    n = data.draw(st.integers(1, 3000))
+    successes = data.draw(st.integers(0, n))
+    k = data.draw(st.integers(0, n))
+    log_gt, log_lt = params_module._log_tails(n, successes, k)
+    logpmf = hypergeom.logpmf(np.arange(k + 1), n, successes, k)
+    ge = np.logaddexp.accumulate(logpmf[::-1])[::-1]
+    le = np.logaddexp.accumulate(logpmf)
+    for ours, reference in ((log_gt, np.append(ge[1:], -np.inf)), (log_lt, np.insert(le[:-1], 0, -np.inf))):
+        assert np.array_equal(np.isfinite(ours), np.isfinite(reference))
+        finite = np.isfinite(reference)
+        assert np.allclose(ours[finite], reference[finite], rtol=1e-9, atol=1e-9)

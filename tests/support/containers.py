@@ -12,6 +12,7 @@ network the test creates. Whatever a manifest says that none of this honours is 
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 import time
@@ -38,7 +39,13 @@ CANNOT_HONOUR = {
     "job.activeDeadlineSeconds": "the test's own deadline bounds the run",
     "job.ttlSecondsAfterFinished": "the test removes every container it made",
     "NetworkPolicy": "the podman network enforces no policy",
+    "restartPolicy": "a container that stops stays stopped; the test restarts it as a kubelet would",
 }
+# Pod and security-context fields run_args carries out (or, for restartPolicy, the test does).
+POD_FIELDS = {"containers", "securityContext", "volumes", "serviceAccountName", "automountServiceAccountToken",
+              "terminationGracePeriodSeconds", "restartPolicy"}
+SECURITY_FIELDS = {"runAsUser", "runAsGroup", "runAsNonRoot", "fsGroup", "readOnlyRootFilesystem", "capabilities",
+                   "allowPrivilegeEscalation", "privileged", "seccompProfile"}
 
 _QUANTITY = {"Ki": 1024, "Mi": 1024 ** 2, "Gi": 1024 ** 3}
 
@@ -118,8 +125,8 @@ class ContainerPod:
         if "cpu" in limits:
             cpu = limits["cpu"]
             args += ["--cpus", str(int(cpu[:-1]) / 1000 if cpu.endswith("m") else float(cpu))]
-        if "memory" in limits:
-            args += ["--memory", str(_bytes(limits["memory"]))]
+        if "memory" in limits:  # no swap beyond the limit: a kubelet's pod would be OOM-killed
+            args += ["--memory", str(_bytes(limits["memory"])), "--memory-swap", str(_bytes(limits["memory"]))]
         for name, value in self.local.env.items():
             args += ["--env", f"{name}={value}"]
         args += self._mounts()
@@ -155,7 +162,7 @@ class ContainerPod:
                 path = podman("volume", "inspect", volume, "--format", "{{.Mountpoint}}").stdout.strip()
                 if group is not None:
                     shutil.chown(path, group=group)
-                    subprocess.run(["chmod", "2775", path], check=True)
+                    os.chmod(path, 0o2775)
 
     def unhonoured(self) -> dict[str, str]:
         """The fields of this pod's manifest that ``run_args`` does not carry out, with why."""
@@ -178,7 +185,17 @@ class ContainerPod:
         known = {"name", "image", "imagePullPolicy", "command", "args", "env", "ports", "resources",
                  "securityContext", "volumeMounts", "startupProbe", "readinessProbe", "livenessProbe"}
         unknown = set(container) - known
-        assert not unknown, f"{self.name}: container fields this test does not run: {sorted(unknown)}"
+        unknown |= {f"spec.{k}" for k in set(spec) - POD_FIELDS}
+        security = {**spec.get("securityContext", {}), **container.get("securityContext", {})}
+        unknown |= {f"securityContext.{k}" for k in set(security) - SECURITY_FIELDS}
+        assert not unknown, f"{self.name}: fields this test does not run: {sorted(unknown)}"
+        # runAsNonRoot holds (a numeric non-zero user), privileged is off, seccomp is podman's
+        # default profile, and no token is mounted: nothing to add to the flags for them.
+        assert security.get("runAsUser", 0) != 0 or not security.get("runAsNonRoot")
+        assert not security.get("privileged") and security.get("seccompProfile", {}).get("type", "RuntimeDefault") == "RuntimeDefault"
+        assert spec.get("automountServiceAccountToken") is False or "serviceAccountName" not in spec
+        if "restartPolicy" in spec or self.workload["kind"] != "Job":  # a StatefulSet's pods: Always
+            found["restartPolicy"] = CANNOT_HONOUR["restartPolicy"]
         assert container.get("imagePullPolicy", "IfNotPresent") in ("IfNotPresent", "Never"), \
             "the images are local: a pull policy that pulls cannot be honoured"
         return found
@@ -186,9 +203,18 @@ class ContainerPod:
     # -- what a kubelet does after start ---------------------------------------------------------
 
     def probe(self, kind: str) -> subprocess.CompletedProcess[str]:
+        """One run of the probe; slower than its timeoutSeconds (plus two seconds for the exec
+        itself) counts as a failure, as the kubelet counts it."""
         command = [expand(a, self.local.env) for a in self.container[kind]["exec"]["command"]]
-        timeout = self.container[kind].get("timeoutSeconds", 1)
-        return podman("exec", self.container_name, *command, check=False, timeout=timeout + 30)
+        limit = self.container[kind].get("timeoutSeconds", 1) + 2
+        started = time.monotonic()
+        try:
+            result = podman("exec", self.container_name, *command, check=False, timeout=limit)
+        except subprocess.TimeoutExpired:
+            return subprocess.CompletedProcess(command, 1, "", f"{kind} took over {limit} s")
+        if result.returncode == 0 and time.monotonic() - started > limit:
+            return subprocess.CompletedProcess(command, 1, "", f"{kind} took over {limit} s")
+        return result
 
     def until_started(self) -> None:
         """Run the startup probe every periodSeconds until it passes, at most failureThreshold

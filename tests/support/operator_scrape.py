@@ -65,6 +65,11 @@ def scrape_configs(monitor: dict[str, Any], namespace: str) -> list[dict[str, An
     kind, name = monitor["kind"], monitor["metadata"]["name"]
     spec = monitor["spec"]
     endpoints = spec["endpoints"] if kind == "ServiceMonitor" else spec["podMetricsEndpoints"]
+    # What this translation carries; a monitor saying more (metricRelabelings, tlsConfig,
+    # namespaceSelector, ...) fails here rather than be scraped without it.
+    untranslated = set(spec) - {"selector", "endpoints", "podMetricsEndpoints", "jobLabel"}
+    untranslated |= {k for e in endpoints for k in e} - {"port", "interval", "scheme", "path", "relabelings"}
+    assert not untranslated, f"{kind} {name}: fields not translated here: {sorted(untranslated)}"
     prefix = "service" if kind == "ServiceMonitor" else "pod"
     port_label = "__meta_kubernetes_endpoint_port_name" if kind == "ServiceMonitor" else \
         "__meta_kubernetes_pod_container_port_name"

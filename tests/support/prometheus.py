@@ -66,9 +66,6 @@ class LivePrometheus:
     def alerts(self) -> list[dict[str, Any]]:
         return self._api("alerts")["alerts"]
 
-    def targets(self) -> list[dict[str, Any]]:
-        return self._api("targets")["activeTargets"]
-
     def value(self, expr: str) -> float | None:
         result = self.query(expr)
         return float(result[0]["value"][1]) if result else None
