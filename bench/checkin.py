@@ -32,8 +32,8 @@ from pathlib import Path
 
 import psutil
 
-from client_sdk.enrolment import register_request, simulated_identity
 from tally.chaos.cluster import LocalCluster
+from tally.client.enrolment import register_request, simulated_identity
 from tally.security import TLSConfig, bearer_metadata
 from tally.security.enrolment import enrolment_credential
 from tally.security.tls import open_aio_channel

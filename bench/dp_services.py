@@ -23,11 +23,11 @@ from rich.console import Console
 from rich.progress import Progress
 from rich.table import Table
 
-from client_sdk.dropout import DropoutPlan
-from client_sdk.fleet import Fleet
-from coordinator.store import Store
 from tally import modelio
 from tally.chaos.cluster import LocalCluster
+from tally.client.dropout import DropoutPlan
+from tally.client.fleet import Fleet
+from tally.coordinator.store import Store
 
 # Seconds a device waits in a check-in for a round to seat it: short, so cohorts form quickly.
 CHECKIN_HOLD_SECONDS = 1.0

@@ -27,9 +27,9 @@ import grpc
 import psutil
 from prometheus_client.parser import text_string_to_metric_families
 
-from client_sdk.sum_audit import SumAudit, check_committed, outcome_counts
-from client_sdk.timeline import FleetTimeline
 from tally.chaos.cluster import LocalCluster
+from tally.client.sum_audit import SumAudit, check_committed, outcome_counts
+from tally.client.timeline import FleetTimeline
 
 SPEC = """\
 name: bench-fleet

@@ -19,11 +19,11 @@ from pathlib import Path
 
 import numpy as np
 
-from client_sdk import Device, OnnxModel
-from client_sdk.enrolment import load_or_create_identity
+from tally.client import Device, OnnxModel
+from tally.client.enrolment import load_or_create_identity
 from tally.datasets.digits import digits
-from tally.security import TLSConfig
 from tally.models.mlp import mlp
+from tally.security import TLSConfig
 from tally.training import TorchTrainer
 
 

@@ -15,7 +15,7 @@ privacy      ``privacy``: differential privacy around any algorithm (clipping, n
 models       ``models``: every torch model builder, ONNX export, state dict <-> arrays
 training     ``training``: the torch trainers a device offers (plain, domain, energy, fair, personal)
 datasets     ``datasets``: bundled and synthetic federated datasets, which hand devices trainers
-services     the top-level packages ``coordinator``, ``aggregator`` and ``client_sdk``
+services     ``coordinator``, ``aggregator`` and ``client`` (the SDK a device embeds): the three services
 tools        ``sim`` (the in-process simulator and its reports), ``ops`` (processes, Kubernetes,
              the health probe), ``chaos`` (the fault campaign), ``research`` (paper reproductions,
              no part of the product)

@@ -1,7 +1,7 @@
 """Local adaptation's options, without torch: what the coordinator checks in a job spec's
 ``adaptation:`` block and what a device receives with its task (specs/local-adaptation.md 6).
 
-``AdaptationConfig`` is one technique's settings (``client_sdk.adaptation.adapt`` runs it).
+``AdaptationConfig`` is one technique's settings (``tally.client.adaptation.adapt`` runs it).
 ``JobAdaptation`` is the job option around it: the technique plus what the device does around the
 technique after the job's last round commits (how much of its data it holds out to judge the
 adapted model, whether it also trains the local-only baseline of the who-gains comparison). It

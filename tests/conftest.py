@@ -36,8 +36,9 @@ def deployment(tmp_path_factory: pytest.TempPathFactory):
 def twostep():
     """``twostep`` registered as an algorithm for one test: a two-sum algorithm whose second
     broadcast depends on the first sum (support.coordinator.TwoStepServer)."""
-    from coordinator import catalogue
     from support.coordinator import TwoStepServer  # here: it imports the services, `-m unit` needs none
+
+    from tally.coordinator import catalogue
 
     catalogue.register_algorithm("twostep", TwoStepServer)
     yield

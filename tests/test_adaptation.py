@@ -13,15 +13,15 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from client_sdk.adaptation import AdaptationConfig, adapt, distillation_loss, fisher_diagonal
-from tally.models.onnx import export_onnx
 from tally import algorithms
 from tally.algorithms.base import flatten
+from tally.client.adaptation import AdaptationConfig, adapt, distillation_loss, fisher_diagonal
 from tally.datasets.personal import pathological_digits
+from tally.models.mlp import mlp
+from tally.models.onnx import export_onnx
+from tally.models.params import get_params
 from tally.sim.personalisation import local_only_accuracy, personal_fleet
 from tally.sim.rounds import plain_sum, run_rounds
-from tally.models.mlp import mlp
-from tally.models.params import get_params
 from tally.sim.who_gains import plot, share_worse, who_gains
 
 FAST = {"local_epochs": 1, "local_lr": 0.05, "batch_size": 10}
@@ -144,8 +144,8 @@ def test_freeze_base_moves_only_the_top_layer(device):
 
 
 def test_options_are_validated():
-    from client_sdk.adaptation import METHODS
     from tally.cli.simulate import ADAPTATIONS
+    from tally.client.adaptation import METHODS
 
     assert ADAPTATIONS == METHODS  # --adapt's choices, named without importing the SDK
     with pytest.raises(ValueError, match="method"):
@@ -163,7 +163,7 @@ def test_gain_lose_count_is_strict():
 
 
 def test_adapted_model_is_served_by_onnx_runtime_without_torch(tmp_path, device):
-    """The adapted model's ONNX export, run by client_sdk.OnnxModel in a process where torch
+    """The adapted model's ONNX export, run by tally.client.OnnxModel in a process where torch
     cannot be imported, gives torch's logits."""
     X, y, start = device
     net = mlp(64, 10)
@@ -177,7 +177,7 @@ def test_adapted_model_is_served_by_onnx_runtime_without_torch(tmp_path, device)
         "        if name.split('.')[0] == 'torch': raise ImportError('torch is blocked')\n"
         "sys.meta_path.insert(0, NoTorch())\n"
         "import numpy as np\n"
-        "from client_sdk.onnx_model import OnnxModel\n"
+        "from tally.client.onnx_model import OnnxModel\n"
         f"m = OnnxModel.from_path({str(tmp_path / 'model.onnx')!r})\n"
         f"np.save({str(tmp_path / 'logits.npy')!r}, m.logits(np.load({str(tmp_path / 'x.npy')!r})))\n"
         "assert 'torch' not in sys.modules\n"

@@ -19,14 +19,14 @@ import torch
 import yaml
 from hypothesis import given, settings
 from hypothesis import strategies as st
-
-from client_sdk import Device, OnnxModel
-from client_sdk.adaptation import adapt_for_job, held_out
-from client_sdk.adapted_models import AdaptedModels
-from client_sdk.metrics import ClientMetrics
-from coordinator import jobspec
 from support.stack import PLAINTEXT, run, spec, stack
+
 from tally.adaptation_options import METHODS, AdaptationConfig, JobAdaptation
+from tally.client import Device, OnnxModel
+from tally.client.adaptation import adapt_for_job, held_out
+from tally.client.adapted_models import AdaptedModels
+from tally.client.metrics import ClientMetrics
+from tally.coordinator import jobspec
 from tally.datasets.personal import pathological_digits
 from tally.models.mlp import mlp
 from tally.models.params import get_params

@@ -10,14 +10,14 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import re
-from functools import partial
 import hashlib
+import re
 import signal
 import subprocess
 import sys
 import time
 from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 import grpc
@@ -25,8 +25,6 @@ import pytest
 from cryptography.hazmat.primitives.asymmetric import ed25519
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
-
-from aggregator import AggregatorService
 from support.aggregator import (
     CODE,
     OWNER_TOKENS,
@@ -48,14 +46,16 @@ from support.aggregator import (
     sign,
     until_not_found,
 )
-from aggregator.admission import admit
-from tally.cli.aggregator import register
-from aggregator.errors import Rejected
-from aggregator.metrics import AggregatorMetrics
-from aggregator.session import Session
-from client_sdk.session import CORRUPT_MESSAGE
-from tally.codec import Field, Kind, PayloadSchema, packed_size
 from support.secagg import roster
+
+from tally.aggregator import AggregatorService
+from tally.aggregator.admission import admit
+from tally.aggregator.errors import Rejected
+from tally.aggregator.metrics import AggregatorMetrics
+from tally.aggregator.session import Session
+from tally.cli.aggregator import register
+from tally.client.session import CORRUPT_MESSAGE
+from tally.codec import Field, Kind, PayloadSchema, packed_size
 from tally.secagg import SessionConfig
 from tally.secagg.messages import (
     AdvertiseKeys,
@@ -75,11 +75,11 @@ from tally.security.certs import write_deployment, write_file_atomic
 from tally.security.tls import open_channel
 from tally.security.tokens import load_or_create_ticket_key
 from tally.wire.chunks import split_masked_input
-from tally.wire.join import join_metadata
 from tally.wire.convert import (
     schema_to_proto,
     session_config_bytes,
 )
+from tally.wire.join import join_metadata
 from tally.wire.v1 import aggregator_pb2, aggregator_pb2_grpc, secagg_pb2
 
 # ---- tests -------------------------------------------------------------------------------------
@@ -559,7 +559,7 @@ def test_the_coordinator_follows_a_certificate_rotation_without_a_restart(tmp_pa
     Here even the CA rotates: the aggregator serves the new files from its next handshake, and
     the coordinator's pool reconnects with its renewed client certificate at its next health
     check, so an aggregator restarted after the rotation is reachable at once."""
-    from coordinator.aggregators import AggregatorPool
+    from tally.coordinator.aggregators import AggregatorPool
 
     old, new = tmp_path / "old", tmp_path / "new"
     write_deployment(old)

@@ -14,9 +14,23 @@ from pathlib import Path
 import grpc
 import pytest
 from cryptography.hazmat.primitives import serialization
-
-from aggregator import AggregatorService
+from support.aggregator import (
+    CODE,
+    assert_sum,
+    await_sum,
+    connected,
+    device,
+    join,
+    plan,
+    rpc_error,
+    run,
+    running,
+    scrape,
+)
 from support.secagg import identities
+
+from tally.aggregator import AggregatorService
+from tally.secagg.layouts import advertise_statement
 from tally.secagg.messages import AdvertiseKeys, UnmaskResponse
 from tally.security import TLSConfig, certs
 from tally.security.tls import channel_credentials
@@ -24,20 +38,6 @@ from tally.wire.join import JOIN_METADATA, join_metadata
 from tally.wire.v1 import secagg_pb2
 from tally.wire.v1.aggregator_pb2 import AwaitResultRequest, CloseSessionRequest
 from tally.wire.v1.aggregator_pb2_grpc import AggregatorControlStub
-from tally.secagg.layouts import advertise_statement
-from support.aggregator import (
-    CODE,
-    rpc_error,
-    assert_sum,
-    await_sum,
-    connected,
-    device,
-    join,
-    plan,
-    run,
-    running,
-    scrape,
-)
 
 
 def _small_order_key(message):

@@ -15,12 +15,12 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-
-from coordinator import catalogue
 from support.devices import QuadraticDevice
+
 from tally import algorithms
 from tally.algorithms import aaggff, fedavg, lg_fedavg, superfed
 from tally.algorithms.base import Options, PersonalBroadcast, PersonalisedClient
+from tally.coordinator import catalogue
 from tally.secagg import ThreatModel
 from tally.sim.rounds import SecureSum, run_rounds
 
@@ -101,7 +101,7 @@ def test_personalised_client_halves_are_the_personalised_algorithms():
 
 def test_no_module_reads_a_step_flag_or_a_protocol_method_by_name():
     by_name = re.compile(r"\b(?:getattr|hasattr)\([^,()]+, \"(?:reveal|personal|personal_model|broadcast_to)\"")
-    found = [f"{path.relative_to(REPO)}:{n}" for top in ("tally", "coordinator", "client_sdk", "aggregator", "tests")
+    found = [f"{path.relative_to(REPO)}:{n}" for top in ("tally", "coordinator", "tally.client", "aggregator", "tests")
              for path in (REPO / top).rglob("*.py")
              for n, line in enumerate(path.read_text().splitlines(), 1) if by_name.search(line)]
     assert not found, found

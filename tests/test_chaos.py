@@ -10,13 +10,13 @@ import sys
 
 import pytest
 
-from coordinator.store import Store
 from tally.chaos.campaign import FAULTS, MISBEHAVIOURS, Campaign, CampaignConfig, VaryingDropouts, failed_round
-from client_sdk import Fleet
-from client_sdk.fleet import device_ids
-from client_sdk.retry import RetryPolicy
-from client_sdk.synthetic import SyntheticUpdates
 from tally.chaos.cluster import LocalCluster, wait_for
+from tally.client import Fleet
+from tally.client.fleet import device_ids
+from tally.client.retry import RetryPolicy
+from tally.client.synthetic import SyntheticUpdates
+from tally.coordinator.store import Store
 from tally.wire.v1 import common_pb2
 
 

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from coordinator.store import Store
+from tally.coordinator.store import Store
 
 REPO = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="needs Linux /proc to find child processes")

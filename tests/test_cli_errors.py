@@ -9,7 +9,7 @@ import argparse
 import pytest
 
 from tally.cli import coordinator as coordinator_cli
-from coordinator.store import Store
+from tally.coordinator.store import Store
 
 
 def _coordinator(argv: list[str]) -> int:
@@ -135,7 +135,7 @@ def test_tally_help_imports_no_command_module():
 
     code = ("import sys; from tally.cli import main\n"
             "try: main(['--help'])\nexcept SystemExit: pass\n"
-            "heavy = [m for m in ('torch', 'coordinator.service', 'client_sdk', 'aggregator') if m in sys.modules]\n"
+            "heavy = [m for m in ('torch', 'tally.coordinator.service', 'tally.client', 'tally.aggregator') if m in sys.modules]\n"
             "print('HEAVY', heavy)")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert "HEAVY []" in done.stdout, done.stdout + done.stderr
@@ -151,7 +151,7 @@ def test_no_command_help_loads_torch_scipy_or_the_sdk(command):
     import sys
 
     code = (f"import sys; from tally.cli import main\ntry: main([{command!r}, '--help'])\nexcept SystemExit: pass\n"
-            "heavy = [m for m in ('torch', 'sklearn', 'scipy', 'client_sdk.device', 'coordinator.service') "
+            "heavy = [m for m in ('torch', 'sklearn', 'scipy', 'tally.client.device', 'tally.coordinator.service') "
             "if m in sys.modules]\nprint('HEAVY', heavy)")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert "HEAVY []" in done.stdout, done.stdout + done.stderr
@@ -270,8 +270,8 @@ def test_help_imports_nothing_heavy(command):
 
 
 def test_the_simulate_command_line_names_every_dataset():
-    from tally.sim import tasks
     from tally.cli.simulate import DATASETS
+    from tally.sim import tasks
 
     assert DATASETS == tuple(tasks.BUILDERS)
 

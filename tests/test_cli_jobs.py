@@ -16,12 +16,12 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from support.stack import run, spec, stack, trainers
 
-from client_sdk import OnnxModel
-from coordinator.jobspec_docs import reference
 from tally import algorithms
 from tally.cli import main as tally
-from support.stack import run, spec, stack, trainers
+from tally.client import OnnxModel
+from tally.coordinator.jobspec_docs import reference
 
 REPO = Path(__file__).resolve().parents[1]
 EXAMPLES = sorted((REPO / "examples").glob("*.yaml"))
@@ -43,8 +43,8 @@ def test_job_init_writes_a_commented_spec_that_validates(tmp_path, capsys, algor
     text = capsys.readouterr().out
     assert text.startswith("#") and f"algorithm: {algorithm}" in text
     # Each option says what it means and what it takes, not only its type (issue 25, item 3).
-    from coordinator import jobspec
-    from coordinator.jobspec_docs import STARTER_OPTIONS
+    from tally.coordinator import jobspec
+    from tally.coordinator.jobspec_docs import STARTER_OPTIONS
 
     lines = dict(line.strip().split(":", 1) for line in text.split("\nconfig:", 1)[1].splitlines()[1:] if line.strip())
     for key, info in jobspec.options_model(algorithm).model_fields.items():
@@ -182,8 +182,8 @@ def test_a_yaml_syntax_error_is_one_problem_naming_its_line(tmp_path, capsys):
 
 
 def test_job_init_help_names_every_algorithm(capsys):
-    from tally.cli.job import ALGORITHMS
     from tally.algorithms import NAMES
+    from tally.cli.job import ALGORITHMS
 
     assert set(ALGORITHMS) == set(NAMES)
     with pytest.raises(SystemExit):

@@ -30,13 +30,13 @@ def test_lines_written_to_a_log_file_are_neither_cut_nor_wrapped(tmp_path):
     import subprocess
     import sys
 
-    from client_sdk.fleet import FleetStats
+    from tally.client.fleet import FleetStats
 
     stats = FleetStats(devices=10_000, checkins=987_654, tasks_done=123_456, sessions_completed=120_000,
                        sessions_aborted=12, dropouts=3_456, bytes_up=12 << 30, bytes_down=34 << 30, retries=7,
                        clipped_values=0, last_model_version="job/v12", rounds={"job": list(range(1, 13))},
                        elapsed_seconds=3_600.0, jobs=["job"], last_error="", jobs_over=False)
-    code = ("from client_sdk.fleet import FleetStats, progress_display\n"
+    code = ("from tally.client.fleet import FleetStats, progress_display\n"
             "from tally.cli.console import console\n"
             "c = console()\n"
             f"c.print({'summary: ' + 'x' * 150!r})\n"

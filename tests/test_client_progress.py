@@ -9,11 +9,12 @@ import json
 import sys
 from pathlib import Path
 
-from client_sdk.device_progress import DeviceProgress, summary
-from client_sdk.device import DeviceStats
+from support.stack import run, spec, stack, trainers
+
+from tally.client.device import DeviceStats
+from tally.client.device_progress import DeviceProgress, summary
 from tally.security.enrolment import SharedKeyEnrolment
 from tally.wire.v1 import common_pb2
-from support.stack import run, spec, stack, trainers
 
 REPO = Path(__file__).resolve().parents[1]
 FLEET = 11  # and the client: one cohort's selection of 12

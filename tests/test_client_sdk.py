@@ -10,9 +10,9 @@ that device, which keeps the tests free of timers.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import dataclasses
 import functools
-import asyncio
 import gc
 import hashlib
 import io
@@ -33,27 +33,28 @@ from typing import Any
 import grpc
 import numpy as np
 import pytest
+import torch
+from cryptography.hazmat.primitives.asymmetric import ed25519
+from google.protobuf.timestamp_pb2 import Timestamp
 from hypothesis import given, settings
 from hypothesis import strategies as st
-import torch
-from support.secagg import LAX, identities, roster
-from google.protobuf.timestamp_pb2 import Timestamp
-from cryptography.hazmat.primitives.asymmetric import ed25519
 from rich.console import Console
+from support.secagg import LAX, identities, roster
 
-from client_sdk import ClientMetrics, Device, DropoutPlan, Fleet, ModelCache, OnnxModel, RetryPolicy
+from tally import algorithms, modelio
 from tally.cli import client as client_cli
 from tally.cli import client_run
-from client_sdk.channels import open_aio_channel
-from client_sdk.adapted_models import AdaptedModels
-from client_sdk.enrolment import load_or_create_identity, simulated_identity
-from client_sdk.local_state import LocalStateStore
-from client_sdk.reports import LEDGER_FILE, InputLedger
-from tally.wire.task_reports import MAX_LEDGER_JOBS
-from client_sdk.session import settle, stream_timeout
-from tally import algorithms, modelio
-from tally.datasets.digits import digits
+from tally.client import ClientMetrics, Device, DropoutPlan, Fleet, ModelCache, OnnxModel, RetryPolicy
+from tally.client.adapted_models import AdaptedModels
+from tally.client.channels import open_aio_channel
+from tally.client.enrolment import load_or_create_identity, simulated_identity
+from tally.client.local_state import LocalStateStore
+from tally.client.reports import LEDGER_FILE, InputLedger
+from tally.client.session import settle, stream_timeout
 from tally.codec import Field, Kind, PayloadSchema, ring_mask, to_ring
+from tally.datasets.digits import digits
+from tally.models.mlp import mlp
+from tally.models.params import get_params
 from tally.secagg import (
     GraphParams,
     ProtocolError,
@@ -77,10 +78,7 @@ from tally.security import (
 )
 from tally.security.files import private_dir
 from tally.security.tls import TLSConfig
-from tally.models.mlp import mlp
-from tally.models.params import get_params
 from tally.training import TorchTrainer
-from tally.wire.join import join_from_metadata
 from tally.wire.convert import (
     aggregator_envelope,
     open_envelope,
@@ -89,6 +87,8 @@ from tally.wire.convert import (
     tensors_to_proto,
     to_proto,
 )
+from tally.wire.join import join_from_metadata
+from tally.wire.task_reports import MAX_LEDGER_JOBS
 from tally.wire.v1 import (
     common_pb2,
     coordinator_pb2,
@@ -756,7 +756,7 @@ def test_session_config_other_than_assigned_is_refused():
 @pytest.fixture
 def retry_events():
     """An asyncio.Event-like latch set when the device logs a retry of a given status."""
-    logger = logging.getLogger("tally.client_sdk.device")
+    logger = logging.getLogger("tally.client.device")
     seen: list[str] = []
     waiters: list[tuple[str, asyncio.Event]] = []
 
@@ -1038,7 +1038,7 @@ def test_onnx_model_matches_torch_predictions(tmp_path):
 
 
 def test_onnx_model_module_does_not_need_torch():
-    code = ("import sys, client_sdk.onnx_model, client_sdk; "
+    code = ("import sys, tally.client.onnx_model, tally.client; "
             "assert 'torch' not in sys.modules, 'torch was imported'")
     subprocess.run([sys.executable, "-c", code], check=True, cwd=os.path.dirname(os.path.dirname(__file__)))
 

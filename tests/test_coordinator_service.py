@@ -20,8 +20,6 @@ import pytest
 import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
-
-from support.enrolment import provisioned_request
 from support.coordinator import (
     CANCELLED,
     FAILED,
@@ -40,27 +38,29 @@ from support.coordinator import (
     run_devices,
     spec_yaml,
 )
+from support.enrolment import provisioned_request
 from support.stack import scrape_text
+
+from tally.algorithms.fedavg import FedAvgConfig
 from tally.cli import coordinator as coordinator_cli
-from coordinator.runner import RETRY_BACKOFF_FIRST_S
-from coordinator.planner import (
+from tally.coordinator.planner import (
     MIN_RETRY_S,
     Phase,
 )
-from coordinator.service import CoordinatorService
-from tally.algorithms.fedavg import FedAvgConfig
-from tally.security import certs
+from tally.coordinator.runner import RETRY_BACKOFF_FIRST_S
+from tally.coordinator.service import CoordinatorService
+from tally.models.mlp import mlp
+from tally.models.params import get_params, set_params
 from tally.security import (
     TicketVerifier,
     TLSConfig,
     bearer_metadata,
+    certs,
     channel_credentials,
     channel_options,
     load_or_create_ticket_key,
 )
 from tally.security.tls import tls_config_from_args
-from tally.models.mlp import mlp
-from tally.models.params import get_params, set_params
 from tally.wire.convert import (
     tensors_from_proto,
 )

@@ -9,16 +9,22 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import pytest
+from support.coordinator import STEP, TwoStepState, planner_spec
 
-from coordinator import jobspec
-from coordinator.aggregators import aio_channel, parse_aggregator
-from coordinator.planner import (
+from tally.algorithms.base import StepSpec
+from tally.algorithms.fedavg import FedAvgServer, FedAvgState
+from tally.codec import PayloadSchema, ring_dtype, ring_mask, to_ring
+from tally.coordinator import jobspec
+from tally.coordinator.active_jobs import ActiveJobs
+from tally.coordinator.aggregators import aio_channel, parse_aggregator
+from tally.coordinator.metrics import CoordinatorMetrics
+from tally.coordinator.planner import (
+    MIN_RETRY_S,
     CohortRejected,
     Deliver,
     Extended,
     Failed,
     FormCohorts,
-    MIN_RETRY_S,
     Hold,
     NoCapacity,
     Phase,
@@ -28,22 +34,16 @@ from coordinator.planner import (
     WaitingRoom,
     split_cohorts,
 )
-from coordinator.active_jobs import ActiveJobs
-from coordinator.metrics import CoordinatorMetrics
-from coordinator.state_codec import UnsupportedState, state_from_bytes, state_to_bytes
-from coordinator.store import EnrolmentRefused, Store
-from support.coordinator import STEP, TwoStepState, planner_spec
-from tally.algorithms.base import StepSpec
-from tally.algorithms.fedavg import FedAvgServer, FedAvgState
-from tally.codec import PayloadSchema, ring_dtype, ring_mask, to_ring
+from tally.coordinator.state_codec import UnsupportedState, state_from_bytes, state_to_bytes
+from tally.coordinator.store import EnrolmentRefused, Store
+from tally.models.mlp import mlp
+from tally.models.params import get_params
 from tally.secagg import SumResult
 from tally.security import (
     DeviceClaims,
     TLSConfig,
     channel_options,
 )
-from tally.models.mlp import mlp
-from tally.models.params import get_params
 
 
 def _planner(spec=None, steps=(STEP,), extensions=0, now=0.0) -> RoundPlanner:
@@ -315,8 +315,8 @@ def test_reveal_collector_builds_the_rows_as_the_simulator_and_refuses_what_does
     ValueError (INVALID_ARGUMENT), a task outside the round RevealOutOfPhase (FAILED_PRECONDITION)."""
     import numpy as np
 
-    from coordinator.reveals import RevealCollector, RevealOutOfPhase
     from tally import algorithms
+    from tally.coordinator.reveals import RevealCollector, RevealOutOfPhase
     from tally.sim.rounds import reveal_values
 
     server, _ = algorithms.make("aaggff_s", {"num_clients": 4, "reveal": ["response"]})
@@ -344,8 +344,8 @@ def test_task_reports_keep_an_example_and_only_real_failures_are_warnings(tmp_pa
     """Issue 25, items 2 and 7: each reason keeps the first device's own words (what `job status`
     shows), and a planned dropout is logged as routine while a device that could not do its task
     is a warning (a fleet's dropouts used to be 110 of 163 coordinator log lines, all warnings)."""
-    from coordinator.planner import Seat
-    from coordinator.task_reports import TaskReportBook
+    from tally.coordinator.planner import Seat
+    from tally.coordinator.task_reports import TaskReportBook
     from tally.wire.v1 import coordinator_pb2
 
     caplog.set_level("INFO", logger="tally.coordinator.reports")
@@ -370,8 +370,8 @@ def test_a_restarted_coordinator_matches_reports_of_tasks_issued_before_it_stopp
     after a restart (the issued tasks lived in memory), so their devices' seats stayed taken and
     the retried round seated 10 devices instead of 52. The store's seats now vouch for them: each
     such task is counted once, only for its own device, and "sent no input" frees its seat."""
-    from coordinator.planner import Seat
-    from coordinator.task_reports import Recorded, TaskReportBook
+    from tally.coordinator.planner import Seat
+    from tally.coordinator.task_reports import Recorded, TaskReportBook
     from tally.wire.v1 import coordinator_pb2
 
     store = Store(tmp_path)

@@ -25,7 +25,7 @@ def test_the_site_builds_with_warnings_as_errors(tmp_path):
                  "contributing"):
         assert (site / page / "index.html").exists(), page
     api = (site / "sdk-api" / "index.html").read_text()
-    assert 'id="client_sdk.device.Device.run"' in api and 'id="tally.algorithms.base.LocalTrainer"' in api
+    assert 'id="tally.client.device.Device.run"' in api and 'id="tally.algorithms.base.LocalTrainer"' in api
     recipe = (site / "adding-an-algorithm" / "index.html").read_text()  # the contract, from its docstrings
     assert all(f'id="tally.algorithms.base.{name}"' in recipe for name in ("StepSpec", "ServerAlgorithm.init",
                                                                           "Options"))

@@ -19,16 +19,15 @@ import grpc
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from support.enrolment import provisioned_request
 
-from client_sdk.channels import open_aio_channel
-from client_sdk.enrolment import load_or_create_identity, register_request
 from tally.cli import coordinator as coordinator_cli
 from tally.cli import enrol as enrol_cli
-from coordinator.ratelimit import RateLimit, SourceRateLimiter
-from tally.security.peers import source_of
-from coordinator.service import CoordinatorService
-from support.enrolment import provisioned_request
 from tally.cli import main as tally
+from tally.client.channels import open_aio_channel
+from tally.client.enrolment import load_or_create_identity, register_request
+from tally.coordinator.ratelimit import RateLimit, SourceRateLimiter
+from tally.coordinator.service import CoordinatorService
 from tally.secagg import SigningKey
 from tally.security import TLSConfig, bearer_metadata, load_or_create_ticket_key
 from tally.security.certs import write_deployment
@@ -38,7 +37,9 @@ from tally.security.enrolment import (
     SharedKeyEnrolment,
     load_or_create_enrolment_key,
 )
+from tally.security.peers import source_of
 from tally.wire.v1 import coordinator_pb2, coordinator_pb2_grpc
+
 
 class Clock:
     """The coordinator's clock, moved by the test (rate limits refill with it)."""

@@ -14,15 +14,15 @@ from typing import Any
 import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from support.jobs import run_synthetic_job
 
-from client_sdk.behaviour import BehaviourProfile
-from client_sdk.sum_audit import EXACT, FOREIGN, MISMATCH, SumAudit, outcome_counts
-from client_sdk.synthetic import SyntheticUpdates
-from tally.secagg import DealingFault
+from tally.client.behaviour import BehaviourProfile
+from tally.client.sum_audit import EXACT, FOREIGN, MISMATCH, SumAudit, outcome_counts
+from tally.client.synthetic import SyntheticUpdates
 from tally.codec import Field, Kind, PayloadSchema, to_ring
 from tally.codec.fingerprint import add_fingerprints, ring_fingerprint
+from tally.secagg import DealingFault
 from tally.secagg.messages import SumResult
-from support.jobs import run_synthetic_job
 
 SCHEMA = PayloadSchema((
     Field("weighted_delta", (50,), clip=4.0, frac_bits=20),
@@ -64,7 +64,7 @@ def test_fingerprints_add_like_the_vectors_they_fingerprint(bits, parts, dim, se
 
 
 def test_a_synthetic_fleet_imports_no_torch():
-    code = ("import sys, client_sdk.fleet, client_sdk.synthetic, client_sdk.sum_audit, tally.cli.client; "
+    code = ("import sys, tally.client.fleet, tally.client.synthetic, tally.client.sum_audit, tally.cli.client; "
             "assert 'torch' not in sys.modules, 'torch was imported'")
     subprocess.run([sys.executable, "-c", code], check=True)
 

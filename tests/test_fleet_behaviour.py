@@ -15,11 +15,11 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-
-from client_sdk.behaviour import BehaviourProfile, DeviceTraits
-from client_sdk.fleet import device_ids
-from client_sdk.sum_audit import EXACT, FOREIGN, MISMATCH, outcome_counts
 from support.jobs import run_synthetic_job
+
+from tally.client.behaviour import BehaviourProfile, DeviceTraits
+from tally.client.fleet import device_ids
+from tally.client.sum_audit import EXACT, FOREIGN, MISMATCH, outcome_counts
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "fleet" / "profile.yaml"
 

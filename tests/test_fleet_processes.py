@@ -17,10 +17,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from prometheus_client.parser import text_string_to_metric_families
 
-from tally.cli.client_run import _block
-from client_sdk.fleet import FleetStats
-from client_sdk.fleet_processes import DEVICES_PER_EXTRA_PROCESS, _part, available_cores, default_processes
 from tally.chaos.cluster import LocalCluster, wait_for
+from tally.cli.client_run import _block
+from tally.client.fleet import FleetStats
+from tally.client.fleet_processes import DEVICES_PER_EXTRA_PROCESS, _part, available_cores, default_processes
 
 
 def _args(devices: int, shard: tuple[int, int]) -> argparse.Namespace:

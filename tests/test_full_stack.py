@@ -10,22 +10,22 @@ import numpy as np
 import pytest
 import torch
 from scipy import stats
-
-from aggregator import session as aggregator_session
 from support.jobs import job_text
 from support.stack import HIDDEN, run, scrape_text, spec, stack, trainers
-from client_sdk import DropoutPlan, OnnxModel
+
 from tally import modelio, models
-from tally.datasets.digits import digits
+from tally.aggregator import session as aggregator_session
 from tally.algorithms.fedavg import FedAvgClient, FedAvgConfig, FedAvgServer
+from tally.client import DropoutPlan, OnnxModel
 from tally.codec import unpack
+from tally.datasets.digits import digits
+from tally.models.mlp import mlp
+from tally.models.params import get_params, set_params
 from tally.secagg import DevicePolicy, SecAggServer
 from tally.secagg.messages import MaskedInputResponse
 from tally.sim.rounds import plain_sum, run_rounds
-from tally.models.mlp import mlp
-from tally.models.params import get_params, set_params
 from tally.training import TorchTrainer, single_threaded
-from tally.wire.v1 import coordinator_pb2, common_pb2
+from tally.wire.v1 import common_pb2, coordinator_pb2
 
 
 def test_fedavg_through_the_services_equals_the_in_process_result(tmp_path):
@@ -350,9 +350,9 @@ def test_agnostic_fedavg_through_the_services_with_a_coordinator_restart(tmp_pat
     the toy regression through the real services equals the in-process run, model and λ, with the
     coordinator restarted after round 1: the resumed job must continue from the checkpointed λ,
     window and optimizer state, not from ``server.init(model)``."""
-    from coordinator import catalogue
-    from coordinator.state_codec import state_from_bytes
     from tally import algorithms
+    from tally.coordinator import catalogue
+    from tally.coordinator.state_codec import state_from_bytes
     from tally.datasets.toy_regression import toy_regression
 
     rounds, initial = 3, {"w": np.array([5.0])}

@@ -10,11 +10,11 @@ from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
-
 from support.devices import quadratic_fleet
 from support.enrolment import provisioned_request
 from support.jobs import job_text, max_error, run_job
 from support.stack import run, stack
+
 from tally import algorithms
 from tally.sim.rounds import plain_sum, run_rounds
 
@@ -140,7 +140,7 @@ def test_aaggff_s_ons_without_the_reveal_opt_in_is_refused_at_submit(tmp_path):
     import grpc
     import pytest
 
-    from coordinator import catalogue
+    from tally.coordinator import catalogue
 
     kind = "aaggff-s-refused"
     text = job_text(kind, "aaggff_s", 2, 8, kind, {"num_clients": 8})  # solver defaults to "ons"
@@ -210,7 +210,7 @@ def test_a_reveal_for_a_job_without_the_opt_in_is_permission_denied(tmp_path):
     import grpc
     import pytest
 
-    from coordinator import catalogue
+    from tally.coordinator import catalogue
     from tally.security import bearer_metadata
     from tally.wire.convert import tensors_to_proto
     from tally.wire.v1 import coordinator_pb2, coordinator_pb2_grpc

@@ -8,19 +8,19 @@ from __future__ import annotations
 from typing import Any
 
 import numpy as np
-
-from client_sdk import Device
-from client_sdk.local_state import LocalStateStore
-from support.stack import PLAINTEXT, run, stack
 from support.jobs import job_text, max_error
+from support.stack import PLAINTEXT, run, stack
+
 from tally import algorithms, modelio
 from tally.algorithms.base import flatten
+from tally.client import Device
+from tally.client.local_state import LocalStateStore
 from tally.datasets.personal import pathological_digits
-from tally.training.personal import MixingTrainer
-from tally.sim.rounds import plain_sum, run_rounds
 from tally.models.mlp import mlp
 from tally.models.params import get_params
+from tally.sim.rounds import plain_sum, run_rounds
 from tally.training import single_threaded
+from tally.training.personal import MixingTrainer
 from tally.wire.v1 import common_pb2
 
 N, ROUNDS = 8, 3
@@ -36,7 +36,7 @@ def _trainers(seed: int = 0) -> tuple[list[MixingTrainer], dict]:
 def _through_the_services(tmp_path, algorithm: str, options: dict[str, Any]):
     """Run the job on the real stack with every device keeping its local state under a state
     directory; return the final server parameters and each device's local state by index."""
-    from coordinator import catalogue
+    from tally.coordinator import catalogue
 
     kind = f"personal-{algorithm}"
     devices, initial = _trainers()

@@ -8,7 +8,7 @@ import yaml
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from coordinator import jobspec
+from tally.coordinator import jobspec
 
 BASE = {"name": "t", "algorithm": "fedavg", "rounds": 2, "cohort_size": 10, "min_cohort": 5}
 

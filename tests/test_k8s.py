@@ -14,14 +14,24 @@ from typing import Any
 
 import pytest
 import yaml
-
 from support.deploy import ROOT, Service, clean_env, poll_until_ok
 from support.manifests import (
-    FLEET_OVERLAYS, K8S, OVERLAYS, Cluster, LocalPod, env_value, find, image_entrypoint, kubernetes_validate, load_secrets, one, render,
+    FLEET_OVERLAYS,
+    K8S,
+    OVERLAYS,
+    Cluster,
+    LocalPod,
+    env_value,
+    find,
+    image_entrypoint,
+    kubernetes_validate,
+    load_secrets,
+    one,
+    render,
     versions,
 )
-from tally.cli import main as tally_main
 
+from tally.cli import main as tally_main
 
 DOCKERFILES = {role: ROOT / "docker" / f"{role}.Dockerfile" for role in ("aggregator", "coordinator", "client")}
 CHECKOV = ROOT / ".venv" / "checkov" / "bin" / "checkov"
@@ -239,7 +249,7 @@ def _secret_references(objects: list[dict[str, Any]]) -> list[tuple[str, str, se
 def test_job_specs_fit_the_fleet(rendered: dict[str, list[dict[str, Any]]], overlay: str) -> None:
     """Every spec in the jobs ConfigMap is valid, trains the model the fleet trains, and can be
     filled by the overlay's fleet."""
-    from coordinator.jobspec import parse
+    from tally.coordinator.jobspec import parse
 
     objects = rendered[overlay]
     (fleet,) = one(objects, "Job", "tally-fleet")["spec"]["template"]["spec"]["containers"]

@@ -1,4 +1,4 @@
-"""Import direction across tally/, coordinator/, aggregator/ and client_sdk/ (issue 27): the layers of
+"""Import direction across tally/ (issue 27): the layers of
 ``tally/__init__.py``'s module map, checked by parsing every module's imports with ``ast``.
 
 A module may import its own layer or a lower one, never a higher one, and no chain of imports may
@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-PACKAGES = ("tally", "coordinator", "aggregator", "client_sdk")
+PACKAGES = ("tally",)
 
 # Lowest first. A module belongs to the layer of the longest prefix that names it (a package name
 # covers its submodules); a module no prefix names fails the test, so a new top-level module is
@@ -41,7 +41,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("training", ("tally.training",)),
     ("datasets", ("tally.datasets",)),
     # the three services
-    ("services", ("coordinator", "aggregator", "client_sdk")),
+    ("services", ("tally.coordinator", "tally.aggregator", "tally.client")),
     # what runs the services or the algorithms for a person: the simulator and its reports,
     # operations, the fault campaign, research reproductions
     ("tools", ("tally.sim", "tally.ops", "tally.chaos", "tally.research")),
@@ -50,7 +50,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
 )
 # Within the services layer each service stands alone: none imports another (each has its own image
 # and extra, and talks to the others over gRPC only).
-SIBLINGS = ("coordinator", "aggregator", "client_sdk")
+SIBLINGS = ("tally.coordinator", "tally.aggregator", "tally.client")
 
 
 @dataclass(frozen=True)

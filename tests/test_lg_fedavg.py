@@ -27,11 +27,11 @@ from tally.algorithms.lg_fedavg import (
     upload_accounting,
 )
 from tally.datasets.personal import alpha_sweep, linear_devices, pathological_digits
-from tally.sim.personalisation import local_only_accuracy, personal_accuracy, personal_fleet
-from tally.secagg import ThreatModel
-from tally.sim.rounds import SecureSum, plain_sum, run_rounds
 from tally.models.mlp import mlp
 from tally.models.params import get_params
+from tally.secagg import ThreatModel
+from tally.sim.personalisation import local_only_accuracy, personal_accuracy, personal_fleet
+from tally.sim.rounds import SecureSum, plain_sum, run_rounds
 
 FAST = {"local_epochs": 1, "local_lr": 0.05, "batch_size": 10}
 
@@ -375,7 +375,7 @@ def test_fair_variant_hides_the_protected_attribute_from_a_post_hoc_probe():
     from tally.algorithms.lg_fedavg import personal_model
     from tally.datasets.personal import fair_toy
     from tally.models.fair import fair_model
-    from tally.training.fair import FairTrainer, GLOBAL_PATTERNS, fairness_metrics
+    from tally.training.fair import GLOBAL_PATTERNS, FairTrainer, fairness_metrics
 
     data = fair_toy(seed=0)
     results = {}
@@ -437,8 +437,8 @@ def test_online_rotated_device_fedavg_forgets_and_lg_fedavg_does_not():
     more than 0.5; LG-FedAvg's (old devices keep their encoders; the new one gets its own, fitted
     first with the head frozen for 20 epochs) by less than 0.03, and its rotated accuracy is at
     least FedAvg's − 0.01."""
-    from client_sdk.adaptation import AdaptationConfig, adapt
     from tally.algorithms.lg_fedavg import personal_model
+    from tally.client.adaptation import AdaptationConfig, adapt
     from tally.datasets.personal import rotated_gaussian
 
     def factory():
@@ -485,7 +485,7 @@ def test_a_restarted_coordinator_resumes_in_the_right_phase():
     warm-up resumes summing the global part only."""
     from dataclasses import replace
 
-    from coordinator.state_codec import state_from_bytes, state_to_bytes
+    from tally.coordinator.state_codec import state_from_bytes, state_to_bytes
 
     server = LGFedAvgServer(LGFedAvgConfig(warmup_rounds=2))
     state = replace(server.init(get_params(mlp(64, 10, seed=0))), round=3)

@@ -18,17 +18,17 @@ from pathlib import Path
 import pytest
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
+from support.metrics_catalogue import CATALOGUE, SECTIONS, catalogue
 
+from tally.aggregator.service import AggregatorService
 from tally.cli import aggregator as aggregator_cli
-from aggregator.service import AggregatorService
 from tally.cli import client as client_cli
-from client_sdk.metrics import ClientMetrics
 from tally.cli import coordinator as coordinator_cli
-from coordinator.service import CoordinatorService
+from tally.client.metrics import ClientMetrics
+from tally.coordinator.service import CoordinatorService
 from tally.metrics import METRICS_PORTS, MetricsServer
 from tally.security import TLSConfig, certs, load_or_create_ticket_key
 from tally.version import VERSION
-from support.metrics_catalogue import CATALOGUE, SECTIONS, catalogue
 
 ROOT = Path(__file__).resolve().parents[1]
 MONITORING = ROOT / "k8s" / "monitoring"

@@ -10,14 +10,14 @@ import numpy as np
 import pytest
 import torch
 
-from client_sdk.onnx_model import OnnxModel
-from tally.cli import coordinator as coordinator_cli
-from coordinator import jobspec
-from coordinator.jobspec import ModelSpec
-from coordinator.onnx_export import export_model
-from coordinator.catalogue import initial_model
 from tally import models
 from tally.algorithms.base import ModelMismatch
+from tally.cli import coordinator as coordinator_cli
+from tally.client.onnx_model import OnnxModel
+from tally.coordinator import jobspec
+from tally.coordinator.catalogue import initial_model
+from tally.coordinator.jobspec import ModelSpec
+from tally.coordinator.onnx_export import export_model
 from tally.models.params import get_params, set_params
 
 SPEC = """name: m

@@ -18,12 +18,12 @@ from types import SimpleNamespace
 
 import pytest
 import yaml
-
-from client_sdk import ClientMetrics, DropoutPlan
-from support.prometheus import PROMTOOL, LivePrometheus, needs_prometheus, needs_promtool
-from tally.metrics import MetricsServer
-from support.stack import run, spec, stack, trainers
 from support.metrics_catalogue import catalogue
+from support.prometheus import PROMTOOL, LivePrometheus, needs_prometheus, needs_promtool
+from support.stack import run, spec, stack, trainers
+
+from tally.client import ClientMetrics, DropoutPlan
+from tally.metrics import MetricsServer
 
 ROOT = Path(__file__).resolve().parents[1]
 MONITORING = ROOT / "k8s" / "monitoring"

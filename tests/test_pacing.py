@@ -1,4 +1,4 @@
-"""Pace steering (coordinator/pacing.py): come-back slots hold a population to the target rate."""
+"""Pace steering (tally/coordinator/pacing.py): come-back slots hold a population to the target rate."""
 
 from __future__ import annotations
 
@@ -8,11 +8,11 @@ import logging
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
-
-from coordinator.pacing import MAX_PACED_RETRY_S, CheckinPacer
-from coordinator.planner import Retry
 from support.coordinator import coordinator_stack, run, spec_yaml
 from support.stack import scrape_text
+
+from tally.coordinator.pacing import MAX_PACED_RETRY_S, CheckinPacer
+from tally.coordinator.planner import Retry
 
 arrivals = st.lists(st.tuples(st.floats(0, 5), st.floats(0.2, 60)), min_size=1, max_size=200)
 

@@ -16,8 +16,8 @@ from importlib import metadata
 from pathlib import Path
 
 import pytest
-
 from support.deploy import JOB_SPEC, ROOT, Service, clean_env, poll_until_ok
+
 from tally.security import certs
 
 pytestmark = pytest.mark.slow
@@ -30,7 +30,7 @@ FORBIDDEN = {
     "coordinator": {"onnxruntime", "scikit-learn", "matplotlib", "kubernetes"},
     "client": {"matplotlib", "kubernetes"},
 }
-SOURCES = ("pyproject.toml", "README.md", "tally", "coordinator", "aggregator", "client_sdk")
+SOURCES = ("pyproject.toml", "README.md", "tally", "coordinator", "aggregator", "tally.client")
 
 
 def _pip(python: Path, *args: str, timeout: float = 900) -> subprocess.CompletedProcess[str]:

@@ -14,10 +14,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from coordinator.jobspec import JobSpecError, parse
 from tally.algorithms.fedavg import FedAvgClient, FedAvgConfig, FedAvgServer
 from tally.codec import CodecError
 from tally.codec.schema import ring_mask
+from tally.coordinator.jobspec import JobSpecError, parse
 from tally.privacy import randomness
 from tally.privacy.accounting import PrivacyLedger, calibrate, epsilon_of
 from tally.privacy.errors import PrivacyRefused

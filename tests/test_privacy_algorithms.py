@@ -13,17 +13,17 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from coordinator.jobspec import JobSpecError, parse
 from tally import algorithms
-from tally.sim import tasks
 from tally.algorithms.base import StepSpec
 from tally.codec import Field, PayloadSchema
+from tally.coordinator.jobspec import JobSpecError, parse
 from tally.privacy.accounting import calibrate
 from tally.privacy.errors import PrivacyRefused
 from tally.privacy.payload import FIELD_PREFIX, PARAMS, PrivateClient, privatise
 from tally.privacy.sensitivity import DECLARED, Role, layout
 from tally.privacy.server import PrivacySettings, PrivateServer
 from tally.privacy.simulation import RingSum
+from tally.sim import tasks
 from tally.sim.rounds import run_rounds
 from tally.training import single_threaded
 
@@ -92,9 +92,9 @@ def task_for(algorithm: str, clients: int) -> tuple[tasks.Task, dict[str, Any]]:
     single_threaded()
     if algorithm == "fedevg":
         from tally.datasets.energy_toy import four_blobs
-        from tally.training.energy import EnergyTrainer
         from tally.models.energy import energy_mlp
         from tally.models.params import get_params
+        from tally.training.energy import EnergyTrainer
 
         data = four_blobs(clients=clients, alpha=1.0, samples=600, seed=0)
         factory = lambda: energy_mlp(2, 4, 16, 0)  # noqa: E731
@@ -158,7 +158,7 @@ def payload_from(draw, step: StepSpec) -> dict[str, np.ndarray]:
 
 def small_steps() -> list[tuple[str, StepSpec, Any]]:
     """Every accepted algorithm's steps on a tiny model (one state each)."""
-    from coordinator import catalogue
+    from tally.coordinator import catalogue
 
     out = []
     for algorithm in sorted(JOBS):

@@ -9,10 +9,10 @@ import asyncio
 import re
 
 import numpy as np
-
-from support.stack import run, scrape_text, stack
 from support.jobs import job_text, run_job
-from coordinator import catalogue
+from support.stack import run, scrape_text, stack
+
+from tally.coordinator import catalogue
 from tally.privacy.accounting import PrivacyLedger
 from tally.wire.v1 import common_pb2
 
@@ -108,7 +108,7 @@ def test_devices_refuse_noise_below_their_floor_through_the_services(tmp_path):
     """Devices started with a noise floor above the job's noise take no part in its sums: they
     refuse each step when its broadcast shows the noise (task report reason privacy_floor,
     tally_client_privacy_checks_total{outcome="below_floor"}), while the others' sums commit."""
-    from client_sdk.metrics import ClientMetrics
+    from tally.client.metrics import ClientMetrics
     from tally.secagg import DevicePolicy
 
     rounds, trusting, wary = 2, 14, 3

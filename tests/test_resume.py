@@ -22,15 +22,15 @@ from pathlib import Path
 import grpc
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
+from support.stack import Stack, run, scrape_text, spec, stack
 
-from aggregator import session as aggregator_session
-from client_sdk.fleet import device_ids
-from client_sdk.sum_audit import EXACT, FOREIGN, MISMATCH, SumAudit, check_committed, outcome_counts
-from client_sdk.synthetic import SyntheticUpdates
+from tally.aggregator import session as aggregator_session
 from tally.cli.job import job_dict, show
+from tally.client.fleet import device_ids
+from tally.client.sum_audit import EXACT, FOREIGN, MISMATCH, SumAudit, check_committed, outcome_counts
+from tally.client.synthetic import SyntheticUpdates
 from tally.secagg.messages import AdvertiseKeys, MaskedInputResponse, ShareKeysResponse, UnmaskResponse
 from tally.wire.v1 import admin_pb2, admin_pb2_grpc, common_pb2
-from support.stack import Stack, run, scrape_text, spec, stack
 
 PHASES = {"advertise_keys": AdvertiseKeys, "share_keys": ShareKeysResponse,
           "masked_input": MaskedInputResponse, "unmask": UnmaskResponse}

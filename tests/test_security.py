@@ -21,8 +21,10 @@ from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import ed25519
 from cryptography.x509.oid import ExtendedKeyUsageOID
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from hypothesis import HealthCheck, given, settings, strategies as st
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
+from tally.cli import certs as certs_cli
 from tally.security import (
     AuthError,
     SessionTicket,
@@ -32,6 +34,7 @@ from tally.security import (
     TokenIssuer,
     bearer_metadata,
     bind,
+    certs,
     channel_options,
     config_digest,
     is_loopback_host,
@@ -41,8 +44,6 @@ from tally.security import (
     open_channel,
     token_from_metadata,
 )
-from tally.cli import certs as certs_cli
-from tally.security import certs
 from tally.security.certs import POD_ORDINALS
 from tally.security.tls import (
     add_tls_arguments,
@@ -305,8 +306,8 @@ def test_tls_config_validation_and_args(pki):
 def test_a_second_service_cannot_take_a_port_in_use(tmp_path):
     """Issue 9, item 1: gRPC's default SO_REUSEPORT let a second coordinator or aggregator bind
     a port in use and silently take half its connections. Both services now refuse."""
-    from aggregator import AggregatorService
-    from coordinator.service import CoordinatorService
+    from tally.aggregator import AggregatorService
+    from tally.coordinator.service import CoordinatorService
 
     first = grpc.server(futures.ThreadPoolExecutor(max_workers=1), options=server_options())
     port = bind(first, "127.0.0.1:0", TLSConfig.plaintext())

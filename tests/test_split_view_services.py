@@ -13,10 +13,11 @@ import pytest
 from support.split_view import Attempt, SplitViewServer
 from support.stack import run, stack
 
-from aggregator import session as aggregator_session
-from client_sdk.fleet import device_ids
-from client_sdk.synthetic import SyntheticUpdates
+from tally.aggregator import session as aggregator_session
+from tally.client.fleet import device_ids
+from tally.client.synthetic import SyntheticUpdates
 from tally.secagg import DevicePolicy, SecAggClient, ThreatModel
+
 
 def _deadlines(n: int) -> str:
     """Room for n devices to register, check in and finish each phase on a loaded 2-core machine."""

@@ -15,8 +15,8 @@ from typing import Any
 import numpy as np
 import pytest
 
-from coordinator.state_codec import UnsupportedState, state_from_bytes, state_to_bytes
 from tally import algorithms
+from tally.coordinator.state_codec import UnsupportedState, state_from_bytes, state_to_bytes
 from tally.sim.rounds import plain_sum, run_rounds
 from tally.sim.tasks import TaskArgs, build
 

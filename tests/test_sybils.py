@@ -13,11 +13,6 @@ from collections import defaultdict
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
-
-from coordinator.planner import Failed, FormCohorts, Hold, Phase, Retry, RoundPlanner
-from tally.algorithms.fedavg import FedAvgConfig
-from tally.wire.convert import from_proto
-from tally.wire.v1 import coordinator_pb2
 from support.coordinator import (
     STEP,
     SUCCEEDED,
@@ -29,6 +24,11 @@ from support.coordinator import (
     spec_yaml,
 )
 from support.stack import scrape_text
+
+from tally.algorithms.fedavg import FedAvgConfig
+from tally.coordinator.planner import Failed, FormCohorts, Hold, Phase, Retry, RoundPlanner
+from tally.wire.convert import from_proto
+from tally.wire.v1 import coordinator_pb2
 
 
 def _formed(

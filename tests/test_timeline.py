@@ -9,7 +9,7 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from client_sdk.timeline import RESERVOIR, FleetTimeline
+from tally.client.timeline import RESERVOIR, FleetTimeline
 
 
 @settings(max_examples=15, deadline=None)

@@ -14,7 +14,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from coordinator.service import CoordinatorService
+from tally.coordinator.service import CoordinatorService
 from tally.security import TLSConfig, certs
 from tally.security.tls import bind, open_aio_channel
 from tally.security.tls_failures import tls_failure

@@ -10,12 +10,12 @@ import math
 
 import grpc
 import pytest
+from support.stack import run, stack
 
-from client_sdk.enrolment import register_request
+from tally.client.enrolment import register_request
 from tally.secagg import SigningKey
 from tally.security.enrolment import enrolment_credential
 from tally.wire.v1 import admin_pb2, aggregator_pb2, coordinator_pb2
-from support.stack import run, stack
 
 NOT_A_MESSAGE = b"\xff\xff\xff\xff"  # field 31 with wire type 7: no protobuf parses it
 

@@ -5,10 +5,10 @@ Faults: device dropouts in one phase (below the protocol's threshold, and far pa
 attempt), an aggregator or the coordinator SIGKILLed at a random moment of the round and
 restarted, misbehaving devices (late, duplicated, replayed or corrupt messages, streams left open
 and unread). Invariants: every committed cohort sum is exactly the sum of its contributors' inputs
-(fingerprints, ``client_sdk.sum_audit``); rounds commit in order, each once, none lost (the
+(fingerprints, ``tally.client.sum_audit``); rounds commit in order, each once, none lost (the
 coordinator's own SQLite state, read-only); every round ends, committed or failed, by its
 deadline; no process died that was not killed; no process's memory grows without bound. The
-fleet is synthetic (``client_sdk.synthetic``), so every expected sum is known exactly.
+fleet is synthetic (``tally.client.synthetic``), so every expected sum is known exactly.
 """
 
 from __future__ import annotations
@@ -28,19 +28,19 @@ import grpc
 import numpy as np
 from prometheus_client.parser import text_string_to_metric_families
 
-from client_sdk import Fleet
-from client_sdk.behaviour import BehaviourProfile
-from client_sdk.dropout import DEFAULT_PHASES
-from client_sdk.fleet import device_ids
-from client_sdk.retry import RetryPolicy
-from client_sdk.sum_audit import EXACT, SumAudit, outcome_counts
-from client_sdk.synthetic import SyntheticUpdates
-from coordinator.jobspec import parse
 from tally.chaos.cluster import LocalCluster, wait_for
+from tally.client import Fleet
+from tally.client.behaviour import BehaviourProfile
+from tally.client.dropout import DEFAULT_PHASES
+from tally.client.fleet import device_ids
+from tally.client.retry import RetryPolicy
+from tally.client.sum_audit import EXACT, SumAudit, outcome_counts
+from tally.client.synthetic import SyntheticUpdates
+from tally.coordinator.jobspec import parse
 from tally.wire.v1 import admin_pb2, common_pb2
 
 FAULTS = ("none", "dropouts", "dropouts_past_threshold", "kill_aggregator", "kill_coordinator", "misbehaviour")
-# What misbehaving devices do (``client_sdk.behaviour.Misbehaviour``): one kind per round, in turn.
+# What misbehaving devices do (``tally.client.behaviour.Misbehaviour``): one kind per round, in turn.
 MISBEHAVIOURS = ("late", "duplicate", "replay", "corrupt", "stall")
 DEADLINES = {"checkin": 6, "download": 6, "advertise_keys": 4, "share_keys": 4, "masked_input": 6, "unmask": 4}
 # Restarting a process (interpreter, imports, TLS, SQLite) takes seconds on a small machine.

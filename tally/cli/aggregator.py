@@ -10,9 +10,9 @@ from pathlib import Path
 
 from cryptography.hazmat.primitives.asymmetric import ed25519
 
-from aggregator.memory import limit_malloc_arenas
-from aggregator.service import DEFAULT_MAX_REQUEST_BYTES, AggregatorService
 from tally import logs
+from tally.aggregator.memory import limit_malloc_arenas
+from tally.aggregator.service import DEFAULT_MAX_REQUEST_BYTES, AggregatorService
 from tally.cli.argtypes import add_metrics_arguments
 from tally.security import TLSConfig, load_ticket_public_key
 from tally.security.certs import COORDINATOR_CN

@@ -12,21 +12,21 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import TypeVar
 
-from client_sdk.behaviour import BehaviourProfile
-from client_sdk.device import Device, DeviceStats
-from client_sdk.device_progress import DeviceProgress, summary
-from client_sdk.dropout import DEFAULT_PHASES, DropoutPlan
-from client_sdk.enrolment import load_or_create_identity
-from client_sdk.fleet import CoordinatorUnreachable, Fleet, FleetStats, device_ids
-from client_sdk.fleet_processes import Played, default_processes, run_processes
-from client_sdk.fleet_report import write_report
-from client_sdk.metrics import ClientMetrics
-from client_sdk.sum_audit import MISMATCH, SumAudit, SumCheck, check_committed, outcome_counts
-from client_sdk.synthetic import SyntheticUpdates
-from client_sdk.timeline import FleetTimeline
 from tally import logs
 from tally.algorithms.base import LocalTrainer
 from tally.cli.console import console as cli_console
+from tally.client.behaviour import BehaviourProfile
+from tally.client.device import Device, DeviceStats
+from tally.client.device_progress import DeviceProgress, summary
+from tally.client.dropout import DEFAULT_PHASES, DropoutPlan
+from tally.client.enrolment import load_or_create_identity
+from tally.client.fleet import CoordinatorUnreachable, Fleet, FleetStats, device_ids
+from tally.client.fleet_processes import Played, default_processes, run_processes
+from tally.client.fleet_report import write_report
+from tally.client.metrics import ClientMetrics
+from tally.client.sum_audit import MISMATCH, SumAudit, SumCheck, check_committed, outcome_counts
+from tally.client.synthetic import SyntheticUpdates
+from tally.client.timeline import FleetTimeline
 from tally.metrics import MetricsServer
 from tally.secagg import DevicePolicy, ThreatModel
 from tally.security import bearer_metadata, load_ticket_public_key

@@ -11,18 +11,23 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from coordinator.admin_token import ADMIN_TOKEN_FILE
-from coordinator.aggregators import parse_aggregator
-from coordinator.ratelimit import DEFAULT_CHECKIN_LIMIT, DEFAULT_MAX_REQUEST_BYTES, DEFAULT_REGISTER_LIMIT, RateLimit
 from tally import logs
 from tally.cli import argtypes, job
 from tally.cli.argtypes import add_metrics_arguments
 from tally.cli.job import DEFAULT_ADDRESS
+from tally.coordinator.admin_token import ADMIN_TOKEN_FILE
+from tally.coordinator.aggregators import parse_aggregator
+from tally.coordinator.ratelimit import (
+    DEFAULT_CHECKIN_LIMIT,
+    DEFAULT_MAX_REQUEST_BYTES,
+    DEFAULT_REGISTER_LIMIT,
+    RateLimit,
+)
 from tally.security.tls import add_tls_arguments, tls_config_from_args
 
 if TYPE_CHECKING:  # the service and job specs import torch: `--help` must not wait for it
-    from coordinator.jobspec import JobSpec
-    from coordinator.service import CoordinatorService
+    from tally.coordinator.jobspec import JobSpec
+    from tally.coordinator.service import CoordinatorService
 
 log = logging.getLogger("tally.tally.cli.coordinator")
 
@@ -123,8 +128,8 @@ def _aggregators(args: argparse.Namespace) -> list[tuple[str, str]]:
 
 def _job_specs(directory: Path) -> list[tuple[Path, JobSpec]]:
     """Every ``*.yaml`` spec in ``directory``, all checked (``ValueError`` naming the file)."""
-    from coordinator.jobspec import JobSpecError
-    from coordinator.jobspec import parse as parse_job_spec
+    from tally.coordinator.jobspec import JobSpecError
+    from tally.coordinator.jobspec import parse as parse_job_spec
 
     if not directory.is_dir():
         raise ValueError(f"--jobs-dir {directory}: no such directory")
@@ -164,8 +169,8 @@ def _rate_limit(text: str) -> RateLimit:
 
 
 def run_coordinator(args: argparse.Namespace) -> int:
-    from coordinator.service import CoordinatorService
     from tally import models
+    from tally.coordinator.service import CoordinatorService
 
     logs.configure(args.log_level)
     for flag, path in (("--tls-dir", args.tls_dir), ("--secrets-dir", args.secrets_dir)):

@@ -22,7 +22,7 @@ from tally.sim.rounds import SecureSum, plain_sum, run_rounds
 from tally.training import single_threaded
 
 
-# client_sdk.adaptation's methods, named here so --help does not import the SDK.
+# tally.client.adaptation's methods, named here so --help does not import the SDK.
 class UsageError(ValueError):
     """A mistake in the command line, reported as one line naming the option."""
 
@@ -30,7 +30,7 @@ class UsageError(ValueError):
 def _options(algorithm: str, pairs: list[str]) -> dict[str, Any]:
     """``--option KEY=VALUE`` pairs (values as JSON, else strings), type-checked against the
     algorithm's options as a job spec's ``config`` is."""
-    from coordinator.jobspec import option_type_errors
+    from tally.coordinator.jobspec import option_type_errors
 
     options = {}
     for pair in pairs:

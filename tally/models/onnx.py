@@ -1,4 +1,4 @@
-"""A torch module with given parameters as ONNX bytes, for ``client_sdk.OnnxModel``: the one export
+"""A torch module with given parameters as ONNX bytes, for ``tally.client.OnnxModel``: the one export
 the coordinator (every committed round) and the SDK (a locally adapted model) share.
 
 Input ``input`` [batch, inputs] float32, output ``logits`` [batch, classes]. The TorchScript

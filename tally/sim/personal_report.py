@@ -12,11 +12,11 @@ from typing import Any
 
 import numpy as np
 
-from client_sdk.adaptation import AdaptationConfig
 from tally.algorithms.base import Arrays, ClientAlgorithm, StepSpec
 from tally.algorithms.superfed import SuPerFedClient
-from tally.sim.rounds import SumFn
+from tally.client.adaptation import AdaptationConfig
 from tally.sim.personalisation import PersonalFleet, local_only_accuracy, personal_accuracy, personal_params, summary
+from tally.sim.rounds import SumFn
 from tally.sim.who_gains import plot, who_gains
 
 

@@ -1,6 +1,6 @@
 """Who gains from federated learning (specs/local-adaptation.md section 5): per device, the accuracy
 on its own test split of a model trained on its data alone, of the federated model, and of the
-federated model adapted on the device (``client_sdk.adaptation``); the share of devices worse off
+federated model adapted on the device (``tally.client.adaptation``); the share of devices worse off
 than with their local model (strictly: a tie is not a loss), before and after adaptation.
 
 The adapted model a device keeps is the technique with the best accuracy on its *validation*
@@ -16,8 +16,8 @@ from typing import Any
 
 import numpy as np
 
-from client_sdk.adaptation import AdaptationConfig, adapt
 from tally.algorithms.base import Arrays
+from tally.client.adaptation import AdaptationConfig, adapt
 from tally.sim.personalisation import PersonalFleet
 
 

@@ -12,19 +12,20 @@ import secrets
 import time
 import urllib.request
 from collections.abc import AsyncIterator, Callable
-from typing import Any
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import grpc
 import numpy as np
 import pytest
 from cryptography.hazmat.primitives import serialization
 
-from aggregator import AggregatorService
-from tally.codec import Field, Kind, PayloadSchema, to_ring
 from support.secagg import identities, roster
+from tally.aggregator import AggregatorService
+from tally.client.session import stream_status
+from tally.codec import Field, Kind, PayloadSchema, to_ring
 from tally.secagg import DevicePolicy, SecAggClient, SessionConfig, SessionRef, ThreatModel
 from tally.secagg.messages import (
     Abort,
@@ -34,19 +35,17 @@ from tally.secagg.messages import (
     UnmaskRequest,
 )
 from tally.security import (
+    OwnerTokens,
     SessionTicket,
     TicketSigner,
     TLSConfig,
     config_digest,
-    OwnerTokens,
     owner_metadata,
 )
 from tally.security.certs import write_deployment
 from tally.security.tls import channel_credentials, channel_options
 from tally.security.tokens import load_or_create_ticket_key
-from client_sdk.session import stream_status
 from tally.wire.chunks import split_masked_input
-from tally.wire.join import join_metadata
 from tally.wire.convert import (
     cohort_sum_from_proto,
     device_envelope,
@@ -56,6 +55,7 @@ from tally.wire.convert import (
     session_config_bytes,
     to_proto,
 )
+from tally.wire.join import join_metadata
 from tally.wire.v1 import aggregator_pb2, aggregator_pb2_grpc, secagg_pb2, secagg_pb2_grpc
 
 TEST_TIMEOUT_S = 50

@@ -28,13 +28,13 @@ import numpy as np
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from support.enrolment import provisioned_request
-from coordinator import jobspec
-from coordinator.service import CoordinatorService
-from coordinator.store import Store
 from tally import modelio
 from tally.algorithms.base import StepSpec
 from tally.algorithms.fedavg import FedAvgClient, FedAvgConfig, FedAvgServer
 from tally.codec import Field, Kind, PayloadSchema, ring_dtype, ring_mask, to_ring
+from tally.coordinator import jobspec
+from tally.coordinator.service import CoordinatorService
+from tally.coordinator.store import Store
 from tally.secagg import SessionConfig, SumResult
 from tally.security import (
     AuthError,
@@ -64,7 +64,6 @@ from tally.wire.v1 import (
     coordinator_pb2,
     coordinator_pb2_grpc,
 )
-
 
 TEST_TIMEOUT = 50.0
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import time
 
-from client_sdk.enrolment import register_request
-from coordinator.service import CoordinatorService
+from tally.client.enrolment import register_request
+from tally.coordinator.service import CoordinatorService
 from tally.secagg import SigningKey
 from tally.security.enrolment import SharedKeyEnrolment
 from tally.wire.v1 import coordinator_pb2

@@ -13,14 +13,14 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from aggregator import AggregatorService
-from client_sdk import Fleet, FleetStats
-from coordinator.service import CoordinatorService
 from tally import modelio
+from tally.aggregator import AggregatorService
+from tally.client import Fleet, FleetStats
+from tally.coordinator.service import CoordinatorService
 from tally.datasets.digits import digits
+from tally.models.mlp import mlp
 from tally.security import TLSConfig, bearer_metadata, certs, load_or_create_ticket_key
 from tally.security.tls import open_channel
-from tally.models.mlp import mlp
 from tally.training import TorchTrainer, single_threaded
 from tally.wire.v1 import admin_pb2, admin_pb2_grpc
 

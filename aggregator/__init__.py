@@ -1,6 +1,0 @@
-"""The secure-aggregator service: runs secure-sum sessions for cohorts and hands back only their
-sums. Stateless between sessions; run as many replicas as the fleet needs."""
-
-from aggregator.service import AggregatorService
-
-__all__ = ["AggregatorService"]

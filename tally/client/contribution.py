@@ -1,0 +1,202 @@
+"""A device's inputs to the sums of one task: the algorithm's client half, run on local data,
+encoded with the server's schema into the session's ring.
+
+The first step's input is computed as soon as the task arrives (model download and local
+training overlap the key exchange); later steps of a multi-sum round wait for their broadcast,
+which depends on the round's earlier sums. Local state advances step by step here but is
+committed by the device only when the session completes with this device's input in the sum.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import Awaitable, Callable
+from concurrent.futures import Executor
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from tally import algorithms
+from tally.algorithms.base import Arrays, LocalTrainer
+from tally.client.metrics import ClientMetrics
+from tally.client.synthetic import SyntheticUpdates
+from tally.codec import PayloadSchema
+from tally.codec.fingerprint import ring_fingerprint, sum_key
+from tally.privacy.payload import NoiseBelowFloor, PrivateClient, ring_encode
+from tally.secagg import SessionConfig
+from tally.wire.convert import from_proto, schema_from_proto, tensors_from_proto
+from tally.wire.v1 import coordinator_pb2
+
+
+class TaskError(ValueError):
+    """An assignment the device cannot carry out as given (inconsistent ids, sizes or options)."""
+
+
+@dataclass(frozen=True)
+class TaskPlan:
+    """The parts of a TaskAssignment the device checked before joining the session."""
+
+    task: coordinator_pb2.TaskAssignment
+    config: SessionConfig
+    first_sum: str
+    client_half: PrivateClient
+
+
+def plan_task(task: coordinator_pb2.TaskAssignment, min_noise_multiplier: float = 0.0) -> TaskPlan:
+    """Validate an assignment; ``TaskError``/``WireError`` name what is wrong. A step whose DP
+    noise is below ``min_noise_multiplier`` is refused when its broadcast arrives."""
+    if not task.HasField("session") or not task.HasField("step"):
+        raise TaskError("task assignment without a session or a step")
+    config = from_proto(task.session)
+    first_sum = task.step.sum_id or task.step.schema.sum_id
+    if first_sum not in {s.sum_id for s in config.sums}:
+        raise TaskError(f"step sum {first_sum!r} is not a sum of session {config.ref.session_id!r}")
+    if not 1 <= task.device_index <= config.n:
+        raise TaskError(f"device index {task.device_index} is outside the cohort 1..{config.n}")
+    try:
+        options = json.loads(task.algorithm_options or "{}")
+        _, client_half = algorithms.make(task.algorithm, options)
+    except (ValueError, TypeError) as exc:
+        raise TaskError(f"algorithm {task.algorithm!r}: {exc}") from exc
+    # Applies the differential privacy a step's broadcast asks for (tally/privacy), none otherwise.
+    return TaskPlan(task, config, first_sum, PrivateClient(client_half, min_noise_multiplier, config.n))
+
+
+@dataclass(frozen=True)
+class InputFingerprint:
+    """What a device put into one sum, as a fingerprint (``tally.codec.fingerprint``): with the
+    coordinator's record of the sum's contributors and fingerprint, a fleet proves each
+    committed sum exact without keeping any input."""
+
+    job_id: str
+    round: int
+    session_id: str
+    sum_id: str
+    device_index: int
+    bits: int
+    fingerprint: tuple[int, ...]
+
+
+class Contribution:
+    """``load_model`` returns the first step's base broadcast (the downloaded model);
+    ``fetch_step`` returns the Step of a later sum once the coordinator has it. With ``audit``,
+    each input's fingerprint is appended to it."""
+
+    def __init__(
+        self,
+        plan: TaskPlan,
+        trainer: LocalTrainer,
+        local_state: Any,
+        rng: np.random.Generator,
+        load_model: Callable[[], Awaitable[Arrays]],
+        fetch_step: Callable[[str], Awaitable[coordinator_pb2.Step]],
+        reveal: Callable[[str, Arrays], Awaitable[None]],
+        executor: Executor | None,
+        metrics: ClientMetrics,
+        audit: list[InputFingerprint] | None = None,
+    ) -> None:
+        self.plan = plan
+        self.trainer = trainer
+        self.local_state = local_state
+        self.rng = rng
+        self.clipped = 0
+        self._load_model = load_model
+        self._fetch_step = fetch_step
+        self._reveal = reveal
+        self._executor = executor
+        self._metrics = metrics
+        self._audit = audit
+        self._first: asyncio.Future[np.ndarray] | None = None
+
+    def start(self) -> None:
+        """Begin the first step's computation in the background."""
+        if self._first is None:
+            self._first = asyncio.ensure_future(self._first_input())
+
+    def close(self) -> None:
+        """Stop a computation the session no longer needs (it ended before asking)."""
+        if self._first is None:
+            return
+        if not self._first.done():
+            self._first.cancel()
+        elif not self._first.cancelled():
+            self._first.exception()  # a failure nobody asked for is not an unhandled error
+
+    async def ring_input(self, sum_id: str) -> np.ndarray:
+        """The ring-encoded input of ``sum_id``, as ``SecAggClient.provide_input`` takes it."""
+        if sum_id == self.plan.first_sum:
+            self.start()
+            assert self._first is not None
+            return await self._first
+        step = await self._fetch_step(sum_id)
+        while step.reveal:
+            # A reveal step the job opted in to precedes this sum: its payload goes to the
+            # coordinator in the clear, then the sum's own step follows.
+            await self._reveal_step(step)
+            step = await self._fetch_step(sum_id)
+        if (step.sum_id or step.schema.sum_id) != sum_id:
+            raise TaskError(f"asked for the step of sum {sum_id!r}, got {step.sum_id!r}")
+        return await self._compute(step, tensors_from_proto(step.broadcast))
+
+    async def _first_input(self) -> np.ndarray:
+        step = self.plan.task.step
+        broadcast = dict(await self._load_model())
+        broadcast.update(tensors_from_proto(step.broadcast))  # the step's tensors override
+        return await self._compute(step, broadcast)
+
+    async def _reveal_step(self, step: coordinator_pb2.Step) -> None:
+        loop = asyncio.get_running_loop()
+        values, state = await loop.run_in_executor(
+            self._executor, self.plan.client_half.contribute, step.name, tensors_from_proto(step.broadcast),
+            self.trainer, self.local_state,
+        )
+        await self._reveal(step.name, values)
+        self.local_state = state
+
+    async def _compute(self, step: coordinator_pb2.Step, broadcast: Arrays) -> np.ndarray:
+        sum_id, schema = schema_from_proto(step.schema)
+        try:
+            spec = self.plan.config.sum_spec(sum_id)
+        except KeyError:
+            raise TaskError(f"schema of sum {sum_id!r}, which the session does not have") from None
+        if schema.dim != spec.dim:
+            raise TaskError(f"sum {sum_id!r}: the schema has {schema.dim} values, the session {spec.dim}")
+        # A ring the cohort's sum could wrap would corrupt everyone's result: refuse it here too.
+        schema.check_bits(self.plan.config.n, spec.bits)
+        loop = asyncio.get_running_loop()
+        start = time.perf_counter()
+        try:
+            vector, state, clipped = await loop.run_in_executor(
+                self._executor, self._contribute, step.name, broadcast, schema, sum_id, spec.bits
+            )
+        except NoiseBelowFloor as exc:
+            self._metrics.privacy_checks.labels(outcome=exc.reason).inc()
+            raise
+        if self.plan.client_half.min_noise_multiplier > 0:
+            self._metrics.privacy_checks.labels(outcome="accepted").inc()
+        self._metrics.compute_seconds.observe(time.perf_counter() - start)
+        self._metrics.encoded_values.inc(schema.dim)
+        self._metrics.clipped_values.inc(clipped)
+        self.local_state = state
+        self.clipped += clipped
+        return vector
+
+    def _contribute(
+        self, step: str, broadcast: Arrays, schema: PayloadSchema, sum_id: str, bits: int
+    ) -> tuple[np.ndarray, Any, int]:
+        task = self.plan.task
+        self.plan.client_half.check(broadcast)  # synthetic updates too: the floor is the device's
+        if isinstance(self.trainer, SyntheticUpdates):
+            values, state = self.trainer.values(task.job_id, task.round, step, schema), self.local_state
+        else:
+            values, state = self.plan.client_half.contribute(step, broadcast, self.trainer, self.local_state)
+        vector, clipped = ring_encode(schema, values, self.rng, bits)
+        if self._audit is not None:
+            session_id = self.plan.config.ref.session_id
+            self._audit.append(InputFingerprint(
+                task.job_id, task.round, session_id, sum_id, task.device_index, bits,
+                ring_fingerprint(vector, bits, sum_key(session_id, sum_id))))
+        return vector, state, clipped
