@@ -14,6 +14,7 @@ from scipy import optimize
 
 from tally.sim import fairness
 from tally.algorithms import aaggff as A
+from tally.algorithms import online_portfolio as P
 from tally.algorithms.base import StepSpec
 from tally.algorithms.fedavg import FedAvgClient, FedAvgConfig, FedAvgServer
 from tally.codec import to_ring
@@ -154,14 +155,14 @@ def s_config(**options) -> A.AAggFFSConfig:
 # Oracle 3 (and §9.4): the CDF table
 
 
-@pytest.mark.parametrize("name", A.CDFS)
+@pytest.mark.parametrize("name", P.CDFS)
 def test_cdf_table(name):
-    r = A.transform_responses(LOSSES, LOSSES.mean(), name, 0.0, 1.0)
+    r = P.transform_responses(LOSSES, LOSSES.mean(), name, 0.0, 1.0)
     assert np.round(r, 4).tolist() == list(CDF_TABLE[name])
 
 
 def test_code_normal_cdf_is_the_decreasing_bug():
-    r = A.transform_responses(LOSSES, LOSSES.mean(), "normal", 0.0, 1.0, code_normal=True)
+    r = P.transform_responses(LOSSES, LOSSES.mean(), "normal", 0.0, 1.0, code_normal=True)
     assert np.round(r, 4).tolist() == [1.2791, 0.5955, 1.2049]
 
 
@@ -169,10 +170,10 @@ def test_code_normal_cdf_is_the_decreasing_bug():
 @given(st.lists(st.floats(0.0, 20.0), min_size=2, max_size=20))
 def test_cdfs_are_increasing_and_bounded(xs):
     x = np.sort(np.array(xs))
-    for name in A.CDFS:
-        y = A.cdf(name, x)
+    for name in P.CDFS:
+        y = P.cdf(name, x)
         assert np.all((0 <= y) & (y <= 1)) and np.all(np.diff(y) >= -1e-15), name
-    code = A.cdf("normal", x, code_normal=True)
+    code = P.cdf("normal", x, code_normal=True)
     assert np.all((0.5 <= code) & (code <= 1.5)) and np.all(np.diff(code) <= 1e-15)
 
 
@@ -181,19 +182,19 @@ def test_cdfs_are_increasing_and_bounded(xs):
 
 
 def test_ons_two_clients_formulas():
-    alpha, beta = A.ons_constants(2, A.lipschitz(0.0, 1.0))
+    alpha, beta = P.ons_constants(2, P.lipschitz(0.0, 1.0))
     assert (alpha, beta) == (8.0, 0.25)
     p = np.array([0.5, 0.5])
-    r = A.transform_responses(np.array([1.0, 3.0]), 2.0, "weibull", 0.0, 1.0)
+    r = P.transform_responses(np.array([1.0, 3.0]), 2.0, "weibull", 0.0, 1.0)
     np.testing.assert_allclose(r, [0.221199, 0.894601], atol=1e-6)
-    assert A.decision_loss(p, r) == pytest.approx(-0.443339, abs=1e-6)
-    g = A.decision_gradient(p, r)
+    assert P.decision_loss(p, r) == pytest.approx(-0.443339, abs=1e-6)
+    g = P.decision_gradient(p, r)
     np.testing.assert_allclose(g, [-0.141986, -0.574235], atol=1e-6)
-    history = A.OnsHistory.empty(2).add(g, p)
+    history = P.OnsHistory.empty(2).add(g, p)
     Amat, b = history.quadratic(alpha, beta)
     np.testing.assert_allclose(Amat, [[8.005040, 0.020383], [0.020383, 8.082436]], atol=1e-6)
     np.testing.assert_allclose(b, [-0.154697, -0.625645], atol=1e-6)
-    p2 = A.simplex_qp(Amat, b)
+    p2 = P.simplex_qp(Amat, b)
     np.testing.assert_allclose(p2, [0.473063, 0.526937], atol=1e-6)
     # the spec's closed form for K = 2 and SLSQP agree
     d, e2 = np.array([1.0, -1.0]), np.array([0.0, 1.0])
@@ -202,13 +203,13 @@ def test_ons_two_clients_formulas():
     slsqp = optimize.minimize(lambda x: b @ x + 0.5 * x @ Amat @ x, p, method="SLSQP", bounds=[(0, 1)] * 2,
                               constraints=[{"type": "eq", "fun": lambda x: x.sum() - 1}], tol=1e-14)
     np.testing.assert_allclose(p2, slsqp.x, atol=1e-6)
-    r2 = A.transform_responses(np.array([2.0, 2.5]), 2.25, "weibull", 0.0, 1.0)
+    r2 = P.transform_responses(np.array([2.0, 2.5]), 2.25, "weibull", 0.0, 1.0)
     np.testing.assert_allclose(r2, [0.546211, 0.709040], atol=1e-6)
-    g2 = A.decision_gradient(p2, r2)
+    g2 = P.decision_gradient(p2, r2)
     np.testing.assert_allclose(g2, [-0.334686, -0.434457], atol=1e-6)
-    np.testing.assert_allclose(A.simplex_qp(*history.add(g2, p2).quadratic(alpha, beta)), [0.466846, 0.533154],
+    np.testing.assert_allclose(P.simplex_qp(*history.add(g2, p2).quadratic(alpha, beta)), [0.466846, 0.533154],
                                atol=1e-6)
-    np.testing.assert_allclose(A.simplex_qp(*history.quadratic(alpha, beta, code=True)), [0.480368, 0.519632],
+    np.testing.assert_allclose(P.simplex_qp(*history.quadratic(alpha, beta, code=True)), [0.480368, 0.519632],
                                atol=1e-6)
 
 
@@ -255,21 +256,21 @@ def _one_round(runner, state, devices, round_, cohort=None):
 
 def test_aaggff_d_one_step_formulas():
     c, k = 0.5, 4
-    lip = A.dr_lipschitz(0.0, c, c)
-    zeta = A.step_size(2, lip, k)
+    lip = P.dr_lipschitz(0.0, c, c)
+    zeta = P.step_size(2, lip, k)
     assert lip == 2.5 and zeta == pytest.approx(3.002806, abs=1e-6)
-    r_s = A.transform_responses(np.array([1.0, 3.0]), 2.0, "weibull", 0.0, c)
+    r_s = P.transform_responses(np.array([1.0, 3.0]), 2.0, "weibull", 0.0, c)
     np.testing.assert_allclose(r_s, [0.110600, 0.447300], atol=1e-6)
     r_bar = r_s.mean()
     observed = np.array([True, True, False, False])
-    r_hat = A.dr_estimate(np.r_[r_s, 0, 0], observed, r_bar, c)
+    r_hat = P.dr_estimate(np.r_[r_s, 0, 0], observed, r_bar, c)
     np.testing.assert_allclose(r_hat, [-0.057751, 0.615651, 0.278950, 0.278950], atol=1e-6)
-    g = A.linearised_gradient(np.full(k, 0.25), r_hat, np.full(k, r_bar))
+    g = P.linearised_gradient(np.full(k, 0.25), r_hat, np.full(k, r_bar))
     np.testing.assert_allclose(g, [0.045155, -0.481372, -0.218109, -0.218109], atol=1e-6)
-    p = A.entropic_decision(g, zeta)
+    p = P.entropic_decision(g, zeta)
     np.testing.assert_allclose(p, [0.228576, 0.272384, 0.249520, 0.249520], atol=1e-6)
-    code = A.entropic_decision(A.linearised_gradient(
-        np.full(k, 0.25), A.dr_estimate(np.r_[r_s, 0, 0], observed, r_bar, c, code=True), np.full(k, r_bar)), zeta)
+    code = P.entropic_decision(P.linearised_gradient(
+        np.full(k, 0.25), P.dr_estimate(np.r_[r_s, 0, 0], observed, r_bar, c, code=True), np.full(k, r_bar)), zeta)
     np.testing.assert_allclose(code, [0.220293, 0.262514, 0.258596, 0.258596], atol=1e-6)
 
 
@@ -307,10 +308,10 @@ def test_one_step_from_uniform_stays_on_the_simplex_and_orders_like_the_response
     r = np.array(rs)
     k = len(r)
     p0 = np.full(k, 1.0 / k)
-    alpha, beta = A.ons_constants(k, 1.0)
-    g = A.decision_gradient(p0, r)
-    ons = A.simplex_qp(*A.OnsHistory.empty(k).add(g, p0).quadratic(alpha, beta))
-    ftrl = A.entropic_decision(g, A.step_size(2, 1.0, k))
+    alpha, beta = P.ons_constants(k, 1.0)
+    g = P.decision_gradient(p0, r)
+    ons = P.simplex_qp(*P.OnsHistory.empty(k).add(g, p0).quadratic(alpha, beta))
+    ftrl = P.entropic_decision(g, P.step_size(2, 1.0, k))
     for p in (ons, ftrl):
         assert p.min() >= -1e-8 and abs(p.sum() - 1) < 1e-9
         # larger response, larger (or, for ties, equal) weight
@@ -325,7 +326,7 @@ def test_simplex_qp_satisfies_the_kkt_conditions(k, seed):
     m = rng.normal(size=(k, k))
     Amat = m @ m.T + rng.uniform(0.01, 2) * np.eye(k)
     b = rng.normal(scale=3, size=k)
-    p = A.simplex_qp(Amat, b)
+    p = P.simplex_qp(Amat, b)
     grad = Amat @ p + b
     support = p > 1e-10
     nu = grad[support].mean()
@@ -343,11 +344,11 @@ def test_unification_reproduces_term_and_q_fedavg():
     losses = np.array([0.5, 1.2, 0.8])
     prior = n / n.sum()
     lam, q = 2.0, 3.0
-    term = A.entropic_decision(-losses, 1 / lam, prior)
+    term = P.entropic_decision(-losses, 1 / lam, prior)
     np.testing.assert_allclose(term, n * np.exp(lam * losses) / (n * np.exp(lam * losses)).sum(), rtol=1e-12)
-    qfed = A.entropic_decision(-q * np.log(losses), 1.0, prior)
+    qfed = P.entropic_decision(-q * np.log(losses), 1.0, prior)
     np.testing.assert_allclose(qfed, n * losses**q / (n * losses**q).sum(), rtol=1e-12)
-    np.testing.assert_allclose(A.entropic_decision(np.zeros(3), 1.0, prior), prior)  # FedAvg: r = 0
+    np.testing.assert_allclose(P.entropic_decision(np.zeros(3), 1.0, prior), prior)  # FedAvg: r = 0
 
 
 @settings(max_examples=300, deadline=None)
@@ -357,9 +358,9 @@ def test_gradient_bound_and_l1_lipschitz(k, c1, width, seed):
     c2 = c1 + width
     r = rng.uniform(c1, c2, size=k)
     p, q = rng.dirichlet(np.ones(k)), rng.dirichlet(np.ones(k))
-    lip = A.lipschitz(c1, c2)
-    assert np.abs(A.decision_gradient(p, r)).max() <= lip + 1e-12
-    assert abs(A.decision_loss(p, r) - A.decision_loss(q, r)) <= lip * np.abs(p - q).sum() + 1e-12
+    lip = P.lipschitz(c1, c2)
+    assert np.abs(P.decision_gradient(p, r)).max() <= lip + 1e-12
+    assert abs(P.decision_loss(p, r) - P.decision_loss(q, r)) <= lip * np.abs(p - q).sum() + 1e-12
 
 
 def test_dr_estimate_is_unbiased_with_a_fixed_imputation():
@@ -368,18 +369,18 @@ def test_dr_estimate_is_unbiased_with_a_fixed_imputation():
     c = 0.3
     draws = 40_000
     observed = rng.random((draws, 6)) < c
-    mean = np.mean([A.dr_estimate(r, o, 0.5, c) for o in observed[:draws]], axis=0)
+    mean = np.mean([P.dr_estimate(r, o, 0.5, c) for o in observed[:draws]], axis=0)
     np.testing.assert_allclose(mean, r, atol=0.02)
     # the code's variant (§9.3) is biased by the missing imputation
-    code = np.mean([A.dr_estimate(r, o, 0.5, c, code=True) for o in observed[:4000]], axis=0)
+    code = np.mean([P.dr_estimate(r, o, 0.5, c, code=True) for o in observed[:4000]], axis=0)
     assert np.abs(code - r).max() > 0.1
 
 
 def test_reductions_equal_responses_keep_p_uniform_and_c1_dr_is_identity():
     r = np.array([0.2, 0.7, 0.4])
-    np.testing.assert_allclose(A.dr_estimate(r, np.ones(3, bool), 0.9, 1.0), r, rtol=1e-15)
-    g = A.linearised_gradient(np.full(3, 1 / 3), np.full(3, 0.4), np.full(3, 0.4))
-    np.testing.assert_allclose(A.entropic_decision(g, 1.7), np.full(3, 1 / 3))
+    np.testing.assert_allclose(P.dr_estimate(r, np.ones(3, bool), 0.9, 1.0), r, rtol=1e-15)
+    g = P.linearised_gradient(np.full(3, 1 / 3), np.full(3, 0.4), np.full(3, 0.4))
+    np.testing.assert_allclose(P.entropic_decision(g, 1.7), np.full(3, 1 / 3))
     # through the halves: equal losses, equal weights, p stays uniform
     cfg = d_config(num_clients=4, cohort_size=3)
     devices = [ScriptedDevice([0.7], [float(i)]) for i in range(4)]
@@ -390,8 +391,8 @@ def test_reductions_equal_responses_keep_p_uniform_and_c1_dr_is_identity():
 
 
 def test_regret_bounds():
-    assert A.ons_regret_bound(100, 7, 1.0) == pytest.approx(22.93, abs=0.005)
-    assert A.ftrl_regret_bound(300, 817, 2.0) == pytest.approx(179.41, abs=0.005)
+    assert P.ons_regret_bound(100, 7, 1.0) == pytest.approx(22.93, abs=0.005)
+    assert P.ftrl_regret_bound(300, 817, 2.0) == pytest.approx(179.41, abs=0.005)
 
 
 def test_online_layer_regret_stays_below_the_bounds():
@@ -401,22 +402,22 @@ def test_online_layer_regret_stays_below_the_bounds():
     k, rounds = 5, 400
     rng = np.random.default_rng(0)
     rs = np.array([0.0, 0.1, 0.2, 0.3, 0.4]) + rng.uniform(0, 0.6, size=(rounds, k))
-    alpha, beta = A.ons_constants(k, 1.0)
-    p_ons, history, p_ftrl, g_sum = np.full(k, 1 / k), A.OnsHistory.empty(k), np.full(k, 1 / k), np.zeros(k)
+    alpha, beta = P.ons_constants(k, 1.0)
+    p_ons, history, p_ftrl, g_sum = np.full(k, 1 / k), P.OnsHistory.empty(k), np.full(k, 1 / k), np.zeros(k)
     loss_ons = loss_ftrl = 0.0
     for t, r in enumerate(rs, start=1):
-        loss_ons += A.decision_loss(p_ons, r)
-        history = history.add(A.decision_gradient(p_ons, r), p_ons)
-        p_ons = A.simplex_qp(*history.quadratic(alpha, beta))
-        loss_ftrl += A.decision_loss(p_ftrl, r)
-        g_sum += A.decision_gradient(p_ftrl, r)
-        p_ftrl = A.entropic_decision(g_sum, A.step_size(t + 1, 1.0, k))
+        loss_ons += P.decision_loss(p_ons, r)
+        history = history.add(P.decision_gradient(p_ons, r), p_ons)
+        p_ons = P.simplex_qp(*history.quadratic(alpha, beta))
+        loss_ftrl += P.decision_loss(p_ftrl, r)
+        g_sum += P.decision_gradient(p_ftrl, r)
+        p_ftrl = P.entropic_decision(g_sum, P.step_size(t + 1, 1.0, k))
     total = lambda p: -np.log1p(rs @ p).sum()  # noqa: E731
     best = optimize.minimize(total, np.full(k, 1 / k), method="SLSQP", bounds=[(0, 1)] * k,
                              constraints=[{"type": "eq", "fun": lambda x: x.sum() - 1}])
     regret_ons, regret_ftrl = loss_ons - best.fun, loss_ftrl - best.fun
-    assert 0 < regret_ons < A.ons_regret_bound(rounds, k, 1.0)
-    assert 0 < regret_ftrl < A.ftrl_regret_bound(rounds, k, 1.0)
+    assert 0 < regret_ons < P.ons_regret_bound(rounds, k, 1.0)
+    assert 0 < regret_ftrl < P.ftrl_regret_bound(rounds, k, 1.0)
     assert regret_ons < regret_ftrl  # logarithmic against √T
     assert best.x[-1] > 0.99 and p_ons[-1] > 0.99 and np.argmax(p_ftrl) == k - 1  # mass on the worst-off
 
@@ -430,25 +431,25 @@ def _reference(devices, cfg, cohorts, dim, kind):
     k = cfg.num_clients
     c1, c2 = cfg.response_range
     w, p, g_sum = np.zeros(dim), np.full(k, 1 / k), np.zeros(k)
-    history = A.OnsHistory.empty(k)
-    alpha, beta = A.ons_constants(k, cfg.lipschitz)
+    history = P.OnsHistory.empty(k)
+    alpha, beta = P.ons_constants(k, cfg.lipschitz)
     for t, cohort in enumerate(cohorts, start=1):
         losses = np.array([devices[i].loss(w) for i in cohort])
         deltas = np.array([devices[i].train({"w": w}, cfg.local_epochs, cfg.local_lr, 0)[0]["w"] - w for i in cohort])
-        r = A.transform_responses(losses, losses.mean(), cfg.cdf, c1, c2)
+        r = P.transform_responses(losses, losses.mean(), cfg.cdf, c1, c2)
         full = np.zeros(k)
         full[cohort] = r
         if kind == "dr":
             observed = np.isin(np.arange(k), cohort)
-            r_hat = A.dr_estimate(full, observed, r.mean(), cfg.sampling_rate)
-            g_sum += A.linearised_gradient(p, r_hat, np.full(k, r.mean()))
-            p = A.entropic_decision(g_sum, A.step_size(t + 1, cfg.lipschitz, k))
+            r_hat = P.dr_estimate(full, observed, r.mean(), cfg.sampling_rate)
+            g_sum += P.linearised_gradient(p, r_hat, np.full(k, r.mean()))
+            p = P.entropic_decision(g_sum, P.step_size(t + 1, cfg.lipschitz, k))
         elif kind == "exact":
-            g_sum += A.decision_gradient(p, full)
-            p = A.entropic_decision(g_sum, A.step_size(t + 1, cfg.lipschitz, k))
+            g_sum += P.decision_gradient(p, full)
+            p = P.entropic_decision(g_sum, P.step_size(t + 1, cfg.lipschitz, k))
         else:
-            history = history.add(A.decision_gradient(p, full), p)
-            p = A.simplex_qp(*history.quadratic(alpha, beta))
+            history = history.add(P.decision_gradient(p, full), p)
+            p = P.simplex_qp(*history.quadratic(alpha, beta))
         share = p[cohort] / p[cohort].sum()
         w = w + share @ deltas
     return w, p
@@ -606,7 +607,7 @@ def test_config_validation():
     assert d.sampling_rate == 0.25 and d.response_range == (0.0, 0.25) and d.lipschitz == pytest.approx(2.25)
     s = A.AAggFFSConfig.from_dict({"num_clients": 5, "code_deviations": "response_range", "reveal": "response"})
     assert s.response_range == (0.0, 0.2) and s.reveal == ("response",)
-    assert A.ons_constants(5, s.lipschitz) == pytest.approx((4.0, 1.25))  # the code's α = 4, β = K/4
+    assert P.ons_constants(5, s.lipschitz) == pytest.approx((4.0, 1.25))  # the code's α = 4, β = K/4
     assert A.AAggFFSConfig(num_clients=5).response_range == (0.0, 3.0)
     lr = A.AAggFFDConfig(num_clients=4, lr_decay=0.5, lr_decay_every=10, code_deviations=("lr_schedule",))
     assert (lr.lr_factor(25), lr.server_lr_at(25)) == (0.25, 4.0)

@@ -30,7 +30,7 @@ FORBIDDEN = {
     "coordinator": {"onnxruntime", "scikit-learn", "matplotlib", "kubernetes"},
     "client": {"matplotlib", "kubernetes"},
 }
-SOURCES = ("pyproject.toml", "README.md", "tally", "coordinator", "aggregator", "tally.client")
+SOURCES = ("pyproject.toml", "README.md", "tally")
 
 
 def _pip(python: Path, *args: str, timeout: float = 900) -> subprocess.CompletedProcess[str]:
