@@ -24,12 +24,17 @@ prometheus:
 		$$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq \
 			--no-install-recommends prometheus >/dev/null || echo "prometheus not installed: its tests will skip"; }
 
-test: $(STAMP) prometheus
-	$(PY) -m pytest -q -m "not containers"
+# Tests run in TEST_WORKERS processes (pytest-xdist): most of the suite waits on servers, child
+# processes and deadlines, so three workers on two cores finish sooner than one (docs/contributing.md).
+TEST_WORKERS ?= 3
 
-# The campaigns `make test` runs at a smaller size, at full size (the 10,000-device cohort).
+test: $(STAMP) prometheus
+	$(PY) -m pytest -q -m "not containers and not full" -n $(TEST_WORKERS)
+
+# What `make test` runs smaller or leaves out, at full size: the 10,000-device cohort, the attacks at
+# 1,000 devices, the algorithms' paper-scale toys, each role's extra in its own venv. CI runs it too.
 test-full: $(STAMP)
-	TALLY_FULL_SIZE=1 $(PY) -m pytest -q -p no:cacheprovider tests/test_secagg_large.py
+	$(PY) -m pytest -q -m full -p no:cacheprovider -n 2
 
 # One image per role (localhost/tally-{aggregator,coordinator,client}), built offline with podman:
 # a debootstrap base once, a wheelhouse from this machine's pip (docker/build-images.sh). It needs

@@ -621,6 +621,7 @@ def test_config_validation():
 SEEDS = (0, 1, 2, 3)
 
 
+@pytest.mark.full
 def test_aaggff_d_improves_the_worst_decile_over_fedavg_with_secure_sums():
     """Heterogeneous digits (Dir(0.5) label skew; a rotated minority of 10 % of devices holding 30 %
     of their data), K = 30, 10 per round, 60 rounds, E = 1, same seeds, devices and cohorts for both

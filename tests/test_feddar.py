@@ -340,6 +340,7 @@ SYNTHETIC = {"head_solver": "newton", "head_epochs": 1, "head_start": "zero",
 ROUNDS = 30
 
 
+@pytest.mark.full
 def test_feddar_sa_reaches_the_noise_floor_where_fedavg_cannot():
     """d = 20, k = 2, M = 5, n = 100, L = 20, σ = 1e-3, masking on: SA ½MSE <= 1e-6 with
     dist(B, B*) < 1e-3, FedAvg (same data, rounds and local work) >= 1e-2."""

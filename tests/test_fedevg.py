@@ -162,7 +162,7 @@ def test_exact_weights_overflow_without_the_public_clamp_and_are_bounded_with_it
         FedEvgConfig(weighting="raw")
 
 
-@pytest.mark.slow
+@pytest.mark.full
 def test_the_toys_synthetic_points_move_into_their_class_regions_through_the_secure_sum():
     """Spec §6 / oracle 12 with the real secure-sum protocol (masking, fixed point): ten devices
     with Dirichlet(0.1) labels (none holds every class), 150 rounds. Points start in their own

@@ -385,7 +385,6 @@ def _containers(obj: dict[str, Any]) -> list[dict[str, Any]]:
 # -- the dev overlay, run --------------------------------------------------------------------
 
 
-@pytest.mark.slow
 def test_dev_overlay_runs_as_local_processes(
     rendered: dict[str, list[dict[str, Any]]], secrets_dir: Path, tmp_path: Path
 ) -> None:

@@ -368,6 +368,7 @@ def test_fair_encoder_gradient_is_task_minus_lambda_adversary_and_the_adversary_
     assert model.adversary.weight.grad.abs().sum() > 0
 
 
+@pytest.mark.full
 def test_fair_variant_hides_the_protected_attribute_from_a_post_hoc_probe():
     """11.E (seed 0, 10 rounds instead of 40): at λ > 0 the probe's AUC for p falls by at least
     0.15 from its λ = 0 value while class accuracy falls by less than 0.05; the co-trained
@@ -399,6 +400,7 @@ def test_fair_variant_hides_the_protected_attribute_from_a_post_hoc_probe():
         assert results[lam]["adversary_auc"] <= results[lam]["probe_auc"]
 
 
+@pytest.mark.full
 def test_toy_network_orderings_homogeneous_and_rotated_devices():
     """11.D (seed 0): a local 10x10 linear encoder and a global 4x10 head (44 of 154 values).
     Homogeneous devices: FedAvg > LG > Local-only; half the devices privately rotated:

@@ -20,7 +20,7 @@ from support.deploy import JOB_SPEC, ROOT, Service, clean_env, poll_until_ok
 
 from tally.security import certs
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.full
 
 ROLES = ("aggregator", "coordinator", "client")
 # Distributions a role must not pull in (what the image would carry for nothing).

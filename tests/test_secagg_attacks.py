@@ -414,7 +414,7 @@ def _split_cohort(n: int, consistency: bool) -> tuple[Cohort, SplitViewServer]:
     return Cohort(config, seed=n, policy=DevicePolicy(threat=threat), server=server), server
 
 
-@pytest.mark.parametrize("n", [20, 100, 1000])
+@pytest.mark.parametrize("n", [20, 100, pytest.param(1000, marks=pytest.mark.full)])
 def test_a_survivor_split_reads_one_input_without_the_consistency_check(n):
     """The attack is real: against devices that skip the check (a semi-honest policy, which the
     default policy refuses) the aggregator alone gets device 1's exact input."""
@@ -426,7 +426,7 @@ def test_a_survivor_split_reads_one_input_without_the_consistency_check(n):
     assert np.array_equal(attempt.recovered, cohort.inputs[1]["s"])
 
 
-@pytest.mark.parametrize("n", [20, 100, 1000])
+@pytest.mark.parametrize("n", [20, 100, pytest.param(1000, marks=pytest.mark.full)])
 def test_a_survivor_split_fails_against_the_consistency_check(n):
     """With the check (the default), every device signs the view it was shown and answers only
     once t neighbours signed views that count it as a survivor: split views cannot gather both

@@ -65,7 +65,7 @@ def _attack(tmp_path, monkeypatch, n: int, secure: str, policy: DevicePolicy | N
     return job, attempts, inputs
 
 
-@pytest.mark.parametrize("n", [20, 100, 1000])
+@pytest.mark.parametrize("n", [20, 100, pytest.param(1000, marks=pytest.mark.full)])
 def test_a_split_view_aggregator_reads_nothing_under_the_default_job(tmp_path, monkeypatch, n):
     job, attempts, inputs = _attack(tmp_path, monkeypatch, n, "{dropout_rate: 0.1, corrupt_rate: 0.05}", None)
     attacked = [a for a in attempts if a.attacked]
@@ -76,7 +76,7 @@ def test_a_split_view_aggregator_reads_nothing_under_the_default_job(tmp_path, m
     assert job.committed_round == 0
 
 
-@pytest.mark.parametrize("n", [20, 100, 1000])
+@pytest.mark.parametrize("n", [20, 100, pytest.param(1000, marks=pytest.mark.full)])
 def test_a_split_view_aggregator_reads_a_semi_honest_devices_input(tmp_path, monkeypatch, n):
     """The control: the same attacker against devices that skip the check (a job and a device
     policy that both say the server is semi-honest) gets device 1's exact input."""

@@ -228,6 +228,7 @@ def test_options_are_validated():
             algorithms.make("superfed", bad)
 
 
+@pytest.mark.full
 def test_toy_personal_accuracy_is_far_above_fedavg_and_the_models_stay_orthogonal():
     """8.8 on the spec's toy (section 6; Tally's one-hidden-layer mlp): personalised accuracy at
     λ = 0.5 more than 0.3 above FedAvg's global model; mean |cos(θ^g, θ^l)| below 0.05 with ν = 1."""

@@ -8,8 +8,8 @@
 
 A module's kind is that of its heaviest test. ``tests/conftest.py`` marks every test with its
 module's kind, and ``tests/test_suite_layout.py`` fails on a module missing from this table, so a
-new module is classified when it is added. The ``slow`` and ``containers`` markers are orthogonal
-(``pytest -m "unit and not slow"``).
+new module is classified when it is added. The ``full`` and ``containers`` markers are orthogonal
+(``pytest -m "unit and not full"``).
 """
 
 from __future__ import annotations
