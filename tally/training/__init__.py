@@ -29,8 +29,9 @@ def single_threaded() -> None:
     torch.set_num_threads(1)
 
 
-class TorchTrainer:
-    """One device's data and a model factory; each call rebuilds state from the given params."""
+class DeviceTensors:
+    """One device's examples and model on its torch device, with its own seeded generator: what
+    every trainer starts from, so a simulation and the same devices through the services agree."""
 
     def __init__(
         self,
@@ -49,6 +50,10 @@ class TorchTrainer:
     @property
     def num_examples(self) -> int:
         return int(self.labels.shape[0])
+
+
+class TorchTrainer(DeviceTensors):
+    """One device's data and a model factory; each call rebuilds state from the given params."""
 
     def train(self, params: Mapping[str, np.ndarray], epochs: int, lr: float, batch_size: int) -> tuple[Arrays, float]:
         set_params(self.model, params)

@@ -10,7 +10,7 @@ started at the downloaded synthetic set (spec §2.2).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from pathlib import Path
 
 import numpy as np
@@ -20,24 +20,12 @@ from torch import nn
 from tally.algorithms.base import Arrays
 from tally.algorithms.fedevg import SYNTHETIC_X, SYNTHETIC_Y, FedEvgConfig
 from tally.models.params import get_params, set_params
-from tally.training import default_device
+from tally.training import DeviceTensors
 
 
-class EnergyTrainer:
+class EnergyTrainer(DeviceTensors):
     """One device's data and energy model. Its randomness (batches, SGLD noise) is seeded, so a
     simulation and the same devices through the services train alike."""
-
-    def __init__(self, model_factory: Callable[[], nn.Module], features: np.ndarray, labels: np.ndarray,
-                 seed: int = 0, device: torch.device | None = None) -> None:
-        self.device = device or default_device()
-        self.model = model_factory().to(self.device)
-        self.features = torch.as_tensor(features, dtype=torch.float32, device=self.device)
-        self.labels = torch.as_tensor(labels, dtype=torch.long, device=self.device)
-        self.generator = torch.Generator().manual_seed(seed)
-
-    @property
-    def num_examples(self) -> int:
-        return int(self.labels.shape[0])
 
     def _draw(self, population: int, size: int) -> torch.Tensor:
         return torch.randint(population, (size,), generator=self.generator).to(self.device)
