@@ -52,6 +52,24 @@ def test_checkin_capacity_bench_reports_each_rate_step(tmp_path):
     assert result["capacity_per_s_median"] in (0.0, 50.0, 100.0)
 
 
+def test_population_bench_charges_each_registration_and_check_in_the_coordinators_cpu(tmp_path):
+    """Two populations at rest; 30 devices register on their own channels and check in at two rates:
+    every call answered (a come-back time: no job runs), CPU charged to both phases, a plot drawn."""
+    plot = tmp_path / "population.png"
+    result = _bench(tmp_path, "population.py", "--populations", "100", "1000", "--register", "30",
+                    "--rates", "20", "40", "--step-seconds", "1", "--plot", str(plot))
+    rows = result["populations"]
+    assert [r["population"] for r in rows] == [100, 1000]
+    for row in rows:
+        assert row["registrations"] == 30 and row["registration_failures"] == 0
+        assert row["cpu_ms_per_registration"] > 0 and row["ready_seconds"] > 0
+        assert [s["target_per_s"] for s in row["checkin_steps"]] == [20.0, 40.0]
+        assert all(s["answered"] == s["sent"] and s["failures"] == 0 and s["coordinator_cpu_s"] > 0
+                   for s in row["checkin_steps"]), row["checkin_steps"]
+        assert row["checkin_capacity_per_s"] == 40.0 and row["cpu_ms_per_checkin"] > 0
+    assert plot.read_bytes().startswith(b"\x89PNG")
+
+
 def test_pacing_holds_an_idle_population_at_or_below_the_target_rate(tmp_path):
     """200 idle devices come back every ~5 s unpaced (~40/s); paced at 15/s they may not exceed it."""
     rate = 15.0

@@ -1,0 +1,334 @@
+"""What a registered population costs the coordinator (issue 28), against the population's size.
+
+For each population N (``--populations``, default 10,000 100,000 1,000,000):
+
+1. **At rest.** N devices are enrolled in a coordinator's store, each row as a registration leaves
+   it (``Store.enrol_device``: id, population, a distinct identity key, timestamps). The
+   coordinator process is then started on that store over TLS: the seconds from spawn to serving
+   (restart to ready), and its resident memory against the same coordinator started on an empty
+   store, per registered device.
+2. **Registrations.** ``--register`` more devices register as real devices do: each on its own TLS
+   channel, with its own identity key, enrolment credential and signed statement, from a load
+   generator pinned to its own core while the coordinator is pinned to another. Coordinator CPU
+   seconds per registration (psutil) and registrations per second.
+3. **Idle check-ins.** No job runs, so every check-in is answered with a come-back time. The
+   registered devices check in with their own tokens over their own channels (kept open, as a
+   device between check-ins keeps its channel), open-loop at each rate of ``--rates`` for
+   ``--step-seconds``: latency p50/p99, failures, coordinator CPU per check-in; the capacity is the
+   highest rate whose p99 stayed under ``--p99-ms`` with no failures. Memory is read again after.
+
+JSON to ``--json``; with ``--plot``, one panel per figure against N (log scale).
+
+    .venv/bin/python bench/population.py --json bench/results/population.json --plot bench/results/population.png
+    .venv/bin/python bench/population.py --populations 2000 --register 200 --rates 200 --step-seconds 2 --json out.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import multiprocessing
+import os
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import psutil
+from rich.console import Console
+from rich.progress import Progress
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from secagg_engine import machine_info  # noqa: E402  (this folder is on sys.path when run as a script)
+
+from tally.chaos.cluster import LocalCluster  # noqa: E402
+from tally.client.enrolment import register_request, simulated_identity  # noqa: E402
+from tally.coordinator.store import Store  # noqa: E402
+from tally.security import TLSConfig, bearer_metadata  # noqa: E402
+from tally.security.enrolment import enrolment_credential  # noqa: E402
+from tally.security.tls import open_aio_channel  # noqa: E402
+from tally.wire.v1 import coordinator_pb2, coordinator_pb2_grpc  # noqa: E402
+
+UNLIMITED = ["--register-limit", "1000000/1000000", "--checkin-limit", "1000000/1000000"]
+AT_REST, LIVE = "rest", "live"  # the two populations: enrolled in the store, and the generator's devices
+REGISTER_CONCURRENCY = 64  # registrations in flight at once: a burst of devices, not one queue
+
+
+def _percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+def enrol_at_rest(state: Path, count: int, progress: Progress | None = None) -> float:
+    """Enrol ``count`` devices in the store under ``state``; seconds it took. Their identity keys
+    are distinct random bytes: these devices never call, they only have to be there."""
+    store = Store(state)
+    began, now = time.perf_counter(), time.time()
+    task = progress.add_task(f"enrolling {count:,} devices", total=count) if progress else None
+    try:
+        for i in range(count):
+            store.enrol_device(f"{AT_REST}-{i}", AT_REST, os.urandom(32), now, now)
+            if task is not None and i % 10_000 == 9_999:
+                progress.update(task, completed=i + 1)
+    finally:
+        store.close()
+        if task is not None:
+            progress.remove_task(task)
+    return time.perf_counter() - began
+
+
+class CpuSampler:
+    """The coordinator's CPU seconds every ``every`` seconds, so that phases a generator timed in
+    wall-clock time can be charged their CPU afterwards."""
+
+    def __init__(self, pid: int, every: float = 0.1) -> None:
+        self._process, self._every = psutil.Process(pid), every
+        self.samples: list[tuple[float, float]] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            times = self._process.cpu_times()
+            self.samples.append((time.time(), times.user + times.system))
+            self._stop.wait(self._every)
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def at(self, moment: float) -> float:
+        """CPU seconds at ``moment``, interpolated between the samples around it."""
+        before = [s for s in self.samples if s[0] <= moment] or self.samples[:1]
+        after = [s for s in self.samples if s[0] >= moment] or self.samples[-1:]
+        (t0, c0), (t1, c1) = before[-1], after[0]
+        return c0 if t1 == t0 else c0 + (c1 - c0) * (moment - t0) / (t1 - t0)
+
+    def between(self, start: float, end: float) -> float:
+        return self.at(end) - self.at(start)
+
+
+async def _live_devices(target: str, tls_dir: str, key: bytes, count: int, rates: list[float],
+                        seconds: float) -> dict:
+    """The load generator: ``count`` devices register, each on its own channel, then check in
+    open-loop at each rate. Wall-clock bounds of each phase, for the CPU sampler."""
+    tls = TLSConfig.from_dir(Path(tls_dir), None)
+    channels, devices = [], []
+    failures = 0
+    gate = asyncio.Semaphore(REGISTER_CONCURRENCY)
+
+    async def register(i: int) -> None:
+        nonlocal failures
+        device_id = f"{LIVE}-{i}"
+        async with gate:
+            channel = open_aio_channel(target, tls)
+            channels.append(channel)
+            request = register_request(simulated_identity(key, device_id), device_id, LIVE,
+                                       enrolment_credential(key, LIVE, device_id), time.time())
+            try:
+                reply = await coordinator_pb2_grpc.CoordinatorStub(channel).Register(request, timeout=60)
+            except Exception:  # noqa: BLE001 - a failed registration is counted, whatever its status
+                failures += 1
+                return
+            devices.append((coordinator_pb2_grpc.CoordinatorStub(channel), bearer_metadata(reply.token)))
+
+    began = time.time()
+    await asyncio.gather(*(register(i) for i in range(count)))
+    registered = {"start": began, "end": time.time(), "count": len(devices), "failures": failures}
+    steps = []
+    for rate in rates:
+        latencies: list[float] = []
+        failed = 0
+
+        async def check_in(stub, metadata) -> None:
+            nonlocal failed
+            start = time.perf_counter()
+            try:
+                reply = await stub.CheckIn(coordinator_pb2.CheckInRequest(), metadata=metadata, timeout=10)
+            except Exception:  # noqa: BLE001 - counted, whatever its status
+                failed += 1
+                return
+            if not reply.HasField("retry_after"):
+                failed += 1  # no job runs: anything but a come-back time is wrong
+                return
+            latencies.append((time.perf_counter() - start) * 1000)
+
+        calls, step_began, wall_began = [], time.perf_counter(), time.time()
+        n = int(rate * seconds)
+        for k in range(n):
+            delay = step_began + k / rate - time.perf_counter()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            calls.append(asyncio.ensure_future(check_in(*devices[k % len(devices)])))
+        await asyncio.gather(*calls)
+        steps.append({"target_per_s": rate, "sent": n, "latencies_ms": latencies, "failures": failed,
+                      "start": wall_began, "end": time.time()})
+    await asyncio.gather(*(c.close() for c in channels))
+    return {"registered": registered, "steps": steps}
+
+
+def _generator_main(args: tuple) -> dict:
+    cores = args[-1]
+    if cores:
+        psutil.Process().cpu_affinity(cores)
+    return asyncio.run(_live_devices(*args[:-1]))
+
+
+def _rss(pid: int) -> int:
+    return psutil.Process(pid).memory_info().rss
+
+
+async def _start(cluster: LocalCluster) -> float:
+    """Start the cluster (its aggregator too: a deployment has one); the coordinator's seconds
+    from spawn to serving."""
+    await cluster.restart("aggregator-1")
+    began = time.perf_counter()
+    await cluster.restart("coordinator")
+    return time.perf_counter() - began
+
+
+async def _one_population(args: argparse.Namespace, population: int, workdir: Path, progress: Progress) -> dict:
+    # The same coordinator on an empty store first: the base its memory per device is read against.
+    empty = LocalCluster(workdir / "empty", aggregators=1, coordinator_flags=UNLIMITED)
+    try:
+        await _start(empty)
+        base_rss = _rss(empty.processes["coordinator"].pid)
+    finally:
+        await empty.stop()
+    cluster = LocalCluster(workdir / "full", aggregators=1, coordinator_flags=UNLIMITED)
+    fill_seconds = enrol_at_rest(cluster.state, population, progress)
+    try:
+        ready_seconds = await _start(cluster)
+        pid = cluster.processes["coordinator"].pid
+        rest_rss = _rss(pid)
+        cpus = list(range(psutil.cpu_count() or 1))
+        generator_cores = cpus[1:] or cpus
+        if len(cpus) > 1:
+            psutil.Process(pid).cpu_affinity([cpus[0]])
+        sampler = CpuSampler(pid)
+        job = (cluster.target, str(cluster.certs / "device"), cluster.enrolment_key, args.register,
+               [float(r) for r in args.rates], args.step_seconds, generator_cores)
+        try:
+            with multiprocessing.get_context("spawn").Pool(1) as pool:
+                outcome = await asyncio.to_thread(pool.apply, _generator_main, (job,))
+        finally:
+            sampler.stop()
+        live_rss = _rss(pid)
+    finally:
+        await cluster.stop()
+    reg = outcome["registered"]
+    reg_cpu = sampler.between(reg["start"], reg["end"])
+    steps = []
+    for step in outcome["steps"]:
+        latencies, seconds = step["latencies_ms"], step["end"] - step["start"]
+        cpu = sampler.between(step["start"], step["end"])
+        steps.append({
+            "target_per_s": step["target_per_s"], "sent": step["sent"], "answered": len(latencies),
+            "failures": step["failures"], "achieved_per_s": len(latencies) / seconds,
+            "p50_ms": _percentile(latencies, 0.50) if latencies else None,
+            "p99_ms": _percentile(latencies, 0.99) if latencies else None,
+            "coordinator_cpu_s": cpu, "cpu_ms_per_checkin": 1000 * cpu / len(latencies) if latencies else None,
+        })
+    ok = [s for s in steps if s["p99_ms"] is not None and s["p99_ms"] < args.p99_ms and s["failures"] == 0
+          and s["achieved_per_s"] >= 0.95 * s["target_per_s"]]
+    # CPU per check-in from the busiest step that kept up (a lightly loaded step pays the idle loop).
+    per_checkin = max(ok, key=lambda s: s["target_per_s"])["cpu_ms_per_checkin"] if ok else None
+    registered = population + reg["count"]
+    return {
+        "population": population, "enrol_seconds": fill_seconds, "ready_seconds": ready_seconds,
+        "base_rss_bytes": base_rss, "rest_rss_bytes": rest_rss, "live_rss_bytes": live_rss,
+        "bytes_per_registered_device_at_rest": (rest_rss - base_rss) / max(population, 1),
+        "bytes_per_registered_device_live": (live_rss - base_rss) / max(registered, 1),
+        "registrations": reg["count"], "registration_failures": reg["failures"],
+        "registrations_per_s": reg["count"] / (reg["end"] - reg["start"]),
+        "cpu_ms_per_registration": 1000 * reg_cpu / max(reg["count"], 1),
+        "checkin_steps": steps, "checkin_capacity_per_s": max((s["target_per_s"] for s in ok), default=0.0),
+        "cpu_ms_per_checkin": per_checkin,
+    }
+
+
+def run(args: argparse.Namespace) -> dict:
+    rows = []
+    with Progress(console=Console(stderr=True), transient=True) as progress:
+        overall = progress.add_task("populations", total=len(args.populations))
+        for population in args.populations:
+            with tempfile.TemporaryDirectory(prefix="tally-bench-population-") as tmp:
+                rows.append(asyncio.run(_one_population(args, population, Path(tmp), progress)))
+            progress.advance(overall)
+    return {
+        "bench": "population", "machine": machine_info(), "register": args.register, "rates": args.rates,
+        "step_seconds": args.step_seconds, "p99_limit_ms": args.p99_ms, "coordinator_cores": 1,
+        "targets": {"bytes_per_registered_device": 2048, "checkins_per_s_per_core": 4000,
+                    "registrations_per_s_per_core": 4000, "ready_seconds": 60, "p99_ms": args.p99_ms},
+        "populations": rows,
+    }
+
+
+def plot(result: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = result["populations"]
+    n = [r["population"] for r in rows]
+    panels = [
+        ("memory per registered device (bytes)", [r["bytes_per_registered_device_live"] for r in rows],
+         result["targets"]["bytes_per_registered_device"]),
+        ("restart to ready (s)", [r["ready_seconds"] for r in rows], result["targets"]["ready_seconds"]),
+        ("CPU per registration (ms)", [r["cpu_ms_per_registration"] for r in rows],
+         1000 / result["targets"]["registrations_per_s_per_core"]),
+        ("CPU per idle check-in (ms)", [r["cpu_ms_per_checkin"] or float("nan") for r in rows],
+         1000 / result["targets"]["checkins_per_s_per_core"]),
+        ("idle check-ins per second, one core, p99 < limit", [r["checkin_capacity_per_s"] for r in rows],
+         result["targets"]["checkins_per_s_per_core"]),
+    ]
+    fig, axes = plt.subplots(1, len(panels), figsize=(4 * len(panels), 3.4))
+    for ax, (title, values, target) in zip(axes, panels):
+        ax.plot(n, values, marker="o", label="measured")
+        ax.axhline(target, color="tab:red", linestyle="--", label="target")
+        ax.set_xscale("log")
+        ax.set_xlabel("registered devices")
+        ax.set_title(title, fontsize=9)
+        ax.set_ylim(bottom=0)
+    axes[0].legend(fontsize=8)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--populations", type=int, nargs="+", default=[10_000, 100_000, 1_000_000],
+                        help="devices enrolled at rest, one run each")
+    parser.add_argument("--register", type=int, default=5000,
+                        help="devices that register live, each on its own channel, and then check in")
+    parser.add_argument("--rates", type=float, nargs="+", default=[1000, 2000, 3000, 4000, 5000],
+                        help="idle check-ins per second, one step each")
+    parser.add_argument("--step-seconds", type=float, default=5.0)
+    parser.add_argument("--p99-ms", type=float, default=200.0)
+    parser.add_argument("--json", type=Path)
+    parser.add_argument("--plot", type=Path, help="PNG: each figure against the population")
+    args = parser.parse_args()
+    for name in ("populations", "rates"):
+        if min(getattr(args, name)) <= 0:
+            parser.error(f"--{name}: every value must be > 0")
+    if args.register < 1:
+        parser.error("--register: at least one device must register")
+    result = run(args)
+    summary = [{k: v for k, v in row.items() if k != "checkin_steps"} for row in result["populations"]]
+    print(json.dumps(summary, indent=2))
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(result, indent=2))
+    if args.plot:
+        plot(result, args.plot)
+
+
+if __name__ == "__main__":
+    main()
