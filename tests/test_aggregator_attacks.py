@@ -176,10 +176,18 @@ def test_a_stream_without_a_valid_join_is_refused_before_any_message_is_read(dep
             return outcomes, metrics
 
     outcomes, metrics = asyncio.run(asyncio.wait_for(scenario(), 60))
-    assert outcomes["none"] == (CODE.UNAUTHENTICATED, f"a session stream must carry exactly one Join in its "
-                                                      f"{JOIN_METADATA!r} metadata")
-    assert outcomes["two joins"][0] == CODE.UNAUTHENTICATED
-    assert outcomes["not a join"] == (CODE.UNAUTHENTICATED, "the stream's Join metadata is not a Join message")
-    assert outcomes["no session"][0] == CODE.NOT_FOUND
+    # The server refuses at the metadata; the client may still be writing its 4 MiB, and then the
+    # stream's reset can reach it before the status does (gRPC reports INTERNAL). What the server
+    # answered is in its counters, whichever way the race went.
+    expected = {
+        "none": (CODE.UNAUTHENTICATED, f"a session stream must carry exactly one Join in its {JOIN_METADATA!r} metadata"),
+        "two joins": (CODE.UNAUTHENTICATED, None),
+        "not a join": (CODE.UNAUTHENTICATED, "the stream's Join metadata is not a Join message"),
+        "no session": (CODE.NOT_FOUND, None),
+    }
+    for name, (code, details) in expected.items():
+        got_code, got_details = outcomes[name]
+        assert got_code == CODE.INTERNAL or (got_code == code and details in (None, got_details)), (name, outcomes[name])
     assert metrics['tally_aggregator_rejected_total{reason="not_joined",status="UNAUTHENTICATED"}'] == 3
+    assert metrics['tally_aggregator_rejected_total{reason="unknown_session",status="NOT_FOUND"}'] == 1
     assert metrics["tally_aggregator_received_bytes_total"] == 0
