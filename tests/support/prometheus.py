@@ -52,8 +52,10 @@ class LivePrometheus:
         try:
             with urllib.request.urlopen(url, timeout=5) as reply:
                 body = json.loads(reply.read())
-        except urllib.error.HTTPError as error:  # a query Prometheus cannot parse or run
-            raise AssertionError(f"{params}: {error.read().decode()}") from None
+        except urllib.error.HTTPError as error:
+            if error.code == 503:  # still starting (its storage is not open yet): an OSError to wait out
+                raise
+            raise AssertionError(f"{params}: {error.read().decode()}") from None  # a query it cannot run
         assert body["status"] == "success", body
         return body["data"]
 
@@ -77,7 +79,7 @@ class LivePrometheus:
         while time.monotonic() < end:
             try:
                 last = self.value(expr)
-            except OSError:  # not listening yet
+            except OSError:  # not listening yet, or not ready to answer queries
                 last = None
             if last is not None and predicate(last):
                 return last
