@@ -127,14 +127,15 @@ async def _live_devices(target: str, tls_dir: str, key: bytes, count: int, rates
         async with gate:
             channel = open_aio_channel(target, tls)
             channels.append(channel)
+            stub = coordinator_pb2_grpc.CoordinatorStub(channel)
             request = register_request(simulated_identity(key, device_id), device_id, LIVE,
                                        enrolment_credential(key, LIVE, device_id), time.time())
             try:
-                reply = await coordinator_pb2_grpc.CoordinatorStub(channel).Register(request, timeout=60)
+                reply = await stub.Register(request, timeout=60)
             except Exception:  # noqa: BLE001 - a failed registration is counted, whatever its status
                 failures += 1
                 return
-            devices.append((coordinator_pb2_grpc.CoordinatorStub(channel), bearer_metadata(reply.token)))
+            devices.append((stub, bearer_metadata(reply.token)))
 
     began = time.time()
     await asyncio.gather(*(register(i) for i in range(count)))
