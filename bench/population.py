@@ -3,7 +3,7 @@
 For each population N (``--populations``, default 10,000 100,000 1,000,000):
 
 1. **At rest.** N devices are enrolled in a coordinator's store, each row as a registration leaves
-   it (``Store.enrol_device``: id, population, a distinct identity key, timestamps). The
+   it (``EnrolledDevices.enrol``: id, population, a distinct identity key, timestamps). The
    coordinator process is then started on that store over TLS: the seconds from spawn to serving
    (restart to ready), and its resident memory against the same coordinator started on an empty
    store, per registered device.
@@ -70,7 +70,7 @@ def enrol_at_rest(state: Path, count: int, progress: Progress | None = None) -> 
     task = progress.add_task(f"enrolling {count:,} devices", total=count) if progress else None
     try:
         for i in range(count):
-            store.enrol_device(f"{AT_REST}-{i}", AT_REST, os.urandom(32), now, now)
+            store.devices.enrol(f"{AT_REST}-{i}", AT_REST, os.urandom(32), now, now)
             if task is not None and i % 10_000 == 9_999:
                 progress.update(task, completed=i + 1)
     finally:

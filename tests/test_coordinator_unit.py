@@ -17,6 +17,7 @@ from tally.codec import PayloadSchema, ring_dtype, ring_mask, to_ring
 from tally.coordinator import jobspec
 from tally.coordinator.active_jobs import ActiveJobs
 from tally.coordinator.aggregators import aio_channel, parse_aggregator
+from tally.coordinator.enrolled_devices import EnrolmentRefused
 from tally.coordinator.metrics import CoordinatorMetrics
 from tally.coordinator.planner import (
     MIN_RETRY_S,
@@ -35,7 +36,7 @@ from tally.coordinator.planner import (
     split_cohorts,
 )
 from tally.coordinator.state_codec import UnsupportedState, state_from_bytes, state_to_bytes
-from tally.coordinator.store import EnrolmentRefused, Store
+from tally.coordinator.store import Store
 from tally.models.mlp import mlp
 from tally.models.params import get_params
 from tally.secagg import SumResult
@@ -215,19 +216,19 @@ def test_per_device_records_skip_the_fsync_but_survive_a_reopen_and_roll_back(tm
     loop ~5 ms per device); they are still committed, a refused one still rolls back, and the
     connection is back at synchronous=FULL for the records that must be on disk (seats)."""
     store = Store(tmp_path)
-    spy = CommitSpy(store._db)
-    monkeypatch.setattr(store, "_db", spy)
-    store.enrol_device("dev-1", "pop", b"k" * 32, 1.0, 1.0)
+    spy = CommitSpy(store._database.conn)
+    monkeypatch.setattr(store._database, "conn", spy)
+    store.devices.enrol("dev-1", "pop", b"k" * 32, 1.0, 1.0)
     store.count_task_report("job", 1, "completed", "")
     store.add_seated("job", 1, [("dev-1", "t1"), ("dev-2", "t2")])
     assert spy.levels == [1, 1, 2]  # NORMAL, NORMAL, FULL: one transaction for all seats
     with pytest.raises(EnrolmentRefused):
-        store.enrol_device("dev-1", "pop", b"x" * 32, 2.0, 2.0)  # the id is bound to another key
+        store.devices.enrol("dev-1", "pop", b"x" * 32, 2.0, 2.0)  # the id is bound to another key
     assert spy.db.execute("PRAGMA synchronous").fetchone()[0] == 2
     monkeypatch.undo()
     store.close()
     reopened = Store(tmp_path)
-    assert reopened.device_identities(["dev-1"]) == {"dev-1": b"k" * 32}
+    assert reopened.devices.identities(["dev-1"]) == {"dev-1": b"k" * 32}
     assert reopened.task_report_counts("job", 1) == {("completed", ""): 1}
     assert reopened.seated("job", 1) == frozenset({"dev-1", "dev-2"})
     reopened.close()

@@ -160,7 +160,7 @@ def test_a_taken_device_id_cannot_be_registered_again_without_its_key(tmp_path):
             answers["renewal"] = await c.register(provisioned_request(c.service, "victim", identity=victim,
                                                                       now=c.clock.now))
             answers["same key, second id"] = await c.register(provisioned_request(c.service, "sybil", identity=victim))
-            stored = c.service.store.device_identities(["victim"]).get("victim") == victim.public
+            stored = c.service.store.devices.identities(["victim"]).get("victim") == victim.public
             return ({name: a[:2] for name, a in answers.items()}, stored,
                     {r: c.refusals(r) for r in ("id_taken", "replay", "key_taken")})
 

@@ -56,7 +56,8 @@ async def _serve_each_role(tmp_path: Path) -> dict[str, Served]:
     public = load_or_create_ticket_key(pki / "coordinator").public_key()
     aggregator = AggregatorService("127.0.0.1:0", TLSConfig.from_dir(pki / "aggregator-1", "aggregator"), public, "agg-1")
     coordinator = CoordinatorService("127.0.0.1:0", TLSConfig.from_dir(pki / "coordinator", "coordinator"),
-                                     tmp_path / "state", [], secrets_dir=pki / "coordinator")
+                                     tmp_path / "state", [], secrets_dir=pki / "coordinator",
+                                     device_processes=2)  # a device front serves coordinator series too
     client = MetricsServer(ClientMetrics().registry)
     await aggregator.start()
     await coordinator.start()
@@ -67,7 +68,10 @@ async def _serve_each_role(tmp_path: Path) -> dict[str, Served]:
             base = f"http://127.0.0.1:{port}"
             metrics = await asyncio.to_thread(_get, f"{base}/metrics")
             assert metrics[0] == 200
-            served[role] = Served(metrics[1], *[await asyncio.to_thread(_get, f"{base}{p}") for p in ("/healthz", "/readyz")],
+            text = metrics[1]
+            if role == "coordinator":
+                text += (await asyncio.to_thread(_get, f"http://127.0.0.1:{coordinator.fronts[0].metrics_port}/metrics"))[1]
+            served[role] = Served(text, *[await asyncio.to_thread(_get, f"{base}{p}") for p in ("/healthz", "/readyz")],
                                   refused_after_stop=False)
     finally:
         client.stop()

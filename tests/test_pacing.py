@@ -12,7 +12,7 @@ from support.coordinator import coordinator_stack, run, spec_yaml
 from support.stack import scrape_text
 
 from tally.coordinator.pacing import MAX_PACED_RETRY_S, CheckinPacer
-from tally.coordinator.planner import Retry
+from tally.coordinator.come_back import Retry
 
 arrivals = st.lists(st.tuples(st.floats(0, 5), st.floats(0.2, 60)), min_size=1, max_size=200)
 

@@ -93,6 +93,13 @@ def register(sub: argparse._SubParsersAction) -> None:
         "the next round's selection (s)",
     )
     p.add_argument(
+        "--device-processes", type=argtypes.integer(1, 256), default=1, metavar="N",
+        help="serve devices from N processes on the one port (SO_REUSEPORT): N - 1 device fronts "
+        "answer registrations and idle check-ins themselves and pass every other call to this "
+        "process, which alone plans rounds; give it as many as the cores the coordinator may use. "
+        "Each front's metrics are on --metrics-port + its number (default: %(default)s)",
+    )
+    p.add_argument(
         "--model-plugin", action="append", default=[], metavar="MODULE",
         help="import this Python module's TALLY_MODELS so jobs may name its model kinds "
         "(repeatable; only the operator can add code to the coordinator, never a job spec)",
@@ -197,6 +204,8 @@ def run_coordinator(args: argparse.Namespace) -> int:
         register_limit=args.register_limit,
         checkin_limit=args.checkin_limit,
         checkin_rate=args.checkin_rate,
+        device_processes=args.device_processes,
+        log_level=args.log_level,
     )
     return asyncio.run(_serve(service, specs))
 

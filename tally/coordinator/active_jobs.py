@@ -15,7 +15,8 @@ from tally.coordinator.checkin_holds import CheckInResult
 from tally.coordinator.events import TERMINAL_STATES, EventHub
 from tally.coordinator.jobspec import JobSpec, parse
 from tally.coordinator.metrics import CoordinatorMetrics
-from tally.coordinator.planner import IDLE_RETRY_S, Hold, Retry
+from tally.coordinator.come_back import Retry, idle_retry
+from tally.coordinator.planner import Hold
 from tally.coordinator.runner import JobRunner, RunnerContext
 from tally.coordinator.store import Store
 from tally.coordinator.task_reports import outcome_name
@@ -171,8 +172,7 @@ class ActiveJobs:
             else:
                 return decision
         if not retries:
-            return Retry(IDLE_RETRY_S, f"no running job for population {claims.population!r}",
-                         population_idle=True)
+            return idle_retry(claims.population)
         # No selection wants it now. A job aggregating may hold it for its next selection, unless
         # another job's selection is open or about to open: that one may take it on its return.
         selecting = [r for r in candidates if r.selecting]

@@ -152,7 +152,7 @@ class AdminService(admin_pb2_grpc.AdminServicer):
 
     async def RevokeDevice(self, request: admin_pb2.RevokeDeviceRequest, context: grpc.aio.ServicerContext):
         await self._authorize(context)
-        if not self.store.revoke_device(request.device_id, self.jobs.clock()):
+        if not self.store.devices.revoke(request.device_id, self.jobs.clock()):
             await context.abort(grpc.StatusCode.NOT_FOUND, f"no enrolled device {request.device_id!r}")
         logs.event(log, "device revoked", logging.WARNING, device_id=request.device_id)
         return admin_pb2.RevokedDevice(device_id=request.device_id)

@@ -177,7 +177,7 @@ class CohortSessions:
     def _roster(self, plan: CohortPlan) -> list[bytes]:
         """Each seat's enrolled identity key: the config carries it, the ticket signs it, and
         devices check their neighbours' keys against it."""
-        keys = self._store.device_identities(plan.devices)
+        keys = self._store.devices.identities(plan.devices)
         missing = [d for d in plan.devices if d not in keys]
         if missing:
             raise AttemptFailed(f"devices without an enrolled identity key: {missing[:5]}")

@@ -18,11 +18,12 @@ RETRY_AFTER_BUCKETS = (0.2, 0.5, 1, 2, 5, 10, 20, 30, 60, 120, 300, 600, 1800, 3
 JOB_STATES = ("PENDING", "RUNNING", "SUCCEEDED", "FAILED", "CANCELLED")
 
 
-class CoordinatorMetrics:
-    def __init__(self) -> None:
-        self.registry = registry = RoleRegistry("coordinator")
-        # Jobs' privacy ledgers (tally/privacy/metrics.py) are read at scrape time.
-        registry.register(PrivacyCollector())
+class DeviceMetrics:
+    """What every process serving devices counts (the coordinator and its device fronts, each on
+    its own port: Prometheus sums them over the targets)."""
+
+    def __init__(self, registry: RoleRegistry) -> None:
+        self.registry = registry
         self.checkins = Counter(
             "tally_coordinator_checkins", "Device check-ins by outcome (task, retry, cancelled)",
             ["outcome"], registry=registry,
@@ -39,6 +40,16 @@ class CoordinatorMetrics:
             "not_enrolled, bad_signature, id_taken, key_taken, population_mismatch, replay, revoked)",
             ["rpc", "reason"], registry=registry,
         )
+        # The idle check-in is the call a population makes most: its series, looked up once.
+        self.checkins_retried = self.checkins.labels(outcome="retry")
+
+
+class CoordinatorMetrics(DeviceMetrics):
+    def __init__(self) -> None:
+        super().__init__(RoleRegistry("coordinator"))
+        registry = self.registry
+        # Jobs' privacy ledgers (tally/privacy/metrics.py) are read at scrape time.
+        registry.register(PrivacyCollector())
         self.task_reports = Counter(
             "tally_coordinator_task_reports",
             "Devices' reports on their tasks, by outcome (completed, dropped, aborted, refused; "
@@ -67,6 +78,11 @@ class CoordinatorMetrics:
             "tally_coordinator_devices_seated_early",
             "Devices a selection seated as it opened, held since they checked in while the previous "
             "attempt aggregated", registry=registry,
+        )
+        self.front_restarts = Counter(
+            "tally_coordinator_device_front_restarts",
+            "Device fronts (--device-processes) the coordinator started again after they exited",
+            registry=registry,
         )
         self.plain_jobs = Counter(
             "tally_coordinator_plain_jobs",

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from tally.coordinator.planner import Retry
+from tally.coordinator.come_back import Retry
 
 # Longest come-back time the pacer will give: a population too large for the target rate is told
 # to come back within the hour, and the rate is exceeded (the histogram of retry-after shows it).

@@ -53,14 +53,13 @@ import numpy as np
 
 from tally.algorithms.base import StepSpec
 from tally.codec import CodecError
+from tally.coordinator.come_back import Retry
 from tally.coordinator.jobspec import JobSpec
 from tally.secagg import SumResult
 
 # Pace steering bounds: never tell a device to come back sooner or later than this.
 MIN_RETRY_S = 0.2
 MAX_RETRY_S = 60.0
-# Come-back time when no job of the device's population is running.
-IDLE_RETRY_S = 5.0
 # Until a job has committed a round, the guess of how long a round takes.
 FIRST_ROUND_GUESS_S = 5.0
 # Slack on top of the phase deadlines when bounding a whole attempt: processing between phases.
@@ -77,16 +76,6 @@ class Phase(enum.Enum):
 
 
 # -- what a check-in gets ------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Retry:
-    seconds: float
-    reason: str
-    population_idle: bool = False  # no job of the device's population is running
-    # The device is wanted back at once (it has a seat whose task it has not received, or the
-    # selection it was held away from opened): pace steering leaves this answer alone.
-    at_once: bool = False
 
 
 @dataclass(frozen=True)

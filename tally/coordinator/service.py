@@ -22,6 +22,15 @@ from tally.coordinator.active_jobs import ActiveJobs
 from tally.coordinator.admin_api import AdminService, load_or_create_admin_token
 from tally.coordinator.aggregators import AggregatorPool
 from tally.coordinator.device_api import DeviceService
+from tally.coordinator.device_entry import DeviceEntry
+from tally.coordinator.device_front import (
+    FrontConfig,
+    FrontKeyRequired,
+    FrontProcess,
+    front_key,
+    refuse_port_in_use,
+    shares,
+)
 from tally.coordinator.metrics import CoordinatorMetrics
 from tally.coordinator.pacing import CheckinPacer
 from tally.coordinator.ratelimit import (
@@ -55,6 +64,7 @@ SERVICE_NAMES = (
 )
 DEFAULT_TOKEN_TTL_S = 24 * 3600.0
 HEALTH_INTERVAL_S = 15.0
+FRONT_CHECK_S = 1.0  # how often the coordinator looks whether its device fronts still run
 
 
 class CoordinatorService:
@@ -90,7 +100,11 @@ class CoordinatorService:
         register_limit: RateLimit = DEFAULT_REGISTER_LIMIT,
         checkin_limit: RateLimit = DEFAULT_CHECKIN_LIMIT,
         checkin_rate: float | None = None,
+        device_processes: int = 1,
+        log_level: str = "info",
     ) -> None:
+        if device_processes < 1:
+            raise ValueError(f"device_processes must be >= 1, got {device_processes}")
         self.listen, self.tls, self.state_dir = listen, tls, Path(state_dir)
         self.aggregators = list(aggregators)
         self.aggregator_tls = aggregator_tls or (
@@ -102,7 +116,9 @@ class CoordinatorService:
         self.checkin_hold_s, self.token_ttl_s = checkin_hold_s, token_ttl_s
         self.enrolment, self.max_request_bytes = enrolment, max_request_bytes
         self.register_limit, self.checkin_limit = register_limit, checkin_limit
-        self.pacer = CheckinPacer(checkin_rate)
+        self.checkin_rate, self.device_processes, self.log_level = checkin_rate, device_processes, log_level
+        # Each process serving devices paces its share of the arrivals.
+        self.pacer = CheckinPacer(checkin_rate / device_processes if checkin_rate else None)
         self.port: int | None = None
         self.admin_token: str | None = None
         # The key `tally enrol` derives device credentials from (None with a custom verifier).
@@ -115,6 +131,12 @@ class CoordinatorService:
         self._pool: AggregatorPool | None = None
         self._store: Store | None = None
         self._watchdog: asyncio.Task[None] | None = None
+        # With device_processes > 1: the fronts, and the loopback port only they may call.
+        self.fronts: list[FrontProcess] = []
+        self.internal_target: str | None = None
+        self._internal: grpc.aio.Server | None = None
+        self._supervisor: asyncio.Task[None] | None = None
+        self._metrics_port_asked = metrics_port
 
     @property
     def store(self) -> Store:
@@ -138,30 +160,32 @@ class CoordinatorService:
         )
         self.jobs = jobs = ActiveJobs(
             self._store, self._pool, signer, metrics, self.clock, checkin_hold_s=self.checkin_hold_s,
-            checkin_rate=self.pacer.rate_per_s,
+            checkin_rate=self.checkin_rate,
         )
         metrics.watch(self._store.job_counts,
                       lambda: sum(len(runner.sessions.opened) for runner in list(jobs.runners.values())))
 
+        shared = self.device_processes > 1
         server = grpc.aio.server(
-            options=server_options(self.max_message_bytes, self.max_request_bytes),
+            options=server_options(self.max_message_bytes, self.max_request_bytes, share_port=shared),
             interceptors=(RefuseUndecodable(),))
         if self.enrolment is None:
             self.enrolment_key = load_or_create_enrolment_key(self.secrets_dir)
         enrolment = self.enrolment or SharedKeyEnrolment(self.enrolment_key)
-        coordinator_pb2_grpc.add_CoordinatorServicer_to_server(
-            DeviceService(
-                self.jobs, self._store, issuer, metrics, self.clock, self.token_ttl_s,
-                enrolment=enrolment, coordinator_key=signer.public_key.public_bytes_raw(),
-                register_limit=SourceRateLimiter(self.register_limit, self.clock),
-                checkin_limit=SourceRateLimiter(self.checkin_limit, self.clock),
-                pacer=self.pacer,
-            ),
-            server,
-        )
-        admin_pb2_grpc.add_AdminServicer_to_server(
-            AdminService(self.jobs, self._store, self.admin_token), server
-        )
+
+        def devices(limited: bool) -> DeviceService:
+            """The device API; ``limited``: rate limited per source here (not for what fronts forward)."""
+            n = self.device_processes
+            limits = {rpc: SourceRateLimiter(shares(limit, n), self.clock) if limited else None
+                      for rpc, limit in (("Register", self.register_limit), ("CheckIn", self.checkin_limit))}
+            entry = DeviceEntry(self._store.devices, issuer, metrics, self.clock, self.token_ttl_s,
+                                enrolment=enrolment, coordinator_key=signer.public_key.public_bytes_raw(),
+                                limits=limits)
+            return DeviceService(jobs, self._store, entry, metrics, self.clock, self.pacer)
+
+        coordinator_pb2_grpc.add_CoordinatorServicer_to_server(devices(limited=True), server)
+        admin = AdminService(self.jobs, self._store, self.admin_token)
+        admin_pb2_grpc.add_AdminServicer_to_server(admin, server)
         self._health = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
         reflection.enable_server_reflection(
@@ -169,9 +193,13 @@ class CoordinatorService:
              reflection.SERVICE_NAME),
             server,
         )
+        if shared:
+            refuse_port_in_use(self.listen)
         self.port = bind(server, self.listen, self.tls)
         await server.start()
         self._server = server
+        if shared:
+            await self._start_fronts(devices(limited=False), admin, front_key(token_secret), metrics)
         for name in ("", *SERVICE_NAMES):
             await self._health.set(name, health_pb2.HealthCheckResponse.SERVING)
         await self.jobs.start()
@@ -180,6 +208,54 @@ class CoordinatorService:
         logs.event(log, "coordinator serving", port=self.port, metrics_port=self.metrics_port,
                    state_dir=str(self.state_dir), aggregators=[a for a, _ in self.aggregators])
         return self.port
+
+    def front_config(self, index: int, listen: str) -> FrontConfig:
+        """What device front ``index`` needs to serve ``listen`` beside this coordinator."""
+        assert self.internal_target is not None, "no internal port: device_processes is 1"
+        n, asked = self.device_processes, self._metrics_port_asked
+        return FrontConfig(
+            index=index, listen=listen, tls=self.tls, state_dir=self.state_dir, secrets_dir=self.secrets_dir,
+            coordinator=self.internal_target, token_ttl_s=self.token_ttl_s,
+            register_limit=shares(self.register_limit, n), checkin_limit=shares(self.checkin_limit, n),
+            checkin_rate=self.pacer.rate_per_s, max_message_bytes=self.max_message_bytes,
+            max_request_bytes=self.max_request_bytes, metrics_port=asked + index if asked else 0,
+            metrics_addr=self.metrics_addr, log_level=self.log_level, enrolment=self.enrolment,
+        )
+
+    async def _start_fronts(
+        self, forwarded: DeviceService, admin: AdminService, key: str, metrics: CoordinatorMetrics
+    ) -> None:
+        """The loopback port fronts forward to, then the fronts on the device port."""
+        internal = grpc.aio.server(options=server_options(self.max_message_bytes),
+                                   interceptors=(FrontKeyRequired(key), RefuseUndecodable()))
+        coordinator_pb2_grpc.add_CoordinatorServicer_to_server(forwarded, internal)
+        admin_pb2_grpc.add_AdminServicer_to_server(admin, internal)
+        self.internal_target = f"127.0.0.1:{internal.add_insecure_port('127.0.0.1:0')}"
+        await internal.start()
+        self._internal = internal
+        host = self.listen.rpartition(":")[0]
+        self.fronts = [FrontProcess(self.front_config(i, f"{host}:{self.port}"))
+                       for i in range(1, self.device_processes)]
+        await asyncio.gather(*(front.start() for front in self.fronts))
+        self._supervisor = asyncio.get_running_loop().create_task(self._supervise_fronts(metrics))
+
+    async def _supervise_fronts(self, metrics: CoordinatorMetrics) -> None:
+        """Start a front again when it exits: until then its share of devices reconnects to the
+        processes still serving (the kernel sends new connections only to listening sockets)."""
+        while True:
+            await asyncio.sleep(FRONT_CHECK_S)
+            for front in self.fronts:
+                if front.alive():
+                    continue
+                exitcode = front.process.exitcode if front.process is not None else None
+                logs.event(log, "device front exited; starting it again", level=logging.WARNING,
+                           front=front.config.index, exitcode=exitcode)
+                metrics.front_restarts.inc()
+                try:
+                    await front.start()
+                except RuntimeError as exc:
+                    logs.event(log, "device front did not start", level=logging.ERROR,
+                               front=front.config.index, error=str(exc))
 
     async def _watch_aggregators(self) -> None:
         """Keep the aggregators-up gauge current between rounds (rounds check on their own)."""
@@ -194,6 +270,13 @@ class CoordinatorService:
         if self._watchdog is not None:
             self._watchdog.cancel()
             await asyncio.gather(self._watchdog, return_exceptions=True)
+        if self._supervisor is not None:
+            self._supervisor.cancel()
+            await asyncio.gather(self._supervisor, return_exceptions=True)
+        # Fronts first: what they forward needs this process until they have finished.
+        await asyncio.gather(*(front.stop(grace or 0.0) for front in self.fronts))
+        if self._internal is not None:
+            await self._internal.stop(grace)
         if self._health is not None:
             await self._health.enter_graceful_shutdown()
         if self.jobs is not None:
@@ -207,4 +290,6 @@ class CoordinatorService:
         if self._store is not None:
             self._store.close()
         self._server = self._pool = self._store = self.jobs = self._metrics_server = self._watchdog = None
+        self._internal = self._supervisor = self.internal_target = None
+        self.fronts = []
         logs.event(log, "coordinator stopped", port=self.port)

@@ -14,24 +14,22 @@ directory (an exclusive lock on ``coordinator.lock``): two would run every job t
 
 from __future__ import annotations
 
-import contextlib
 import fcntl
 import hashlib
 import json
 import os
 import secrets
-import sqlite3
-import threading
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from tally.coordinator.enrolled_devices import EnrolledDevices
+from tally.coordinator.sqlite_db import Database
+
 BLOB_KINDS = ("model", "broadcast", "onnx", "state")
 # What devices may download; algorithm states stay on the server.
 SERVED_KINDS = ("model", "broadcast", "onnx")
-# Well below SQLite's limit on bound parameters per statement (32,766).
-_IDS_PER_QUERY = 10_000
 # A task report's detail kept as its reason's example: enough for an exception's message.
 MAX_EXAMPLE_CHARS = 300
 
@@ -208,14 +206,6 @@ class EventRecord:
     metrics: dict[str, float]
 
 
-class EnrolmentRefused(Exception):
-    """A registration the device table refuses; ``reason`` labels the refusal metric."""
-
-    def __init__(self, reason: str, message: str) -> None:
-        super().__init__(message)
-        self.reason, self.message = reason, message
-
-
 @dataclass(frozen=True)
 class BlobInfo:
     digest: str
@@ -237,15 +227,9 @@ class Store:
             raise RuntimeError(f"{self.directory} is in use by another coordinator") from None
         self._blobs = self.directory / "blobs"
         self._blobs.mkdir(exist_ok=True, mode=0o700)
-        self._lock = threading.Lock()
-        # Created 0600 before SQLite opens it: SQLite gives its -wal and -shm files the
-        # database's mode, and the database names devices and their keys.
-        os.close(os.open(self.directory / "coordinator.db", os.O_RDWR | os.O_CREAT, 0o600))
-        self._db = sqlite3.connect(
-            self.directory / "coordinator.db", check_same_thread=False, isolation_level=None
-        )
-        self._db.execute("PRAGMA journal_mode=WAL")
-        self._db.execute("PRAGMA synchronous=FULL")
+        self._database = Database(self.directory / "coordinator.db")
+        self._db, self._lock = self._database.conn, self._database.lock
+        self._transaction = self._database.transaction
         self._db.executescript(_SCHEMA)
         if "task_id" not in {c[1] for c in self._db.execute("PRAGMA table_info(seated)")}:
             # A state directory of an earlier version: its seats have no task id and so can
@@ -255,16 +239,13 @@ class Store:
             self._db.execute("ALTER TABLE task_reports ADD COLUMN example TEXT NOT NULL DEFAULT ''")
         if "revoked_at" not in {c[1] for c in self._db.execute("PRAGMA table_info(devices)")}:
             self._db.execute("ALTER TABLE devices ADD COLUMN revoked_at REAL")
-        # Every device call asks whether its device is revoked: kept in memory, not queried.
-        self._revoked = {row[0] for row in self._db.execute(
-            "SELECT device_id FROM devices WHERE revoked_at IS NOT NULL")}
+        self.devices = EnrolledDevices(self._database)
         # Tighten what an older version (or another umask) left behind.
         for path in (self.directory, self._blobs, *self.directory.glob("coordinator.*")):
             os.chmod(path, 0o700 if path.is_dir() else 0o600)
 
     def close(self) -> None:
-        with self._lock:
-            self._db.close()
+        self._database.close()
         self._owner.close()  # releases the directory
 
     # -- blobs ---------------------------------------------------------------------------------
@@ -316,111 +297,6 @@ class Store:
         if len(digest) != 64 or not all(c in "0123456789abcdef" for c in digest):
             raise ValueError("a blob digest is 64 lowercase hex characters")
         return self._blobs / digest[:2] / digest
-
-    # -- devices -------------------------------------------------------------------------------
-
-    @contextlib.contextmanager
-    def _transaction(self, durable: bool = True) -> Iterator[None]:
-        """One write transaction under the lock: all of the block's statements or none.
-
-        A durable one is on disk when it returns (synchronous=FULL fsyncs the WAL, and with it
-        every transaction before it). A per-device record written at fleet rates (a
-        registration, a task report) is not: it survives the coordinator's own crash, as every
-        WAL commit does, but an OS crash or power cut may lose it, and losing one is safe (the
-        device registers again with the same credential and key; a count is short by one; a
-        seat stays taken). An fsync costs ~5 ms on a cloud disk, in the event loop: one per
-        registration held a coordinator enrolling 10,000 devices for ~55 s."""
-        with self._lock:
-            if not durable:
-                self._db.execute("PRAGMA synchronous=NORMAL")
-            try:
-                self._db.execute("BEGIN IMMEDIATE")
-                try:
-                    yield
-                    self._db.execute("COMMIT")
-                except BaseException:
-                    self._db.execute("ROLLBACK")
-                    raise
-            finally:
-                if not durable:
-                    self._db.execute("PRAGMA synchronous=FULL")
-
-    def enrol_device(
-        self, device_id: str, population: str, identity_public: bytes, statement_at: float, now: float
-    ) -> None:
-        """Record a verified registration. Raises ``EnrolmentRefused`` for a taken id under
-        another key or population, a key already naming another device, or a statement no later
-        than the device's last one (a replay)."""
-        with self._transaction(durable=False):
-            self._enrol(device_id, population, identity_public, statement_at, now)
-
-    def _enrol(
-        self, device_id: str, population: str, identity_public: bytes, statement_at: float, now: float
-    ) -> None:
-        row = self._db.execute(
-            "SELECT population, identity_public, registered_at FROM devices WHERE device_id = ?",
-            (device_id,),
-        ).fetchone()
-        if row is None:
-            owner = self._db.execute(
-                "SELECT device_id FROM devices WHERE identity_public = ?", (identity_public,)
-            ).fetchone()
-            if owner is not None:
-                raise EnrolmentRefused("key_taken", "this identity key is enrolled for another device id")
-            self._db.execute(
-                "INSERT INTO devices (device_id, population, identity_public, enrolled_at, "
-                "registered_at) VALUES (?, ?, ?, ?, ?)",
-                (device_id, population, identity_public, now, statement_at),
-            )
-            return
-        enrolled_population, enrolled_key, registered_at = row
-        if device_id in self._revoked:
-            raise EnrolmentRefused("revoked", f"device id {device_id!r} is revoked")
-        if bytes(enrolled_key) != identity_public:
-            raise EnrolmentRefused(
-                "id_taken", f"device id {device_id!r} is enrolled with another identity key"
-            )
-        if enrolled_population != population:
-            raise EnrolmentRefused(
-                "population_mismatch",
-                f"device id {device_id!r} is enrolled in population {enrolled_population!r}",
-            )
-        if statement_at <= registered_at:
-            raise EnrolmentRefused(
-                "replay", "RegisterRequest.timestamp is not later than this device's last registration"
-            )
-        self._db.execute(
-            "UPDATE devices SET registered_at = ? WHERE device_id = ?", (statement_at, device_id)
-        )
-
-    def revoke_device(self, device_id: str, now: float) -> bool:
-        """Revoke one enrolled device for good (False: no such device). Nothing else changes: no
-        other device shares a secret with it."""
-        with self._transaction(durable=True):
-            updated = self._db.execute(
-                "UPDATE devices SET revoked_at = COALESCE(revoked_at, ?) WHERE device_id = ?", (now, device_id),
-            ).rowcount
-        if updated:
-            self._revoked.add(device_id)
-        return bool(updated)
-
-    def is_revoked(self, device_id: str) -> bool:
-        return device_id in self._revoked
-
-    def device_identities(self, device_ids: Iterable[str]) -> dict[str, bytes]:
-        """The identity keys the given devices enrolled with (devices never enrolled are left
-        out), a batch of ids per query: a cohort's roster is built per session."""
-        ids, out = list(device_ids), {}
-        with self._lock:
-            for start in range(0, len(ids), _IDS_PER_QUERY):
-                batch = ids[start:start + _IDS_PER_QUERY]
-                rows = self._db.execute(
-                    "SELECT device_id, identity_public FROM devices "
-                    f"WHERE device_id IN ({','.join('?' * len(batch))})",
-                    batch,
-                ).fetchall()
-                out.update((device, bytes(key)) for device, key in rows)
-        return out
 
     # -- jobs ----------------------------------------------------------------------------------
 

@@ -164,10 +164,13 @@ def _message_limit(name: str, value: int) -> int:
 
 
 def server_options(
-    max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES, max_request_bytes: int | None = None
+    max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES, max_request_bytes: int | None = None,
+    *, share_port: bool = False,
 ) -> list[tuple[str, int]]:
     """``channel_options`` plus exclusive ports: gRPC sets SO_REUSEPORT by default, so a second
     service started on a port in use would share it silently, each getting some connections.
+    ``share_port`` is for the processes of one service that mean to share it (the coordinator and
+    its device fronts).
 
     ``max_request_bytes`` caps what the server receives below what it sends: a request is read
     whole before any handler can check who sent it, so this bounds what an anonymous peer can make
@@ -176,7 +179,7 @@ def server_options(
     if max_request_bytes is not None:
         options["grpc.max_receive_message_length"] = _message_limit("max_request_bytes",
                                                                     max_request_bytes)
-    return [*options.items(), ("grpc.so_reuseport", 0)]
+    return [*options.items(), ("grpc.so_reuseport", int(share_port))]
 
 
 def check_listen(address: str, config: TLSConfig) -> None:

@@ -121,10 +121,11 @@ class Stack:
 
 
 @contextlib.asynccontextmanager
-async def stack(tmp_path: Path, tls: bool = False) -> AsyncIterator[Stack]:
+async def stack(tmp_path: Path, tls: bool = False, device_processes: int = 1) -> AsyncIterator[Stack]:
     """``tls``: every connection over TLS with ``tally certs`` identities instead of plaintext on
     loopback; as deployed, each aggregator's control API has its own port and admits only the
-    coordinator's certificate, and devices present none (their Join authenticates each stream)."""
+    coordinator's certificate, and devices present none (their Join authenticates each stream).
+    ``device_processes``: the coordinator serves devices from that many processes (its fronts)."""
     state_dir = tmp_path / "state"
     public = load_or_create_ticket_key(state_dir).public_key()
     pki = tmp_path / "pki"
@@ -142,6 +143,7 @@ async def stack(tmp_path: Path, tls: bool = False) -> AsyncIterator[Stack]:
     coordinator = CoordinatorService(
         "127.0.0.1:0", identity("coordinator", "coordinator"), state_dir,
         [(a.id, f"127.0.0.1:{a.control_port}") for a in aggregators], checkin_hold_s=2.0,
+        device_processes=device_processes,
     )
     await coordinator.start()
     s = Stack(state_dir, aggregators, coordinator, identity(None, "device"))

@@ -1,0 +1,219 @@
+"""Device fronts (issue 28): processes beside the coordinator, on its port, that answer
+registrations and idle check-ins themselves and forward every other call to the coordinator,
+which alone plans rounds.
+
+A front started in the test on a port of its own is reached deterministically; the processes a
+coordinator spawns share its port, and the kernel decides which serves a connection, so those
+tests open many connections and read every process's metrics.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+
+import grpc
+import pytest
+from support.enrolment import provisioned_request
+from support.stack import run, scrape_text, spec, stack, trainers
+
+from tally.cli import main as tally
+from tally.client import Fleet
+from tally.client.channels import open_aio_channel
+from tally.coordinator.device_front import REFRESH_S, DeviceFront, shares
+from tally.coordinator.ratelimit import RateLimit
+from tally.security import bearer_metadata
+from tally.wire.v1 import admin_pb2, admin_pb2_grpc, common_pb2, coordinator_pb2, coordinator_pb2_grpc
+
+CHECK_IN = coordinator_pb2.CheckInRequest()
+
+
+def _counter(text: str, name: str, **labels: str) -> float:
+    """The sample of ``name`` with ``labels`` in an exposition (0 when absent)."""
+    wanted = ",".join(f'{k}="{v}"' for k, v in sorted(labels.items()))
+    for line in text.splitlines():
+        if line.startswith(f"{name}{{{wanted}}} ") or (not labels and line.startswith(f"{name} ")):
+            return float(line.rsplit(" ", 1)[1])
+    return 0.0
+
+
+async def _register(s, target: str, device_id: str, population: str = "default"):
+    """A device on its own channel: (channel, stub, metadata with its token)."""
+    channel = open_aio_channel(target, s.client_tls)
+    stub = coordinator_pb2_grpc.CoordinatorStub(channel)
+    reply = await stub.Register(provisioned_request(s.coordinator, device_id, population), timeout=10)
+    return channel, stub, bearer_metadata(reply.token)
+
+
+async def _until(predicate, seconds: float, what: str) -> None:
+    """Poll ``predicate`` (a coroutine function) until it holds, failing after ``seconds``."""
+    deadline = time.monotonic() + seconds
+    while not await predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"not within {seconds} s: {what}")
+        await asyncio.sleep(0.05)
+
+
+class _Front:
+    """A front in the test's own process, on a port of its own, forwarding to ``s``'s coordinator."""
+
+    def __init__(self, s) -> None:
+        self.front = DeviceFront(s.coordinator.front_config(99, "127.0.0.1:0"))
+
+    async def __aenter__(self):
+        self.port = await self.front.start()
+        self.target = f"127.0.0.1:{self.port}"
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.front.stop(grace=0)
+
+    def metrics(self) -> str:
+        return scrape_text(self.front.metrics_port)
+
+
+def test_a_front_answers_idle_check_ins_and_refuses_bad_ones_itself(tmp_path):
+    async def main() -> None:
+        async with stack(tmp_path, tls=True, device_processes=2) as s, _Front(s) as front:
+            channel, stub, md = await _register(s, front.target, "dev-1")
+            reply = await stub.CheckIn(CHECK_IN, metadata=md, timeout=10)
+            assert reply.retry_after.population_idle
+            assert "no running job" in reply.retry_after.reason
+            assert _counter(front.metrics(), "tally_coordinator_checkins_total", outcome="retry") == 1
+            assert _counter(scrape_text(s.coordinator.metrics_port), "tally_coordinator_checkins_total",
+                            outcome="retry") == 0
+            assert s.coordinator.store.devices.identities(["dev-1"])  # the front's write, in the store
+            with pytest.raises(grpc.aio.AioRpcError) as refused:
+                await stub.CheckIn(CHECK_IN, timeout=10)  # no token
+            assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED
+            raw = channel.unary_unary("/tally.v1.Coordinator/Register")
+            with pytest.raises(grpc.aio.AioRpcError) as undecodable:
+                await raw(b"\xff\xff\xff", timeout=10)
+            assert undecodable.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            again = provisioned_request(s.coordinator, "dev-1")  # the id, under another key
+            with pytest.raises(grpc.aio.AioRpcError) as taken:
+                await stub.Register(again, timeout=10)
+            assert taken.value.code() == grpc.StatusCode.PERMISSION_DENIED
+            assert _counter(front.metrics(), "tally_coordinator_refusals_total",
+                            rpc="Register", reason="id_taken") == 1
+            await channel.close()
+
+    run(main())
+
+
+def test_a_job_runs_through_a_front(tmp_path):
+    """Every device registers, checks in, downloads and reports through the front: the check-ins
+    of the job's population and every other call are forwarded, and the rounds commit."""
+
+    async def main() -> None:
+        async with stack(tmp_path, tls=True, device_processes=2) as s, _Front(s) as front:
+            devices, _ = trainers(10)
+            job_id = await s.submit(spec("through-front", rounds=2, cohort=10))
+            fleet = Fleet(front.target, s.client_tls, devices, enrolment_key=s.coordinator.enrolment_key, seed=1)
+            try:
+                await fleet.run(until=fleet.until_job_done(job_id, every_seconds=0.2))
+            finally:
+                fleet.close()
+            job = await s.job(job_id)
+            assert job.state == common_pb2.JOB_STATE_SUCCEEDED, job.message
+            assert job.committed_round == 2
+            channel, stub, md = await _register(s, front.target, "late-device")
+            status = await stub.RoundStatus(coordinator_pb2.RoundStatusRequest(job_id=job_id), metadata=md,
+                                            timeout=10)
+            assert status.committed_round == 2 and status.model_version == f"{job_id}/v2"
+            await channel.close()
+            text = front.metrics()
+            for method in ("CheckIn", "DownloadModel", "RoundStatus"):
+                assert _counter(text, "tally_coordinator_forwarded_calls_total", method=method) > 0, method
+
+    run(main())
+
+
+def test_a_revocation_reaches_a_front_and_admin_calls_pass_through_it(tmp_path):
+    async def main() -> None:
+        async with stack(tmp_path, tls=True, device_processes=2) as s, _Front(s) as front:
+            channel, stub, md = await _register(s, front.target, "dev-1")
+            await stub.CheckIn(CHECK_IN, metadata=md, timeout=10)
+            admin = admin_pb2_grpc.AdminStub(channel)  # the Admin API, forwarded by the front
+            admin_md = bearer_metadata(s.coordinator.admin_token)
+            await admin.RevokeDevice(admin_pb2.RevokeDeviceRequest(device_id="dev-1"), metadata=admin_md,
+                                     timeout=10)
+            with pytest.raises(grpc.aio.AioRpcError) as no_admin:
+                await admin.ListJobs(admin_pb2.ListJobsRequest(), timeout=10)
+            assert no_admin.value.code() == grpc.StatusCode.UNAUTHENTICATED
+
+            async def refused() -> bool:
+                try:
+                    await stub.CheckIn(CHECK_IN, metadata=md, timeout=10)
+                except grpc.aio.AioRpcError as exc:
+                    assert exc.code() == grpc.StatusCode.PERMISSION_DENIED, exc
+                    return True
+                return False
+
+            await _until(refused, 10 * REFRESH_S, "the front refuses the revoked device")
+            await channel.close()
+
+    run(main())
+
+
+def test_the_internal_port_admits_fronts_only(tmp_path):
+    async def main() -> None:
+        async with stack(tmp_path, tls=True, device_processes=2) as s:
+            channel = grpc.aio.insecure_channel(s.coordinator.internal_target)
+            stub = coordinator_pb2_grpc.CoordinatorStub(channel)
+            for metadata in ((), (("tally-front-key", "0" * 64),)):
+                with pytest.raises(grpc.aio.AioRpcError) as refused:
+                    await stub.CheckIn(CHECK_IN, metadata=metadata, timeout=10)
+                assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED
+            await channel.close()
+
+    run(main())
+
+
+def test_device_processes_share_the_port_and_a_killed_front_comes_back(tmp_path):
+    async def main() -> None:
+        async with stack(tmp_path, tls=True, device_processes=3) as s:
+            assert len(s.coordinator.fronts) == 2
+
+            async def check_in_on_new_connections(prefix: str, count: int) -> None:
+                for i in range(count):
+                    channel, stub, md = await _register(s, s.target, f"{prefix}-{i}")
+                    reply = await stub.CheckIn(CHECK_IN, metadata=md, timeout=10)
+                    assert reply.retry_after.population_idle
+                    await channel.close()
+
+            def served() -> list[float]:
+                ports = [s.coordinator.metrics_port, *(f.metrics_port for f in s.coordinator.fronts)]
+                return [_counter(scrape_text(p), "tally_coordinator_checkins_total", outcome="retry")
+                        for p in ports]
+
+            await check_in_on_new_connections("first", 30)
+            counts = served()
+            assert sum(counts) == 30
+            assert sum(c > 0 for c in counts) >= 2, counts  # 30 connections, 3 processes
+
+            killed = s.coordinator.fronts[0].pid
+            os.kill(killed, signal.SIGKILL)
+
+            async def replaced() -> bool:
+                return s.coordinator.fronts[0].pid != killed and s.coordinator.fronts[0].ready
+
+            await _until(replaced, 60, "the coordinator starts the killed front again")
+            await check_in_on_new_connections("second", 30)  # none of them fails
+            assert sum(served()) >= 30  # the new front counts from zero
+
+    run(main())
+
+
+def test_a_process_share_of_a_rate_limit():
+    assert shares(RateLimit(500, 5000), 4) == RateLimit(125, 1250)
+    assert shares(RateLimit(3, 2), 4) == RateLimit(0.75, 1)
+
+
+def test_device_processes_must_be_positive(tmp_path, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        tally(["coordinator", "--state-dir", str(tmp_path / "s"), "--device-processes", "0", "--insecure"])
+    assert exit_.value.code == 2
+    assert "--device-processes" in capsys.readouterr().err
