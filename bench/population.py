@@ -16,11 +16,20 @@ For each population N (``--populations``, default 10,000 100,000 1,000,000):
    device between check-ins keeps its channel), open-loop at each rate of ``--rates`` for
    ``--step-seconds``: latency p50/p99, failures, coordinator CPU per check-in; the capacity is the
    highest rate whose p99 stayed under ``--p99-ms`` with no failures. Memory is read again after.
+4. **Processes.** Steps 2 and 3 again for each count of ``--processes`` (``tally coordinator
+   --device-processes``): the coordinator and its fronts pinned to that many cores, their CPU
+   summed. On a machine with no core left for the generator it shares the last one, and the JSON
+   says so: the ratio then understates what the processes give.
+
+Before the populations, the **floor**: the same generator against a gRPC server that answers every
+check-in with a constant come-back time and checks nothing, over the same TLS, pinned the same way.
+It is the most one Python gRPC process can serve on this machine, whatever the coordinator does,
+and each coordinator step is reported against it.
 
 JSON to ``--json``; with ``--plot``, one panel per figure against N (log scale).
 
     .venv/bin/python bench/population.py --json bench/results/population.json --plot bench/results/population.png
-    .venv/bin/python bench/population.py --populations 2000 --register 200 --rates 200 --step-seconds 2 --json out.json
+    .venv/bin/python bench/population.py --populations 2000 --register 200 --rates 200 --step-seconds 2 --processes 1 2 --json out.json
 """
 
 from __future__ import annotations
@@ -30,12 +39,14 @@ import asyncio
 import json
 import multiprocessing
 import os
+import shutil
 import sys
 import tempfile
 import threading
 import time
 from pathlib import Path
 
+import grpc
 import psutil
 from rich.console import Console
 from rich.progress import Progress
@@ -47,9 +58,10 @@ from secagg_engine import machine_info  # noqa: E402  (this folder is on sys.pat
 from tally.chaos.cluster import LocalCluster  # noqa: E402
 from tally.client.enrolment import register_request, simulated_identity  # noqa: E402
 from tally.coordinator.store import Store  # noqa: E402
-from tally.security import TLSConfig, bearer_metadata  # noqa: E402
+from tally.security import TLSConfig, bearer_metadata, bind  # noqa: E402
+from tally.security.certs import write_deployment  # noqa: E402
 from tally.security.enrolment import enrolment_credential  # noqa: E402
-from tally.security.tls import open_aio_channel  # noqa: E402
+from tally.security.tls import open_aio_channel, server_options  # noqa: E402
 from tally.wire.v1 import coordinator_pb2, coordinator_pb2_grpc  # noqa: E402
 
 UNLIMITED = ["--register-limit", "1000000/1000000", "--checkin-limit", "1000000/1000000"]
@@ -81,8 +93,9 @@ def enrol_at_rest(state: Path, count: int, progress: Progress | None = None) -> 
 
 
 class CpuSampler:
-    """The coordinator's CPU seconds every ``every`` seconds, so that phases a generator timed in
-    wall-clock time can be charged their CPU afterwards."""
+    """The CPU seconds of a process and its children (a coordinator's device fronts) every
+    ``every`` seconds, so that phases a generator timed in wall-clock time can be charged their
+    CPU afterwards. A child that exits takes its seconds with it: none should, while sampled."""
 
     def __init__(self, pid: int, every: float = 0.1) -> None:
         self._process, self._every = psutil.Process(pid), every
@@ -91,10 +104,19 @@ class CpuSampler:
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._thread.start()
 
+    def _cpu(self) -> float:
+        total = 0.0
+        for process in (self._process, *self._process.children(recursive=True)):
+            try:
+                times = process.cpu_times()
+            except psutil.NoSuchProcess:
+                continue
+            total += times.user + times.system
+        return total
+
     def _run(self) -> None:
         while not self._stop.is_set():
-            times = self._process.cpu_times()
-            self.samples.append((time.time(), times.user + times.system))
+            self.samples.append((time.time(), self._cpu()))
             self._stop.wait(self._every)
 
     def stop(self) -> None:
@@ -112,7 +134,7 @@ class CpuSampler:
         return self.at(end) - self.at(start)
 
 
-async def _live_devices(target: str, tls_dir: str, key: bytes, count: int, rates: list[float],
+async def _live_devices(target: str, tls_dir: str, key: bytes, prefix: str, count: int, rates: list[float],
                         seconds: float) -> dict:
     """The load generator: ``count`` devices register, each on its own channel, then check in
     open-loop at each rate. Wall-clock bounds of each phase, for the CPU sampler."""
@@ -123,7 +145,7 @@ async def _live_devices(target: str, tls_dir: str, key: bytes, count: int, rates
 
     async def register(i: int) -> None:
         nonlocal failures
-        device_id = f"{LIVE}-{i}"
+        device_id = f"{prefix}-{i}"
         async with gate:
             channel = open_aio_channel(target, tls)
             channels.append(channel)
@@ -185,11 +207,64 @@ def _rss(pid: int) -> int:
 
 async def _start(cluster: LocalCluster) -> float:
     """Start the cluster (its aggregator too: a deployment has one); the coordinator's seconds
-    from spawn to serving."""
+    from spawn to serving (with its fronts, if any)."""
     await cluster.restart("aggregator-1")
     began = time.perf_counter()
     await cluster.restart("coordinator")
     return time.perf_counter() - began
+
+
+def _cores(processes: int) -> tuple[list[int], list[int]]:
+    """The cores the server's processes are pinned to, and the generator's: its own where the
+    machine has one left, else the last one, shared."""
+    cpus = sorted(os.sched_getaffinity(0))
+    server = cpus[:min(processes, max(1, len(cpus) - 1))]
+    return server, [c for c in cpus if c not in server] or cpus[-1:]
+
+
+def _pin(pid: int, cores: list[int]) -> None:
+    for process in (psutil.Process(pid), *psutil.Process(pid).children(recursive=True)):
+        process.cpu_affinity(cores)
+
+
+async def _drive(target: str, tls_dir: Path, key: bytes, prefix: str, pid: int, processes: int,
+                 args: argparse.Namespace) -> dict:
+    """Pin the server ``pid`` (and its children) and the generator, run the generator, and charge
+    each phase its server CPU."""
+    server_cores, generator_cores = _cores(processes)
+    _pin(pid, server_cores)
+    sampler = CpuSampler(pid)
+    job = (target, str(tls_dir), key, prefix, args.register, [float(r) for r in args.rates], args.step_seconds,
+           generator_cores)
+    try:
+        with multiprocessing.get_context("spawn").Pool(1) as pool:
+            outcome = await asyncio.to_thread(pool.apply, _generator_main, (job,))
+    finally:
+        sampler.stop()
+    reg = outcome["registered"]
+    steps = []
+    for step in outcome["steps"]:
+        latencies, seconds = step["latencies_ms"], step["end"] - step["start"]
+        cpu = sampler.between(step["start"], step["end"])
+        steps.append({
+            "target_per_s": step["target_per_s"], "sent": step["sent"], "answered": len(latencies),
+            "failures": step["failures"], "achieved_per_s": len(latencies) / seconds,
+            "p50_ms": _percentile(latencies, 0.50) if latencies else None,
+            "p99_ms": _percentile(latencies, 0.99) if latencies else None,
+            "server_cpu_s": cpu, "cpu_ms_per_checkin": 1000 * cpu / len(latencies) if latencies else None,
+        })
+    ok = [s for s in steps if s["p99_ms"] is not None and s["p99_ms"] < args.p99_ms and s["failures"] == 0
+          and s["achieved_per_s"] >= 0.95 * s["target_per_s"]]
+    return {
+        "processes": processes, "server_cores": server_cores, "generator_cores": generator_cores,
+        "generator_shares_a_core": bool(set(server_cores) & set(generator_cores)),
+        "registrations": reg["count"], "registration_failures": reg["failures"],
+        "registrations_per_s": reg["count"] / (reg["end"] - reg["start"]),
+        "cpu_ms_per_registration": 1000 * sampler.between(reg["start"], reg["end"]) / max(reg["count"], 1),
+        "checkin_steps": steps, "checkin_capacity_per_s": max((s["target_per_s"] for s in ok), default=0.0),
+        # From the busiest step that kept up (a lightly loaded step pays the idle loop).
+        "cpu_ms_per_checkin": max(ok, key=lambda s: s["target_per_s"])["cpu_ms_per_checkin"] if ok else None,
+    }
 
 
 async def _one_population(args: argparse.Namespace, population: int, workdir: Path, progress: Progress) -> dict:
@@ -200,71 +275,94 @@ async def _one_population(args: argparse.Namespace, population: int, workdir: Pa
         base_rss = _rss(empty.processes["coordinator"].pid)
     finally:
         await empty.stop()
-    cluster = LocalCluster(workdir / "full", aggregators=1, coordinator_flags=UNLIMITED)
-    fill_seconds = enrol_at_rest(cluster.state, population, progress)
-    try:
-        ready_seconds = await _start(cluster)
-        pid = cluster.processes["coordinator"].pid
-        rest_rss = _rss(pid)
-        cpus = list(range(psutil.cpu_count() or 1))
-        generator_cores = cpus[1:] or cpus
-        if len(cpus) > 1:
-            psutil.Process(pid).cpu_affinity([cpus[0]])
-        sampler = CpuSampler(pid)
-        job = (cluster.target, str(cluster.certs / "device"), cluster.enrolment_key, args.register,
-               [float(r) for r in args.rates], args.step_seconds, generator_cores)
+    state = workdir / "state"
+    fill_seconds = enrol_at_rest(state, population, progress)
+    row: dict = {"population": population, "enrol_seconds": fill_seconds, "base_rss_bytes": base_rss,
+                 "by_processes": []}
+    for processes in args.processes:
+        cluster = LocalCluster(workdir / f"p{processes}", aggregators=1,
+                               coordinator_flags=[*UNLIMITED, "--device-processes", str(processes)])
+        shutil.rmtree(cluster.state, ignore_errors=True)
+        state.rename(cluster.state)  # the one store, handed from run to run
         try:
-            with multiprocessing.get_context("spawn").Pool(1) as pool:
-                outcome = await asyncio.to_thread(pool.apply, _generator_main, (job,))
+            ready_seconds = await _start(cluster)
+            pid = cluster.processes["coordinator"].pid
+            rest_rss = _rss(pid)
+            live = await _drive(cluster.target, cluster.certs / "device", cluster.enrolment_key,
+                                f"{LIVE}-p{processes}", pid, processes, args)
+            live_rss = _rss(pid)
         finally:
-            sampler.stop()
-        live_rss = _rss(pid)
+            await cluster.stop()
+            cluster.state.rename(state)
+        live["ready_seconds"] = ready_seconds
+        if processes == 1:  # memory is the store's and the coordinator's: fronts hold no device
+            row |= {"ready_seconds": ready_seconds, "rest_rss_bytes": rest_rss, "live_rss_bytes": live_rss,
+                    "bytes_per_registered_device_at_rest": (rest_rss - base_rss) / max(population, 1),
+                    "bytes_per_connected_device": (live_rss - rest_rss) / max(live["registrations"], 1)}
+        row["by_processes"].append(live)
+    return row
+
+
+class _Floor(coordinator_pb2_grpc.CoordinatorServicer):
+    """Answers without checking anything: what serving a check-in costs gRPC and TLS alone."""
+
+    _REPLY = coordinator_pb2.CheckInResponse(retry_after=coordinator_pb2.RetryAfter(
+        seconds=5.0, reason="no running job for population 'live'", population_idle=True))
+
+    async def Register(self, request, context):
+        return coordinator_pb2.RegisterResponse(token="floor")
+
+    async def CheckIn(self, request, context):
+        return self._REPLY
+
+
+def _floor_main(tls_dir: str, ports: multiprocessing.Queue, stop: multiprocessing.Event) -> None:
+    async def serve() -> None:
+        server = grpc.aio.server(options=server_options(share_port=False))
+        coordinator_pb2_grpc.add_CoordinatorServicer_to_server(_Floor(), server)
+        ports.put(bind(server, "127.0.0.1:0", TLSConfig.from_dir(Path(tls_dir), "coordinator")))
+        await server.start()
+        await asyncio.to_thread(stop.wait)
+        await server.stop(0)
+
+    asyncio.run(serve())
+
+
+async def _floor(args: argparse.Namespace, workdir: Path) -> dict:
+    certs = workdir / "certs"
+    write_deployment(certs, aggregators=1)
+    context = multiprocessing.get_context("spawn")
+    ports, stop = context.Queue(), context.Event()
+    process = context.Process(target=_floor_main, args=(str(certs / "coordinator"), ports, stop))
+    process.start()
+    try:
+        port = await asyncio.to_thread(ports.get, True, 60)
+        return await _drive(f"localhost:{port}", certs / "device", b"\0" * 32, "floor", process.pid, 1, args)
     finally:
-        await cluster.stop()
-    reg = outcome["registered"]
-    reg_cpu = sampler.between(reg["start"], reg["end"])
-    steps = []
-    for step in outcome["steps"]:
-        latencies, seconds = step["latencies_ms"], step["end"] - step["start"]
-        cpu = sampler.between(step["start"], step["end"])
-        steps.append({
-            "target_per_s": step["target_per_s"], "sent": step["sent"], "answered": len(latencies),
-            "failures": step["failures"], "achieved_per_s": len(latencies) / seconds,
-            "p50_ms": _percentile(latencies, 0.50) if latencies else None,
-            "p99_ms": _percentile(latencies, 0.99) if latencies else None,
-            "coordinator_cpu_s": cpu, "cpu_ms_per_checkin": 1000 * cpu / len(latencies) if latencies else None,
-        })
-    ok = [s for s in steps if s["p99_ms"] is not None and s["p99_ms"] < args.p99_ms and s["failures"] == 0
-          and s["achieved_per_s"] >= 0.95 * s["target_per_s"]]
-    # CPU per check-in from the busiest step that kept up (a lightly loaded step pays the idle loop).
-    per_checkin = max(ok, key=lambda s: s["target_per_s"])["cpu_ms_per_checkin"] if ok else None
-    registered = population + reg["count"]
-    return {
-        "population": population, "enrol_seconds": fill_seconds, "ready_seconds": ready_seconds,
-        "base_rss_bytes": base_rss, "rest_rss_bytes": rest_rss, "live_rss_bytes": live_rss,
-        "bytes_per_registered_device_at_rest": (rest_rss - base_rss) / max(population, 1),
-        "bytes_per_registered_device_live": (live_rss - base_rss) / max(registered, 1),
-        "registrations": reg["count"], "registration_failures": reg["failures"],
-        "registrations_per_s": reg["count"] / (reg["end"] - reg["start"]),
-        "cpu_ms_per_registration": 1000 * reg_cpu / max(reg["count"], 1),
-        "checkin_steps": steps, "checkin_capacity_per_s": max((s["target_per_s"] for s in ok), default=0.0),
-        "cpu_ms_per_checkin": per_checkin,
-    }
+        stop.set()
+        await asyncio.to_thread(process.join, 10)
+        if process.is_alive():
+            process.kill()
 
 
 def run(args: argparse.Namespace) -> dict:
     rows = []
     with Progress(console=Console(stderr=True), transient=True) as progress:
-        overall = progress.add_task("populations", total=len(args.populations))
+        overall = progress.add_task("floor, then populations", total=len(args.populations) + 1)
+        with tempfile.TemporaryDirectory(prefix="tally-bench-floor-") as tmp:
+            floor = asyncio.run(_floor(args, Path(tmp)))
+        progress.advance(overall)
         for population in args.populations:
             with tempfile.TemporaryDirectory(prefix="tally-bench-population-") as tmp:
                 rows.append(asyncio.run(_one_population(args, population, Path(tmp), progress)))
             progress.advance(overall)
     return {
         "bench": "population", "machine": machine_info(), "register": args.register, "rates": args.rates,
-        "step_seconds": args.step_seconds, "p99_limit_ms": args.p99_ms, "coordinator_cores": 1,
+        "step_seconds": args.step_seconds, "p99_limit_ms": args.p99_ms, "processes": args.processes,
         "targets": {"bytes_per_registered_device": 2048, "checkins_per_s_per_core": 4000,
-                    "registrations_per_s_per_core": 4000, "ready_seconds": 60, "p99_ms": args.p99_ms},
+                    "registrations_per_s_per_core": 4000, "ready_seconds": 60, "p99_ms": args.p99_ms,
+                    "two_process_ratio": 1.7},
+        "floor": floor,
         "populations": rows,
     }
 
@@ -275,28 +373,40 @@ def plot(result: dict, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    rows = result["populations"]
+    rows, targets = result["populations"], result["targets"]
     n = [r["population"] for r in rows]
+
+    def per_processes(key: str) -> list[tuple[str, list[float]]]:
+        return [(f"{p} process{'es' if p > 1 else ''}",
+                 [next(run[key] for run in r["by_processes"] if run["processes"] == p) or float("nan") for r in rows])
+                for p in result["processes"]]
+
+    floor = result["floor"]
     panels = [
-        ("memory per registered device (bytes)", [r["bytes_per_registered_device_live"] for r in rows],
-         result["targets"]["bytes_per_registered_device"]),
-        ("restart to ready (s)", [r["ready_seconds"] for r in rows], result["targets"]["ready_seconds"]),
-        ("CPU per registration (ms)", [r["cpu_ms_per_registration"] for r in rows],
-         1000 / result["targets"]["registrations_per_s_per_core"]),
-        ("CPU per idle check-in (ms)", [r["cpu_ms_per_checkin"] or float("nan") for r in rows],
-         1000 / result["targets"]["checkins_per_s_per_core"]),
-        ("idle check-ins per second, one core, p99 < limit", [r["checkin_capacity_per_s"] for r in rows],
-         result["targets"]["checkins_per_s_per_core"]),
+        ("coordinator memory per registered device (bytes)",
+         [("at rest", [r["bytes_per_registered_device_at_rest"] for r in rows])],
+         targets["bytes_per_registered_device"], None),
+        ("restart to ready (s)", per_processes("ready_seconds"), targets["ready_seconds"], None),
+        ("CPU per registration (ms, all processes)", per_processes("cpu_ms_per_registration"),
+         1000 / targets["registrations_per_s_per_core"], floor["cpu_ms_per_registration"]),
+        ("CPU per idle check-in (ms, all processes)", per_processes("cpu_ms_per_checkin"),
+         1000 / targets["checkins_per_s_per_core"], floor["cpu_ms_per_checkin"]),
+        ("idle check-ins per second at p99 < limit", per_processes("checkin_capacity_per_s"),
+         targets["checkins_per_s_per_core"], floor["checkin_capacity_per_s"]),
     ]
-    fig, axes = plt.subplots(1, len(panels), figsize=(4 * len(panels), 3.4))
-    for ax, (title, values, target) in zip(axes, panels):
-        ax.plot(n, values, marker="o", label="measured")
-        ax.axhline(target, color="tab:red", linestyle="--", label="target")
+    fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 3.6))
+    for ax, (title, lines, target, floor_value) in zip(axes, panels):
+        for label, values in lines:
+            ax.plot(n, values, marker="o", label=label)
+        ax.axhline(target, color="tab:red", linestyle="--", label="target (one core)")
+        if floor_value:
+            ax.axhline(floor_value, color="tab:gray", linestyle=":", label="gRPC floor, one process")
         ax.set_xscale("log")
+        ax.set_xlim(min(n) / 2, max(n) * 2)  # fixed: a panel of missing values has no data limits
         ax.set_xlabel("registered devices")
         ax.set_title(title, fontsize=9)
         ax.set_ylim(bottom=0)
-    axes[0].legend(fontsize=8)
+        ax.legend(fontsize=7)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=90)
@@ -309,20 +419,24 @@ def main() -> None:
                         help="devices enrolled at rest, one run each")
     parser.add_argument("--register", type=int, default=5000,
                         help="devices that register live, each on its own channel, and then check in")
-    parser.add_argument("--rates", type=float, nargs="+", default=[1000, 2000, 3000, 4000, 5000],
+    parser.add_argument("--processes", type=int, nargs="+", default=[1, 2],
+                        help="tally coordinator --device-processes, one run of each per population")
+    parser.add_argument("--rates", type=float, nargs="+", default=[500, 1000, 1500, 2000, 3000, 4000],
                         help="idle check-ins per second, one step each")
     parser.add_argument("--step-seconds", type=float, default=5.0)
     parser.add_argument("--p99-ms", type=float, default=200.0)
     parser.add_argument("--json", type=Path)
     parser.add_argument("--plot", type=Path, help="PNG: each figure against the population")
     args = parser.parse_args()
-    for name in ("populations", "rates"):
+    for name in ("populations", "rates", "processes"):
         if min(getattr(args, name)) <= 0:
             parser.error(f"--{name}: every value must be > 0")
     if args.register < 1:
         parser.error("--register: at least one device must register")
     result = run(args)
-    summary = [{k: v for k, v in row.items() if k != "checkin_steps"} for row in result["populations"]]
+    summary = [{k: v for k, v in row.items() if k != "by_processes"}
+               | {"by_processes": [{k: v for k, v in run.items() if k != "checkin_steps"} for run in row["by_processes"]]}
+               for row in result["populations"]]
     print(json.dumps(summary, indent=2))
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)

@@ -53,20 +53,24 @@ def test_checkin_capacity_bench_reports_each_rate_step(tmp_path):
 
 
 def test_population_bench_charges_each_registration_and_check_in_the_coordinators_cpu(tmp_path):
-    """A population at rest; 30 devices register on their own channels and check in at two rates:
-    every call answered (a come-back time: no job runs), CPU charged to both phases, a plot drawn."""
+    """A population at rest; 30 devices register on their own channels and check in at two rates,
+    against the coordinator in one and in two processes and against the gRPC floor: every call
+    answered (a come-back time: no job runs), CPU charged to both phases (the fronts' too), a plot."""
     plot = tmp_path / "population.png"
     result = _bench(tmp_path, "population.py", "--populations", "1000", "--register", "30",
-                    "--rates", "20", "40", "--step-seconds", "1", "--plot", str(plot))
+                    "--rates", "20", "40", "--step-seconds", "1", "--processes", "1", "2", "--plot", str(plot))
     rows = result["populations"]
     assert [r["population"] for r in rows] == [1000]
-    for row in rows:
-        assert row["registrations"] == 30 and row["registration_failures"] == 0
-        assert row["cpu_ms_per_registration"] > 0 and row["ready_seconds"] > 0
-        assert [s["target_per_s"] for s in row["checkin_steps"]] == [20.0, 40.0]
-        assert all(s["answered"] == s["sent"] and s["failures"] == 0 and s["coordinator_cpu_s"] > 0
-                   for s in row["checkin_steps"]), row["checkin_steps"]
-        assert row["checkin_capacity_per_s"] == 40.0 and row["cpu_ms_per_checkin"] > 0
+    assert rows[0]["ready_seconds"] > 0 and rows[0]["bytes_per_registered_device_at_rest"] is not None
+    runs = [result["floor"], *rows[0]["by_processes"]]
+    assert [run["processes"] for run in runs] == [1, 1, 2]
+    for run in runs:
+        assert run["registrations"] == 30 and run["registration_failures"] == 0
+        assert run["cpu_ms_per_registration"] > 0
+        assert [s["target_per_s"] for s in run["checkin_steps"]] == [20.0, 40.0]
+        assert all(s["answered"] == s["sent"] and s["failures"] == 0 and s["server_cpu_s"] > 0
+                   for s in run["checkin_steps"]), run["checkin_steps"]
+        assert run["checkin_capacity_per_s"] == 40.0 and run["cpu_ms_per_checkin"] > 0
     assert plot.read_bytes().startswith(b"\x89PNG")
 
 

@@ -217,3 +217,33 @@ def test_device_processes_must_be_positive(tmp_path, capsys):
         tally(["coordinator", "--state-dir", str(tmp_path / "s"), "--device-processes", "0", "--insecure"])
     assert exit_.value.code == 2
     assert "--device-processes" in capsys.readouterr().err
+
+
+def test_a_job_survives_its_device_front_killed_between_rounds(tmp_path):
+    """Six fleets, each on its own connection to the shared port, run a 3-round job; the front is
+    killed as round 1 commits. Its devices reconnect (to the coordinator or the restarted front)
+    and every round commits."""
+
+    async def main() -> None:
+        async with stack(tmp_path, tls=True, device_processes=2) as s:
+            devices, _ = trainers(18)
+            job_id = await s.submit(spec("front-killed", rounds=3, cohort=12))
+            fleets = [s.fleet(devices[i::6], seed=1, id_prefix=f"f{i}") for i in range(6)]
+            killed = s.coordinator.fronts[0].pid
+
+            async def kill_after_round_1() -> None:
+                await s.committed(job_id, 1)
+                os.kill(killed, signal.SIGKILL)
+
+            try:
+                await asyncio.gather(kill_after_round_1(), *(
+                    fleet.run(until=fleet.until_job_done(job_id, every_seconds=0.2)) for fleet in fleets))
+            finally:
+                for fleet in fleets:
+                    fleet.close()
+            job = await s.job(job_id)
+            assert job.state == common_pb2.JOB_STATE_SUCCEEDED, job.message
+            assert job.committed_round == 3
+            assert s.coordinator.fronts[0].pid != killed
+
+    run(main())

@@ -40,6 +40,7 @@ KINDS: dict[str, str] = {
     "test_containers": E2E,
     "test_coordinator_service": SERVICE,
     "test_coordinator_unit": UNIT,
+    "test_device_fronts": E2E,
     "test_docs_site": SERVICE,
     "test_embedding_guide": E2E,
     "test_enrolment": SERVICE,
