@@ -2,9 +2,11 @@
 registrations and idle check-ins use as many cores as the coordinator is given.
 
 Why: the coordinator is one Python process, and at population scale its cost is per device (a
-registration's signature check and write, an idle check-in's token check and pacing), not per
-round: 100,000 devices paced at 2,000 check-ins a second kept two cores' worth of it busy (issue
-28). No deployment can buy that back with more cores unless more processes serve devices.
+registration's TLS handshake, signature check and write; an idle check-in's TLS record, token
+check and pacing), not per round: one process on one core answers about 1,000 idle check-ins a
+second from devices on their own connections, and gRPC's own share of that is most of it
+(``bench/population.py``). No deployment can buy that back with more cores unless more processes
+serve devices.
 
 How: every process binds the device port with SO_REUSEPORT (gRPC's own multiprocessing pattern),
 and the kernel spreads devices' connections over them. A front answers by itself what needs nothing
