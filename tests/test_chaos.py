@@ -171,3 +171,24 @@ def test_a_round_waits_for_an_aggregator_when_every_one_is_down(tmp_path):
 
     job = asyncio.run(main())
     assert job.committed_round == 2, job.message
+
+
+@pytest.mark.full
+def test_a_campaign_with_device_fronts_survives_fronts_and_the_coordinator_killed(tmp_path):
+    """The coordinator serving devices from two processes: a device front SIGKILLed mid-round
+    (the coordinator starts it again) and the coordinator itself SIGKILLed, its orphaned front
+    then exiting so that the restarted coordinator can bind the port. Every invariant holds."""
+    faults = ("kill_device_front", "kill_coordinator", "none")
+    config = CampaignConfig(rounds=2 * len(faults), seed=4, faults=faults, device_processes=2)
+    result = asyncio.run(asyncio.wait_for(Campaign(config, tmp_path).run(), 900))
+    assert result.violations == []
+    assert {r.fault for r in result.rounds} == set(faults)
+    assert all("killed round" in r.detail for r in result.rounds if r.fault.startswith("kill_")), \
+        [r.detail for r in result.rounds]
+    committed = [r for r in result.rounds if r.outcome == "committed"]
+    assert committed and all(r.sums_exact >= 1 and r.sums_wrong == 0 for r in committed)
+
+
+def test_a_campaign_refuses_front_faults_without_fronts():
+    with pytest.raises(ValueError, match="device_processes > 1"):
+        CampaignConfig(faults=("kill_device_front",))

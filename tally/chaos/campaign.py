@@ -40,6 +40,8 @@ from tally.coordinator.jobspec import parse
 from tally.wire.v1 import admin_pb2, common_pb2
 
 FAULTS = ("none", "dropouts", "dropouts_past_threshold", "kill_aggregator", "kill_coordinator", "misbehaviour")
+# Only with device_processes > 1: a device front SIGKILLed mid-round (the coordinator restarts it).
+FRONT_FAULTS = ("kill_device_front",)
 # What misbehaving devices do (``tally.client.behaviour.Misbehaviour``): one kind per round, in turn.
 MISBEHAVIOURS = ("late", "duplicate", "replay", "corrupt", "stall")
 DEADLINES = {"checkin": 6, "download": 6, "advertise_keys": 4, "share_keys": 4, "masked_input": 6, "unmask": 4}
@@ -72,6 +74,11 @@ class CampaignConfig:
     retries: int = 6
     seed: int = 0
     faults: tuple[str, ...] = FAULTS
+    device_processes: int = 1  # the coordinator's (tally coordinator --device-processes)
+
+    def __post_init__(self) -> None:
+        if self.device_processes == 1 and set(self.faults) & set(FRONT_FAULTS):
+            raise ValueError("kill_device_front needs device_processes > 1: there is no front to kill")
 
     @property
     def round_deadline_s(self) -> float:
@@ -167,7 +174,8 @@ class Campaign:
 
     async def run(self) -> CampaignResult:
         cfg = self.config
-        cluster = LocalCluster(self.workdir, aggregators=cfg.aggregators)
+        cluster = LocalCluster(self.workdir, aggregators=cfg.aggregators,
+                               coordinator_flags=["--device-processes", str(cfg.device_processes)])
         try:
             await cluster.start()
         except BaseException:
@@ -285,8 +293,9 @@ class Campaign:
             self._misbehaved += 1  # kinds in turn: every fifth misbehaviour round, each kind once
             fleet.behave(BehaviourProfile.model_validate({"misbehaviour": {kind: rate}}))
             return f"{rate:.2f} {kind}"
-        if fault in ("kill_aggregator", "kill_coordinator"):
-            name = "coordinator" if fault == "kill_coordinator" else f"aggregator-{rng.randint(1, self.config.aggregators)}"
+        if fault in ("kill_aggregator", "kill_coordinator", "kill_device_front"):
+            name = ("coordinator" if fault != "kill_aggregator"
+                    else f"aggregator-{rng.randint(1, self.config.aggregators)}")
             target = rng.choice((common_pb2.ROUND_PHASE_SELECTION, common_pb2.ROUND_PHASE_AGGREGATION))
             seen: list[admin_pb2.Job] = []
 
@@ -298,14 +307,18 @@ class Campaign:
                 return seen[0].phase == target or seen[0].state != common_pb2.JOB_STATE_RUNNING
 
             await wait_for(in_target_phase, sum(DEADLINES.values()), every=0.02)
+            where = (f"round {seen[0].round} in {common_pb2.RoundPhase.Name(seen[0].phase).removeprefix('ROUND_PHASE_')}"
+                     if seen else "before the job answered")
+            if fault == "kill_device_front":
+                front = rng.choice(cluster.device_fronts())
+                front.kill()  # the coordinator notices and starts it again: nothing to restart here
+                return f"device front {front.pid} killed {where}"
             down = rng.uniform(0.0, 3.0)
             self.killed.add(name)
             await cluster.kill(name)
             await asyncio.sleep(down)  # how long the process stays down
             await cluster.restart(name)
             self.killed.discard(name)
-            where = (f"round {seen[0].round} in {common_pb2.RoundPhase.Name(seen[0].phase).removeprefix('ROUND_PHASE_')}"
-                     if seen else "before the job answered")
             return f"{name} killed {where}, down {down:.1f} s"
         return ""
 

@@ -94,6 +94,13 @@ class LocalCluster:
     async def kill(self, name: str) -> None:
         await self.processes[name].kill()
 
+    def device_fronts(self) -> list[psutil.Process]:
+        """The coordinator's device fronts (``--device-processes``): its children started by
+        multiprocessing's spawn (not its resource tracker)."""
+        coordinator = psutil.Process(self.processes["coordinator"].pid)
+        return [child for child in coordinator.children()
+                if any("spawn_main" in part for part in child.cmdline())]
+
     async def stop(self) -> None:
         if self._channel is not None:
             await self._channel.close()

@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import sys
 import tempfile
 from pathlib import Path
 
@@ -17,12 +18,12 @@ from tally.cli.console import console as cli_console
 
 
 def _faults(text: str) -> tuple[str, ...]:
-    from tally.chaos.campaign import FAULTS
+    from tally.chaos.campaign import FAULTS, FRONT_FAULTS
 
     chosen = tuple(f.strip() for f in text.split(",") if f.strip())
-    unknown = sorted(set(chosen) - set(FAULTS))
+    unknown = sorted(set(chosen) - set(FAULTS) - set(FRONT_FAULTS))
     if not chosen or unknown:
-        raise argparse.ArgumentTypeError(f"choose from {', '.join(FAULTS)}; got {text!r}")
+        raise argparse.ArgumentTypeError(f"choose from {', '.join(FAULTS + FRONT_FAULTS)}; got {text!r}")
     return chosen
 
 
@@ -42,7 +43,13 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--aggregators", type=argtypes.integer(1, 8), default=2, help="aggregator processes")
     p.add_argument("--hidden", type=argtypes.integer(1), default=16,
                    help="hidden units of the job's mlp: its size is the summed vector's (default: %(default)s)")
-    p.add_argument("--faults", type=_faults, default=None, help="comma-separated faults to draw from (default: all)")
+    p.add_argument("--faults", type=_faults, default=None,
+                   help="comma-separated faults to draw from (default: all; kill_device_front with "
+                   "--device-processes > 1)")
+    p.add_argument("--device-processes", type=argtypes.integer(1, 16), default=1, metavar="N",
+                   help="the coordinator serves devices from N processes (tally coordinator "
+                   "--device-processes); with N > 1 the faults include its device fronts killed mid-round "
+                   "(default: %(default)s)")
     p.add_argument("--seed", type=argtypes.integer(0), default=0, help="seed of the faults, the fleet and the inputs")
     p.add_argument("--workdir", type=Path, help="certificates, state and logs (default: a temporary directory)")
     p.add_argument("--json", type=Path, help="write the campaign's record here")
@@ -50,11 +57,16 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from tally.chaos.campaign import FAULTS, Campaign, CampaignConfig
+    from tally.chaos.campaign import FAULTS, FRONT_FAULTS, Campaign, CampaignConfig
 
-    config = CampaignConfig(rounds=args.rounds, devices=args.devices, cohort=args.cohort,
-                            aggregators=args.aggregators, hidden=args.hidden, seed=args.seed,
-                            faults=args.faults or FAULTS)
+    default = FAULTS + (FRONT_FAULTS if args.device_processes > 1 else ())
+    try:
+        config = CampaignConfig(rounds=args.rounds, devices=args.devices, cohort=args.cohort,
+                                aggregators=args.aggregators, hidden=args.hidden, seed=args.seed,
+                                faults=args.faults or default, device_processes=args.device_processes)
+    except ValueError as exc:
+        print(f"tally chaos: --faults: {exc}", file=sys.stderr)
+        return 2
     if args.devices < 2 * args.cohort:
         print("--devices must be at least twice --cohort: a retried round may not reuse the devices "
               "seated in its failed attempt")

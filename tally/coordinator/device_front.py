@@ -71,6 +71,8 @@ log = logging.getLogger("tally.coordinator.front")
 REFRESH_S = 0.5
 START_TIMEOUT_S = 60.0  # a spawned interpreter imports gRPC and the coordinator's modules first
 STOP_MARGIN_S = 5.0
+# A front notices its coordinator is gone within REFRESH_S, then stops with no grace: this is ample.
+ORPHAN_EXIT_S = 4 * REFRESH_S + 1.0
 FRONT_KEY_METADATA = "tally-front-key"
 _COORDINATOR = coordinator_pb2.DESCRIPTOR.services_by_name["Coordinator"]
 # Every method a front forwards, and whether its answer streams.
@@ -312,7 +314,8 @@ async def _serve(config: FrontConfig, ready: multiprocessing.connection.Connecti
             await asyncio.wait_for(stopping.wait(), timeout=REFRESH_S)
         except TimeoutError:
             pass
-    await front.stop(grace=5.0)
+    # Orphaned, there is no one left to forward to: stop at once, so a new coordinator may bind.
+    await front.stop(grace=5.0 if os.getppid() == parent else 0)
 
 
 def shares(limit: RateLimit, processes: int) -> RateLimit:
@@ -321,21 +324,31 @@ def shares(limit: RateLimit, processes: int) -> RateLimit:
     return RateLimit(limit.rate_per_s / processes, max(1.0, limit.burst / processes))
 
 
-def refuse_port_in_use(listen: str) -> None:
-    """``RuntimeError`` when something already listens on ``listen``'s port. The processes of a
-    coordinator bind with SO_REUSEPORT, which would otherwise share the port silently with any
-    service of the same user already on it (an ephemeral port, ``:0``, is never taken)."""
+async def refuse_port_in_use(listen: str) -> None:
+    """``RuntimeError`` when something listens on ``listen``'s port. The processes of a coordinator
+    bind with SO_REUSEPORT, which would otherwise share the port silently with any service of the
+    same user already on it (an ephemeral port, ``:0``, is never taken). The fronts of a killed
+    coordinator still hold it for up to ``REFRESH_S``, so a taken port is retried that long."""
     host, _, port = listen.rpartition(":")
     if int(port) == 0:
         return
-    for family, kind, proto, _, address in socket.getaddrinfo(host.strip("[]") or None, int(port),
-                                                              type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE):
+    deadline = time.monotonic() + ORPHAN_EXIT_S
+    while not _port_free(host.strip("[]") or None, int(port)):
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"could not bind {listen!r}: is another service listening on it?")
+        await asyncio.sleep(0.1)
+
+
+def _port_free(host: str | None, port: int) -> bool:
+    for family, kind, proto, _, address in socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
+                                                              flags=socket.AI_PASSIVE):
         with socket.socket(family, kind, proto) as probe:
             probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # a closed one's TIME_WAIT is no owner
             try:
                 probe.bind(address)
             except OSError:
-                raise RuntimeError(f"could not bind {listen!r}: is another service listening on it?") from None
+                return False
+    return True
 
 
 class FrontProcess:

@@ -194,7 +194,7 @@ class CoordinatorService:
             server,
         )
         if shared:
-            refuse_port_in_use(self.listen)
+            await refuse_port_in_use(self.listen)
         self.port = bind(server, self.listen, self.tls)
         await server.start()
         self._server = server
