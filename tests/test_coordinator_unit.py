@@ -4,6 +4,7 @@ the store, job specs, the check-in arbitration between jobs, reveals and task re
 from __future__ import annotations
 
 import asyncio
+import sqlite3
 import time
 from dataclasses import dataclass, field
 
@@ -397,3 +398,20 @@ def test_a_restarted_coordinator_matches_reports_of_tasks_issued_before_it_stopp
     assert report("d3", "task-3", sent_input=True) is Recorded.COUNTED
     assert report("d3", "task-3", sent_input=True) is Recorded.UNMATCHED
     assert store.task_report_counts("job", 1) == {("dropped", "dropped"): 3}
+
+
+def test_a_state_directory_from_before_revocation_opens_and_its_revoked_devices_are_indexed(tmp_path):
+    """An earlier version's devices table has no revoked_at: the store adds it, then the partial
+    index every device-serving process reads revocations through (not the other way round)."""
+    tmp_path.mkdir(exist_ok=True)
+    old = sqlite3.connect(tmp_path / "coordinator.db")
+    old.execute("CREATE TABLE devices (device_id TEXT PRIMARY KEY, population TEXT NOT NULL, "
+                "identity_public BLOB NOT NULL UNIQUE, enrolled_at REAL NOT NULL, registered_at REAL NOT NULL)")
+    old.execute("INSERT INTO devices VALUES ('dev-1', 'pop', x'01', 1.0, 1.0)")
+    old.commit()
+    old.close()
+    store = Store(tmp_path)
+    assert store.devices.revoke("dev-1", 2.0) and store.devices.is_revoked("dev-1")
+    plan = store._db.execute("EXPLAIN QUERY PLAN SELECT device_id FROM devices WHERE revoked_at IS NOT NULL").fetchall()
+    assert any("devices_revoked" in row[-1] for row in plan), plan
+    store.close()

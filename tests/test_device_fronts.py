@@ -12,17 +12,21 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import socket
+import sqlite3
 import time
 
 import grpc
 import pytest
 from support.enrolment import provisioned_request
-from support.stack import run, scrape_text, spec, stack, trainers
+from support.stack import PLAINTEXT, run, scrape_text, spec, stack, trainers
 
 from tally.cli import main as tally
 from tally.client import Fleet
 from tally.client.channels import open_aio_channel
-from tally.coordinator.device_front import REFRESH_S, DeviceFront, shares
+from tally.coordinator import device_front
+from tally.coordinator.device_front import REFRESH_S, DeviceFront, refuse_port_in_use, shares
+from tally.coordinator.service import CoordinatorService
 from tally.coordinator.ratelimit import RateLimit
 from tally.security import bearer_metadata
 from tally.wire.v1 import admin_pb2, admin_pb2_grpc, common_pb2, coordinator_pb2, coordinator_pb2_grpc
@@ -247,3 +251,39 @@ def test_a_job_survives_its_device_front_killed_between_rounds(tmp_path):
             assert s.coordinator.fronts[0].pid != killed
 
     run(main())
+
+
+def test_the_pace_is_split_so_a_population_with_a_job_arrives_at_the_whole_rate(tmp_path):
+    """Each process paces its own devices' idle check-ins at 1/N of the rate; the coordinator
+    paces what the fronts forward (their devices of populations with a job) at their share."""
+    service = CoordinatorService("127.0.0.1:0", PLAINTEXT, tmp_path / "state", [], checkin_rate=100.0,
+                                 device_processes=4)
+    assert service.pacer.rate_per_s == 25.0 and service.forwarded_pacer.rate_per_s == 75.0
+    alone = CoordinatorService("127.0.0.1:0", PLAINTEXT, tmp_path / "state", [], checkin_rate=100.0)
+    assert alone.pacer.rate_per_s == 100.0 and alone.forwarded_pacer.rate_per_s is None
+
+
+def test_a_front_that_cannot_read_the_store_stops_rather_than_answer_from_stale_state(tmp_path, monkeypatch):
+    monkeypatch.setattr(device_front, "STALE_S", 0.3)
+
+    async def main() -> None:
+        async with stack(tmp_path, tls=True, device_processes=2) as s, _Front(s) as front:
+            async def unreadable() -> None:
+                raise sqlite3.OperationalError("database is locked")
+
+            monkeypatch.setattr(front.front, "_refresh_once", unreadable)
+            await asyncio.wait_for(front.front.stale.wait(), 10)
+
+    run(main())
+
+
+def test_a_coordinator_refuses_a_port_another_service_listens_on(monkeypatch):
+    monkeypatch.setattr(device_front, "ORPHAN_EXIT_S", 0.3)
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        with pytest.raises(RuntimeError, match="another service listening"):
+            asyncio.run(refuse_port_in_use(f"127.0.0.1:{port}"))
+    asyncio.run(refuse_port_in_use(f"127.0.0.1:{port}"))  # closed: free again
+    asyncio.run(refuse_port_in_use("127.0.0.1:0"))

@@ -310,6 +310,11 @@ class Campaign:
             where = (f"round {seen[0].round} in {common_pb2.RoundPhase.Name(seen[0].phase).removeprefix('ROUND_PHASE_')}"
                      if seen else "before the job answered")
             if fault == "kill_device_front":
+                # One killed in the round before may still be starting again.
+                if not await wait_for(lambda: _true(cluster.device_fronts()), RESTART_ALLOWANCE_S):
+                    self.result.violations.append(f"no device front running {where}: a killed one was "
+                                                  f"not started again within {RESTART_ALLOWANCE_S:g} s")
+                    return f"no device front to kill {where}"
                 front = rng.choice(cluster.device_fronts())
                 front.kill()  # the coordinator notices and starts it again: nothing to restart here
                 return f"device front {front.pid} killed {where}"
@@ -409,3 +414,8 @@ async def _holds(value: bool) -> bool:
 
 def percentiles(values: list[float]) -> dict[str, float]:
     return {f"p{q}": float(np.percentile(values, q)) for q in (50, 95, 99)} if values else {}
+
+
+async def _true(value: object) -> bool:
+    """``wait_for`` polls a coroutine function: ``value``'s truth, as one."""
+    return bool(value)

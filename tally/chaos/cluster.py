@@ -95,11 +95,16 @@ class LocalCluster:
         await self.processes[name].kill()
 
     def device_fronts(self) -> list[psutil.Process]:
-        """The coordinator's device fronts (``--device-processes``): its children started by
-        multiprocessing's spawn (not its resource tracker)."""
-        coordinator = psutil.Process(self.processes["coordinator"].pid)
-        return [child for child in coordinator.children()
-                if any("spawn_main" in part for part in child.cmdline())]
+        """The coordinator's running device fronts (``--device-processes``), oldest first: its
+        children started by multiprocessing's spawn (not its resource tracker)."""
+        fronts = []
+        for child in psutil.Process(self.processes["coordinator"].pid).children():
+            try:
+                if child.status() != psutil.STATUS_ZOMBIE and any("spawn_main" in p for p in child.cmdline()):
+                    fronts.append(child)
+            except psutil.Error:  # gone since it was listed
+                continue
+        return sorted(fronts, key=lambda child: child.create_time())
 
     async def stop(self) -> None:
         if self._channel is not None:

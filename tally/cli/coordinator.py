@@ -96,8 +96,13 @@ def register(sub: argparse._SubParsersAction) -> None:
         "--device-processes", type=argtypes.integer(1, 256), default=1, metavar="N",
         help="serve devices from N processes on the one port (SO_REUSEPORT): N - 1 device fronts "
         "answer registrations and idle check-ins themselves and pass every other call to this "
-        "process, which alone plans rounds; give it as many as the cores the coordinator may use. "
-        "Each front's metrics are on --metrics-port + its number (default: %(default)s)",
+        "process, which alone plans rounds; give it as many as the cores the coordinator may use "
+        "(default: %(default)s)",
+    )
+    p.add_argument(
+        "--front-metrics-port", type=argtypes.integer(0, 65535), default=0, metavar="PORT",
+        help="device front i (1 .. N - 1) serves /metrics on PORT + i - 1, on --metrics-addr "
+        "(default: 0, an ephemeral port each, logged when the front starts)",
     )
     p.add_argument(
         "--model-plugin", action="append", default=[], metavar="MODULE",
@@ -205,6 +210,7 @@ def run_coordinator(args: argparse.Namespace) -> int:
         checkin_limit=args.checkin_limit,
         checkin_rate=args.checkin_rate,
         device_processes=args.device_processes,
+        front_metrics_port=args.front_metrics_port,
         log_level=args.log_level,
     )
     return asyncio.run(_serve(service, specs))

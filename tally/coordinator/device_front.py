@@ -32,6 +32,7 @@ revocation reaches the fronts within ``REFRESH_S`` (the coordinator itself refus
 from __future__ import annotations
 
 import asyncio
+import errno
 import hashlib
 import hmac
 import logging
@@ -41,6 +42,7 @@ import multiprocessing.process
 import os
 import signal
 import socket
+import sqlite3
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
@@ -69,6 +71,7 @@ from tally.wire.v1 import admin_pb2, coordinator_pb2
 log = logging.getLogger("tally.coordinator.front")
 
 REFRESH_S = 0.5
+STALE_S = 5.0  # a front that could not read the store this long stops
 START_TIMEOUT_S = 60.0  # a spawned interpreter imports gRPC and the coordinator's modules first
 STOP_MARGIN_S = 5.0
 # A front notices its coordinator is gone within REFRESH_S, then stops with no grace: this is ample.
@@ -129,6 +132,7 @@ class FrontConfig:
     metrics_port: int
     metrics_addr: str
     log_level: str
+    coordinator_pid: int  # not the front's parent as it reads it: the coordinator may die first
     enrolment: EnrolmentVerifier | None = None
 
 
@@ -142,6 +146,7 @@ class DeviceFront:
         self._database: Database | None = None
         self._metrics: MetricsServer | None = None
         self._refresher: asyncio.Task[None] | None = None
+        self.stale = asyncio.Event()
 
     async def start(self) -> int:
         c = self.config
@@ -209,9 +214,22 @@ class DeviceFront:
         self.devices.reload_revoked()
 
     async def _refresh(self) -> None:
+        """Until what the front knows is older than ``STALE_S``, a failed read (the database busy
+        past its timeout, a disk error) is retried; then the front stops (``stale``), and its
+        coordinator starts it again, rather than answer from a stale list of populations and
+        revocations."""
+        fresh = time.monotonic()
         while True:
             await asyncio.sleep(REFRESH_S)
-            await self._refresh_once()
+            try:
+                await self._refresh_once()
+                fresh = time.monotonic()
+            except (sqlite3.Error, OSError) as exc:
+                logs.event(log, "device front could not read the store", level=logging.WARNING,
+                           front=self.config.index, error=str(exc))
+                if time.monotonic() - fresh > STALE_S:
+                    self.stale.set()
+                    return
 
     # -- the calls ---------------------------------------------------------------------------------
 
@@ -238,7 +256,7 @@ class DeviceFront:
             return await self._channel.unary_unary(method)(
                 request, metadata=self._metadata(context), timeout=context.time_remaining())
         except grpc.aio.AioRpcError as exc:
-            await context.abort(exc.code(), exc.details() or "")
+            await context.abort(*_relayed(exc))
             raise  # unreachable: abort raises
 
     async def _forward_stream(
@@ -252,9 +270,17 @@ class DeviceFront:
             async for chunk in call:
                 yield chunk
         except grpc.aio.AioRpcError as exc:
-            await context.abort(exc.code(), exc.details() or "")
+            await context.abort(*_relayed(exc))
         finally:
             call.cancel()
+
+
+def _relayed(exc: grpc.aio.AioRpcError) -> tuple[grpc.StatusCode, str]:
+    """The coordinator's answer as the device should see it: its own refusals as they are; the
+    coordinator out of reach as such, without the internal address gRPC's message would name."""
+    if exc.code() == grpc.StatusCode.UNAVAILABLE:
+        return exc.code(), "the coordinator behind this device front is not reachable; retry"
+    return exc.code(), exc.details() or ""
 
 
 class _FrontHandlers(grpc.GenericRpcHandler):
@@ -290,10 +316,11 @@ class _FrontHandlers(grpc.GenericRpcHandler):
 
 
 def serve_front(config: FrontConfig, ready: multiprocessing.connection.Connection) -> None:
-    """A front process's main: serve until SIGTERM or until the coordinator that started it is
-    gone. Says on ``ready`` "ready" once serving, or why it could not start."""
+    """A front process's main: serve until SIGTERM, until the coordinator that started it is gone
+    or until the store has been unreadable for ``STALE_S``. Says on ``ready`` "ready" once
+    serving, or why it could not start."""
     logs.configure(config.log_level)
-    asyncio.run(_serve(config, ready, os.getppid()))
+    asyncio.run(_serve(config, ready, config.coordinator_pid))
 
 
 async def _serve(config: FrontConfig, ready: multiprocessing.connection.Connection, parent: int) -> None:
@@ -309,7 +336,7 @@ async def _serve(config: FrontConfig, ready: multiprocessing.connection.Connecti
         ready.send(f"device front {config.index} could not start: {exc}")
         return
     ready.send(("ready", front.metrics_port))
-    while not stopping.is_set() and os.getppid() == parent:
+    while not stopping.is_set() and not front.stale.is_set() and os.getppid() == parent:
         try:
             await asyncio.wait_for(stopping.wait(), timeout=REFRESH_S)
         except TimeoutError:
@@ -327,28 +354,32 @@ def shares(limit: RateLimit, processes: int) -> RateLimit:
 async def refuse_port_in_use(listen: str) -> None:
     """``RuntimeError`` when something listens on ``listen``'s port. The processes of a coordinator
     bind with SO_REUSEPORT, which would otherwise share the port silently with any service of the
-    same user already on it (an ephemeral port, ``:0``, is never taken). The fronts of a killed
-    coordinator still hold it for up to ``REFRESH_S``, so a taken port is retried that long."""
+    same user already on it (an ephemeral port, ``:0``, and a unix socket are never shared). The
+    fronts of a killed coordinator still hold the port until they notice, so a port in use is
+    retried for ``ORPHAN_EXIT_S``."""
     host, _, port = listen.rpartition(":")
-    if int(port) == 0:
+    if listen.startswith("unix") or int(port) == 0:
         return
     deadline = time.monotonic() + ORPHAN_EXIT_S
-    while not _port_free(host.strip("[]") or None, int(port)):
+    while _in_use(host.strip("[]") or None, int(port)):
         if time.monotonic() > deadline:
             raise RuntimeError(f"could not bind {listen!r}: is another service listening on it?")
         await asyncio.sleep(0.1)
 
 
-def _port_free(host: str | None, port: int) -> bool:
+def _in_use(host: str | None, port: int) -> bool:
+    """Whether binding any of ``host``'s addresses on ``port`` fails with EADDRINUSE (an address
+    family or address this host lacks, IPv6 in a container say, is not a listener)."""
     for family, kind, proto, _, address in socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
                                                               flags=socket.AI_PASSIVE):
-        with socket.socket(family, kind, proto) as probe:
-            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # a closed one's TIME_WAIT is no owner
-            try:
+        try:
+            with socket.socket(family, kind, proto) as probe:
+                probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # TIME_WAIT is no owner
                 probe.bind(address)
-            except OSError:
-                return False
-    return True
+        except OSError as exc:
+            if exc.errno == errno.EADDRINUSE:
+                return True
+    return False
 
 
 class FrontProcess:
@@ -358,6 +389,7 @@ class FrontProcess:
         self.config = config
         self.process: multiprocessing.process.BaseProcess | None = None
         self.ready = False
+        self._metrics_port: int | None = None
 
     @property
     def pid(self) -> int | None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -101,6 +102,7 @@ class CoordinatorService:
         checkin_limit: RateLimit = DEFAULT_CHECKIN_LIMIT,
         checkin_rate: float | None = None,
         device_processes: int = 1,
+        front_metrics_port: int = 0,
         log_level: str = "info",
     ) -> None:
         if device_processes < 1:
@@ -117,8 +119,13 @@ class CoordinatorService:
         self.enrolment, self.max_request_bytes = enrolment, max_request_bytes
         self.register_limit, self.checkin_limit = register_limit, checkin_limit
         self.checkin_rate, self.device_processes, self.log_level = checkin_rate, device_processes, log_level
-        # Each process serving devices paces its share of the arrivals.
-        self.pacer = CheckinPacer(checkin_rate / device_processes if checkin_rate else None)
+        self.front_metrics_port = front_metrics_port  # front i on this + i - 1; 0: ephemeral ports
+        # Each process serving devices paces the devices connected to it: 1/N of them. The
+        # check-ins fronts forward (their devices' of populations with a job) are paced here at
+        # the fronts' share, so a population with a job arrives at the whole rate.
+        n = device_processes
+        self.pacer = CheckinPacer(checkin_rate / n if checkin_rate else None)
+        self.forwarded_pacer = CheckinPacer(checkin_rate * (n - 1) / n if checkin_rate and n > 1 else None)
         self.port: int | None = None
         self.admin_token: str | None = None
         # The key `tally enrol` derives device credentials from (None with a custom verifier).
@@ -136,7 +143,6 @@ class CoordinatorService:
         self.internal_target: str | None = None
         self._internal: grpc.aio.Server | None = None
         self._supervisor: asyncio.Task[None] | None = None
-        self._metrics_port_asked = metrics_port
 
     @property
     def store(self) -> Store:
@@ -174,14 +180,16 @@ class CoordinatorService:
         enrolment = self.enrolment or SharedKeyEnrolment(self.enrolment_key)
 
         def devices(limited: bool) -> DeviceService:
-            """The device API; ``limited``: rate limited per source here (not for what fronts forward)."""
+            """The device API; ``limited``: rate limited per source and paced here (not: what the
+            fronts forward, which they limited and this paces at their share)."""
             n = self.device_processes
             limits = {rpc: SourceRateLimiter(shares(limit, n), self.clock) if limited else None
                       for rpc, limit in (("Register", self.register_limit), ("CheckIn", self.checkin_limit))}
             entry = DeviceEntry(self._store.devices, issuer, metrics, self.clock, self.token_ttl_s,
                                 enrolment=enrolment, coordinator_key=signer.public_key.public_bytes_raw(),
                                 limits=limits)
-            return DeviceService(jobs, self._store, entry, metrics, self.clock, self.pacer)
+            return DeviceService(jobs, self._store, entry, metrics, self.clock,
+                                 self.pacer if limited else self.forwarded_pacer)
 
         coordinator_pb2_grpc.add_CoordinatorServicer_to_server(devices(limited=True), server)
         admin = AdminService(self.jobs, self._store, self.admin_token)
@@ -212,21 +220,23 @@ class CoordinatorService:
     def front_config(self, index: int, listen: str) -> FrontConfig:
         """What device front ``index`` needs to serve ``listen`` beside this coordinator."""
         assert self.internal_target is not None, "no internal port: device_processes is 1"
-        n, asked = self.device_processes, self._metrics_port_asked
+        n = self.device_processes
         return FrontConfig(
             index=index, listen=listen, tls=self.tls, state_dir=self.state_dir, secrets_dir=self.secrets_dir,
             coordinator=self.internal_target, token_ttl_s=self.token_ttl_s,
             register_limit=shares(self.register_limit, n), checkin_limit=shares(self.checkin_limit, n),
             checkin_rate=self.pacer.rate_per_s, max_message_bytes=self.max_message_bytes,
-            max_request_bytes=self.max_request_bytes, metrics_port=asked + index if asked else 0,
-            metrics_addr=self.metrics_addr, log_level=self.log_level, enrolment=self.enrolment,
+            max_request_bytes=self.max_request_bytes,
+            metrics_port=self.front_metrics_port + index - 1 if self.front_metrics_port else 0,
+            metrics_addr=self.metrics_addr, log_level=self.log_level, coordinator_pid=os.getpid(),
+            enrolment=self.enrolment,
         )
 
     async def _start_fronts(
         self, forwarded: DeviceService, admin: AdminService, key: str, metrics: CoordinatorMetrics
     ) -> None:
         """The loopback port fronts forward to, then the fronts on the device port."""
-        internal = grpc.aio.server(options=server_options(self.max_message_bytes),
+        internal = grpc.aio.server(options=server_options(self.max_message_bytes, self.max_request_bytes),
                                    interceptors=(FrontKeyRequired(key), RefuseUndecodable()))
         coordinator_pb2_grpc.add_CoordinatorServicer_to_server(forwarded, internal)
         admin_pb2_grpc.add_AdminServicer_to_server(admin, internal)
@@ -236,7 +246,11 @@ class CoordinatorService:
         host = self.listen.rpartition(":")[0]
         self.fronts = [FrontProcess(self.front_config(i, f"{host}:{self.port}"))
                        for i in range(1, self.device_processes)]
-        await asyncio.gather(*(front.start() for front in self.fronts))
+        started = await asyncio.gather(*(front.start() for front in self.fronts), return_exceptions=True)
+        failed = [outcome for outcome in started if isinstance(outcome, BaseException)]
+        if failed:  # none is left running: the caller sees why, with nothing to clean up but this
+            await asyncio.gather(*(front.stop(0.0) for front in self.fronts))
+            raise RuntimeError(f"device fronts did not start: {failed[0]}") from failed[0]
         self._supervisor = asyncio.get_running_loop().create_task(self._supervise_fronts(metrics))
 
     async def _supervise_fronts(self, metrics: CoordinatorMetrics) -> None:
@@ -253,7 +267,7 @@ class CoordinatorService:
                 metrics.front_restarts.inc()
                 try:
                     await front.start()
-                except RuntimeError as exc:
+                except Exception as exc:  # noqa: BLE001 - logged, and tried again next time
                     logs.event(log, "device front did not start", level=logging.ERROR,
                                front=front.config.index, error=str(exc))
 
