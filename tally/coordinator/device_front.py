@@ -233,14 +233,11 @@ class DeviceFront:
 
     # -- the calls ---------------------------------------------------------------------------------
 
-    async def register(self, request: coordinator_pb2.RegisterRequest, context: grpc.aio.ServicerContext):
-        return await self.entry.register(request, context)
-
     async def check_in(self, request: coordinator_pb2.CheckInRequest, context: grpc.aio.ServicerContext):
         claims = await self.entry.check_in(request, context)
         if (claims.population in self.populations_with_jobs or request.reports
                 or request.HasField("input_ledger")):
-            reply = await self._forward(_CHECK_IN, request.SerializeToString(), context)
+            reply = await self.forward(_CHECK_IN, request.SerializeToString(), context)
             return coordinator_pb2.CheckInResponse.FromString(reply)
         return turned_away(idle_retry(claims.population), self.pacer, self.metrics, self.clock())
 
@@ -249,7 +246,7 @@ class DeviceFront:
                    if not k.startswith((":", "grpc-")) and k not in _HOP_BY_HOP]
         return [*carried, (FRONT_KEY_METADATA, self._key)]
 
-    async def _forward(self, method: str, request: bytes, context: grpc.aio.ServicerContext) -> bytes:
+    async def forward(self, method: str, request: bytes, context: grpc.aio.ServicerContext) -> bytes:
         assert self._channel is not None
         self.forwarded.labels(method=method.rpartition("/")[2]).inc()
         try:
@@ -259,7 +256,7 @@ class DeviceFront:
             await context.abort(*_relayed(exc))
             raise  # unreachable: abort raises
 
-    async def _forward_stream(
+    async def forward_stream(
         self, method: str, request: bytes, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[bytes]:
         assert self._channel is not None
@@ -294,7 +291,7 @@ class _FrontHandlers(grpc.GenericRpcHandler):
         front, method = self._front, details.method
         if method == _REGISTER:
             return grpc.unary_unary_rpc_method_handler(
-                front.register, request_deserializer=coordinator_pb2.RegisterRequest.FromString,
+                front.entry.register, request_deserializer=coordinator_pb2.RegisterRequest.FromString,
                 response_serializer=coordinator_pb2.RegisterResponse.SerializeToString)
         if method == _CHECK_IN:
             return grpc.unary_unary_rpc_method_handler(
@@ -304,13 +301,13 @@ class _FrontHandlers(grpc.GenericRpcHandler):
             return None
         if _FORWARDED[method]:
             async def forward_stream(request: bytes, context: grpc.aio.ServicerContext) -> AsyncIterator[bytes]:
-                async for chunk in front._forward_stream(method, request, context):
+                async for chunk in front.forward_stream(method, request, context):
                     yield chunk
 
             return grpc.unary_stream_rpc_method_handler(forward_stream)
 
         async def forward(request: bytes, context: grpc.aio.ServicerContext) -> bytes:
-            return await front._forward(method, request, context)
+            return await front.forward(method, request, context)
 
         return grpc.unary_unary_rpc_method_handler(forward)
 
