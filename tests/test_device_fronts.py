@@ -268,7 +268,7 @@ def test_a_front_that_cannot_read_the_store_stops_rather_than_answer_from_stale_
 
     async def main() -> None:
         async with stack(tmp_path, tls=True, device_processes=2) as s, _Front(s) as front:
-            async def unreadable() -> None:
+            def unreadable() -> None:
                 raise sqlite3.OperationalError("database is locked")
 
             monkeypatch.setattr(front.front, "_refresh_once", unreadable)

@@ -84,6 +84,8 @@ _FORWARDED = {
     for service in (_COORDINATOR, admin_pb2.DESCRIPTOR.services_by_name["Admin"])
     for method in service.methods
 }
+# What a front answers health checks and reflection for: the services it serves or forwards.
+_SERVED = (*dict.fromkeys(name.split("/")[1] for name in _FORWARDED), health.SERVICE_NAME)
 _REGISTER, _CHECK_IN = f"/{_COORDINATOR.full_name}/Register", f"/{_COORDINATOR.full_name}/CheckIn"
 # What a forwarded call does not carry over: HTTP/2 pseudo-headers and gRPC's own.
 _HOP_BY_HOP = ("user-agent",)
@@ -167,7 +169,7 @@ class DeviceFront:
             limits={"Register": SourceRateLimiter(c.register_limit, self.clock),
                     "CheckIn": SourceRateLimiter(c.checkin_limit, self.clock)},
         )
-        await self._refresh_once()
+        self._refresh_once()
         self._channel = grpc.aio.insecure_channel(c.coordinator, options=[
             ("grpc.max_receive_message_length", c.max_message_bytes),
             ("grpc.max_send_message_length", c.max_message_bytes),
@@ -180,12 +182,11 @@ class DeviceFront:
         server.add_generic_rpc_handlers((_FrontHandlers(self),))
         health_servicer = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-        names = (*(name.strip("/").split("/")[0] for name in _FORWARDED), health.SERVICE_NAME)
-        reflection.enable_server_reflection((*dict.fromkeys(names), reflection.SERVICE_NAME), server)
+        reflection.enable_server_reflection((*_SERVED, reflection.SERVICE_NAME), server)
         port = bind(server, c.listen, c.tls)
         await server.start()
         self._server = server
-        for name in ("", *dict.fromkeys(names)):
+        for name in ("", *_SERVED):
             await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
         self._refresher = asyncio.get_running_loop().create_task(self._refresh())
         logs.event(log, "device front serving", front=c.index, port=port, metrics_port=self.metrics_port)
@@ -205,7 +206,7 @@ class DeviceFront:
             self._database.close()
         self._server = self._channel = self._metrics = self._database = self._refresher = None
 
-    async def _refresh_once(self) -> None:
+    def _refresh_once(self) -> None:
         assert self._database is not None
         with self._database.lock:
             rows = self._database.conn.execute(
@@ -222,7 +223,7 @@ class DeviceFront:
         while True:
             await asyncio.sleep(REFRESH_S)
             try:
-                await self._refresh_once()
+                self._refresh_once()
                 fresh = time.monotonic()
             except (sqlite3.Error, OSError) as exc:
                 logs.event(log, "device front could not read the store", level=logging.WARNING,
