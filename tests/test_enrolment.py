@@ -349,3 +349,59 @@ def test_revoking_one_device_refuses_it_everywhere_and_touches_no_other(tmp_path
     assert again[0] == grpc.StatusCode.PERMISSION_DENIED and "revoked" in again[1]
     assert refusals == (1, 1)
     assert after_restart == (grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.OK)
+
+
+class _LoseTheFirstRegisterAnswer(grpc.GenericRpcHandler):
+    """A plaintext loopback relay to the coordinator that passes the first Register on and then
+    tells the device UNAVAILABLE: the coordinator has recorded a registration whose answer the
+    device never saw, as when a reply is lost on the way or comes after the device's deadline."""
+
+    def __init__(self, channel: grpc.aio.Channel) -> None:
+        self.channel, self.lost = channel, 0
+
+    def service(self, details: grpc.HandlerCallDetails):
+        method = details.method
+
+        async def relay(request: bytes, context: grpc.aio.ServicerContext) -> bytes:
+            carried = [(k, v) for k, v in context.invocation_metadata() if k == "authorization"]
+            try:
+                reply = await self.channel.unary_unary(method)(request, metadata=carried, timeout=10)
+            except grpc.aio.AioRpcError as refused:
+                await context.abort(refused.code(), refused.details() or "")
+            if method.endswith("/Register") and not self.lost:
+                self.lost += 1
+                await context.abort(grpc.StatusCode.UNAVAILABLE, "the answer was lost")
+            return reply
+
+        return grpc.unary_unary_rpc_method_handler(relay)
+
+
+def test_a_registration_whose_answer_was_lost_is_retried_as_a_new_statement(tmp_path):
+    """Retrying the same signed statement would be refused as a replay (the coordinator took the
+    first one): the device signs a new one per attempt, and goes on to its authenticated call."""
+    from tally.client.device import Device
+    from tally.client.retry import RetryPolicy
+
+    async def main():
+        async with coordinator(tmp_path) as c:
+            upstream = open_aio_channel(f"localhost:{c.service.port}", TLSConfig.from_dir(tmp_path / "pki" / "device", None))
+            relay = _LoseTheFirstRegisterAnswer(upstream)
+            server = grpc.aio.server()
+            server.add_generic_rpc_handlers((relay,))
+            port = server.add_insecure_port("127.0.0.1:0")
+            await server.start()
+            credential = SharedKeyEnrolment(c.service.enrolment_key).credential("default", "d1")
+            device = Device(f"127.0.0.1:{port}", TLSConfig.plaintext(), "d1", None, enrolment_credential=credential,
+                            retry=RetryPolicy(initial_seconds=0.01, max_seconds=0.05))
+            try:
+                with pytest.raises(grpc.aio.AioRpcError) as answer:
+                    await device.round_status("no-such-job")
+            finally:
+                await server.stop(0)
+                await upstream.close()
+            return relay.lost, answer.value.code(), c.refusals("replay")
+
+    lost, code, replays = run(main())
+    assert lost == 1
+    assert code == grpc.StatusCode.NOT_FOUND  # registered, and the call itself reached the coordinator
+    assert replays == 0

@@ -481,7 +481,9 @@ class Device:
 
     async def _call(self, method: str, request: Any, *, authenticated: bool = True) -> Any:
         """A unary coordinator call with backoff on transient statuses; authenticated calls carry
-        the token and register again, once, when the coordinator refuses it."""
+        the token and register again, once, when the coordinator refuses it. ``request`` may be
+        a function making it afresh for each attempt (a registration statement is signed with
+        its time: one the coordinator took while its answer was lost would be a replay)."""
         attempt = 0
         reregistered = False
         while True:
@@ -489,7 +491,7 @@ class Device:
             try:
                 started = time.perf_counter()
                 response = await getattr(self._stub(), method)(
-                    request,
+                    request() if callable(request) else request,
                     metadata=bearer_metadata(token) if token else None,
                     timeout=self.retry.call_timeout,
                 )
@@ -544,11 +546,10 @@ class Device:
         async with self._register_lock:
             if self._token is not None and self._token != stale:
                 return  # another caller already renewed it
-            request = register_request(
+            response = await self._call("Register", lambda: register_request(
                 self.identity, self.device_id, self.population, self.enrolment_credential,
                 time.time(), self.attestation,
-            )
-            response = await self._call("Register", request, authenticated=False)
+            ), authenticated=False)
             if self.coordinator_key is None:
                 self.coordinator_key = response.coordinator_key
             elif response.coordinator_key != self.coordinator_key:
