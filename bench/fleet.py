@@ -117,7 +117,8 @@ async def _run(args: argparse.Namespace, workdir: Path) -> dict:
                     "--shard", f"{i}/{args.shards}", "--synthetic", "--no-progress", "--dropout", str(args.dropout),
                     "--enrolment-key", str(cluster.certs / "coordinator" / "enrolment.key"),
                     "--json", str(workdir / f"shard-{i}.json"), "--connect-timeout", "120",
-                    "--processes", "1"]  # a shard is the process this bench measures
+                    "--processes", "1",  # a shard is the process this bench measures
+                    "--ramp", str(args.ramp)]
             if args.plain:
                 argv.append("--allow-plain")
             if args.semi_honest:
@@ -183,10 +184,15 @@ async def _run(args: argparse.Namespace, workdir: Path) -> dict:
     db = sqlite3.connect(f"file:{cluster.state / 'coordinator.db'}?mode=ro", uri=True)
     round_metrics = [json.loads(m) for (m,) in db.execute(
         "SELECT metrics FROM rounds WHERE job_id = ? AND state = 'committed' ORDER BY round", (job_id,))]
+    # How many devices had registered when each round committed: the population it ran with.
+    registered_at_commit = [n for (n,) in db.execute(
+        "SELECT (SELECT COUNT(*) FROM devices WHERE enrolled_at <= r.finished_at) FROM rounds r "
+        "WHERE r.job_id = ? AND r.state = 'committed' ORDER BY r.round", (job_id,))]
     db.close()
     durations = [m["duration_seconds"] for m in round_metrics]
     rounds = len(durations)
     result.update({
+        "registered_at_commit": registered_at_commit, "ramp_seconds": args.ramp,
         "values": 75 * args.hidden + 10, "cohort": args.cohort, "plain": args.plain, "consistency_check": not (args.plain or args.semi_honest), "rounds_committed": rounds,
         "round_seconds": durations, "round_metrics": round_metrics, "round_seconds_median": statistics.median(durations) if durations else None,
         "rounds_per_hour": 3600 / statistics.median(durations) if durations else None,
@@ -237,6 +243,8 @@ def main() -> None:
                         help="no job: run the fleet this long and report its memory per idle device")
     parser.add_argument("--checkin-rate", type=float, default=0.0,
                         help="the coordinator's pace steering target (check-ins per second; 0: off)")
+    parser.add_argument("--ramp", type=float, default=0.0, metavar="SECONDS",
+                        help="the fleet's devices come online over this many seconds (tally fleet --ramp)")
     parser.add_argument("--json", type=Path, help="write the results here (they are printed either way)")
     parser.add_argument("--keep", type=Path, metavar="DIR",
                         help="run in DIR and keep what the run leaves (the coordinator's SQLite, every "

@@ -157,3 +157,43 @@ def test_a_misbehaving_churning_shaped_fleet_still_commits_exact_sums(tmp_path):
     # Every duplicate the devices sent was refused as one (a replay may be refused in its place
     # when both hit one session, so at most as many).
     assert 1 <= refused["duplicate_message"] <= result.misbehaved["duplicate"], (refused, result.misbehaved)
+
+
+def test_a_ramp_brings_each_device_online_at_its_own_time(tmp_path):
+    """No device registers before its arrival time, and the arrivals spread over the ramp (a
+    fleet without one registers every device at once)."""
+    import sqlite3
+    import time
+
+    from support.stack import run, stack, trainers
+
+    ramp, n = 3.0, 16
+
+    async def main():
+        async with stack(tmp_path) as s:
+            devices, _ = trainers(n)
+            fleet = s.fleet(devices, ramp_s=ramp, seed=7)
+            started = time.time()
+            try:
+                await fleet.run(until=lambda stats: stats.checkins >= n, poll_seconds=0.05)
+            finally:
+                fleet.close()
+            db = sqlite3.connect(f"file:{s.state_dir / 'coordinator.db'}?mode=ro", uri=True)
+            enrolled = dict(db.execute("SELECT device_id, enrolled_at FROM devices").fetchall())
+            db.close()
+            return started, enrolled, {d.device_id: fleet.arrival_s(i) for i, d in enumerate(fleet.devices)}
+
+    started, enrolled, arrivals = run(main())
+    assert enrolled.keys() == arrivals.keys()
+    for device, arrival in arrivals.items():
+        assert enrolled[device] - started >= arrival - 0.05, device
+    assert max(arrivals.values()) - min(arrivals.values()) > ramp / 2
+    assert all(0 <= a < ramp for a in arrivals.values())
+
+
+def test_a_negative_ramp_is_refused():
+    from tally.client import Fleet
+    from tally.security import TLSConfig
+
+    with pytest.raises(ValueError, match="ramp_s"):
+        Fleet("127.0.0.1:1", TLSConfig.plaintext(), [object()], ramp_s=-1.0)

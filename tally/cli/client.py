@@ -131,6 +131,12 @@ def register(sub: argparse._SubParsersAction) -> None:
         "See tally/client/behaviour.py and examples/fleet/profile.yaml",
     )
     f.add_argument(
+        "--ramp", type=argtypes.number(0.0), default=0.0, metavar="SECONDS",
+        help="devices come online over this many seconds, each at its own time (uniform, from --seed "
+        "and its index), rather than all at once: a large fleet registering in one instant saturates "
+        "the machine playing it (default: 0, all at once)",
+    )
+    f.add_argument(
         "--processes", type=argtypes.integer(1), metavar="P",
         help="play this shard's devices in P processes (process p plays sub-shard I*P+p of N*P; each "
         "serves its own metrics on --metrics-port + p); default: one per core this process may use "

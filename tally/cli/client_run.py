@@ -220,6 +220,7 @@ def _play(args: argparse.Namespace, on_stats: Callable[[FleetStats], None] | Non
         device_policy=_policy(args, allow_plain=args.allow_plain),
         enrolment_key=enrolment_key,
         profile=profile,
+        ramp_s=args.ramp,
         metrics=ClientMetrics(FleetTimeline(args.seed) if args.report is not None else None),
     )
     if args.until_job_done:

@@ -30,12 +30,14 @@ from tally.client.device import Device, DeviceStats
 from tally.client.dropout import DropoutPlan
 from tally.client.enrolment import simulated_identity
 from tally.client.metrics import ClientMetrics
-from tally.client.retry import RetryPolicy
+from tally.client.retry import RetryPolicy, Stopped, pause
 from tally.secagg import DevicePolicy
 from tally.security import TLSConfig
 from tally.security.enrolment import SharedKeyEnrolment
 from tally.wire.v1 import common_pb2
 
+# The random stream a device's arrival time is drawn from, apart from its other draws.
+_RAMP_STREAM = 0x2A3F
 FINISHED_JOB_STATES = frozenset(
     {common_pb2.JOB_STATE_SUCCEEDED, common_pb2.JOB_STATE_FAILED, common_pb2.JOB_STATE_CANCELLED}
 )
@@ -187,6 +189,7 @@ class Fleet:
         audit: bool = False,
         first_index: int = 0,
         profile: BehaviourProfile | None = None,
+        ramp_s: float = 0.0,
     ) -> None:
         """``state_dir``: each device keeps its per-job local state (LG-FedAvg's local layers,
         SuPerFed's personal model) in ``state_dir/<device id>``, across restarts. ``audit``:
@@ -194,7 +197,13 @@ class Fleet:
         can check the committed sums against them. ``first_index``: this process plays devices
         ``first_index`` onwards of a fleet spread over several (ids and seeds follow the index,
         so N shards are the same fleet as one process). ``profile``: how the devices behave
-        (``tally.client.behaviour``); a device that leaves by churn is replaced by a new one."""
+        (``tally.client.behaviour``); a device that leaves by churn is replaced by a new one.
+        ``ramp_s``: devices come online over this many seconds, each at its own time (uniform,
+        from the seed and its index), as a real population does: 100,000 devices registering in
+        one instant swamp the machine playing them before any round can run."""
+        if ramp_s < 0:
+            raise ValueError(f"ramp_s must be >= 0, got {ramp_s}")
+        self.ramp_s = ramp_s
         if not trainers:
             raise ValueError("a fleet needs at least one device")
         policy = retry or RetryPolicy()
@@ -306,10 +315,20 @@ class Fleet:
     async def _slot(self, i: int, halt: asyncio.Event, max_tasks: int | None) -> None:
         """Run slot i's device; each time one leaves by churn, a new one takes its place."""
         generation = 0
+        if self.ramp_s:
+            try:
+                await pause(self.arrival_s(i), halt)
+            except Stopped:
+                return
         while (await self.devices[i].run(halt, max_tasks)).left and not halt.is_set():
             generation += 1
             self.departed.append(self.devices[i])
             self.devices[i] = self._device(i, generation)
+
+    def arrival_s(self, i: int) -> float:
+        """When slot i's device comes online, in seconds after the fleet starts (``ramp_s``)."""
+        draw = np.random.default_rng([self._seed, self._first_index + i, _RAMP_STREAM]).random()
+        return self.ramp_s * float(draw)
 
     def until_job_done(self, job_id: str, every_seconds: float = 1.0) -> Callable[[FleetStats], Awaitable[bool]]:
         """A predicate for ``run``: the coordinator reports ``job_id`` finished (asked at most
