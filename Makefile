@@ -5,7 +5,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: test demo docs bench-smoke clean prometheus images test-containers test-full
+.PHONY: test demo docs bench-smoke clean prometheus postgresql images test-containers test-full
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -24,11 +24,19 @@ prometheus:
 		$$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq \
 			--no-install-recommends prometheus >/dev/null || echo "prometheus not installed: its tests will skip"; }
 
+# The coordinator-replica tests need a real PostgreSQL server (Debian package `postgresql`): installed
+# when missing, as Prometheus is, else those tests skip. They start their own on 127.0.0.1.
+postgresql:
+	@command -v initdb >/dev/null || ls /usr/lib/postgresql/*/bin/initdb >/dev/null 2>&1 || { \
+		SUDO=$$( [ "$$(id -u)" = 0 ] || echo "sudo -n"); \
+		$$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq \
+			--no-install-recommends postgresql >/dev/null || echo "postgresql not installed: its tests will skip"; }
+
 # Tests run in TEST_WORKERS processes (pytest-xdist): most of the suite waits on servers, child
 # processes and deadlines, so three workers on two cores finish sooner than one (docs/contributing.md).
 TEST_WORKERS ?= 3
 
-test: $(STAMP) prometheus
+test: $(STAMP) prometheus postgresql
 	$(PY) -m pytest -q -m "not containers and not full" -n $(TEST_WORKERS)
 
 # What `make test` runs smaller or leaves out, at full size: the 10,000-device cohort, the attacks at

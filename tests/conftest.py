@@ -32,6 +32,23 @@ def deployment(tmp_path_factory: pytest.TempPathFactory):
     return new_deployment(tmp_path_factory.mktemp("tls"))
 
 
+@pytest.fixture(scope="session")
+def postgres(tmp_path_factory: pytest.TempPathFactory):
+    """One real PostgreSQL server per test process (support.postgres), started on first use."""
+    from support.postgres import _missing, postgres_server
+
+    if _missing():
+        pytest.skip(_missing())
+    with postgres_server(tmp_path_factory.mktemp("postgres")) as server:
+        yield server
+
+
+@pytest.fixture
+def postgres_url(postgres) -> str:
+    """A new, empty database on that server, for one test: its URL (with the password)."""
+    return postgres.database()
+
+
 @pytest.fixture
 def twostep():
     """``twostep`` registered as an algorithm for one test: a two-sum algorithm whose second

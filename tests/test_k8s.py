@@ -45,6 +45,8 @@ SKIPPED_CHECKS = {
     "CKV_K8S_15",
 }
 CRD_GROUPS = ("cert-manager.io/", "monitoring.coreos.com/")
+# Secrets the operator creates, not `tally certs`: the replicas' database URL (its password).
+OPERATOR_SECRETS = ("tally-database",)
 
 
 @pytest.fixture(scope="module")
@@ -140,6 +142,8 @@ def test_generated_secrets_pass_schema_validation_and_are_what_pods_mount(
     keys = {s["metadata"]["name"]: set(s["data"]) for s in generated}
     for objects in rendered.values():
         for source, name, items in _secret_references(objects):
+            if name in OPERATOR_SECRETS:
+                continue
             assert name in names, f"{source} mounts Secret {name}, which `tally certs --k8s-secrets` never writes"
             assert items <= keys[name], f"{source} mounts keys {items - keys[name]} missing from Secret {name}"
 
@@ -305,6 +309,30 @@ def test_network_policies_admit_only_what_each_port_serves(rendered: dict[str, l
     assert ingress["tally-coordinator"] == [(None, [7000]), (monitoring, [9464])]
     assert ingress["tally-aggregator"] == [(None, [7001]), (coordinator_pods, [7002]), (monitoring, [9465])]
     assert ingress["tally-fleet"] == [(monitoring, [9466])]
+
+
+def test_replicas_are_prod_with_the_coordinator_over_postgres(rendered: dict[str, list[dict[str, Any]]]) -> None:
+    """Three replicas on one database: the URL from a Secret, each replica's internal port
+    reachable from the other replicas only, and a drain may take one replica at a time."""
+    replicas, prod = rendered["replicas"], rendered["prod"]
+    assert {(o["kind"], o["metadata"]["name"]) for o in prod} < {(o["kind"], o["metadata"]["name"]) for o in replicas}
+    coordinator = one(replicas, "StatefulSet", "tally-coordinator")["spec"]
+    assert coordinator["replicas"] == 3
+    (container,) = coordinator["template"]["spec"]["containers"]
+    mount = next(m for m in container["volumeMounts"] if m["name"] == "database")
+    assert f"--database-file={mount['mountPath']}/url" in container["args"] and mount["readOnly"]
+    volume = next(v for v in coordinator["template"]["spec"]["volumes"] if v["name"] == "database")
+    assert volume["secret"]["secretName"] == OPERATOR_SECRETS[0] and volume["secret"]["items"][0]["key"] == "url"
+    assert {"--internal-listen=0.0.0.0:7010", "--advertise=$(POD_IP)"} <= set(container["args"])
+    assert any(e["name"] == "POD_IP" for e in container["env"])  # what $(POD_IP) expands from
+    assert {p["containerPort"] for p in container["ports"]} == {7000, 7010, 9464}
+    policy = one(replicas, "NetworkPolicy", "tally-coordinator-replicas")["spec"]
+    coordinator_pods = [{"podSelector": {"matchLabels": {"app.kubernetes.io/name": "tally",
+                                                         "app.kubernetes.io/component": "coordinator"}}}]
+    assert [(r["from"], [p["port"] for p in r["ports"]]) for r in policy["ingress"]] == [(coordinator_pods, [7010])]
+    assert [(r.get("to"), [p["port"] for p in r["ports"]]) for r in policy["egress"]] == [
+        (coordinator_pods, [7010]), (None, [5432])]
+    assert one(replicas, "PodDisruptionBudget", "tally-coordinator")["spec"]["maxUnavailable"] == 1
 
 
 def test_checkov_kubernetes_checks_pass(rendered: dict[str, list[dict[str, Any]]], tmp_path: Path) -> None:

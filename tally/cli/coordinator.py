@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
 import shutil
 import signal
 import sys
@@ -16,6 +17,7 @@ from tally.cli import argtypes, job
 from tally.cli.argtypes import add_metrics_arguments
 from tally.cli.job import DEFAULT_ADDRESS
 from tally.coordinator.admin_token import ADMIN_TOKEN_FILE
+from tally.coordinator.database import is_postgres_url
 from tally.coordinator.aggregators import parse_aggregator
 from tally.coordinator.ratelimit import (
     DEFAULT_CHECKIN_LIMIT,
@@ -27,9 +29,13 @@ from tally.security.tls import add_tls_arguments, tls_config_from_args
 
 if TYPE_CHECKING:  # the service and job specs import torch: `--help` must not wait for it
     from tally.coordinator.jobspec import JobSpec
+    from tally.coordinator.replica import Replica
     from tally.coordinator.service import CoordinatorService
 
 log = logging.getLogger("tally.tally.cli.coordinator")
+
+DATABASE_ENV = "TALLY_DATABASE_URL"
+DEFAULT_INTERNAL_LISTEN = "0.0.0.0:7010"
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -103,6 +109,30 @@ def register(sub: argparse._SubParsersAction) -> None:
         "--front-metrics-port", type=argtypes.integer(0, 65535), default=0, metavar="PORT",
         help="device front i (1 .. N - 1) serves /metrics on PORT + i - 1, on --metrics-addr "
         "(default: 0, an ephemeral port each, logged when the front starts)",
+    )
+    p.add_argument(
+        "--database", default=os.environ.get(DATABASE_ENV), metavar="URL",
+        help="run as one of several replicas over this PostgreSQL database (postgresql://USER@HOST/DB; "
+        f"give the password in ${DATABASE_ENV} or a .pgpass file, not on the command line, which "
+        "other local users can read): the replica holding the lead plans rounds, the others serve "
+        "registrations and idle check-ins and forward the rest to it, taking over when it goes "
+        f"(default: ${DATABASE_ENV}, else none: SQLite in --state-dir, one coordinator)",
+    )
+    p.add_argument(
+        "--database-file", type=Path, metavar="PATH",
+        help="read --database's URL from this file (a mounted Secret: a password in a file, not in the "
+        "environment of every process the container starts)",
+    )
+    p.add_argument(
+        "--internal-listen", default=DEFAULT_INTERNAL_LISTEN, metavar="HOST:PORT",
+        help="with --database: where the other replicas' device fronts reach this one while it "
+        "leads (TLS, and only callers with the fronts' key) (default: %(default)s)",
+    )
+    p.add_argument(
+        "--advertise", metavar="HOST",
+        help="with --database: the host the other replicas reach --internal-listen at, e.g. the pod's "
+        "name under a headless Service, tally-coordinator-0.tally-coordinator (default: "
+        "--internal-listen's host, which must then not be a wildcard)",
     )
     p.add_argument(
         "--model-plugin", action="append", default=[], metavar="MODULE",
@@ -182,6 +212,7 @@ def _rate_limit(text: str) -> RateLimit:
 
 def run_coordinator(args: argparse.Namespace) -> int:
     from tally import models
+    from tally.coordinator.replica import Replica
     from tally.coordinator.service import CoordinatorService
 
     logs.configure(args.log_level)
@@ -199,28 +230,76 @@ def run_coordinator(args: argparse.Namespace) -> int:
         return 2
     if plugged:
         logs.event(log, "model plug-ins loaded", modules=args.model_plugin, kinds=plugged)
-    service = CoordinatorService(
-        args.listen, tls, args.state_dir, _aggregators(args),
-        metrics_port=args.metrics_port, metrics_addr=args.metrics_addr,
-        max_message_bytes=args.max_message_bytes,
-        secrets_dir=args.secrets_dir or args.tls_dir or args.state_dir,
-        checkin_hold_s=args.checkin_hold,
-        max_request_bytes=args.max_request_bytes,
-        register_limit=args.register_limit,
-        checkin_limit=args.checkin_limit,
-        checkin_rate=args.checkin_rate,
-        device_processes=args.device_processes,
-        front_metrics_port=args.front_metrics_port,
-        log_level=args.log_level,
-    )
-    return asyncio.run(_serve(service, specs))
+    try:
+        advertise = _replication(args)
+    except ValueError as exc:
+        print(f"tally coordinator: {exc}", file=sys.stderr)
+        return 2
+
+    def make_service(epoch: int | None) -> CoordinatorService:
+        return CoordinatorService(
+            args.listen, tls, args.state_dir, _aggregators(args),
+            metrics_port=args.metrics_port, metrics_addr=args.metrics_addr,
+            max_message_bytes=args.max_message_bytes,
+            secrets_dir=args.secrets_dir or args.tls_dir or args.state_dir,
+            checkin_hold_s=args.checkin_hold,
+            max_request_bytes=args.max_request_bytes,
+            register_limit=args.register_limit,
+            checkin_limit=args.checkin_limit,
+            checkin_rate=args.checkin_rate,
+            device_processes=args.device_processes,
+            front_metrics_port=args.front_metrics_port,
+            log_level=args.log_level,
+            database_url=args.database or None,
+            epoch=epoch,
+            internal_listen=args.internal_listen if args.database else None,
+        )
+    if advertise is not None:
+        return asyncio.run(_serve_replica(Replica(make_service, advertise, lambda s: _submit_new(s, specs))))
+    return asyncio.run(_serve(make_service(None), specs))
 
 
-async def _serve(service: CoordinatorService, specs: list[tuple[Path, JobSpec]]) -> int:
+def _replication(args: argparse.Namespace) -> str | None:
+    """The host to advertise as a replica over --database (None: one coordinator on SQLite)."""
+    if args.database_file is not None:
+        try:
+            args.database = args.database_file.read_text().strip()
+        except OSError as exc:
+            raise ValueError(f"--database-file {args.database_file}: {exc.strerror or exc}") from None
+    if not args.database:
+        return None
+    if not is_postgres_url(args.database):
+        raise ValueError("--database: expected a postgresql:// URL")
+    try:
+        import psycopg  # noqa: F401 - only its absence matters here
+    except ImportError:
+        raise ValueError("--database needs psycopg: pip install 'tally[coordinator]'") from None
+    host = args.advertise or args.internal_listen.rpartition(":")[0].strip("[]")
+    if host in ("", "0.0.0.0", "::"):
+        raise ValueError("--advertise: --internal-listen listens on every interface, so name the host "
+                         "the other replicas reach it at")
+    return host
+
+
+async def _serve_replica(replica: Replica) -> int:
+    stopping = _stop_on_signals()
+    try:
+        return await replica.run(stopping)
+    except (OSError, RuntimeError, ValueError) as exc:  # a port in use, bad TLS files, no database
+        print(f"tally coordinator: {exc}", file=sys.stderr)
+        return 1
+
+
+def _stop_on_signals() -> asyncio.Event:
     stopping = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stopping.set)
+    return stopping
+
+
+async def _serve(service: CoordinatorService, specs: list[tuple[Path, JobSpec]]) -> int:
+    stopping = _stop_on_signals()
     fresh = not service.state_dir.exists()
     try:
         port = await service.start()

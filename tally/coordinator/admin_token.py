@@ -25,3 +25,13 @@ def load_or_create_admin_token(directory: Path) -> str:
     with os.fdopen(fd, "w") as f:
         f.write(token + "\n")
     return token
+
+
+def write_admin_token(directory: Path, token: str) -> None:
+    """Put a token made elsewhere (replicas share theirs through the store) where ``tally job``
+    and ``tally k8s status`` look for it: replaced atomically, mode 0600."""
+    path = Path(directory) / ADMIN_TOKEN_FILE
+    tmp = path.with_name(f".{ADMIN_TOKEN_FILE}.{secrets.token_hex(4)}.tmp")
+    with os.fdopen(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "w") as f:
+        f.write(token + "\n")
+    os.replace(tmp, path)

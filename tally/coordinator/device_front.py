@@ -42,7 +42,6 @@ import multiprocessing.process
 import os
 import signal
 import socket
-import sqlite3
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
@@ -60,11 +59,13 @@ from tally.coordinator.metrics import DeviceMetrics
 from tally.coordinator.pacing import CheckinPacer
 from tally.coordinator.come_back import idle_retry
 from tally.coordinator.ratelimit import RateLimit, SourceRateLimiter
-from tally.coordinator.sqlite_db import Database
+from tally.coordinator.database import Database, open_database
+from tally.coordinator.leadership import leader_address
 from tally.metrics import MetricsServer, RoleRegistry
 from tally.security import TLSConfig, TokenIssuer, bind, load_or_create_ticket_key, load_or_create_token_secret
+from tally.security.certs import COORDINATOR_CN
 from tally.security.enrolment import EnrolmentVerifier, SharedKeyEnrolment, load_or_create_enrolment_key
-from tally.security.tls import server_options
+from tally.security.tls import open_aio_channel, server_options
 from tally.wire.undecodable import RefuseUndecodable
 from tally.wire.v1 import admin_pb2, coordinator_pb2
 
@@ -124,7 +125,7 @@ class FrontConfig:
     tls: TLSConfig
     state_dir: Path
     secrets_dir: Path
-    coordinator: str  # the coordinator's internal HOST:PORT
+    coordinator: str  # the coordinator's internal HOST:PORT; "": the leader's, read from the store
     token_ttl_s: float
     register_limit: RateLimit  # this process's share
     checkin_limit: RateLimit
@@ -136,6 +137,15 @@ class FrontConfig:
     log_level: str
     coordinator_pid: int  # not the front's parent as it reads it: the coordinator may die first
     enrolment: EnrolmentVerifier | None = None
+    database_url: str | None = None  # PostgreSQL: the replicas' shared store, not state_dir's SQLite
+
+
+def internal_tls(tls: TLSConfig) -> TLSConfig:
+    """How a replica's fronts reach the leader's internal port: TLS, verifying the coordinator's
+    certificate with the deployment's CA and by the coordinator's name, whatever address the
+    leader advertised (a pod IP no certificate names; every replica holds that certificate).
+    Plaintext only where the device port is, and then on loopback only, as every plaintext channel."""
+    return TLSConfig.plaintext() if tls.insecure else TLSConfig(ca=tls.ca, server_name=COORDINATOR_CN)
 
 
 class DeviceFront:
@@ -145,6 +155,7 @@ class DeviceFront:
         self.metrics_port: int | None = None
         self._server: grpc.aio.Server | None = None
         self._channel: grpc.aio.Channel | None = None
+        self._retired: list[grpc.aio.Channel] = []
         self._database: Database | None = None
         self._metrics: MetricsServer | None = None
         self._refresher: asyncio.Task[None] | None = None
@@ -152,7 +163,7 @@ class DeviceFront:
 
     async def start(self) -> int:
         c = self.config
-        self._database = Database(c.state_dir / "coordinator.db")
+        self._database = open_database(c.state_dir, c.database_url)
         self.devices = EnrolledDevices(self._database)
         token_secret = load_or_create_token_secret(c.secrets_dir)
         self._key = front_key(token_secret)
@@ -169,11 +180,8 @@ class DeviceFront:
             limits={"Register": SourceRateLimiter(c.register_limit, self.clock),
                     "CheckIn": SourceRateLimiter(c.checkin_limit, self.clock)},
         )
+        self.target: str | None = None
         self._refresh_once()
-        self._channel = grpc.aio.insecure_channel(c.coordinator, options=[
-            ("grpc.max_receive_message_length", c.max_message_bytes),
-            ("grpc.max_send_message_length", c.max_message_bytes),
-        ])
         self._metrics = MetricsServer(self.metrics.registry)
         self.metrics_port = self._metrics.start(c.metrics_port, c.metrics_addr)
         server = grpc.aio.server(
@@ -198,8 +206,10 @@ class DeviceFront:
             await asyncio.gather(self._refresher, return_exceptions=True)
         if self._server is not None:
             await self._server.stop(grace)
-        if self._channel is not None:
-            await self._channel.close()
+        for channel in (*self._retired, self._channel):
+            if channel is not None:
+                await channel.close()
+        self._retired = []
         if self._metrics is not None:
             self._metrics.stop()
         if self._database is not None:
@@ -209,10 +219,28 @@ class DeviceFront:
     def _refresh_once(self) -> None:
         assert self._database is not None
         with self._database.lock:
-            rows = self._database.conn.execute(
+            rows = self._database.execute(
                 "SELECT DISTINCT population FROM jobs WHERE state IN ('PENDING', 'RUNNING')").fetchall()
         self.populations_with_jobs = frozenset(row[0] for row in rows)
         self.devices.reload_revoked()
+        self._point_at(self.config.coordinator or leader_address(self._database))
+
+    def _point_at(self, target: str | None) -> None:
+        """Forward to ``target`` from now on: a replica's leader may change (calls in flight on
+        the old channel finish or fail; devices retry)."""
+        if target is None or target == self.target:
+            return
+        c, old = self.config, self._channel
+        options = [("grpc.max_receive_message_length", c.max_message_bytes),
+                   ("grpc.max_send_message_length", c.max_message_bytes)]
+        # A host's own fronts reach the coordinator on loopback in plaintext; a replica reaches
+        # the leader across the network, verifying the coordinator's certificate.
+        self._channel = (grpc.aio.insecure_channel(target, options=options) if c.coordinator
+                         else open_aio_channel(target, internal_tls(c.tls), options))
+        self.target = target
+        logs.event(log, "device front forwarding", front=c.index, to=target)
+        if old is not None:  # closed when the front stops: calls in flight on it may finish
+            self._retired.append(old)
 
     async def _refresh(self) -> None:
         """Until what the front knows is older than ``STALE_S``, a failed read (the database busy
@@ -225,7 +253,7 @@ class DeviceFront:
             try:
                 self._refresh_once()
                 fresh = time.monotonic()
-            except (sqlite3.Error, OSError) as exc:
+            except self._database.errors as exc:
                 logs.event(log, "device front could not read the store", level=logging.WARNING,
                            front=self.config.index, error=str(exc))
                 if time.monotonic() - fresh > STALE_S:

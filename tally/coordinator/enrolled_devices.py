@@ -8,9 +8,9 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from tally.coordinator.sqlite_db import Database
+from tally.coordinator.database import Database
 
-# Well below SQLite's limit on bound parameters per statement (32,766).
+# Well below SQLite's limit on bound parameters per statement (32,766), and PostgreSQL's (65,535).
 IDS_PER_QUERY = 10_000
 
 
@@ -33,7 +33,7 @@ class EnrolledDevices:
         """Read the revoked devices again: another process (the coordinator, for a device front)
         may have revoked some since."""
         with self._database.lock:
-            self._revoked = {row[0] for row in self._database.conn.execute(
+            self._revoked = {row[0] for row in self._database.execute(
                 "SELECT device_id FROM devices WHERE revoked_at IS NOT NULL")}
 
     def enrol(
@@ -48,7 +48,7 @@ class EnrolledDevices:
     def _enrol(
         self, device_id: str, population: str, identity_public: bytes, statement_at: float, now: float
     ) -> None:
-        db = self._database.conn
+        db = self._database
         row = db.execute(
             "SELECT population, identity_public, registered_at, revoked_at FROM devices WHERE device_id = ?",
             (device_id,),
@@ -87,7 +87,7 @@ class EnrolledDevices:
         """Revoke one enrolled device for good (False: no such device). Nothing else changes: no
         other device shares a secret with it."""
         with self._database.transaction(durable=True):
-            updated = self._database.conn.execute(
+            updated = self._database.execute(
                 "UPDATE devices SET revoked_at = COALESCE(revoked_at, ?) WHERE device_id = ?", (now, device_id),
             ).rowcount
         if updated:
@@ -104,7 +104,7 @@ class EnrolledDevices:
         with self._database.lock:
             for start in range(0, len(ids), IDS_PER_QUERY):
                 batch = ids[start:start + IDS_PER_QUERY]
-                rows = self._database.conn.execute(
+                rows = self._database.execute(
                     "SELECT device_id, identity_public FROM devices "
                     f"WHERE device_id IN ({','.join('?' * len(batch))})",
                     batch,

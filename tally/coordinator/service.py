@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import secrets
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -21,6 +22,7 @@ from grpc_reflection.v1alpha import reflection
 from tally import logs
 from tally.coordinator.active_jobs import ActiveJobs
 from tally.coordinator.admin_api import AdminService, load_or_create_admin_token
+from tally.coordinator.admin_token import write_admin_token
 from tally.coordinator.aggregators import AggregatorPool
 from tally.coordinator.device_api import DeviceService
 from tally.coordinator.device_entry import DeviceEntry
@@ -79,6 +81,11 @@ class CoordinatorService:
     aggregators with ``tls``'s CA while presenting the coordinator's own certificate (``tally
     certs`` makes it valid for serving and for mutual TLS toward aggregators, whose control API
     admits that identity only).
+
+    As the leader of replicas over PostgreSQL (``tally.coordinator.replica``): ``database_url``
+    is the shared store, ``epoch`` the leadership its durable writes are fenced on, and
+    ``internal_listen`` where the other replicas' fronts forward to (with ``tls``, and the same
+    front key as a host's own fronts).
     """
 
     def __init__(
@@ -104,6 +111,9 @@ class CoordinatorService:
         device_processes: int = 1,
         front_metrics_port: int = 0,
         log_level: str = "info",
+        database_url: str | None = None,
+        epoch: int | None = None,
+        internal_listen: str | None = None,
     ) -> None:
         if device_processes < 1:
             raise ValueError(f"device_processes must be >= 1, got {device_processes}")
@@ -120,6 +130,8 @@ class CoordinatorService:
         self.register_limit, self.checkin_limit = register_limit, checkin_limit
         self.checkin_rate, self.device_processes, self.log_level = checkin_rate, device_processes, log_level
         self.front_metrics_port = front_metrics_port  # front i on this + i - 1; 0: ephemeral ports
+        self.database_url, self.epoch, self.internal_listen = database_url, epoch, internal_listen
+        self.internal_port: int | None = None  # bound on internal_listen
         # Each process serving devices paces the devices connected to it: 1/N of them. The
         # check-ins fronts forward (their devices' of populations with a job) are paced here at
         # the fronts' share, so a population with a job arrives at the whole rate.
@@ -151,8 +163,12 @@ class CoordinatorService:
 
     async def start(self) -> int:
         """Resume unfinished jobs and start serving; returns the bound port."""
-        self._store = Store(self.state_dir)
-        self.admin_token = load_or_create_admin_token(self.state_dir)
+        self._store = Store(self.state_dir, self.database_url, self.epoch)
+        if self.database_url:  # replicas: one token, whichever leads, in each one's state directory
+            self.admin_token = self._store.shared_setting("admin_token", secrets.token_urlsafe(32))
+            write_admin_token(self.state_dir, self.admin_token)
+        else:
+            self.admin_token = load_or_create_admin_token(self.state_dir)
         token_secret = load_or_create_token_secret(self.secrets_dir)
         issuer = TokenIssuer(token_secret)
         signer = TicketSigner(load_or_create_ticket_key(self.secrets_dir))
@@ -206,8 +222,10 @@ class CoordinatorService:
         self.port = bind(server, self.listen, self.tls)
         await server.start()
         self._server = server
+        if shared or self.internal_listen:
+            await self._start_internal(devices(limited=False), admin, front_key(token_secret))
         if shared:
-            await self._start_fronts(devices(limited=False), admin, front_key(token_secret), metrics)
+            await self._start_fronts(metrics)
         for name in ("", *SERVICE_NAMES):
             await self._health.set(name, health_pb2.HealthCheckResponse.SERVING)
         await self.jobs.start()
@@ -217,13 +235,15 @@ class CoordinatorService:
                    state_dir=str(self.state_dir), aggregators=[a for a, _ in self.aggregators])
         return self.port
 
-    def front_config(self, index: int, listen: str) -> FrontConfig:
-        """What device front ``index`` needs to serve ``listen`` beside this coordinator."""
-        assert self.internal_target is not None, "no internal port: device_processes is 1"
+    def front_config(self, index: int, listen: str, coordinator: str | None = None) -> FrontConfig:
+        """What device front ``index`` needs to serve ``listen`` beside this coordinator, forwarding
+        to its internal port, or (``coordinator=""``, a replica following another) to the leader's."""
+        coordinator = self.internal_target if coordinator is None else coordinator
+        assert coordinator is not None, "no internal port: device_processes is 1"
         n = self.device_processes
         return FrontConfig(
             index=index, listen=listen, tls=self.tls, state_dir=self.state_dir, secrets_dir=self.secrets_dir,
-            coordinator=self.internal_target, token_ttl_s=self.token_ttl_s,
+            coordinator=coordinator, token_ttl_s=self.token_ttl_s, database_url=self.database_url,
             register_limit=shares(self.register_limit, n), checkin_limit=shares(self.checkin_limit, n),
             checkin_rate=self.pacer.rate_per_s, max_message_bytes=self.max_message_bytes,
             max_request_bytes=self.max_request_bytes,
@@ -232,17 +252,22 @@ class CoordinatorService:
             enrolment=self.enrolment,
         )
 
-    async def _start_fronts(
-        self, forwarded: DeviceService, admin: AdminService, key: str, metrics: CoordinatorMetrics
-    ) -> None:
-        """The loopback port fronts forward to, then the fronts on the device port."""
+    async def _start_internal(self, forwarded: DeviceService, admin: AdminService, key: str) -> None:
+        """The port fronts forward to: on loopback for this host's own, on ``internal_listen``
+        (TLS) for the other replicas'."""
         internal = grpc.aio.server(options=server_options(self.max_message_bytes, self.max_request_bytes),
                                    interceptors=(FrontKeyRequired(key), RefuseUndecodable()))
         coordinator_pb2_grpc.add_CoordinatorServicer_to_server(forwarded, internal)
         admin_pb2_grpc.add_AdminServicer_to_server(admin, internal)
-        self.internal_target = f"127.0.0.1:{internal.add_insecure_port('127.0.0.1:0')}"
+        if self.device_processes > 1:
+            self.internal_target = f"127.0.0.1:{internal.add_insecure_port('127.0.0.1:0')}"
+        if self.internal_listen:
+            self.internal_port = bind(internal, self.internal_listen, self.tls)
         await internal.start()
         self._internal = internal
+
+    async def _start_fronts(self, metrics: CoordinatorMetrics) -> None:
+        """This host's fronts on the device port."""
         host = self.listen.rpartition(":")[0]
         self.fronts = [FrontProcess(self.front_config(i, f"{host}:{self.port}"))
                        for i in range(1, self.device_processes)]
@@ -304,6 +329,6 @@ class CoordinatorService:
         if self._store is not None:
             self._store.close()
         self._server = self._pool = self._store = self.jobs = self._metrics_server = self._watchdog = None
-        self._internal = self._supervisor = self.internal_target = None
+        self._internal = self._supervisor = self.internal_target = self.internal_port = None
         self.fronts = []
         logs.event(log, "coordinator stopped", port=self.port)

@@ -10,22 +10,30 @@ round, which is never run again. So no committed round is lost or repeated.
 All methods are thread-safe (one connection behind a lock), so large blob writes can run in a
 worker thread while the event loop keeps serving. One coordinator at a time owns a state
 directory (an exclusive lock on ``coordinator.lock``): two would run every job twice.
+
+Over PostgreSQL (coordinator replicas, ``tally.coordinator.leadership``) the tables are the same
+and the blobs are stored in the database too (``blob_data``), the state directory keeping a
+cache of them: a replica that becomes the leader reads the models its predecessor committed.
+Every durable transaction of such a store is fenced: it commits only while the leader epoch it
+was opened under is still the newest, so a leader that lost its lock without noticing cannot
+commit a round its successor is running.
 """
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import hashlib
 import json
 import os
 import secrets
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from tally.coordinator.enrolled_devices import EnrolledDevices
-from tally.coordinator.sqlite_db import Database
+from tally.coordinator.database import Database, SqliteDatabase, open_database, schema
 
 BLOB_KINDS = ("model", "broadcast", "onnx", "state")
 # What devices may download; algorithm states stay on the server.
@@ -145,6 +153,34 @@ CREATE TABLE IF NOT EXISTS cohort_sums (
 CREATE INDEX IF NOT EXISTS events_by_job ON events (job_id, id);
 """
 
+# Only over PostgreSQL: the blobs themselves (replicas share no disk), and who leads.
+_SHARED_SCHEMA = """
+CREATE TABLE IF NOT EXISTS blob_data (
+    digest TEXT PRIMARY KEY,
+    data BLOB NOT NULL
+);
+-- Secrets every replica must agree on and no operator provides (the admin token).
+CREATE TABLE IF NOT EXISTS shared_settings (
+    name TEXT PRIMARY KEY,
+    value TEXT NOT NULL
+);
+-- One row: the replica planning rounds, its address for the others' device fronts, and the
+-- epoch every durable write of the store is fenced on (incremented by each new leader).
+CREATE TABLE IF NOT EXISTS leader (
+    id INTEGER PRIMARY KEY CHECK (id = 1),
+    epoch INTEGER NOT NULL,
+    address TEXT NOT NULL,
+    since REAL NOT NULL
+);
+"""
+# Serialises replicas creating the schema at once (CREATE TABLE IF NOT EXISTS is not safe
+# against a concurrent one in PostgreSQL); any constant unlikely to collide with an operator's.
+SCHEMA_LOCK_KEY = 0x7A11_5C4E
+
+
+class LeadershipLost(RuntimeError):
+    """A durable write of a replica that is no longer the leader: another one took over."""
+
 
 @dataclass(frozen=True)
 class JobRecord:
@@ -216,7 +252,9 @@ class BlobInfo:
 class Store:
     """SQLite database ``coordinator.db`` and ``blobs/`` under one state directory."""
 
-    def __init__(self, directory: Path) -> None:
+    def __init__(self, directory: Path, database_url: str | None = None, epoch: int | None = None) -> None:
+        """``database_url``: PostgreSQL (``postgresql://...``) instead of ``coordinator.db``;
+        ``epoch``: the leader epoch its durable writes are fenced on (PostgreSQL only)."""
         self.directory = Path(directory)
         self.directory.mkdir(parents=True, exist_ok=True, mode=0o700)
         self._owner = open(os.open(self.directory / "coordinator.lock", os.O_WRONLY | os.O_CREAT, 0o600), "a")
@@ -227,22 +265,9 @@ class Store:
             raise RuntimeError(f"{self.directory} is in use by another coordinator") from None
         self._blobs = self.directory / "blobs"
         self._blobs.mkdir(exist_ok=True, mode=0o700)
-        self._database = Database(self.directory / "coordinator.db")
-        self._db, self._lock = self._database.conn, self._database.lock
-        self._transaction = self._database.transaction
-        self._db.executescript(_SCHEMA)
-        if "task_id" not in {c[1] for c in self._db.execute("PRAGMA table_info(seated)")}:
-            # A state directory of an earlier version: its seats have no task id and so can
-            # never be released, which errs on the safe side.
-            self._db.execute("ALTER TABLE seated ADD COLUMN task_id TEXT NOT NULL DEFAULT ''")
-        if "example" not in {c[1] for c in self._db.execute("PRAGMA table_info(task_reports)")}:
-            self._db.execute("ALTER TABLE task_reports ADD COLUMN example TEXT NOT NULL DEFAULT ''")
-        if "revoked_at" not in {c[1] for c in self._db.execute("PRAGMA table_info(devices)")}:
-            self._db.execute("ALTER TABLE devices ADD COLUMN revoked_at REAL")
-        # Every process serving devices re-reads the revoked devices (device fronts every 0.5 s):
-        # a partial index makes that a few rows, not a scan of a million. After the migration above.
-        self._db.execute("CREATE INDEX IF NOT EXISTS devices_revoked ON devices (revoked_at) "
-                         "WHERE revoked_at IS NOT NULL")
+        self._database = self._db = open_database(self.directory, database_url)
+        self._lock, self._shared, self.epoch = self._database.lock, database_url is not None, epoch
+        create_schema(self._database)
         self.devices = EnrolledDevices(self._database)
         # Tighten what an older version (or another umask) left behind.
         for path in (self.directory, self._blobs, *self.directory.glob("coordinator.*")):
@@ -252,6 +277,22 @@ class Store:
         self._database.close()
         self._owner.close()  # releases the directory
 
+    @contextlib.contextmanager
+    def _transaction(self, durable: bool = True) -> Iterator[None]:
+        with self._database.transaction(durable):
+            if durable and self._shared:
+                row = self._db.execute("SELECT epoch FROM leader WHERE id = 1 FOR SHARE").fetchone()
+                if row is None or row[0] != self.epoch:
+                    raise LeadershipLost(f"leader epoch {self.epoch} is over (now {row and row[0]})")
+            yield
+
+    def shared_setting(self, name: str, proposed: str) -> str:
+        """The replicas' one value of ``name``: ``proposed`` if none was stored yet (PostgreSQL)."""
+        with self._lock:
+            self._db.execute("INSERT INTO shared_settings (name, value) VALUES (?, ?) ON CONFLICT DO NOTHING",
+                             (name, proposed))
+            return str(self._db.execute("SELECT value FROM shared_settings WHERE name = ?", (name,)).fetchone()[0])
+
     # -- blobs ---------------------------------------------------------------------------------
 
     def put_blob(self, data: bytes, kind: str) -> str:
@@ -259,6 +300,19 @@ class Store:
         if kind not in BLOB_KINDS:
             raise ValueError(f"unknown blob kind {kind!r}")
         digest = hashlib.sha256(data).hexdigest()
+        self._cache_blob(digest, data)
+        with self._lock:
+            if self._shared:
+                self._db.execute("INSERT INTO blob_data (digest, data) VALUES (?, ?) ON CONFLICT DO NOTHING",
+                                 (digest, data))
+            self._db.execute(
+                "INSERT INTO blobs (digest, kind, size) VALUES (?, ?, ?) ON CONFLICT DO NOTHING",
+                (digest, kind, len(data)),
+            )
+        return digest
+
+    def _cache_blob(self, digest: str, data: bytes) -> None:
+        """Write a blob's file once, atomically (this replica's copy, over PostgreSQL)."""
         path = self._blob_path(digest)
         if not path.exists():
             path.parent.mkdir(exist_ok=True, mode=0o700)
@@ -271,12 +325,20 @@ class Store:
                 os.replace(tmp, path)
             finally:
                 tmp.unlink(missing_ok=True)
+
+    def _cached(self, digest: str) -> Path | None:
+        """The blob's file, fetched from the database when another replica stored it."""
+        path = self._blob_path(digest)
+        if path.exists():
+            return path
+        if not self._shared:
+            return None
         with self._lock:
-            self._db.execute(
-                "INSERT OR IGNORE INTO blobs (digest, kind, size) VALUES (?, ?, ?)",
-                (digest, kind, len(data)),
-            )
-        return digest
+            row = self._db.execute("SELECT data FROM blob_data WHERE digest = ?", (digest,)).fetchone()
+        if row is None:
+            return None
+        self._cache_blob(digest, bytes(row[0]))
+        return path
 
     def blob(self, digest: str, kinds: Iterable[str] = BLOB_KINDS) -> BlobInfo | None:
         """The stored blob ``digest`` if it was stored as one of ``kinds``, else None."""
@@ -286,13 +348,16 @@ class Store:
                 f"SELECT size FROM blobs WHERE digest = ? AND kind IN ({','.join('?' * len(kinds))})",
                 (digest, *kinds),
             ).fetchone()
-        path = self._blob_path(digest)
-        if row is None or not path.exists():
+        path = self._cached(digest) if row is not None else None
+        if path is None:
             return None
         return BlobInfo(digest, int(row[0]), path)
 
     def read_blob(self, digest: str) -> bytes:
-        data = self._blob_path(digest).read_bytes()
+        path = self._cached(digest)
+        if path is None:
+            raise FileNotFoundError(f"blob {digest} is not stored")
+        data = path.read_bytes()
         if hashlib.sha256(data).hexdigest() != digest:
             raise ValueError(f"blob {digest} is corrupt on disk")
         return data
@@ -428,7 +493,8 @@ class Store:
         attempt's cohorts: a restarted coordinator must keep them out of the round's retries too."""
         with self._transaction():  # one fsync for the attempt's seats, not one per seat
             self._db.executemany(
-                "INSERT OR REPLACE INTO seated (job_id, round, device_id, task_id) VALUES (?, ?, ?, ?)",
+                "INSERT INTO seated (job_id, round, device_id, task_id) VALUES (?, ?, ?, ?) "
+                "ON CONFLICT (job_id, round, device_id) DO UPDATE SET task_id = excluded.task_id",
                 [(job_id, round_, device, task) for device, task in seats],
             )
 
@@ -465,8 +531,8 @@ class Store:
             self._db.execute(
                 "INSERT INTO task_reports (job_id, round, outcome, reason, count, example) "
                 "VALUES (?, ?, ?, ?, 1, ?) ON CONFLICT (job_id, round, outcome, reason) "
-                "DO UPDATE SET count = count + 1, example = CASE WHEN example = '' THEN excluded.example "
-                "ELSE example END", (job_id, round_, outcome, reason, detail[:MAX_EXAMPLE_CHARS]),
+                "DO UPDATE SET count = task_reports.count + 1, example = CASE WHEN task_reports.example = '' "
+                "THEN excluded.example ELSE task_reports.example END", (job_id, round_, outcome, reason, detail[:MAX_EXAMPLE_CHARS]),
             )
 
     def task_report_counts(self, job_id: str, round_: int) -> dict[tuple[str, str], int]:
@@ -485,8 +551,11 @@ class Store:
     def add_cohort_sum(self, job_id: str, round_: int, attempt: int, record: CohortSumRecord) -> None:
         with self._lock:
             self._db.execute(
-                "INSERT OR REPLACE INTO cohort_sums (job_id, round, attempt, session_id, sum_id, cohort, bits, "
-                "contributors, fingerprint) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                "INSERT INTO cohort_sums (job_id, round, attempt, session_id, sum_id, cohort, bits, "
+                "contributors, fingerprint) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?) "
+                "ON CONFLICT (job_id, round, attempt, session_id, sum_id) DO UPDATE SET "
+                "cohort = excluded.cohort, bits = excluded.bits, contributors = excluded.contributors, "
+                "fingerprint = excluded.fingerprint",
                 (job_id, round_, attempt, record.session_id, record.sum_id, record.cohort, record.bits,
                  json.dumps(list(record.contributors)), json.dumps([str(f) for f in record.fingerprint])),
             )
@@ -592,3 +661,26 @@ _JOB_COLUMNS = (
     "seq, job_id, name, algorithm, population, spec_yaml, state, message, committed_round, "
     "created_at, updated_at"
 )
+
+
+def create_schema(database: Database) -> None:
+    """The tables, and what an older SQLite state directory lacks of them."""
+    if database.dialect == "postgresql":
+        with database.transaction():
+            database.execute("SELECT pg_advisory_xact_lock(?)", (SCHEMA_LOCK_KEY,))
+            for statement in schema(_SCHEMA + _SHARED_SCHEMA, database.dialect):
+                database.execute(statement)
+    else:
+        assert isinstance(database, SqliteDatabase)
+        database.conn.executescript(_SCHEMA)
+        # A state directory of an earlier version: its seats have no task id and so can never be
+        # released, which errs on the safe side.
+        for table, column in (("seated", "task_id TEXT NOT NULL DEFAULT ''"),
+                              ("task_reports", "example TEXT NOT NULL DEFAULT ''"),
+                              ("devices", "revoked_at REAL")):
+            if column.split()[0] not in database.columns(table):
+                database.execute(f"ALTER TABLE {table} ADD COLUMN {column}")
+    # Every process serving devices re-reads the revoked devices (device fronts every 0.5 s): a
+    # partial index makes that a few rows, not a scan of a million. After the migration above.
+    database.execute("CREATE INDEX IF NOT EXISTS devices_revoked ON devices (revoked_at) "
+                     "WHERE revoked_at IS NOT NULL")

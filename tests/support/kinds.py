@@ -68,6 +68,7 @@ KINDS: dict[str, str] = {
     "test_privacy_algorithms": UNIT,
     "test_privacy_bench_smoke": E2E,
     "test_privacy_full_stack": E2E,
+    "test_replicas": E2E,
     "test_resume": E2E,
     "test_sdk_example": E2E,
     "test_secagg_attacks": UNIT,

@@ -28,7 +28,7 @@ import yaml
 from support.deploy import ROOT, free_port
 
 K8S = ROOT / "k8s"
-OVERLAYS = ("dev", "prod", "loadtest")
+OVERLAYS = ("dev", "prod", "loadtest", "replicas")
 FLEET_OVERLAYS = ("dev", "loadtest")  # those with the simulated fleet (components/loadtest)
 kubernetes_validate = pytest.importorskip("kubernetes_validate.utils", reason="kubernetes-validate not installed")
 

@@ -1,0 +1,112 @@
+"""One coordinator replica of several over a PostgreSQL store (``tally coordinator --database``).
+
+Every replica serves devices on its own device port (behind one Service, the cluster spreads
+devices over them). The leader (``tally.coordinator.leadership``) runs the whole coordinator:
+rounds, the Admin API, and an internal port for the others. The others run a device front in
+their own process, answering registrations and idle check-ins from the shared store and
+forwarding the rest to the leader's internal port, and try for the lead every ``LEAD_POLL_S``:
+when the leader's process or connection ends, one of them takes over, resumes its running jobs
+from the store (a restart, as on one host) and announces its internal port.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+from collections.abc import Callable
+
+from tally import logs
+from tally.coordinator.device_front import DeviceFront
+from tally.coordinator.leadership import Leadership
+from tally.coordinator.service import CoordinatorService
+
+log = logging.getLogger("tally.coordinator.replica")
+
+LEAD_POLL_S = 1.0  # how often a follower tries for the lead, and a leader checks it still has it
+STOP_GRACE_S = 5.0
+
+
+class Replica:
+    """``make_service(epoch)`` builds the coordinator this replica runs while it leads (and,
+    with ``epoch`` None, the template its front takes its settings from); ``advertise`` is the
+    host the other replicas reach its internal port at; ``on_lead`` runs once it leads and
+    serves (submitting a jobs directory's specs, say)."""
+
+    def __init__(
+        self,
+        make_service: Callable[[int | None], CoordinatorService],
+        advertise: str,
+        on_lead: Callable[[CoordinatorService], None] = lambda service: None,
+    ) -> None:
+        self.make_service, self.advertise, self.on_lead = make_service, advertise, on_lead
+        self.template = make_service(None)
+        if not self.template.database_url or not self.template.internal_listen:
+            raise ValueError("a replica needs a database_url and an internal_listen address")
+        self.role = "starting"
+        self.port: int | None = None
+        self.service: CoordinatorService | None = None
+        self.front: DeviceFront | None = None
+        self.serving = asyncio.Event()  # set each time it serves devices, as follower or leader
+
+    async def run(self, stopping: asyncio.Event) -> int:
+        """Serve until ``stopping``: 0; or 1 when it lost the lead (its process should exit and
+        be started again, as a follower, by its supervisor)."""
+        leadership = Leadership(self.template.database_url)
+        try:
+            while not stopping.is_set():
+                epoch = await asyncio.to_thread(leadership.try_lead)
+                if epoch is not None:
+                    return await self._lead(epoch, leadership, stopping)
+                await self._follow(leadership, stopping)
+            return 0
+        finally:
+            leadership.close()
+
+    async def _follow(self, leadership: Leadership, stopping: asyncio.Event) -> None:
+        t = self.template
+        config = dataclasses.replace(t.front_config(0, t.listen, coordinator=""), metrics_port=t.metrics_port)
+        self.front = front = DeviceFront(config)
+        try:
+            self.port = await front.start()
+            self.role = "following"
+            self.serving.set()
+            logs.event(log, "replica following", port=self.port, leader=front.target)
+            while not front.stale.is_set():
+                if await _stopped(stopping, LEAD_POLL_S):
+                    return
+                if await asyncio.to_thread(leadership.try_lead) is not None:
+                    return  # leads: the caller starts the coordinator on the port the front frees
+        finally:
+            self.serving.clear()
+            await front.stop(STOP_GRACE_S)
+            self.front = None
+
+    async def _lead(self, epoch: int, leadership: Leadership, stopping: asyncio.Event) -> int:
+        self.service = service = self.make_service(epoch)
+        try:
+            self.port = await service.start()
+            assert service.internal_port is not None
+            await asyncio.to_thread(leadership.announce, f"{self.advertise}:{service.internal_port}")
+            self.role = "leading"
+            self.serving.set()
+            logs.event(log, "replica leading", epoch=epoch, port=self.port, internal_port=service.internal_port)
+            self.on_lead(service)
+            while not await _stopped(stopping, LEAD_POLL_S):
+                if not await asyncio.to_thread(leadership.holds):
+                    logs.event(log, "replica lost the lead; stopping", level=logging.ERROR, epoch=epoch)
+                    return 1
+            return 0
+        finally:
+            self.serving.clear()
+            await service.stop(STOP_GRACE_S)
+            self.service = None
+
+
+async def _stopped(stopping: asyncio.Event, timeout_s: float) -> bool:
+    """Wait up to ``timeout_s`` for ``stopping``; whether it was set."""
+    try:
+        await asyncio.wait_for(stopping.wait(), timeout_s)
+    except TimeoutError:
+        return False
+    return True
