@@ -1230,3 +1230,37 @@ def test_a_client_pointed_at_nothing_says_so_and_exits(capsys, tally_logger, tmp
     err = " ".join(capsys.readouterr().err.split())
     assert f"tally client: the device did not reach the coordinator at {dead} within 1 s" in err
     assert "Register: UNAVAILABLE" in err
+
+
+def test_pause_sleeps_its_time_or_ends_every_sleeper_when_stopped():
+    """Many devices pause on one stop event (a fleet's): each sleeps its own time, and setting the
+    event ends all of them at once, also after it was cleared and set again."""
+    from tally.client.retry import Stopped, pause
+
+    async def sleeper(stop: asyncio.Event, seconds: float) -> str:
+        try:
+            await pause(seconds, stop)
+        except Stopped:
+            return "stopped"
+        return "slept"
+
+    async def main():
+        loop = asyncio.get_running_loop()
+        stop = asyncio.Event()
+        started = loop.time()
+        short = await asyncio.gather(*(sleeper(stop, 0.01 * i) for i in range(1, 6)))
+        slept = loop.time() - started
+        long = [asyncio.ensure_future(sleeper(stop, 600)) for _ in range(2000)]
+        await asyncio.sleep(0)  # they start pausing; one that has not would be stopped just the same
+        stop.set()
+        stopped = await asyncio.wait_for(asyncio.gather(*long), 10)
+        stop.clear()
+        again = asyncio.ensure_future(sleeper(stop, 600))
+        await asyncio.sleep(0)
+        stop.set()
+        return short, slept, stopped, await asyncio.wait_for(again, 10)
+
+    short, slept, stopped, again = asyncio.run(main())
+    assert short == ["slept"] * 5 and slept >= 0.05
+    assert stopped == ["stopped"] * 2000
+    assert again == "stopped"
