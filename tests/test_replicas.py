@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 from support.deploy import free_port
-from support.stack import TIMEOUT, spec, trainers
+from support.stack import TIMEOUT, scrape_text, spec, trainers
 
 from tally.aggregator import AggregatorService
 from tally.client import Fleet
@@ -264,6 +264,11 @@ def test_a_job_survives_its_leader_killed_mid_round(tmp_path, postgres_url):
                 assert job.state == common_pb2.JOB_STATE_SUCCEEDED, job.message
                 assert job.committed_round == 3
                 assert [r["epoch"] for r in second.logged("replica leading")] == [2]
+                # What Prometheus sees: the new leader plans rounds, the restarted replica does not.
+                leader = scrape_text(second.logged("coordinator serving")[-1]["metrics_port"])
+                follower = scrape_text(first.logged("device front serving")[-1]["metrics_port"])
+                assert "tally_coordinator_leader 1.0" in leader.splitlines()
+                assert "tally_coordinator_leader 0.0" in follower.splitlines()
                 checks = await check_committed(admin_pb2_grpc.AdminStub(
                     open_aio_channel(f"127.0.0.1:{first.port}", device_tls)), md, SumAudit.of(fleet.inputs))
                 assert outcome_counts(checks)[EXACT] == len(checks) >= 3

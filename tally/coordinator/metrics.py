@@ -40,6 +40,13 @@ class DeviceMetrics:
             "not_enrolled, bad_signature, id_taken, key_taken, population_mismatch, replay, revoked)",
             ["rpc", "reason"], registry=registry,
         )
+        self.leader = Gauge(
+            "tally_coordinator_leader",
+            "1 in the process that plans rounds (a coordinator, or the replica holding the lead over "
+            "PostgreSQL), 0 in a device front or a following replica: rounds can run while the "
+            "maximum over the coordinator's targets is 1",
+            registry=registry,
+        )
         # The idle check-in is the call a population makes most: its series, looked up once.
         self.checkins_retried = self.checkins.labels(outcome="retry")
 

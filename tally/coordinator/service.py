@@ -173,6 +173,7 @@ class CoordinatorService:
         issuer = TokenIssuer(token_secret)
         signer = TicketSigner(load_or_create_ticket_key(self.secrets_dir))
         metrics = CoordinatorMetrics()
+        metrics.leader.set(1)
         watch_certificate(metrics.registry, self.tls.cert, "coordinator")
         self._metrics_server = MetricsServer(metrics.registry, ready=lambda: self._ready)
         self.metrics_port = self._metrics_server.start(self.metrics_port, self.metrics_addr)
