@@ -297,3 +297,15 @@ def test_replica_flags_are_checked_before_anything_starts(tmp_path, capsys, argv
     assert code == 2
     assert named in capsys.readouterr().err
     assert not (tmp_path / "state").exists()
+
+
+def test_a_replica_whose_database_is_unreachable_says_so(tmp_path, capsys):
+    from tally.cli import main as tally
+
+    port = free_port()  # nothing listens there
+    code = tally(["coordinator", "--state-dir", str(tmp_path / "state"), "--insecure", "--listen",
+                  "127.0.0.1:0", "--internal-listen", "127.0.0.1:0",
+                  "--database", f"postgresql://tally@127.0.0.1:{port}/tally?connect_timeout=5"])
+    assert code == 1
+    err = capsys.readouterr().err
+    assert err.startswith("tally coordinator: the database:") and "Traceback" not in err

@@ -282,10 +282,15 @@ def _replication(args: argparse.Namespace) -> str | None:
 
 
 async def _serve_replica(replica: Replica) -> int:
+    import psycopg
+
     stopping = _stop_on_signals()
     try:
         return await replica.run(stopping)
-    except (OSError, RuntimeError, ValueError) as exc:  # a port in use, bad TLS files, no database
+    except psycopg.Error as exc:  # unreachable, refused, or lost: its supervisor starts it again
+        print(f"tally coordinator: the database: {str(exc).strip()}", file=sys.stderr)
+        return 1
+    except (OSError, RuntimeError, ValueError) as exc:  # a port in use, bad TLS files
         print(f"tally coordinator: {exc}", file=sys.stderr)
         return 1
 
