@@ -26,6 +26,10 @@ check-in with a constant come-back time and checks nothing, over the same TLS, p
 It is the most one Python gRPC process can serve on this machine, whatever the coordinator does,
 and each coordinator step is reported against it.
 
+With ``--database URL`` (a PostgreSQL server and a role that may create databases) the store is
+PostgreSQL instead of SQLite, as for coordinator replicas: each population gets a database of its
+own (created, then dropped), and the coordinator runs as the leading replica over it.
+
 JSON to ``--json``; with ``--plot``, one panel per figure against N (log scale).
 
     .venv/bin/python bench/population.py --json bench/results/population.json --plot bench/results/population.png
@@ -36,6 +40,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import multiprocessing
 import os
@@ -44,6 +49,8 @@ import sys
 import tempfile
 import threading
 import time
+import urllib.parse
+from collections.abc import Iterator
 from pathlib import Path
 
 import grpc
@@ -74,10 +81,11 @@ def _percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
-def enrol_at_rest(state: Path, count: int, progress: Progress | None = None) -> float:
-    """Enrol ``count`` devices in the store under ``state``; seconds it took. Their identity keys
-    are distinct random bytes: these devices never call, they only have to be there."""
-    store = Store(state)
+def enrol_at_rest(state: Path, count: int, progress: Progress | None = None, database: str | None = None) -> float:
+    """Enrol ``count`` devices in the store under ``state`` (or in ``database``); seconds it took.
+    Their identity keys are distinct random bytes: these devices never call, they only have to be
+    there."""
+    store = Store(state, database)
     began, now = time.perf_counter(), time.time()
     task = progress.add_task(f"enrolling {count:,} devices", total=count) if progress else None
     try:
@@ -267,21 +275,50 @@ async def _drive(target: str, tls_dir: Path, key: bytes, prefix: str, pid: int, 
     }
 
 
+@contextlib.contextmanager
+def _own_database(url: str | None) -> Iterator[str | None]:
+    """A new database on ``url``'s server for one run, dropped after (None: SQLite)."""
+    if url is None:
+        yield None
+        return
+    import psycopg
+
+    name = f"tally_bench_{os.getpid()}_{time.monotonic_ns()}"
+    with psycopg.connect(url, autocommit=True) as admin:
+        admin.execute(f"CREATE DATABASE {name}")
+        try:
+            yield urllib.parse.urlsplit(url)._replace(path=f"/{name}").geturl()
+        finally:
+            admin.execute(f"DROP DATABASE {name} WITH (FORCE)")
+
+
+def _store_flags(database: str | None) -> list[str]:
+    return ["--database", database, "--internal-listen", "127.0.0.1:0"] if database else []
+
+
 async def _one_population(args: argparse.Namespace, population: int, workdir: Path, progress: Progress) -> dict:
-    # The same coordinator on an empty store first: the base its memory per device is read against.
-    empty = LocalCluster(workdir / "empty", aggregators=1, coordinator_flags=UNLIMITED)
-    try:
-        await _start(empty)
-        base_rss = _rss(empty.processes["coordinator"].pid)
-    finally:
-        await empty.stop()
+    with _own_database(args.database) as empty_db:
+        # The same coordinator on an empty store first: the base its memory per device is read against.
+        empty = LocalCluster(workdir / "empty", aggregators=1, coordinator_flags=[*UNLIMITED, *_store_flags(empty_db)])
+        try:
+            await _start(empty)
+            base_rss = _rss(empty.processes["coordinator"].pid)
+        finally:
+            await empty.stop()
+    with _own_database(args.database) as database:
+        return await _measure(args, population, workdir, progress, base_rss, database)
+
+
+async def _measure(args: argparse.Namespace, population: int, workdir: Path, progress: Progress, base_rss: int,
+                   database: str | None) -> dict:
     state = workdir / "state"
-    fill_seconds = enrol_at_rest(state, population, progress)
+    fill_seconds = enrol_at_rest(state, population, progress, database)
     row: dict = {"population": population, "enrol_seconds": fill_seconds, "base_rss_bytes": base_rss,
                  "by_processes": []}
     for processes in args.processes:
         cluster = LocalCluster(workdir / f"p{processes}", aggregators=1,
-                               coordinator_flags=[*UNLIMITED, "--device-processes", str(processes)])
+                               coordinator_flags=[*UNLIMITED, "--device-processes", str(processes),
+                                                  *_store_flags(database)])
         shutil.rmtree(cluster.state, ignore_errors=True)
         state.rename(cluster.state)  # the one store, handed from run to run
         try:
@@ -359,6 +396,7 @@ def run(args: argparse.Namespace) -> dict:
     return {
         "bench": "population", "machine": machine_info(), "register": args.register, "rates": args.rates,
         "step_seconds": args.step_seconds, "p99_limit_ms": args.p99_ms, "processes": args.processes,
+        "store": "postgresql" if args.database else "sqlite",
         "targets": {"bytes_per_registered_device": 2048, "checkins_per_s_per_core": 4000,
                     "registrations_per_s_per_core": 4000, "ready_seconds": 60, "p99_ms": args.p99_ms,
                     "two_process_ratio": 1.7},
@@ -425,6 +463,9 @@ def main() -> None:
                         help="idle check-ins per second, one step each")
     parser.add_argument("--step-seconds", type=float, default=5.0)
     parser.add_argument("--p99-ms", type=float, default=200.0)
+    parser.add_argument("--database", metavar="URL",
+                        help="PostgreSQL server (a role that may create databases) to keep the store in, "
+                        "one new database per population, dropped after (default: SQLite)")
     parser.add_argument("--json", type=Path)
     parser.add_argument("--plot", type=Path, help="PNG: each figure against the population")
     args = parser.parse_args()

@@ -74,6 +74,23 @@ def test_population_bench_charges_each_registration_and_check_in_the_coordinator
     assert plot.read_bytes().startswith(b"\x89PNG")
 
 
+@pytest.mark.full  # a minute: `make test` has the SQLite run above, CI runs this one too
+def test_population_bench_keeps_the_store_in_postgres_when_given_one(tmp_path, postgres):
+    """The same measurements with the store in a database of its own on the server (a replica's
+    store), which the bench drops afterwards."""
+    import psycopg
+
+    result = _bench(tmp_path, "population.py", "--populations", "200", "--register", "10", "--rates", "10",
+                    "--step-seconds", "1", "--processes", "1", "--database", postgres.url())
+    assert result["store"] == "postgresql"
+    (run,) = result["populations"][0]["by_processes"]
+    assert run["registrations"] == 10 and run["registration_failures"] == 0 and run["cpu_ms_per_registration"] > 0
+    assert all(s["answered"] == s["sent"] and s["failures"] == 0 for s in run["checkin_steps"])
+    with psycopg.connect(postgres.url()) as conn:
+        left = conn.execute("SELECT datname FROM pg_database WHERE datname LIKE 'tally_bench_%'").fetchall()
+    assert left == []
+
+
 def test_pacing_holds_an_idle_population_at_or_below_the_target_rate(tmp_path):
     """200 idle devices come back every ~5 s unpaced (~40/s); paced at 15/s they may not exceed it."""
     rate = 15.0

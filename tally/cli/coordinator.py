@@ -255,7 +255,8 @@ def run_coordinator(args: argparse.Namespace) -> int:
             internal_listen=args.internal_listen if args.database else None,
         )
     if advertise is not None:
-        return asyncio.run(_serve_replica(Replica(make_service, advertise, lambda s: _submit_new(s, specs))))
+        return asyncio.run(_serve_replica(Replica(make_service, advertise, lambda s: _submit_new(s, specs),
+                                                  on_serving=_say_serving)))
     return asyncio.run(_serve(make_service(None), specs))
 
 
@@ -279,6 +280,12 @@ def _replication(args: argparse.Namespace) -> str | None:
         raise ValueError("--advertise: --internal-listen listens on every interface, so name the host "
                          "the other replicas reach it at")
     return host
+
+
+def _say_serving(replica: Replica) -> None:
+    """The line a person (or a script waiting for "coordinator on port") reads, as without replicas."""
+    print(f"coordinator on port {replica.port}, metrics on port {replica.metrics_port}, {replica.role} "
+          f"(replica over PostgreSQL)", flush=True)
 
 
 async def _serve_replica(replica: Replica) -> int:

@@ -30,16 +30,20 @@ STOP_GRACE_S = 5.0
 class Replica:
     """``make_service(epoch)`` builds the coordinator this replica runs while it leads (and,
     with ``epoch`` None, the template its front takes its settings from); ``advertise`` is the
-    host the other replicas reach its internal port at; ``on_lead`` runs once it leads and
-    serves (submitting a jobs directory's specs, say)."""
+    host the other replicas reach its internal port at; ``on_serving`` runs each time it starts
+    serving devices, as follower or leader (``role``, ``port`` and ``metrics_port`` say how), and
+    ``on_lead`` once it leads (submitting a jobs directory's specs, say)."""
 
     def __init__(
         self,
         make_service: Callable[[int | None], CoordinatorService],
         advertise: str,
         on_lead: Callable[[CoordinatorService], None] = lambda service: None,
+        on_serving: Callable[[Replica], None] = lambda replica: None,
     ) -> None:
         self.make_service, self.advertise, self.on_lead = make_service, advertise, on_lead
+        self.on_serving = on_serving
+        self.metrics_port: int | None = None
         self.template = make_service(None)
         if not self.template.database_url or not self.template.internal_listen:
             raise ValueError("a replica needs a database_url and an internal_listen address")
@@ -69,8 +73,9 @@ class Replica:
         self.front = front = DeviceFront(config)
         try:
             self.port = await front.start()
-            self.role = "following"
+            self.role, self.metrics_port = "following", front.metrics_port
             self.serving.set()
+            self.on_serving(self)
             logs.event(log, "replica following", port=self.port, leader=front.target)
             while not front.stale.is_set():
                 if await _stopped(stopping, LEAD_POLL_S):
@@ -88,8 +93,9 @@ class Replica:
             self.port = await service.start()
             assert service.internal_port is not None
             await asyncio.to_thread(leadership.announce, f"{self.advertise}:{service.internal_port}")
-            self.role = "leading"
+            self.role, self.metrics_port = "leading", service.metrics_port
             self.serving.set()
+            self.on_serving(self)
             logs.event(log, "replica leading", epoch=epoch, port=self.port, internal_port=service.internal_port)
             self.on_lead(service)
             while not await _stopped(stopping, LEAD_POLL_S):
