@@ -309,3 +309,18 @@ def test_a_replica_whose_database_is_unreachable_says_so(tmp_path, capsys):
     assert code == 1
     err = capsys.readouterr().err
     assert err.startswith("tally coordinator: the database:") and "Traceback" not in err
+
+
+def test_a_leader_paces_what_the_other_replicas_forward(tmp_path):
+    """The rate is per replica: the leader paces its own devices at it, and the check-ins other
+    replicas' fronts forward (devices of a population with a job) at one replica's rate more."""
+    from tally.coordinator.service import CoordinatorService
+    from tally.security import TLSConfig
+
+    leader = CoordinatorService("127.0.0.1:0", TLSConfig.plaintext(), tmp_path / "state", [], checkin_rate=100.0,
+                                database_url="postgresql://db/tally", internal_listen="127.0.0.1:0")
+    assert leader.pacer.rate_per_s == 100.0 and leader.forwarded_pacer.rate_per_s == 100.0
+    with_fronts = CoordinatorService("127.0.0.1:0", TLSConfig.plaintext(), tmp_path / "state", [], checkin_rate=100.0,
+                                     device_processes=4, database_url="postgresql://db/tally",
+                                     internal_listen="127.0.0.1:0")
+    assert with_fronts.pacer.rate_per_s == 25.0 and with_fronts.forwarded_pacer.rate_per_s == 175.0

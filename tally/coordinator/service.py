@@ -134,10 +134,14 @@ class CoordinatorService:
         self.internal_port: int | None = None  # bound on internal_listen
         # Each process serving devices paces the devices connected to it: 1/N of them. The
         # check-ins fronts forward (their devices' of populations with a job) are paced here at
-        # the fronts' share, so a population with a job arrives at the whole rate.
+        # the fronts' share, so a population with a job arrives at the whole rate. A leading
+        # replica adds one replica's rate (the rate is per replica) for the other replicas' fronts:
+        # how many there are it does not know, and paced too slowly beats told to come back all
+        # at once when the next round starts.
         n = device_processes
+        forwarded = (checkin_rate * (n - 1) / n if n > 1 else 0.0) + (checkin_rate if internal_listen else 0.0)
         self.pacer = CheckinPacer(checkin_rate / n if checkin_rate else None)
-        self.forwarded_pacer = CheckinPacer(checkin_rate * (n - 1) / n if checkin_rate and n > 1 else None)
+        self.forwarded_pacer = CheckinPacer(forwarded if checkin_rate and forwarded else None)
         self.port: int | None = None
         self.admin_token: str | None = None
         # The key `tally enrol` derives device credentials from (None with a custom verifier).
