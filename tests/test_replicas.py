@@ -152,8 +152,10 @@ def test_a_leader_that_stops_hands_over_at_once(postgres_url):
 
 def test_replicas_starting_at_once_create_the_schema_once(tmp_path, postgres_url):
     errors: list[BaseException] = []
+    together = threading.Barrier(6)
 
     def start(i: int) -> None:
+        together.wait(30)
         try:
             Leadership(postgres_url).close()
         except BaseException as exc:  # noqa: BLE001 - collected for the assertion
