@@ -40,7 +40,8 @@ test: $(STAMP) prometheus postgresql
 	$(PY) -m pytest -q -m "not containers and not full" -n $(TEST_WORKERS)
 
 # What `make test` runs smaller or leaves out, at full size: the 10,000-device cohort, the attacks at
-# 1,000 devices, the algorithms' paper-scale toys, each role's extra in its own venv. CI runs it too.
+# 1,000 devices, the algorithms' paper-scale toys, each role's extra in its own venv, jobs through
+# device fronts, the population benchmark over PostgreSQL. CI runs it too.
 # By file across two workers: a module builds its fixtures once (the per-role venvs take minutes).
 test-full: $(STAMP) postgresql
 	$(PY) -m pytest -q -m full -p no:cacheprovider -n 2 --dist loadfile

@@ -107,6 +107,8 @@ def test_a_front_answers_idle_check_ins_and_refuses_bad_ones_itself(tmp_path):
     run(main())
 
 
+# `make test` runs a job through a front in tests/test_replicas.py (a follower's); CI runs this too
+@pytest.mark.full
 def test_a_job_runs_through_a_front(tmp_path):
     """Every device registers, checks in, downloads and reports through the front: the check-ins
     of the job's population and every other call are forwarded, and the rounds commit."""
@@ -223,6 +225,8 @@ def test_device_processes_must_be_positive(tmp_path, capsys):
     assert "--device-processes" in capsys.readouterr().err
 
 
+# `make test` runs a job through a front in tests/test_replicas.py (a follower's); CI runs this too
+@pytest.mark.full
 def test_a_job_survives_its_device_front_killed_between_rounds(tmp_path):
     """Six fleets, each on its own connection to the shared port, run a 3-round job; the front is
     killed as round 1 commits. Its devices reconnect (to the coordinator or the restarted front)

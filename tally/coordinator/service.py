@@ -139,9 +139,10 @@ class CoordinatorService:
         # how many there are it does not know, and paced too slowly beats told to come back all
         # at once when the next round starts.
         n = device_processes
-        forwarded = (checkin_rate * (n - 1) / n if n > 1 else 0.0) + (checkin_rate if internal_listen else 0.0)
-        self.pacer = CheckinPacer(checkin_rate / n if checkin_rate else None)
-        self.forwarded_pacer = CheckinPacer(forwarded if checkin_rate and forwarded else None)
+        rate = checkin_rate or 0.0
+        forwarded = rate * (n - 1) / n + (rate if internal_listen else 0.0)
+        self.pacer = CheckinPacer(rate / n or None)
+        self.forwarded_pacer = CheckinPacer(forwarded or None)
         self.port: int | None = None
         self.admin_token: str | None = None
         # The key `tally enrol` derives device credentials from (None with a custom verifier).
