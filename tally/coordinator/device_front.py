@@ -138,6 +138,7 @@ class FrontConfig:
     coordinator_pid: int  # not the front's parent as it reads it: the coordinator may die first
     enrolment: EnrolmentVerifier | None = None
     database_url: str | None = None  # PostgreSQL: the replicas' shared store, not state_dir's SQLite
+    share_port: bool = True  # beside a coordinator on its port; a following replica's front is alone on its own
 
 
 def internal_tls(tls: TLSConfig) -> TLSConfig:
@@ -185,7 +186,7 @@ class DeviceFront:
         self._metrics = MetricsServer(self.metrics.registry)
         self.metrics_port = self._metrics.start(c.metrics_port, c.metrics_addr)
         server = grpc.aio.server(
-            options=server_options(c.max_message_bytes, c.max_request_bytes, share_port=True),
+            options=server_options(c.max_message_bytes, c.max_request_bytes, share_port=c.share_port),
             interceptors=(RefuseUndecodable(),))
         server.add_generic_rpc_handlers((_FrontHandlers(self),))
         health_servicer = health.aio.HealthServicer()

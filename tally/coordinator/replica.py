@@ -69,7 +69,8 @@ class Replica:
 
     async def _follow(self, leadership: Leadership, stopping: asyncio.Event) -> None:
         t = self.template
-        config = dataclasses.replace(t.front_config(0, t.listen, coordinator=""), metrics_port=t.metrics_port)
+        config = dataclasses.replace(t.front_config(0, t.listen, coordinator=""), metrics_port=t.metrics_port,
+                                     share_port=False)
         self.front = front = DeviceFront(config)
         try:
             self.port = await front.start()
