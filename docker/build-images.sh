@@ -47,6 +47,7 @@ build_base() {
     local root=build/base-rootfs
     say "base $BASE: debootstrap bookworm from $DEBIAN_MIRROR (a few minutes, once)"
     rm -rf "$root"
+    mkdir -p "$(dirname "$root")"  # debootstrap resolves a relative target from its parent, which a fresh clone lacks
     debootstrap --variant=minbase --include=python3,python3-venv,tini bookworm "$root" "$DEBIAN_MIRROR" >/dev/null
     # What no container needs: package lists, documentation, man pages, locales, apt's caches.
     rm -rf "$root"/var/lib/apt/lists/* "$root"/var/cache/apt/* "$root"/usr/share/doc/* \
