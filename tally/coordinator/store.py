@@ -254,7 +254,8 @@ class BlobInfo:
 
 
 class Store:
-    """SQLite database ``coordinator.db`` and ``blobs/`` under one state directory."""
+    """SQLite database ``coordinator.db`` and ``blobs/`` under one state directory; or, for
+    replicas, a PostgreSQL database, with ``blobs/`` as this replica's cache of its blobs."""
 
     def __init__(self, directory: Path, database_url: str | None = None, epoch: int | None = None) -> None:
         """``database_url``: PostgreSQL (``postgresql://...``) instead of ``coordinator.db``;
@@ -306,7 +307,8 @@ class Store:
         digest = hashlib.sha256(data).hexdigest()
         self._cache_blob(digest, data)
         with self._lock:
-            if self._shared:
+            # A model of tens of MB is sent to the server only if it has not got it already.
+            if self._shared and self._db.execute("SELECT 1 FROM blob_data WHERE digest = ?", (digest,)).fetchone() is None:
                 self._db.execute("INSERT INTO blob_data (digest, data) VALUES (?, ?) ON CONFLICT DO NOTHING",
                                  (digest, data))
             self._db.execute(
