@@ -15,6 +15,7 @@ import threading
 import time
 from pathlib import Path
 
+import grpc
 import pytest
 from support.deploy import free_port
 from support.stack import TIMEOUT, scrape_text, spec, trainers
@@ -326,3 +327,40 @@ def test_a_leader_paces_what_the_other_replicas_forward(tmp_path):
                                      device_processes=4, database_url="postgresql://db/tally",
                                      internal_listen="127.0.0.1:0")
     assert with_fronts.pacer.rate_per_s == 25.0 and with_fronts.forwarded_pacer.rate_per_s == 175.0
+
+
+def test_a_follower_before_any_leader_announced_tells_devices_to_retry(tmp_path, postgres_url):
+    """A leader that has taken the lock but not yet announced its internal port: a follower's
+    front answers what it would forward with UNAVAILABLE (devices retry), and serves the rest."""
+    from tally.coordinator.device_front import DeviceFront
+    from tally.coordinator.service import CoordinatorService
+    from tally.security import TLSConfig
+    from tally.wire.v1 import coordinator_pb2, coordinator_pb2_grpc
+
+    leadership = Leadership(postgres_url)
+    assert leadership.try_lead() == 1  # and nothing announced
+    template = CoordinatorService("127.0.0.1:0", TLSConfig.plaintext(), tmp_path / "state", [],
+                                  database_url=postgres_url, internal_listen="127.0.0.1:0")
+
+    async def main():
+        front = DeviceFront(template.front_config(0, "127.0.0.1:0", coordinator=""))
+        port = await front.start()
+        try:
+            channel = open_aio_channel(f"127.0.0.1:{port}", TLSConfig.plaintext())
+            stub = coordinator_pb2_grpc.CoordinatorStub(channel)
+            with pytest.raises(grpc.aio.AioRpcError) as forwarded:
+                await stub.RoundStatus(coordinator_pb2.RoundStatusRequest(job_id="j"), timeout=10)
+            with pytest.raises(grpc.aio.AioRpcError) as answered:  # its own: a check-in without a token
+                await stub.CheckIn(coordinator_pb2.CheckInRequest(), timeout=10)
+            await channel.close()
+            return forwarded.value, answered.value, front.target
+        finally:
+            await front.stop(0)
+
+    try:
+        forwarded, answered, target = asyncio.run(asyncio.wait_for(main(), 60))
+    finally:
+        leadership.close()
+    assert forwarded.code() == grpc.StatusCode.UNAVAILABLE and "no coordinator replica leads" in forwarded.details()
+    assert answered.code() == grpc.StatusCode.UNAUTHENTICATED
+    assert target is None

@@ -271,13 +271,18 @@ class DeviceFront:
             return coordinator_pb2.CheckInResponse.FromString(reply)
         return turned_away(idle_retry(claims.population), self.pacer, self.metrics, self.clock())
 
+    async def _leader_known(self, context: grpc.aio.ServicerContext) -> None:
+        """A replica's front before any leader has announced its address: the device retries."""
+        if self._channel is None:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "no coordinator replica leads yet; retry")
+
     def _metadata(self, context: grpc.aio.ServicerContext) -> list[tuple[str, str | bytes]]:
         carried = [(k, v) for k, v in context.invocation_metadata() or ()
                    if not k.startswith((":", "grpc-")) and k not in _HOP_BY_HOP]
         return [*carried, (FRONT_KEY_METADATA, self._key)]
 
     async def forward(self, method: str, request: bytes, context: grpc.aio.ServicerContext) -> bytes:
-        assert self._channel is not None
+        await self._leader_known(context)
         self.forwarded.labels(method=method.rpartition("/")[2]).inc()
         try:
             return await self._channel.unary_unary(method)(
@@ -289,7 +294,7 @@ class DeviceFront:
     async def forward_stream(
         self, method: str, request: bytes, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[bytes]:
-        assert self._channel is not None
+        await self._leader_known(context)
         self.forwarded.labels(method=method.rpartition("/")[2]).inc()
         call = self._channel.unary_stream(method)(
             request, metadata=self._metadata(context), timeout=context.time_remaining())
