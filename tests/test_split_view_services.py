@@ -27,23 +27,25 @@ def _deadlines(n: int) -> str:
 
 
 def _job(n: int, secure: str) -> str:
-    # One cohort of n (min_cohort n): n = 100 and 1,000 are one session on a sparse Harary graph.
+    # One cohort of n: n = 100 and 1,000 are one session on a sparse Harary graph. min_cohort
+    # leaves room for a few stragglers (on a loaded machine 29 of 1,000 once missed advertise_keys).
     return (f"name: split-{n}\nalgorithm: fedavg\nrounds: 1\ncohort_size: {n}\nover_selection: 1.0\n"
-            f"min_cohort: {n}\nretries: 1\nmodel: {{inputs: 8, classes: 2, hidden: 4, seed: 0}}\n"
+            f"min_cohort: {n - n // 20}\nretries: 1\nmodel: {{inputs: 8, classes: 2, hidden: 4, seed: 0}}\n"
             f"secure: {secure}\ndeadlines: {_deadlines(n)}\n")
 
 
 def _attack(tmp_path, monkeypatch, n: int, secure: str, policy: DevicePolicy | None):
-    """Run one task per device of a job under attack; the attempts and every input device 1 of
-    a session provided (by session)."""
+    """Run one task per device of a job under attack; the attempts and every device's input to
+    the first sum (by session and device index). The victim is the first device still in the
+    session after ShareKeys."""
     attempts: list[Attempt] = []
-    monkeypatch.setattr(aggregator_session, "SecAggServer", lambda config: SplitViewServer(config, 1, attempts))
+    monkeypatch.setattr(aggregator_session, "SecAggServer", lambda config: SplitViewServer(config, None, attempts))
     inputs: dict[object, np.ndarray] = {}
     provide = SecAggClient.provide_input
 
     def record(self, sum_id, vector):
-        if self.index == 1 and sum_id == self.config.sums[0].sum_id:
-            inputs[self.config.ref] = np.array(vector, copy=True)
+        if sum_id == self.config.sums[0].sum_id:
+            inputs[self.config.ref, self.index] = np.array(vector, copy=True)
         return provide(self, sum_id, vector)
 
     monkeypatch.setattr(SecAggClient, "provide_input", record)
@@ -85,4 +87,4 @@ def test_a_split_view_aggregator_reads_a_semi_honest_devices_input(tmp_path, mon
     _, attempts, inputs = _attack(tmp_path, monkeypatch, n, secure, policy)
     read = [a for a in attempts if a.recovered is not None]
     assert read, [a.why_not for a in attempts]
-    assert all(np.array_equal(a.recovered, inputs[a.ref]) for a in read)
+    assert all(np.array_equal(a.recovered, inputs[a.ref, a.victim]) for a in read)

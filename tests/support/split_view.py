@@ -43,7 +43,7 @@ from tally.secagg.messages import (
 
 @dataclasses.dataclass
 class Attempt:
-    victim: int
+    victim: int | None  # None until the attacker picks one (``SplitViewServer``)
     ref: object = None
     masked_with: tuple[int, ...] = ()
     recovered: np.ndarray | None = None
@@ -57,11 +57,14 @@ class Attempt:
 
 class SplitViewServer(SecAggServer):
     """Attacks device ``victim`` (default: device 1) of every session it runs; ``attempts``
-    (a class-level list unless given) collects one ``Attempt`` per session."""
+    (a class-level list unless given) collects one ``Attempt`` per session. With ``victim=None``
+    it attacks the lowest-index device that got through ShareKeys: over the services a given
+    device may be a straggler that the session leaves behind, and the attack needs a victim
+    that is still in it."""
 
     attempts: list[Attempt] = []
 
-    def __init__(self, config: SessionConfig, victim: int = 1, attempts: list[Attempt] | None = None) -> None:
+    def __init__(self, config: SessionConfig, victim: int | None = 1, attempts: list[Attempt] | None = None) -> None:
         super().__init__(config)
         self.victim = victim
         self.attempt = Attempt(victim, config.ref)
@@ -112,6 +115,9 @@ class SplitViewServer(SecAggServer):
     # -- the attack --------------------------------------------------------------------------
 
     def _tamper(self, out: list[Outgoing]) -> list[Outgoing]:
+        deliveries = [o.recipient for o in out if isinstance(o.message, ShareDelivery)]
+        if self.victim is None and deliveries:
+            self.victim = self.attempt.victim = min(deliveries)
         tampered = []
         for o in out:
             m = o.message
