@@ -15,8 +15,10 @@ import shutil
 import subprocess
 import sys
 import textwrap
+import time
 import tomllib
 import urllib.request
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +27,7 @@ import yaml
 
 from support.deploy import ROOT
 from support.manifests import K8S, Cluster, LocalPod, find, image_entrypoint, load_secrets, one, render
+from support.postgres import needs_postgres, postgres_server
 from support.prometheus import LivePrometheus, needs_prometheus
 from support.operator_scrape import scrape_configs, targets
 from support.containers import (
@@ -132,6 +135,17 @@ def _metric(pod: ContainerPod, name: str) -> float:
     return sum(float(m.group(1)) for m in re.finditer(rf"^{name}(?:{{[^}}]*}})? (\S+)$", text, re.M))
 
 
+def _job_list(coordinator: ContainerPod, device: ContainerPod) -> subprocess.CompletedProcess[str]:
+    """``tally job list`` from this machine against ``coordinator``, with the admin token from
+    its state volume and the CA ``device`` trusts."""
+    state = podman("volume", "inspect", coordinator.volumes["state"], "--format", "{{.Mountpoint}}").stdout.strip()
+    return subprocess.run(
+        [sys.executable, "-m", "tally.cli", "job", "list", "--coordinator", f"{coordinator.ip}:7000",
+         "--server-name", "tally-coordinator", "--state-dir", f"{state}/state",
+         "--tls-dir", str(device.local.mounts["/etc/tally/tls"])],
+        capture_output=True, text=True, timeout=60)
+
+
 def _alert(prometheus: LivePrometheus, name: str, pod: str) -> str | None:
     states = [a["state"] for a in prometheus.alerts() if a["labels"]["alertname"] == name
               and a["labels"].get("pod") == pod]
@@ -216,12 +230,7 @@ def test_the_dev_overlay_runs_in_containers_and_prometheus_sees_an_aggregator_go
         assert _metric(coordinator, "tally_coordinator_rounds_committed_total") == rounds
         for pod in aggregator_pods:
             assert _metric(pod, "tally_aggregator_sessions_finished_total") >= 1, f"{pod.name} served no session"
-        state = podman("volume", "inspect", coordinator.volumes["state"], "--format", "{{.Mountpoint}}").stdout.strip()
-        listing = subprocess.run(
-            [sys.executable, "-m", "tally.cli", "job", "list", "--coordinator", f"{coordinator.ip}:7000",
-             "--server-name", "tally-coordinator", "--state-dir", f"{state}/state",
-             "--tls-dir", str(fleet[0].local.mounts["/etc/tally/tls"])],
-            capture_output=True, text=True, timeout=60)
+        listing = _job_list(coordinator, fleet[0])
         assert re.search(r"^digits-\w+\s+SUCCEEDED", listing.stdout, re.M), listing.stdout + listing.stderr
         for pod in pods:
             assert pod.probe("livenessProbe").returncode == 0, pod.logs()
@@ -231,6 +240,142 @@ def test_the_dev_overlay_runs_in_containers_and_prometheus_sees_an_aggregator_go
         finally:
             if prometheus is not None:
                 prometheus.stop()
+
+
+# -- the replicas overlay in containers ----------------------------------------------------------
+
+
+def _replicas_with_a_fleet(directory: Path, rounds: int, devices: int) -> list[dict[str, Any]]:
+    """The replicas overlay with the load-test Job of ``devices`` devices and a digits job of
+    ``rounds`` rounds, composed as an operator would compose them (a kustomization of their own
+    that names ours)."""
+    directory.mkdir()
+    job = yaml.safe_load((K8S / "overlays" / "dev" / "jobs" / "digits.yaml").read_text())
+    (directory / "digits.yaml").write_text(yaml.safe_dump({**job, "rounds": rounds}))
+    (directory / "fleet.yaml").write_text(yaml.safe_dump({
+        "apiVersion": "batch/v1", "kind": "Job", "metadata": {"name": "tally-fleet"},
+        "spec": {"template": {"spec": {"containers": [
+            {"name": "fleet", "env": [{"name": "FLEET_DEVICES", "value": str(devices)}]}]}}},
+    }))
+    ours = Path(os.path.relpath(K8S, directory))  # kustomize takes no absolute paths
+    (directory / "kustomization.yaml").write_text(yaml.safe_dump({
+        "apiVersion": "kustomize.config.k8s.io/v1beta1", "kind": "Kustomization", "namespace": "tally",
+        "resources": [str(ours / "overlays" / "replicas")],
+        "components": [str(ours / "components" / "loadtest"), str(ours / "components" / "images")],
+        "configMapGenerator": [{"name": "tally-jobs", "files": ["digits.yaml"]}],
+        "patches": [{"path": "fleet.yaml"}],
+    }))
+    return render(directory)
+
+
+def _until(what: str, check: Callable[[], bool], deadline_s: float) -> None:
+    end = time.monotonic() + deadline_s
+    while not check():
+        if time.monotonic() > end:
+            raise AssertionError(f"not within {deadline_s} s: {what}")
+        time.sleep(0.5)  # nothing to wait on but the pods' next metrics
+
+
+def _leaders(pods: list[ContainerPod]) -> list[str]:
+    """The coordinator pods whose tally_coordinator_leader reads 1. A stopped pod reads nothing,
+    nor does one between following and leading (its metrics port changes hands)."""
+    def leads(pod: ContainerPod) -> bool:
+        try:
+            return pod.state() == "running" and _metric(pod, "tally_coordinator_leader") == 1
+        except OSError:
+            return False
+    return [p.name for p in pods if leads(p)]
+
+
+@needs_postgres
+def test_coordinator_replicas_run_in_containers_over_postgresql_and_one_takes_over_from_a_killed_leader(
+        images: dict[str, str], tmp_path: Path) -> None:
+    """The replicas overlay's pods (three coordinators, three aggregators) as containers exactly as
+    their manifests say, over a real PostgreSQL server outside the "cluster" (the operator's
+    ``tally-database`` Secret names it), with the load-test Job's devices. The devices reach one
+    follower (the Service's name resolves to it). The leader is SIGKILLed once a round has
+    committed: another replica takes the lead, the job finishes every round, the fleet's pods
+    exit 0, and the killed pod, started again as a kubelet would, follows."""
+    # Devices that sent their masked input in the attempt the kill cut short are not seated again
+    # in that round (the differencing rule): the fleet is large enough for a retry without them.
+    rounds, devices = 4, 24
+    objects = _replicas_with_a_fleet(tmp_path / "overlay", rounds, devices)
+    assert tally_main(["certs", "--out", str(tmp_path / "certs"), "--k8s-secrets", str(tmp_path / "k8s")]) == 0
+    prefix = f"tally-e2e-{secrets.token_hex(3)}"
+    subnet = f"10.{200 + secrets.randbelow(50)}.{secrets.randbelow(250)}"
+    network = f"{prefix}-net"
+    try:
+        podman("network", "create", "--subnet", f"{subnet}.0/24", network)
+        gateway = json.loads(podman("network", "inspect", network).stdout)[0]["subnets"][0]["gateway"]
+        with postgres_server(tmp_path / "postgres", listen=gateway, clients=f"{subnet}.0/24", start=False) as database:
+            secret_store = load_secrets(tmp_path / "k8s") | {"tally-database": {"url": database.url("tally").encode()}}
+            cluster = Cluster(objects, secret_store, tmp_path / "pods", namespace="tally")
+            coordinator_set = one(objects, "StatefulSet", "tally-coordinator")
+            aggregator_set = one(objects, "StatefulSet", "tally-aggregator")
+            job = one(objects, "Job", "tally-fleet")
+
+            def pod(workload: dict[str, Any], name: str, ip: str, **extra: Any) -> ContainerPod:
+                return ContainerPod(LocalPod(cluster, workload, name, ip=ip, **extra), workload, ip, prefix)
+
+            coordinators = [pod(coordinator_set, f"tally-coordinator-{i}", f"{subnet}.{10 + i}")
+                            for i in range(coordinator_set["spec"]["replicas"])]
+            aggregators = [pod(aggregator_set, f"tally-aggregator-{i}", f"{subnet}.{20 + i}")
+                           for i in range(aggregator_set["spec"]["replicas"])]
+            fleet = [pod(job, f"tally-fleet-{i}-x{i}", f"{subnet}.{30 + i}",
+                         annotations={"batch.kubernetes.io/job-completion-index": str(i)})
+                     for i in range(job["spec"]["completions"])]
+            assert len(coordinators) == 3 and len(aggregators) == 3
+            unhonoured = {field: why for p in coordinators + aggregators + fleet for field, why in p.unhonoured().items()}
+            unhonoured |= {kind: "no cert-manager here: `tally certs` writes the same Secrets"
+                           for kind in ("Certificate", "Issuer") if find(objects, kind)}
+            unhonoured |= {"NetworkPolicy": CANNOT_HONOUR["NetworkPolicy"],
+                           "HorizontalPodAutoscaler": "three aggregators, the StatefulSet's replicas, stay three"}
+            print("not honoured here:\n" + "\n".join(f"  {f}: {why}" for f, why in sorted(unhonoured.items())))
+            # The Service's name resolves to its first pod: a follower, so the devices' calls are
+            # forwarded to whichever replica leads.
+            leader, follower = coordinators[0], coordinators[1]
+            hosts = service_hosts(cluster, [follower, *coordinators, *aggregators])
+
+            for p in aggregators:
+                start(p, network, hosts)
+            database.start()  # on the network's gateway, which exists once a container is on it
+            database.database("tally")
+            for p in aggregators:
+                p.until_started()
+            start(leader, network, hosts)
+            leader.until_started()
+            for p in coordinators[1:]:
+                start(p, network, hosts)
+            for p in coordinators[1:]:
+                p.until_started()
+            assert _leaders(coordinators) == [leader.name], [p.logs() for p in coordinators]
+
+            for p in fleet:
+                start(p, network, hosts)
+            committed = lambda: _metric(leader, "tally_coordinator_rounds_committed_total") >= 1  # noqa: E731
+            try:
+                _until("the first round committed", committed, deadline_s=300)
+            except AssertionError as stalled:
+                raise AssertionError(f"{stalled}\n{leader.logs()}\n{follower.logs()}\n{fleet[0].logs()}") from None
+            podman("kill", "--signal", "KILL", leader.container_name)
+            killed = time.monotonic()
+            survivors = coordinators[1:]
+            _until("one surviving replica leads", lambda: len(_leaders(survivors)) == 1, deadline_s=60)
+            print(f"a surviving replica leads {time.monotonic() - killed:.1f} s after the leader's SIGKILL")
+            for p in fleet:
+                assert p.exit_code(timeout=420) == 0, p.logs() + "\n" + "\n".join(c.logs() for c in survivors)
+            listing = _job_list(follower, fleet[0])
+            assert re.search(r"^digits-\w+\s+SUCCEEDED", listing.stdout, re.M), listing.stdout + listing.stderr
+            new_leader = next(p for p in survivors if p.name in _leaders(survivors))
+            assert _metric(new_leader, "tally_coordinator_rounds_committed_total") >= 1, "the new leader committed none"
+
+            podman("start", leader.container_name, timeout=120)  # the kubelet restarting the container
+            leader.until_started()
+            assert _leaders(coordinators) == [new_leader.name]
+            for p in coordinators + aggregators:
+                assert p.probe("livenessProbe").returncode == 0, p.logs()
+    finally:
+        remove_everything(prefix)
 
 
 # -- the Kubernetes page, run ------------------------------------------------------------------

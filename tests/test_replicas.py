@@ -239,6 +239,8 @@ def test_a_job_survives_its_leader_killed_mid_round(tmp_path, postgres_url):
         second.start()
         await _until(lambda: second.logged("replica following"), 60, "the second replica follows")
         token = (tmp_path / "replica-a" / "admin.token").read_text().strip()
+        # A follower's directory holds the same token: an operator reads it from any replica.
+        assert (tmp_path / "replica-b" / "admin.token").read_text().strip() == token
         admin = admin_pb2_grpc.AdminStub(open_channel(f"127.0.0.1:{second.port}", device_tls))
         md = bearer_metadata(token)
         try:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import secrets
 from pathlib import Path
+from typing import Protocol
 
 ADMIN_TOKEN_FILE = "admin.token"
 
@@ -35,3 +36,16 @@ def write_admin_token(directory: Path, token: str) -> None:
     with os.fdopen(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "w") as f:
         f.write(token + "\n")
     os.replace(tmp, path)
+
+
+class SharedSettings(Protocol):
+    def shared_setting(self, name: str, proposed: str) -> str: ...
+
+
+def share_admin_token(settings: SharedSettings, directory: Path) -> str:
+    """Replicas: the one token the first of them proposed, agreed through the store and written
+    to this replica's state directory, so whoever reads any replica's directory (leading or not)
+    can operate the deployment."""
+    token = settings.shared_setting("admin_token", secrets.token_urlsafe(32))
+    write_admin_token(directory, token)
+    return token

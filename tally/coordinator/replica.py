@@ -17,9 +17,11 @@ import logging
 from collections.abc import Callable
 
 from tally import logs
+from tally.coordinator.admin_token import share_admin_token
 from tally.coordinator.device_front import DeviceFront
 from tally.coordinator.leadership import Leadership
 from tally.coordinator.service import CoordinatorService
+from tally.coordinator.store import Store
 
 log = logging.getLogger("tally.coordinator.replica")
 
@@ -56,6 +58,7 @@ class Replica:
     async def run(self, stopping: asyncio.Event) -> int:
         """Serve until ``stopping``: 0; or 1 when it lost the lead (its process should exit and
         be started again, as a follower, by its supervisor)."""
+        await asyncio.to_thread(self._share_admin_token)
         leadership = Leadership(self.template.database_url)
         try:
             while not stopping.is_set():
@@ -66,6 +69,15 @@ class Replica:
             return 0
         finally:
             leadership.close()
+
+    def _share_admin_token(self) -> None:
+        """A follower's state directory holds the admin token too: the operator reads it from
+        whichever pod is at hand, and the Admin API it forwards checks the same token."""
+        store = Store(self.template.state_dir, self.template.database_url)
+        try:
+            share_admin_token(store, self.template.state_dir)
+        finally:
+            store.close()
 
     async def _follow(self, leadership: Leadership, stopping: asyncio.Event) -> None:
         t = self.template

@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-import secrets
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -22,7 +21,7 @@ from grpc_reflection.v1alpha import reflection
 from tally import logs
 from tally.coordinator.active_jobs import ActiveJobs
 from tally.coordinator.admin_api import AdminService, load_or_create_admin_token
-from tally.coordinator.admin_token import write_admin_token
+from tally.coordinator.admin_token import share_admin_token
 from tally.coordinator.aggregators import AggregatorPool
 from tally.coordinator.device_api import DeviceService
 from tally.coordinator.device_entry import DeviceEntry
@@ -169,9 +168,8 @@ class CoordinatorService:
     async def start(self) -> int:
         """Resume unfinished jobs and start serving; returns the bound port."""
         self._store = Store(self.state_dir, self.database_url, self.epoch)
-        if self.database_url:  # replicas: one token, whichever leads, in each one's state directory
-            self.admin_token = self._store.shared_setting("admin_token", secrets.token_urlsafe(32))
-            write_admin_token(self.state_dir, self.admin_token)
+        if self.database_url:  # replicas: one token, whichever leads
+            self.admin_token = share_admin_token(self._store, self.state_dir)
         else:
             self.admin_token = load_or_create_admin_token(self.state_dir)
         token_secret = load_or_create_token_secret(self.secrets_dir)

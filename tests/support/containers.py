@@ -31,6 +31,8 @@ RUNTIME = ["--runtime", "/usr/sbin/runc", "--ulimit", "nofile=20000:20000", "--u
 # and not honoured fails the test, so a new manifest feature is looked at, not dropped).
 CANNOT_HONOUR = {
     "resources.requests": "scheduling: no scheduler places these containers",
+    "affinity": "scheduling: one machine is every node and zone",
+    "topologySpreadConstraints": "scheduling: one machine is every node and zone",
     "resources.limits.ephemeral-storage": "podman sets no writable-layer quota (the root is read-only anyway)",
     "serviceAccountName": "no API server; automountServiceAccountToken is false, so no token is mounted",
     "volumeClaimTemplates.resources.requests.storage": "a podman volume has no size",
@@ -43,7 +45,7 @@ CANNOT_HONOUR = {
 }
 # Pod and security-context fields run_args carries out (or, for restartPolicy, the test does).
 POD_FIELDS = {"containers", "securityContext", "volumes", "serviceAccountName", "automountServiceAccountToken",
-              "terminationGracePeriodSeconds", "restartPolicy"}
+              "terminationGracePeriodSeconds", "restartPolicy", "affinity", "topologySpreadConstraints"}
 SECURITY_FIELDS = {"runAsUser", "runAsGroup", "runAsNonRoot", "fsGroup", "readOnlyRootFilesystem", "capabilities",
                    "allowPrivilegeEscalation", "privileged", "seccompProfile"}
 
@@ -172,8 +174,9 @@ class ContainerPod:
             found["resources.requests"] = CANNOT_HONOUR["resources.requests"]
         if "ephemeral-storage" in container.get("resources", {}).get("limits", {}):
             found["resources.limits.ephemeral-storage"] = CANNOT_HONOUR["resources.limits.ephemeral-storage"]
-        if "serviceAccountName" in spec:
-            found["serviceAccountName"] = CANNOT_HONOUR["serviceAccountName"]
+        for key in ("serviceAccountName", "affinity", "topologySpreadConstraints"):
+            if key in spec:
+                found[key] = CANNOT_HONOUR[key]
         for template in self.workload["spec"].get("volumeClaimTemplates", []):
             if template["spec"].get("resources", {}).get("requests", {}).get("storage"):
                 key = "volumeClaimTemplates.resources.requests.storage"

@@ -132,8 +132,8 @@ class LocalPod:
     """One pod of a workload's template, its first container ready to run locally."""
 
     def __init__(self, cluster: Cluster, workload: dict[str, Any], pod_name: str,
-                 annotations: dict[str, str] | None = None) -> None:
-        self.cluster, self.name = cluster, pod_name
+                 annotations: dict[str, str] | None = None, ip: str | None = None) -> None:
+        self.cluster, self.name, self.ip = cluster, pod_name, ip
         self.spec = workload["spec"]["template"]["spec"]
         (self.container,) = self.spec["containers"]
         self.annotations = annotations or {}
@@ -189,6 +189,8 @@ class LocalPod:
     def _env(self) -> dict[str, str]:
         fields = {"metadata.name": self.name, "metadata.namespace": self.cluster.namespace}
         fields |= {f"metadata.annotations['{k}']": v for k, v in self.annotations.items()}
+        if self.ip is not None:
+            fields["status.podIP"] = self.ip
         env: dict[str, str] = {}
         for var in self.container.get("env", []):
             if "value" in var:

@@ -1,6 +1,7 @@
 """A real PostgreSQL server (Debian package ``postgresql``) for the tests of coordinator replicas:
-a fresh cluster (``initdb``) listening on 127.0.0.1 only, with password (SCRAM) authentication,
-as a deployment's database server would be; stopped and removed at the end."""
+a fresh cluster (``initdb``) listening on 127.0.0.1 only (or, for containers, on their test
+network's gateway and open to that network alone), with password (SCRAM) authentication, as a
+deployment's database server would be; stopped and removed at the end."""
 
 from __future__ import annotations
 
@@ -51,12 +52,15 @@ needs_postgres = pytest.mark.skipif(_missing() is not None, reason=_missing() or
 
 
 class PostgresServer:
-    """A server in ``directory`` on an ephemeral port; ``database()`` gives each test its own."""
+    """A server in ``directory`` on an ephemeral port; ``database()`` gives each test its own.
+    ``listen``: the address it binds; ``clients``: a network (CIDR) besides 127.0.0.1 allowed to
+    connect. Created, it has a port and password (so its URL can go into a Secret); ``start()``
+    binds, once the address exists."""
 
     USER = "tally"
 
-    def __init__(self, directory: Path) -> None:
-        self.directory = directory
+    def __init__(self, directory: Path, listen: str = "127.0.0.1", clients: str | None = None) -> None:
+        self.directory, self.host = directory, listen
         self.password = secrets.token_hex(16)
         self.port = free_port()
         data, pwfile = directory / "data", directory / "pwfile"
@@ -66,10 +70,16 @@ class PostgresServer:
             shutil.chown(pwfile, "postgres")
         self._run("initdb", "-D", str(data), "-U", self.USER, f"--pwfile={pwfile}", "--auth=scram-sha-256",
                   "--encoding=UTF8", "--no-sync")
-        self._run("pg_ctl", "-D", str(data), "-l", str(directory / "server.log"), "-w", "-t", "60", "-o",
-                  f"-c listen_addresses=127.0.0.1 -p {self.port} -c unix_socket_directories='' "
+        if clients is not None:
+            with (data / "pg_hba.conf").open("a") as hba:
+                hba.write(f"host all all {clients} scram-sha-256\n")
+        self._data, self._started = data, False
+
+    def start(self) -> None:
+        self._run("pg_ctl", "-D", str(self._data), "-l", str(self.directory / "server.log"), "-w", "-t", "60",
+                  "-o", f"-c listen_addresses={self.host} -p {self.port} -c unix_socket_directories='' "
                   "-c max_connections=300", "start")
-        self._data = data
+        self._started = True
 
     def _run(self, tool: str, *args: str) -> None:
         assert BINDIR is not None
@@ -80,28 +90,34 @@ class PostgresServer:
             raise RuntimeError(f"{tool} failed: {done.stderr}\n{log.read_text() if log.exists() else ''}")
 
     def url(self, database: str = "postgres") -> str:
-        return f"postgresql://{self.USER}:{self.password}@127.0.0.1:{self.port}/{database}"
+        return f"postgresql://{self.USER}:{self.password}@{self.host}:{self.port}/{database}"
 
-    def database(self) -> str:
-        """A new, empty database: its URL."""
+    def database(self, name: str | None = None) -> str:
+        """A new, empty database (``name``, or a fresh one): its URL."""
         import psycopg
 
-        name = f"t_{secrets.token_hex(6)}"
+        name = name or f"t_{secrets.token_hex(6)}"
         with psycopg.connect(self.url(), autocommit=True) as conn:
             conn.execute(f"CREATE DATABASE {name}")
         return self.url(name)
 
     def stop(self) -> None:
-        self._run("pg_ctl", "-D", str(self._data), "-m", "immediate", "-w", "stop")
+        if self._started:
+            self._run("pg_ctl", "-D", str(self._data), "-m", "immediate", "-w", "stop")
+            self._started = False
 
 
 @contextlib.contextmanager
-def postgres_server(tmp_dir: Path) -> Iterator[PostgresServer]:
+def postgres_server(tmp_dir: Path, listen: str = "127.0.0.1", clients: str | None = None,
+                    start: bool = True) -> Iterator[PostgresServer]:
+    """A server (``PostgresServer``), started unless ``start`` is False, stopped at the end."""
     # As root, a directory of its own outside pytest's root-only temporary tree (the server's
     # user cannot enter that); removed with the server.
     directory = Path(tempfile.mkdtemp(prefix="tally-postgres-")) if AS_ROOT else tmp_dir
-    server = PostgresServer(directory)
+    server = PostgresServer(directory, listen, clients)
     try:
+        if start:
+            server.start()
         yield server
     finally:
         server.stop()
