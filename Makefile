@@ -53,7 +53,7 @@ images:
 	PYTHON=$(PYTHON) bash docker/build-images.sh
 
 # The images' contents, and the dev overlay's pods run from them with a real Prometheus.
-test-containers: $(STAMP) images prometheus
+test-containers: $(STAMP) images prometheus postgresql
 	TALLY_REQUIRE_CONTAINERS=1 $(PY) -m pytest -q -m containers -p no:cacheprovider tests/test_containers.py
 
 demo: $(STAMP)
