@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import subprocess
 import sys
 
@@ -16,6 +17,7 @@ from tally.client import Fleet
 from tally.client.fleet import device_ids
 from tally.client.retry import RetryPolicy
 from tally.client.synthetic import SyntheticUpdates
+from tally.coordinator.leadership import Leadership
 from tally.coordinator.store import Store
 from tally.wire.v1 import common_pb2
 
@@ -39,7 +41,9 @@ def test_a_short_campaign_meets_every_invariant_under_every_fault(tmp_path, bloc
     assert all(bool(r.reason) == (r.outcome == "job_failed") for r in result.rounds)
     assert all(bool(r.attempts) == (r.outcome == "job_failed") for r in result.rounds)
     kills = [r for r in result.rounds if r.fault.startswith("kill_")]
-    assert all("killed round" in r.detail for r in kills), [r.detail for r in kills]
+    # Each kill lands in a round the job is running (not in one it finished, nor after it ended).
+    assert all(re.search(r"killed round \d+ in (SELECTION|AGGREGATION)", r.detail) for r in kills), \
+        [r.detail for r in kills]
     report = result.to_dict()
     assert sum(row["rounds"] for row in report["faults"]) == config.rounds
     assert set(report["cpu_seconds"]) == {"coordinator", "aggregator-1", "aggregator-2"}
@@ -58,11 +62,16 @@ def test_a_dropout_fault_for_one_attempt_ends_after_that_attempts_sessions():
     assert {next(d) for d in devices} == {"unmask"}
 
 
-def test_a_failed_round_says_how_each_attempt_ended_and_whom_its_retries_could_not_seat(tmp_path):
+@pytest.mark.parametrize("backend", ["sqlite", "postgresql"])
+def test_a_failed_round_says_how_each_attempt_ended_and_whom_its_retries_could_not_seat(tmp_path, request, backend):
     """What the campaign records beside a job failure, read back from a real coordinator
-    database: every attempt's ending in order, and the seats still held when the job failed
-    (a released seat, or one of another round, does not count)."""
-    store = Store(tmp_path / "state")
+    database (one coordinator's SQLite file, or the replicas' PostgreSQL): every attempt's
+    ending in order, and the seats still held when the job failed (a released seat, or one of
+    another round, does not count)."""
+    url = request.getfixturevalue("postgres_url") if backend == "postgresql" else None
+    cluster = LocalCluster(tmp_path, aggregators=1, replicas=2 if url else 1, database_url=url)
+    leadership = Leadership(url) if url else None  # over PostgreSQL only a leader writes
+    store = Store(cluster.state, url, leadership.try_lead() if leadership else None)
     endings = ["masked_input[update]: 5 devices answered, at least 13 are required",
                "interrupted: coordinator stopped", "advertise_keys: 6 devices answered, at least 7 are required"]
     for now, ending in enumerate(endings):
@@ -73,7 +82,10 @@ def test_a_failed_round_says_how_each_attempt_ended_and_whom_its_retries_could_n
     store.add_seated("job", 4, [("d9", "t9")])
     store.add_seated("other", 3, [("d8", "t8")])
     store.close()
-    assert failed_round(tmp_path / "state" / "coordinator.db", "job", 3) == (endings, 2)
+    if leadership:
+        leadership.close()
+    with cluster.database() as db:
+        assert failed_round(db, "job", 3) == (endings, 2)
 
 
 def test_every_kind_of_device_misbehaviour_leaves_the_rounds_exact(tmp_path):
@@ -189,6 +201,31 @@ def test_a_campaign_with_device_fronts_survives_fronts_and_the_coordinator_kille
     assert committed and all(r.sums_exact >= 1 and r.sums_wrong == 0 for r in committed)
 
 
+@pytest.mark.full
+def test_a_campaign_over_coordinator_replicas_survives_its_leader_and_the_devices_replica_killed(
+        tmp_path, postgres_url):
+    """Two coordinator replicas over a real PostgreSQL server: whichever leads SIGKILLed mid-round,
+    and the replica the devices and the Admin API reach (leading or not) SIGKILLed; each comes
+    back as a replica would. Every invariant holds, read from the PostgreSQL database."""
+    faults = ("kill_leader", "kill_coordinator", "none")
+    config = CampaignConfig(rounds=2 * len(faults), seed=6, faults=faults, replicas=2)
+    result = asyncio.run(asyncio.wait_for(Campaign(config, tmp_path, database_url=postgres_url).run(), 900))
+    assert result.violations == []
+    assert {r.fault for r in result.rounds} == set(faults)
+    kills = [r.detail for r in result.rounds if r.fault.startswith("kill_")]
+    assert all(re.match(r"coordinator(-2)? killed round \d+ in (SELECTION|AGGREGATION)", d) for d in kills), kills
+    committed = [r for r in result.rounds if r.outcome == "committed"]
+    assert committed and all(r.sums_exact >= 1 and r.sums_wrong == 0 for r in committed)
+    assert "postgresql://" not in json.dumps(result.to_dict()), "the record names no password"
+
+
 def test_a_campaign_refuses_front_faults_without_fronts():
     with pytest.raises(ValueError, match="device_processes > 1"):
         CampaignConfig(faults=("kill_device_front",))
+
+
+def test_a_campaign_refuses_leader_faults_without_replicas_and_replicas_without_a_database(tmp_path):
+    with pytest.raises(ValueError, match="replicas > 1"):
+        CampaignConfig(faults=("kill_leader",))
+    with pytest.raises(ValueError, match="PostgreSQL"):
+        LocalCluster(tmp_path, replicas=2)

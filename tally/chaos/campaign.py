@@ -4,9 +4,10 @@ invariants checked after every round.
 Faults: device dropouts in one phase (below the protocol's threshold, and far past it for one
 attempt), an aggregator or the coordinator SIGKILLed at a random moment of the round and
 restarted, misbehaving devices (late, duplicated, replayed or corrupt messages, streams left open
-and unread). Invariants: every committed cohort sum is exactly the sum of its contributors' inputs
+and unread); with coordinator replicas over PostgreSQL, the leading replica SIGKILLed too.
+Invariants: every committed cohort sum is exactly the sum of its contributors' inputs
 (fingerprints, ``tally.client.sum_audit``); rounds commit in order, each once, none lost (the
-coordinator's own SQLite state, read-only); every round ends, committed or failed, by its
+coordinator's own database, read only); every round ends, committed or failed, by its
 deadline; no process died that was not killed; no process's memory grows without bound. The
 fleet is synthetic (``tally.client.synthetic``), so every expected sum is known exactly.
 """
@@ -14,7 +15,6 @@ fleet is synthetic (``tally.client.synthetic``), so every expected sum is known 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import random
 import sqlite3
 import statistics
@@ -36,17 +36,27 @@ from tally.client.fleet import device_ids
 from tally.client.retry import RetryPolicy
 from tally.client.sum_audit import EXACT, SumAudit, outcome_counts
 from tally.client.synthetic import SyntheticUpdates
+from tally.coordinator.database import Database
 from tally.coordinator.jobspec import parse
 from tally.wire.v1 import admin_pb2, common_pb2
 
 FAULTS = ("none", "dropouts", "dropouts_past_threshold", "kill_aggregator", "kill_coordinator", "misbehaviour")
 # Only with device_processes > 1: a device front SIGKILLed mid-round (the coordinator restarts it).
 FRONT_FAULTS = ("kill_device_front",)
+# Only with replicas > 1: whichever replica leads SIGKILLed mid-round ("kill_coordinator" kills the
+# replica the devices reach, leading or not).
+REPLICA_FAULTS = ("kill_leader",)
 # What misbehaving devices do (``tally.client.behaviour.Misbehaviour``): one kind per round, in turn.
 MISBEHAVIOURS = ("late", "duplicate", "replay", "corrupt", "stall")
 DEADLINES = {"checkin": 6, "download": 6, "advertise_keys": 4, "share_keys": 4, "masked_input": 6, "unmask": 4}
 # Restarting a process (interpreter, imports, TLS, SQLite) takes seconds on a small machine.
 RESTART_ALLOWANCE_S = 30.0
+# The job runs ahead of the campaign (it commits rounds while the campaign audits one or brings a
+# process back): with this many rounds per campaign round it does not end while the campaign runs,
+# so no fault waits on a job that ended as it was aimed.
+JOB_ROUNDS_PER_CAMPAIGN_ROUND = 20
+# A job that has not ended: a just-submitted one is PENDING until its first round starts.
+LIVE = (common_pb2.JOB_STATE_PENDING, common_pb2.JOB_STATE_RUNNING)
 MEMORY_GROWTH_LIMIT = 1.5
 MEMORY_SLACK_BYTES = 64 << 20
 
@@ -75,10 +85,13 @@ class CampaignConfig:
     seed: int = 0
     faults: tuple[str, ...] = FAULTS
     device_processes: int = 1  # the coordinator's (tally coordinator --device-processes)
+    replicas: int = 1  # coordinator replicas over PostgreSQL (Campaign's database_url)
 
     def __post_init__(self) -> None:
         if self.device_processes == 1 and set(self.faults) & set(FRONT_FAULTS):
             raise ValueError("kill_device_front needs device_processes > 1: there is no front to kill")
+        if self.replicas == 1 and set(self.faults) & set(REPLICA_FAULTS):
+            raise ValueError("kill_leader needs replicas > 1: one coordinator is killed by kill_coordinator")
 
     @property
     def round_deadline_s(self) -> float:
@@ -161,9 +174,14 @@ class CampaignResult:
 
 
 class Campaign:
+    """``database_url``: the PostgreSQL database of ``config.replicas`` > 1 coordinator replicas
+    (kept out of the config, which the record prints: it holds a password)."""
+
     def __init__(self, config: CampaignConfig, workdir: Path,
-                 on_round: Callable[[RoundRecord], None] = lambda record: None) -> None:
+                 on_round: Callable[[RoundRecord], None] = lambda record: None,
+                 database_url: str | None = None) -> None:
         self.config, self.workdir, self.on_round = config, workdir, on_round
+        self.database_url = database_url
         self.rng = random.Random(config.seed)
         self.result = CampaignResult(asdict(config))
         self.killed: set[str] = set()
@@ -175,7 +193,8 @@ class Campaign:
     async def run(self) -> CampaignResult:
         cfg = self.config
         cluster = LocalCluster(self.workdir, aggregators=cfg.aggregators,
-                               coordinator_flags=["--device-processes", str(cfg.device_processes)])
+                               coordinator_flags=["--device-processes", str(cfg.device_processes)],
+                               replicas=cfg.replicas, database_url=self.database_url)
         try:
             await cluster.start()
         except BaseException:
@@ -189,15 +208,14 @@ class Campaign:
         stop = asyncio.Event()
         fleet_task = asyncio.create_task(fleet.run(stop))
         try:
-            job_id, committed = await self._new_job(cluster), 0
+            job_id = await self._new_job(cluster)
             for index in range(1, cfg.rounds + 1):
-                record = await self._round(cluster, fleet, dropouts, index, job_id, committed + 1)
+                job_id, round_ = await self._next_round(cluster, job_id)
+                record = await self._round(cluster, fleet, dropouts, index, job_id, round_)
                 self.result.rounds.append(record)
                 self.on_round(record)
-                if record.outcome == "committed":
-                    committed += 1
                 if record.outcome != "committed":  # a failed job ends; the campaign goes on with a new one
-                    job_id, committed = await self._new_job(cluster), 0
+                    job_id = await self._new_job(cluster)
                 self._sample(cluster)
             self._check_state(cluster)
             self._check_memory()
@@ -214,10 +232,31 @@ class Campaign:
         self.jobs += 1
         cfg = self.config
         deadlines = "{" + ", ".join(f"{k}: {v}" for k, v in DEADLINES.items()) + "}"
-        spec = JOB_SPEC.format(n=self.jobs, rounds=cfg.rounds, cohort=cfg.cohort, retries=cfg.retries,
-                               hidden=cfg.hidden, deadlines=deadlines)
+        spec = JOB_SPEC.format(n=self.jobs, rounds=JOB_ROUNDS_PER_CAMPAIGN_ROUND * cfg.rounds, cohort=cfg.cohort,
+                               retries=cfg.retries, hidden=cfg.hidden, deadlines=deadlines)
         self.seats = parse(spec).selection_target
         return await cluster.submit(spec)
+
+    async def _next_round(self, cluster: LocalCluster, job_id: str) -> tuple[str, int]:
+        """The job and round the next fault goes into: the round the job is running now. The job
+        does not wait for the campaign (it commits rounds while the campaign audits one), so a
+        count kept here would fall behind it and aim faults at rounds already committed, and at
+        last at a job that had ended; a job that ended gives way to a new one."""
+        seen: list[admin_pb2.Job] = []
+
+        async def answered() -> bool:
+            try:
+                seen[:] = [await cluster.job(job_id, timeout=2.0)]
+            except grpc.aio.AioRpcError:  # a restarted coordinator (or replica) is still resuming
+                return False
+            return True
+
+        if not await wait_for(answered, RESTART_ALLOWANCE_S):  # every process is up: nothing to go on with
+            raise RuntimeError(f"{job_id}: the Admin API did not answer within {RESTART_ALLOWANCE_S:g} s "
+                               "with every process running")
+        if seen[0].state not in LIVE:
+            return await self._new_job(cluster), 1
+        return job_id, seen[0].committed_round + 1
 
     async def _round(self, cluster: LocalCluster, fleet: Fleet, dropouts: VaryingDropouts, index: int,
                      job_id: str, round_: int) -> RoundRecord:
@@ -252,7 +291,8 @@ class Campaign:
         record = RoundRecord(index, job_id, round_, fault, detail, outcome, seconds,
                              reason=job.message if outcome == "job_failed" and job is not None else "")
         if outcome == "job_failed":
-            record.attempts, record.excluded = failed_round(cluster.state / "coordinator.db", job_id, round_)
+            with cluster.database() as db:
+                record.attempts, record.excluded = failed_round(db, job_id, round_)
         if outcome == "committed":
             await self._audit(cluster, fleet, record)
         for name in cluster.died(self.killed):
@@ -293,7 +333,7 @@ class Campaign:
             self._misbehaved += 1  # kinds in turn: every fifth misbehaviour round, each kind once
             fleet.behave(BehaviourProfile.model_validate({"misbehaviour": {kind: rate}}))
             return f"{rate:.2f} {kind}"
-        if fault in ("kill_aggregator", "kill_coordinator", "kill_device_front"):
+        if fault in ("kill_aggregator", "kill_coordinator", "kill_device_front", "kill_leader"):
             name = ("coordinator" if fault != "kill_aggregator"
                     else f"aggregator-{rng.randint(1, self.config.aggregators)}")
             target = rng.choice((common_pb2.ROUND_PHASE_SELECTION, common_pb2.ROUND_PHASE_AGGREGATION))
@@ -304,7 +344,7 @@ class Campaign:
                     seen[:] = [await cluster.job(job_id, timeout=2.0)]
                 except grpc.aio.AioRpcError:
                     return False
-                return seen[0].phase == target or seen[0].state != common_pb2.JOB_STATE_RUNNING
+                return seen[0].phase == target or seen[0].state not in LIVE
 
             await wait_for(in_target_phase, sum(DEADLINES.values()), every=0.02)
             where = (f"round {seen[0].round} in {common_pb2.RoundPhase.Name(seen[0].phase).removeprefix('ROUND_PHASE_')}"
@@ -318,6 +358,12 @@ class Campaign:
                 front = rng.choice(cluster.device_fronts())
                 front.kill()  # the coordinator notices and starts it again: nothing to restart here
                 return f"device front {front.pid} killed {where}"
+            if fault == "kill_leader":
+                leader = await asyncio.to_thread(cluster.leader)
+                if leader is None:
+                    self.result.violations.append(f"no coordinator replica leads {where}")
+                    return f"no leader to kill {where}"
+                name = leader
             down = rng.uniform(0.0, 3.0)
             self.killed.add(name)
             await cluster.kill(name)
@@ -352,7 +398,7 @@ class Campaign:
     def _check_state(self, cluster: LocalCluster) -> None:
         """From the coordinator's own database: each committed round of each job committed once,
         rounds contiguous from 1, and the job's committed round the last of them."""
-        with _read_only(cluster.state / "coordinator.db") as db:
+        with cluster.database() as db:
             jobs = db.execute("SELECT job_id, committed_round FROM jobs").fetchall()
             for job_id, committed_round in jobs:
                 rows = db.execute("SELECT round, COUNT(*) FROM rounds WHERE job_id = ? AND state = 'committed' "
@@ -375,24 +421,13 @@ class Campaign:
                     f"{name}: resident memory grew from {first / 2**20:.0f} MiB to {last / 2**20:.0f} MiB")
 
 
-@contextlib.contextmanager
-def _read_only(path: Path) -> Iterator[sqlite3.Connection]:
-    """The coordinator's own database, opened read-only: the campaign checks it, never writes."""
-    db = sqlite3.connect(f"file:{path}?mode=ro", uri=True)
-    try:
-        yield db
-    finally:
-        db.close()
-
-
-def failed_round(path: Path, job_id: str, round_: int) -> tuple[list[str], int]:
+def failed_round(db: sqlite3.Connection | Database, job_id: str, round_: int) -> tuple[list[str], int]:
     """How each attempt of a round that failed its job ended, and how many devices were still
-    turned away from its retries when it did."""
-    with _read_only(path) as db:
-        attempts = [m for (m,) in db.execute(
-            "SELECT message FROM rounds WHERE job_id = ? AND round = ? ORDER BY attempt", (job_id, round_))]
-        (excluded,) = db.execute(
-            "SELECT COUNT(*) FROM seated WHERE job_id = ? AND round = ?", (job_id, round_)).fetchone()
+    turned away from its retries when it did (``LocalCluster.database``)."""
+    attempts = [m for (m,) in db.execute(
+        "SELECT message FROM rounds WHERE job_id = ? AND round = ? ORDER BY attempt", (job_id, round_))]
+    (excluded,) = db.execute(
+        "SELECT COUNT(*) FROM seated WHERE job_id = ? AND round = ?", (job_id, round_)).fetchone()
     return attempts, excluded
 
 

@@ -1,18 +1,23 @@
-"""A deployment on 127.0.0.1 made of real processes: a coordinator and aggregators over TLS, on
-fixed ports so that a killed process comes back where the others expect it, with its state."""
+"""A deployment on 127.0.0.1 made of real processes: a coordinator (or several replicas of it
+over PostgreSQL) and aggregators over TLS, on fixed ports so that a killed process comes back
+where the others expect it, with its state."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import re
 import socket
+import sqlite3
 import urllib.request
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 import psutil
 
+from tally.coordinator.database import Database, PostgresDatabase
+from tally.coordinator.leadership import leader_address
 from tally.ops.processes import Process
 from tally.security import TLSConfig, bearer_metadata
 from tally.security.certs import write_deployment
@@ -42,10 +47,17 @@ class Usage:
 
 class LocalCluster:
     """``start`` brings every process up; ``kill``/``restart`` act on one by name
-    (``coordinator``, ``aggregator-1``, ...); ``admin`` is an Admin stub with its metadata."""
+    (``coordinator``, ``aggregator-1``, ...); ``admin`` is an Admin stub with its metadata.
+
+    With ``replicas`` > 1 the coordinator is that many replicas over the PostgreSQL database at
+    ``database_url`` (``coordinator``, ``coordinator-2``, ...), each with its own state directory
+    and fixed internal port; devices and the Admin API reach ``coordinator``, whichever leads."""
 
     def __init__(self, workdir: Path, aggregators: int = 2, checkin_hold_s: float = 2.0,
-                 coordinator_flags: Sequence[str] = ()) -> None:
+                 coordinator_flags: Sequence[str] = (), replicas: int = 1,
+                 database_url: str | None = None) -> None:
+        if replicas > 1 and not database_url:
+            raise ValueError("coordinator replicas need a PostgreSQL database (database_url)")
         self.workdir = workdir
         self.certs, self.state = workdir / "certs", workdir / "state"
         write_deployment(self.certs, aggregators=aggregators, force=True)
@@ -63,14 +75,30 @@ class LocalCluster:
                 logs / f"aggregator-{i}.log")
             for i, (port, control) in enumerate(zip(agg_ports, control_ports), start=1)
         }
-        self.port = free_port()
-        self.processes["coordinator"] = Process(
-            "coordinator",
-            ["coordinator", "--listen", f"127.0.0.1:{self.port}", "--state-dir", str(self.state),
-             "--tls-dir", str(self.certs / "coordinator"), "--metrics-port", "0",
-             "--checkin-hold", str(checkin_hold_s), *coordinator_flags,
-             *[a for i, port in enumerate(control_ports, start=1) for a in ("--aggregator", f"agg-{i}=localhost:{port}")]],
-            logs / "coordinator.log")
+        self.database_url = database_url if replicas > 1 else None
+        replication: list[str] = []
+        if self.database_url:  # a file, as a Secret would give it: no password on a command line
+            url_file = workdir / "database-url"
+            url_file.touch(mode=0o600)
+            url_file.write_text(self.database_url)
+            replication = ["--database-file", str(url_file)]
+        self.internal_ports: dict[str, int] = {}
+        for r in range(1, replicas + 1):
+            name = "coordinator" if r == 1 else f"coordinator-{r}"
+            port, state = free_port(), self.state if r == 1 else workdir / f"state-{r}"
+            if r == 1:
+                self.port = port
+            if self.database_url:
+                self.internal_ports[name] = free_port()
+                replica = [*replication, "--internal-listen", f"127.0.0.1:{self.internal_ports[name]}"]
+            self.processes[name] = Process(
+                name,
+                ["coordinator", "--listen", f"127.0.0.1:{port}", "--state-dir", str(state),
+                 "--tls-dir", str(self.certs / "coordinator"), "--metrics-port", "0",
+                 "--checkin-hold", str(checkin_hold_s), *coordinator_flags, *(replica if self.database_url else []),
+                 *[a for i, control in enumerate(control_ports, start=1)
+                   for a in ("--aggregator", f"agg-{i}=localhost:{control}")]],
+                logs / f"{name}.log")
         self.target = f"localhost:{self.port}"
         self.metrics_ports: dict[str, int] = {}
         self._channel = None
@@ -81,7 +109,7 @@ class LocalCluster:
 
     async def restart(self, name: str) -> None:
         process = self.processes[name]
-        ready = await process.start(COORDINATOR_READY if name == "coordinator" else AGGREGATOR_READY)
+        ready = await process.start(COORDINATOR_READY if name.startswith("coordinator") else AGGREGATOR_READY)
         if (metrics := METRICS_PORT.search(ready.string)) is not None:
             self.metrics_ports[name] = int(metrics.group(1))
 
@@ -93,6 +121,31 @@ class LocalCluster:
 
     async def kill(self, name: str) -> None:
         await self.processes[name].kill()
+
+    def leader(self) -> str | None:
+        """The replica that leads now (by the internal port it announced); None when none does."""
+        assert self.database_url is not None, "one coordinator: nothing to lead"
+        database = PostgresDatabase(self.database_url)
+        try:
+            address = leader_address(database)
+        finally:
+            database.close()
+        port = int(address.rpartition(":")[2]) if address else None
+        return next((name for name, p in self.internal_ports.items() if p == port), None)
+
+    @contextlib.contextmanager
+    def database(self) -> Iterator[sqlite3.Connection | Database]:
+        """The coordinator's own database for reading (the campaign checks it, never writes):
+        its SQLite file opened read-only, or the replicas' PostgreSQL database."""
+        db: sqlite3.Connection | Database
+        if self.database_url:
+            db = PostgresDatabase(self.database_url)
+        else:
+            db = sqlite3.connect(f"file:{self.state / 'coordinator.db'}?mode=ro", uri=True)
+        try:
+            yield db
+        finally:
+            db.close()
 
     def device_fronts(self) -> list[psutil.Process]:
         """The coordinator's running device fronts (``--device-processes``), oldest first: its

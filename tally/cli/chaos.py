@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import sys
 import tempfile
 from pathlib import Path
@@ -18,12 +19,13 @@ from tally.cli.console import console as cli_console
 
 
 def _faults(text: str) -> tuple[str, ...]:
-    from tally.chaos.campaign import FAULTS, FRONT_FAULTS
+    from tally.chaos.campaign import FAULTS, FRONT_FAULTS, REPLICA_FAULTS
 
+    known = FAULTS + FRONT_FAULTS + REPLICA_FAULTS
     chosen = tuple(f.strip() for f in text.split(",") if f.strip())
-    unknown = sorted(set(chosen) - set(FAULTS) - set(FRONT_FAULTS))
+    unknown = sorted(set(chosen) - set(known))
     if not chosen or unknown:
-        raise argparse.ArgumentTypeError(f"choose from {', '.join(FAULTS + FRONT_FAULTS)}; got {text!r}")
+        raise argparse.ArgumentTypeError(f"choose from {', '.join(known)}; got {text!r}")
     return chosen
 
 
@@ -32,7 +34,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         "chaos", help="a fault campaign: random faults against real services, every committed sum checked",
         description="Starts a coordinator and aggregators as processes over TLS on 127.0.0.1 and a synthetic "
         "fleet, runs one FedAvg job, and injects one random fault per round (device dropouts below and past "
-        "the threshold, aggregators and the coordinator SIGKILLed mid-round and restarted, devices sending late, duplicated, replayed or corrupt messages or leaving their stream open and unread). After every round: "
+        "the threshold, aggregators and the coordinator (or, with --replicas, its leading replica) SIGKILLed mid-round and restarted, devices sending late, duplicated, replayed or corrupt messages or leaving their stream open and unread). After every round: "
         "each committed cohort sum equals the sum of its contributors' inputs, rounds commit once and in "
         "order, the round ended by its deadline, no process died unkilled; at the end, no memory growth. "
         "Exit status 1 when any invariant was violated.",
@@ -50,6 +52,13 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="the coordinator serves devices from N processes (tally coordinator "
                    "--device-processes); with N > 1 the faults include its device fronts killed mid-round "
                    "(default: %(default)s)")
+    p.add_argument("--replicas", type=argtypes.integer(1, 8), default=1, metavar="N",
+                   help="the coordinator as N replicas over the PostgreSQL database --database names (tally "
+                   "coordinator --database); with N > 1 the faults include the leading replica killed mid-round "
+                   "(default: %(default)s)")
+    p.add_argument("--database", default=os.environ.get("TALLY_DATABASE_URL", ""), metavar="URL",
+                   help="postgresql:// URL of the replicas' database (default: $TALLY_DATABASE_URL); use an "
+                   "empty database of its own: the campaign's jobs stay in it")
     p.add_argument("--seed", type=argtypes.integer(0), default=0, help="seed of the faults, the fleet and the inputs")
     p.add_argument("--workdir", type=Path, help="certificates, state and logs (default: a temporary directory)")
     p.add_argument("--json", type=Path, help="write the campaign's record here")
@@ -57,15 +66,21 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from tally.chaos.campaign import FAULTS, FRONT_FAULTS, Campaign, CampaignConfig
+    from tally.chaos.campaign import FAULTS, FRONT_FAULTS, REPLICA_FAULTS, Campaign, CampaignConfig
+    from tally.coordinator.database import is_postgres_url
 
-    default = FAULTS + (FRONT_FAULTS if args.device_processes > 1 else ())
+    default = (FAULTS + (FRONT_FAULTS if args.device_processes > 1 else ())
+               + (REPLICA_FAULTS if args.replicas > 1 else ()))
     try:
         config = CampaignConfig(rounds=args.rounds, devices=args.devices, cohort=args.cohort,
                                 aggregators=args.aggregators, hidden=args.hidden, seed=args.seed,
-                                faults=args.faults or default, device_processes=args.device_processes)
+                                faults=args.faults or default, device_processes=args.device_processes,
+                                replicas=args.replicas)
     except ValueError as exc:
         print(f"tally chaos: --faults: {exc}", file=sys.stderr)
+        return 2
+    if args.replicas > 1 and not is_postgres_url(args.database):
+        print("tally chaos: --database: --replicas > 1 needs a postgresql:// URL", file=sys.stderr)
         return 2
     if args.devices < 2 * args.cohort:
         print("--devices must be at least twice --cohort: a retried round may not reuse the devices "
@@ -82,7 +97,7 @@ def run(args: argparse.Namespace) -> int:
                 progress.update(task, advance=1, description=f"round {record.index}: {record.fault} -> "
                                 f"{record.outcome} ({record.seconds:.1f} s)")
 
-            result = asyncio.run(Campaign(config, workdir, on_round).run())
+            result = asyncio.run(Campaign(config, workdir, on_round, database_url=args.database or None).run())
     report = result.to_dict()
     console.print(_table(report))
     for violation in result.violations:
