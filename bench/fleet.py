@@ -30,6 +30,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from tally.chaos.cluster import LocalCluster
 from tally.client.sum_audit import SumAudit, check_committed, outcome_counts
 from tally.client.timeline import FleetTimeline
+from tally.ops.processes import Terminated, stopping_on_sigterm
 
 SPEC = """\
 name: bench-fleet
@@ -250,12 +251,15 @@ def main() -> None:
                         help="run in DIR and keep what the run leaves (the coordinator's SQLite, every "
                              "process's log, the fleet's reports and timelines) to look into a round")
     args = parser.parse_args()
-    if args.keep:
-        args.keep.mkdir(parents=True, exist_ok=True)
-        result = asyncio.run(_run(args, args.keep))
-    else:
-        with tempfile.TemporaryDirectory(prefix="tally-bench-fleet-") as tmp:
-            result = asyncio.run(_run(args, Path(tmp)))
+    try:
+        if args.keep:
+            args.keep.mkdir(parents=True, exist_ok=True)
+            result = asyncio.run(stopping_on_sigterm(_run(args, args.keep)))
+        else:
+            with tempfile.TemporaryDirectory(prefix="tally-bench-fleet-") as tmp:
+                result = asyncio.run(stopping_on_sigterm(_run(args, Path(tmp))))
+    except Terminated:
+        raise SystemExit("bench/fleet.py: terminated; its processes are stopped") from None
     print(json.dumps(result, indent=2))
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)

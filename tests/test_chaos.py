@@ -229,3 +229,36 @@ def test_a_campaign_refuses_leader_faults_without_replicas_and_replicas_without_
         CampaignConfig(faults=("kill_leader",))
     with pytest.raises(ValueError, match="PostgreSQL"):
         LocalCluster(tmp_path, replicas=2)
+
+
+def test_a_campaign_sent_sigterm_stops_every_process_it_started(tmp_path):
+    """``kill`` on the harness (as a CI timeout or an operator sends it) stops its coordinator,
+    aggregators and fleet before it exits: none is left holding ports and cores."""
+    import psutil
+
+    campaign = subprocess.Popen([sys.executable, "-m", "tally.cli", "chaos", "--rounds", "50", "--aggregators", "2",
+                                 "--workdir", str(tmp_path)], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                                text=True)
+    try:
+        parent = psutil.Process(campaign.pid)
+        started: list[psutil.Process] = []
+
+        def ours(child: psutil.Process) -> bool:
+            try:
+                return "tally.cli" in " ".join(child.cmdline())
+            except psutil.Error:  # ended since it was listed
+                return False
+
+        async def all_started() -> bool:  # two aggregators and the coordinator
+            started[:] = [c for c in parent.children(recursive=True) if ours(c)]
+            return len(started) >= 3 and (tmp_path / "state" / "admin.token").exists()
+
+        assert asyncio.run(wait_for(all_started, 120)), campaign.stderr
+        campaign.terminate()
+        assert campaign.wait(60) == 143
+        assert "terminated; its processes are stopped" in campaign.stderr.read()
+        gone, alive = psutil.wait_procs(started, timeout=5)
+        assert alive == [], [p.cmdline() for p in alive]
+    finally:
+        if campaign.poll() is None:
+            campaign.kill()

@@ -68,6 +68,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     from tally.chaos.campaign import FAULTS, FRONT_FAULTS, REPLICA_FAULTS, Campaign, CampaignConfig
     from tally.coordinator.database import is_postgres_url
+    from tally.ops.processes import Terminated, stopping_on_sigterm
 
     default = (FAULTS + (FRONT_FAULTS if args.device_processes > 1 else ())
                + (REPLICA_FAULTS if args.replicas > 1 else ()))
@@ -97,7 +98,12 @@ def run(args: argparse.Namespace) -> int:
                 progress.update(task, advance=1, description=f"round {record.index}: {record.fault} -> "
                                 f"{record.outcome} ({record.seconds:.1f} s)")
 
-            result = asyncio.run(Campaign(config, workdir, on_round, database_url=args.database or None).run())
+            try:
+                result = asyncio.run(stopping_on_sigterm(
+                    Campaign(config, workdir, on_round, database_url=args.database or None).run()))
+            except Terminated:
+                print("tally chaos: terminated; its processes are stopped", file=sys.stderr)
+                return 143
     report = result.to_dict()
     console.print(_table(report))
     for violation in result.violations:
