@@ -151,6 +151,21 @@ def test_a_leader_that_stops_hands_over_at_once(postgres_url):
     second.close()
 
 
+def test_the_replicas_alive_are_those_with_a_recent_heartbeat(postgres_url):
+    first, second = Leadership(postgres_url), Leadership(postgres_url)
+    try:
+        first.heartbeat("10.0.0.1:7000")
+        second.heartbeat("10.0.0.2:7000")
+        second.heartbeat("10.0.0.2:7000")  # again: one row per replica
+        assert first.replicas_alive(60.0) == {"10.0.0.1:7000", "10.0.0.2:7000"}
+        # The second's last heartbeat ages past the window (by the server's clock, as time would).
+        second._db.execute("UPDATE replicas SET seen_at = seen_at - 100 WHERE address = ?", ("10.0.0.2:7000",))
+        assert first.replicas_alive(60.0) == {"10.0.0.1:7000"}
+    finally:
+        first.close()
+        second.close()
+
+
 def test_replicas_starting_at_once_create_the_schema_once(tmp_path, postgres_url):
     errors: list[BaseException] = []
     together = threading.Barrier(6)
@@ -274,6 +289,12 @@ def test_a_job_survives_its_leader_killed_mid_round(tmp_path, postgres_url):
                 follower = scrape_text(first.logged("device front serving")[-1]["metrics_port"])
                 assert "tally_coordinator_leader 1.0" in leader.splitlines()
                 assert "tally_coordinator_leader 0.0" in follower.splitlines()
+                # It counts both replicas alive (their heartbeats, each second), to pace what the
+                # other forwards; the follower does not count.
+                leader_port = second.logged("coordinator serving")[-1]["metrics_port"]
+                await _until(lambda: "tally_coordinator_replicas 2.0" in scrape_text(leader_port).splitlines(),
+                             10, "the leader counts two replicas alive")
+                assert "tally_coordinator_replicas" not in follower
                 checks = await check_committed(admin_pb2_grpc.AdminStub(
                     open_aio_channel(f"127.0.0.1:{first.port}", device_tls)), md, SumAudit.of(fleet.inputs))
                 assert outcome_counts(checks)[EXACT] == len(checks) >= 3
@@ -318,7 +339,8 @@ def test_a_replica_whose_database_is_unreachable_says_so(tmp_path, capsys):
 
 def test_a_leader_paces_what_the_other_replicas_forward(tmp_path):
     """The rate is per replica: the leader paces its own devices at it, and the check-ins other
-    replicas' fronts forward (devices of a population with a job) at one replica's rate more."""
+    replicas' fronts forward (devices of a population with a job) at one replica's rate more
+    until it has counted the replicas alive, then at their combined rate."""
     from tally.coordinator.service import CoordinatorService
     from tally.security import TLSConfig
 
@@ -329,6 +351,11 @@ def test_a_leader_paces_what_the_other_replicas_forward(tmp_path):
                                      device_processes=4, database_url="postgresql://db/tally",
                                      internal_listen="127.0.0.1:0")
     assert with_fronts.pacer.rate_per_s == 25.0 and with_fronts.forwarded_pacer.rate_per_s == 175.0
+    for others, forwarded in ((3, 300.0), (0, None), (2, 200.0)):
+        leader.pace_replicas(others)
+        assert leader.forwarded_pacer.rate_per_s == forwarded and leader.pacer.rate_per_s == 100.0
+    with_fronts.pace_replicas(2)
+    assert with_fronts.forwarded_pacer.rate_per_s == 275.0
 
 
 def test_a_follower_before_any_leader_announced_tells_devices_to_retry(tmp_path, postgres_url):

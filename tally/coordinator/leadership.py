@@ -73,6 +73,22 @@ class Leadership:
             return False
         return row is not None and row[0] == self.epoch
 
+    def heartbeat(self, address: str) -> None:
+        """This replica (serving devices at ``address``) is alive, by the database server's clock:
+        the replicas' own clocks need not agree."""
+        with self._db.lock:
+            self._db.execute(
+                "INSERT INTO replicas (address, seen_at) VALUES (?, EXTRACT(EPOCH FROM clock_timestamp())) "
+                "ON CONFLICT (address) DO UPDATE SET seen_at = excluded.seen_at", (address,))
+
+    def replicas_alive(self, within_s: float) -> set[str]:
+        """The addresses of the replicas that sent a heartbeat in the last ``within_s`` seconds."""
+        with self._db.lock:
+            rows = self._db.execute(
+                "SELECT address FROM replicas WHERE seen_at > EXTRACT(EPOCH FROM clock_timestamp()) - ?",
+                (within_s,)).fetchall()
+        return {address for (address,) in rows}
+
     def close(self) -> None:
         """Let go: another replica may lead at once. Unlocked before the session ends, since a
         session's locks outlive its closed connection until the server has cleaned up after it."""

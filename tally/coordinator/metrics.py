@@ -57,6 +57,14 @@ class CoordinatorMetrics(DeviceMetrics):
         registry = self.registry
         # Jobs' privacy ledgers (tally/privacy/metrics.py) are read at scrape time.
         registry.register(PrivacyCollector())
+        # Only where rounds are planned: a following replica or a front does not count them.
+        self.replicas = Gauge(
+            "tally_coordinator_replicas",
+            "Coordinator replicas alive (a heartbeat within the last 5 s), itself included, as the "
+            "leading replica counts them to pace what the others forward; 1 without replicas",
+            registry=registry,
+        )
+        self.replicas.set(1)
         self.task_reports = Counter(
             "tally_coordinator_task_reports",
             "Devices' reports on their tasks, by outcome (completed, dropped, aborted, refused; "

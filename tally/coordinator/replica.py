@@ -26,6 +26,8 @@ from tally.coordinator.store import Store
 log = logging.getLogger("tally.coordinator.replica")
 
 LEAD_POLL_S = 1.0  # how often a follower tries for the lead, and a leader checks it still has it
+# A replica whose heartbeat (one per LEAD_POLL_S) is older than this is not counted as alive.
+ALIVE_WITHIN_S = 5.0
 STOP_GRACE_S = 5.0
 
 
@@ -70,6 +72,17 @@ class Replica:
         finally:
             leadership.close()
 
+    @property
+    def _address(self) -> str:
+        """Where this replica serves devices: its name among the replicas alive."""
+        return f"{self.advertise}:{self.port}"
+
+    def _pace(self, leadership: Leadership, service: CoordinatorService) -> None:
+        """Heartbeat, and pace what the other live replicas forward at their combined rate."""
+        leadership.heartbeat(self._address)
+        others = leadership.replicas_alive(ALIVE_WITHIN_S) - {self._address}
+        service.pace_replicas(len(others))
+
     def _share_admin_token(self) -> None:
         """A follower's state directory holds the admin token too: the operator reads it from
         whichever pod is at hand, and the Admin API it forwards checks the same token."""
@@ -91,6 +104,7 @@ class Replica:
             self.on_serving(self)
             logs.event(log, "replica following", port=self.port, leader=front.target)
             while not front.stale.is_set():
+                await asyncio.to_thread(leadership.heartbeat, self._address)
                 if await _stopped(stopping, LEAD_POLL_S):
                     return
                 if await asyncio.to_thread(leadership.try_lead) is not None:
@@ -111,11 +125,13 @@ class Replica:
             self.on_serving(self)
             logs.event(log, "replica leading", epoch=epoch, port=self.port, internal_port=service.internal_port)
             self.on_lead(service)
-            while not await _stopped(stopping, LEAD_POLL_S):
+            while True:
+                await asyncio.to_thread(self._pace, leadership, service)
+                if await _stopped(stopping, LEAD_POLL_S):
+                    return 0
                 if not await asyncio.to_thread(leadership.holds):
                     logs.event(log, "replica lost the lead; stopping", level=logging.ERROR, epoch=epoch)
                     return 1
-            return 0
         finally:
             self.serving.clear()
             await service.stop(STOP_GRACE_S)

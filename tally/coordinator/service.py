@@ -134,14 +134,12 @@ class CoordinatorService:
         # Each process serving devices paces the devices connected to it: 1/N of them. The
         # check-ins fronts forward (their devices' of populations with a job) are paced here at
         # the fronts' share, so a population with a job arrives at the whole rate. A leading
-        # replica adds one replica's rate (the rate is per replica) for the other replicas' fronts:
-        # how many there are it does not know, and paced too slowly beats told to come back all
-        # at once when the next round starts.
+        # replica adds each other live replica's rate (the rate is per replica; ``pace_replicas``),
+        # one until it has counted them: paced too slowly beats told to come back all at once.
         n = device_processes
         rate = checkin_rate or 0.0
-        forwarded = rate * (n - 1) / n + (rate if internal_listen else 0.0)
         self.pacer = CheckinPacer(rate / n or None)
-        self.forwarded_pacer = CheckinPacer(forwarded or None)
+        self.forwarded_pacer = CheckinPacer(self._forwarded_rate(1 if internal_listen else 0) or None)
         self.port: int | None = None
         self.admin_token: str | None = None
         # The key `tally enrol` derives device credentials from (None with a custom verifier).
@@ -153,12 +151,25 @@ class CoordinatorService:
         self._health: health.aio.HealthServicer | None = None
         self._pool: AggregatorPool | None = None
         self._store: Store | None = None
+        self._metrics: CoordinatorMetrics | None = None
         self._watchdog: asyncio.Task[None] | None = None
         # With device_processes > 1: the fronts, and the loopback port only they may call.
         self.fronts: list[FrontProcess] = []
         self.internal_target: str | None = None
         self._internal: grpc.aio.Server | None = None
         self._supervisor: asyncio.Task[None] | None = None
+
+    def _forwarded_rate(self, other_replicas: int) -> float:
+        rate, n = self.checkin_rate or 0.0, self.device_processes
+        return rate * (n - 1) / n + rate * other_replicas
+
+    def pace_replicas(self, other_replicas: int) -> None:
+        """A leading replica: the check-ins forwarded by ``other_replicas`` live replicas (and
+        its own fronts) come back at their combined rate."""
+        if self.checkin_rate:
+            self.forwarded_pacer.rate_per_s = self._forwarded_rate(other_replicas) or None
+        if self._metrics is not None:
+            self._metrics.replicas.set(other_replicas + 1)
 
     @property
     def store(self) -> Store:
@@ -175,7 +186,7 @@ class CoordinatorService:
         token_secret = load_or_create_token_secret(self.secrets_dir)
         issuer = TokenIssuer(token_secret)
         signer = TicketSigner(load_or_create_ticket_key(self.secrets_dir))
-        metrics = CoordinatorMetrics()
+        self._metrics = metrics = CoordinatorMetrics()
         metrics.leader.set(1)
         watch_certificate(metrics.registry, self.tls.cert, "coordinator")
         self._metrics_server = MetricsServer(metrics.registry, ready=lambda: self._ready)

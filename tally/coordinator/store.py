@@ -176,6 +176,13 @@ CREATE TABLE IF NOT EXISTS leader (
     address TEXT NOT NULL,
     since REAL NOT NULL
 );
+-- Every replica, leading or not, by the address it serves devices at, and when it last said it
+-- was alive (the database server's clock): the leader paces the check-ins the others forward
+-- by how many are alive.
+CREATE TABLE IF NOT EXISTS replicas (
+    address TEXT PRIMARY KEY,
+    seen_at REAL NOT NULL
+);
 """
 # Serialises replicas creating the schema at once (CREATE TABLE IF NOT EXISTS is not safe
 # against a concurrent one in PostgreSQL); any constant unlikely to collide with an operator's.
