@@ -101,9 +101,10 @@ def enrol_at_rest(state: Path, count: int, progress: Progress | None = None, dat
 
 
 class CpuSampler:
-    """The CPU seconds of a process and its children (a coordinator's device fronts) every
-    ``every`` seconds, so that phases a generator timed in wall-clock time can be charged their
-    CPU afterwards. A child that exits takes its seconds with it: none should, while sampled."""
+    """The CPU seconds of a process and its descendants (a coordinator's device fronts, a
+    PostgreSQL server's backends) every ``every`` seconds, so that phases a generator timed in
+    wall-clock time can be charged their CPU afterwards. A child that exited counts once its
+    parent has reaped it (as the parent's children's time), as a server's finished backends do."""
 
     def __init__(self, pid: int, every: float = 0.1) -> None:
         self._process, self._every = psutil.Process(pid), every
@@ -119,7 +120,7 @@ class CpuSampler:
                 times = process.cpu_times()
             except psutil.NoSuchProcess:
                 continue
-            total += times.user + times.system
+            total += times.user + times.system + times.children_user + times.children_system
         return total
 
     def _run(self) -> None:
@@ -235,13 +236,28 @@ def _pin(pid: int, cores: list[int]) -> None:
         process.cpu_affinity(cores)
 
 
+def database_server_pid(url: str | None) -> int | None:
+    """The PostgreSQL server (its postmaster) behind ``url`` when it runs on this machine: the
+    process listening on the URL's port; None for SQLite or a server elsewhere."""
+    if not url:
+        return None
+    parsed = urllib.parse.urlsplit(url)
+    if parsed.hostname not in ("127.0.0.1", "localhost", "::1"):
+        return None
+    port = parsed.port or 5432
+    return next((c.pid for c in psutil.net_connections("tcp")
+                 if c.status == psutil.CONN_LISTEN and c.laddr and c.laddr.port == port and c.pid), None)
+
+
 async def _drive(target: str, tls_dir: Path, key: bytes, prefix: str, pid: int, processes: int,
-                 args: argparse.Namespace) -> dict:
+                 args: argparse.Namespace, database_pid: int | None = None) -> dict:
     """Pin the server ``pid`` (and its children) and the generator, run the generator, and charge
-    each phase its server CPU."""
+    each phase its server CPU (and, with ``database_pid``, the database server's, reported apart:
+    it is not pinned, and a deployment's database runs on a machine of its own)."""
     server_cores, generator_cores = _cores(processes)
     _pin(pid, server_cores)
     sampler = CpuSampler(pid)
+    database = CpuSampler(database_pid) if database_pid else None
     job = (target, str(tls_dir), key, prefix, args.register, [float(r) for r in args.rates], args.step_seconds,
            generator_cores)
     try:
@@ -249,6 +265,12 @@ async def _drive(target: str, tls_dir: Path, key: bytes, prefix: str, pid: int, 
             outcome = await asyncio.to_thread(pool.apply, _generator_main, (job,))
     finally:
         sampler.stop()
+        if database:
+            database.stop()
+
+    def database_ms(start: float, end: float, count: int) -> float | None:
+        return 1000 * database.between(start, end) / max(count, 1) if database else None
+
     reg = outcome["registered"]
     steps = []
     for step in outcome["steps"]:
@@ -260,6 +282,7 @@ async def _drive(target: str, tls_dir: Path, key: bytes, prefix: str, pid: int, 
             "p50_ms": _percentile(latencies, 0.50) if latencies else None,
             "p99_ms": _percentile(latencies, 0.99) if latencies else None,
             "server_cpu_s": cpu, "cpu_ms_per_checkin": 1000 * cpu / len(latencies) if latencies else None,
+            "database_cpu_ms_per_checkin": database_ms(step["start"], step["end"], len(latencies)),
         })
     ok = [s for s in steps if s["p99_ms"] is not None and s["p99_ms"] < args.p99_ms and s["failures"] == 0
           and s["achieved_per_s"] >= 0.95 * s["target_per_s"]]
@@ -269,6 +292,7 @@ async def _drive(target: str, tls_dir: Path, key: bytes, prefix: str, pid: int, 
         "registrations": reg["count"], "registration_failures": reg["failures"],
         "registrations_per_s": reg["count"] / (reg["end"] - reg["start"]),
         "cpu_ms_per_registration": 1000 * sampler.between(reg["start"], reg["end"]) / max(reg["count"], 1),
+        "database_cpu_ms_per_registration": database_ms(reg["start"], reg["end"], reg["count"]),
         "checkin_steps": steps, "checkin_capacity_per_s": max((s["target_per_s"] for s in ok), default=0.0),
         # From the busiest step that kept up (a lightly loaded step pays the idle loop).
         "cpu_ms_per_checkin": max(ok, key=lambda s: s["target_per_s"])["cpu_ms_per_checkin"] if ok else None,
@@ -326,7 +350,7 @@ async def _measure(args: argparse.Namespace, population: int, workdir: Path, pro
             pid = cluster.processes["coordinator"].pid
             rest_rss = _rss(pid)
             live = await _drive(cluster.target, cluster.certs / "device", cluster.enrolment_key,
-                                f"{LIVE}-p{processes}", pid, processes, args)
+                                f"{LIVE}-p{processes}", pid, processes, args, database_server_pid(database))
             live_rss = _rss(pid)
         finally:
             await cluster.stop()

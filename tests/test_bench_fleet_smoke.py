@@ -71,6 +71,7 @@ def test_population_bench_charges_each_registration_and_check_in_the_coordinator
         assert all(s["answered"] == s["sent"] and s["failures"] == 0 and s["server_cpu_s"] > 0
                    for s in run["checkin_steps"]), run["checkin_steps"]
         assert run["checkin_capacity_per_s"] == 40.0 and run["cpu_ms_per_checkin"] > 0
+        assert run["database_cpu_ms_per_registration"] is None  # SQLite: in the coordinator's own
     assert plot.read_bytes().startswith(b"\x89PNG")
 
 
@@ -86,6 +87,9 @@ def test_population_bench_keeps_the_store_in_postgres_when_given_one(tmp_path, p
     (run,) = result["populations"][0]["by_processes"]
     assert run["registrations"] == 10 and run["registration_failures"] == 0 and run["cpu_ms_per_registration"] > 0
     assert all(s["answered"] == s["sent"] and s["failures"] == 0 for s in run["checkin_steps"])
+    # The server on this machine is charged too, apart: each registration writes a row there.
+    assert run["database_cpu_ms_per_registration"] > 0
+    assert all(s["database_cpu_ms_per_checkin"] is not None for s in run["checkin_steps"])
     with psycopg.connect(postgres.url()) as conn:
         left = conn.execute("SELECT datname FROM pg_database WHERE datname LIKE 'tally_bench_%'").fetchall()
     assert left == []
