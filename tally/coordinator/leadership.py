@@ -34,6 +34,7 @@ class Leadership:
 
     def __init__(self, database_url: str, clock: Callable[[], float] = time.time) -> None:
         self._db = PostgresDatabase(database_url)
+        self.errors = self._db.errors  # what a lost or refused connection raises
         self.clock = clock
         create_schema(self._db)
         self.epoch: int | None = None
@@ -69,7 +70,7 @@ class Leadership:
         try:
             with self._db.lock:
                 row = self._db.execute("SELECT epoch FROM leader WHERE id = 1").fetchone()
-        except self._db.errors:
+        except self.errors:
             return False
         return row is not None and row[0] == self.epoch
 
@@ -93,7 +94,7 @@ class Leadership:
         """Let go: another replica may lead at once. Unlocked before the session ends, since a
         session's locks outlive its closed connection until the server has cleaned up after it."""
         if self.epoch is not None:
-            with contextlib.suppress(*self._db.errors), self._db.lock:
+            with contextlib.suppress(*self.errors), self._db.lock:
                 self._db.execute("SELECT pg_advisory_unlock(?)", (LEADER_LOCK_KEY,))
         self._db.close()
         self.epoch = None

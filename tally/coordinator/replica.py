@@ -79,8 +79,11 @@ class Replica:
 
     def _pace(self, leadership: Leadership, service: CoordinatorService) -> None:
         """Heartbeat, and pace what the other live replicas forward at their combined rate."""
-        leadership.heartbeat(self._address)
-        others = leadership.replicas_alive(ALIVE_WITHIN_S) - {self._address}
+        try:
+            leadership.heartbeat(self._address)
+            others = leadership.replicas_alive(ALIVE_WITHIN_S) - {self._address}
+        except leadership.errors:  # a lost connection: ``holds`` finds out next, and it stops
+            return
         service.pace_replicas(len(others))
 
     def _share_admin_token(self) -> None:
