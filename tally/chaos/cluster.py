@@ -88,14 +88,15 @@ class LocalCluster:
             port, state = free_port(), self.state if r == 1 else workdir / f"state-{r}"
             if r == 1:
                 self.port = port
+            flags = list(coordinator_flags)
             if self.database_url:
                 self.internal_ports[name] = free_port()
-                replica = [*replication, "--internal-listen", f"127.0.0.1:{self.internal_ports[name]}"]
+                flags += [*replication, "--internal-listen", f"127.0.0.1:{self.internal_ports[name]}"]
             self.processes[name] = Process(
                 name,
                 ["coordinator", "--listen", f"127.0.0.1:{port}", "--state-dir", str(state),
                  "--tls-dir", str(self.certs / "coordinator"), "--metrics-port", "0",
-                 "--checkin-hold", str(checkin_hold_s), *coordinator_flags, *(replica if self.database_url else []),
+                 "--checkin-hold", str(checkin_hold_s), *flags,
                  *[a for i, control in enumerate(control_ports, start=1)
                    for a in ("--aggregator", f"agg-{i}=localhost:{control}")]],
                 logs / f"{name}.log")
