@@ -8,14 +8,16 @@ For each population N (``--populations``, default 10,000 100,000 1,000,000):
    (restart to ready), and its resident memory against the same coordinator started on an empty
    store, per registered device.
 2. **Registrations.** ``--register`` more devices register as real devices do: each on its own TLS
-   channel, with its own identity key, enrolment credential and signed statement, from a load
-   generator pinned to its own core while the coordinator is pinned to another. Coordinator CPU
+   channel, with its own identity key, enrolment credential and signed statement, from load
+   generators (``--generators``, one process each) pinned to cores of their own while the
+   coordinator is pinned to another. Coordinator CPU
    seconds per registration (psutil) and registrations per second.
 3. **Idle check-ins.** No job runs, so every check-in is answered with a come-back time. The
    registered devices check in with their own tokens over their own channels (kept open, as a
    device between check-ins keeps its channel), open-loop at each rate of ``--rates`` for
    ``--step-seconds``: latency p50/p99, failures, coordinator CPU per check-in; the capacity is the
-   highest rate whose p99 stayed under ``--p99-ms`` with no failures. Memory is read again after.
+   highest rate whose p99 stayed under ``--p99-ms`` with no failures. The steps stop after the first
+   one that did not (past it, a step only waits out its calls' deadlines). Memory is read again after.
 4. **Processes.** Steps 2 and 3 again for each count of ``--processes`` (``tally coordinator
    --device-processes``): the coordinator and its fronts pinned to that many cores, their CPU
    summed. On a machine with no core left for the generator it shares the last one, and the JSON
@@ -143,10 +145,31 @@ class CpuSampler:
         return self.at(end) - self.at(start)
 
 
-async def _live_devices(target: str, tls_dir: str, key: bytes, prefix: str, count: int, rates: list[float],
-                        seconds: float) -> dict:
-    """The load generator: ``count`` devices register, each on its own channel, then check in
-    open-loop at each rate. Wall-clock bounds of each phase, for the CPU sampler."""
+class Lockstep:
+    """Generators split over several cores begin each phase at once, so that their rates add up,
+    and stop together after the first rate step that any of them saw overloaded (p99 over the
+    limit, a failure, or falling behind): past it, each step only waits out its calls' deadlines."""
+
+    def __init__(self, barrier, overloaded, p99_ms: float) -> None:
+        self._barrier, self._overloaded, self.p99_ms = barrier, overloaded, p99_ms
+
+    def together(self) -> None:
+        self._barrier.wait()
+
+    def stop_after(self, step: dict) -> bool:
+        latencies = step["latencies_ms"]
+        if step["failures"] or step["sent"] and (
+                not latencies or _percentile(latencies, 0.99) >= self.p99_ms or len(latencies) < 0.95 * step["sent"]):
+            self._overloaded.value = 1
+        self._barrier.wait()
+        return bool(self._overloaded.value)
+
+
+async def _live_devices(target: str, tls_dir: str, key: bytes, prefix: str, count: int, calls: list[int],
+                        seconds: float, lockstep: Lockstep) -> dict:
+    """One load generator: ``count`` devices register, each on its own channel, then check in
+    open-loop, each step sending its number of ``calls`` spread evenly over ``seconds``, in lockstep
+    with the other generators. Wall-clock bounds of each phase, for the CPU sampler."""
     tls = TLSConfig.from_dir(Path(tls_dir), None)
     channels, devices = [], []
     failures = 0
@@ -168,11 +191,12 @@ async def _live_devices(target: str, tls_dir: str, key: bytes, prefix: str, coun
                 return
             devices.append((stub, bearer_metadata(reply.token)))
 
+    await asyncio.to_thread(lockstep.together)
     began = time.time()
     await asyncio.gather(*(register(i) for i in range(count)))
     registered = {"start": began, "end": time.time(), "count": len(devices), "failures": failures}
     steps = []
-    for rate in rates:
+    for n in calls:
         latencies: list[float] = []
         failed = 0
 
@@ -189,25 +213,60 @@ async def _live_devices(target: str, tls_dir: str, key: bytes, prefix: str, coun
                 return
             latencies.append((time.perf_counter() - start) * 1000)
 
-        calls, step_began, wall_began = [], time.perf_counter(), time.time()
-        n = int(rate * seconds)
+        await asyncio.to_thread(lockstep.together)
+        sent, step_began, wall_began = [], time.perf_counter(), time.time()
         for k in range(n):
-            delay = step_began + k / rate - time.perf_counter()
+            delay = step_began + k * seconds / n - time.perf_counter()
             if delay > 0:
                 await asyncio.sleep(delay)
-            calls.append(asyncio.ensure_future(check_in(*devices[k % len(devices)])))
-        await asyncio.gather(*calls)
-        steps.append({"target_per_s": rate, "sent": n, "latencies_ms": latencies, "failures": failed,
+            sent.append(asyncio.ensure_future(check_in(*devices[k % len(devices)])))
+        await asyncio.gather(*sent)
+        steps.append({"sent": n, "latencies_ms": latencies, "failures": failed,
                       "start": wall_began, "end": time.time()})
+        if await asyncio.to_thread(lockstep.stop_after, steps[-1]):
+            break
     await asyncio.gather(*(c.close() for c in channels))
     return {"registered": registered, "steps": steps}
 
 
-def _generator_main(args: tuple) -> dict:
-    cores = args[-1]
-    if cores:
-        psutil.Process().cpu_affinity(cores)
-    return asyncio.run(_live_devices(*args[:-1]))
+def _generator_main(job: tuple, core: int, lockstep: tuple, results: multiprocessing.Queue) -> None:
+    psutil.Process().cpu_affinity([core])
+    results.put(asyncio.run(_live_devices(*job, lockstep=Lockstep(*lockstep))))
+
+
+def _generate(target: str, tls_dir: Path, key: bytes, prefix: str, count: int, rates: list[float],
+              seconds: float, cores: list[int], p99_ms: float) -> dict:
+    """The load: one generator process per core of ``cores``, each with its share of the devices
+    and of every rate, merged into one record as if one generator had sent it all."""
+    context = multiprocessing.get_context("spawn")
+    lockstep = (context.Barrier(len(cores), timeout=600), context.Value("b", 0), p99_ms)
+    results = context.Queue()
+
+    def shares(total: int) -> list[int]:
+        return [total // len(cores) + (g < total % len(cores)) for g in range(len(cores))]
+
+    calls = list(zip(*(shares(int(rate * seconds)) for rate in rates)))  # per generator, per step
+    workers = [context.Process(target=_generator_main, daemon=True, args=(
+        (target, str(tls_dir), key, f"{prefix}-g{g}", devices, list(calls[g]), seconds), core, lockstep, results))
+        for g, (devices, core) in enumerate(zip(shares(count), cores))]
+    for worker in workers:
+        worker.start()
+    try:
+        outcomes = [results.get(timeout=900) for _ in workers]
+    finally:
+        for worker in workers:
+            worker.join(10)
+            if worker.is_alive():
+                worker.kill()
+    regs = [o["registered"] for o in outcomes]
+    steps = [{"target_per_s": rate, "sent": sum(s["sent"] for s in same),
+              "latencies_ms": [ms for s in same for ms in s["latencies_ms"]],
+              "failures": sum(s["failures"] for s in same),
+              "start": min(s["start"] for s in same), "end": max(s["end"] for s in same)}
+             for rate, same in zip(rates, zip(*(o["steps"] for o in outcomes)))]
+    return {"registered": {"start": min(r["start"] for r in regs), "end": max(r["end"] for r in regs),
+                           "count": sum(r["count"] for r in regs), "failures": sum(r["failures"] for r in regs)},
+            "steps": steps}
 
 
 def _rss(pid: int) -> int:
@@ -223,12 +282,13 @@ async def _start(cluster: LocalCluster) -> float:
     return time.perf_counter() - began
 
 
-def _cores(processes: int) -> tuple[list[int], list[int]]:
-    """The cores the server's processes are pinned to, and the generator's: its own where the
-    machine has one left, else the last one, shared."""
+def _cores(processes: int, generators: int) -> tuple[list[int], list[int]]:
+    """The cores the server's processes are pinned to, and the generators' (one each): their own
+    where the machine has them left, else the last ones, shared."""
     cpus = sorted(os.sched_getaffinity(0))
     server = cpus[:min(processes, max(1, len(cpus) - 1))]
-    return server, [c for c in cpus if c not in server] or cpus[-1:]
+    free = [c for c in cpus if c not in server] or cpus[-1:]
+    return server, [free[g % len(free)] for g in range(generators)]
 
 
 def _pin(pid: int, cores: list[int]) -> None:
@@ -254,15 +314,13 @@ async def _drive(target: str, tls_dir: Path, key: bytes, prefix: str, pid: int, 
     """Pin the server ``pid`` (and its children) and the generator, run the generator, and charge
     each phase its server CPU (and, with ``database_pid``, the database server's, reported apart:
     it is not pinned, and a deployment's database runs on a machine of its own)."""
-    server_cores, generator_cores = _cores(processes)
+    server_cores, generator_cores = _cores(processes, args.generators)
     _pin(pid, server_cores)
     sampler = CpuSampler(pid)
     database = CpuSampler(database_pid) if database_pid else None
-    job = (target, str(tls_dir), key, prefix, args.register, [float(r) for r in args.rates], args.step_seconds,
-           generator_cores)
     try:
-        with multiprocessing.get_context("spawn").Pool(1) as pool:
-            outcome = await asyncio.to_thread(pool.apply, _generator_main, (job,))
+        outcome = await asyncio.to_thread(_generate, target, tls_dir, key, prefix, args.register,
+                                          [float(r) for r in args.rates], args.step_seconds, generator_cores, args.p99_ms)
     finally:
         sampler.stop()
         if database:
@@ -420,6 +478,7 @@ def run(args: argparse.Namespace) -> dict:
     return {
         "bench": "population", "machine": machine_info(), "register": args.register, "rates": args.rates,
         "step_seconds": args.step_seconds, "p99_limit_ms": args.p99_ms, "processes": args.processes,
+        "generators": args.generators,
         "store": "postgresql" if args.database else "sqlite",
         "targets": {"bytes_per_registered_device": 2048, "checkins_per_s_per_core": 4000,
                     "registrations_per_s_per_core": 4000, "ready_seconds": 60, "p99_ms": args.p99_ms,
@@ -485,6 +544,8 @@ def main() -> None:
                         help="tally coordinator --device-processes, one run of each per population")
     parser.add_argument("--rates", type=float, nargs="+", default=[500, 1000, 1500, 2000, 3000, 4000],
                         help="idle check-ins per second, one step each")
+    parser.add_argument("--generators", type=int, default=1,
+                        help="load-generator processes, each pinned to a core of its own where one is left")
     parser.add_argument("--step-seconds", type=float, default=5.0)
     parser.add_argument("--p99-ms", type=float, default=200.0)
     parser.add_argument("--database", metavar="URL",
@@ -496,8 +557,8 @@ def main() -> None:
     for name in ("populations", "rates", "processes"):
         if min(getattr(args, name)) <= 0:
             parser.error(f"--{name}: every value must be > 0")
-    if args.register < 1:
-        parser.error("--register: at least one device must register")
+    if args.register < args.generators or args.generators < 1:
+        parser.error("--register: at least one device must register per generator (--generators)")
     result = run(args)
     summary = [{k: v for k, v in row.items() if k != "by_processes"}
                | {"by_processes": [{k: v for k, v in run.items() if k != "checkin_steps"} for run in row["by_processes"]]}

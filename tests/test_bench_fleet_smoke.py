@@ -54,11 +54,13 @@ def test_checkin_capacity_bench_reports_each_rate_step(tmp_path):
 
 def test_population_bench_charges_each_registration_and_check_in_the_coordinators_cpu(tmp_path):
     """A population at rest; 30 devices register on their own channels and check in at two rates,
-    against the coordinator in one and in two processes and against the gRPC floor: every call
-    answered (a come-back time: no job runs), CPU charged to both phases (the fronts' too), a plot."""
+    from two generator processes, against the coordinator in one and in two processes and against
+    the gRPC floor: every call answered (a come-back time: no job runs), CPU charged to both phases
+    (the fronts' too), a plot."""
     plot = tmp_path / "population.png"
-    result = _bench(tmp_path, "population.py", "--populations", "1000", "--register", "30",
+    result = _bench(tmp_path, "population.py", "--populations", "1000", "--register", "30", "--generators", "2",
                     "--rates", "20", "40", "--step-seconds", "1", "--processes", "1", "2", "--plot", str(plot))
+    assert result["generators"] == 2
     rows = result["populations"]
     assert [r["population"] for r in rows] == [1000]
     assert rows[0]["ready_seconds"] > 0 and rows[0]["bytes_per_registered_device_at_rest"] is not None
@@ -73,6 +75,17 @@ def test_population_bench_charges_each_registration_and_check_in_the_coordinator
         assert run["checkin_capacity_per_s"] == 40.0 and run["cpu_ms_per_checkin"] > 0
         assert run["database_cpu_ms_per_registration"] is None  # SQLite: in the coordinator's own
     assert plot.read_bytes().startswith(b"\x89PNG")
+
+
+def test_population_bench_stops_its_rate_steps_after_the_first_one_over_the_latency_limit(tmp_path):
+    """No call can be answered within 0.001 ms: every generator sees its first step overloaded, and
+    they all stop there instead of sending the steps above it."""
+    result = _bench(tmp_path, "population.py", "--populations", "100", "--register", "6", "--generators", "2",
+                    "--rates", "5", "10", "20", "--step-seconds", "1", "--processes", "1", "--p99-ms", "0.001")
+    for run in [result["floor"], *result["populations"][0]["by_processes"]]:
+        (step,) = run["checkin_steps"]
+        assert step["target_per_s"] == 5.0 and step["answered"] == step["sent"] == 5 and step["failures"] == 0
+        assert run["checkin_capacity_per_s"] == 0.0 and run["cpu_ms_per_checkin"] is None
 
 
 @pytest.mark.full  # a minute: `make test` has the SQLite run above, CI runs this one too
