@@ -31,6 +31,7 @@ import time
 from pathlib import Path
 
 import psutil
+from cores import pin  # this folder is on sys.path when run as a script
 
 from tally.chaos.cluster import LocalCluster
 from tally.client.enrolment import register_request, simulated_identity
@@ -105,7 +106,7 @@ async def _capacity_run(args: argparse.Namespace, workdir: Path) -> dict:
         cpus = list(range(psutil.cpu_count() or 1))
         coordinator = psutil.Process(cluster.processes["coordinator"].pid)
         if len(cpus) > 1:
-            coordinator.cpu_affinity([cpus[0]])
+            pin(coordinator.pid, [cpus[0]])
         generator_cores = cpus[1:] or cpus
         steps = [float(r) for r in args.rates]
         per_gen = args.pool // args.generators

@@ -62,7 +62,8 @@ from rich.progress import Progress
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from secagg_engine import machine_info  # noqa: E402  (this folder is on sys.path when run as a script)
+from cores import pin, pinned_cores  # noqa: E402  (this folder is on sys.path when run as a script)
+from secagg_engine import machine_info  # noqa: E402
 
 from tally.chaos.cluster import LocalCluster  # noqa: E402
 from tally.client.enrolment import register_request, simulated_identity  # noqa: E402
@@ -291,11 +292,6 @@ def _cores(processes: int, generators: int) -> tuple[list[int], list[int]]:
     return server, [free[g % len(free)] for g in range(generators)]
 
 
-def _pin(pid: int, cores: list[int]) -> None:
-    for process in (psutil.Process(pid), *psutil.Process(pid).children(recursive=True)):
-        process.cpu_affinity(cores)
-
-
 def database_server_pid(url: str | None) -> int | None:
     """The PostgreSQL server (its postmaster) behind ``url`` when it runs on this machine: the
     process listening on the URL's port; None for SQLite or a server elsewhere."""
@@ -315,7 +311,8 @@ async def _drive(target: str, tls_dir: Path, key: bytes, prefix: str, pid: int, 
     each phase its server CPU (and, with ``database_pid``, the database server's, reported apart:
     it is not pinned, and a deployment's database runs on a machine of its own)."""
     server_cores, generator_cores = _cores(processes, args.generators)
-    _pin(pid, server_cores)
+    pin(pid, server_cores)
+    assert pinned_cores(pid) == set(server_cores), "a server thread escaped its cores"
     sampler = CpuSampler(pid)
     database = CpuSampler(database_pid) if database_pid else None
     try:

@@ -246,7 +246,7 @@ def test_adapt_then_average_is_one_full_participation_fedavg_round():
     server, client = algorithms.make("fedavg", {"local_epochs": 3, "local_lr": 0.01, "batch_size": 10})
     state, _ = run_rounds(server, client, fleet.devices, start, 1, 6, plain_sum)
     fresh = personal_fleet(data, factory)
-    adapted = [adapt(factory(), start, d.features.numpy(), d.labels.numpy(),
+    adapted = [adapt(factory(), start, d.features.cpu().numpy(), d.labels.cpu().numpy(),
                      AdaptationConfig("finetune", epochs=3, lr=0.01, batch_size=10, seed=i))
                for i, d in enumerate(fresh.devices)]
     sizes = np.array([d.num_examples for d in fresh.devices], dtype=np.float64)

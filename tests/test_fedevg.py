@@ -88,8 +88,8 @@ def _toy_trainer(seed: int = 0) -> tuple[EnergyTrainer, FedEvgConfig]:
 
 def test_oracles_6_and_7_client_sgld_and_the_pcd_term_move_the_right_way():
     trainer, config = _toy_trainer()
-    x = torch.randn(8, 2)
-    y = torch.arange(8) % 4
+    x = torch.randn(8, 2).to(trainer.device)
+    y = (torch.arange(8) % 4).to(trainer.device)
     before = trainer._at_label(x, y).detach()
     after = trainer._at_label(trainer.sgld(x, y, config), y).detach()
     assert torch.all(after > before)  # one step up f(x)[y] (down the energy) raises the logit

@@ -122,7 +122,7 @@ def test_devices_that_cannot_train_report_why_and_keep_running(tmp_path):
     devices, _ = trainers(n)
     other = lambda: mlp(64, 10, hidden=HIDDEN // 2, seed=0)  # noqa: E731
     for i in bad:
-        devices[i] = TorchTrainer(other, devices[i].features.numpy(), devices[i].labels.numpy())
+        devices[i] = TorchTrainer(other, devices[i].features.cpu().numpy(), devices[i].labels.cpu().numpy())
     # Cohorts of 10: both misfits in one of them is 20 % dropouts, within the 25 % planned for.
     text = (spec("mismatch", 1, cohort=n).replace("dropout_rate: 0.1", "dropout_rate: 0.25")
             .replace("min_cohort: 5", "min_cohort: 8"))
@@ -151,7 +151,7 @@ def test_a_failure_no_retry_can_fix_fails_the_job_at_once_and_says_why(tmp_path)
     n = 10
     devices, _ = trainers(n)
     other = lambda: mlp(64, 10, hidden=HIDDEN // 2, seed=0)  # noqa: E731
-    devices = [TorchTrainer(other, d.features.numpy(), d.labels.numpy()) for d in devices]
+    devices = [TorchTrainer(other, d.features.cpu().numpy(), d.labels.cpu().numpy()) for d in devices]
     text = spec("hopeless", 2, cohort=n).replace("retries: 3", "retries: 6")
 
     async def main():

@@ -468,7 +468,7 @@ def test_online_rotated_device_fedavg_forgets_and_lg_fedavg_does_not():
     state, _ = run_rounds(server, client, old, fleet.initial, 200, 10, plain_sum, local_states=local)
     model = server.model(state)
     lg_before = normal(model, local)
-    encoder = adapt(factory(), model, new.features.numpy(), new.labels.numpy(),
+    encoder = adapt(factory(), model, new.features.cpu().numpy(), new.labels.cpu().numpy(),
                     AdaptationConfig("freeze_base", epochs=20, lr=0.1, batch_size=10, trainable=("0.*",)))
     server, client = algorithms.make("lg_fedavg", lg)
     newcomer = {0: split.local_part(encoder)}

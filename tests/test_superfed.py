@@ -123,12 +123,12 @@ def test_with_mu_the_federated_update_is_fedprox():
     client = SuPerFedClient(SuPerFedConfig(start_round=5, mu=0.5, nu=3.0, local_epochs=1, local_lr=0.1,
                                            batch_size=16, lr_decay=1.0))
     payload, local = client.contribute("update", {**initial, CONTROL: np.array([0.0, 1.0])}, device, None)
-    reference = TorchTrainer(fleet.factory, device.features.numpy(), device.labels.numpy(), seed=0)
+    reference = TorchTrainer(fleet.factory, device.features.cpu().numpy(), device.labels.cpu().numpy(), seed=0)
     net = reference.model
     from tally.models.params import set_params
 
     set_params(net, initial)
-    anchor = {k: torch.as_tensor(v) for k, v in initial.items()}
+    anchor = {k: torch.as_tensor(v, device=reference.device) for k, v in initial.items()}
     optimiser = torch.optim.SGD(net.parameters(), lr=0.1)
     order = torch.randperm(device.num_examples, generator=torch.Generator().manual_seed(0))
     for start in range(0, device.num_examples, 16):
