@@ -28,10 +28,15 @@ def test_the_embedding_example_takes_part_in_a_secure_round(tmp_path):
                 "--state-dir", str(tmp_path / "app"), "--hidden", str(HIDDEN), "--shard", "7",
                 stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
             )
-            fleet = s.fleet(fleet_devices, seed=1)
-            await fleet.run(until=fleet.until_job_done(job_id, every_seconds=0.2))
-            fleet.close()
-            out, err = await app.communicate()
+            try:
+                fleet = s.fleet(fleet_devices, seed=1)
+                await fleet.run(until=fleet.until_job_done(job_id, every_seconds=0.2))
+                fleet.close()
+                out, err = await app.communicate()
+            finally:  # a test that fails or times out must not leave the application running
+                if app.returncode is None:
+                    app.kill()
+                    await app.wait()
             return await s.job(job_id), app.returncode, out.decode(), err.decode()
 
     job, code, out, err = run(main())

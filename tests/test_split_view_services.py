@@ -20,17 +20,19 @@ from tally.secagg import DevicePolicy, SecAggClient, ThreatModel
 
 
 def _deadlines(n: int) -> str:
-    """Room for n devices to register, check in and finish each phase on a loaded 2-core machine."""
-    phase = 15 if n <= 100 else 90
+    """Room for n devices to register, check in and finish each phase on a loaded 2-core machine:
+    at n = 1,000 the services and the fleet share one process, which CI's other tests can hold to
+    less than half a core (908 of 1,000 devices once answered AdvertiseKeys within 90 s)."""
+    phase = 15 if n <= 100 else 180
     return (f"{{checkin: {2 * phase}, download: {phase}, advertise_keys: {phase}, share_keys: {phase}, "
             f"masked_input: {phase}, consistency_check: {phase}, unmask: {phase}}}")
 
 
 def _job(n: int, secure: str) -> str:
     # One cohort of n: n = 100 and 1,000 are one session on a sparse Harary graph. min_cohort
-    # leaves room for a few stragglers (on a loaded machine 29 of 1,000 once missed advertise_keys).
+    # leaves room for stragglers (on a loaded machine 29, and once 92, of 1,000 missed advertise_keys).
     return (f"name: split-{n}\nalgorithm: fedavg\nrounds: 1\ncohort_size: {n}\nover_selection: 1.0\n"
-            f"min_cohort: {n - n // 20}\nretries: 1\nmodel: {{inputs: 8, classes: 2, hidden: 4, seed: 0}}\n"
+            f"min_cohort: {n - n // 10}\nretries: 1\nmodel: {{inputs: 8, classes: 2, hidden: 4, seed: 0}}\n"
             f"secure: {secure}\ndeadlines: {_deadlines(n)}\n")
 
 
