@@ -7,33 +7,34 @@ affinity, so pinning every thread that exists now also pins the ones created lat
 
 from __future__ import annotations
 
+import contextlib
 import os
+from collections.abc import Iterator
 
 import psutil
 
 
-def pin(pid: int, cores: list[int]) -> None:
-    """Pin every thread of process ``pid`` and of its descendants to ``cores``."""
+def _thread_ids(pid: int) -> Iterator[int]:
+    """Every thread of process ``pid`` and of its descendants (ones that ended meanwhile skipped)."""
     for process in (psutil.Process(pid), *psutil.Process(pid).children(recursive=True)):
         try:
-            threads = process.threads()
+            yield from (thread.id for thread in process.threads())
         except psutil.NoSuchProcess:
             continue
-        for thread in threads:
-            try:
-                os.sched_setaffinity(thread.id, cores)
-            except ProcessLookupError:  # a thread that ended meanwhile
-                continue
+
+
+def pin(pid: int, cores: list[int]) -> None:
+    """Pin every thread of process ``pid`` and of its descendants to ``cores``."""
+    for tid in _thread_ids(pid):
+        with contextlib.suppress(ProcessLookupError):  # a thread that ended meanwhile
+            os.sched_setaffinity(tid, cores)
 
 
 def pinned_cores(pid: int) -> set[int]:
     """Every core some thread of ``pid`` or of its descendants may run on: what a benchmark
     reports as the server's cores, read back rather than assumed."""
     cores: set[int] = set()
-    for process in (psutil.Process(pid), *psutil.Process(pid).children(recursive=True)):
-        for thread in process.threads():
-            try:
-                cores |= os.sched_getaffinity(thread.id)
-            except ProcessLookupError:
-                continue
+    for tid in _thread_ids(pid):
+        with contextlib.suppress(ProcessLookupError):
+            cores |= os.sched_getaffinity(tid)
     return cores
