@@ -312,7 +312,8 @@ async def _drive(target: str, tls_dir: Path, key: bytes, prefix: str, pid: int, 
     it is not pinned, and a deployment's database runs on a machine of its own)."""
     server_cores, generator_cores = _cores(processes, args.generators)
     pin(pid, server_cores)
-    assert pinned_cores(pid) == set(server_cores), "a server thread escaped its cores"
+    if pinned_cores(pid) != set(server_cores):  # checked, not asserted: python -O must not skip it
+        raise RuntimeError(f"a server thread escaped its cores {server_cores}")
     sampler = CpuSampler(pid)
     database = CpuSampler(database_pid) if database_pid else None
     try:
@@ -554,8 +555,10 @@ def main() -> None:
     for name in ("populations", "rates", "processes"):
         if min(getattr(args, name)) <= 0:
             parser.error(f"--{name}: every value must be > 0")
-    if args.register < args.generators or args.generators < 1:
-        parser.error("--register: at least one device must register per generator (--generators)")
+    if args.generators < 1:
+        parser.error("--generators: at least one load-generator process")
+    if args.register < args.generators:
+        parser.error(f"--register: at least one device per generator ({args.generators}, --generators)")
     result = run(args)
     summary = [{k: v for k, v in row.items() if k != "by_processes"}
                | {"by_processes": [{k: v for k, v in run.items() if k != "checkin_steps"} for run in row["by_processes"]]}
