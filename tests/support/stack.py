@@ -155,8 +155,8 @@ async def stack(tmp_path: Path, tls: bool = False, device_processes: int = 1) ->
             await a.stop(grace=0)
 
 
-def run(coro):
-    return asyncio.run(asyncio.wait_for(coro, TIMEOUT))
+def run(coro, timeout: float = TIMEOUT):
+    return asyncio.run(asyncio.wait_for(coro, timeout))
 
 
 def scrape_text(port: int) -> str:
