@@ -12,6 +12,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import TypeVar
 
+import grpc
 from tally import logs
 from tally.algorithms.base import LocalTrainer
 from tally.cli.console import console as cli_console
@@ -131,6 +132,13 @@ def run_client(args: argparse.Namespace) -> int:
     except CoordinatorUnreachable as exc:
         print(f"tally client: {exc}", file=sys.stderr)
         return 1
+    except grpc.aio.AioRpcError as exc:
+        print(f"tally client: the coordinator refused the device ({exc.code().name}: {exc.details()}); "
+              "retrying cannot fix that", file=sys.stderr)
+        return 1
+    except PermissionError as exc:
+        print(f"tally client: {exc}", file=sys.stderr)
+        return 1
     if args.progress:
         print(f"tally client: {summary(stats)}", file=sys.stderr)
     print(json.dumps(asdict(stats)))
@@ -161,6 +169,9 @@ def run_fleet(args: argparse.Namespace) -> int:
     if stats is None:
         return code
     console.print(f"fleet of {stats.devices}: {stats.summary()} in {stats.elapsed_seconds:.1f} s")
+    if stats.refused:
+        console.print(f"tally fleet: {stats.refusal_message()}")
+        code = code or 1
     result = stats.to_dict()
     if args.audit_out is not None and audit is not None:
         args.audit_out.parent.mkdir(parents=True, exist_ok=True)

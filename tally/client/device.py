@@ -100,6 +100,8 @@ class DeviceStats:
     left: bool = False
     # How the latest task ended, for people: "job J round R: completed", "... refused: why".
     last_task: str = ""
+    # The coordinator status that stopped this device for good, when one did ("CODE: details").
+    refusal: str = ""
 
 
 class Device:

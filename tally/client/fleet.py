@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import inspect
+import logging
 import os
 import time
 from collections.abc import Awaitable, Callable, Sequence
@@ -22,6 +23,7 @@ import numpy as np
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
+from tally import logs
 from tally.algorithms.base import LocalTrainer
 from tally.client.behaviour import BehaviourProfile
 from tally.client.channels import Channels, reconnect_options
@@ -36,6 +38,7 @@ from tally.security import TLSConfig
 from tally.security.enrolment import SharedKeyEnrolment
 from tally.wire.v1 import common_pb2
 
+log = logging.getLogger(__name__)
 # The random stream a device's arrival time is drawn from, apart from its other draws.
 _RAMP_STREAM = 0x2A3F
 FINISHED_JOB_STATES = frozenset(
@@ -71,6 +74,10 @@ class FleetStats:
     # Devices that left the population for good (churn); ``devices`` counts them and their
     # replacements.
     left: int = 0
+    # Devices stopped by a coordinator status that retrying cannot fix (a missing enrolment
+    # credential, a revoked device), and the first one's reason ("UNAUTHENTICATED: ...").
+    refused: int = 0
+    refusal: str = ""
 
     @classmethod
     def collect(cls, stats: Sequence[DeviceStats], last_model_version: str, elapsed: float) -> FleetStats:
@@ -95,8 +102,11 @@ class FleetStats:
             elapsed_seconds=elapsed,
             jobs=list(dict.fromkeys(job for s in stats for job in s.jobs)),
             last_error=next((s.last_error for s in stats if s.last_error), ""),
-            jobs_over=any(s.saw_running_job for s in stats) and all(s.population_idle for s in stats if not s.left),
+            jobs_over=any(s.saw_running_job for s in stats)
+            and all(s.population_idle for s in stats if not s.left and not s.refusal),
             left=sum(s.left for s in stats),
+            refused=sum(bool(s.refusal) for s in stats),
+            refusal=next((s.refusal for s in stats if s.refusal), ""),
         )
 
     @classmethod
@@ -110,13 +120,14 @@ class FleetStats:
         return cls(
             **{name: total(name) for name in ("devices", "checkins", "tasks_done", "sessions_completed",
                                              "sessions_aborted", "dropouts", "bytes_up", "bytes_down",
-                                             "retries", "clipped_values", "left")},
+                                             "retries", "clipped_values", "left", "refused")},
             last_model_version=next((s.last_model_version for s in parts if s.last_model_version), ""),
             rounds={job: sorted(r) for job, r in rounds.items()},
             elapsed_seconds=max((s.elapsed_seconds for s in parts), default=0.0),
             jobs=list(dict.fromkeys(job for s in parts for job in s.jobs)),
             last_error=next((s.last_error for s in parts if s.last_error), ""),
             jobs_over=all(s.jobs_over for s in parts),
+            refusal=next((s.refusal for s in parts if s.refusal), ""),
         )
 
     @property
@@ -128,13 +139,19 @@ class FleetStats:
         return asdict(self)
 
     def summary(self) -> str:
-        if self.checkins == 0 and self.last_error:
+        if self.checkins == 0 and self.last_error and not self.refused:
             return f"waiting for the coordinator ({self.retries} retries, last {self.last_error})"
         return (
             f"tasks {self.tasks_done} · sessions ok {self.sessions_completed} "
             f"aborted {self.sessions_aborted} · dropouts {self.dropouts} · "
             f"up {_human_bytes(self.bytes_up)} down {_human_bytes(self.bytes_down)}"
+            + (f" · refused {self.refused}" if self.refused else "")
         )
+
+    def refusal_message(self) -> str:
+        """For people, when devices were refused: how many, and why the first was."""
+        return (f"{self.refused} of {self.devices} devices stopped: the coordinator refused them "
+                f"({self.refusal}); retrying cannot fix that")
 
 
 def _human_bytes(n: float) -> str:
@@ -313,17 +330,30 @@ class Fleet:
         return self.stats(time.perf_counter() - start)
 
     async def _slot(self, i: int, halt: asyncio.Event, max_tasks: int | None) -> None:
-        """Run slot i's device; each time one leaves by churn, a new one takes its place."""
+        """Run slot i's device; each time one leaves by churn, a new one takes its place. A device
+        the coordinator refuses for good stops alone: one revoked device does not end a load test,
+        and a fleet all of whose devices are refused ends with their reason."""
         generation = 0
         if self.ramp_s:
             try:
                 await pause(self.arrival_s(i), halt)
             except Stopped:
                 return
-        while (await self.devices[i].run(halt, max_tasks)).left and not halt.is_set():
+        while (await self._run_device(self.devices[i], halt, max_tasks)).left and not halt.is_set():
             generation += 1
             self.departed.append(self.devices[i])
             self.devices[i] = self._device(i, generation)
+
+    async def _run_device(self, device: Device, halt: asyncio.Event, max_tasks: int | None) -> DeviceStats:
+        try:
+            return await device.run(halt, max_tasks)
+        except grpc.aio.AioRpcError as exc:
+            device.stats.refusal = f"{exc.code().name}: {exc.details()}"
+        except PermissionError as exc:  # the coordinator's ticket key is not the provisioned one
+            device.stats.refusal = str(exc)
+        logs.event(log, "device refused", logging.WARNING, device_id=device.device_id, reason=device.stats.refusal)
+        self._updated(device.stats)
+        return device.stats
 
     def arrival_s(self, i: int) -> float:
         """When slot i's device comes online, in seconds after the fleet starts (``ramp_s``)."""
@@ -358,17 +388,34 @@ class Fleet:
                 return False
             last[0] = time.perf_counter()
             for job_id in set(wanted) - finished:
-                try:
-                    status = await self.devices[0].round_status(job_id)
-                except grpc.aio.AioRpcError as exc:
-                    if exc.code() == grpc.StatusCode.NOT_FOUND:
-                        return False  # not submitted yet
-                    raise
-                if status.job_state in FINISHED_JOB_STATES:
+                state = await self._job_state(job_id)
+                if state is None:
+                    return False  # not submitted yet
+                if state in FINISHED_JOB_STATES:
                     finished.add(job_id)
             return finished >= set(wanted)
 
         return done
+
+    async def _job_state(self, job_id: str) -> common_pb2.JobState.ValueType | None:
+        """The job's state (None: not submitted), asked as a device of the fleet. A device the
+        coordinator refuses (revoked, say, and not yet stopped by its own next call) cannot ask:
+        the next one does."""
+        refused: grpc.aio.AioRpcError | None = None
+        for device in self.devices:
+            if device.stats.refusal:
+                continue
+            try:
+                return (await device.round_status(job_id)).job_state
+            except grpc.aio.AioRpcError as exc:
+                if exc.code() == grpc.StatusCode.NOT_FOUND:
+                    return None
+                if exc.code() not in (grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.UNAUTHENTICATED):
+                    raise
+                refused = exc
+        if refused is not None:
+            raise refused
+        return common_pb2.JOB_STATE_UNSPECIFIED  # every device was refused; the fleet ends with them
 
     def close(self) -> None:
         """Release the training threads (the fleet cannot run again afterwards)."""

@@ -49,6 +49,7 @@ KINDS: dict[str, str] = {
     "test_fleet_audit": E2E,
     "test_fleet_behaviour": E2E,
     "test_fleet_processes": SERVICE,
+    "test_fleet_refusals": E2E,
     "test_full_stack": E2E,
     "test_full_stack_algorithms": E2E,
     "test_full_stack_fedevg": E2E,
