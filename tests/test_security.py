@@ -294,13 +294,20 @@ def test_tls_config_validation_and_args(pki):
         channel_options(0)
 
     parser = argparse.ArgumentParser()
-    add_tls_arguments(parser, "aggregator")
+    add_tls_arguments(parser, "aggregator", server=True)
     role_dir = pki / "aggregator-1"
     cfg = tls_config_from_args(parser.parse_args(["--tls-dir", str(role_dir), "--require-client-cert"]))
     assert cfg == TLSConfig.from_dir(role_dir, "aggregator", require_client_auth=True)
     with pytest.raises(ValueError, match="--tls-dir: .* has no ca.pem"):  # the deployment's root, not a role's
         tls_config_from_args(parser.parse_args(["--tls-dir", str(pki)]))
     assert tls_config_from_args(parser.parse_args(["--insecure"])).insecure
+    # Each side has only the flag that means something to it.
+    client = argparse.ArgumentParser()
+    add_tls_arguments(client, None)
+    assert tls_config_from_args(client.parse_args(["--tls-dir", str(pki / "device"), "--server-name", "x"])).server_name == "x"
+    for side, flag in ((parser, "--server-name"), (client, "--require-client-cert")):
+        with pytest.raises(SystemExit):
+            side.parse_args([flag, *(["x"] if flag == "--server-name" else [])])
 
 
 def test_a_second_service_cannot_take_a_port_in_use(tmp_path):

@@ -45,7 +45,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--ticket-public-key", type=Path, metavar="PATH",
                    help="the coordinator's ticket verification key "
                         f"(default: <tls-dir>/{TICKET_PUB_FILE})")
-    add_tls_arguments(p, "aggregator")
+    add_tls_arguments(p, "aggregator", server=True)
     p.add_argument("--controller-cn", default=COORDINATOR_CN, metavar="NAME",
                    help="with --require-client-cert (which needs --control-listen: devices present "
                         "no certificate), the only certificate CN admitted to AggregatorControl "

@@ -140,7 +140,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         "(repeatable; only the operator can add code to the coordinator, never a job spec)",
     )
     p.add_argument("--log-level", default="info", help="debug, info, warning or error")
-    add_tls_arguments(p, "coordinator")
+    add_tls_arguments(p, "coordinator", server=True)
     p.set_defaults(run=run_coordinator)
 
     if "job" not in sub.choices:  # `tally` may have registered it alone (it needs none of the service)

@@ -307,9 +307,12 @@ def peer_identity(context: grpc.ServicerContext) -> str | None:
 # -- command-line flags shared by the services ---------------------------------------------------
 
 
-def add_tls_arguments(parser: argparse.ArgumentParser, identity: str | None) -> None:
-    """``--tls-dir``, ``--ca``, ``--cert``, ``--key``, ``--server-name``, ``--insecure`` and
-    ``--require-client-cert``; ``identity`` is the default certificate name in ``--tls-dir``."""
+def add_tls_arguments(parser: argparse.ArgumentParser, identity: str | None, *, server: bool = False) -> None:
+    """``--tls-dir``, ``--ca``, ``--cert``, ``--key`` and ``--insecure``; a ``server`` also
+    ``--require-client-cert``, a client ``--server-name``. Each side gets only the flag that means
+    something to it: a server dials its peers by the names in their certificates, and one name
+    overriding them all would break every channel. ``identity`` is the default certificate name in
+    ``--tls-dir``."""
     g = parser.add_argument_group("TLS")
     g.add_argument("--tls-dir", type=Path, help="this role's directory of `tally certs` output")
     g.add_argument("--ca", type=Path, help="CA certificate (overrides --tls-dir)")
@@ -317,17 +320,17 @@ def add_tls_arguments(parser: argparse.ArgumentParser, identity: str | None) -> 
     g.add_argument("--key", type=Path, help="private key (overrides --tls-dir)")
     if identity is not None:
         g.set_defaults(tls_identity=identity)
-    g.add_argument(
-        "--server-name", metavar="NAME",
-        help="clients: the name to verify in the server's certificate (default: the host dialled); "
-        "for a server reached by IP or through a port-forward",
-    )
+    if not server:
+        g.add_argument(
+            "--server-name", metavar="NAME",
+            help="the name to verify in the server's certificate (default: the host dialled); for a "
+            "server reached by IP or through a port-forward",
+        )
     g.add_argument(
         "--insecure", action="store_true", help="plaintext gRPC; refused unless on loopback"
     )
-    g.add_argument(
-        "--require-client-cert", action="store_true", help="servers: demand mutual TLS"
-    )
+    if server:
+        g.add_argument("--require-client-cert", action="store_true", help="demand mutual TLS")
 
 
 def tls_config_from_args(args: argparse.Namespace) -> TLSConfig:
