@@ -6,8 +6,9 @@
 #      the CPU build pip finds locally, so the image builds install with --no-index;
 #   3. one image per role: localhost/tally-{aggregator,coordinator,client}:VERSION.
 #
-# Runs as root (debootstrap and rootful podman). `podman image prune` at the end removes the
-# dangling images the builds leave (the build stages), and any other dangling image on the host.
+# Runs as root (debootstrap and rootful podman). At the end it prunes the dangling images its own
+# builds left (build stages, role images a rebuild replaced: both carry the org.tally.built-by
+# label), and no other image on the host.
 # Environment: BASE (an existing image to build on instead of the debootstrap one), PYTHON (the
 # interpreter whose pip builds the wheelhouse; python3 by default), DEBIAN_MIRROR.
 # Podman runs with cgroupfs and runc and explicit ulimits: crun fails on this machine's hybrid
@@ -94,5 +95,5 @@ build_wheelhouse
 for role in aggregator coordinator client; do
     build_role "$role"
 done
-"${PODMAN[@]}" image prune --force >/dev/null
+"${PODMAN[@]}" image prune --force --filter label=org.tally.built-by=docker/build-images.sh >/dev/null
 "${PODMAN[@]}" images --filter reference='localhost/tally-*' --format '{{.Repository}}:{{.Tag}} {{.Size}}'

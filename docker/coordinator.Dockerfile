@@ -8,6 +8,8 @@ ARG BASE=localhost/tally-base:bookworm
 # checkov:skip=CKV_DOCKER_7: the base is this build argument, whose default is tagged (bookworm)
 
 FROM ${BASE} AS build
+# Marks what `make images` may prune once this stage is no longer needed, and nothing else.
+LABEL org.tally.built-by="docker/build-images.sh"
 COPY build/wheelhouse /wheels
 RUN python3 -m venv /opt/tally \
     && /opt/tally/bin/pip install --no-cache-dir --no-index --find-links /wheels "tally[coordinator]" \
@@ -18,6 +20,7 @@ ARG BASE
 ARG VERSION=0.1.0
 ARG REVISION=unknown
 LABEL org.opencontainers.image.title="tally-coordinator" \
+      org.tally.built-by="docker/build-images.sh" \
       org.opencontainers.image.description="Tally coordinator: jobs, rounds, cohorts, the algorithms' server halves on cohort sums" \
       org.opencontainers.image.version="${VERSION}" \
       org.opencontainers.image.revision="${REVISION}" \

@@ -40,6 +40,8 @@ pytestmark = pytest.mark.containers
 VERSION = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["version"]
 ROLES = ("aggregator", "coordinator", "client")
 COMPILERS = ("gcc", "cc", "c++", "g++", "clang", "ld", "as", "make")
+BASE_IMAGE = "localhost/tally-base:bookworm"
+BUILT_BY = "org.tally.built-by=docker/build-images.sh"  # the label of every image `make images` builds
 
 
 @pytest.fixture(scope="module")
@@ -386,6 +388,16 @@ NEEDS_A_CLUSTER = ("tally k8s apply", "tally k8s fleet", "tally k8s status", "ku
                    "podman push", "docker push")
 
 
+def _dangling_image_of_someone_else(directory: Path) -> str:
+    """The id of an untagged image this project did not build (another user's leftover, say)."""
+    (directory / "foreign").mkdir()
+    (directory / "foreign" / "Containerfile").write_text(f"FROM {BASE_IMAGE}\nLABEL org.example.owner=someone-else\n")
+    image = podman("build", "--quiet", "--pull=never", "-t", "localhost/not-tally:leftover",
+                   str(directory / "foreign")).stdout.strip().splitlines()[-1]
+    podman("untag", image)
+    return image
+
+
 def _copy_of_the_repository(target: Path) -> None:
     """The tracked files as they are in this working tree (a fresh clone of what is committed,
     plus what is not yet), modification times kept; the venv is shared, not rebuilt."""
@@ -406,14 +418,22 @@ def test_the_kubernetes_pages_commands_run_in_order_as_far_as_no_cluster_is_need
     clone = tmp_path / "tally"
     _copy_of_the_repository(clone)
     ran, skipped = [], []
-    for block in (textwrap.dedent(b) for b in blocks):
-        if any(command in block for command in NEEDS_A_CLUSTER):
-            skipped.append(block.strip())
-            continue
-        done = subprocess.run(["bash", "-euo", "pipefail", "-c", block], cwd=clone, capture_output=True, text=True,
-                              timeout=2000, env={**os.environ, "CI": "true"})
-        assert done.returncode == 0, f"{block}\n{done.stdout[-2000:]}\n{done.stderr[-3000:]}"
-        ran.append((block, done.stdout))
+    foreign = _dangling_image_of_someone_else(tmp_path)
+    try:
+        for block in (textwrap.dedent(b) for b in blocks):
+            if any(command in block for command in NEEDS_A_CLUSTER):
+                skipped.append(block.strip())
+                continue
+            done = subprocess.run(["bash", "-euo", "pipefail", "-c", block], cwd=clone, capture_output=True,
+                                  text=True, timeout=2000, env={**os.environ, "CI": "true"})
+            assert done.returncode == 0, f"{block}\n{done.stdout[-2000:]}\n{done.stderr[-3000:]}"
+            ran.append((block, done.stdout))
+        # `make images` pruned what its own builds left, and nothing of anyone else's.
+        assert podman("image", "exists", foreign, check=False).returncode == 0, "make images pruned a foreign image"
+        ours = podman("images", "--quiet", "--filter", "dangling=true", "--filter", f"label={BUILT_BY}").stdout.split()
+        assert not ours, f"make images left dangling images of its own: {ours}"
+    finally:
+        podman("rmi", foreign, check=False)
     print("not run here (a cluster or a registry):\n" + "\n---\n".join(skipped))
     commands = " ".join(block for block, _ in ran)
     for step in ("tally certs", "make images", "tally k8s render", "kubectl kustomize"):
