@@ -46,6 +46,7 @@ import contextlib
 import json
 import multiprocessing
 import os
+import queue
 import shutil
 import sys
 import tempfile
@@ -230,9 +231,30 @@ async def _live_devices(target: str, tls_dir: str, key: bytes, prefix: str, coun
     return {"registered": registered, "steps": steps}
 
 
-def _generator_main(job: tuple, core: int, lockstep: tuple, results: multiprocessing.Queue) -> None:
+def _generator_main(g: int, job: tuple, core: int, lockstep: tuple, results: multiprocessing.Queue) -> None:
     psutil.Process().cpu_affinity([core])
-    results.put(asyncio.run(_live_devices(*job, lockstep=Lockstep(*lockstep))))
+    results.put((g, asyncio.run(_live_devices(*job, lockstep=Lockstep(*lockstep)))))
+
+
+def _outcomes(workers: list, results: multiprocessing.Queue, barrier, timeout_s: float = 900.0) -> list[dict]:
+    """Each generator's outcome, in generator order. One that dies before reporting breaks the
+    barrier, so that the others stop at once instead of waiting out its timeout, and the benchmark
+    fails naming it."""
+    outcomes: dict[int, dict] = {}
+    deadline = time.monotonic() + timeout_s
+    while len(outcomes) < len(workers):
+        try:
+            g, outcome = results.get(timeout=0.2)
+            outcomes[g] = outcome
+            continue
+        except queue.Empty:
+            pass
+        dead = [f"generator {g} exited with status {w.exitcode}" for g, w in enumerate(workers)
+                if g not in outcomes and w.exitcode not in (None, 0)]
+        if dead or time.monotonic() > deadline:
+            barrier.abort()
+            raise RuntimeError("; ".join(dead) or f"the generators did not report within {timeout_s:g} s")
+    return [outcomes[g] for g in range(len(workers))]
 
 
 def _generate(target: str, tls_dir: Path, key: bytes, prefix: str, count: int, rates: list[float],
@@ -240,20 +262,21 @@ def _generate(target: str, tls_dir: Path, key: bytes, prefix: str, count: int, r
     """The load: one generator process per core of ``cores``, each with its share of the devices
     and of every rate, merged into one record as if one generator had sent it all."""
     context = multiprocessing.get_context("spawn")
-    lockstep = (context.Barrier(len(cores), timeout=600), context.Value("b", 0), p99_ms)
+    barrier = context.Barrier(len(cores), timeout=600)
+    lockstep = (barrier, context.Value("b", 0), p99_ms)
     results = context.Queue()
 
     def shares(total: int) -> list[int]:
         return [total // len(cores) + (g < total % len(cores)) for g in range(len(cores))]
 
     calls = list(zip(*(shares(int(rate * seconds)) for rate in rates)))  # per generator, per step
-    workers = [context.Process(target=_generator_main, daemon=True, args=(
+    workers = [context.Process(target=_generator_main, daemon=True, args=(g,
         (target, str(tls_dir), key, f"{prefix}-g{g}", devices, list(calls[g]), seconds), core, lockstep, results))
         for g, (devices, core) in enumerate(zip(shares(count), cores))]
     for worker in workers:
         worker.start()
     try:
-        outcomes = [results.get(timeout=900) for _ in workers]
+        outcomes = _outcomes(workers, results, barrier)
     finally:
         for worker in workers:
             worker.join(10)

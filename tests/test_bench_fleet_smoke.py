@@ -141,3 +141,34 @@ def test_every_fleet_bench_option_says_what_it_is_and_its_default():
         assert len(entry.split(None, 2)) > 2 or flag in ("-h,",), entry  # a description follows
         if flag.startswith("--") and flag not in ("--plain", "--semi-honest", "--json", "--keep"):
             assert "(default:" in " ".join(entry.split()), entry
+
+
+def _wait_at(barrier) -> None:
+    barrier.wait()  # raises BrokenBarrierError once the barrier is aborted
+
+
+def _die() -> None:
+    raise SystemExit(3)
+
+
+def test_a_population_generator_that_dies_ends_the_others_and_the_benchmark_at_once(monkeypatch):
+    """One generator gone before it reports: the others, waiting at the lockstep barrier, are let
+    go (not left for its 10-minute timeout), and the benchmark fails naming the dead one."""
+    import importlib
+    import multiprocessing
+
+    monkeypatch.syspath_prepend(str(ROOT / "bench"))
+    population = importlib.import_module("population")
+    context = multiprocessing.get_context("spawn")
+    barrier = context.Barrier(2, timeout=600)
+    workers = [context.Process(target=_wait_at, args=(barrier,)), context.Process(target=_die)]
+    for worker in workers:
+        worker.start()
+    try:
+        with pytest.raises(RuntimeError, match="generator 1 exited with status 3"):
+            population._outcomes(workers, context.Queue(), barrier)
+        workers[0].join(60)
+        assert workers[0].exitcode not in (None, 0)  # broke out of the barrier
+    finally:
+        for worker in workers:
+            worker.kill()
