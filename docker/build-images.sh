@@ -95,5 +95,9 @@ build_wheelhouse
 for role in aggregator coordinator client; do
     build_role "$role"
 done
-"${PODMAN[@]}" image prune --force --filter label=org.tally.built-by=docker/build-images.sh >/dev/null
+# What these builds left dangling: build stages and replaced role images (labelled built-by), and
+# role images from before that label (known by their titles).
+for label in org.tally.built-by=docker/build-images.sh org.opencontainers.image.title=tally-{aggregator,coordinator,client}; do
+    "${PODMAN[@]}" image prune --force --filter "label=$label" >/dev/null
+done
 "${PODMAN[@]}" images --filter reference='localhost/tally-*' --format '{{.Repository}}:{{.Tag}} {{.Size}}'
