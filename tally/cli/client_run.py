@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import TypeVar
 
 import grpc
+
 from tally import logs
 from tally.algorithms.base import LocalTrainer
 from tally.cli.console import console as cli_console
