@@ -390,7 +390,7 @@ class Fleet:
             for job_id in set(wanted) - finished:
                 state = await self._job_state(job_id)
                 if state is None:
-                    return False  # not submitted yet
+                    return False  # not submitted yet, or nobody left to ask
                 if state in FINISHED_JOB_STATES:
                     finished.add(job_id)
             return finished >= set(wanted)
@@ -398,10 +398,9 @@ class Fleet:
         return done
 
     async def _job_state(self, job_id: str) -> common_pb2.JobState.ValueType | None:
-        """The job's state (None: not submitted), asked as a device of the fleet. A device the
-        coordinator refuses (revoked, say, and not yet stopped by its own next call) cannot ask:
-        the next one does."""
-        refused: grpc.aio.AioRpcError | None = None
+        """The job's state (None: not submitted, or no device left to ask), asked as a device of
+        the fleet. A device the coordinator refuses (revoked, say, and not yet stopped by its own
+        next call) cannot ask: the next one does, and the refused ones stop by themselves."""
         for device in self.devices:
             if device.stats.refusal:
                 continue
@@ -412,10 +411,7 @@ class Fleet:
                     return None
                 if exc.code() not in (grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.UNAUTHENTICATED):
                     raise
-                refused = exc
-        if refused is not None:
-            raise refused
-        return common_pb2.JOB_STATE_UNSPECIFIED  # every device was refused; the fleet ends with them
+        return None
 
     def close(self) -> None:
         """Release the training threads (the fleet cannot run again afterwards)."""
