@@ -45,7 +45,7 @@ test: $(STAMP) prometheus postgresql
 # By file across two workers: a module builds its fixtures once (the per-role venvs take minutes).
 # The attacks at 1,000 devices run first and alone: their services and fleet share one process,
 # which the other worker's campaigns could starve past the protocol's deadlines.
-ALONE := tests/test_split_view_services.py
+ALONE := tests/e2e/test_split_view_services.py
 test-full: $(STAMP) postgresql
 	$(PY) -m pytest -q -m full -p no:cacheprovider $(ALONE)
 	$(PY) -m pytest -q -m full -p no:cacheprovider -n 2 --dist loadfile --ignore $(ALONE)
@@ -58,7 +58,7 @@ images:
 
 # The images' contents, and the dev overlay's pods run from them with a real Prometheus.
 test-containers: $(STAMP) images prometheus postgresql
-	TALLY_REQUIRE_CONTAINERS=1 $(PY) -m pytest -q -m containers -p no:cacheprovider tests/test_containers.py
+	TALLY_REQUIRE_CONTAINERS=1 $(PY) -m pytest -q -m containers -p no:cacheprovider tests/e2e/test_containers.py
 
 demo: $(STAMP)
 	$(VENV)/bin/tally demo

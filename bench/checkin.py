@@ -33,7 +33,7 @@ from pathlib import Path
 import psutil
 from cores import pin  # this folder is on sys.path when run as a script
 
-from tally.chaos.cluster import LocalCluster
+from tally.ops.cluster import LocalCluster
 from tally.client.enrolment import register_request, simulated_identity
 from tally.security import TLSConfig, bearer_metadata
 from tally.security.enrolment import enrolment_credential

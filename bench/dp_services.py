@@ -24,10 +24,10 @@ from rich.progress import Progress
 from rich.table import Table
 
 from tally import modelio
-from tally.chaos.cluster import LocalCluster
-from tally.client.dropout import DropoutPlan
-from tally.client.fleet import Fleet
-from tally.coordinator.store import Store
+from tally.ops.cluster import LocalCluster
+from tally.loadtest.dropout import DropoutPlan
+from tally.loadtest.fleet import Fleet
+from tally.coordinator.state.store import Store
 
 # Seconds a device waits in a check-in for a round to seat it: short, so cohorts form quickly.
 CHECKIN_HOLD_SECONDS = 1.0

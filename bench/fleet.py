@@ -27,9 +27,9 @@ import grpc
 import psutil
 from prometheus_client.parser import text_string_to_metric_families
 
-from tally.chaos.cluster import LocalCluster
-from tally.client.sum_audit import SumAudit, check_committed, outcome_counts
-from tally.client.timeline import FleetTimeline
+from tally.ops.cluster import LocalCluster
+from tally.loadtest.sum_audit import SumAudit, check_committed, outcome_counts
+from tally.loadtest.timeline import FleetTimeline
 from tally.ops.processes import Terminated, stopping_on_sigterm
 
 SPEC = """\

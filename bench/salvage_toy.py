@@ -18,7 +18,7 @@ from rich.console import Console
 from rich.progress import Progress
 from rich.table import Table
 
-from tally.research import salvage_toy as toy
+import salvage_toy_model as toy  # bench/ is the script's own folder: sys.path[0]
 
 CONFIGS = {"A": toy.CONFIG_A, "B": toy.CONFIG_B}
 

@@ -14,7 +14,7 @@ device keeps the number of rounds it took part in as its local state, which neve
 advances only where its update was summed).
 
 Run it in process with ``tally.sim.rounds.run_rounds`` (tests/test_algorithm_contract.py does, through
-the real secure sum) or make the coordinator run it with ``tally.coordinator.catalogue.register_algorithm``.
+the real secure sum) or make the coordinator run it with ``tally.coordinator.spec.catalogue.register_algorithm``.
 """
 
 from __future__ import annotations
@@ -118,5 +118,5 @@ class EvaluatedAverageClient:
 
 
 def make_server(options: Mapping[str, Any] | None) -> EvaluatedAverageServer:
-    """The factory ``tally.coordinator.catalogue.register_algorithm`` takes."""
+    """The factory ``tally.coordinator.spec.catalogue.register_algorithm`` takes."""
     return EvaluatedAverageServer(EvaluatedAverageConfig.from_dict(options))

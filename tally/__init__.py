@@ -2,7 +2,7 @@
 
 The module map, by layer, lowest first. A module imports its own layer or a lower one, never a
 higher one, no service imports another, and no import chain leads back to where it started:
-tests/test_layers.py checks every import against this list.
+tests/unit/test_layers.py checks every import against this list.
 
 plumbing     what every part shares: ``version``, ``logs`` (JSON lines), ``metrics`` (Prometheus
              registries and the metrics server), ``modelio`` (model bytes on disk and the wire)

@@ -55,20 +55,22 @@ def twostep():
     broadcast depends on the first sum (support.coordinator.TwoStepServer)."""
     from support.coordinator import TwoStepServer  # here: it imports the services, `-m unit` needs none
 
-    from tally.coordinator import catalogue
+    from tally.coordinator.spec import catalogue
 
     catalogue.register_algorithm("twostep", TwoStepServer)
     yield
     catalogue.unregister_algorithm("twostep")
 
 
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Mark each test with its module's kind (support/kinds.py): ``-m unit``, ``-m service``,
-    ``-m e2e``. A module missing from the table is left unmarked here and fails
-    test_suite_layout."""
-    from support.kinds import KINDS
+KINDS = ("unit", "service", "e2e")
 
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Mark each test with its folder's kind: ``-m unit``, ``-m service``, ``-m e2e``
+    (tests/unit: in this process, no server and no port; tests/service: real servers on 127.0.0.1
+    or child processes, short of the whole system; tests/e2e: a real coordinator, aggregators and
+    devices running jobs). A module's folder is the kind of its heaviest test."""
     for item in items:
-        kind = KINDS.get(item.path.stem)
-        if kind is not None:
+        kind = item.path.parent.name
+        if kind in KINDS and item.path.parent.parent == TESTS:
             item.add_marker(kind)

@@ -6,10 +6,10 @@ attempt), an aggregator or the coordinator SIGKILLed at a random moment of the r
 restarted, misbehaving devices (late, duplicated, replayed or corrupt messages, streams left open
 and unread); with coordinator replicas over PostgreSQL, the leading replica SIGKILLed too.
 Invariants: every committed cohort sum is exactly the sum of its contributors' inputs
-(fingerprints, ``tally.client.sum_audit``); rounds commit in order, each once, none lost (the
+(fingerprints, ``tally.loadtest.sum_audit``); rounds commit in order, each once, none lost (the
 coordinator's own database, read only); every round ends, committed or failed, by its
 deadline; no process died that was not killed; no process's memory grows without bound. The
-fleet is synthetic (``tally.client.synthetic``), so every expected sum is known exactly.
+fleet is synthetic (``tally.loadtest.synthetic``), so every expected sum is known exactly.
 """
 
 from __future__ import annotations
@@ -28,16 +28,16 @@ import grpc
 import numpy as np
 from prometheus_client.parser import text_string_to_metric_families
 
-from tally.chaos.cluster import LocalCluster, wait_for
-from tally.client import Fleet
-from tally.client.behaviour import BehaviourProfile
-from tally.client.dropout import DEFAULT_PHASES
-from tally.client.fleet import device_ids
+from tally.ops.cluster import LocalCluster, wait_for
+from tally.loadtest import Fleet
+from tally.loadtest.behaviour import BehaviourProfile
+from tally.loadtest.dropout import DEFAULT_PHASES
+from tally.loadtest.fleet import device_ids
 from tally.client.retry import RetryPolicy
-from tally.client.sum_audit import EXACT, SumAudit, outcome_counts
-from tally.client.synthetic import SyntheticUpdates
-from tally.coordinator.database import Database
-from tally.coordinator.jobspec import parse
+from tally.loadtest.sum_audit import EXACT, SumAudit, outcome_counts
+from tally.loadtest.synthetic import SyntheticUpdates
+from tally.coordinator.state.database import Database
+from tally.coordinator.spec.jobspec import parse
 from tally.wire.v1 import admin_pb2, common_pb2
 
 FAULTS = ("none", "dropouts", "dropouts_past_threshold", "kill_aggregator", "kill_coordinator", "misbehaviour")
@@ -46,7 +46,7 @@ FRONT_FAULTS = ("kill_device_front",)
 # Only with replicas > 1: whichever replica leads SIGKILLed mid-round ("kill_coordinator" kills the
 # replica the devices reach, leading or not).
 REPLICA_FAULTS = ("kill_leader",)
-# What misbehaving devices do (``tally.client.behaviour.Misbehaviour``): one kind per round, in turn.
+# What misbehaving devices do (``tally.loadtest.behaviour.Misbehaviour``): one kind per round, in turn.
 MISBEHAVIOURS = ("late", "duplicate", "replay", "corrupt", "stall")
 DEADLINES = {"checkin": 6, "download": 6, "advertise_keys": 4, "share_keys": 4, "masked_input": 6, "unmask": 4}
 # Restarting a process (interpreter, imports, TLS, SQLite) takes seconds on a small machine.

@@ -67,7 +67,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from tally.chaos.campaign import FAULTS, FRONT_FAULTS, REPLICA_FAULTS, Campaign, CampaignConfig
-    from tally.coordinator.database import is_postgres_url
+    from tally.coordinator.state.database import is_postgres_url
     from tally.ops.processes import Terminated, stopping_on_sigterm
 
     default = (FAULTS + (FRONT_FAULTS if args.device_processes > 1 else ())

@@ -128,7 +128,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="how the devices behave: availability (or a diurnal curve), check-in period and jitter, "
         "compute speed, uplink/downlink bandwidth and latency, dropouts per phase, churn, misbehaviour "
         "(late, duplicated, replayed messages); each device draws its own from (--seed, its id). "
-        "See tally/client/behaviour.py and examples/fleet/profile.yaml",
+        "See tally/loadtest/behaviour.py and examples/fleet/profile.yaml",
     )
     f.add_argument(
         "--ramp", type=argtypes.number(0.0), default=0.0, metavar="SECONDS",
@@ -141,7 +141,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="play this shard's devices in P processes (process p plays sub-shard I*P+p of N*P; each "
         "serves its own metrics on --metrics-port + p); default: one per core this process may use "
         "(affinity and cgroup CPU limit), fewer for a small shard (one per 200 devices at most: "
-        "tally.client.fleet_processes.DEVICES_PER_EXTRA_PROCESS)",
+        "tally.loadtest.processes.DEVICES_PER_EXTRA_PROCESS)",
     )
     f.add_argument("--progress", action=argparse.BooleanOptionalAction, default=True, help="live progress display")
     f.set_defaults(run=_runs("run_fleet"))

@@ -17,18 +17,18 @@ import grpc
 from tally import logs
 from tally.algorithms.base import LocalTrainer
 from tally.cli.console import console as cli_console
-from tally.client.behaviour import BehaviourProfile
+from tally.loadtest.behaviour import BehaviourProfile
 from tally.client.device import Device, DeviceStats
 from tally.client.device_progress import DeviceProgress, summary
-from tally.client.dropout import DEFAULT_PHASES, DropoutPlan
+from tally.loadtest.dropout import DEFAULT_PHASES, DropoutPlan
 from tally.client.enrolment import load_or_create_identity
-from tally.client.fleet import CoordinatorUnreachable, Fleet, FleetStats, device_ids
-from tally.client.fleet_processes import Played, default_processes, run_processes
-from tally.client.fleet_report import write_report
+from tally.loadtest.fleet import CoordinatorUnreachable, Fleet, FleetStats, device_ids
+from tally.loadtest.processes import Played, default_processes, run_processes
+from tally.loadtest.report import write_report
 from tally.client.metrics import ClientMetrics
-from tally.client.sum_audit import MISMATCH, SumAudit, SumCheck, check_committed, outcome_counts
-from tally.client.synthetic import SyntheticUpdates
-from tally.client.timeline import FleetTimeline
+from tally.loadtest.sum_audit import MISMATCH, SumAudit, SumCheck, check_committed, outcome_counts
+from tally.loadtest.synthetic import SyntheticUpdates
+from tally.loadtest.timeline import FleetTimeline
 from tally.metrics import MetricsServer
 from tally.secagg import DevicePolicy, ThreatModel
 from tally.security import bearer_metadata, load_ticket_public_key

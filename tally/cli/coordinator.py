@@ -16,10 +16,10 @@ from tally import logs
 from tally.cli import argtypes, job
 from tally.cli.argtypes import add_metrics_arguments
 from tally.cli.job import DEFAULT_ADDRESS
-from tally.coordinator.admin_token import ADMIN_TOKEN_FILE
-from tally.coordinator.database import is_postgres_url
-from tally.coordinator.aggregators import parse_aggregator
-from tally.coordinator.ratelimit import (
+from tally.coordinator.faces.admin_token import ADMIN_TOKEN_FILE
+from tally.coordinator.state.database import is_postgres_url
+from tally.coordinator.rounds.aggregators import parse_aggregator
+from tally.coordinator.faces.ratelimit import (
     DEFAULT_CHECKIN_LIMIT,
     DEFAULT_MAX_REQUEST_BYTES,
     DEFAULT_REGISTER_LIMIT,
@@ -28,7 +28,7 @@ from tally.coordinator.ratelimit import (
 from tally.security.tls import add_tls_arguments, tls_config_from_args
 
 if TYPE_CHECKING:  # the service and job specs import torch: `--help` must not wait for it
-    from tally.coordinator.jobspec import JobSpec
+    from tally.coordinator.spec.jobspec import JobSpec
     from tally.coordinator.replica import Replica
     from tally.coordinator.service import CoordinatorService
 
@@ -170,8 +170,8 @@ def _aggregators(args: argparse.Namespace) -> list[tuple[str, str]]:
 
 def _job_specs(directory: Path) -> list[tuple[Path, JobSpec]]:
     """Every ``*.yaml`` spec in ``directory``, all checked (``ValueError`` naming the file)."""
-    from tally.coordinator.jobspec import JobSpecError
-    from tally.coordinator.jobspec import parse as parse_job_spec
+    from tally.coordinator.spec.jobspec import JobSpecError
+    from tally.coordinator.spec.jobspec import parse as parse_job_spec
 
     if not directory.is_dir():
         raise ValueError(f"--jobs-dir {directory}: no such directory")

@@ -177,7 +177,8 @@ async def _unfinished_job(target: str, tls: TLSConfig, token: str) -> admin_pb2.
 async def _demo(args: argparse.Namespace, console: Console) -> dict:
     # Imported here, not with the module: they bring torch and scikit-learn, and `--help` must
     # not wait for them.
-    from tally.client import Device, DropoutPlan, Fleet, OnnxModel
+    from tally.client import Device, OnnxModel
+    from tally.loadtest import DropoutPlan, Fleet
     from tally.datasets.digits import digits
     from tally.models.mlp import mlp
     from tally.training import TorchTrainer, single_threaded

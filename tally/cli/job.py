@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from tally.cli.argtypes import POSITIVE
-from tally.coordinator.admin_token import ADMIN_TOKEN_FILE
+from tally.coordinator.faces.admin_token import ADMIN_TOKEN_FILE
 
 # The built-in algorithms (tally.algorithms; a test keeps the two lists equal), named here so that
 # `--help` need not import them.
@@ -98,7 +98,7 @@ def _offline(action: Callable[[argparse.Namespace], int]) -> Callable[[argparse.
 def _init(args: argparse.Namespace) -> int:
     import yaml
 
-    from tally.coordinator.jobspec_docs import template
+    from tally.coordinator.spec.jobspec_docs import template
 
     text = template(args.algorithm)
     if args.json:
@@ -109,8 +109,8 @@ def _init(args: argparse.Namespace) -> int:
 
 
 def _validate(args: argparse.Namespace) -> int:
-    from tally.coordinator import jobspec
-    from tally.coordinator.cohort_risk import cohort_warnings
+    from tally.coordinator.spec import jobspec
+    from tally.coordinator.rounds.cohort_risk import cohort_warnings
 
     if args.aggregators < 0:
         raise ValueError(f"--aggregators must be >= 0, got {args.aggregators}")
@@ -137,8 +137,8 @@ def _validate(args: argparse.Namespace) -> int:
 
 
 def _schema(args: argparse.Namespace) -> int:
-    from tally.coordinator import jobspec
-    from tally.coordinator.jobspec_docs import reference
+    from tally.coordinator.spec import jobspec
+    from tally.coordinator.spec.jobspec_docs import reference
 
     if args.json:
         _print_json(jobspec.JobSpec.model_json_schema())

@@ -30,7 +30,7 @@ class UsageError(ValueError):
 def _options(algorithm: str, pairs: list[str]) -> dict[str, Any]:
     """``--option KEY=VALUE`` pairs (values as JSON, else strings), type-checked against the
     algorithm's options as a job spec's ``config`` is."""
-    from tally.coordinator.jobspec import option_type_errors
+    from tally.coordinator.spec.jobspec import option_type_errors
 
     options = {}
     for pair in pairs:

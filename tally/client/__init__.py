@@ -1,6 +1,7 @@
 """The client SDK: the library an edge application embeds (check-in loop, chunked model
 download, local training, the algorithm's client half, the secure-aggregation client), ONNX
-Runtime inference on the exported global model, and the fleet simulator for load tests."""
+Runtime inference on the exported global model. The fleet simulator that load-tests a deployment
+is not part of it: it lives in ``tally.loadtest`` and plugs in through ``DeviceHooks``."""
 
 from __future__ import annotations
 
@@ -12,7 +13,6 @@ from typing import Any
 _EXPORTS = {
     "SDK_VERSION": "tally.client.device", "Device": "tally.client.device", "DeviceStats": "tally.client.device",
     "DownloadError": "tally.client.download", "ModelCache": "tally.client.download",
-    "DropoutPlan": "tally.client.dropout", "Fleet": "tally.client.fleet", "FleetStats": "tally.client.fleet",
     "ClientMetrics": "tally.client.metrics", "OnnxModel": "tally.client.onnx_model", "RetryPolicy": "tally.client.retry",
 }
 
@@ -29,9 +29,6 @@ __all__ = [
     "Device",
     "DeviceStats",
     "DownloadError",
-    "DropoutPlan",
-    "Fleet",
-    "FleetStats",
     "ModelCache",
     "OnnxModel",
     "RetryPolicy",

@@ -32,8 +32,8 @@ import torch
 from torch import nn
 from torch.func import functional_call, grad, vmap
 
-from tally.adaptation_options import METHODS as METHODS  # re-exported: the SDK's API
-from tally.adaptation_options import AdaptationConfig, JobAdaptation, trainable_names
+from tally.algorithms.adaptation_options import METHODS as METHODS  # re-exported: the SDK's API
+from tally.algorithms.adaptation_options import AdaptationConfig, JobAdaptation, trainable_names
 from tally.models.onnx import export_onnx
 from tally.models.params import get_params, set_params
 

@@ -18,7 +18,7 @@ from typing import Any
 from urllib.parse import quote, unquote
 
 from tally import logs
-from tally.adaptation_options import JobAdaptation
+from tally.algorithms.adaptation_options import JobAdaptation
 from tally.client.metrics import ClientMetrics
 from tally.security.certs import write_file_atomic
 from tally.security.files import private_dir

@@ -22,7 +22,7 @@ import numpy as np
 from tally import algorithms
 from tally.algorithms.base import Arrays, LocalTrainer
 from tally.client.metrics import ClientMetrics
-from tally.client.synthetic import SyntheticUpdates
+from tally.loadtest.synthetic import SyntheticUpdates
 from tally.codec import PayloadSchema
 from tally.codec.fingerprint import ring_fingerprint, sum_key
 from tally.privacy.payload import NoiseBelowFloor, PrivateClient, ring_encode

@@ -29,13 +29,13 @@ import grpc
 import numpy as np
 
 from tally import logs, modelio
-from tally.adaptation_options import JobAdaptation
+from tally.algorithms.adaptation_options import JobAdaptation
 from tally.algorithms.base import Arrays, LocalTrainer
 from tally.client.adapted_models import AdaptedModels
 from tally.client.channels import Channels, reconnect_options
 from tally.client.contribution import Contribution, InputFingerprint, TaskError, plan_task
 from tally.client.download import Downloader, ModelCache
-from tally.client.dropout import DropoutPlan
+from tally.loadtest.dropout import DropoutPlan
 from tally.client.enrolment import register_request
 from tally.client.local_state import LocalStateStore
 from tally.client.metrics import ClientMetrics
@@ -54,7 +54,7 @@ from tally.wire.convert import WireError, tensors_to_proto
 from tally.wire.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc
 
 if TYPE_CHECKING:  # the profile parser (pydantic, yaml) is for fleets, not every device
-    from tally.client.behaviour import DeviceTraits
+    from tally.loadtest.behaviour import DeviceTraits
 
 log = logging.getLogger("tally.client.device")
 

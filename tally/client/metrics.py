@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from prometheus_client import Counter, Gauge, Histogram
 
-from tally.client.timeline import FleetTimeline
+from tally.loadtest.timeline import FleetTimeline
 from tally.metrics import DURATION_BUCKETS, RoleRegistry
 
 # accuracy differences: fine around 0, where kept_federated and adapted part
@@ -17,7 +17,7 @@ ADAPTATION_GAIN_BUCKETS = (-0.5, -0.2, -0.1, -0.05, -0.02, 0.0, 0.02, 0.05, 0.1,
 
 
 class ClientMetrics:
-    """``timeline``: a fleet's report recorder (``tally.client.timeline``), fed by the same calls."""
+    """``timeline``: a fleet's report recorder (``tally.loadtest.timeline``), fed by the same calls."""
 
     def __init__(self, timeline: FleetTimeline | None = None) -> None:
         self.timeline = timeline

@@ -87,7 +87,7 @@ class SessionOutcome:
 
 @dataclass(frozen=True)
 class SessionEvents:
-    """What a simulated device does in one session besides the protocol (``tally.client.behaviour``):
+    """What a simulated device does in one session besides the protocol (``tally.loadtest.behaviour``):
     leave in a phase, send its masked input after the phase's deadline, send a message twice,
     open with a message of its previous session, send bytes that are no message, or fall
     silent with its stream open."""
@@ -102,7 +102,7 @@ class SessionEvents:
 
 
 class Shaping(Protocol):
-    """Device-side network delays (``tally.client.behaviour.DeviceTraits``)."""
+    """Device-side network delays (``tally.loadtest.behaviour.DeviceTraits``)."""
 
     def send_delay(self, size: int) -> float: ...
 

@@ -1,7 +1,7 @@
 """One coordinator replica of several over a PostgreSQL store (``tally coordinator --database``).
 
 Every replica serves devices on its own device port (behind one Service, the cluster spreads
-devices over them). The leader (``tally.coordinator.leadership``) runs the whole coordinator:
+devices over them). The leader (``tally.coordinator.state.leadership``) runs the whole coordinator:
 rounds, the Admin API, and an internal port for the others. The others run a device front in
 their own process, answering registrations and idle check-ins from the shared store and
 forwarding the rest to the leader's internal port, and try for the lead every ``LEAD_POLL_S``:
@@ -17,11 +17,11 @@ import logging
 from collections.abc import Callable
 
 from tally import logs
-from tally.coordinator.admin_token import share_admin_token
-from tally.coordinator.device_front import DeviceFront
-from tally.coordinator.leadership import Leadership
+from tally.coordinator.faces.admin_token import share_admin_token
+from tally.coordinator.faces.device_front import DeviceFront
+from tally.coordinator.state.leadership import Leadership
 from tally.coordinator.service import CoordinatorService
-from tally.coordinator.store import Store
+from tally.coordinator.state.store import Store
 
 log = logging.getLogger("tally.coordinator.replica")
 

@@ -19,13 +19,13 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from tally import logs
-from tally.coordinator.active_jobs import ActiveJobs
-from tally.coordinator.admin_api import AdminService, load_or_create_admin_token
-from tally.coordinator.admin_token import share_admin_token
-from tally.coordinator.aggregators import AggregatorPool
-from tally.coordinator.device_api import DeviceService
-from tally.coordinator.device_entry import DeviceEntry
-from tally.coordinator.device_front import (
+from tally.coordinator.rounds.active_jobs import ActiveJobs
+from tally.coordinator.faces.admin_api import AdminService, load_or_create_admin_token
+from tally.coordinator.faces.admin_token import share_admin_token
+from tally.coordinator.rounds.aggregators import AggregatorPool
+from tally.coordinator.faces.device_api import DeviceService
+from tally.coordinator.faces.device_entry import DeviceEntry
+from tally.coordinator.faces.device_front import (
     FrontConfig,
     FrontKeyRequired,
     FrontProcess,
@@ -34,15 +34,15 @@ from tally.coordinator.device_front import (
     shares,
 )
 from tally.coordinator.metrics import CoordinatorMetrics
-from tally.coordinator.pacing import CheckinPacer
-from tally.coordinator.ratelimit import (
+from tally.coordinator.rounds.pacing import CheckinPacer
+from tally.coordinator.faces.ratelimit import (
     DEFAULT_CHECKIN_LIMIT,
     DEFAULT_MAX_REQUEST_BYTES,
     DEFAULT_REGISTER_LIMIT,
     RateLimit,
     SourceRateLimiter,
 )
-from tally.coordinator.store import Store
+from tally.coordinator.state.store import Store
 from tally.metrics import MetricsServer, watch_certificate
 from tally.security import (
     OwnerTokens,

@@ -107,7 +107,8 @@ def toy_regression_task(args: TaskArgs) -> Task:
 
 
 def domain_digits_task(args: TaskArgs) -> Task:
-    from tally.datasets.domain_digits import TorchDomainTrainer, domain_digits
+    from tally.datasets.domain_digits import domain_digits
+    from tally.training.domain_weighted import TorchDomainTrainer
 
     fed = domain_digits(
         clients=args.clients, domains=args.domains, alpha=args.alpha, samples_per_client=args.samples,

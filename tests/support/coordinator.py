@@ -32,9 +32,9 @@ from tally import modelio
 from tally.algorithms.base import StepSpec
 from tally.algorithms.fedavg import FedAvgClient, FedAvgConfig, FedAvgServer
 from tally.codec import Field, Kind, PayloadSchema, ring_dtype, ring_mask, to_ring
-from tally.coordinator import jobspec
+from tally.coordinator.spec import jobspec
 from tally.coordinator.service import CoordinatorService
-from tally.coordinator.store import Store
+from tally.coordinator.state.store import Store
 from tally.secagg import SessionConfig, SumResult
 from tally.security import (
     AuthError,

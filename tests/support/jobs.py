@@ -16,11 +16,11 @@ import numpy as np
 
 from support.stack import run, spec, stack
 from tally import algorithms, modelio
-from tally.client import DropoutPlan
-from tally.client.behaviour import BehaviourProfile
-from tally.client.fleet import device_ids
-from tally.client.sum_audit import SumAudit, check_committed
-from tally.client.synthetic import SyntheticUpdates
+from tally.loadtest import DropoutPlan
+from tally.loadtest.behaviour import BehaviourProfile
+from tally.loadtest.fleet import device_ids
+from tally.loadtest.sum_audit import SumAudit, check_committed
+from tally.loadtest.synthetic import SyntheticUpdates
 from tally.wire.v1 import admin_pb2_grpc, common_pb2
 
 
@@ -38,9 +38,9 @@ def run_job(tmp_path, algorithm: str, options: Mapping[str, Any], kind: str, ini
             rounds: int, extra: str = "", probe: Callable[[Any, str], Awaitable[Any]] | None = None):
     """Run the job (its spec plus ``extra`` YAML lines) on the real stack; return the final server
     state and what ``probe(stack, job_id)`` found once the job was done."""
-    from tally.coordinator import catalogue
-    from tally.coordinator.jobspec import parse
-    from tally.coordinator.state_codec import state_from_bytes
+    from tally.coordinator.spec import catalogue
+    from tally.coordinator.spec.jobspec import parse
+    from tally.coordinator.state.state_codec import state_from_bytes
 
     text = job_text(kind, algorithm, rounds, len(devices), kind, options) + extra
     catalogue.register_model(kind, lambda _spec: initial)

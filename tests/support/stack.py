@@ -15,7 +15,7 @@ from pathlib import Path
 
 from tally import modelio
 from tally.aggregator import AggregatorService
-from tally.client import Fleet, FleetStats
+from tally.loadtest import Fleet, FleetStats
 from tally.coordinator.service import CoordinatorService
 from tally.datasets.digits import digits
 from tally.models.mlp import mlp

@@ -1,0 +1,206 @@
+"""The aggregators a coordinator was given, and the calls it makes to them.
+
+Each is checked with the standard gRPC health protocol before it is handed cohorts; one that
+does not answer SERVING, or whose call fails at the transport level, is marked down and skipped
+until a later health check finds it serving again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import logging
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from tally import logs
+from tally.security import OwnerTokens, TLSConfig, channel_options, owner_metadata
+from tally.security.tls import file_stamps, open_aio_channel as aio_channel
+from tally.wire.v1 import aggregator_pb2, aggregator_pb2_grpc
+
+log = logging.getLogger("tally.coordinator.rounds.aggregators")
+
+HEALTH_TIMEOUT_S = 2.0
+# gRPC backs off reconnecting up to 120 s by default, and a probe on a channel in backoff fails at
+# once: an aggregator restarted after a crash would look down for minutes. A coordinator has a
+# handful of aggregators, so it retries them often (the fault campaign found this, seed 21).
+RECONNECT_OPTIONS = [("grpc.initial_reconnect_backoff_ms", 200), ("grpc.min_reconnect_backoff_ms", 200),
+                     ("grpc.max_reconnect_backoff_ms", 2000)]
+# How long calls in flight on a channel replaced by a certificate renewal may go on.
+RETIRE_GRACE_S = 600.0
+CONTROL_SERVICE = aggregator_pb2.DESCRIPTOR.services_by_name["AggregatorControl"].full_name
+
+
+class AggregatorCallFailed(Exception):
+    """A control call to ``aggregator_id`` failed or returned something unusable."""
+
+    def __init__(self, aggregator_id: str, message: str) -> None:
+        super().__init__(f"aggregator {aggregator_id}: {message}")
+        self.aggregator_id = aggregator_id
+
+
+# Status codes that say the aggregator (not the request) is the problem: it is marked down.
+_TRANSPORT_CODES = frozenset({
+    grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.UNKNOWN, grpc.StatusCode.INTERNAL,
+    grpc.StatusCode.CANCELLED,
+})
+
+
+def parse_aggregator(text: str) -> tuple[str, str]:
+    """``ID=HOST:PORT`` as given on the command line."""
+    ident, sep, address = text.partition("=")
+    if not sep or not ident or not address or ":" not in address:
+        raise ValueError(f"expected ID=HOST:PORT, got {text!r}")
+    return ident, address
+
+
+@dataclass
+class Aggregator:
+    aggregator_id: str
+    address: str
+    channel: grpc.aio.Channel
+    control: aggregator_pb2_grpc.AggregatorControlStub
+    health: health_pb2_grpc.HealthStub
+    up: bool = False
+
+
+class AggregatorPool:
+    def __init__(
+        self,
+        aggregators: Sequence[tuple[str, str]],
+        tls: TLSConfig,
+        max_message_bytes: int,
+        owner_tokens: OwnerTokens,
+        on_change: Callable[[int], None] = lambda up: None,
+    ) -> None:
+        """``owner_tokens``: the coordinator's proof of owning the sessions it opens."""
+        ids = [a for a, _ in aggregators]
+        if len(set(ids)) != len(ids):
+            raise ValueError(f"aggregator ids must be unique, got {ids}")
+        self._tls, self._options = tls, channel_options(max_message_bytes) + RECONNECT_OPTIONS
+        self._on_change = on_change
+        self._owner = owner_tokens
+        self._stamp = None if tls.insecure else file_stamps(tls)
+        self._retired: dict[grpc.aio.Channel, asyncio.Task[None]] = {}
+        self.members = {ident: self._connect(ident, address) for ident, address in aggregators}
+
+    def _connect(self, ident: str, address: str, up: bool = False) -> Aggregator:
+        channel = aio_channel(address, self._tls, self._options)
+        return Aggregator(
+            ident, address, channel,
+            aggregator_pb2_grpc.AggregatorControlStub(channel), health_pb2_grpc.HealthStub(channel), up,
+        )
+
+    def _follow_certificates(self) -> None:
+        """Reconnect with the coordinator's renewed client certificate once its files change
+        (channel credentials are read once); calls in flight finish on the old channels."""
+        if self._stamp is None:
+            return
+        try:
+            stamp = file_stamps(self._tls)
+        except OSError:
+            return  # mid-renewal: keep the channels that work
+        if stamp == self._stamp:
+            return
+        self._stamp = stamp
+        old = list(self.members.values())
+        self.members = {a.aggregator_id: self._connect(a.aggregator_id, a.address, a.up) for a in old}
+        logs.event(log, "client certificate changed: reconnecting to the aggregators",
+                   aggregators=[a.aggregator_id for a in old])
+        for agg in old:
+            task = asyncio.ensure_future(agg.channel.close(grace=RETIRE_GRACE_S))
+            self._retired[agg.channel] = task
+            task.add_done_callback(lambda _, channel=agg.channel: self._retired.pop(channel, None))
+
+    async def close(self) -> None:
+        """Close every channel now, those retired by a renewal included."""
+        retired = list(self._retired)
+        for task in self._retired.values():
+            task.cancel()
+        await asyncio.gather(*(c.close() for c in [*retired, *(a.channel for a in self.members.values())]))
+
+    def up_count(self) -> int:
+        return sum(a.up for a in self.members.values())
+
+    async def healthy(self, exclude: Sequence[str] = ()) -> list[str]:
+        """Health-check every aggregator now; the ids of those serving, in configured order.
+        Called before each attempt and periodically, it also picks up a renewed certificate."""
+        self._follow_certificates()
+        candidates = [a for a in self.members.values() if a.aggregator_id not in exclude]
+        results = await asyncio.gather(*(self._check(a) for a in candidates))
+        for agg, ok in zip(candidates, results):
+            self._set(agg, ok, "health check" if not ok else "")
+        return [a.aggregator_id for a, ok in zip(candidates, results) if ok]
+
+    async def _check(self, agg: Aggregator) -> bool:
+        # The control service's own status when the aggregator reports it, else the server's.
+        for service in (CONTROL_SERVICE, ""):
+            try:
+                reply = await agg.health.Check(
+                    health_pb2.HealthCheckRequest(service=service), timeout=HEALTH_TIMEOUT_S
+                )
+            except grpc.aio.AioRpcError as exc:
+                if exc.code() == grpc.StatusCode.NOT_FOUND and service:
+                    continue
+                return False
+            return reply.status == health_pb2.HealthCheckResponse.SERVING
+        return False
+
+    def mark_down(self, aggregator_id: str, reason: str) -> None:
+        self._set(self.members[aggregator_id], False, reason)
+
+    def _set(self, agg: Aggregator, up: bool, reason: str) -> None:
+        if agg.up != up:
+            agg.up = up
+            logs.event(
+                log, "aggregator up" if up else "aggregator down",
+                logging.INFO if up else logging.WARNING,
+                aggregator_id=agg.aggregator_id, address=agg.address, reason=reason,
+            )
+        self._on_change(self.up_count())
+
+    async def open_session(
+        self, aggregator_id: str, request: aggregator_pb2.OpenSessionRequest, timeout: float
+    ) -> aggregator_pb2.OpenSessionResponse:
+        """Opens ``request``'s session, registering the hash of its owner token with it."""
+        token = self._owner.token(aggregator_id, request.config.ref.session_id)
+        request.owner_token_sha256 = hashlib.sha256(token).digest()
+        return await self._call(aggregator_id, "OpenSession", request, timeout)
+
+    async def await_result(
+        self, aggregator_id: str, session_id: str, sum_id: str, timeout: float
+    ) -> aggregator_pb2.CohortSum:
+        request = aggregator_pb2.AwaitResultRequest(session_id=session_id, sum_id=sum_id)
+        return await self._call(aggregator_id, "AwaitResult", request, timeout, self._as_owner(aggregator_id, session_id))
+
+    async def close_session(self, aggregator_id: str, session_id: str, reason: str, timeout: float) -> None:
+        """Best effort: a session that cannot be closed ends at its own deadlines."""
+        request = aggregator_pb2.CloseSessionRequest(session_id=session_id, reason=reason)
+        try:
+            await self._call(aggregator_id, "CloseSession", request, timeout, self._as_owner(aggregator_id, session_id))
+        except AggregatorCallFailed as exc:
+            logs.event(log, "close session failed", logging.WARNING, session_id=session_id, error=str(exc))
+
+    def _as_owner(self, aggregator_id: str, session_id: str) -> tuple[tuple[str, bytes], ...]:
+        return owner_metadata(self._owner.token(aggregator_id, session_id))
+
+    async def _call(
+        self, aggregator_id: str, method: str, request, timeout: float,
+        metadata: tuple[tuple[str, bytes], ...] = (),
+    ):
+        agg = self.members.get(aggregator_id)
+        if agg is None:
+            raise AggregatorCallFailed(aggregator_id, "unknown aggregator")
+        try:
+            return await getattr(agg.control, method)(
+                request, timeout=max(timeout, 0.001), metadata=metadata
+            )
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() in _TRANSPORT_CODES:
+                self.mark_down(aggregator_id, f"{method}: {exc.code().name}")
+            raise AggregatorCallFailed(
+                aggregator_id, f"{method} failed: {exc.code().name}: {exc.details()}"
+            ) from None

@@ -1,0 +1,107 @@
+"""TLS failures named as TLS failures (issue 25, item 4): with the wrong CA, `tally client` showed
+only gRPC's raw `CERTIFICATE_VERIFY_FAILED` line and `tally fleet` blamed the address. Real
+handshakes against a real TLS server: a CA the client does not trust, a certificate that does not
+name the host dialled, an expired one; then both commands as processes against a coordinator."""
+
+from __future__ import annotations
+
+import asyncio
+import datetime as dt
+import sys
+from pathlib import Path
+
+import grpc
+import pytest
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+from tally.coordinator.service import CoordinatorService
+from tally.security import TLSConfig, certs
+from tally.security.tls import bind, open_aio_channel
+from tally.security.tls_failures import tls_failure
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _named_only(pki: Path, name: str) -> Path:
+    """A CA and a server certificate naming ``name`` only (not the loopback the test dials)."""
+    ca_key, ca_cert = certs.make_ca()
+    key, cert = certs.make_leaf(ca_key, ca_cert, name, server=True, dns=[name])
+    pki.mkdir()
+    for file, data in (("ca.pem", certs._cert_pem(ca_cert)), ("server.pem", certs._cert_pem(cert)),
+                       ("server.key", certs._key_pem(key))):
+        (pki / file).write_bytes(data)
+    return pki
+
+
+async def _handshake_error(server_tls: TLSConfig, client_tls: TLSConfig) -> str:
+    """The status details of one call from ``client_tls`` to a server with ``server_tls``."""
+    server = grpc.aio.server()
+    health_pb2_grpc.add_HealthServicer_to_server(health.aio.HealthServicer(), server)
+    port = bind(server, "127.0.0.1:0", server_tls)
+    await server.start()
+    channel = open_aio_channel(f"127.0.0.1:{port}", client_tls)
+    try:
+        await health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=5)
+        return ""
+    except grpc.aio.AioRpcError as exc:
+        assert exc.code() == grpc.StatusCode.UNAVAILABLE
+        return exc.details() or ""
+    finally:
+        await channel.close()
+        await server.stop(0)
+
+
+def test_each_handshake_failure_is_named_by_its_cause(tmp_path):
+    certs.write_deployment(tmp_path / "good")
+    certs.write_deployment(tmp_path / "other")
+    certs.write_deployment(tmp_path / "old", now=dt.datetime.now(dt.UTC) - dt.timedelta(days=10), days=2)
+    named = _named_only(tmp_path / "named", "elsewhere.example")
+    coordinator = lambda pki: TLSConfig.from_dir(pki / "coordinator", "coordinator")  # noqa: E731
+    device = lambda pki: TLSConfig.from_dir(pki / "device", None)  # noqa: E731
+    cases = {
+        "not signed by the CA this client trusts": (coordinator(tmp_path / "good"), device(tmp_path / "other")),
+        "does not name the host dialled": (TLSConfig(ca=named / "ca.pem", cert=named / "server.pem",
+                                                     key=named / "server.key"), TLSConfig(ca=named / "ca.pem")),
+        "has expired": (coordinator(tmp_path / "old"), device(tmp_path / "old")),
+        "does not speak TLS": (TLSConfig.plaintext(), device(tmp_path / "good")),
+    }
+
+    async def main():
+        assert await _handshake_error(coordinator(tmp_path / "good"), device(tmp_path / "good")) == ""
+        return {cause: await _handshake_error(*pair) for cause, pair in cases.items()}
+
+    for cause, details in asyncio.run(main()).items():
+        named_as = tls_failure(details)
+        assert named_as is not None and named_as.startswith("TLS: ") and cause in named_as, (cause, details)
+    assert tls_failure("failed to connect to all addresses; last error: UNKNOWN: Connection refused") is None
+
+
+@pytest.mark.parametrize("command", [
+    ["client", "--device-id", "d", "--shard", "0", "--shards", "2"],
+    ["fleet", "--devices", "2", "--no-progress"],
+])
+def test_client_and_fleet_with_the_wrong_ca_say_tls_not_address(tmp_path, command):
+    certs.write_deployment(tmp_path / "pki")
+    certs.write_deployment(tmp_path / "other")
+
+    async def main() -> tuple[int, str]:
+        service = CoordinatorService("127.0.0.1:0", TLSConfig.from_dir(tmp_path / "pki" / "coordinator", "coordinator"),
+                                     tmp_path / "state", [])
+        await service.start()
+        try:
+            process = await asyncio.create_subprocess_exec(
+                sys.executable, "-m", "tally.cli", *command, "--hidden", "8", "--connect-timeout", "2",
+                "--coordinator", f"127.0.0.1:{service.port}", "--tls-dir", str(tmp_path / "other" / "device"),
+                "--state-dir", str(tmp_path / "device-state"), cwd=REPO, stderr=asyncio.subprocess.PIPE,
+                stdout=asyncio.subprocess.DEVNULL)
+            _, err = await asyncio.wait_for(process.communicate(), 120)
+            return process.returncode, err.decode()
+        finally:
+            await service.stop(grace=0)
+
+    code, err = asyncio.run(main())
+    assert code == 1, err
+    last = " ".join(err[err.rindex("tally "):].split())  # the closing message, unwrapped
+    assert "TLS: the server's certificate is not signed by the CA this client trusts" in last, err
+    assert "it answers, but the TLS handshake fails" in last and "is the address right" not in last
+    assert "ssl_transport_security" not in err  # gRPC's raw handshake lines are not the message
