@@ -222,12 +222,17 @@ def test_the_project_keeps_its_layers_and_has_no_import_cycle():
     assert check(ROOT, PACKAGES, LAYERS, SIBLINGS) == []
 
 
+def lint_imports(root: Path) -> subprocess.CompletedProcess[str]:
+    """``lint-imports`` on the contracts in ``root``/pyproject.toml, ``root``'s packages first on
+    the path (the .venv's editable install may point at another checkout)."""
+    program = tools.require("lint-imports", "import-linter, in the test extra", search=Path(sys.executable).parent)
+    return subprocess.run([program, "--no-cache"], cwd=root, capture_output=True, text=True,
+                          env={**os.environ, "PYTHONPATH": str(root)}, timeout=300)
+
+
 def test_import_linter_finds_the_contracts_kept():
     """The contracts as import-linter reads them: chains through other modules count there."""
-    lint_imports = tools.require("lint-imports", "import-linter checks the contracts in pyproject.toml",
-                                 search=Path(sys.executable).parent)
-    result = subprocess.run([lint_imports, "--no-cache"], cwd=ROOT, capture_output=True, text=True,
-                            env={**os.environ, "PYTHONPATH": str(ROOT)}, timeout=300)
+    result = lint_imports(ROOT)
     assert result.returncode == 0, result.stdout + result.stderr
 
 
@@ -340,6 +345,14 @@ def test_a_service_importing_another_fails_though_both_sit_under_one_root(tmp_pa
         "toy.coordinator.rounds.x:1 imports toy.client.y (a sibling)"]
     assert house(tmp_path / "back", toy__client__y="def late():\n    from toy.coordinator import service\n") == [
         "toy.client.y:2 imports toy.coordinator.service (a sibling)"]
+
+
+def test_import_linter_reads_the_toy_contracts_as_this_module_does(tmp_path):
+    (tmp_path / "pyproject.toml").write_text(TOY_PYPROJECT)
+    assert house(tmp_path) == [] and lint_imports(tmp_path).returncode == 0
+    assert house(tmp_path, toy__coordinator__rounds__x="import toy.client.y\n") != []
+    broken = lint_imports(tmp_path)
+    assert broken.returncode == 1 and "toy.coordinator.rounds.x -> toy.client.y" in broken.stdout, broken.stdout
 
 
 def test_a_room_importing_a_higher_room_fails(tmp_path):
