@@ -44,7 +44,8 @@ class Layers:
 
 def contracts(pyproject: str) -> tuple[tuple[Layers, ...], tuple[tuple[str, ...], ...]]:
     """The layers and the groups of independent siblings that ``pyproject``'s
-    ``[tool.importlinter]`` contracts declare: a layers contract lists its layers highest first,
+    ``[tool.importlinter]`` contracts declare: a layers contract (each of ours names its
+containers) lists its layers highest first,
     "a | b" for independent siblings and "a : b" for ones that may import each other; an
     independence contract names a group of siblings."""
     layered: list[Layers] = []
