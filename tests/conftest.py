@@ -14,6 +14,19 @@ if str(TESTS) not in sys.path:
     sys.path.insert(0, str(TESTS))
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line("markers", "needs_tool(why_not): set by support.tools.needs; a test whose tool "
+                                       "is missing skips, or fails under TALLY_REQUIRE_TOOLS")
+
+
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    from support import tools
+
+    for mark in item.iter_markers("needs_tool"):
+        if mark.args[0] is not None:
+            tools.missing(mark.args[0])
+
+
 @pytest.fixture
 def one_thread() -> None:
     """Tiny models on many simulated devices: torch's intra-op threads only contend, so the
@@ -35,10 +48,11 @@ def deployment(tmp_path_factory: pytest.TempPathFactory):
 @pytest.fixture(scope="session")
 def postgres(tmp_path_factory: pytest.TempPathFactory):
     """One real PostgreSQL server per test process (support.postgres), started on first use."""
+    from support import tools
     from support.postgres import _missing, postgres_server
 
     if _missing():
-        pytest.skip(_missing())
+        tools.missing(_missing())
     with postgres_server(tmp_path_factory.mktemp("postgres")) as server:
         yield server
 

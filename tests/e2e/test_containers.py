@@ -2,7 +2,7 @@
 
 `make test-containers` runs this module after `make images`; `make test` leaves it out. A machine
 that cannot run containers skips it with the reason, except under `make test-containers`
-(TALLY_REQUIRE_CONTAINERS=1), where that is a failure.
+(TALLY_REQUIRE_CONTAINERS=1) or in CI (TALLY_REQUIRE_TOOLS=1), where that is a failure (support.tools).
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ from typing import Any
 import pytest
 import yaml
 
+from support import tools
 from support.deploy import ROOT
 from support.manifests import K8S, Cluster, LocalPod, find, image_entrypoint, load_secrets, one, render
 from support.postgres import needs_postgres, postgres_server
@@ -56,9 +57,7 @@ def images() -> dict[str, str]:
         if why is None and shutil.which(program) is None:
             why = f"{program} is not installed ({package})"
     if why is not None:
-        if os.environ.get("TALLY_REQUIRE_CONTAINERS"):
-            pytest.fail(why)
-        pytest.skip(why)
+        tools.missing(why)
     return {role: f"localhost/tally-{role}:{VERSION}" for role in ROLES}
 
 

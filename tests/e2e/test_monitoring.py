@@ -10,14 +10,13 @@ import asyncio
 import json
 import re
 import runpy
-import shutil
 import subprocess
 import time
 from pathlib import Path
 from types import SimpleNamespace
 
-import pytest
 import yaml
+from support import tools
 from support.metrics_catalogue import catalogue
 from support.prometheus import PROMTOOL, LivePrometheus, needs_prometheus, needs_promtool
 from support.stack import run, spec, stack, trainers
@@ -81,11 +80,10 @@ def test_the_kube_prometheus_stack_kustomization_is_picked_up_by_the_stacks_defa
     """kube-prometheus-stack's Prometheus selects monitors and rules labelled release=<release>,
     its Grafana sidecar loads dashboards from its own namespace: k8s/kube-prometheus-stack sets
     both, and changes nothing else."""
-    if shutil.which("kubectl") is None:
-        pytest.skip("kubectl not installed: the kustomizations were not rendered")
+    kubectl = tools.require("kubectl", "it renders the kustomizations")
 
     def render(path):
-        done = subprocess.run(["kubectl", "kustomize", str(path)], capture_output=True, text=True, timeout=60)
+        done = subprocess.run([kubectl, "kustomize", str(path)], capture_output=True, text=True, timeout=60)
         assert done.returncode == 0, done.stderr
         return {(d["kind"], d["metadata"]["name"]): d for d in yaml.safe_load_all(done.stdout) if d}
 
@@ -129,9 +127,8 @@ def test_the_operator_objects_carry_the_rules_and_select_the_services():
     dashboard_jobs = set(re.findall(r'job=~\\"([^\\]+)\\"', DASHBOARD.read_text()))
     assert dashboard_jobs and all(re.fullmatch(p, job) for p in dashboard_jobs
                                   for job in [*jobs, "tally-coordinator", "tally-aggregator"]), (jobs, dashboard_jobs)
-    if shutil.which("kubectl") is None:
-        pytest.skip("kubectl not installed: the monitoring kustomization was not rendered")
-    rendered = subprocess.run(["kubectl", "kustomize", str(MONITORING)], capture_output=True, text=True, timeout=60)
+    kubectl = tools.require("kubectl", "it renders the monitoring kustomization")
+    rendered = subprocess.run([kubectl, "kustomize", str(MONITORING)], capture_output=True, text=True, timeout=60)
     assert rendered.returncode == 0, rendered.stderr
     objects = list(yaml.safe_load_all(rendered.stdout))
     assert sorted(d["kind"] for d in objects) == ["ConfigMap", "PodMonitor", "PrometheusRule", "ServiceMonitor"]

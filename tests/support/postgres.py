@@ -15,8 +15,7 @@ import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
-import pytest
-
+from support import tools
 from support.deploy import free_port
 
 
@@ -48,7 +47,7 @@ def _missing() -> str | None:
     return None
 
 
-needs_postgres = pytest.mark.skipif(_missing() is not None, reason=_missing() or "")
+needs_postgres = tools.needs(_missing())
 
 
 class PostgresServer:

@@ -13,16 +13,15 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import pytest
 import yaml
 
+from support import tools
 from support.deploy import free_port
 
 PROMTOOL, PROMETHEUS = shutil.which("promtool"), shutil.which("prometheus")
-needs_promtool = pytest.mark.skipif(
-    PROMTOOL is None, reason="promtool not installed (Debian package prometheus; `make test` installs it)")
-needs_prometheus = pytest.mark.skipif(
-    PROMETHEUS is None, reason="prometheus not installed (Debian package prometheus; `make test` installs it)")
+_PACKAGE = "(Debian package prometheus; `make test` installs it)"
+needs_promtool = tools.needs(None if PROMTOOL else f"promtool is not installed {_PACKAGE}")
+needs_prometheus = tools.needs(None if PROMETHEUS else f"prometheus is not installed {_PACKAGE}")
 
 
 class LivePrometheus:

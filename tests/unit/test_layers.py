@@ -1,56 +1,72 @@
-"""Import direction across tally/ (issue 27): the layers of
-``tally/__init__.py``'s module map, checked by parsing every module's imports with ``ast``.
+"""Import direction across tally/ (issues 27 and 43): the contracts of ``[tool.importlinter]`` in
+``pyproject.toml``, checked twice.
 
-A module may import its own layer or a lower one, never a higher one, and no chain of imports may
-lead from a module back to itself. Every import counts, wherever it is written: a function-level
-import that keeps ``tally --help`` fast is still a dependency, and so is one under
-``if TYPE_CHECKING:`` (a type the module cannot name without the other is coupling all the same),
-and so is ``importlib.import_module("a.literal.name")``. Only an import's implied parent packages
-are left out (``import a.b.c`` runs ``a/__init__`` and ``a/b/__init__``, which may import ``a.b.c``:
-Python orders that, it is no cycle).
-
-``tests/unit/test_layers.py`` is the only place the layers are written down for a machine; the module
-map and docs/DESIGN.md say the same in words.
+``lint-imports`` (import-linter) checks them as written, indirect chains included; the test below
+runs it. This module reads the same contracts and checks, by parsing every module with ``ast``, what
+import-linter does not see: ``importlib.import_module("a.literal.name")`` (a dependency all the
+same), a module that sits in no layer (so a new package is given a place on purpose), and any
+chain of imports that leads from a module back to itself. Every import counts, wherever it is
+written: a function-level import that keeps ``tally --help`` fast is still a dependency, and so is
+one under ``if TYPE_CHECKING:`` (a type the module cannot name without the other is coupling all the
+same). Only an import's implied parent packages are left out (``import a.b.c`` runs ``a/__init__``
+and ``a/b/__init__``, which may import ``a.b.c``: Python orders that, it is no cycle).
 """
 
 from __future__ import annotations
 
 import ast
+import os
+import subprocess
+import sys
+import tomllib
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from support import tools
+
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGES = ("tally",)
 
-# Lowest first. A module belongs to the layer of the longest prefix that names it (a package name
-# covers its submodules); a module no prefix names fails the test, so a new top-level module is
-# given a place on purpose.
-LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
-    # what every part shares: no imports of the project beyond this layer
-    ("plumbing", ("tally", "tally.version", "tally.logs", "tally.metrics", "tally.modelio")),
-    # the protocol, free of torch: secure sum, fixed-point codec, TLS and enrolment, the wire
-    ("protocol", ("tally.codec", "tally.secagg", "tally.security", "tally.wire")),
-    # the halves of each algorithm: framework-free, sums only; with the options of a device's local
-    # adaptation, which parse as algorithms' options do
-    ("algorithms", ("tally.algorithms", "tally.algorithms.adaptation_options")),
-    # differential privacy: wraps any algorithm's halves (clipping, noise, accounting)
-    ("privacy", ("tally.privacy",)),
-    # torch: the models, their trainers, and the datasets that hand devices trainers
-    ("models", ("tally.models",)),
-    ("training", ("tally.training",)),
-    ("datasets", ("tally.datasets",)),
-    # the three services
-    ("services", ("tally.coordinator", "tally.aggregator", "tally.client")),
-    # what runs the services or the algorithms for a person: the simulator and its reports,
-    # operations, the fault campaign, research reproductions
-    ("tools", ("tally.sim", "tally.loadtest", "tally.ops", "tally.chaos")),
-    # the commands
-    ("cli", ("tally.cli",)),
-)
-# Within the services layer each service stands alone: none imports another (each has its own image
-# and extra, and talks to the others over gRPC only).
-SIBLINGS = ("tally.coordinator", "tally.aggregator", "tally.client")
+Layer = tuple[str, tuple[str, ...]]  # its name as the contract writes it, and its modules
+
+
+@dataclass(frozen=True)
+class Layers:
+    """One layers contract for one container: every module under ``container`` belongs to the layer
+    of the longest of ``layers``' names that is it or a package above it, and a module that none
+    names fails. The container's own ``__init__`` belongs to the lowest layer: a package's
+    ``__init__`` that imported what it contains would import upwards."""
+
+    container: str
+    layers: tuple[Layer, ...]  # lowest first
+
+
+def contracts(pyproject: str) -> tuple[tuple[Layers, ...], tuple[tuple[str, ...], ...]]:
+    """The layers and the groups of independent siblings that ``pyproject``'s
+    ``[tool.importlinter]`` contracts declare: a layers contract (each of ours names its
+containers) lists its layers highest first,
+    "a | b" for independent siblings and "a : b" for ones that may import each other; an
+    independence contract names a group of siblings."""
+    layered: list[Layers] = []
+    siblings: list[tuple[str, ...]] = []
+    for contract in tomllib.loads(pyproject)["tool"]["importlinter"]["contracts"]:
+        if contract["type"] == "independence":
+            siblings.append(tuple(contract["modules"]))
+        elif contract["type"] == "layers":
+            for container in contract["containers"]:
+                layers = []
+                for written in reversed(contract["layers"]):
+                    names = tuple(f"{container}.{tail.strip()}"
+                                  for tail in written.replace("|", ":").split(":"))
+                    layers.append((written, names))
+                    if "|" in written:
+                        siblings.append(names)
+                layered.append(Layers(container, tuple(layers)))
+    return tuple(layered), tuple(dict.fromkeys(siblings))
+
+
+LAYERS, SIBLINGS = contracts((ROOT / "pyproject.toml").read_text())
 
 
 @dataclass(frozen=True)
@@ -107,29 +123,34 @@ def imports(root: Path, packages: Sequence[str]) -> list[Import]:
     return sorted(found, key=lambda i: (i.source, i.line, i.target))
 
 
-def layer_of(module: str, layers: Sequence[tuple[str, Sequence[str]]]) -> int | None:
-    """Index of the layer whose longest prefix names ``module``; None when none does."""
+def layer_of(module: str, layers: Layers) -> int | None:
+    """Index of the layer whose longest name is ``module`` or a package above it; None when
+    ``module`` is outside ``layers``' container or no layer names it."""
+    if module == layers.container:
+        return 0
     best, best_length = None, -1
-    for index, (_, prefixes) in enumerate(layers):
-        for prefix in prefixes:
-            if (module == prefix or module.startswith(prefix + ".")) and len(prefix) > best_length:
-                best, best_length = index, len(prefix)
+    for index, (_, names) in enumerate(layers.layers):
+        for name in names:
+            if (module == name or module.startswith(name + ".")) and len(name) > best_length:
+                best, best_length = index, len(name)
     return best
 
 
-def wrong_way(found: Iterable[Import], layers: Sequence[tuple[str, Sequence[str]]]) -> list[str]:
+def wrong_way(found: Iterable[Import], layers: Layers) -> list[str]:
     """Each import of a higher layer, as ``source:line imports target (layer < layer)``."""
     problems = []
     for imp in found:
         low, high = layer_of(imp.source, layers), layer_of(imp.target, layers)
         if low is not None and high is not None and high > low:
             problems.append(f"{imp.source}:{imp.line} imports {imp.target} "
-                            f"({layers[low][0]} must not import {layers[high][0]})")
+                            f"({layers.layers[low][0]} must not import {layers.layers[high][0]})")
     return problems
 
 
-def unplaced(names: Iterable[str], layers: Sequence[tuple[str, Sequence[str]]]) -> list[str]:
-    return sorted(name for name in names if layer_of(name, layers) is None)
+def unplaced(names: Iterable[str], layers: Layers) -> list[str]:
+    """The modules under ``layers``' container that no layer names."""
+    return sorted(name for name in names if name.startswith(layers.container + ".")
+                  and layer_of(name, layers) is None)
 
 
 def cycles(found: Iterable[Import]) -> list[list[str]]:
@@ -171,19 +192,30 @@ def cycles(found: Iterable[Import]) -> list[list[str]]:
     return sorted(components)
 
 
+def sibling_of(module: str, siblings: Sequence[str]) -> str | None:
+    """The longest of ``siblings`` that is ``module`` or a package above it."""
+    holding = [sibling for sibling in siblings if module == sibling or module.startswith(sibling + ".")]
+    return max(holding, key=len, default=None)
+
+
 def across(found: Iterable[Import], siblings: Sequence[str]) -> list[str]:
-    """Each import from one of ``siblings`` (top-level packages) into another."""
-    return [f"{imp.source}:{imp.line} imports {imp.target} (a sibling)" for imp in found
-            if imp.source.split(".")[0] in siblings and imp.target.split(".")[0] in siblings
-            and imp.source.split(".")[0] != imp.target.split(".")[0]]
+    """Each import from one of ``siblings`` (packages, dotted or not) into another."""
+    problems = []
+    for imp in found:
+        source, target = sibling_of(imp.source, siblings), sibling_of(imp.target, siblings)
+        if source is not None and target is not None and source != target:
+            problems.append(f"{imp.source}:{imp.line} imports {imp.target} (a sibling)")
+    return problems
 
 
-def check(root: Path, packages: Sequence[str], layers: Sequence[tuple[str, Sequence[str]]],
-          siblings: Sequence[str] = ()) -> list[str]:
-    """Everything wrong with ``root``'s imports, one line each; empty when the layering holds."""
+def check(root: Path, packages: Sequence[str], layered: Sequence[Layers],
+          siblings: Sequence[Sequence[str]] = ()) -> list[str]:
+    """Everything wrong with ``root``'s imports, one line each; empty when the rules hold."""
     found = imports(root, packages)
-    return ([f"{name} is in no layer" for name in unplaced(modules(root, packages), layers)]
-            + wrong_way(found, layers) + across(found, siblings)
+    names = modules(root, packages)
+    return ([f"{name} is in no layer" for layers in layered for name in unplaced(names, layers)]
+            + [problem for layers in layered for problem in wrong_way(found, layers)]
+            + [problem for group in siblings for problem in across(found, group)]
             + [f"import cycle: {' -> '.join(cycle)}" for cycle in cycles(found)])
 
 
@@ -191,9 +223,23 @@ def test_the_project_keeps_its_layers_and_has_no_import_cycle():
     assert check(ROOT, PACKAGES, LAYERS, SIBLINGS) == []
 
 
+def lint_imports(root: Path) -> subprocess.CompletedProcess[str]:
+    """``lint-imports`` on the contracts in ``root``/pyproject.toml, ``root``'s packages first on
+    the path (the .venv's editable install may point at another checkout)."""
+    program = tools.require("lint-imports", "import-linter, in the test extra", search=Path(sys.executable).parent)
+    return subprocess.run([program, "--no-cache"], cwd=root, capture_output=True, text=True,
+                          env={**os.environ, "PYTHONPATH": str(root)}, timeout=300)
+
+
+def test_import_linter_finds_the_contracts_kept():
+    """The contracts as import-linter reads them: chains through other modules count there."""
+    result = lint_imports(ROOT)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
 # The checker itself, on a tiny package written for each case.
 
-TOY_LAYERS = (("base", ("toy.base",)), ("mid", ("toy.mid",)), ("top", ("toy", "toy.top")))
+TOY_LAYERS = (Layers("toy", (("base", ("toy.base",)), ("mid", ("toy.mid",)), ("top", ("toy.top",)))),)
 
 
 def write(root: Path, files: Mapping[str, str]) -> Path:
@@ -235,17 +281,87 @@ def test_a_cycle_within_one_layer_fails(tmp_path):
     assert problems == ["import cycle: toy.mid.other -> toy.mid.work"]
 
 
-def test_a_sibling_import_fails(tmp_path):
-    files = {"toy/__init__.py": "", "toy/base/__init__.py": "", "toy/base/a.py": "from toy.base.b import X\n",
-             "toy/base/b.py": "X = 1\n"}
-    assert check(write(tmp_path, files), ("toy",), TOY_LAYERS, siblings=()) == []
-    assert check(tmp_path, ("toy",), (("all", ("toy",)),), siblings=()) == []
-    assert check(tmp_path, ("toy",), (("all", ("toy",)),), siblings=("toy",)) == []  # one package: no sibling
-    write(tmp_path, {"kit/__init__.py": "import toy.base.b\n"})
-    assert check(tmp_path, ("toy", "kit"), (("all", ("toy", "kit")),), siblings=("toy", "kit")) == [
-        "kit:1 imports toy.base.b (a sibling)"]
+def test_a_module_in_no_layer_fails_and_the_container_sits_lowest(tmp_path):
+    assert toy(tmp_path, toy__stray="") == ["toy.stray is in no layer"]
+    toy(tmp_path)
+    write(tmp_path, {"toy/__init__.py": "from toy.top import leaf\n", "toy/stray.py": ""})
+    assert check(tmp_path, ("toy",), TOY_LAYERS) == ["toy.stray is in no layer",
+                                                     "toy:1 imports toy.top.leaf (base must not import top)"]
 
 
-def test_a_module_in_no_layer_fails(tmp_path):
-    assert check(write(tmp_path, {"toy/__init__.py": "", "toy/stray.py": ""}), ("toy",),
-                 (("base", ("toy.base",)),)) == ["toy is in no layer", "toy.stray is in no layer"]
+# The contracts as pyproject.toml writes them, on a toy house shaped like tally's: services that
+# are dotted packages under one root, and rooms inside one of them.
+TOY_PYPROJECT = """
+[tool.importlinter]
+root_package = "toy"
+
+[[tool.importlinter.contracts]]
+name = "layers"
+type = "layers"
+containers = ["toy"]
+layers = ["cli : tools", "coordinator | client", "base"]
+
+[[tool.importlinter.contracts]]
+name = "services"
+type = "independence"
+modules = ["toy.coordinator", "toy.client"]
+
+[[tool.importlinter.contracts]]
+name = "rooms"
+type = "layers"
+containers = ["toy.coordinator"]
+layers = ["service", "rounds"]
+"""
+TOY_HOUSE = {"toy/__init__.py": "", "toy/base.py": "", "toy/tools.py": "import toy.coordinator.service\n",
+             "toy/cli.py": "from toy import tools\n", "toy/client/__init__.py": "", "toy/client/y.py": "",
+             "toy/coordinator/__init__.py": "", "toy/coordinator/rounds/__init__.py": "",
+             "toy/coordinator/rounds/x.py": "from toy import base\n",
+             "toy/coordinator/service.py": "from toy.coordinator.rounds import x\n"}
+
+
+def house(tmp_path: Path, **extra: str) -> list[str]:
+    files = {**TOY_HOUSE, **{name.replace("__", "/") + ".py": text for name, text in extra.items()}}
+    return check(write(tmp_path, files), ("toy",), *contracts(TOY_PYPROJECT))
+
+
+def test_the_contracts_read_lowest_first_with_their_siblings():
+    layered, siblings = contracts(TOY_PYPROJECT)
+    assert layered == (
+        Layers("toy", (("base", ("toy.base",)), ("coordinator | client", ("toy.coordinator", "toy.client")),
+                       ("cli : tools", ("toy.cli", "toy.tools")))),
+        Layers("toy.coordinator", (("rounds", ("toy.coordinator.rounds",)),
+                                   ("service", ("toy.coordinator.service",)))))
+    assert siblings == (("toy.coordinator", "toy.client"),)  # "a : b" are no independent siblings
+    assert contracts(TOY_PYPROJECT.replace('"cli : tools"', '"cli | tools"'))[1] == (
+        ("toy.coordinator", "toy.client"), ("toy.cli", "toy.tools"))
+
+
+def test_the_toy_house_keeps_its_contracts(tmp_path):
+    assert house(tmp_path) == []
+
+
+def test_a_service_importing_another_fails_though_both_sit_under_one_root(tmp_path):
+    # the sibling rule once compared the importer's first name ("toy") with "toy.client": no finding
+    assert house(tmp_path, toy__coordinator__rounds__x="import toy.client.y\n") == [
+        "toy.coordinator.rounds.x:1 imports toy.client.y (a sibling)"]
+    assert house(tmp_path / "back", toy__client__y="def late():\n    from toy.coordinator import service\n") == [
+        "toy.client.y:2 imports toy.coordinator.service (a sibling)"]
+
+
+def test_import_linter_reads_the_toy_contracts_as_this_module_does(tmp_path):
+    (tmp_path / "pyproject.toml").write_text(TOY_PYPROJECT)
+    assert house(tmp_path) == [] and lint_imports(tmp_path).returncode == 0
+    assert house(tmp_path, toy__coordinator__rounds__x="import toy.client.y\n") != []
+    broken = lint_imports(tmp_path)
+    assert broken.returncode == 1 and "toy.coordinator.rounds.x -> toy.client.y" in broken.stdout, broken.stdout
+
+
+def test_a_room_importing_a_higher_room_fails(tmp_path):
+    assert house(tmp_path, toy__coordinator__rounds__x="import importlib\n"
+                 "importlib.import_module('toy.coordinator.service')\n") == [
+        "toy.coordinator.rounds.x:2 imports toy.coordinator.service (rounds must not import service)",
+        "import cycle: toy.coordinator.rounds.x -> toy.coordinator.service"]
+
+
+def test_a_module_in_no_room_fails(tmp_path):
+    assert house(tmp_path, toy__coordinator__stray="") == ["toy.coordinator.stray is in no layer"]
