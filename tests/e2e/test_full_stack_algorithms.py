@@ -10,6 +10,7 @@ from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
+import pytest
 from support.devices import quadratic_fleet
 from support.enrolment import provisioned_request
 from support.jobs import job_text, max_error, run_job
@@ -57,45 +58,30 @@ def test_feddar_sa_through_the_services_equals_the_in_process_result(tmp_path):
     assert error < 1e-4 < moved
 
 
-def test_aaggff_d_through_the_services_equals_the_in_process_result(tmp_path):
-    """AAggFF-D: three sums a round (losses and count, responses, p_i·Δ and p_i); each device
-    keeps its own accumulator across rounds, in the SDK as in process."""
+@pytest.mark.parametrize("algorithm, solver, kind", [
+    # AAggFF-D: three sums a round (losses and count, responses, p_i·Δ and p_i); each device
+    # keeps its own accumulator across rounds, in the SDK as in process.
+    ("aaggff_d", {}, "aaggff-quadratic"),
+    # AAggFF-S with the separable solver: sums only (no reveal), every silo every round; the
+    # response sum carries Σ p_i r_i and Σ p_i, so the server's <p, r> is a ratio of two sums.
+    ("aaggff_s", {"solver": "separable"}, "aaggff-s-quadratic"),
+], ids=["aaggff_d", "aaggff_s-separable"])
+def test_aaggff_through_the_services_equals_the_in_process_result(tmp_path, algorithm, solver, kind):
     rounds, n = 3, 8
-    options = {"num_clients": n, "local_epochs": 1, "local_lr": 0.3}
+    options = {"num_clients": n, **solver, "local_epochs": 1, "local_lr": 0.3}
     initial = {"w": np.zeros(3)}
-    state = through_the_services(tmp_path, "aaggff_d", options, "aaggff-quadratic", initial,
-                                 quadratic_fleet(n, seed=0), rounds)
-    server, client = algorithms.make("aaggff_d", options)
+    state = through_the_services(tmp_path, algorithm, options, kind, initial, quadratic_fleet(n, seed=0), rounds)
+    server, client = algorithms.make(algorithm, options)
     reference, _ = run_rounds(server, client, quadratic_fleet(n, seed=0), initial, rounds, n, plain_sum)
     assert state.round == reference.round == rounds
     error = max_error(state.params, reference.params)
     moved = max_error(reference.params, initial)
     fields = {f: abs(getattr(state, f) - getattr(reference, f)) for f in ("offset", "mean_loss", "mean_response")}
-    print(f"aaggff_d: max |services - in process| params {error:.3g} (moved {moved:.3g}), state {fields}")
+    print(f"{algorithm} {solver}: max |services - in process| params {error:.3g} (moved {moved:.3g}), state {fields}")
     # Quantisation: frac_bits 18, so every summed field is off by < n·2^-18 ≈ 3e-5 (loss clip
     # 100 and weight clip 8 leave these values unclipped); the server divides the weighted
-    # update by Σ p_i ≈ 1, and three rounds of a contractive toy keep the drift below 1e-3.
-    assert error < 1e-3 < moved
-    for name, diff in fields.items():
-        assert diff < 1e-3, name
-
-
-def test_aaggff_s_separable_through_the_services_equals_the_in_process_result(tmp_path):
-    """AAggFF-S with the separable solver: sums only (no reveal), every silo every round; the
-    response sum carries Σ p_i r_i and Σ p_i, so the server's <p, r> is a ratio of two sums."""
-    rounds, n = 3, 8
-    options = {"num_clients": n, "solver": "separable", "local_epochs": 1, "local_lr": 0.3}
-    initial = {"w": np.zeros(3)}
-    state = through_the_services(tmp_path, "aaggff_s", options, "aaggff-s-quadratic", initial,
-                                 quadratic_fleet(n, seed=0), rounds)
-    server, client = algorithms.make("aaggff_s", options)
-    reference, _ = run_rounds(server, client, quadratic_fleet(n, seed=0), initial, rounds, n, plain_sum)
-    assert state.round == reference.round == rounds
-    error = max_error(state.params, reference.params)
-    moved = max_error(reference.params, initial)
-    fields = {f: abs(getattr(state, f) - getattr(reference, f)) for f in ("offset", "mean_loss", "mean_response")}
-    print(f"aaggff_s separable: max |services - in process| params {error:.3g} (moved {moved:.3g}), state {fields}")
-    # As for AAggFF-D: frac_bits 18, n·2^-18 ≈ 3e-5 per summed field; <p, r> divides by Σ p_i ≈ 1.
+    # update by Σ p_i ≈ 1 (AAggFF-S's <p, r> too), and three rounds of a contractive toy keep
+    # the drift below 1e-3.
     assert error < 1e-3 < moved
     for name, diff in fields.items():
         assert diff < 1e-3, name
