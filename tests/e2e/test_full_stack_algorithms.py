@@ -26,9 +26,9 @@ def through_the_services(tmp_path, algorithm: str, options: Mapping[str, Any], k
     return run_job(tmp_path, algorithm, options, kind, initial, devices, rounds)[0]
 
 
-def test_feddar_sa_through_the_services_equals_the_in_process_result(tmp_path):
-    """FedDAR-SA: two sums a round (Σ L·H and Σ L·H·w for the heads, then the encoder update),
-    the encoder step's broadcast served by GetStep after the heads are applied."""
+def feddar_through_the_services(tmp_path, algorithm: str, kind: str):
+    """Two rounds of ``algorithm`` on eight domain-linear devices, on the real stack and in
+    process: (the initial parameters, the services' final state, the in-process one)."""
     from tally.datasets.domain_linear import domain_linear, federation
     from tally.training import single_threaded
 
@@ -39,17 +39,23 @@ def test_feddar_sa_through_the_services_equals_the_in_process_result(tmp_path):
     options = {"head_solver": "newton", "head_start": "zero", "encoder_epochs": 5, "encoder_lr": 0.5,
                "batch_size": 1000}
     fed = federation(data, heads=domains, seed=0)
-    state = through_the_services(tmp_path, "feddar_sa", options, "domain-linear-test", fed.initial,
-                                 fed.devices, rounds)
-    server, client = algorithms.make("feddar_sa", options)
+    state = through_the_services(tmp_path, algorithm, options, kind, fed.initial, fed.devices, rounds)
+    server, client = algorithms.make(algorithm, options)
     reference_fed = federation(data, heads=domains, seed=0)
     reference, _ = run_rounds(server, client, reference_fed.devices, reference_fed.initial, rounds, clients,
                               plain_sum)
     assert state.round == reference.round == rounds
     np.testing.assert_array_equal(state.domain_counts, reference.domain_counts)  # counts are exact
+    return fed.initial, state, reference
+
+
+def test_feddar_sa_through_the_services_equals_the_in_process_result(tmp_path):
+    """FedDAR-SA: two sums a round (Σ L·H and Σ L·H·w for the heads, then the encoder update),
+    the encoder step's broadcast served by GetStep after the heads are applied."""
+    initial, state, reference = feddar_through_the_services(tmp_path, "feddar_sa", "domain-linear-test")
     assert state.wa_fallbacks == reference.wa_fallbacks
     error = max_error(state.params, reference.params)
-    moved = max_error(reference.params, fed.initial)
+    moved = max_error(reference.params, initial)
     print(f"feddar_sa: max |services - in process| = {error:.3g}, moved {moved:.3g}")
     # Quantisation: frac_bits 24, so each summed field (Σ L·H, Σ L·H·w, Σ c·Δθ, Σ c) is off by
     # < n·2^-24 ≈ 5e-7. The model is float64 end to end; what grows the error is the SA solve
@@ -89,26 +95,10 @@ def test_aaggff_through_the_services_equals_the_in_process_result(tmp_path, algo
 
 def test_feddar_wa_through_the_services_equals_the_in_process_result(tmp_path):
     """FedDAR-WA: the heads by the count-weighted average (Σ L·h and Σ L), then the encoder update."""
-    from tally.datasets.domain_linear import domain_linear, federation
-    from tally.training import single_threaded
-
-    single_threaded()
-    rounds, clients, domains = 2, 8, 3
-    data = domain_linear(clients=clients, domains=domains, alpha=2.0, samples=6, seed=0)
-    options = {"head_solver": "newton", "head_start": "zero", "encoder_epochs": 5, "encoder_lr": 0.5,
-               "batch_size": 1000}
-    fed = federation(data, heads=domains, seed=0)
-    state = through_the_services(tmp_path, "feddar_wa", options, "domain-linear-wa-test", fed.initial,
-                                 fed.devices, rounds)
-    server, client = algorithms.make("feddar_wa", options)
-    reference_fed = federation(data, heads=domains, seed=0)
-    reference, _ = run_rounds(server, client, reference_fed.devices, reference_fed.initial, rounds, clients,
-                              plain_sum)
-    assert state.round == reference.round == rounds
-    np.testing.assert_array_equal(state.domain_counts, reference.domain_counts)  # counts are exact
+    initial, state, reference = feddar_through_the_services(tmp_path, "feddar_wa", "domain-linear-wa-test")
     assert state.wa_fallbacks == reference.wa_fallbacks == 0
     errors = {k: max_error({k: state.params[k]}, {k: reference.params[k]}) for k in reference.params}
-    moved = {k: max_error({k: reference.params[k]}, {k: fed.initial[k]}) for k in reference.params}
+    moved = {k: max_error({k: reference.params[k]}, {k: initial[k]}) for k in reference.params}
     print(f"feddar_wa: max |services - in process| {errors}, moved {moved}")
     # frac_bits 24: each summed field is off by < n·2^-24 ≈ 5e-7, and after round 1 the model is
     # within 1e-5 of the in-process one. Round 2 amplifies: WA's heads leave the encoder a large
