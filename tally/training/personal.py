@@ -98,7 +98,10 @@ class MixingTrainer(TorchTrainer):
         as_tensor = lambda p, grad: {  # noqa: E731
             k: torch.tensor(np.asarray(p[k]), dtype=torch.float32, device=self.device, requires_grad=grad)
             for k in shapes}
-        paired = set(shapes if twins is None else twins)
+        # Ordered as the model's parameters, not as a set of names would be: the cosine sums over
+        # them in this order, and a set's order moves with PYTHONHASHSEED (one seed gave results
+        # that differed in the last bit from run to run). A dict's keys keep the order and look-ups.
+        paired = dict.fromkeys(k for k in shapes if twins is None or k in twins)
         fed, own, anchor = as_tensor(federated, True), as_tensor(local, False), as_tensor(federated, False)
         if mixing != "none":
             for k in paired:
