@@ -3,8 +3,8 @@
 Parameters cross the algorithm boundary as numpy arrays keyed by state-dict name
 (``tally.models.params``), so algorithms stay framework-free and the wire carries plain tensors.
 The trainers of algorithms whose devices do more than plain SGD are beside this one: ``domain``
-(FedDAR), ``energy`` (FedEvg), ``fair`` (LG-FedAvg+Adv) and ``personal`` (SuPerFed); all of them
-shuffle and batch through ``sgd``.
+(FedDAR), ``energy`` (FedEvg), ``fair`` (LG-FedAvg+Adv) and ``personal`` (SuPerFed); all but
+``energy`` (batches drawn with replacement) shuffle and batch through ``sgd``.
 """
 
 from __future__ import annotations
