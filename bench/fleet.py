@@ -16,6 +16,7 @@ import asyncio
 import contextlib
 import functools
 import json
+import signal
 import sqlite3
 import statistics
 import sys
@@ -30,7 +31,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from tally.ops.cluster import LocalCluster
 from tally.loadtest.sum_audit import SumAudit, check_committed, outcome_counts
 from tally.loadtest.timeline import FleetTimeline
-from tally.ops.processes import Terminated, stopping_on_sigterm
+from tally.shutdown import Signalled, cancelled_by_signals
 
 SPEC = """\
 name: bench-fleet
@@ -254,11 +255,11 @@ def main() -> None:
     try:
         if args.keep:
             args.keep.mkdir(parents=True, exist_ok=True)
-            result = asyncio.run(stopping_on_sigterm(_run(args, args.keep)))
+            result = asyncio.run(cancelled_by_signals(_run(args, args.keep), (signal.SIGTERM,)))
         else:
             with tempfile.TemporaryDirectory(prefix="tally-bench-fleet-") as tmp:
-                result = asyncio.run(stopping_on_sigterm(_run(args, Path(tmp))))
-    except Terminated:
+                result = asyncio.run(cancelled_by_signals(_run(args, Path(tmp)), (signal.SIGTERM,)))
+    except Signalled:
         raise SystemExit("bench/fleet.py: terminated; its processes are stopped") from None
     print(json.dumps(result, indent=2))
     if args.json:

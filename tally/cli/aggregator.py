@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import signal
 import sys
 from pathlib import Path
 
@@ -18,6 +17,7 @@ from tally.security import TLSConfig, load_ticket_public_key
 from tally.security.certs import COORDINATOR_CN
 from tally.security.tls import DEFAULT_MAX_MESSAGE_BYTES, add_tls_arguments, check_listen, tls_config_from_args
 from tally.security.tokens import TICKET_PUB_FILE
+from tally.shutdown import stop_on_signals
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -117,10 +117,7 @@ async def _serve(
     except (OSError, RuntimeError, ValueError) as exc:
         print(f"tally aggregator: {exc}", file=sys.stderr)
         return 1
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
+    stop = stop_on_signals()
     control = "" if args.control_listen is None else f", control API on port {service.control_port}"
     print(f"aggregator {service.id} serving on {service.address} (port {service.port}{control}); "
           f"metrics on http://{args.metrics_addr}:{service.metrics_port}/metrics", flush=True)

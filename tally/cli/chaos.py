@@ -7,6 +7,7 @@ import argparse
 import asyncio
 import json
 import os
+import signal
 import sys
 import tempfile
 from pathlib import Path
@@ -68,7 +69,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     from tally.chaos.campaign import FAULTS, FRONT_FAULTS, REPLICA_FAULTS, Campaign, CampaignConfig
     from tally.coordinator.state.database import is_postgres_url
-    from tally.ops.processes import Terminated, stopping_on_sigterm
+    from tally.shutdown import Signalled, cancelled_by_signals
 
     default = (FAULTS + (FRONT_FAULTS if args.device_processes > 1 else ())
                + (REPLICA_FAULTS if args.replicas > 1 else ()))
@@ -99,9 +100,9 @@ def run(args: argparse.Namespace) -> int:
                                 f"{record.outcome} ({record.seconds:.1f} s)")
 
             try:
-                result = asyncio.run(stopping_on_sigterm(
-                    Campaign(config, workdir, on_round, database_url=args.database or None).run()))
-            except Terminated:
+                result = asyncio.run(cancelled_by_signals(
+                    Campaign(config, workdir, on_round, database_url=args.database or None).run(), (signal.SIGTERM,)))
+            except Signalled:
                 print("tally chaos: terminated; its processes are stopped", file=sys.stderr)
                 return 143
     report = result.to_dict()

@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import signal
 import sys
 from collections.abc import Awaitable, Callable
 from dataclasses import asdict
@@ -33,6 +32,7 @@ from tally.metrics import MetricsServer
 from tally.secagg import DevicePolicy, ThreatModel
 from tally.security import bearer_metadata, load_ticket_public_key
 from tally.security.enrolment import read_enrolment_key
+from tally.shutdown import stop_on_signals
 from tally.security.tls import open_aio_channel, tls_config_from_args
 from tally.wire.v1 import admin_pb2_grpc
 
@@ -297,10 +297,6 @@ def _run_until_signal(main: Callable[[asyncio.Event], Awaitable[T]]) -> T:
     """Run ``main(stop)``; SIGINT/SIGTERM set ``stop`` so devices leave cleanly."""
 
     async def runner() -> T:
-        stop = asyncio.Event()
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.add_signal_handler(sig, stop.set)
-        return await main(stop)
+        return await main(stop_on_signals())
 
     return asyncio.run(runner())

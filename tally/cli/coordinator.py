@@ -7,7 +7,6 @@ import asyncio
 import logging
 import os
 import shutil
-import signal
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -26,6 +25,7 @@ from tally.coordinator.faces.ratelimit import (
     RateLimit,
 )
 from tally.security.tls import add_tls_arguments, tls_config_from_args
+from tally.shutdown import stop_on_signals
 
 if TYPE_CHECKING:  # the service and job specs import torch: `--help` must not wait for it
     from tally.coordinator.spec.jobspec import JobSpec
@@ -291,7 +291,7 @@ def _say_serving(replica: Replica) -> None:
 async def _serve_replica(replica: Replica) -> int:
     import psycopg
 
-    stopping = _stop_on_signals()
+    stopping = stop_on_signals()
     try:
         return await replica.run(stopping)
     except psycopg.Error as exc:  # unreachable, refused, or lost: its supervisor starts it again
@@ -302,16 +302,8 @@ async def _serve_replica(replica: Replica) -> int:
         return 1
 
 
-def _stop_on_signals() -> asyncio.Event:
-    stopping = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stopping.set)
-    return stopping
-
-
 async def _serve(service: CoordinatorService, specs: list[tuple[Path, JobSpec]]) -> int:
-    stopping = _stop_on_signals()
+    stopping = stop_on_signals()
     fresh = not service.state_dir.exists()
     try:
         port = await service.start()

@@ -14,12 +14,9 @@ import argparse
 import asyncio
 import json
 import shutil
-import signal
 import sys
 import time
-from collections.abc import Coroutine
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import yaml
@@ -33,6 +30,7 @@ from tally.security import TLSConfig, bearer_metadata
 from tally.security.certs import write_deployment
 from tally.security.enrolment import ENROLMENT_KEY_FILE, SharedKeyEnrolment, read_enrolment_key
 from tally.security.tls import open_channel
+from tally.shutdown import Signalled, cancelled_by_signals
 from tally.wire.v1 import admin_pb2, admin_pb2_grpc, common_pb2
 
 DEVICES_DIR = "devices"  # under --out: each simulated device's state (its input ledger)
@@ -105,38 +103,6 @@ async def _job(target: str, tls: TLSConfig, token: str, job_id: str) -> admin_pb
         )
     finally:
         channel.close()
-
-
-class Stopped(Exception):
-    """A signal ended the demo; its processes were stopped."""
-
-    def __init__(self, signum: int) -> None:
-        super().__init__(signal.Signals(signum).name)
-        self.signum = signum
-
-
-async def _until_signal(work: Coroutine[Any, Any, dict]) -> dict:
-    """Run ``work``; SIGTERM or SIGINT cancels it, so its ``finally`` stops every child process
-    (they would otherwise outlive the demo, orphaned, holding their ports)."""
-    loop = asyncio.get_running_loop()
-    task = asyncio.ensure_future(work)
-    received: list[int] = []
-
-    def stop(signum: int) -> None:
-        received.append(signum)
-        task.cancel()
-
-    for signum in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(signum, stop, signum)
-    try:
-        return await task
-    except asyncio.CancelledError:
-        if received:
-            raise Stopped(received[0]) from None
-        raise
-    finally:
-        for signum in (signal.SIGTERM, signal.SIGINT):
-            loop.remove_signal_handler(signum)
 
 
 def _prepare(out: Path, resume: bool, console: Console) -> tuple[Path, Path]:
@@ -298,8 +264,10 @@ def _plot(report: dict, path: Path) -> None:
 def run(args: argparse.Namespace) -> int:
     console = cli_console()
     try:
-        report = asyncio.run(_until_signal(_demo(args, console)))
-    except Stopped as stopped:
+        # SIGTERM or SIGINT cancels the demo, so its ``finally`` stops every child process (they
+        # would otherwise outlive it, orphaned, holding their ports).
+        report = asyncio.run(cancelled_by_signals(_demo(args, console)))
+    except Signalled as stopped:
         print(f"tally demo: stopped by {stopped}; its coordinator and aggregators were stopped", file=sys.stderr)
         return 128 + stopped.signum
     except (ValueError, RuntimeError) as exc:  # --resume with nothing to resume, a service that did not start

@@ -36,6 +36,7 @@ from tally.algorithms.adaptation_options import METHODS as METHODS  # re-exporte
 from tally.algorithms.adaptation_options import AdaptationConfig, JobAdaptation, trainable_names
 from tally.models.onnx import export_onnx
 from tally.models.params import get_params, set_params
+from tally.training.sgd import sgd_epochs
 
 Arrays = dict[str, np.ndarray]
 
@@ -91,23 +92,18 @@ def adapt(module: nn.Module, params: Mapping[str, np.ndarray], features: np.ndar
         with torch.no_grad():
             teacher = module(X)
     optimiser = torch.optim.SGD([named[n] for n in train], lr=cfg.lr)
-    generator = torch.Generator().manual_seed(cfg.seed)
-    n = len(y)
-    for _ in range(cfg.epochs):
-        order = torch.randperm(n, generator=generator)
-        for start in range(0, n, cfg.batch_size):
-            idx = order[start : start + cfg.batch_size]
-            optimiser.zero_grad()
-            logits = module(X[idx])
-            if teacher is not None:
-                loss = distillation_loss(logits, teacher[idx], y[idx], cfg.alpha, cfg.temperature, cfg.kd_form)
-            else:
-                loss = nn.functional.cross_entropy(logits, y[idx])
-            if fisher and cfg.ewc_lambda:
-                loss = loss + cfg.ewc_lambda / 2 * sum(
-                    (fisher[k] * (named[k] - anchor[k]) ** 2).sum() for k in train)
-            loss.backward()
-            optimiser.step()
+
+    def loss_of_batch(idx: torch.Tensor) -> torch.Tensor:
+        logits = module(X[idx])
+        if teacher is not None:
+            loss = distillation_loss(logits, teacher[idx], y[idx], cfg.alpha, cfg.temperature, cfg.kd_form)
+        else:
+            loss = nn.functional.cross_entropy(logits, y[idx])
+        if fisher and cfg.ewc_lambda:
+            loss = loss + cfg.ewc_lambda / 2 * sum((fisher[k] * (named[k] - anchor[k]) ** 2).sum() for k in train)
+        return loss
+
+    sgd_epochs(optimiser, loss_of_batch, len(y), cfg.epochs, cfg.batch_size, torch.Generator().manual_seed(cfg.seed))
     for p in named.values():
         p.requires_grad_(True)
     return get_params(module)

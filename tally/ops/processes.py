@@ -8,11 +8,7 @@ import contextlib
 import re
 import signal
 import sys
-from collections.abc import Awaitable
 from pathlib import Path
-from typing import TypeVar
-
-T = TypeVar("T")
 
 
 class Process:
@@ -67,31 +63,3 @@ class Process:
             if self.proc.returncode is None:
                 self.proc.kill()
                 await self.proc.wait()
-
-
-class Terminated(Exception):
-    """The harness was sent SIGTERM; it stopped every process it had started first."""
-
-
-async def stopping_on_sigterm(work: Awaitable[T]) -> T:
-    """Await ``work``, cancelling it on SIGTERM so that its ``finally`` stops the processes it
-    started: a harness killed with a plain ``kill`` otherwise leaves its coordinator, aggregators
-    and fleet running, holding their ports and cores. Raises ``Terminated`` then."""
-    task = asyncio.ensure_future(work)
-    loop = asyncio.get_running_loop()
-    terminated = False
-
-    def terminate() -> None:
-        nonlocal terminated
-        terminated = True
-        task.cancel()
-
-    loop.add_signal_handler(signal.SIGTERM, terminate)
-    try:
-        return await task
-    except asyncio.CancelledError:
-        if terminated:
-            raise Terminated() from None
-        raise
-    finally:
-        loop.remove_signal_handler(signal.SIGTERM)

@@ -3,7 +3,8 @@
 Parameters cross the algorithm boundary as numpy arrays keyed by state-dict name
 (``tally.models.params``), so algorithms stay framework-free and the wire carries plain tensors.
 The trainers of algorithms whose devices do more than plain SGD are beside this one: ``domain``
-(FedDAR), ``energy`` (FedEvg), ``fair`` (LG-FedAvg+Adv) and ``personal`` (SuPerFed).
+(FedDAR), ``energy`` (FedEvg), ``fair`` (LG-FedAvg+Adv) and ``personal`` (SuPerFed); all but
+``energy`` (batches drawn with replacement) shuffle and batch through ``sgd``.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import torch
 from torch import nn
 
 from tally.models.params import get_params, set_params
+from tally.training.sgd import sgd_epochs
 
 Arrays = dict[str, np.ndarray]
 
@@ -59,18 +61,12 @@ class TorchTrainer(DeviceTensors):
         set_params(self.model, params)
         self.model.train()
         optimiser = torch.optim.SGD(self.model.parameters(), lr=lr)
-        losses = []
-        n = self.num_examples
-        for _ in range(epochs):
-            order = torch.randperm(n, generator=self.generator).to(self.device)
-            for start in range(0, n, batch_size):
-                idx = order[start : start + batch_size]
-                optimiser.zero_grad()
-                loss = nn.functional.cross_entropy(self.model(self.features[idx]), self.labels[idx])
-                loss.backward()
-                optimiser.step()
-                losses.append(loss.item())
-        return get_params(self.model), float(np.mean(losses)) if losses else 0.0
+
+        def loss_of_batch(idx: torch.Tensor) -> torch.Tensor:
+            return nn.functional.cross_entropy(self.model(self.features[idx]), self.labels[idx])
+
+        mean = sgd_epochs(optimiser, loss_of_batch, self.num_examples, epochs, batch_size, self.generator, self.device)
+        return get_params(self.model), mean
 
     @torch.no_grad()
     def evaluate(self, params: Mapping[str, np.ndarray]) -> tuple[float, float]:

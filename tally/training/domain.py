@@ -28,6 +28,7 @@ from torch import nn
 from tally.algorithms.base import check_fits
 from tally.algorithms.feddar import HEADS, encoder_part
 from tally.training import default_device
+from tally.training.sgd import mean_loss, minibatches
 
 Arrays = dict[str, np.ndarray]
 HeadLoss = Literal["squared", "logistic", "softmax"]
@@ -241,23 +242,20 @@ class DomainTrainer:
         batch_size: int,
     ) -> tuple[Arrays, float]:
         losses = []
-        for _ in range(epochs):
-            order = torch.randperm(self.num_examples, generator=self.generator).to(self.device)
-            for start in range(0, self.num_examples, batch_size):
-                rows = order[start : start + batch_size]
-                per_example = self._losses(self._logits(self._features(rows), heads, rows), rows)
-                if domain_weights is not None:
-                    per_example = per_example * domain_weights[self.z[rows]]
-                loss = per_example.mean()
-                # Plain SGD by hand: constructing a torch optimiser per call costs more than
-                # the few steps a small device takes.
-                grads = torch.autograd.grad(loss, trainable)
-                with torch.no_grad():
-                    for param, grad in zip(trainable, grads):
-                        param.sub_(lr * grad)
-                losses.append(loss.item())
+        for rows in minibatches(self.num_examples, epochs, batch_size, self.generator, self.device):
+            per_example = self._losses(self._logits(self._features(rows), heads, rows), rows)
+            if domain_weights is not None:
+                per_example = per_example * domain_weights[self.z[rows]]
+            loss = per_example.mean()
+            # Plain SGD by hand: constructing a torch optimiser per call costs more than
+            # the few steps a small device takes.
+            grads = torch.autograd.grad(loss, trainable)
+            with torch.no_grad():
+                for param, grad in zip(trainable, grads):
+                    param.sub_(lr * grad)
+            losses.append(loss.item())
         state = {PREFIX + k: v.detach().cpu().numpy().copy() for k, v in self.encoder.state_dict().items()}
-        return state, float(np.mean(losses)) if losses else 0.0
+        return state, mean_loss(losses)
 
     def _residuals(self, logits: np.ndarray, rows: np.ndarray) -> np.ndarray:
         """d loss / d logits per example: prediction minus target, in the loss's own link."""

@@ -12,6 +12,7 @@ from torch import nn
 
 from tally.models.params import get_params, set_params
 from tally.training import TorchTrainer
+from tally.training.sgd import sgd_epochs
 
 
 class TorchDomainTrainer(TorchTrainer):
@@ -76,13 +77,10 @@ class TorchDomainTrainer(TorchTrainer):
         optimiser = torch.optim.SGD(self.model.parameters(), lr=lr)
         weights = torch.as_tensor(np.asarray(domain_weights, dtype=np.float32), device=self.device)
         per_example = weights[self.domains] / normaliser
-        n = self.num_examples
-        for _ in range(epochs):
-            order = torch.randperm(n, generator=self.generator).to(self.device)
-            for start in range(0, n, batch_size):
-                idx = order[start:start + batch_size]
-                optimiser.zero_grad()
-                losses = nn.functional.cross_entropy(self.model(self.features[idx]), self.labels[idx], reduction="none")
-                (per_example[idx] * losses).sum().backward()
-                optimiser.step()
+
+        def loss_of_batch(idx: torch.Tensor) -> torch.Tensor:
+            losses = nn.functional.cross_entropy(self.model(self.features[idx]), self.labels[idx], reduction="none")
+            return (per_example[idx] * losses).sum()
+
+        sgd_epochs(optimiser, loss_of_batch, self.num_examples, epochs, batch_size, self.generator, self.device)
         return get_params(self.model)

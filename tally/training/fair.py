@@ -28,6 +28,7 @@ from torch import nn
 from tally.algorithms.base import Arrays
 from tally.models.fair import FairModel
 from tally.models.params import get_params, set_params
+from tally.training.sgd import mean_loss, minibatches
 
 GLOBAL_PATTERNS = ("head.*",)
 
@@ -68,21 +69,18 @@ class FairTrainer:
         main = torch.optim.SGD([*m.encoder.parameters(), *m.head.parameters()], lr=lr)
         adversary = torch.optim.SGD(m.adversary.parameters(), lr=self.adversary_lr)
         losses = []
-        for _ in range(epochs):
-            order = torch.randperm(self.num_examples, generator=self.generator)
-            for start in range(0, self.num_examples, batch_size):
-                idx = order[start : start + batch_size]
-                x, y, p = self.x[idx], self.y[idx], self.p[idx]
-                main.zero_grad()
-                loss = encoder_objective(m, x, y, p, self.lam)
-                loss.backward()
-                main.step()
-                for _ in range(self.adversary_steps):
-                    adversary.zero_grad()
-                    adversary_objective(m, x, p).backward()
-                    adversary.step()
-                losses.append(loss.item())
-        return get_params(m), float(np.mean(losses)) if losses else 0.0
+        for idx in minibatches(self.num_examples, epochs, batch_size, self.generator):
+            x, y, p = self.x[idx], self.y[idx], self.p[idx]
+            main.zero_grad()
+            loss = encoder_objective(m, x, y, p, self.lam)
+            loss.backward()
+            main.step()
+            for _ in range(self.adversary_steps):
+                adversary.zero_grad()
+                adversary_objective(m, x, p).backward()
+                adversary.step()
+            losses.append(loss.item())
+        return get_params(m), mean_loss(losses)
 
     @torch.no_grad()
     def evaluate(self, params: Mapping[str, np.ndarray]) -> tuple[float, float]:

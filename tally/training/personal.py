@@ -19,6 +19,7 @@ from torch.func import functional_call
 
 from tally.algorithms.base import Arrays, check_fits
 from tally.training import TorchTrainer
+from tally.training.sgd import sgd_epochs
 
 Tensors = dict[str, torch.Tensor]
 MIXINGS = ("none", "model", "layer")
@@ -97,7 +98,10 @@ class MixingTrainer(TorchTrainer):
         as_tensor = lambda p, grad: {  # noqa: E731
             k: torch.tensor(np.asarray(p[k]), dtype=torch.float32, device=self.device, requires_grad=grad)
             for k in shapes}
-        paired = set(shapes if twins is None else twins)
+        # Ordered as the model's parameters, not as a set of names would be: the cosine sums over
+        # them in this order, and a set's order moves with PYTHONHASHSEED (one seed gave results
+        # that differed in the last bit from run to run). A dict's keys keep the order and look-ups.
+        paired = dict.fromkeys(k for k in shapes if twins is None or k in twins)
         fed, own, anchor = as_tensor(federated, True), as_tensor(local, False), as_tensor(federated, False)
         if mixing != "none":
             for k in paired:
@@ -105,27 +109,21 @@ class MixingTrainer(TorchTrainer):
         trained = list(fed.values()) + ([own[k] for k in shapes if k in paired] if mixing != "none" else [])
         optimiser = torch.optim.SGD(trained, lr=lr, momentum=momentum, weight_decay=weight_decay)
         modules = sorted({module_of(k) for k in shapes})
-        losses = []
-        n = self.num_examples
         self.model.train()
-        for _ in range(epochs):
-            order = torch.randperm(n, generator=self.generator).to(self.device)
-            for start in range(0, n, batch_size):
-                idx = order[start : start + batch_size]
-                lambdas = {k: lam if k in paired else 0.0 for k, lam in self._draw(mixing, shapes, modules).items()}
-                features, labels = self.features[idx], self.labels[idx]
 
-                def data_loss(params: Tensors) -> torch.Tensor:
-                    return nn.functional.cross_entropy(functional_call(self.model, params, (features,)), labels)
+        def loss_of_batch(idx: torch.Tensor) -> torch.Tensor:
+            lambdas = {k: lam if k in paired else 0.0 for k, lam in self._draw(mixing, shapes, modules).items()}
+            features, labels = self.features[idx], self.labels[idx]
 
-                optimiser.zero_grad()
-                loss = mixed_objective(data_loss, fed, own, anchor, lambdas, mu, nu if mixing != "none" else 0.0,
-                                       prox_form, paired)
-                loss.backward()
-                optimiser.step()
-                losses.append(loss.item())
+            def data_loss(params: Tensors) -> torch.Tensor:
+                return nn.functional.cross_entropy(functional_call(self.model, params, (features,)), labels)
+
+            return mixed_objective(data_loss, fed, own, anchor, lambdas, mu, nu if mixing != "none" else 0.0,
+                                   prox_form, paired)
+
+        mean = sgd_epochs(optimiser, loss_of_batch, self.num_examples, epochs, batch_size, self.generator, self.device)
         out = lambda p: {k: v.detach().cpu().numpy().copy() for k, v in p.items()}  # noqa: E731
-        return out(fed), out(own), float(np.mean(losses)) if losses else 0.0
+        return out(fed), out(own), mean
 
     def _draw(self, mixing: str, shapes: Mapping[str, tuple[int, ...]], modules: list[str]) -> dict[str, float]:
         if mixing == "none":

@@ -10,6 +10,7 @@ from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
+import pytest
 from support.devices import quadratic_fleet
 from support.enrolment import provisioned_request
 from support.jobs import job_text, max_error, run_job
@@ -25,9 +26,9 @@ def through_the_services(tmp_path, algorithm: str, options: Mapping[str, Any], k
     return run_job(tmp_path, algorithm, options, kind, initial, devices, rounds)[0]
 
 
-def test_feddar_sa_through_the_services_equals_the_in_process_result(tmp_path):
-    """FedDAR-SA: two sums a round (Σ L·H and Σ L·H·w for the heads, then the encoder update),
-    the encoder step's broadcast served by GetStep after the heads are applied."""
+def feddar_through_the_services(tmp_path, algorithm: str, kind: str):
+    """Two rounds of ``algorithm`` on eight domain-linear devices, on the real stack and in
+    process: (the initial parameters, the services' final state, the in-process one)."""
     from tally.datasets.domain_linear import domain_linear, federation
     from tally.training import single_threaded
 
@@ -38,17 +39,23 @@ def test_feddar_sa_through_the_services_equals_the_in_process_result(tmp_path):
     options = {"head_solver": "newton", "head_start": "zero", "encoder_epochs": 5, "encoder_lr": 0.5,
                "batch_size": 1000}
     fed = federation(data, heads=domains, seed=0)
-    state = through_the_services(tmp_path, "feddar_sa", options, "domain-linear-test", fed.initial,
-                                 fed.devices, rounds)
-    server, client = algorithms.make("feddar_sa", options)
+    state = through_the_services(tmp_path, algorithm, options, kind, fed.initial, fed.devices, rounds)
+    server, client = algorithms.make(algorithm, options)
     reference_fed = federation(data, heads=domains, seed=0)
     reference, _ = run_rounds(server, client, reference_fed.devices, reference_fed.initial, rounds, clients,
                               plain_sum)
     assert state.round == reference.round == rounds
     np.testing.assert_array_equal(state.domain_counts, reference.domain_counts)  # counts are exact
+    return fed.initial, state, reference
+
+
+def test_feddar_sa_through_the_services_equals_the_in_process_result(tmp_path):
+    """FedDAR-SA: two sums a round (Σ L·H and Σ L·H·w for the heads, then the encoder update),
+    the encoder step's broadcast served by GetStep after the heads are applied."""
+    initial, state, reference = feddar_through_the_services(tmp_path, "feddar_sa", "domain-linear-test")
     assert state.wa_fallbacks == reference.wa_fallbacks
     error = max_error(state.params, reference.params)
-    moved = max_error(reference.params, fed.initial)
+    moved = max_error(reference.params, initial)
     print(f"feddar_sa: max |services - in process| = {error:.3g}, moved {moved:.3g}")
     # Quantisation: frac_bits 24, so each summed field (Σ L·H, Σ L·H·w, Σ c·Δθ, Σ c) is off by
     # < n·2^-24 ≈ 5e-7. The model is float64 end to end; what grows the error is the SA solve
@@ -57,45 +64,30 @@ def test_feddar_sa_through_the_services_equals_the_in_process_result(tmp_path):
     assert error < 1e-4 < moved
 
 
-def test_aaggff_d_through_the_services_equals_the_in_process_result(tmp_path):
-    """AAggFF-D: three sums a round (losses and count, responses, p_i·Δ and p_i); each device
-    keeps its own accumulator across rounds, in the SDK as in process."""
+@pytest.mark.parametrize("algorithm, solver, kind", [
+    # AAggFF-D: three sums a round (losses and count, responses, p_i·Δ and p_i); each device
+    # keeps its own accumulator across rounds, in the SDK as in process.
+    ("aaggff_d", {}, "aaggff-quadratic"),
+    # AAggFF-S with the separable solver: sums only (no reveal), every silo every round; the
+    # response sum carries Σ p_i r_i and Σ p_i, so the server's <p, r> is a ratio of two sums.
+    ("aaggff_s", {"solver": "separable"}, "aaggff-s-quadratic"),
+], ids=["aaggff_d", "aaggff_s-separable"])
+def test_aaggff_through_the_services_equals_the_in_process_result(tmp_path, algorithm, solver, kind):
     rounds, n = 3, 8
-    options = {"num_clients": n, "local_epochs": 1, "local_lr": 0.3}
+    options = {"num_clients": n, **solver, "local_epochs": 1, "local_lr": 0.3}
     initial = {"w": np.zeros(3)}
-    state = through_the_services(tmp_path, "aaggff_d", options, "aaggff-quadratic", initial,
-                                 quadratic_fleet(n, seed=0), rounds)
-    server, client = algorithms.make("aaggff_d", options)
+    state = through_the_services(tmp_path, algorithm, options, kind, initial, quadratic_fleet(n, seed=0), rounds)
+    server, client = algorithms.make(algorithm, options)
     reference, _ = run_rounds(server, client, quadratic_fleet(n, seed=0), initial, rounds, n, plain_sum)
     assert state.round == reference.round == rounds
     error = max_error(state.params, reference.params)
     moved = max_error(reference.params, initial)
     fields = {f: abs(getattr(state, f) - getattr(reference, f)) for f in ("offset", "mean_loss", "mean_response")}
-    print(f"aaggff_d: max |services - in process| params {error:.3g} (moved {moved:.3g}), state {fields}")
+    print(f"{algorithm} {solver}: max |services - in process| params {error:.3g} (moved {moved:.3g}), state {fields}")
     # Quantisation: frac_bits 18, so every summed field is off by < n·2^-18 ≈ 3e-5 (loss clip
     # 100 and weight clip 8 leave these values unclipped); the server divides the weighted
-    # update by Σ p_i ≈ 1, and three rounds of a contractive toy keep the drift below 1e-3.
-    assert error < 1e-3 < moved
-    for name, diff in fields.items():
-        assert diff < 1e-3, name
-
-
-def test_aaggff_s_separable_through_the_services_equals_the_in_process_result(tmp_path):
-    """AAggFF-S with the separable solver: sums only (no reveal), every silo every round; the
-    response sum carries Σ p_i r_i and Σ p_i, so the server's <p, r> is a ratio of two sums."""
-    rounds, n = 3, 8
-    options = {"num_clients": n, "solver": "separable", "local_epochs": 1, "local_lr": 0.3}
-    initial = {"w": np.zeros(3)}
-    state = through_the_services(tmp_path, "aaggff_s", options, "aaggff-s-quadratic", initial,
-                                 quadratic_fleet(n, seed=0), rounds)
-    server, client = algorithms.make("aaggff_s", options)
-    reference, _ = run_rounds(server, client, quadratic_fleet(n, seed=0), initial, rounds, n, plain_sum)
-    assert state.round == reference.round == rounds
-    error = max_error(state.params, reference.params)
-    moved = max_error(reference.params, initial)
-    fields = {f: abs(getattr(state, f) - getattr(reference, f)) for f in ("offset", "mean_loss", "mean_response")}
-    print(f"aaggff_s separable: max |services - in process| params {error:.3g} (moved {moved:.3g}), state {fields}")
-    # As for AAggFF-D: frac_bits 18, n·2^-18 ≈ 3e-5 per summed field; <p, r> divides by Σ p_i ≈ 1.
+    # update by Σ p_i ≈ 1 (AAggFF-S's <p, r> too), and three rounds of a contractive toy keep
+    # the drift below 1e-3.
     assert error < 1e-3 < moved
     for name, diff in fields.items():
         assert diff < 1e-3, name
@@ -103,26 +95,10 @@ def test_aaggff_s_separable_through_the_services_equals_the_in_process_result(tm
 
 def test_feddar_wa_through_the_services_equals_the_in_process_result(tmp_path):
     """FedDAR-WA: the heads by the count-weighted average (Σ L·h and Σ L), then the encoder update."""
-    from tally.datasets.domain_linear import domain_linear, federation
-    from tally.training import single_threaded
-
-    single_threaded()
-    rounds, clients, domains = 2, 8, 3
-    data = domain_linear(clients=clients, domains=domains, alpha=2.0, samples=6, seed=0)
-    options = {"head_solver": "newton", "head_start": "zero", "encoder_epochs": 5, "encoder_lr": 0.5,
-               "batch_size": 1000}
-    fed = federation(data, heads=domains, seed=0)
-    state = through_the_services(tmp_path, "feddar_wa", options, "domain-linear-wa-test", fed.initial,
-                                 fed.devices, rounds)
-    server, client = algorithms.make("feddar_wa", options)
-    reference_fed = federation(data, heads=domains, seed=0)
-    reference, _ = run_rounds(server, client, reference_fed.devices, reference_fed.initial, rounds, clients,
-                              plain_sum)
-    assert state.round == reference.round == rounds
-    np.testing.assert_array_equal(state.domain_counts, reference.domain_counts)  # counts are exact
+    initial, state, reference = feddar_through_the_services(tmp_path, "feddar_wa", "domain-linear-wa-test")
     assert state.wa_fallbacks == reference.wa_fallbacks == 0
     errors = {k: max_error({k: state.params[k]}, {k: reference.params[k]}) for k in reference.params}
-    moved = {k: max_error({k: reference.params[k]}, {k: fed.initial[k]}) for k in reference.params}
+    moved = {k: max_error({k: reference.params[k]}, {k: initial[k]}) for k in reference.params}
     print(f"feddar_wa: max |services - in process| {errors}, moved {moved}")
     # frac_bits 24: each summed field is off by < n·2^-24 ≈ 5e-7, and after round 1 the model is
     # within 1e-5 of the in-process one. Round 2 amplifies: WA's heads leave the encoder a large

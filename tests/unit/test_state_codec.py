@@ -121,3 +121,22 @@ def test_nested_containers_numpy_scalars_and_refusals():
     ]:
         with pytest.raises(UnsupportedState, match=where):
             state_to_bytes(bad)
+
+
+def test_model_and_state_blobs_share_one_header_parser_and_are_told_apart():
+    from tally import modelio
+
+    model = modelio.serialize({"w": np.arange(3.0)})
+    state = state_to_bytes(Inner((np.eye(2),), np.float32(1)))
+    template = Inner((), np.float32(0))
+    assert modelio.unpack_header(model, b"TALLYM1\n", "model") == (
+        [{"name": "w", "dtype": "<f8", "shape": [3]}], len(model) - 24)
+    with pytest.raises(ValueError, match="not a Tally state blob of format TALLYS2"):
+        state_from_bytes(model, template)
+    with pytest.raises(ValueError, match="not a Tally model blob of format TALLYM1"):
+        modelio.deserialize(state)
+    # The header's first byte (12: after the 8-byte magic and the u32 length) no longer JSON.
+    with pytest.raises(ValueError, match="corrupt model header"):
+        modelio.deserialize(model[:12] + b"!" + model[13:])
+    with pytest.raises(ValueError, match="corrupt state header"):
+        state_from_bytes(state[:12] + b"!" + state[13:], template)

@@ -40,7 +40,6 @@ import multiprocessing
 import multiprocessing.connection
 import multiprocessing.process
 import os
-import signal
 import socket
 import time
 from collections.abc import AsyncIterator, Callable
@@ -66,6 +65,7 @@ from tally.security import TLSConfig, TokenIssuer, bind, load_or_create_ticket_k
 from tally.security.certs import COORDINATOR_CN
 from tally.security.enrolment import EnrolmentVerifier, SharedKeyEnrolment, load_or_create_enrolment_key
 from tally.security.tls import open_aio_channel, server_options
+from tally.shutdown import stop_on_signals
 from tally.wire.undecodable import RefuseUndecodable
 from tally.wire.v1 import admin_pb2, coordinator_pb2
 
@@ -356,10 +356,7 @@ def serve_front(config: FrontConfig, ready: multiprocessing.connection.Connectio
 
 
 async def _serve(config: FrontConfig, ready: multiprocessing.connection.Connection, parent: int) -> None:
-    stopping = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stopping.set)
+    stopping = stop_on_signals()
     front = DeviceFront(config)
     try:
         await front.start()

@@ -30,9 +30,7 @@ bytes can never choose which type gets constructed; containers are plain dicts, 
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
-import struct
 from collections.abc import Mapping
 from typing import Any
 
@@ -50,20 +48,12 @@ class UnsupportedState(TypeError):
 
 def state_to_bytes(state: Any) -> bytes:
     header, arrays = state_to_arrays(state)
-    head = json.dumps(header, separators=(",", ":")).encode()
-    return MAGIC + struct.pack("<I", len(head)) + head + modelio.serialize(arrays)
+    return modelio.pack_header(MAGIC, header) + modelio.serialize(arrays)
 
 
 def state_from_bytes(data: bytes, template: Any) -> Any:
-    if not data.startswith(MAGIC) or len(data) < len(MAGIC) + 4:
-        raise ValueError(f"not a Tally state blob of format {MAGIC.strip().decode()}")
-    (size,) = struct.unpack_from("<I", data, len(MAGIC))
-    start = len(MAGIC) + 4
-    try:
-        header = json.loads(data[start : start + size])
-    except json.JSONDecodeError as exc:
-        raise ValueError(f"corrupt state header: {exc}") from None
-    return state_from_arrays(template, header, modelio.deserialize(data[start + size :]))
+    header, body = modelio.unpack_header(data, MAGIC, "state")
+    return state_from_arrays(template, header, modelio.deserialize(data[body:]))
 
 
 def state_to_arrays(state: Any) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
