@@ -7,7 +7,8 @@ in pyproject.toml: ``lint-imports`` and tests/unit/test_layers.py check every im
 In words, lowest first:
 
 plumbing     what every part shares: ``version``, ``logs`` (JSON lines), ``metrics`` (Prometheus
-             registries and the metrics server), ``modelio`` (model bytes on disk and the wire)
+             registries and the metrics server), ``modelio`` (model bytes on disk and the wire),
+             ``shutdown`` (how a serving process stops on SIGTERM or SIGINT)
 protocol     torch-free, and all the aggregator needs: ``secagg`` (the secure sum, sans-IO),
              ``codec`` (fixed-point payloads), ``security`` (TLS, tokens, tickets, enrolment),
              ``wire`` (the gRPC stubs and proto converters)
