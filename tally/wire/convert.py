@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterable, Mapping
-from typing import Any, TypeVar, cast
+from typing import Any, TypeVar, cast, overload
 
 import numpy as np
 from google.protobuf.message import Message
@@ -535,6 +535,10 @@ _AGGREGATOR_FIELDS: dict[type, str] = {
 }
 
 
+@overload
+def to_proto(value: SessionConfig) -> secagg_pb2.SessionConfig: ...
+@overload
+def to_proto(value: Any) -> Message: ...
 def to_proto(value: Any) -> Message:
     """The protobuf form of a protocol message, SessionConfig, SumSpec or SessionRef."""
     try:
@@ -590,6 +594,12 @@ def aggregator_envelope(
     return _wrap(secagg_pb2.AggregatorToDevice(), _AGGREGATOR_FIELDS, message)
 
 
+@overload
+def open_envelope(envelope: secagg_pb2.DeviceToAggregator) -> ClientMessage: ...
+@overload
+def open_envelope(
+    envelope: secagg_pb2.AggregatorToDevice,
+) -> ServerMessage | secagg_pb2.Joined | secagg_pb2.SessionDone: ...
 def open_envelope(envelope: secagg_pb2.DeviceToAggregator | secagg_pb2.AggregatorToDevice) -> Any:
     """The message a stream envelope carries: a protocol value, or the Joined or SessionDone
     proto as is (session plumbing, which the services handle themselves)."""

@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from types import AsyncGeneratorType
-from typing import Any, Protocol, cast
+from typing import Any, Protocol, TypeAlias, cast
 
 import grpc
 from google.protobuf.message import DecodeError
@@ -23,9 +23,10 @@ class _Undecodable:
     size: int
 
 
-# Every method of every service passes here, whatever its messages: hence the Any.
-_Handler = grpc.RpcMethodHandler[Any, Any]
-_Context = grpc.aio.ServicerContext[Any, Any]
+# Every method of every service passes here, whatever its messages: hence the Any. (Strings:
+# grpc's classes are generic in its stubs only.)
+_Handler: TypeAlias = "grpc.RpcMethodHandler[Any, Any]"
+_Context: TypeAlias = "grpc.aio.ServicerContext[Any, Any]"
 
 
 class _AioHandler(Protocol):
