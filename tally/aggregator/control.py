@@ -22,7 +22,7 @@ import hashlib
 import hmac
 import logging
 from collections.abc import Callable
-from typing import NoReturn
+from typing import Any, NoReturn
 
 import grpc
 
@@ -62,7 +62,8 @@ class ControlServicer(aggregator_pb2_grpc.AggregatorControlServicer):
         self._address = address
 
     async def OpenSession(
-        self, request: aggregator_pb2.OpenSessionRequest, context: grpc.aio.ServicerContext
+        self, request: aggregator_pb2.OpenSessionRequest,
+        context: grpc.aio.ServicerContext[aggregator_pb2.OpenSessionRequest, aggregator_pb2.OpenSessionResponse],
     ) -> aggregator_pb2.OpenSessionResponse:
         try:
             self._check_peer(context)
@@ -77,7 +78,8 @@ class ControlServicer(aggregator_pb2_grpc.AggregatorControlServicer):
         )
 
     async def AwaitResult(
-        self, request: aggregator_pb2.AwaitResultRequest, context: grpc.aio.ServicerContext
+        self, request: aggregator_pb2.AwaitResultRequest,
+        context: grpc.aio.ServicerContext[aggregator_pb2.AwaitResultRequest, aggregator_pb2.CohortSum],
     ) -> aggregator_pb2.CohortSum:
         try:
             self._check_peer(context)
@@ -93,7 +95,8 @@ class ControlServicer(aggregator_pb2_grpc.AggregatorControlServicer):
         return cohort_sum_to_proto(session.session_id, spec, result)
 
     async def CloseSession(
-        self, request: aggregator_pb2.CloseSessionRequest, context: grpc.aio.ServicerContext
+        self, request: aggregator_pb2.CloseSessionRequest,
+        context: grpc.aio.ServicerContext[aggregator_pb2.CloseSessionRequest, aggregator_pb2.CloseSessionResponse],
     ) -> aggregator_pb2.CloseSessionResponse:
         try:
             self._check_peer(context)
@@ -109,7 +112,7 @@ class ControlServicer(aggregator_pb2_grpc.AggregatorControlServicer):
         logs.event(log, "session closed", session_id=request.session_id, reason=request.reason)
         return aggregator_pb2.CloseSessionResponse()
 
-    def _check_peer(self, context: grpc.aio.ServicerContext) -> None:
+    def _check_peer(self, context: grpc.aio.ServicerContext[Any, Any]) -> None:
         peer = peer_identity(context)
         if peer is not None and peer != self._controller:
             raise Rejected(
@@ -120,7 +123,7 @@ class ControlServicer(aggregator_pb2_grpc.AggregatorControlServicer):
             )
 
     @staticmethod
-    def _owner_token(context: grpc.aio.ServicerContext) -> bytes:
+    def _owner_token(context: grpc.aio.ServicerContext[Any, Any]) -> bytes:
         try:
             return owner_token_from_metadata(context.invocation_metadata())
         except AuthError as exc:
@@ -137,7 +140,7 @@ class ControlServicer(aggregator_pb2_grpc.AggregatorControlServicer):
             )
 
     async def _refuse(
-        self, context: grpc.aio.ServicerContext, rejected: Rejected, what: str
+        self, context: grpc.aio.ServicerContext[Any, Any], rejected: Rejected, what: str
     ) -> NoReturn:
         self._metrics.reject(rejected.reason, rejected.status)
         logs.event(log, what, level=logging.WARNING, status=rejected.status,

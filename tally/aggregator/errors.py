@@ -9,7 +9,7 @@ knows best, a message safe to show the peer, and a short ``reason`` label for th
 from __future__ import annotations
 
 import re
-from typing import NoReturn
+from typing import Any, NoReturn
 
 import grpc
 
@@ -31,7 +31,7 @@ class Rejected(Exception):
 
     @property
     def code(self) -> grpc.StatusCode:
-        return getattr(grpc.StatusCode, self.status)
+        return grpc.StatusCode[self.status]
 
     @classmethod
     def of(cls, error: Exception) -> Rejected:
@@ -55,7 +55,7 @@ def _snake(name: str) -> str:
 REFUSALS = (Rejected, ProtocolError, AuthError, WireError)
 
 
-async def abort(context: grpc.aio.ServicerContext, rejected: Rejected) -> NoReturn:
+async def abort(context: grpc.aio.ServicerContext[Any, Any], rejected: Rejected) -> NoReturn:
     """End the current RPC with ``rejected``'s status and message."""
     await context.abort(rejected.code, rejected.message)
     raise AssertionError("context.abort returned")  # pragma: no cover

@@ -132,6 +132,7 @@ class AggregatorService:
         """Bind, serve, and return the bound gRPC port."""
         if self._servers:
             raise RuntimeError("the aggregator is already started")
+        ports: list[tuple[tuple[str, ...], str, list[tuple[str, int]], TLSConfig]]
         if self._control_listen is None:
             ports = [(SERVICE_NAMES, self._listen, self._options, self._tls)]
         else:

@@ -30,7 +30,7 @@ import time
 from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
 from functools import partial
-from typing import Any, TypeVar
+from typing import Any, TypedDict, TypeVar
 
 from tally import logs
 from tally.aggregator.admission import SessionPlan
@@ -69,8 +69,16 @@ JOIN = "join"
 # The share-checking phases run within the ShareKeys budget (no deadline of their own on the wire).
 _DEADLINE_OF = {JOIN: "advertise_keys", "share_complaints": "share_keys", "justify": "share_keys"}
 
-DeviceQueue = asyncio.Queue  # of secagg_pb2.AggregatorToDevice, then one StreamEnd
+DeviceQueue = asyncio.Queue[secagg_pb2.AggregatorToDevice | StreamEnd]  # the envelopes, then one StreamEnd
 Routed = list[tuple[int, secagg_pb2.AggregatorToDevice]]
+
+
+class LogFields(TypedDict):
+    """What every log line about a session carries (``logs.event`` fields)."""
+
+    job_id: str
+    round: int
+    session_id: str
 
 
 class Session:
@@ -95,7 +103,7 @@ class Session:
         self._results: dict[str, asyncio.Future[SumResult | SessionAborted]] = {
             spec.sum_id: self._loop.create_future() for spec in self.config.sums
         }
-        self._tasks: set[asyncio.Task] = set()
+        self._tasks: set[asyncio.Task[object]] = set()  # kept alive until done
         self._timer: asyncio.TimerHandle | None = None
         self._generation = 0
         self._phase_key: tuple[str, int] = ("", 0)
@@ -103,7 +111,7 @@ class Session:
         self._phase_expected: frozenset[int] = frozenset()
         self._phase_answered: set[int] = set()
         ref = self.config.ref
-        self.log_fields = {"job_id": ref.job_id, "round": ref.round, "session_id": ref.session_id}
+        self.log_fields: LogFields = {"job_id": ref.job_id, "round": ref.round, "session_id": ref.session_id}
 
     @property
     def session_id(self) -> str:
@@ -346,6 +354,7 @@ class Session:
         self._generation += 1
         if self._timer is not None:
             self._timer.cancel()
+        final: secagg_pb2.SessionDone | Abort
         if outcome == COMPLETED:
             final = secagg_pb2.SessionDone(sum_ids=[s.sum_id for s in self.config.sums])
         else:

@@ -19,16 +19,20 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable
-from typing import TypeVar
+from collections.abc import AsyncIterator, Callable
+from typing import TypeAlias, TypeVar
 
 import grpc
+from prometheus_client import Counter
 
 from tally import logs
 from tally.aggregator.errors import REFUSALS, Rejected, abort
 from tally.aggregator.held_sessions import HeldSessions
 from tally.aggregator.metrics import AggregatorMetrics
-from tally.aggregator.session import DeviceQueue, Session, StreamEnd
+# As AggregationSession: in DeviceStreams, ``Session`` is the RPC.
+from tally.aggregator.session import DeviceQueue, StreamEnd
+from tally.aggregator.session import Session as AggregationSession
+from tally.secagg.messages import ClientMessage
 from tally.security import TicketVerifier
 from tally.wire.chunks import MaskedInputAssembler
 from tally.wire.convert import open_envelope
@@ -41,9 +45,12 @@ log = logging.getLogger("tally.aggregator.stream")
 
 SERVICE = secagg_pb2.DESCRIPTOR.services_by_name["SecureAggregation"].full_name
 R = TypeVar("R")
+# The stream's requests and responses travel as bytes: ``add_to_server`` registers it so. (A
+# string: grpc's classes are generic in its stubs only.)
+_StreamContext: TypeAlias = "grpc.aio.ServicerContext[bytes, bytes]"
 
 
-def cpu_counted(fn: Callable[..., R], counter) -> Callable[..., R]:
+def cpu_counted(fn: Callable[..., R], counter: Counter) -> Callable[..., R]:
     """``fn`` with its thread CPU time added to ``counter``: the aggregator's CPU is itemised as
     engine, wire conversion and the rest (gRPC, TLS, the event loop), so a load test can say
     where a round's CPU goes."""
@@ -94,13 +101,13 @@ class DeviceStreams(secagg_pb2_grpc.SecureAggregationServicer):
         return self._metrics
 
     @staticmethod
-    def _open(chunks: MaskedInputAssembler, envelope: secagg_pb2.DeviceToAggregator):
+    def _open(chunks: MaskedInputAssembler, envelope: secagg_pb2.DeviceToAggregator) -> ClientMessage | None:
         """A device message as the engine's value, or None while a masked input's chunks are
         still arriving."""
         whole = chunks.add(envelope)
         return None if whole is None else open_envelope(whole)
 
-    async def Session(self, request_iterator, context: grpc.aio.ServicerContext) -> None:
+    async def Session(self, request_iterator: AsyncIterator[bytes], context: _StreamContext) -> None:
         try:
             session, index, queue = self._join(context)
         except REFUSALS as exc:
@@ -116,10 +123,12 @@ class DeviceStreams(secagg_pb2_grpc.SecureAggregationServicer):
             reader.cancel()
             session.leave(index)
 
-    async def _read(self, context: grpc.aio.ServicerContext) -> secagg_pb2.DeviceToAggregator | None:
+    async def _read(self, context: _StreamContext) -> secagg_pb2.DeviceToAggregator | None:
         """The next message, parsed."""
         data = await context.read()
-        if data is grpc.aio.EOF:
+        # grpc-stubs type a servicer's read as the request alone; gRPC returns grpc.aio.EOF once
+        # the device half-closes (as the stubs say of the client's read).
+        if data is grpc.aio.EOF:  # type: ignore[comparison-overlap]
             return None
         self._metrics.received_bytes.inc(len(data))
         size, envelope = self._parse(data)
@@ -128,7 +137,7 @@ class DeviceStreams(secagg_pb2_grpc.SecureAggregationServicer):
                            "malformed")
         return envelope
 
-    def _join(self, context: grpc.aio.ServicerContext) -> tuple[Session, int, DeviceQueue]:
+    def _join(self, context: _StreamContext) -> tuple[AggregationSession, int, DeviceQueue]:
         try:
             join = join_from_metadata(context.invocation_metadata())
         except JoinError as exc:
@@ -140,8 +149,8 @@ class DeviceStreams(secagg_pb2_grpc.SecureAggregationServicer):
 
     async def _relay(
         self,
-        context: grpc.aio.ServicerContext,
-        session: Session,
+        context: _StreamContext,
+        session: AggregationSession,
         index: int,
         queue: DeviceQueue,
     ) -> None:
@@ -165,7 +174,7 @@ class DeviceStreams(secagg_pb2_grpc.SecureAggregationServicer):
             log.exception("device stream failed", extra={"fields": session.log_fields})
             queue.put_nowait(StreamEnd("INTERNAL", "internal error"))
 
-    async def _send(self, context: grpc.aio.ServicerContext, queue: DeviceQueue) -> None:
+    async def _send(self, context: _StreamContext, queue: DeviceQueue) -> None:
         """Session -> device, until the session ends the stream."""
         while True:
             item = await queue.get()

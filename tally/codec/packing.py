@@ -223,9 +223,9 @@ class PackedSum:
             batch = max(1, min(_BATCH_MAX, _BATCH_BYTES // max(1, n_words * word.itemsize)))
         self._batch = batch
         # Queued uploads, one per row, zero past each upload's last byte (an upload that fills
-        # its words exactly is read in place when it is added alone).
+        # its words exactly is read in place when it is added alone: no rows then).
         self._in_place = batch == 1 and n_words * word.itemsize == self.size
-        self._queue = None if self._in_place else np.zeros((batch, n_words), dtype=word)
+        self._queue = np.zeros((0 if self._in_place else batch, n_words), dtype=word)
         self._queued = 0
         # Per start rank: the sum of each value's word shifted down to the value (mod 2^word).
         self._shifted = [np.zeros(rows * len(s.words), dtype=word) for s in layout.starts]
@@ -263,6 +263,7 @@ class PackedSum:
     def _add_words(self, words: np.ndarray) -> None:
         """Add uploads given as rows of words, (uploads, words)."""
         layout = self._layout
+        assert layout is not None  # only uploads of packed widths come as words
         scratch = self._scratch[: len(words)]
         np.right_shift(words, self._first_shifts, out=scratch)
         _add_rows(self._shifted[0], scratch)

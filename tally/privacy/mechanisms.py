@@ -38,7 +38,7 @@ def conditional_round(scaled: np.ndarray, bound_sq: float) -> np.ndarray:
     floor = np.floor(scaled)
     fraction = scaled - floor
     for _ in range(MAX_ROUNDING_TRIES):
-        rounded = floor + randomness.bernoulli(fraction)
+        rounded: np.ndarray = floor + randomness.bernoulli(fraction)
         if float(rounded @ rounded) <= bound_sq:
             return rounded.astype(np.int64)
     raise PrivacyRefused(f"conditional rounding failed {MAX_ROUNDING_TRIES} times; the norm bound is wrong")
@@ -63,7 +63,8 @@ def encode_distributed(vector: np.ndarray, share: DeviceShare, seed: int) -> np.
     Returns signed integers; reduction mod 2^b (modular clipping) is the ring's, at encoding."""
     clipped = clip_l2(np.asarray(vector, dtype=np.float64), share.clip)
     rounded = conditional_round(rotate(clipped, seed) * share.scale, share.bound_sq)
-    return rounded + randomness.discrete_gaussian(share.sigma_device, rounded.size)
+    noisy: np.ndarray = rounded + randomness.discrete_gaussian(share.sigma_device, rounded.size)
+    return noisy
 
 
 def decode_distributed(total: np.ndarray, plan: DistributedPlan, seed: int) -> np.ndarray:

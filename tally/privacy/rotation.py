@@ -31,7 +31,8 @@ def walsh_hadamard(vector: np.ndarray) -> np.ndarray:
         h //= 2
         pairs = out.reshape(-1, 2, h)
         out = np.concatenate([pairs[:, 0] + pairs[:, 1], pairs[:, 0] - pairs[:, 1]], axis=1)
-    return out.reshape(n) / np.sqrt(n)
+    scaled: np.ndarray = out.reshape(n) / np.sqrt(n)
+    return scaled
 
 
 def _signs(seed: int, n: int) -> np.ndarray:
@@ -48,4 +49,5 @@ def rotate(vector: np.ndarray, seed: int) -> np.ndarray:
 
 def unrotate(rotated: np.ndarray, seed: int, dim: int) -> np.ndarray:
     """The inverse of ``rotate``: the first ``dim`` values of D H y."""
-    return (_signs(seed, rotated.size) * walsh_hadamard(rotated))[:dim]
+    unrotated: np.ndarray = _signs(seed, rotated.size) * walsh_hadamard(rotated)
+    return unrotated[:dim]

@@ -126,7 +126,7 @@ class Layout:
 
 
 def declared_roles(algorithm: str, server: object) -> Mapping[str, Declared] | None:
-    own = getattr(server, "privacy_fields", None)
+    own: Mapping[str, Declared] | None = getattr(server, "privacy_fields", None)
     if own is not None:
         return own
     declared = DECLARED.get(algorithm)
@@ -157,6 +157,10 @@ def layout(algorithm: str, server: object, step: StepSpec) -> Layout:
         raise PrivacyRefused(f"{algorithm} step {step.name!r} has no field to release privately")
     withheld = tuple(f.name for f in step.schema.fields if roles[f.name] is Role.WITHHELD)
     counted = tuple(f for f in step.schema.fields if roles[f.name] is Role.COUNTED)
-    bounds = tuple(None if roles[f.name] is Role.CLIPPED else declared[f.name] if isinstance(declared[f.name], float)
-                   else f.clip * math.sqrt(f.size) for f in clipped)
+    bounds = tuple(None if roles[f.name] is Role.CLIPPED else _bound(f, declared[f.name]) for f in clipped)
     return Layout(step.name, clipped, withheld, counted, bounds)
+
+
+def _bound(f: Field, declared: Declared) -> float:
+    """A BOUNDED field's L2 bound: the one its algorithm declared, else its clip on every value."""
+    return declared if isinstance(declared, float) else f.clip * math.sqrt(f.size)

@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from tally.algorithms.base import Arrays, StepSpec
+from tally.algorithms.base import Arrays, ServerAlgorithm, StepSpec
 from tally.codec import PayloadSchema
 from tally.privacy import mechanisms
 from tally.privacy.accounting import PrivacyLedger, RoundPrivacy, calibrate
@@ -68,7 +68,7 @@ class PrivateServer:
     ``account`` records a released sum in the job's ledger; call it once per decoded total,
     before ``apply`` (a counted field's total is the number of contributors it records)."""
 
-    def __init__(self, inner: Any, algorithm: str, settings: PrivacySettings) -> None:
+    def __init__(self, inner: ServerAlgorithm, algorithm: str, settings: PrivacySettings) -> None:
         self.inner, self.algorithm, self.settings = inner, algorithm, settings
         self.ledger = PrivacyLedger(settings.delta, settings.sampling_rate)
         self._prepared: dict[str, _Prepared] = {}

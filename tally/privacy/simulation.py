@@ -34,7 +34,7 @@ class RingSum:
     def __post_init__(self) -> None:
         self.rng = np.random.default_rng(self.seed)
 
-    def __call__(self, round_: int, step: StepSpec, contributions: Mapping[int, Arrays]):
+    def __call__(self, round_: int, step: StepSpec, contributions: Mapping[int, Arrays]) -> tuple[Arrays, list[int]]:
         devices = sorted(contributions)
         bits = step.schema.required_bits(len(devices))
         dropped = int(self.dropout * len(devices))

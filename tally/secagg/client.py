@@ -17,7 +17,7 @@ import abc
 import enum
 import os
 from collections.abc import Callable
-from typing import NoReturn
+from typing import Any, Generic, NoReturn, TypeVar
 
 import numpy as np
 
@@ -124,7 +124,7 @@ class SecAggClient:
         self.inputs: dict[str, np.ndarray] = {}
         self.aborted: str | None = None
         # A plain session (benchmarks only) has no keys: it waits for the first input request.
-        self._phase: _Phase = (
+        self._phase: _AnyPhase = (
             _AwaitMaskedInputRequest(self, 0) if config.plain else _AwaitShareKeysRequest(self)
         )
 
@@ -183,7 +183,7 @@ class SecAggClient:
             return self._phase.send_masked_input()
         return []
 
-    def _move(self, phase: _Phase, out: list[ClientMessage]) -> list[ClientMessage]:
+    def _move(self, phase: _AnyPhase, out: list[ClientMessage]) -> list[ClientMessage]:
         self._phase = phase
         return out
 
@@ -208,9 +208,12 @@ def _check_neighbour(config: SessionConfig, neighbour: NeighbourKeys) -> None:
         )
 
 
-class _Phase(abc.ABC):
+M = TypeVar("M", bound=ServerMessage)  # the message a phase takes
+
+
+class _Phase(abc.ABC, Generic[M]):
     name = ""
-    accepts: type = object
+    accepts: type[M] | tuple[type[M], ...] = ()
 
     def __init__(self, client: SecAggClient) -> None:
         self.client = client
@@ -221,17 +224,22 @@ class _Phase(abc.ABC):
         return self.on(message)
 
     @abc.abstractmethod
-    def on(self, message: ServerMessage) -> list[ClientMessage]: ...
+    def on(self, message: M) -> list[ClientMessage]: ...
 
 
-class _Done(_Phase):
+# The device holds whichever phase is current and drives it through ``handle``, which takes any
+# ServerMessage: what a phase takes is its own business.
+_AnyPhase = _Phase[Any]
+
+
+class _Done(_Phase[ServerMessage]):
     name = "done"
 
     def on(self, message: ServerMessage) -> list[ClientMessage]:
         raise OutOfPhase("session is finished")
 
 
-class _AwaitShareKeysRequest(_Phase):
+class _AwaitShareKeysRequest(_Phase[ShareKeysRequest]):
     name = "advertise_keys"
     accepts = ShareKeysRequest
 
@@ -299,7 +307,7 @@ class _AwaitShareKeysRequest(_Phase):
         return out
 
 
-class _AwaitShareDelivery(_Phase):
+class _AwaitShareDelivery(_Phase[ShareDelivery]):
     """Checks every delivered share against its dealer's check and answers with a signed
     complaint for each that fails to decrypt or check. It never aborts over one dealer's bad
     share, nor drops that dealer on its own: the verdict decides for every device at once."""
@@ -366,7 +374,7 @@ def _require_holders(client: SecAggClient, count: int, what: str) -> None:
         )
 
 
-class _AwaitShareVerdict(_Phase):
+class _AwaitShareVerdict(_Phase[JustifyRequest | ShareVerdict]):
     """Until the verdict: a dealer answers complaints about its genuine shares with their keys
     (the complainer is lying or this device is faulty; either way the share is already the
     complainer's); then the excluded dealers are treated as never having shared, and this
@@ -384,8 +392,7 @@ class _AwaitShareVerdict(_Phase):
             return self._justify(message)
         client = self.client
         config = client.config
-        excluded = _ascending(tuple(message.excluded), config.n, "the excluded dealers")
-        excluded = frozenset(excluded.tolist())
+        excluded = frozenset(_ascending(tuple(message.excluded), config.n, "the excluded dealers").tolist())
         if not excluded <= self.delivered:
             raise MalformedMessage("the verdict excludes devices that did not deal me shares")
         settled: dict[tuple[str, int], bytes] = {}
@@ -439,7 +446,7 @@ class _AwaitShareVerdict(_Phase):
         return [JustifyResponse(config.ref, client.index, tuple(keys))]
 
 
-class _AwaitMaskedInputRequest(_Phase):
+class _AwaitMaskedInputRequest(_Phase[MaskedInputRequest]):
     name = "masked_input"
     accepts = MaskedInputRequest
 
@@ -459,7 +466,7 @@ class _AwaitMaskedInputRequest(_Phase):
         return []
 
 
-class _AwaitInput(_Phase):
+class _AwaitInput(_Phase[ServerMessage]):
     name = "awaiting_input"
     accepts = ()  # nothing from the server: the caller provides the input
 
@@ -494,7 +501,7 @@ class _AwaitInput(_Phase):
         np.bitwise_and(masked, masked.dtype.type(ring_mask(spec.bits)), out=masked)
         return masked
 
-    def next_phase(self) -> _Phase:
+    def next_phase(self) -> _AnyPhase:
         client = self.client
         if client.config.consistency_check:
             return _AwaitConsistencyCheck(client, self.position)
@@ -507,7 +514,7 @@ class _AwaitPlainInput(_AwaitInput):
     def protect(self, vector: np.ndarray) -> np.ndarray:
         return vector
 
-    def next_phase(self) -> _Phase:
+    def next_phase(self) -> _AnyPhase:
         client = self.client
         nxt = self.position + 1
         return _AwaitMaskedInputRequest(client, nxt) if nxt < len(client.config.sums) else _Done(client)
@@ -522,7 +529,7 @@ def _ascending(devices: tuple[int, ...], n: int, what: str) -> np.ndarray:
     return ids
 
 
-class _AwaitConsistencyCheck(_Phase):
+class _AwaitConsistencyCheck(_Phase[ConsistencyCheckRequest]):
     """The device signs its view (itself and its surviving neighbours) once per sum. An honest
     device signs one view only, so no two views that disagree about a device j can each carry
     the signatures of t of j's neighbours when 2t > k + corrupt neighbours."""
@@ -556,7 +563,7 @@ class _AwaitConsistencyCheck(_Phase):
         return client._move(_AwaitUnmask(client, self.position, signed), [response])
 
 
-class _AwaitUnmask(_Phase):
+class _AwaitUnmask(_Phase[UnmaskRequest]):
     """Answers once, from one survivor set: the view it signed (with the consistency check) or
     the one the request names (semi-honest policy only). Either way the request may name only
     this device's neighbourhood, each device once."""

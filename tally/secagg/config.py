@@ -104,7 +104,8 @@ class SessionConfig:
         cohort has one, else computed for just these devices."""
         table = self.neighbour_table
         if table is not None:
-            return table[indices]
+            rows: np.ndarray = table[indices]
+            return rows
         return self.graph.rows(np.asarray(indices, dtype=np.int64) - 1) + 1
 
     def two_hop_rows(self, indices: np.ndarray) -> np.ndarray:
@@ -121,7 +122,8 @@ class SessionConfig:
             return self.graph.neighbours(index - 1) + 1
         if not 1 <= index <= self.params.n:
             raise IndexError(f"device {index} outside [1, {self.params.n}]")
-        return table[index]
+        row: np.ndarray = table[index]
+        return row
 
     def identity(self, index: int) -> bytes:
         return self.identities[index - 1]
@@ -163,8 +165,10 @@ class SessionConfig:
         if k is None and t is None:
             params = choose_params(n, threat)
         else:
-            auto = choose_params(n, threat) if (k is None or t is None) else None
-            params = GraphParams(n, k if k is not None else auto.k, t if t is not None else auto.t)
+            if k is None or t is None:
+                auto = choose_params(n, threat)
+                k, t = k if k is not None else auto.k, t if t is not None else auto.t
+            params = GraphParams(n, k, t)
             validate_params(params, threat)
         sums = []
         for sum_id, schema in schemas:

@@ -8,6 +8,7 @@ deadline fires.
 
 from __future__ import annotations
 
+import os
 import time
 from collections import defaultdict, deque
 from collections.abc import Callable, Mapping
@@ -115,8 +116,7 @@ def run_cohort(
     run = CohortRun(config, server, server.results, None)
     clients = {
         i: SecAggClient(
-            config, i, identities[i], policy=policy,
-            **({"entropy": partial(entropy, i)} if entropy else {}),
+            config, i, identities[i], policy=policy, entropy=partial(entropy, i) if entropy else os.urandom,
         )
         for i in range(1, config.n + 1)
     }
@@ -225,7 +225,7 @@ def secure_sum(
         consistency_check=consistency_check,
         identities=[identities[i].public for i in range(1, n + 1)],
     )
-    inputs = {}
+    inputs: dict[int, dict[str, np.ndarray]] = {}
     for i, per_sum in values.items():
         inputs[i] = {}
         for spec in config.sums:

@@ -77,14 +77,16 @@ def payload_bytes(message: object) -> int:
     Transport framing is left out: it is the services' to measure.
     """
     kind = type(message)
-    if kind is bytes or kind is str:
+    if type(message) is bytes or type(message) is str:
         return len(message)
-    if kind is int:
+    if type(message) is int:
         return 4
-    if kind is tuple:
+    if type(message) is tuple:
         return sum(map(payload_bytes, message))
     names = _FIELDS.get(kind)
     if names is None:
+        if not dataclasses.is_dataclass(message):
+            raise TypeError(f"{kind.__name__} is not a message")
         names = _FIELDS[kind] = tuple(f.name for f in dataclasses.fields(message) if f.name != "ref")
     return sum(payload_bytes(getattr(message, name)) for name in names)
 

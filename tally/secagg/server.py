@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import abc
 from collections.abc import Iterable
+from typing import Any, Generic, TypeVar, cast
 
 import numpy as np
 
@@ -99,7 +100,7 @@ class SecAggServer:
         # Each holder's delivery, kept until the verdict to judge complaints about it.
         self.deliveries: dict[int, ShareDelivery] = {}
         everyone = frozenset(range(1, config.n + 1))
-        self._phase: _Phase = (
+        self._phase: _AnyPhase = (
             _NotStarted(self, everyone) if config.plain else _AdvertiseKeysPhase(self, everyone)
         )
 
@@ -151,7 +152,7 @@ class SecAggServer:
 
     # -- used by the phases ----------------------------------------------------
 
-    def _advance(self, phase: _Phase, outgoing: list[Outgoing]) -> list[Outgoing]:
+    def _advance(self, phase: _AnyPhase, outgoing: list[Outgoing]) -> list[Outgoing]:
         self._phase = phase
         return outgoing
 
@@ -160,7 +161,7 @@ class SecAggServer:
         self._phase = _Finished(self, frozenset())
         return [Outgoing(i, Abort(self.config.ref, reason)) for i in sorted(recipients)]
 
-    def _require(self, survivors: frozenset[int], phase: str, notify: Iterable[int]):
+    def _require(self, survivors: frozenset[int], phase: str, notify: Iterable[int]) -> list[Outgoing] | None:
         if len(survivors) < self.config.min_survivors:
             return self._abort(
                 f"{phase}: {len(survivors)} devices answered, "
@@ -178,14 +179,18 @@ class SecAggServer:
         return self._advance(phase(self, alive, position), out)
 
 
-class _Phase(abc.ABC):
+M = TypeVar("M", bound=ClientMessage)  # the message a phase takes
+K = TypeVar("K", bound=ClientMessage | None)  # what it keeps of each in ``received``
+
+
+class _Phase(abc.ABC, Generic[M, K]):
     name = ""
-    message_type: type = object
+    message_type: type[M] | tuple[type[M], ...] = ()
 
     def __init__(self, server: SecAggServer, expected: frozenset[int]) -> None:
         self.server = server
         self.expected = expected
-        self.received: dict[int, ClientMessage] = {}
+        self.received: dict[int, K] = {}
         # Who the phase still waits for: kept incrementally, so a message costs O(1), not O(n).
         self.pending: set[int] = set(expected) - server.lost
 
@@ -196,9 +201,10 @@ class _Phase(abc.ABC):
             raise OutOfPhase(
                 f"{type(message).__name__} received while the session is in {self.name}"
             )
-        if getattr(message, "sum_id", "") != self.sum_id:
+        sum_id = getattr(message, "sum_id", "")
+        if sum_id != self.sum_id:
             raise StaleMessage(
-                f"{type(message).__name__} for sum {message.sum_id!r} received while "
+                f"{type(message).__name__} for sum {sum_id!r} received while "
                 f"sum {self.sum_id!r} is in {self.name}"
             )
         if message.sender in self.received:
@@ -216,16 +222,16 @@ class _Phase(abc.ABC):
     def complete(self) -> bool:
         return not self.pending
 
-    def kept(self, message: ClientMessage) -> ClientMessage | None:
+    def kept(self, message: M) -> K:
         """What ``received`` holds for a validated message: the message, unless the phase has
-        taken what it needs from it."""
-        return message
+        taken what it needs from it (and says so with its own ``K`` and ``kept``)."""
+        return cast(K, message)
 
-    def record(self, message: ClientMessage) -> None:
+    def record(self, message: M) -> None:
         """Phase-specific bookkeeping of a validated message."""
 
     @abc.abstractmethod
-    def validate(self, message: ClientMessage) -> None: ...
+    def validate(self, message: M) -> None: ...
 
     @abc.abstractmethod
     def close(self) -> list[Outgoing]: ...
@@ -235,7 +241,12 @@ class _Phase(abc.ABC):
         return self.close()
 
 
-class _Finished(_Phase):
+# The server drives whichever phase is current through ``accept``/``close``/``expire``, which
+# take any ClientMessage: what a phase takes and keeps is its own business.
+_AnyPhase = _Phase[Any, Any]
+
+
+class _Finished(_Phase[ClientMessage, ClientMessage]):
     name = "finished"
 
     def validate(self, message: ClientMessage) -> None:
@@ -250,7 +261,7 @@ class _Finished(_Phase):
         return []
 
 
-class _NotStarted(_Phase):
+class _NotStarted(_Phase[ClientMessage, ClientMessage]):
     """A plain session before ``start()``, while devices join: they only speak when asked."""
 
     name = "join"
@@ -263,7 +274,7 @@ class _NotStarted(_Phase):
         return self.server._start_sum(0, self.expected - self.server.lost)
 
 
-class _AdvertiseKeysPhase(_Phase):
+class _AdvertiseKeysPhase(_Phase[AdvertiseKeys, AdvertiseKeys]):
     name = "advertise_keys"
     message_type = AdvertiseKeys
 
@@ -318,7 +329,7 @@ def _prune(config: SessionConfig, advertised: frozenset[int]) -> tuple[frozenset
     return frozenset(kept), advertised - kept
 
 
-class _ShareKeysPhase(_Phase):
+class _ShareKeysPhase(_Phase[ShareKeysResponse, ShareKeysResponse]):
     name = "share_keys"
     message_type = ShareKeysResponse
 
@@ -390,7 +401,7 @@ def _recipient(share: EncryptedShare) -> int:
     return share.recipient
 
 
-class _ComplaintsPhase(_Phase):
+class _ComplaintsPhase(_Phase[ShareComplaints, ShareComplaints]):
     """Every holder answers its delivery; a complaint must be signed by its holder over the
     share exactly as delivered (an honest server can check that, and the dealer will)."""
 
@@ -431,7 +442,7 @@ class _ComplaintsPhase(_Phase):
         return server._advance(justify, out)
 
 
-class _JustifyPhase(_Phase):
+class _JustifyPhase(_Phase[JustifyResponse, JustifyResponse]):
     """Each accused dealer reveals the key of every share complained about; the server opens
     the share it delivered with it. A dealer that does not, or whose share fails, is excluded;
     a complaint about a good share names its holder as misbehaving."""
@@ -496,14 +507,14 @@ def _verdict(server: SecAggServer, answered: frozenset[int],
     return out + server._start_sum(0, alive)
 
 
-class _SumPhase(_Phase):
+class _SumPhase(_Phase[M, K]):
     def __init__(self, server: SecAggServer, expected: frozenset[int], position: int) -> None:
         super().__init__(server, expected)
         self.position = position
         self.sum_id = server.config.sums[position].sum_id
 
 
-class _MaskedInputPhase(_SumPhase):
+class _MaskedInputPhase(_SumPhase[MaskedInputResponse, None]):
     """Each masked input goes into the running sum as it arrives (small ones a batch at a time),
     while the server would otherwise wait for the slowest device: Unmask then only removes the
     masks, and the server holds at most a small batch of uploads (``PackedSum``: 512 KiB), never
@@ -566,7 +577,7 @@ class _PlainSumPhase(_MaskedInputPhase):
         return server._start_sum(self.position + 1, u3)
 
 
-class _ConsistencyPhase(_SumPhase):
+class _ConsistencyPhase(_SumPhase[ConsistencyCheckResponse, ConsistencyCheckResponse]):
     """Each survivor signs its view (the survivors among itself and its neighbours); each signer
     then gets the survivors within two hops and its neighbours' signatures, all it needs to check
     that t of them signed views that count it as a survivor. Messages stay O(k), not O(n)."""
@@ -574,7 +585,7 @@ class _ConsistencyPhase(_SumPhase):
     name = "consistency_check"
     message_type = ConsistencyCheckResponse
 
-    def __init__(self, server, expected, position, masked: np.ndarray) -> None:
+    def __init__(self, server: SecAggServer, expected: frozenset[int], position: int, masked: np.ndarray) -> None:
         super().__init__(server, expected, position)
         self.masked = masked
         self._is_survivor = indicator(server.config.n, expected)
@@ -623,14 +634,15 @@ def _views(config: SessionConfig, devices: list[int], is_survivor: np.ndarray) -
     return {i: tuple(row[keep].tolist()) for i, row, keep in zip(devices, block, alive)}
 
 
-class _UnmaskPhase(_SumPhase):
+class _UnmaskPhase(_SumPhase[UnmaskResponse, UnmaskResponse]):
     """Collects t shares of every secret the sum needs and rebuilds them all at once; the secrets,
     shares, rebuilding and unmasking are ``tally.secagg.unmask``'s."""
 
     name = "unmask"
     message_type = UnmaskResponse
 
-    def __init__(self, server, expected, position, masked: np.ndarray, survivors) -> None:
+    def __init__(self, server: SecAggServer, expected: frozenset[int], position: int, masked: np.ndarray,
+                 survivors: frozenset[int]) -> None:
         super().__init__(server, expected, position)
         config = server.config
         self.masked = masked
@@ -654,17 +666,17 @@ class _UnmaskPhase(_SumPhase):
         seed_owners, key_owners = message.seed_owners, message.key_owners
         usual = type(seed_owners) is tuple and type(key_owners) is tuple  # what the wire decodes
         if not (usual and seed_owners == seeds and key_owners == keys):
-            seed_owners = _owners(sender, seed_owners)
-            key_owners = _owners(sender, key_owners)
-            if not np.array_equal(np.sort(seed_owners), seeds):
+            seed_array = _owners(sender, seed_owners)
+            key_array = _owners(sender, key_owners)
+            if not np.array_equal(np.sort(seed_array), seeds):
                 raise MalformedMessage(
                     f"device {sender} must reveal seed shares of exactly its surviving neighbours"
                 )
-            if not np.array_equal(np.sort(key_owners), keys):
+            if not np.array_equal(np.sort(key_array), keys):
                 raise MalformedMessage(
                     f"device {sender} must reveal key shares of exactly its dropped neighbours"
                 )
-            rows = self.secrets.row_of[np.concatenate([seed_owners, key_owners])]
+            rows = self.secrets.row_of[np.concatenate([seed_array, key_array])]
         size = shamir.SHARE_BYTES
         blocks = message.seed_shares, message.key_shares
         if (not all(isinstance(b, bytes) for b in blocks)

@@ -107,7 +107,7 @@ def holder_coordinates(xs: np.ndarray, t: int) -> np.ndarray:
     """Validated x-coordinates of one sharing's holders: distinct, in [1, p), at least ``t``."""
     if np.ndim(xs) != 1:
         raise ValueError("holder x-coordinates must be a 1-d array")
-    x = _check_holder_sets(np.asarray(xs)[None, :])[0]
+    x: np.ndarray = _check_holder_sets(np.asarray(xs)[None, :])[0]
     if not 1 <= t <= len(x):
         raise ValueError(f"threshold t={t} must lie in [1, {len(x)}] (the number of holders)")
     return x
@@ -194,7 +194,8 @@ def _lagrange_by_products(xs: np.ndarray) -> np.ndarray:
         same = np.arange(t) == j
         num = num * np.where(same, np.uint64(1), xj) % _P
         den = den * np.where(same, np.uint64(1), (xj + _P - xs) % _P) % _P
-    return num * _pow_mod(den, P - 2) % _P
+    coefficients: np.ndarray = num * _pow_mod(den, P - 2) % _P
+    return coefficients
 
 
 # 7 generates GF(p)*, whose order p - 1 = 2 * 3^2 * 7 * 11 * 31 * 151 * 331 is smooth enough for
@@ -222,7 +223,8 @@ def _exp(exponent: np.ndarray) -> np.ndarray:
     tables = _exp_tables()
     mask = (1 << _EXP_DIGIT_BITS) - 1
     low = tables[0][exponent & mask] * tables[1][(exponent >> _EXP_DIGIT_BITS) & mask] % _P
-    return low * tables[2][exponent >> (2 * _EXP_DIGIT_BITS)] % _P
+    power: np.ndarray = low * tables[2][exponent >> (2 * _EXP_DIGIT_BITS)] % _P
+    return power
 
 
 @functools.lru_cache(maxsize=4)
@@ -284,7 +286,7 @@ def lagrange_at_zero(xs: tuple[int, ...]) -> np.ndarray:
 
     The returned array is shared by the cache and read-only.
     """
-    coefficients = _lagrange_batch(_check_holder_sets(np.array([xs], dtype=np.int64)))[0]
+    coefficients: np.ndarray = _lagrange_batch(_check_holder_sets(np.array([xs], dtype=np.int64)))[0]
     coefficients.setflags(write=False)
     return coefficients
 
@@ -296,7 +298,8 @@ def _coefficients(xs: np.ndarray) -> np.ndarray:
         table = np.stack([lagrange_at_zero(tuple(row)) for row in distinct.tolist()])
     else:
         table = _lagrange_batch(_check_holder_sets(distinct))
-    return table[index.reshape(-1)]
+    rows: np.ndarray = table[index.reshape(-1)]
+    return rows
 
 
 _SET_HASH_WEIGHTS = np.random.default_rng(0).integers(1, 1 << 62, 4096, dtype=np.int64) | 1

@@ -59,7 +59,7 @@ def challenge(check_digest: bytes) -> np.ndarray:
     """(ROWS, TERMS) field elements drawn from the digest (SHAKE-256, rejection sampling)."""
     wanted = ROWS * TERMS
     stream = hashlib.shake_256(b"tally/share-challenge|" + check_digest).digest(8 * wanted)
-    draws = np.frombuffer(stream, dtype="<u4").astype(np.uint64) & np.uint64(shamir.P)
+    draws: np.ndarray = np.frombuffer(stream, dtype="<u4").astype(np.uint64) & np.uint64(shamir.P)
     draws = draws[draws != _P]  # P itself is the only 31-bit value outside the field
     return draws[:wanted].reshape(ROWS, TERMS)
 
@@ -70,7 +70,8 @@ def check_polynomials(secret_polynomials: np.ndarray, blinding: np.ndarray, c: n
     t = secret_polynomials.shape[1]
     f = secret_polynomials.transpose(1, 0, 2).reshape(t, TERMS)  # degree -> term
     products = (c[:, None, :] * f[None, :, :]) % _P  # each below p: 18 of them fit in uint64
-    return (blinding + products.sum(axis=2)) % _P
+    checks: np.ndarray = (blinding + products.sum(axis=2)) % _P
+    return checks
 
 
 def evaluate_rows(polynomials: np.ndarray, xs: np.ndarray) -> np.ndarray:

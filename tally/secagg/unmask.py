@@ -252,8 +252,9 @@ class SecretRebuilder:
     def by_owner(self) -> tuple[dict[int, bytes], dict[int, crypto.KeyPair]]:
         """The rebuilt survivors' seeds and dropouts' mask keys, by owner."""
         rebuilt = {self.secrets[row]: secret for row, secret in self.rebuilt.items()}
-        seeds = {owner: secret for (kind, owner), secret in rebuilt.items() if kind == "seed"}
-        keys = {owner: secret for (kind, owner), secret in rebuilt.items() if kind == "key"}
+        # ``_checked`` rebuilds a seed as its bytes and a mask key as its KeyPair.
+        seeds = {owner: secret for (_, owner), secret in rebuilt.items() if isinstance(secret, bytes)}
+        keys = {owner: secret for (_, owner), secret in rebuilt.items() if isinstance(secret, crypto.KeyPair)}
         return seeds, keys
 
 

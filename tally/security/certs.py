@@ -34,6 +34,7 @@ import secrets
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TypeVar
 
 from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
@@ -368,5 +369,8 @@ def _check_ip(value: str) -> str:
         raise CertificateError(f"{value!r} is not an IP address") from None
 
 
-def _unique(items: list) -> list:
+T = TypeVar("T")
+
+
+def _unique(items: list[T]) -> list[T]:
     return list(dict.fromkeys(items))

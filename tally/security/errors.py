@@ -25,7 +25,7 @@ class AuthError(Exception):
 
     @property
     def code(self) -> grpc.StatusCode:
-        return getattr(grpc.StatusCode, self.status)
+        return grpc.StatusCode[self.status]
 
     def abort(self, context: Any) -> NoReturn:
         """End the current RPC with this error (``context`` is a ``grpc.ServicerContext``)."""

@@ -18,10 +18,10 @@ import argparse
 import re
 import ipaddress
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol, TypeVar
 
 import grpc
 from cryptography import x509
@@ -87,7 +87,10 @@ def server_credentials(config: TLSConfig) -> grpc.ServerCredentials:
         raise ValueError("a TLS server needs cert and key")
     files = ServerCertificateFiles(config)
     return grpc.dynamic_ssl_server_credentials(
-        files.current, files.changed, require_client_authentication=config.require_client_auth
+        # grpc-stubs want the fetcher to return a configuration; gRPC's contract is "or None for
+        # no change", which is what ``changed`` returns between renewals.
+        files.current, files.changed,  # type: ignore[arg-type]
+        require_client_authentication=config.require_client_auth,
     )
 
 
@@ -197,11 +200,12 @@ def check_listen(address: str, config: TLSConfig) -> None:
             )
 
 
-def bind(server: grpc.Server, address: str, config: TLSConfig) -> int:
+def bind(server: grpc.Server | grpc.aio.Server, address: str, config: TLSConfig) -> int:
     """Add a listening port to ``server``; returns the bound port (useful with ``:0``).
 
     Plaintext only on loopback; anything else raises ``ValueError`` before binding."""
     check_listen(address, config)
+    add: Callable[[str], int]
     if config.insecure:
         add = server.add_insecure_port
     else:
@@ -231,7 +235,20 @@ def open_aio_channel(
     return _channel(grpc.aio, target, config, options)
 
 
-def _channel(kind, target: str, config: TLSConfig, options: ChannelOptions | None):
+C = TypeVar("C", grpc.Channel, grpc.aio.Channel)
+C_co = TypeVar("C_co", covariant=True)
+
+
+class _Channels(Protocol[C_co]):
+    """What ``_channel`` needs of its ``kind``: the module ``grpc`` or ``grpc.aio``."""
+
+    def insecure_channel(self, target: str, options: ChannelOptions | None = None) -> C_co: ...
+
+    def secure_channel(self, target: str, credentials: grpc.ChannelCredentials,
+                       options: ChannelOptions | None = None) -> C_co: ...
+
+
+def _channel(kind: _Channels[C], target: str, config: TLSConfig, options: ChannelOptions | None) -> C:
     """``kind`` is ``grpc`` or ``grpc.aio``: one rule for both, so they cannot drift apart."""
     opts = list(options or [])
     if config.insecure:
@@ -297,10 +314,12 @@ def _address_host(address: str) -> str | None:
     return a.rsplit(":", 1)[0] if ":" in a else a
 
 
-def peer_identity(context: grpc.ServicerContext) -> str | None:
+def peer_identity(context: grpc.ServicerContext | grpc.aio.ServicerContext[Any, Any]) -> str | None:
     """The verified client certificate's common name on a mutual-TLS connection, else None."""
-    auth = context.auth_context() or {}
-    names = auth.get("x509_common_name") or []
+    # grpc-stubs type the blocking context's auth_context as str -> bytes; gRPC documents (and
+    # returns) an iterable of bytes per property, as the stubs of grpc.aio say.
+    auth: Mapping[str, Iterable[bytes]] = context.auth_context() or {}  # type: ignore[assignment]
+    names = list(auth.get("x509_common_name") or [])
     return names[0].decode() if names else None
 
 

@@ -36,9 +36,10 @@ import math
 import os
 import secrets
 import struct
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives import serialization
@@ -334,7 +335,7 @@ class _Reader:
     def __init__(self, data: bytes, pos: int) -> None:
         self.data, self.pos = data, pos
 
-    def unpack(self, fmt: str):
+    def unpack(self, fmt: str) -> Any:  # an int or a float, as ``fmt`` says (struct's own type)
         (value,) = struct.unpack_from(fmt, self.data, self.pos)
         self.pos += struct.calcsize(fmt)
         return value
@@ -418,7 +419,7 @@ def load_ticket_public_key(path: str | os.PathLike[str]) -> ed25519.Ed25519Publi
     return key
 
 
-def _load_or_create(path: Path, make) -> bytes:
+def _load_or_create(path: Path, make: Callable[[], bytes]) -> bytes:
     if path.exists():
         return path.read_bytes()
     private_dir(path.parent)

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterable, Mapping
-from typing import Any
+from typing import Any, TypeVar, cast, overload
 
 import numpy as np
 from google.protobuf.message import Message
@@ -94,14 +94,15 @@ def _sub(proto: Message, field: str) -> Message:
     """A required submessage: proto3 reports an absent one as empty, which is never valid here."""
     if not proto.HasField(field):
         raise WireError(f"{_name(proto)}.{field} is missing")
-    return getattr(proto, field)
+    sub: Message = getattr(proto, field)
+    return sub
 
 
 MAX_ID_BYTES = 256
 
 
 def _text(proto: Message, field: str) -> str:
-    value = getattr(proto, field)
+    value: str = getattr(proto, field)
     if not value:
         raise WireError(f"{_name(proto)}.{field} is missing (empty)")
     if len(value) > MAX_ID_BYTES:
@@ -133,7 +134,7 @@ def _indices(proto: Message, field: str) -> tuple[int, ...]:
 
 
 def _ref(proto: Message) -> SessionRef:
-    return _session_ref_from(_sub(proto, "ref"))
+    return _session_ref_from(cast(secagg_pb2.SessionRef, _sub(proto, "ref")))  # every ref field is one
 
 
 # ---- session and sums --------------------------------------------------------------------------
@@ -534,6 +535,10 @@ _AGGREGATOR_FIELDS: dict[type, str] = {
 }
 
 
+@overload
+def to_proto(value: SessionConfig) -> secagg_pb2.SessionConfig: ...
+@overload
+def to_proto(value: Any) -> Message: ...
 def to_proto(value: Any) -> Message:
     """The protobuf form of a protocol message, SessionConfig, SumSpec or SessionRef."""
     try:
@@ -561,7 +566,10 @@ def from_proto(proto: Message) -> Any:
     return decode(proto)
 
 
-def _wrap(envelope: Message, fields: Mapping[type, str], message: Any) -> Message:
+E = TypeVar("E", bound=Message)
+
+
+def _wrap(envelope: E, fields: Mapping[type, str], message: Any) -> E:
     field = fields.get(type(message))
     if field is None:
         raise TypeError(f"a {type(message).__name__} does not travel in {_name(envelope)}")
@@ -586,6 +594,12 @@ def aggregator_envelope(
     return _wrap(secagg_pb2.AggregatorToDevice(), _AGGREGATOR_FIELDS, message)
 
 
+@overload
+def open_envelope(envelope: secagg_pb2.DeviceToAggregator) -> ClientMessage: ...
+@overload
+def open_envelope(
+    envelope: secagg_pb2.AggregatorToDevice,
+) -> ServerMessage | secagg_pb2.Joined | secagg_pb2.SessionDone: ...
 def open_envelope(envelope: secagg_pb2.DeviceToAggregator | secagg_pb2.AggregatorToDevice) -> Any:
     """The message a stream envelope carries: a protocol value, or the Joined or SessionDone
     proto as is (session plumbing, which the services handle themselves)."""

@@ -9,8 +9,10 @@ become a marker, and the method then answers INVALID_ARGUMENT before the service
 
 from __future__ import annotations
 
-import inspect
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+from types import AsyncGeneratorType
+from typing import Any, Protocol, TypeAlias, cast
 
 import grpc
 from google.protobuf.message import DecodeError
@@ -21,44 +23,65 @@ class _Undecodable:
     size: int
 
 
+# Every method of every service passes here, whatever its messages: hence the Any. (Strings:
+# grpc's classes are generic in its stubs only.)
+_Handler: TypeAlias = "grpc.RpcMethodHandler[Any, Any]"
+_Context: TypeAlias = "grpc.aio.ServicerContext[Any, Any]"
+
+
+class _AioHandler(Protocol):
+    """A handler as grpc.aio gives it to an interceptor: grpc's handler namedtuple, holding
+    coroutine functions and async generators (grpc-stubs type the blocking handler's callables)."""
+
+    unary_unary: Callable[[object, _Context], Awaitable[object]]
+    unary_stream: Callable[[object, _Context], AsyncGeneratorType[object, None] | Awaitable[None]]
+
+    def _replace(self, **fields: object) -> _Handler: ...
+
+
 class RefuseUndecodable(grpc.aio.ServerInterceptor):
-    async def intercept_service(self, continuation, details: grpc.HandlerCallDetails):
+    async def intercept_service(
+        self, continuation: Callable[[grpc.HandlerCallDetails], Awaitable[_Handler | None]],
+        details: grpc.HandlerCallDetails,
+    ) -> _Handler | None:
         handler = await continuation(details)
         if handler is None or handler.request_streaming or handler.request_deserializer is None:
             return handler
         parse = handler.request_deserializer
         method = details.method
+        aio = cast(_AioHandler, handler)
 
-        def deserialize(data: bytes):
+        def deserialize(data: bytes) -> object:
             try:
                 return parse(data)
             except DecodeError:
                 return _Undecodable(len(data))
 
-        async def refuse(request, context: grpc.aio.ServicerContext) -> None:
+        async def refuse(request: _Undecodable, context: _Context) -> None:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                                 f"{method}: the {request.size}-byte request is not a valid request message")
 
         if handler.response_streaming:
-            inner = handler.unary_stream
+            inner_stream = aio.unary_stream
 
-            async def unary_stream(request, context):
+            async def unary_stream(request: object, context: _Context) -> None:
                 if isinstance(request, _Undecodable):
                     return await refuse(request, context)
-                result = inner(request, context)
-                if inspect.isasyncgen(result):
+                result = inner_stream(request, context)
+                if isinstance(result, AsyncGeneratorType):
                     async for item in result:
                         await context.write(item)
                     return None
                 return await result
 
-            return handler._replace(request_deserializer=deserialize, unary_stream=unary_stream)
+            return aio._replace(request_deserializer=deserialize, unary_stream=unary_stream)
 
-        inner = handler.unary_unary
+        inner = aio.unary_unary
 
-        async def unary_unary(request, context):
+        async def unary_unary(request: object, context: _Context) -> object:
             if isinstance(request, _Undecodable):
-                return await refuse(request, context)
+                await refuse(request, context)
+                return None
             return await inner(request, context)
 
-        return handler._replace(request_deserializer=deserialize, unary_unary=unary_unary)
+        return aio._replace(request_deserializer=deserialize, unary_unary=unary_unary)
