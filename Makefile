@@ -5,7 +5,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: test demo docs bench-smoke clean prometheus postgresql images test-containers test-full
+.PHONY: test lint demo docs bench-smoke clean prometheus postgresql images test-containers test-full
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -36,7 +36,15 @@ postgresql:
 # processes and deadlines, so three workers on two cores finish sooner than one (docs/contributing.md).
 TEST_WORKERS ?= 3
 
-test: $(STAMP) prometheus postgresql
+# The house's rules, checked before any test runs: ruff (pyflakes, pycodestyle, bugbear, pyupgrade,
+# isort, logging), mypy --strict on the torch-free layers, and the import contracts (all configured in
+# pyproject.toml). PYTHONPATH: lint-imports reads the tree it is run in, not another editable install.
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .
+	$(PY) -m mypy
+	PYTHONPATH=$(CURDIR) $(VENV)/bin/lint-imports --no-cache
+
+test: $(STAMP) prometheus postgresql lint
 	$(PY) -m pytest -q -m "not containers and not full" -n $(TEST_WORKERS)
 
 # What `make test` runs smaller or leaves out, at full size: the 10,000-device cohort, the attacks at
