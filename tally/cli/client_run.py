@@ -28,7 +28,7 @@ from tally.loadtest.report import write_report
 from tally.client.metrics import ClientMetrics
 from tally.loadtest.sum_audit import MISMATCH, SumAudit, SumCheck, check_committed, outcome_counts
 from tally.loadtest.synthetic import SyntheticUpdates
-from tally.loadtest.timeline import FleetTimeline
+from tally.loadtest.timeline import FleetTimeline, TimelineMetrics
 from tally.metrics import MetricsServer
 from tally.secagg import DevicePolicy, ThreatModel
 from tally.security import bearer_metadata, load_ticket_public_key
@@ -217,6 +217,7 @@ def _play(args: argparse.Namespace, on_stats: Callable[[FleetStats], None] | Non
               else DEFAULT_PHASES)
     plan = DropoutPlan(args.dropout, phases, seed=args.seed) if args.dropout > 0 else None
     console = cli_console(stderr=True)
+    timeline = FleetTimeline(args.seed) if args.report is not None else None
     fleet = Fleet(
         args.coordinator,
         tls_config_from_args(args),
@@ -233,7 +234,7 @@ def _play(args: argparse.Namespace, on_stats: Callable[[FleetStats], None] | Non
         enrolment_key=enrolment_key,
         profile=profile,
         ramp_s=args.ramp,
-        metrics=ClientMetrics(FleetTimeline(args.seed) if args.report is not None else None),
+        metrics=TimelineMetrics(timeline) if timeline is not None else None,
     )
     if args.until_job_done:
         until = fleet.until_job_done(args.until_job_done)
@@ -253,8 +254,7 @@ def _play(args: argparse.Namespace, on_stats: Callable[[FleetStats], None] | Non
         return Played(1)
     finally:
         fleet.close()
-    return Played(0, stats, SumAudit.of(fleet.inputs) if fleet.inputs is not None else None,
-                  fleet.metrics.timeline)
+    return Played(0, stats, SumAudit.of(fleet.inputs) if fleet.inputs is not None else None, timeline)
 
 
 def _read_token(path: Path) -> str:
