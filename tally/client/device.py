@@ -40,10 +40,11 @@ from tally.client.contribution import Contribution, TaskError, plan_task
 from tally.client.download import Downloader, ModelCache
 from tally.client.enrolment import register_request
 from tally.client.hooks import DeviceHooks
+from tally.client.input_ledger import LEDGER_FILE, InputLedger
 from tally.client.local_state import LocalStateStore
 from tally.client.metrics import ClientMetrics
 from tally.client.onnx_model import OnnxModel
-from tally.client.reports import LEDGER_FILE, InputLedger, Outcome, TaskReports
+from tally.client.reports import Outcome, TaskReports
 from tally.client.retry import RETRYABLE, RetryPolicy, Stopped, pause
 from tally.client.session import ABORTED, COMPLETED, DROPPED, SecAggSession
 from tally.client.trust import check_assignment

@@ -51,7 +51,7 @@ from tally.client.adapted_models import AdaptedModels
 from tally.client.channels import open_aio_channel
 from tally.client.enrolment import load_or_create_identity, simulated_identity
 from tally.client.local_state import LocalStateStore
-from tally.client.reports import LEDGER_FILE, InputLedger
+from tally.client.input_ledger import LEDGER_FILE, InputLedger
 from tally.client.session import settle, stream_timeout
 from tally.codec import Field, Kind, PayloadSchema, ring_mask, to_ring
 from tally.datasets.digits import digits
