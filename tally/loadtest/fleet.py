@@ -31,7 +31,7 @@ from tally.client.channels import Channels, reconnect_options
 from tally.client.device import Device, DeviceStats
 from tally.client.enrolment import simulated_identity
 from tally.client.metrics import ClientMetrics
-from tally.client.retry import RetryPolicy, Stopped, pause
+from tally.client.retry import CoordinatorUnreachable, RetryPolicy, Stopped, pause
 from tally.loadtest.behaviour import BehaviourProfile, DeviceTraits
 from tally.loadtest.dropout import DropoutPlan
 from tally.loadtest.hooks import SimulatedDevice
@@ -170,19 +170,6 @@ def device_ids(prefix: str, count: int, first: int = 0) -> list[str]:
     """The ids of devices ``first``.. of a fleet, in order (a synthetic device's inputs derive
     from its id)."""
     return [f"{prefix}-{i:05d}" for i in range(first, first + count)]
-
-
-class CoordinatorUnreachable(ConnectionError):
-    """No device of the fleet completed a single check-in within the connect timeout."""
-
-    @classmethod
-    def after(cls, who: str, coordinator: str, seconds: float, last_error: str) -> CoordinatorUnreachable:
-        """``who`` ("no device reached") the coordinator in ``seconds``; the hint follows the last
-        error, since a coordinator that answers with a certificate the devices refuse is not down."""
-        hint = ("it answers, but the TLS handshake fails" if "(TLS: " in last_error
-                else "is it running, and is the address right?")
-        return cls(f"{who} the coordinator at {coordinator} within {seconds:g} s (last error: "
-                   f"{last_error or 'none yet'}); {hint}")
 
 
 class Fleet:
