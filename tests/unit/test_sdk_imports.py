@@ -34,7 +34,7 @@ def _loaded_after(imports: str) -> list[str]:
 
 @pytest.mark.parametrize("imports", [
     "import tally.client",
-    "from tally.client import Device, ClientMetrics, OnnxModel",
+    "from tally.client import ClientMetrics, Device, DeviceHooks, OnnxModel",
     "import tally.client.device",
     "import tally.client.hooks",
     "import tally.cli.client_run",
