@@ -194,8 +194,9 @@ class SecAggSession:
         self._phase = "join"
         self._asked_at: float | None = None
         self._hooks = hooks
-        # The first protocol message this device sent (its next session may replay it).
-        self.opening: ClientMessage | None = None
+        # The first protocol message this device sent (the hooks learn it: a simulated device's
+        # next session may replay it).
+        self._opening: ClientMessage | None = None
 
     async def run(self) -> SessionOutcome:
         start = time.perf_counter()
@@ -326,10 +327,10 @@ class SecAggSession:
                 await asyncio.to_thread(self._on_input)
             self._sent_input = True  # before the write: once it may have left, it counts as sent
         hooks = self._hooks
-        opening = self.opening is None and (hooks is None or message is not hooks.replay)
+        opening = self._opening is None and (hooks is None or message is not hooks.replay)
         copies = 1
         if opening:
-            self.opening = message
+            self._opening = message
             if hooks is not None:
                 hooks.opened(message)
                 copies = 2 if hooks.duplicate else 1
