@@ -1,5 +1,6 @@
 # syntax=docker/dockerfile:1.7
-# Devices: `tally-client` (one device) and `tally-fleet` (simulated devices for load tests).
+# Devices: `tally-client` (one device) and `tally-fleet` (simulated devices for load tests):
+# `tally[loadtest]`, which includes the SDK's `tally[client]`.
 #   make images        (or: podman build --build-arg BASE=... -f docker/client.Dockerfile .)
 # BASE: a Debian bookworm with python3, python3-venv and tini; `make images` builds one offline
 # (debootstrap). Packages come from build/wheelhouse (`make images` fills it on the host: torch
@@ -12,7 +13,7 @@ FROM ${BASE} AS build
 LABEL org.tally.built-by="docker/build-images.sh"
 COPY build/wheelhouse /wheels
 RUN python3 -m venv /opt/tally \
-    && /opt/tally/bin/pip install --no-cache-dir --no-index --find-links /wheels "tally[client]" \
+    && /opt/tally/bin/pip install --no-cache-dir --no-index --find-links /wheels "tally[loadtest]" \
     && /opt/tally/bin/pip uninstall --yes pip setuptools
 
 FROM ${BASE}

@@ -1,12 +1,13 @@
 """``tally client`` (one device on a dataset shard) and ``tally fleet`` (N simulated devices in
 one or several processes), both against a running coordinator: their flags. What they do is in
-``tally.cli.client_run``, imported only when a command runs, so ``--help`` needs neither torch nor
-gRPC nor the SDK."""
+``tally.cli.client_run`` and ``tally.cli.fleet_run``, imported only when a command runs, so
+``--help`` needs neither torch nor gRPC nor the SDK, and ``tally client`` not the load tester."""
 
 from __future__ import annotations
 
 import argparse
 import functools
+import importlib
 from pathlib import Path
 
 from tally.cli import argtypes
@@ -16,16 +17,14 @@ from tally.security.tls import add_tls_arguments
 DATASETS = ("digits",)
 
 
-def _run(name: str, args: argparse.Namespace) -> int:
-    """The command ``tally.cli.client_run.<name>``, imported when it runs."""
-    from tally.cli import client_run
-
-    return getattr(client_run, name)(args)
+def _run(module: str, name: str, args: argparse.Namespace) -> int:
+    """The command ``tally.cli.<module>.<name>``, imported when it runs."""
+    return getattr(importlib.import_module(f"tally.cli.{module}"), name)(args)
 
 
-def _runs(name: str) -> functools.partial[int]:
+def _runs(module: str, name: str) -> functools.partial[int]:
     # A partial, not a closure: `tally fleet --processes` pickles its arguments to each process.
-    return functools.partial(_run, name)
+    return functools.partial(_run, module, name)
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -56,7 +55,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     c.add_argument("--progress", action=argparse.BooleanOptionalAction, default=True,
                    help="a line on stderr when the device connects, ends a task or meets a new error, and a "
                    "summary at the end (the JSON statistics go to stdout either way)")
-    c.set_defaults(run=_runs("run_client"))
+    c.set_defaults(run=_runs("client_run", "run_client"))
 
     f = sub.add_parser(
         "fleet",
@@ -144,7 +143,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         "tally.loadtest.processes.DEVICES_PER_EXTRA_PROCESS)",
     )
     f.add_argument("--progress", action=argparse.BooleanOptionalAction, default=True, help="live progress display")
-    f.set_defaults(run=_runs("run_fleet"))
+    f.set_defaults(run=_runs("fleet_run", "run_fleet"))
 
 
 def _add_common(p: argparse.ArgumentParser) -> None:

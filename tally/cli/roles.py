@@ -39,5 +39,5 @@ def client(argv: Sequence[str] | None = None) -> int:
 
 
 def fleet(argv: Sequence[str] | None = None) -> int:
-    """``tally fleet``: simulated devices for load tests (``tally[client]``)."""
+    """``tally fleet``: simulated devices for load tests (``tally[loadtest]``)."""
     return _run("fleet", "tally.cli.client", argv)

@@ -12,6 +12,7 @@ from typing import Any
 # would otherwise load the whole SDK, gRPC and the algorithms first.
 _EXPORTS = {
     "SDK_VERSION": "tally.client.device", "Device": "tally.client.device", "DeviceStats": "tally.client.device",
+    "DeviceHooks": "tally.client.hooks", "SessionHooks": "tally.client.hooks",
     "DownloadError": "tally.client.download", "ModelCache": "tally.client.download",
     "ClientMetrics": "tally.client.metrics", "OnnxModel": "tally.client.onnx_model", "RetryPolicy": "tally.client.retry",
 }
@@ -27,9 +28,11 @@ __all__ = [
     "SDK_VERSION",
     "ClientMetrics",
     "Device",
+    "DeviceHooks",
     "DeviceStats",
     "DownloadError",
     "ModelCache",
     "OnnxModel",
     "RetryPolicy",
+    "SessionHooks",
 ]

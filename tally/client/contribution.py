@@ -21,10 +21,9 @@ import numpy as np
 
 from tally import algorithms
 from tally.algorithms.base import Arrays, LocalTrainer
+from tally.client.hooks import DeviceHooks
 from tally.client.metrics import ClientMetrics
-from tally.loadtest.synthetic import SyntheticUpdates
 from tally.codec import PayloadSchema
-from tally.codec.fingerprint import ring_fingerprint, sum_key
 from tally.privacy.payload import NoiseBelowFloor, PrivateClient, ring_encode
 from tally.secagg import SessionConfig
 from tally.wire.convert import from_proto, schema_from_proto, tensors_from_proto
@@ -65,25 +64,10 @@ def plan_task(task: coordinator_pb2.TaskAssignment, min_noise_multiplier: float 
     return TaskPlan(task, config, first_sum, PrivateClient(client_half, min_noise_multiplier, config.n))
 
 
-@dataclass(frozen=True)
-class InputFingerprint:
-    """What a device put into one sum, as a fingerprint (``tally.codec.fingerprint``): with the
-    coordinator's record of the sum's contributors and fingerprint, a fleet proves each
-    committed sum exact without keeping any input."""
-
-    job_id: str
-    round: int
-    session_id: str
-    sum_id: str
-    device_index: int
-    bits: int
-    fingerprint: tuple[int, ...]
-
-
 class Contribution:
     """``load_model`` returns the first step's base broadcast (the downloaded model);
-    ``fetch_step`` returns the Step of a later sum once the coordinator has it. With ``audit``,
-    each input's fingerprint is appended to it."""
+    ``fetch_step`` returns the Step of a later sum once the coordinator has it. ``hooks``: a
+    simulated device's (``tally.client.hooks``), which may supply the values and sees each input."""
 
     def __init__(
         self,
@@ -96,7 +80,7 @@ class Contribution:
         reveal: Callable[[str, Arrays], Awaitable[None]],
         executor: Executor | None,
         metrics: ClientMetrics,
-        audit: list[InputFingerprint] | None = None,
+        hooks: DeviceHooks | None = None,
     ) -> None:
         self.plan = plan
         self.trainer = trainer
@@ -108,7 +92,7 @@ class Contribution:
         self._reveal = reveal
         self._executor = executor
         self._metrics = metrics
-        self._audit = audit
+        self._hooks = hooks
         self._first: asyncio.Future[np.ndarray] | None = None
 
     def start(self) -> None:
@@ -189,14 +173,12 @@ class Contribution:
     ) -> tuple[np.ndarray, Any, int]:
         task = self.plan.task
         self.plan.client_half.check(broadcast)  # synthetic updates too: the floor is the device's
-        if isinstance(self.trainer, SyntheticUpdates):
-            values, state = self.trainer.values(task.job_id, task.round, step, schema), self.local_state
+        values = self._hooks.inputs(task, step, schema) if self._hooks is not None else None
+        if values is not None:
+            state = self.local_state
         else:
             values, state = self.plan.client_half.contribute(step, broadcast, self.trainer, self.local_state)
         vector, clipped = ring_encode(schema, values, self.rng, bits)
-        if self._audit is not None:
-            session_id = self.plan.config.ref.session_id
-            self._audit.append(InputFingerprint(
-                task.job_id, task.round, session_id, sum_id, task.device_index, bits,
-                ring_fingerprint(vector, bits, sum_key(session_id, sum_id))))
+        if self._hooks is not None:
+            self._hooks.input_encoded(task, self.plan.config.ref.session_id, sum_id, bits, vector)
         return vector, state, clipped

@@ -10,6 +10,9 @@ A job whose spec has an ``adaptation:`` option names it in its tasks. A device t
 such a job adapts the final model on its own data once the job has succeeded (at its first
 check-in without a task after that, or when it stops, whichever comes first) and keeps the
 adapted model for ``adapted_model`` (``tally.client.adapted_models``); nothing of it is sent.
+
+A simulated device of a load test is this same ``Device`` with ``hooks`` (``tally.client.hooks``);
+a real one has none, and then nothing of the load tester runs.
 """
 
 from __future__ import annotations
@@ -19,11 +22,11 @@ import contextlib
 import logging
 import random
 import time
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Awaitable, Callable
 from concurrent.futures import Executor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import grpc
 import numpy as np
@@ -33,28 +36,25 @@ from tally.algorithms.adaptation_options import JobAdaptation
 from tally.algorithms.base import Arrays, LocalTrainer
 from tally.client.adapted_models import AdaptedModels
 from tally.client.channels import Channels, reconnect_options
-from tally.client.contribution import Contribution, InputFingerprint, TaskError, plan_task
+from tally.client.contribution import Contribution, TaskError, plan_task
 from tally.client.download import Downloader, ModelCache
-from tally.loadtest.dropout import DropoutPlan
 from tally.client.enrolment import register_request
+from tally.client.hooks import DeviceHooks
+from tally.client.input_ledger import LEDGER_FILE, InputLedger
 from tally.client.local_state import LocalStateStore
 from tally.client.metrics import ClientMetrics
 from tally.client.onnx_model import OnnxModel
-from tally.client.reports import LEDGER_FILE, InputLedger, Outcome, TaskReports
+from tally.client.reports import Outcome, TaskReports
 from tally.client.retry import RETRYABLE, RetryPolicy, Stopped, pause
-from tally.client.session import ABORTED, COMPLETED, DROPPED, SecAggSession, SessionEvents
+from tally.client.session import ABORTED, COMPLETED, DROPPED, SecAggSession
 from tally.client.trust import check_assignment
 from tally.secagg import DevicePolicy, SigningKey
-from tally.secagg.messages import ClientMessage
 from tally.security import TLSConfig, bearer_metadata
 from tally.security.files import private_dir
 from tally.security.tls_failures import tls_failure
 from tally.version import VERSION as SDK_VERSION
 from tally.wire.convert import WireError, tensors_to_proto
 from tally.wire.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc
-
-if TYPE_CHECKING:  # the profile parser (pydantic, yaml) is for fleets, not every device
-    from tally.loadtest.behaviour import DeviceTraits
 
 log = logging.getLogger("tally.client.device")
 
@@ -120,7 +120,6 @@ class Device:
         cache_dir: Path | None = None,
         state_dir: Path | None = None,
         rng_seed: int | None = None,
-        dropout: DropoutPlan | None = None,
         retry: RetryPolicy | None = None,
         channels: Channels | None = None,
         metrics: ClientMetrics | None = None,
@@ -131,11 +130,11 @@ class Device:
         policy: DevicePolicy | None = None,
         enrolment_credential: bytes = b"",
         coordinator_key: bytes | None = None,
-        audit: list[InputFingerprint] | None = None,
-        traits: DeviceTraits | None = None,
+        hooks: DeviceHooks | None = None,
     ) -> None:
-        """``traits``: a simulated device's behaviour (availability, check-in period, compute
-        and network speed, lifetime, per-session dropouts and misbehaviour)."""
+        """``hooks``: a simulated device's behaviour (``tally.loadtest.hooks``: availability,
+        check-in period, compute and network speed, lifetime, dropouts and misbehaviour in
+        sessions, synthetic inputs, the sum audit); None on a real device."""
         self.coordinator = coordinator
         self.device_id = device_id
         self.trainer = trainer
@@ -151,7 +150,6 @@ class Device:
         self._cache = ModelCache(cache_dir)
         self._encode_rng = np.random.default_rng(rng_seed)
         self._jitter = random.Random(None if rng_seed is None else f"jitter-{rng_seed}")
-        self._dropouts: Iterator[str | None] | None = dropout.draws(device_id) if dropout else None
         self._on_update = on_update or (lambda stats: None)
         # Per-job algorithm state; on disk under ``state_dir`` so it survives a restart.
         self._local = LocalStateStore(state_dir)
@@ -177,11 +175,7 @@ class Device:
         # The coordinator's session-ticket key: it signs the roster. Pinned when provisioned,
         # else learnt at the first registration over the coordinator's own TLS channel.
         self.coordinator_key = coordinator_key
-        # Fingerprints of the inputs this device computed, for checking committed sums.
-        self.audit = audit
-        self.traits = traits
-        # The opening message of this device's last session: a replaying device sends it again.
-        self._last_opening: ClientMessage | None = None
+        self.hooks = hooks
 
     # ---- public API ----------------------------------------------------------------------------
 
@@ -199,12 +193,14 @@ class Device:
             while max_tasks is None or self.stats.tasks_done < max_tasks:
                 if stop is not None and stop.is_set():
                     break
-                if self.traits is not None:
-                    if time.monotonic() - started >= self.traits.lifetime_s:
+                if self.hooks is not None:
+                    offline = self.hooks.offline_for(time.monotonic() - started)
+                    if offline is None:
                         self.stats.left = True  # churn: gone for good
                         break
                     try:
-                        await pause(self.traits.offline_for(time.monotonic() - started), stop)
+                        if offline:
+                            await pause(offline, stop)
                     except Stopped:
                         break
                 try:
@@ -343,24 +339,20 @@ class Device:
             lambda step, values: self._reveal(task, step, values),
             self.executor,
             self.metrics,
-            self.audit,
+            self.hooks,
         )
         contribution.start()
-        events = self.traits.session_events() if self.traits is not None else SessionEvents()
-        drop_phase = next(self._dropouts) if self._dropouts is not None else events.drop_phase
         session = SecAggSession(
             self._channels.get(task.aggregator_address), task, plan.config,
-            self._computed(contribution), self.metrics, drop_phase,
-            identity=self.identity, policy=self.policy, traits=self.traits, events=events,
-            replay=self._last_opening,
+            self._computed(contribution), self.metrics,
+            identity=self.identity, policy=self.policy,
+            hooks=self.hooks.session() if self.hooks is not None else None,
             on_input=lambda: self._inputs.sent(task.job_id, task.round),
         )
         try:
             outcome = await session.run()
         finally:
             contribution.close()
-        if self.traits is not None:
-            self._last_opening = session.opening
         stats = self.stats
         stats.tasks_done += 1
         stats.bytes_up += outcome.bytes_up
@@ -386,12 +378,13 @@ class Device:
 
     def _computed(self, contribution: Contribution) -> Callable[[str], Awaitable[np.ndarray]]:
         """The contribution's input, ready only after the device's simulated compute time."""
-        if self.traits is None or not self.traits.compute_seconds:
+        seconds = self.hooks.compute_seconds() if self.hooks is not None else 0.0
+        if not seconds:
             return contribution.ring_input
 
         async def ring_input(sum_id: str) -> np.ndarray:
             vector = await contribution.ring_input(sum_id)
-            await pause(self.traits.compute_seconds, self._stop)
+            await pause(seconds, self._stop)
             return vector
 
         return ring_input
@@ -514,9 +507,10 @@ class Device:
     async def _pace(self, retry_after: coordinator_pb2.RetryAfter) -> None:
         """Wait as the coordinator asked, plus a little jitter so a fleet spreads out."""
         seconds = max(retry_after.seconds, MIN_RETRY_AFTER_SECONDS)
-        if self.traits is not None:
-            return await pause(self.traits.checkin_wait(seconds), self._stop)
-        await pause(seconds * (1 + RETRY_AFTER_JITTER * self._jitter.random()), self._stop)
+        wait = self.hooks.checkin_wait(seconds) if self.hooks is not None else None
+        if wait is None:
+            wait = seconds * (1 + RETRY_AFTER_JITTER * self._jitter.random())
+        await pause(wait, self._stop)
 
     def _count_retry(self, method: str, code: grpc.StatusCode, details: str = "") -> None:
         """A call to be retried; a TLS handshake failure is named as one, not as a dead address."""

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 from prometheus_client import Counter, Gauge, Histogram
 
-from tally.loadtest.timeline import FleetTimeline
 from tally.metrics import DURATION_BUCKETS, RoleRegistry
 
 # accuracy differences: fine around 0, where kept_federated and adapted part
@@ -17,10 +16,10 @@ ADAPTATION_GAIN_BUCKETS = (-0.5, -0.2, -0.1, -0.05, -0.02, 0.0, 0.02, 0.05, 0.1,
 
 
 class ClientMetrics:
-    """``timeline``: a fleet's report recorder (``tally.loadtest.timeline``), fed by the same calls."""
+    """The ``observe_*`` methods are what a load test's report also records
+    (``tally.loadtest.timeline.TimelineMetrics`` extends them)."""
 
-    def __init__(self, timeline: FleetTimeline | None = None) -> None:
-        self.timeline = timeline
+    def __init__(self) -> None:
         self.registry = r = RoleRegistry("client")
         self.checkins = Counter(
             "tally_client_checkins_total", "Check-ins by outcome: the coordinator's answer (task, retry; "
@@ -112,16 +111,10 @@ class ClientMetrics:
 
     def observe_rpc(self, method: str, seconds: float) -> None:
         self.rpc_seconds.labels(method=method).observe(seconds)
-        if self.timeline is not None:
-            self.timeline.record_rpc(method, seconds)
 
     def observe_phase(self, job_id: str, round_: int, phase: str, seconds: float) -> None:
         self.phase_duration.labels(phase=phase).observe(seconds)
-        if self.timeline is not None:
-            self.timeline.record_phase(job_id, round_, phase, seconds)
 
     def observe_end(self, phase: str, outcome: str) -> None:
         """A session ended without completing, in ``phase``."""
         self.dropouts.labels(phase=phase, outcome=outcome).inc()
-        if self.timeline is not None:
-            self.timeline.record_end(phase, outcome)

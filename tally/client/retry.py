@@ -110,3 +110,17 @@ class _Sleepers:
         finally:
             timer.cancel()
             self.futures.discard(future)
+
+
+class CoordinatorUnreachable(ConnectionError):
+    """No device (of a device's CLI, or of a fleet) completed a single check-in within the connect
+    timeout."""
+
+    @classmethod
+    def after(cls, who: str, coordinator: str, seconds: float, last_error: str) -> CoordinatorUnreachable:
+        """``who`` ("no device reached") the coordinator in ``seconds``; the hint follows the last
+        error, since a coordinator that answers with a certificate the devices refuse is not down."""
+        hint = ("it answers, but the TLS handshake fails" if "(TLS: " in last_error
+                else "is it running, and is the address right?")
+        return cls(f"{who} the coordinator at {coordinator} within {seconds:g} s (last error: "
+                   f"{last_error or 'none yet'}); {hint}")

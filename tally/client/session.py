@@ -5,7 +5,8 @@ The device opens the stream with its Join in the metadata, checks that the confi
 coordinator assigned (an aggregator must not be able to run the device in another session or
 graph), then relays protocol messages until SessionDone or Abort. Its masked input goes out as
 soon as both the aggregator has asked and the local computation is ready; an Abort that arrives
-meanwhile is seen at once. A planned dropout really cancels the call in its phase.
+meanwhile is seen at once. A simulated device's hooks (``tally.client.hooks.SessionHooks``) may
+make it leave in a phase (it really cancels the call), misbehave, or wait as a slow network would.
 """
 
 from __future__ import annotations
@@ -16,7 +17,6 @@ import logging
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import Protocol
 
 import grpc
 import numpy as np
@@ -25,10 +25,10 @@ from tally import logs
 from tally.algorithms.base import ModelMismatch
 from tally.client.contribution import TaskError
 from tally.client.download import DownloadError
+from tally.client.hooks import SessionHooks
 from tally.client.metrics import ClientMetrics
 from tally.privacy.payload import NoiseBelowFloor
 from tally.secagg import (
-    DealingFault,
     DevicePolicy,
     ProtocolError,
     SecAggClient,
@@ -83,30 +83,6 @@ class SessionOutcome:
     sent_input: bool = False
     # Why it did not complete, as a ``tally.client.reports.REASONS`` label.
     label: str = ""
-
-
-@dataclass(frozen=True)
-class SessionEvents:
-    """What a simulated device does in one session besides the protocol (``tally.loadtest.behaviour``):
-    leave in a phase, send its masked input after the phase's deadline, send a message twice,
-    open with a message of its previous session, send bytes that are no message, or fall
-    silent with its stream open."""
-
-    drop_phase: str | None = None
-    late: bool = False
-    duplicate: bool = False
-    replay: bool = False
-    corrupt: bool = False
-    stall: bool = False
-    fault: DealingFault | None = None  # deal bad shares (``SecAggClient``'s corrupt dealer)
-
-
-class Shaping(Protocol):
-    """Device-side network delays (``tally.loadtest.behaviour.DeviceTraits``)."""
-
-    def send_delay(self, size: int) -> float: ...
-
-    def receive_delay(self, size: int) -> float: ...
 
 
 class SessionMismatch(Exception):
@@ -188,18 +164,14 @@ class SecAggSession:
         config: SessionConfig,
         ring_input: Callable[[str], Awaitable[np.ndarray]],
         metrics: ClientMetrics,
-        drop_phase: str | None = None,
         *,
         identity: SigningKey,
         policy: DevicePolicy,
-        traits: Shaping | None = None,
-        events: SessionEvents | None = None,
-        replay: ClientMessage | None = None,
+        hooks: SessionHooks | None = None,
         on_input: Callable[[], None] | None = None,
     ) -> None:
-        """``traits`` delays each message as the device's network would; ``events`` and
-        ``replay`` (the opening message of its previous session) make a simulated device
-        misbehave. ``on_input`` runs (in a thread) before the first masked input is written:
+        """``hooks``: a simulated device's departures from the protocol in this session (None on
+        a real device). ``on_input`` runs (in a thread) before the first masked input is written:
         the device's ledger records it durably first, and if that fails nothing is sent."""
         self.task = task
         self.config = config
@@ -207,7 +179,7 @@ class SecAggSession:
         self.policy = policy
         self.ring_input = ring_input
         self.metrics = metrics
-        self.drop_phase = drop_phase
+        self.drop_phase = hooks.drop_phase if hooks is not None else None
         # The generated stub's method, with (de)serialisers that count bytes on the wire.
         self._open = channel.stream_stream(
             SESSION_METHOD, request_serializer=already_serialized,
@@ -221,11 +193,10 @@ class SecAggSession:
         # device's answer is not sent yet (tally_client_phase_duration_seconds).
         self._phase = "join"
         self._asked_at: float | None = None
-        self._traits = traits
-        self._events = events or SessionEvents()
-        self._replay = replay
-        # The first protocol message this device sent (its next session may replay it).
-        self.opening: ClientMessage | None = None
+        self._hooks = hooks
+        # The first protocol message this device sent (the hooks learn it: a simulated device's
+        # next session may replay it).
+        self._opening: ClientMessage | None = None
 
     async def run(self) -> SessionOutcome:
         start = time.perf_counter()
@@ -265,22 +236,24 @@ class SecAggSession:
             return self._outcome(ABORTED, f"expected Joined, got {type(joined).__name__}")
         if from_proto(joined.config) != self.config:
             raise SessionMismatch("the aggregator's session config differs from the assignment")
-        client = SecAggClient(self.config, task.device_index, self.identity, policy=self.policy,
-                              fault=self._events.fault)
-        if self._events.fault is not None:
-            self.metrics.misbehaviours.labels(kind=self._events.fault.value).inc()
+        hooks = self._hooks
+        if hooks is None:
+            client = SecAggClient(self.config, task.device_index, self.identity, policy=self.policy)
+        else:
+            client = hooks.secagg_client(self.config, task.device_index, self.identity, self.policy)
         self._asked("advertise_keys")  # Joined is the aggregator's request for the device's keys
         if self.drop_phase == "advertise_keys":
             return self._drop()
-        if self._events.replay and self._replay is not None:
-            self.metrics.misbehaviours.labels(kind="replay").inc()
-            await self._send(self._replay)  # a message of another session: must be refused
-        if self._events.corrupt:
-            self.metrics.misbehaviours.labels(kind="corrupt").inc()
-            await self._call.write(CORRUPT_MESSAGE)
-        if self._events.stall:
-            self.metrics.misbehaviours.labels(kind="stall").inc()
-            return await self._stall()
+        if hooks is not None:
+            if hooks.replay is not None:
+                self.metrics.misbehaviours.labels(kind="replay").inc()
+                await self._send(hooks.replay)  # a message of another session: must be refused
+            if hooks.corrupt:
+                self.metrics.misbehaviours.labels(kind="corrupt").inc()
+                await self._call.write(CORRUPT_MESSAGE)
+            if hooks.stall:
+                self.metrics.misbehaviours.labels(kind="stall").inc()
+                return await self._stall()
         await self._send_all(client.start())
         return await self._pump(client)
 
@@ -304,7 +277,7 @@ class SecAggSession:
                         return self._outcome(ABORTED, f"no input for sum {sum_id!r}: {type(exc).__name__}: {exc}",
                                              label=input_failure_label(exc))
                     computing = None
-                    if self._events.late:  # hold the input until its phase is over
+                    if self._hooks is not None and self._hooks.late:  # hold the input until its phase is over
                         self.metrics.misbehaviours.labels(kind="late").inc()
                         await asyncio.sleep(self.task.deadlines.masked_input_seconds + 1.0)
                     await self._send_all(await asyncio.to_thread(client.provide_input, sum_id, vector))
@@ -353,17 +326,21 @@ class SecAggSession:
             if not self._sent_input and self._on_input is not None:
                 await asyncio.to_thread(self._on_input)
             self._sent_input = True  # before the write: once it may have left, it counts as sent
-        opening = self.opening is None and message is not self._replay
+        hooks = self._hooks
+        opening = self._opening is None and (hooks is None or message is not hooks.replay)
+        copies = 1
         if opening:
-            self.opening = message
-        copies = 2 if self._events.duplicate and opening else 1
+            self._opening = message
+            if hooks is not None:
+                hooks.opened(message)
+                copies = 2 if hooks.duplicate else 1
         if copies == 2:
             self.metrics.misbehaviours.labels(kind="duplicate").inc()
         for envelope in split_masked_input(device_envelope(message)) * copies:
             data = envelope.SerializeToString()
             self._up += len(data)
-            if self._traits is not None:
-                await asyncio.sleep(self._traits.send_delay(len(data)))
+            if hooks is not None:
+                await asyncio.sleep(hooks.send_delay(len(data)))
             await self._call.write(data)
 
     async def _send_all(self, messages: list[ClientMessage]) -> None:
@@ -386,8 +363,8 @@ class SecAggSession:
         self._down += size
         if envelope is None:
             raise WireError(f"the aggregator sent {size} bytes that are not an AggregatorToDevice")
-        if self._traits is not None:
-            await asyncio.sleep(self._traits.receive_delay(size))
+        if self._hooks is not None:
+            await asyncio.sleep(self._hooks.receive_delay(size))
         return open_envelope(envelope)
 
     async def _finish(self) -> None:

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import hashlib
 import math
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated
 
@@ -32,8 +33,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from tally.loadtest.dropout import DEFAULT_PHASES
-from tally.client.session import SessionEvents
-from tally.secagg import DealingFault
+from tally.secagg.adversary import CorruptDealer, GarbageDealer, InconsistentDealer
 
 Probability = Annotated[float, Field(ge=0.0, le=1.0)]
 Positive = Annotated[float, Field(gt=0.0)]
@@ -160,6 +160,22 @@ class BehaviourProfile(_Section):
         return DeviceTraits(self, _rng(seed, device_id, "traits"), _rng(seed, device_id, "events"))
 
 
+@dataclass(frozen=True)
+class SessionEvents:
+    """What a simulated device does in one session besides the protocol: leave in a phase, send
+    its masked input after the phase's deadline, send a message twice, open with a message of
+    its previous session, send bytes that are no message, fall silent with its stream open, or
+    deal as a corrupt dealer (``tally.secagg.adversary``)."""
+
+    drop_phase: str | None = None
+    late: bool = False
+    duplicate: bool = False
+    replay: bool = False
+    corrupt: bool = False
+    stall: bool = False
+    dealer: type[CorruptDealer] | None = None
+
+
 def _rng(seed: int, device_id: str, what: str) -> np.random.Generator:
     digest = hashlib.sha256(f"tally-behaviour/{seed}/{device_id}/{what}".encode()).digest()
     return np.random.default_rng(int.from_bytes(digest[:16], "little"))
@@ -216,12 +232,12 @@ class DeviceTraits:
                 drop = phase
         bad = self.profile.misbehaviour
         flags = [bool(self._events.random() < p) for p in (bad.late, bad.duplicate, bad.replay, bad.corrupt, bad.stall)]
-        fault = None
+        dealer = None
         # Drawn only when asked for, so the profiles before these faults keep their draws.
-        for kind, p in ((DealingFault.INCONSISTENT, bad.bad_shares), (DealingFault.GARBAGE, bad.garbage_share)):
-            if p > 0 and self._events.random() < p and fault is None:
-                fault = kind
-        return SessionEvents(drop, *flags, fault=fault)
+        for adversary, p in ((InconsistentDealer, bad.bad_shares), (GarbageDealer, bad.garbage_share)):
+            if p > 0 and self._events.random() < p and dealer is None:
+                dealer = adversary
+        return SessionEvents(drop, *flags, dealer=dealer)
 
 
 def _bandwidth(rng: np.random.Generator, median_mbps: float | None, sigma: float) -> float | None:

@@ -1,8 +1,10 @@
 """The fleet simulator: many virtual devices in one process, for load tests and demos.
 
 Every simulated device is a real ``Device`` (its own token, model download, local training and
-secure-aggregation stream); they share one asyncio loop, one channel per target, one metrics
-registry and one training thread pool, so a laptop can play a fleet of a thousand.
+secure-aggregation stream) whose hooks (``tally.loadtest.hooks.SimulatedDevice``) give it its
+behaviour, dropouts, synthetic inputs and audit; they share one asyncio loop, one channel per
+target, one metrics registry and one training thread pool, so a laptop can play a fleet of a
+thousand.
 """
 
 from __future__ import annotations
@@ -25,14 +27,16 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn
 
 from tally import logs
 from tally.algorithms.base import LocalTrainer
-from tally.loadtest.behaviour import BehaviourProfile
 from tally.client.channels import Channels, reconnect_options
-from tally.client.contribution import InputFingerprint
 from tally.client.device import Device, DeviceStats
-from tally.loadtest.dropout import DropoutPlan
 from tally.client.enrolment import simulated_identity
 from tally.client.metrics import ClientMetrics
-from tally.client.retry import RetryPolicy, Stopped, pause
+from tally.client.retry import CoordinatorUnreachable, RetryPolicy, Stopped, pause
+from tally.loadtest.behaviour import BehaviourProfile, DeviceTraits
+from tally.loadtest.dropout import DropoutPlan
+from tally.loadtest.hooks import SimulatedDevice
+from tally.loadtest.sum_audit import InputFingerprint
+from tally.loadtest.synthetic import SyntheticUpdates
 from tally.secagg import DevicePolicy
 from tally.security import TLSConfig
 from tally.security.enrolment import SharedKeyEnrolment
@@ -168,19 +172,6 @@ def device_ids(prefix: str, count: int, first: int = 0) -> list[str]:
     return [f"{prefix}-{i:05d}" for i in range(first, first + count)]
 
 
-class CoordinatorUnreachable(ConnectionError):
-    """No device of the fleet completed a single check-in within the connect timeout."""
-
-    @classmethod
-    def after(cls, who: str, coordinator: str, seconds: float, last_error: str) -> CoordinatorUnreachable:
-        """``who`` ("no device reached") the coordinator in ``seconds``; the hint follows the last
-        error, since a coordinator that answers with a certificate the devices refuse is not down."""
-        hint = ("it answers, but the TLS handshake fails" if "(TLS: " in last_error
-                else "is it running, and is the address right?")
-        return cls(f"{who} the coordinator at {coordinator} within {seconds:g} s (last error: "
-                   f"{last_error or 'none yet'}); {hint}")
-
-
 class Fleet:
     """``trainers[i]`` is simulated device i's data and training (``SyntheticUpdates`` for a
     load test without data). Device ids are ``<id_prefix>-<i:05d>``; device i's encoding
@@ -240,10 +231,10 @@ class Fleet:
         self._ids = device_ids(id_prefix, len(trainers), first_index)
         self._first_index = first_index
         self.inputs: list[InputFingerprint] | None = [] if audit else None
+        self._dropout = dropout
         self._device_options = dict(
-            population=population, cache_dir=cache_dir, dropout=dropout, retry=policy, channels=self.channels,
-            metrics=self.metrics, executor=self.executor, on_update=self._updated, policy=device_policy,
-            audit=self.inputs)
+            population=population, cache_dir=cache_dir, retry=policy, channels=self.channels,
+            metrics=self.metrics, executor=self.executor, on_update=self._updated, policy=device_policy)
         self._enrolment_key = enrolment_key
         self._state_dir = state_dir
         self.devices = [self._device(i, 0) for i in range(len(trainers))]
@@ -255,7 +246,7 @@ class Fleet:
         protocol-following devices); a fault campaign changes it between rounds."""
         self.profile = profile
         for device in self.devices:
-            device.traits = profile.traits(self._seed, device.device_id) if profile is not None else None
+            self._hooks(device).traits = self._traits(device.device_id)
 
     def _device(self, i: int, generation: int) -> Device:
         """Slot i's device; a churned slot's replacement (generation > 0) is a new device: its
@@ -263,19 +254,32 @@ class Fleet:
         device_id = self._ids[i] if generation == 0 else f"{self._ids[i]}-g{generation}"
         enrolment = SharedKeyEnrolment(self._enrolment_key) if self._enrolment_key is not None else None
         options = self._device_options
+        trainer = self._trainers[i]
+        hooks = SimulatedDevice(
+            device_id, dropout=self._dropout, traits=self._traits(device_id),
+            synthetic=trainer if isinstance(trainer, SyntheticUpdates) else None, audit=self.inputs,
+            metrics=self.metrics)
         return Device(
             self.coordinator,
             self.channels.tls,
             device_id,
-            self._trainers[i],
+            trainer,
             rng_seed=int(np.random.SeedSequence(
                 [self._seed, self._first_index + i, *([generation] if generation else [])]).generate_state(1)[0]),
             identity=simulated_identity(self._enrolment_key, device_id) if enrolment else None,
             enrolment_credential=enrolment.credential(options["population"], device_id) if enrolment else b"",
             state_dir=self._state_dir / device_id if self._state_dir is not None else None,
-            traits=self.profile.traits(self._seed, device_id) if self.profile is not None else None,
+            hooks=hooks,
             **options,
         )
+
+    def _traits(self, device_id: str) -> DeviceTraits | None:
+        return self.profile.traits(self._seed, device_id) if self.profile is not None else None
+
+    @staticmethod
+    def _hooks(device: Device) -> SimulatedDevice:
+        assert isinstance(device.hooks, SimulatedDevice), "every device of a fleet is simulated"
+        return device.hooks
 
     def stats(self, elapsed: float = 0.0) -> FleetStats:
         return FleetStats.collect([d.stats for d in (*self.devices, *self.departed)], self._last_version, elapsed)

@@ -16,11 +16,25 @@ from typing import Any, Protocol
 
 import grpc
 
-from tally.client.contribution import InputFingerprint
 from tally.codec.fingerprint import add_fingerprints
 from tally.wire.v1 import admin_pb2
 
 EXACT, MISMATCH, FOREIGN = "exact", "mismatch", "foreign"
+
+
+@dataclass(frozen=True)
+class InputFingerprint:
+    """What a device put into one sum, as a fingerprint (``tally.codec.fingerprint``): with the
+    coordinator's record of the sum's contributors and fingerprint, a fleet proves each
+    committed sum exact without keeping any input."""
+
+    job_id: str
+    round: int
+    session_id: str
+    sum_id: str
+    device_index: int
+    bits: int
+    fingerprint: tuple[int, ...]
 
 
 class CommittedSum(Protocol):

@@ -19,6 +19,8 @@ from typing import Any
 
 import numpy as np
 
+from tally.client.metrics import ClientMetrics
+
 # Samples kept per series: percentiles up to p99 stay within a fraction of a percent.
 RESERVOIR = 20_000
 
@@ -109,6 +111,26 @@ class FleetTimeline:
                        for k, v in self.rounds.items()},
             "ended_early": dict(sorted(self.ended_early.items())),
         }
+
+
+class TimelineMetrics(ClientMetrics):
+    """A fleet's metrics that also feed its report's ``timeline``: the devices measure once."""
+
+    def __init__(self, timeline: FleetTimeline) -> None:
+        super().__init__()
+        self.timeline = timeline
+
+    def observe_rpc(self, method: str, seconds: float) -> None:
+        super().observe_rpc(method, seconds)
+        self.timeline.record_rpc(method, seconds)
+
+    def observe_phase(self, job_id: str, round_: int, phase: str, seconds: float) -> None:
+        super().observe_phase(job_id, round_, phase, seconds)
+        self.timeline.record_phase(job_id, round_, phase, seconds)
+
+    def observe_end(self, phase: str, outcome: str) -> None:
+        super().observe_end(phase, outcome)
+        self.timeline.record_end(phase, outcome)
 
 
 def _combine(parts: list[_Reservoir], rng: random.Random) -> _Reservoir:

@@ -1,6 +1,6 @@
 """The secure sum: SecAgg with the SecAgg+ neighbour graph, as sans-IO state machines."""
 
-from tally.secagg.client import DealingFault, SecAggClient
+from tally.secagg.client import SecAggClient
 from tally.secagg.config import SessionConfig
 from tally.secagg.crypto import SigningKey
 from tally.secagg.driver import CohortRun, Dropout, enrol, run_cohort, secure_sum
@@ -27,7 +27,6 @@ __all__ = [
     "MalformedMessage",
     "OutOfPhase",
     "ProtocolError",
-    "DealingFault",
     "SecAggClient",
     "SecAggServer",
     "SessionAbortedError",

@@ -14,7 +14,6 @@ stops a server that shows different devices different survivor sets).
 from __future__ import annotations
 
 import abc
-import enum
 import os
 from collections.abc import Callable
 from typing import Any, Generic, NoReturn, TypeVar
@@ -86,19 +85,11 @@ class _SumSecrets:
         self.complained: dict[int, tuple[bytes, bytes]] = {}
 
 
-class DealingFault(enum.Enum):
-    """How a corrupt dealer deals, for load tests and attack tests: shares that lie on no
-    polynomial (each holder's own share looks fine), or random bytes for its lowest neighbour.
-    Either way it then answers the complaints with its real keys, which convict it."""
-
-    INCONSISTENT = "inconsistent"
-    GARBAGE = "garbage"
-
-
 class SecAggClient:
     """``identity`` is the device's enrolled long-term key; ``policy`` what it accepts (checked
     before anything else); ``entropy`` the source of every session key and seed: os.urandom, or
-    a seeded source in tests that must be deterministic; ``fault`` makes it a corrupt dealer."""
+    a seeded source in tests that must be deterministic. Adversaries for load and attack tests
+    subclass it and override a step (``tally.secagg.adversary``)."""
 
     def __init__(
         self,
@@ -108,7 +99,6 @@ class SecAggClient:
         *,
         policy: DevicePolicy | None = None,
         entropy: Callable[[int], bytes] = os.urandom,
-        fault: DealingFault | None = None,
     ) -> None:
         if not 1 <= index <= config.n:
             raise ValueError(f"index {index} is outside the cohort 1..{config.n}")
@@ -116,7 +106,6 @@ class SecAggClient:
         self.config = config
         self.index = index
         self.identity = identity
-        self.fault = fault
         self.neighbours = frozenset(int(j) for j in config.neighbours(index))
         self.secrets = (
             {} if config.plain else {spec.sum_id: _SumSecrets(entropy) for spec in config.sums}
@@ -182,6 +171,15 @@ class SecAggClient:
         if isinstance(self._phase, _AwaitInput) and self._phase.sum_id == sum_id:
             return self._phase.send_masked_input()
         return []
+
+    def dealt_rows(self, rows: np.ndarray) -> np.ndarray:
+        """The share rows this device deals for one sum, one per holder in ascending order (key
+        share, seed share, blinding values), before they are sealed."""
+        return rows
+
+    def sealed_share(self, holder: int, ciphertext: bytes) -> bytes:
+        """The sealed share for the ``holder``-th neighbour (ascending), as it is sent."""
+        return ciphertext
 
     def _move(self, phase: _AnyPhase, out: list[ClientMessage]) -> list[ClientMessage]:
         self._phase = phase
@@ -280,10 +278,7 @@ class _AwaitShareKeysRequest(_Phase[ShareKeysRequest]):
         blinds = shamir.evaluate(blinding[:, :, None], xs)[:, :, 0]  # (rows, holders)
         # One row per holder: its key share, its seed share, its blinding values.
         rows = np.concatenate([shares.transpose(1, 0, 2).reshape(len(xs), -1), blinds.T], axis=1)
-        if client.fault is DealingFault.INCONSISTENT:  # the first chunk of the key and of the seed
-            columns = [0, shamir.CHUNKS]
-            rows[:, columns] = (rows[:, columns] + shamir.random_polynomials(len(xs), 2)) % shamir.P
-        rows = np.ascontiguousarray(rows.astype("<u4"))
+        rows = np.ascontiguousarray(client.dealt_rows(rows).astype("<u4"))
         out = []
         for h, j in enumerate(xs.tolist()):
             keys = by_index[j].keys[position]
@@ -296,9 +291,7 @@ class _AwaitShareKeysRequest(_Phase[ShareKeysRequest]):
             secrets.pair_keys[j] = crypto.pairwise_mask_key(mask_secret, context)
             key = crypto.share_key(cipher_secret, context, client.index, j)
             ad = share_associated_data(config.ref, sum_id, client.index, j)
-            ciphertext = crypto.seal(key, rows[h].tobytes(), ad)
-            if client.fault is DealingFault.GARBAGE and h == 0:
-                ciphertext = os.urandom(len(ciphertext))
+            ciphertext = client.sealed_share(h, crypto.seal(key, rows[h].tobytes(), ad))
             secrets.dealt[j] = ciphertext
             out.append(EncryptedShare(sum_id, client.index, j, ciphertext))
         secrets.check_digest = sharecheck.digest(config.ref, sum_id, client.index, list(secrets.dealt.values()))

@@ -21,7 +21,7 @@ from tally.loadtest.sum_audit import EXACT, FOREIGN, MISMATCH, SumAudit, outcome
 from tally.loadtest.synthetic import SyntheticUpdates
 from tally.codec import Field, Kind, PayloadSchema, to_ring
 from tally.codec.fingerprint import add_fingerprints, ring_fingerprint
-from tally.secagg import DealingFault
+from tally.secagg.adversary import GarbageDealer, InconsistentDealer
 from tally.secagg.messages import SumResult
 
 SCHEMA = PayloadSchema((
@@ -114,7 +114,7 @@ class _CorruptDealers:
 
     def __init__(self, profile: BehaviourProfile, count: int) -> None:
         self._profile = profile
-        self._left = [DealingFault.INCONSISTENT] * count + [DealingFault.GARBAGE] * count
+        self._left = [InconsistentDealer] * count + [GarbageDealer] * count
         self.dealers: list[str] = []
 
     def __getattr__(self, name: str) -> Any:
@@ -128,7 +128,7 @@ class _CorruptDealers:
             events = drawn()
             if self._left:
                 self.dealers.append(device_id)
-                return dataclasses.replace(events, fault=self._left.pop(0))
+                return dataclasses.replace(events, dealer=self._left.pop(0))
             return events
 
         traits.session_events = session_events

@@ -46,11 +46,12 @@ from tally.cli import client as client_cli
 from tally.cli import client_run
 from tally.client import ClientMetrics, Device, ModelCache, OnnxModel, RetryPolicy
 from tally.loadtest import DropoutPlan, Fleet
+from tally.loadtest.hooks import SimulatedDevice
 from tally.client.adapted_models import AdaptedModels
 from tally.client.channels import open_aio_channel
 from tally.client.enrolment import load_or_create_identity, simulated_identity
 from tally.client.local_state import LocalStateStore
-from tally.client.reports import LEDGER_FILE, InputLedger
+from tally.client.input_ledger import LEDGER_FILE, InputLedger
 from tally.client.session import settle, stream_timeout
 from tally.codec import Field, Kind, PayloadSchema, ring_mask, to_ring
 from tally.datasets.digits import digits
@@ -475,7 +476,8 @@ async def run_cohort(plan: Plan, trainers: dict[int, Any], *, dropouts: Mapping[
     server, port = await serve(coordinator, aggregator, tls=tls[0])
     coordinator.aggregator = f"127.0.0.1:{port}"
     devices = {
-        i: device(f"127.0.0.1:{port}", f"dev-{i}", t, seed=100 + i, tls=tls[1], dropout=(dropouts or {}).get(i),
+        i: device(f"127.0.0.1:{port}", f"dev-{i}", t, seed=100 + i, tls=tls[1],
+                  hooks=SimulatedDevice(f"dev-{i}", dropout=dropouts[i]) if i in (dropouts or {}) else None,
                   cache_dir=(cache_dirs or {}).get(i), identity=identities(plan.config.n)[i], policy=LAX)
         for i, t in trainers.items()
     }
@@ -578,7 +580,8 @@ def test_a_device_sends_one_input_per_round_whatever_it_is_asked_and_reports_eve
     async def scenario():
         server, port = await serve(coordinator, aggregator)
         coordinator.aggregator = f"127.0.0.1:{port}"
-        devices = {i: device(f"127.0.0.1:{port}", f"dev-{i}", t, seed=100 + i, dropout=dropouts.get(i),
+        devices = {i: device(f"127.0.0.1:{port}", f"dev-{i}", t, seed=100 + i,
+                             hooks=SimulatedDevice(f"dev-{i}", dropout=dropouts[i]) if i in dropouts else None,
                              identity=identities(6)[i], policy=LAX) for i, t in trainers.items()}
         try:
             stats = await asyncio.gather(*(d.run(max_tasks=3) for d in devices.values()))

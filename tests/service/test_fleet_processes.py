@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 from prometheus_client.parser import text_string_to_metric_families
 
 from tally.ops.cluster import LocalCluster, wait_for
-from tally.cli.client_run import _block
+from tally.cli.fleet_run import _block
 from tally.loadtest.fleet import FleetStats
 from tally.loadtest.processes import DEVICES_PER_EXTRA_PROCESS, _part, available_cores, default_processes
 

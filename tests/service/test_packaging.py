@@ -1,9 +1,9 @@
 """Each role's extra installs into a fresh virtual environment and runs that role's server.
 
-A wheel is built from a copy of the sources, then ``tally[aggregator]``, ``tally[coordinator]``
-and ``tally[client]`` each go into a venv of their own (dependencies from the package index or
-pip's cache, torch from the machine's wheel), and the three venvs run one secure-aggregation job
-together: each server answers its gRPC health check with the ``tally-probe`` its own venv
+A wheel is built from a copy of the sources, then ``tally[aggregator]``, ``tally[coordinator]``,
+``tally[client]`` (the SDK) and ``tally[loadtest]`` each go into a venv of their own (dependencies
+from the package index or pip's cache, torch from the machine's wheel), and the aggregator,
+coordinator and load-test venvs run one secure-aggregation job together: each server answers its gRPC health check with the ``tally-probe`` its own venv
 installed, and the aggregator does so with no torch importable.
 """
 
@@ -22,13 +22,18 @@ from tally.security import certs
 
 pytestmark = pytest.mark.full
 
-ROLES = ("aggregator", "coordinator", "client")
+ROLES = ("aggregator", "coordinator", "client", "loadtest")
+# The console script each role's venv must have besides tally-probe.
+SCRIPTS = {"aggregator": "tally-aggregator", "coordinator": "tally-coordinator", "client": "tally-client",
+           "loadtest": "tally-fleet"}
 # Distributions a role must not pull in (what the image would carry for nothing).
 FORBIDDEN = {
     "aggregator": {"torch", "scipy", "onnx", "onnxruntime", "scikit-learn", "matplotlib", "rich", "pyyaml",
                    "kubernetes"},
     "coordinator": {"onnxruntime", "scikit-learn", "matplotlib", "kubernetes"},
-    "client": {"matplotlib", "kubernetes"},
+    # The SDK carries no load tester: no behaviour profiles (YAML, pydantic), no progress bars.
+    "client": {"matplotlib", "kubernetes", "pyyaml", "pydantic", "rich"},
+    "loadtest": {"matplotlib", "kubernetes"},
 }
 SOURCES = ("pyproject.toml", "README.md", "tally")
 
@@ -86,7 +91,7 @@ def test_extra_installs_only_what_its_role_needs(venvs: dict[str, Path], role: s
     installed = {line.split("==")[0].replace("_", "-") for line in listing.splitlines()}
     assert "tally" in installed
     assert not installed & FORBIDDEN[role], f"tally[{role}] pulled in {installed & FORBIDDEN[role]}"
-    for script in ("tally-probe", f"tally-{'fleet' if role == 'client' else role}"):
+    for script in ("tally-probe", SCRIPTS[role]):
         assert (venvs[role] / script).exists(), script
 
 
@@ -130,7 +135,7 @@ def test_each_role_from_its_own_venv_runs_a_job(venvs: dict[str, Path], tmp_path
                        "--tls-dir", str(tls / "device")], env=env)
 
         fleet = subprocess.run([
-            str(venvs["client"] / "tally-fleet"), "--coordinator", f"localhost:{port}",
+            str(venvs["loadtest"] / "tally-fleet"), "--coordinator", f"localhost:{port}",
             "--devices", "10", "--hidden", "16", "--tls-dir", str(tls / "device"),
             "--enrolment-key", str(tls / "coordinator" / "enrolment.key"), "--no-progress",
             "--until-job-done", job_id,

@@ -25,7 +25,6 @@ from tally.secagg import (
     run_cohort,
     shamir,
 )
-from tally.secagg.client import DealingFault
 from tally.secagg.messages import Outgoing, UnmaskResponse
 from tally.secagg.server import SecAggServer
 from tally.secagg.params import GraphParams
@@ -169,12 +168,12 @@ class Cohort:
     ``tamper_client`` what devices send; refusals are recorded, not raised."""
 
     def __init__(self, config: SessionConfig, seed: int = 0, policy: DevicePolicy = LAX,
-                 server: SecAggServer | None = None, faults: dict[int, DealingFault] | None = None) -> None:
+                 server: SecAggServer | None = None, dealers: dict[int, type[SecAggClient]] | None = None) -> None:
         self.config = config
         self.server = server or SecAggServer(config)
         keys = identities(config.n)
-        faults = faults or {}
-        self.clients = {i: SecAggClient(config, i, keys[i], policy=policy, fault=faults.get(i))
+        dealers = dealers or {}
+        self.clients = {i: dealers.get(i, SecAggClient)(config, i, keys[i], policy=policy)
                         for i in range(1, config.n + 1)}
         self.inputs = random_inputs(config, np.random.default_rng(seed))
         for i, client in self.clients.items():

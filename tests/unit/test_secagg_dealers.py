@@ -17,7 +17,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from support.secagg import Cohort, identities, lax_client, make_config, random_inputs
 
-from tally.secagg import DealingFault, MalformedMessage, SecAggServer, shamir, sharecheck
+from tally.secagg import MalformedMessage, SecAggServer, shamir, sharecheck
+from tally.secagg.adversary import CORRUPT_DEALERS, InconsistentDealer
 from tally.secagg.client import _AwaitShareVerdict
 from tally.secagg.messages import (
     JustifyRequest,
@@ -35,10 +36,10 @@ from tally.secagg.messages import (
 
 @pytest.mark.parametrize("consistency", [False, True])
 @pytest.mark.parametrize("n, k, t", [(12, 11, 7), (100, 26, 16)])
-@pytest.mark.parametrize("fault", list(DealingFault))
-def test_a_corrupt_dealer_is_excluded_before_any_input_and_the_sum_is_exact(fault, n, k, t, consistency):
+@pytest.mark.parametrize("adversary", CORRUPT_DEALERS, ids=lambda dealer: dealer.kind)
+def test_a_corrupt_dealer_is_excluded_before_any_input_and_the_sum_is_exact(adversary, n, k, t, consistency):
     dealer = 5
-    cohort = Cohort(make_config(n, k, t, consistency=consistency), faults={dealer: fault})
+    cohort = Cohort(make_config(n, k, t, consistency=consistency), dealers={dealer: adversary})
     cohort.run()
     server = cohort.server
     assert server.aborted is None, server.aborted
@@ -50,14 +51,14 @@ def test_a_corrupt_dealer_is_excluded_before_any_input_and_the_sum_is_exact(faul
     assert result.total.tolist() == cohort.exact("s", result.contributors)
     complainers = {m.sender for m in cohort.sent if isinstance(m, ShareComplaints) and m.complaints}
     neighbours = set(cohort.config.neighbours(dealer).tolist())
-    assert complainers == (neighbours if fault is DealingFault.INCONSISTENT else {min(neighbours)})
+    assert complainers == (neighbours if adversary is InconsistentDealer else {min(neighbours)})
 
 
 def test_without_the_check_shares_on_no_polynomial_fail_the_round_after_every_input(monkeypatch):
     """The control: what finding 2 was. Every holder accepts its share, every device sends its
     masked input, and Unmask cannot rebuild the dealer's seed."""
     monkeypatch.setattr(sharecheck, "passes", lambda plaintext, check: True)
-    cohort = Cohort(make_config(12, 11, 7), faults={5: DealingFault.INCONSISTENT})
+    cohort = Cohort(make_config(12, 11, 7), dealers={5: InconsistentDealer})
     cohort.run()
     assert cohort.server.excluded == {}
     assert sum(isinstance(m, MaskedInputResponse) for m in cohort.sent) == 12
