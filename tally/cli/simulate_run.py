@@ -29,7 +29,7 @@ class UsageError(ValueError):
 
 def _options(algorithm: str, pairs: list[str]) -> dict[str, Any]:
     """``--option KEY=VALUE`` pairs (values as JSON, else strings), type-checked against the
-    algorithm's options as a job spec's ``config`` is."""
+    algorithm's options as a job spec's ``options`` is."""
     from tally.coordinator.spec.jobspec import option_type_errors
 
     options = {}

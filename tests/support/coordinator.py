@@ -30,7 +30,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from support.enrolment import provisioned_request
 from tally import modelio
 from tally.algorithms.base import StepSpec
-from tally.algorithms.fedavg import FedAvgClient, FedAvgConfig, FedAvgServer
+from tally.algorithms.fedavg import FedAvgClient, FedAvgOptions, FedAvgServer
 from tally.codec import Field, Kind, PayloadSchema, ring_dtype, ring_mask, to_ring
 from tally.coordinator.spec import jobspec
 from tally.coordinator.service import CoordinatorService
@@ -86,7 +86,7 @@ def spec_yaml(name: str, *, rounds: int = 1, cohort: int = 10, hidden: int = 8, 
     return (
         f"name: {name}\nalgorithm: fedavg\nrounds: {rounds}\ncohort_size: {cohort}\nover_selection: 1.0\n"
         f"min_cohort: 5\npopulation: {population}\nmodel: {{inputs: 64, classes: 10, hidden: {hidden}}}\n"
-        f"config: {{local_epochs: 1}}\n" + extra
+        f"options: {{local_epochs: 1}}\n" + extra
     )
 
 
@@ -395,7 +395,7 @@ class Device:
             await self.participate(task, contribute)
 
 
-def fedavg_contribution(config: FedAvgConfig) -> Contribute:
+def fedavg_contribution(config: FedAvgOptions) -> Contribute:
     client = FedAvgClient(config)
     return lambda device, step, broadcast: client.contribute(step, broadcast, device.trainer, None)[0]
 
@@ -491,14 +491,14 @@ async def run_devices(devices: list[Device], contribute: Contribute, until, befo
         await asyncio.gather(*loops, return_exceptions=True)
 
 
-def reference_model(initial: dict, trainers: list[FixedTrainer], rounds: int, config: FedAvgConfig) -> dict:
+def reference_model(initial: dict, trainers: list[FixedTrainer], rounds: int, config: FedAvgOptions) -> dict:
     """The in-process result (tally.sim.rounds with an exact sum) for the same devices."""
     state, _ = run_rounds(FedAvgServer(config), FedAvgClient(config), trainers, initial, rounds,
                           len(trainers), plain_sum)
     return state.params
 
 
-def fedavg_bound(trainers: list[FixedTrainer], config: FedAvgConfig, rounds: int, max_delta: float) -> float:
+def fedavg_bound(trainers: list[FixedTrainer], config: FedAvgOptions, rounds: int, max_delta: float) -> float:
     """Quantisation bound on the FedAvg model after ``rounds``: each round the summed update and
     weight are each off by less than n 2^-frac_bits, so the mean update is off by at most
     (n 2^-f + |mean| n 2^-f) / (sum of weights - n 2^-f)."""

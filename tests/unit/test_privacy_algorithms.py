@@ -45,7 +45,7 @@ JOBS: dict[str, tuple[str, str]] = {
 def job(algorithm: str, mechanism: str = "distributed") -> str:
     model, options = JOBS[algorithm]
     return (f"name: dp\nalgorithm: {algorithm}\nrounds: 10\ncohort_size: 20\nmodel: {model}\n"
-            f"config: {options}\n" + PRIVACY.format(mechanism=mechanism))
+            f"options: {options}\n" + PRIVACY.format(mechanism=mechanism))
 
 
 def test_every_algorithm_on_secure_sums_declares_its_sensitivities():
@@ -163,7 +163,7 @@ def small_steps() -> list[tuple[str, StepSpec, Any]]:
     out = []
     for algorithm in sorted(JOBS):
         spec = parse(job(algorithm))
-        server = catalogue.make_server(algorithm, spec.config)
+        server = catalogue.make_server(algorithm, spec.options)
         for step in server.steps(server.init(catalogue.initial_model(spec.model))):
             out.append((algorithm, step, server))
     return out
