@@ -359,7 +359,7 @@ def test_agnostic_fedavg_through_the_services_with_a_coordinator_restart(tmp_pat
     rounds, initial = 3, {"w": np.array([5.0])}
     toy = toy_regression(clients=10, domains=3, samples_per_client=20, seed=0)
     n = len(toy.client_points)
-    # tally.sim.tasks' toy-regression options, with one full batch per epoch so that a device's
+    # tally.sim.scenarios' toy-regression options, with one full batch per epoch so that a device's
     # update does not depend on how often it was asked to train (an attempt interrupted by the
     # restart may have trained it once more).
     options = {"domains": toy.num_domains, "domain_lr": 0.005, "local_lr": 0.1, "batch_size": 20,
