@@ -26,8 +26,8 @@ from support.coordinator import (
     FRAC_BITS,
     SUCCEEDED,
     CoordinatorStack,
-    Device,
     FakeAggregatorControl,
+    FakeDevice,
     FixedTrainer,
     committed_model,
     coordinator_stack,
@@ -228,7 +228,7 @@ def test_a_device_whose_hold_ends_as_its_cohort_forms_comes_back_at_once_for_its
     assert sorted(r.task.device_index for r in again) == [1, 2, 3, 4, 5]
 
 
-async def held_for_round_two(s: CoordinatorStack, first: list[Device], later: list[Device], **job) -> tuple[str, asyncio.Event, list]:
+async def held_for_round_two(s: CoordinatorStack, first: list[FakeDevice], later: list[FakeDevice], **job) -> tuple[str, asyncio.Event, list]:
     """A two-round job whose round 1 aggregates (its devices wait for the returned event) while
     each of ``later`` is held for round 2 by one check-in (the returned tasks answer them)."""
     contribute = fedavg_contribution(FedAvgOptions(local_epochs=1))

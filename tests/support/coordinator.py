@@ -296,10 +296,13 @@ class FixedTrainer:
         return 0.0, 0.0
 
 
-Contribute = Callable[["Device", str, Mapping[str, np.ndarray]], dict[str, Any]]
+Contribute = Callable[["FakeDevice", str, Mapping[str, np.ndarray]], dict[str, Any]]
 
 
-class Device:
+class FakeDevice:
+    """A device that speaks the device API itself rather than through the SDK (``tally.client.Device``):
+    the test scripts every call, including the ones a real device would never make."""
+
     def __init__(self, stack: CoordinatorStack, device_id: str, trainer: FixedTrainer | None = None, population: str = "default"):
         self.stack, self.device_id, self.trainer, self.population = stack, device_id, trainer, population
         self.stub = stack.device_stub
@@ -311,7 +314,7 @@ class Device:
     def md(self):
         return bearer_metadata(self.token)
 
-    async def register(self) -> Device:
+    async def register(self) -> FakeDevice:
         reply = await self.stub.Register(
             provisioned_request(self.stack.service, self.device_id, self.population), timeout=5
         )
@@ -403,7 +406,7 @@ def fedavg_contribution(config: FedAvgOptions) -> Contribute:
 @dataclass
 class CoordinatorStack:
     """A real coordinator and fake aggregators (unlike ``support.stack.Stack``, the whole system):
-    the devices are scripted (``Device``), so a test controls every call the coordinator sees."""
+    the devices are scripted (``FakeDevice``), so a test controls every call the coordinator sees."""
 
     service: CoordinatorService
     aggregators: list[FakeAggregatorControl]
@@ -427,9 +430,9 @@ class CoordinatorStack:
 
     async def devices(
         self, n: int, *, trainers: bool = True, prefix: str = "dev", population: str = "default"
-    ) -> list[Device]:
+    ) -> list[FakeDevice]:
         devices = [
-            Device(self, f"{prefix}{i}", FixedTrainer(i, 40 + 10 * i) if trainers else None, population)
+            FakeDevice(self, f"{prefix}{i}", FixedTrainer(i, 40 + 10 * i) if trainers else None, population)
             for i in range(n)
         ]
         return list(await asyncio.gather(*(d.register() for d in devices)))
@@ -480,7 +483,7 @@ async def coordinator_stack(tmp_path: Path, aggregators: int = 2, **service_args
             await fake.stop()
 
 
-async def run_devices(devices: list[Device], contribute: Contribute, until, before=None) -> Any:
+async def run_devices(devices: list[FakeDevice], contribute: Contribute, until, before=None) -> Any:
     """Run the devices' loops while ``until`` (a coroutine) runs; its result."""
     done = asyncio.Event()
     loops = [asyncio.create_task(d.loop(contribute, done, before)) for d in devices]
