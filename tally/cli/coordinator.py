@@ -32,7 +32,7 @@ if TYPE_CHECKING:  # the service and job specs import torch: `--help` must not w
     from tally.coordinator.replica import Replica
     from tally.coordinator.service import CoordinatorService
 
-log = logging.getLogger("tally.tally.cli.coordinator")
+log = logging.getLogger(__name__)
 
 DATABASE_ENV = "TALLY_DATABASE_URL"
 DEFAULT_INTERNAL_LISTEN = "0.0.0.0:7010"

@@ -56,7 +56,7 @@ from tally.wire.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc
 if TYPE_CHECKING:  # the profile parser (pydantic, yaml) is for fleets, not every device
     from tally.loadtest.behaviour import DeviceTraits
 
-log = logging.getLogger("tally.client.device")
+log = logging.getLogger(__name__)
 
 # The coordinator's names for its answers (tally_coordinator_checkins_total{outcome}).
 _CHECKIN_OUTCOMES = {"task": "task", "retry_after": "retry"}

@@ -350,7 +350,7 @@ def test_task_reports_keep_an_example_and_only_real_failures_are_warnings(tmp_pa
     from tally.coordinator.rounds.task_reports import TaskReportBook
     from tally.wire.v1 import coordinator_pb2
 
-    caplog.set_level("INFO", logger="tally.coordinator.reports")
+    caplog.set_level("INFO", logger="tally.coordinator.rounds.task_reports")
     store = Store(tmp_path)
     book = TaskReportBook(store, "job")
     seats = [Seat(f"d{i}", 0, i + 1, f"task-{i}") for i in range(3)]

@@ -26,7 +26,7 @@ from tally.coordinator.state.store import JobRecord, Store
 from tally.security import AuthError, token_from_metadata
 from tally.wire.v1 import admin_pb2, admin_pb2_grpc, common_pb2
 
-log = logging.getLogger("tally.coordinator.admin")
+log = logging.getLogger(__name__)
 
 DEFAULT_PAGE_SIZE = 50
 MAX_PAGE_SIZE = 1000

@@ -77,7 +77,7 @@ from tally.security import TicketSigner
 from tally.wire.convert import to_proto
 from tally.wire.v1 import coordinator_pb2
 
-log = logging.getLogger("tally.coordinator")
+log = logging.getLogger(__name__)
 
 CHUNK_SIZE = 1 << 20
 # Weight of the newest round in the running estimate of a round's duration (pace steering).
