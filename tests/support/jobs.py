@@ -51,7 +51,7 @@ def run_job(tmp_path, algorithm: str, options: Mapping[str, Any], kind: str, ini
             store = s.coordinator.store
             version = store.model_version(job_id)
             model = modelio.deserialize(store.read_blob(version.model_digest))
-            template = algorithms.make(algorithm, parse(text).config)[0].init(model)  # with the opt-in
+            template = algorithms.make(algorithm, parse(text).options)[0].init(model)  # with the opt-in
             state = state_from_bytes(store.read_blob(version.state_digest), template)
             probed = await probe(s, job_id) if probe is not None else None
             return await s.job(job_id), state, fleet_stats, probed
