@@ -46,7 +46,7 @@ from rich.table import Table
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from tally.datasets.digits import digits  # noqa: E402
-from tally.algorithms.fedavg import FedAvgClient, FedAvgConfig, FedAvgServer  # noqa: E402
+from tally.algorithms.fedavg import FedAvgClient, FedAvgOptions, FedAvgServer  # noqa: E402
 from tally.privacy.errors import PrivacyRefused  # noqa: E402
 from tally.privacy.payload import PrivateClient  # noqa: E402
 from tally.privacy.server import PrivacySettings, PrivateServer  # noqa: E402
@@ -109,7 +109,7 @@ def fedavg_options(args: argparse.Namespace) -> dict:
 def run(args: argparse.Namespace, seed: int, mechanism: str | None, epsilon: float | None,
         bits: int | None = None) -> dict:
     devices, initial, test = population(args, seed)
-    config = FedAvgConfig(**fedavg_options(args))
+    config = FedAvgOptions(**fedavg_options(args))
     server, client = FedAvgServer(config), FedAvgClient(config)
     start = time.perf_counter()
     if mechanism is None:

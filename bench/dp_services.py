@@ -48,7 +48,7 @@ def job_spec(args: argparse.Namespace, seed: int, epsilon: float | None) -> str:
         f"name: dp-digits\nalgorithm: fedavg\nrounds: {args.rounds}\ncohort_size: {args.cohort}\n"
         f"min_cohort: {min_cohort(args)}\nover_selection: 1.0\nretries: 5\n"
         f"model: {{kind: mlp, inputs: 64, classes: 10, hidden: {args.hidden}, seed: {seed}}}\n"
-        f"config: {options}\nsecure: {{dropout_rate: {args.dropout}, corrupt_rate: {args.corrupt}}}\n"
+        f"options: {options}\nsecure: {{dropout_rate: {args.dropout}, corrupt_rate: {args.corrupt}}}\n"
     )
     if epsilon is not None:  # delta in positional notation: YAML reads 1e-05 as a string
         text += (f"privacy: {{mechanism: distributed, clip: {args.clip}, target_epsilon: {epsilon}, "

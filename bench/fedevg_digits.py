@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 
 from tally.datasets.digits import digits
-from tally.algorithms.fedevg import SYNTHETIC_X, SYNTHETIC_Y, FedEvgClient, FedEvgConfig, FedEvgServer
+from tally.algorithms.fedevg import SYNTHETIC_X, SYNTHETIC_Y, FedEvgClient, FedEvgOptions, FedEvgServer
 from tally.training.energy import EnergyTrainer, export_synthetic, synthetic_classifier_accuracy
 from tally.models.energy import energy_mlp
 from tally.secagg import ThreatModel
@@ -37,7 +37,7 @@ def main() -> None:
     runs = []
     for seed in args.seeds:
         fed = digits(args.clients, alpha=args.alpha, seed=seed)
-        config = FedEvgConfig(classes=10, inputs=64, per_class=10, step_start=args.step, step_end=0.01,
+        config = FedEvgOptions(classes=10, inputs=64, per_class=10, step_start=args.step, step_end=0.01,
                               schedule_rounds=args.rounds, noise=0.01, input_range=(0.0, 1.0),
                               local_iterations=20, local_lr=1e-3, batch_size=64, sgld_step=1.0,
                               sgld_noise=0.01, synthetic_weight=0.1, seed=seed)

@@ -102,7 +102,7 @@ def job_spec(args: argparse.Namespace, name: str, plain: bool) -> str:
         f"max_cohort_per_aggregator: {max(5, args.devices)}",
         "retries: 3",
         f"model: {{kind: mlp, inputs: 1, classes: 1, hidden: {hidden}, seed: 0}}",
-        "config: {local_epochs: 1, local_lr: 0.1, batch_size: 16}",
+        "options: {local_epochs: 1, local_lr: 0.1, batch_size: 16}",
         f"secure: {{dropout_rate: {threat_dropout}, corrupt_rate: 0.05, plain: {str(plain).lower()}}}",
         f"deadlines: {{checkin: {d}, download: {d}, advertise_keys: {d}, share_keys: {d}, "
         f"masked_input: {d}, unmask: {d}}}",

@@ -33,8 +33,8 @@ COUNT = Field("count", (), kind=Kind.COUNT, clip=1)
 
 
 @dataclass(frozen=True)
-class EvaluatedAverageConfig(Options):
-    """The options a job's ``config:`` gives; ``from_dict`` (from ``Options``) parses them."""
+class EvaluatedAverageOptions(Options):
+    """The options a job's ``options:`` gives; ``from_dict`` (from ``Options``) parses them."""
 
     options_of: ClassVar[str] = "evaluated_average"
 
@@ -68,7 +68,7 @@ def _mean(total: Mapping[str, np.ndarray], field: str, step: str) -> np.ndarray:
 class EvaluatedAverageServer:
     name = "evaluated_average"
 
-    def __init__(self, config: EvaluatedAverageConfig) -> None:
+    def __init__(self, config: EvaluatedAverageOptions) -> None:
         self.config = config
 
     def init(self, params: Arrays) -> EvaluatedAverageState:
@@ -101,7 +101,7 @@ class EvaluatedAverageServer:
 
 
 class EvaluatedAverageClient:
-    def __init__(self, config: EvaluatedAverageConfig) -> None:
+    def __init__(self, config: EvaluatedAverageOptions) -> None:
         self.config = config
 
     def contribute(self, step: str, broadcast: Mapping[str, np.ndarray], device: LocalTrainer, local_state: Any
@@ -119,4 +119,4 @@ class EvaluatedAverageClient:
 
 def make_server(options: Mapping[str, Any] | None) -> EvaluatedAverageServer:
     """The factory ``tally.coordinator.spec.catalogue.register_algorithm`` takes."""
-    return EvaluatedAverageServer(EvaluatedAverageConfig.from_dict(options))
+    return EvaluatedAverageServer(EvaluatedAverageOptions.from_dict(options))

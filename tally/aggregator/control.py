@@ -37,7 +37,7 @@ from tally.security.tls import peer_identity
 from tally.wire.convert import cohort_sum_to_proto
 from tally.wire.v1 import aggregator_pb2, aggregator_pb2_grpc
 
-log = logging.getLogger("tally.aggregator.control")
+log = logging.getLogger(__name__)
 
 
 class ControlServicer(aggregator_pb2_grpc.AggregatorControlServicer):

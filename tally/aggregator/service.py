@@ -37,7 +37,7 @@ from tally.security.tls import server_options
 from tally.wire.undecodable import RefuseUndecodable
 from tally.wire.v1 import aggregator_pb2, aggregator_pb2_grpc
 
-log = logging.getLogger("tally.aggregator")
+log = logging.getLogger(__name__)
 
 CONTROL_SERVICE = aggregator_pb2.DESCRIPTOR.services_by_name["AggregatorControl"].full_name
 SERVICE_NAMES = (CONTROL_SERVICE, DEVICE_SERVICE)

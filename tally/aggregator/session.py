@@ -49,7 +49,7 @@ from tally.secagg.messages import (
 from tally.wire.convert import aggregator_envelope, to_proto
 from tally.wire.v1 import secagg_pb2
 
-log = logging.getLogger("tally.aggregator.session")
+log = logging.getLogger(__name__)
 
 COMPLETED, ABORTED, CLOSED = "completed", "aborted", "closed"
 T = TypeVar("T")

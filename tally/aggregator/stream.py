@@ -40,7 +40,7 @@ from tally.wire.join import JoinError, join_from_metadata
 from tally.wire.sized import already_serialized, sized
 from tally.wire.v1 import secagg_pb2, secagg_pb2_grpc
 
-log = logging.getLogger("tally.aggregator.stream")
+log = logging.getLogger(__name__)
 
 
 SERVICE = secagg_pb2.DESCRIPTOR.services_by_name["SecureAggregation"].full_name

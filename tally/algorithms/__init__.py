@@ -8,39 +8,39 @@ from typing import Any
 from tally.algorithms.base import ClientAlgorithm, LocalTrainer, ServerAlgorithm, StepSpec
 from tally.algorithms.aaggff import (
     AAggFFClient,
-    AAggFFDConfig,
+    AAggFFDOptions,
     AAggFFDServer,
-    AAggFFSConfig,
+    AAggFFSOptions,
     AAggFFSServer,
 )
 from tally.algorithms.agnostic_fedavg import (
     AgnosticFedAvgClient,
-    AgnosticFedAvgConfig,
+    AgnosticFedAvgOptions,
     AgnosticFedAvgServer,
 )
-from tally.algorithms.fedavg import FedAvgClient, FedAvgConfig, FedAvgServer
-from tally.algorithms.fedevg import FedEvgClient, FedEvgConfig, FedEvgServer
+from tally.algorithms.fedavg import FedAvgClient, FedAvgOptions, FedAvgServer
+from tally.algorithms.fedevg import FedEvgClient, FedEvgOptions, FedEvgServer
 from tally.algorithms.feddar import (
     FedDARClient,
-    FedDARConfig,
-    FedDARSAConfig,
+    FedDAROptions,
+    FedDARSAOptions,
     FedDARSAServer,
     FedDARWAServer,
 )
-from tally.algorithms.lg_fedavg import LGFedAvgClient, LGFedAvgConfig, LGFedAvgServer
-from tally.algorithms.superfed import SuPerFedClient, SuPerFedConfig, SuPerFedServer
+from tally.algorithms.lg_fedavg import LGFedAvgClient, LGFedAvgOptions, LGFedAvgServer
+from tally.algorithms.superfed import SuPerFedClient, SuPerFedOptions, SuPerFedServer
 
 # name -> (options, server half, client half): what coordinators and devices build each algorithm from.
 _BUILT_IN = {
-    "fedavg": (FedAvgConfig, FedAvgServer, FedAvgClient),
-    "agnostic_fedavg": (AgnosticFedAvgConfig, AgnosticFedAvgServer, AgnosticFedAvgClient),
-    "aaggff_d": (AAggFFDConfig, AAggFFDServer, AAggFFClient),
-    "aaggff_s": (AAggFFSConfig, AAggFFSServer, AAggFFClient),
-    "feddar_wa": (FedDARConfig, FedDARWAServer, FedDARClient),
-    "feddar_sa": (FedDARSAConfig, FedDARSAServer, FedDARClient),
-    "lg_fedavg": (LGFedAvgConfig, LGFedAvgServer, LGFedAvgClient),
-    "superfed": (SuPerFedConfig, SuPerFedServer, SuPerFedClient),
-    "fedevg": (FedEvgConfig, FedEvgServer, FedEvgClient),
+    "fedavg": (FedAvgOptions, FedAvgServer, FedAvgClient),
+    "agnostic_fedavg": (AgnosticFedAvgOptions, AgnosticFedAvgServer, AgnosticFedAvgClient),
+    "aaggff_d": (AAggFFDOptions, AAggFFDServer, AAggFFClient),
+    "aaggff_s": (AAggFFSOptions, AAggFFSServer, AAggFFClient),
+    "feddar_wa": (FedDAROptions, FedDARWAServer, FedDARClient),
+    "feddar_sa": (FedDARSAOptions, FedDARSAServer, FedDARClient),
+    "lg_fedavg": (LGFedAvgOptions, LGFedAvgServer, LGFedAvgClient),
+    "superfed": (SuPerFedOptions, SuPerFedServer, SuPerFedClient),
+    "fedevg": (FedEvgOptions, FedEvgServer, FedEvgClient),
 }
 
 NAMES = tuple(_BUILT_IN)
@@ -54,7 +54,7 @@ def make(name: str, options: Mapping[str, Any] | None = None) -> tuple[ServerAlg
 
 
 def options_type(name: str) -> type:
-    """The config dataclass of algorithm ``name``: its options and their types (job specs are
+    """The options dataclass of algorithm ``name``: its options and their types (job specs are
     validated against it)."""
     try:
         return _BUILT_IN[name][0]

@@ -110,7 +110,7 @@ class RevealRefused(ValueError):
 
 
 # ----------------------------------------------------------------------------------------------
-# Configuration
+# Options
 
 
 @dataclass(frozen=True)
@@ -172,7 +172,7 @@ def _check_range(c1: float, c2: float) -> None:
 
 
 @dataclass(frozen=True)
-class AAggFFDConfig(_Common):
+class AAggFFDOptions(_Common):
     """AAggFF-D. ``cohort_size`` is ⌊C·K⌋ (default K, full participation): C = cohort_size/K, the
     inclusion probability of sampling without replacement (§3.3). Responses default to [0, C] (§2)."""
 
@@ -204,7 +204,7 @@ class AAggFFDConfig(_Common):
 
 
 @dataclass(frozen=True)
-class AAggFFSConfig(_Common):
+class AAggFFSOptions(_Common):
     """AAggFF-S. ``solver``: "ons" (as specified; needs ``reveal: ["response"]``) or "separable"
     (sums only). Responses default to the thesis's [0, 3] (§2; the code's [0, 1/K] by flag)."""
 
@@ -244,10 +244,10 @@ class AAggFFSConfig(_Common):
         return lipschitz(*self.response_range)
 
 
-Config = AAggFFDConfig | AAggFFSConfig
+AAggFFOptions = AAggFFDOptions | AAggFFSOptions
 
 
-def _response_bound(config: Config) -> float:
+def _response_bound(config: AAggFFOptions) -> float:
     c1, c2 = config.response_range
     top = c1 + (c2 - c1) * (CODE_NORMAL_MAX if config.code_normal else 1.0)
     return max(abs(c1), abs(top))
@@ -264,7 +264,7 @@ def _scalar(name: str, clip: float) -> Field:
 COUNT = Field("count", (), kind=Kind.COUNT, clip=1)
 
 
-def _update_fields(config: Config, dim: int, weight_clip: float) -> tuple[Field, ...]:
+def _update_fields(config: AAggFFOptions, dim: int, weight_clip: float) -> tuple[Field, ...]:
     return (
         Field("weighted_update", (dim,), clip=config.delta_clip * weight_clip, frac_bits=config.frac_bits),
         _scalar("weight", weight_clip),
@@ -276,7 +276,7 @@ def _model_dim(params: Arrays) -> int:
     return int(sum(v.size for v in params.values()))
 
 
-def _apply_update(config: Config, params: Arrays, round_: int, total: Mapping[str, np.ndarray]) -> Arrays:
+def _apply_update(config: AAggFFOptions, params: Arrays, round_: int, total: Mapping[str, np.ndarray]) -> Arrays:
     """θ ← θ + η_g·Σ w_iΔ_i / Σ w_i (the division also renormalises over the survivors)."""
     weight = float(total["weight"])
     if weight <= 0:
@@ -310,7 +310,7 @@ class AccumulatorState:
 class _AccumulatorServer:
     """The sums-only server of AAggFF-D and of AAggFF-S's separable solver."""
 
-    def __init__(self, config: Config) -> None:
+    def __init__(self, config: AAggFFOptions) -> None:
         self.config = config
 
     def init(self, params: Arrays) -> AccumulatorState:
@@ -374,7 +374,7 @@ class AAggFFDServer(_AccumulatorServer):
 
     name = "aaggff_d"
 
-    def __init__(self, config: AAggFFDConfig) -> None:
+    def __init__(self, config: AAggFFDOptions) -> None:
         super().__init__(config)
 
 
@@ -394,7 +394,7 @@ class OnsState:
 class _OnsServer:
     """AAggFF-S with the online Newton step (Algorithm 3.1, Eq. 3.7), over revealed responses."""
 
-    def __init__(self, config: AAggFFSConfig, on_reveal: Callable[[int, Sequence[int]], None]) -> None:
+    def __init__(self, config: AAggFFSOptions, on_reveal: Callable[[int, Sequence[int]], None]) -> None:
         self.config = config
         self.on_reveal = on_reveal
         self.alpha, self.beta = ons_constants(config.num_clients, config.lipschitz)
@@ -470,7 +470,7 @@ class AAggFFSServer:
 
     name = "aaggff_s"
 
-    def __init__(self, config: AAggFFSConfig) -> None:
+    def __init__(self, config: AAggFFSOptions) -> None:
         if config.solver == "ons" and "response" not in config.reveal:
             raise RevealRefused(
                 "aaggff_s with solver 'ons' needs every silo's response in the clear (the online Newton "
@@ -536,7 +536,7 @@ def _log_weight_exp(log_weight: float) -> float:
 class AAggFFClient:
     """The device half of both variants (the variant is the config's type and solver)."""
 
-    def __init__(self, config: Config) -> None:
+    def __init__(self, config: AAggFFOptions) -> None:
         self.config = config
 
     def contribute(
@@ -620,7 +620,7 @@ class AAggFFClient:
         return -(r_hat - aggregate) / (1.0 + aggregate)
 
 
-def decision(config: Config, completed_rounds: int, local_states: Sequence[Any]) -> np.ndarray:
+def decision(config: AAggFFOptions, completed_rounds: int, local_states: Sequence[Any]) -> np.ndarray:
     """The current decision p over all K devices, p^(t+1) after t completed rounds, from the devices'
     accumulators (simulation diagnostics for reports: only a simulator holds every device's local
     state; a device without one has accumulator 0). Not defined for ONS, whose p is server state."""

@@ -1,7 +1,7 @@
 """Local adaptation's options, without torch: what the coordinator checks in a job spec's
 ``adaptation:`` block and what a device receives with its task (specs/local-adaptation.md 6).
 
-``AdaptationConfig`` is one technique's settings (``tally.client.adaptation.adapt`` runs it).
+``AdaptationOptions`` is one technique's settings (``tally.client.adaptation.adapt`` runs it).
 ``JobAdaptation`` is the job option around it: the technique plus what the device does around the
 technique after the job's last round commits (how much of its data it holds out to judge the
 adapted model, whether it also trains the local-only baseline of the who-gains comparison). It
@@ -29,7 +29,7 @@ METHOD_OPTIONS = {"trainable": ("freeze_base",), "ewc_lambda": ("ewc",), "alpha"
 
 
 @dataclass(frozen=True)
-class AdaptationConfig(Options):
+class AdaptationOptions(Options):
     options_of: ClassVar[str] = "adaptation"
 
     method: str = "finetune"
@@ -65,7 +65,7 @@ class JobAdaptation:
     the device also trains a model on its own data alone, from fresh weights, and records the
     who-gains comparison (spec 5) on the held-out examples; 0 measures no baseline."""
 
-    config: AdaptationConfig
+    config: AdaptationOptions
     validation: float = 0.2
     local_only_epochs: int = 0
 
@@ -79,7 +79,7 @@ class JobAdaptation:
     def from_dict(cls, raw: Mapping[str, Any]) -> JobAdaptation:
         raw = dict(raw)
         own = {f.name: raw.pop(f.name) for f in dataclasses.fields(cls) if f.name != "config" and f.name in raw}
-        return cls(AdaptationConfig.from_dict(raw), **own)
+        return cls(AdaptationOptions.from_dict(raw), **own)
 
     @classmethod
     def from_json(cls, text: str) -> JobAdaptation:
@@ -97,7 +97,7 @@ class JobAdaptation:
         return json.dumps(self.to_dict(), sort_keys=True)
 
 
-def trainable_names(names: list[str], config: AdaptationConfig) -> list[str]:
+def trainable_names(names: list[str], config: AdaptationOptions) -> list[str]:
     """The parameters adaptation trains: all of them, or for freeze_base those ``trainable``
     matches (by default the last module's: "only the final classifier trainable", spec 11 #11)."""
     if config.method != "freeze_base":

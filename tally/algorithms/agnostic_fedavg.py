@@ -90,7 +90,7 @@ class DomainDevice(Protocol):
 
 
 @dataclass(frozen=True)
-class AgnosticFedAvgConfig(Options):
+class AgnosticFedAvgOptions(Options):
     """Options of a job. Codec bounds are per device and per value; see ``steps``.
 
     ``domain_lr`` is γ_λ; the paper used 0.005 (Stack Overflow) and 0.01 (EMNIST) and reports
@@ -202,8 +202,8 @@ def mean_domain_loss(loss_sums: np.ndarray, counts: np.ndarray) -> np.ndarray:
 class AgnosticFedAvgServer:
     name = "agnostic_fedavg"
 
-    def __init__(self, config: AgnosticFedAvgConfig | None = None) -> None:
-        self.config = config or AgnosticFedAvgConfig()
+    def __init__(self, config: AgnosticFedAvgOptions | None = None) -> None:
+        self.config = config or AgnosticFedAvgOptions()
 
     def init(self, params: Arrays) -> AgnosticFedAvgState:
         cfg = self.config
@@ -304,8 +304,8 @@ class AgnosticFedAvgServer:
 
 
 class AgnosticFedAvgClient:
-    def __init__(self, config: AgnosticFedAvgConfig | None = None) -> None:
-        self.config = config or AgnosticFedAvgConfig()
+    def __init__(self, config: AgnosticFedAvgOptions | None = None) -> None:
+        self.config = config or AgnosticFedAvgOptions()
 
     def contribute(
         self, step: str, broadcast: Mapping[str, np.ndarray], device: DomainDevice, local_state: Any

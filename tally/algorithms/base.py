@@ -199,7 +199,7 @@ C = TypeVar("C", bound="Options")
 
 class Options:
     """Base of every algorithm's options dataclass: ``from_dict`` is the one parser of a job's
-    ``config:`` mapping (and of ``tally simulate --option``).
+    ``options:`` mapping (and of ``tally simulate --option``).
 
     One parser so every algorithm refuses the same mistakes the same way: an unknown key is named
     with the algorithm's options, and a tuple-typed option takes a YAML list or one string (a lone

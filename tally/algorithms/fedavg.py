@@ -22,7 +22,7 @@ STEP = "update"
 
 
 @dataclass(frozen=True)
-class FedAvgConfig(Options):
+class FedAvgOptions(Options):
     options_of: ClassVar[str] = "fedavg"
 
     local_epochs: int = 5
@@ -34,7 +34,7 @@ class FedAvgConfig(Options):
     example_cap: int = 1000
 
     @classmethod
-    def part_of(cls, config: FedAvgConfig) -> FedAvgConfig:
+    def part_of(cls, config: FedAvgOptions) -> FedAvgOptions:
         """The FedAvg part of a config that extends FedAvg's (LG-FedAvg's, SuPerFed's)."""
         return cls(**{f.name: getattr(config, f.name) for f in fields(cls)})
 
@@ -48,8 +48,8 @@ class FedAvgState:
 class FedAvgServer:
     name = "fedavg"
 
-    def __init__(self, config: FedAvgConfig | None = None) -> None:
-        self.config = config or FedAvgConfig()
+    def __init__(self, config: FedAvgOptions | None = None) -> None:
+        self.config = config or FedAvgOptions()
 
     def init(self, params: Arrays) -> FedAvgState:
         return FedAvgState(dict(params))
@@ -82,8 +82,8 @@ class FedAvgServer:
 
 
 class FedAvgClient:
-    def __init__(self, config: FedAvgConfig | None = None) -> None:
-        self.config = config or FedAvgConfig()
+    def __init__(self, config: FedAvgOptions | None = None) -> None:
+        self.config = config or FedAvgOptions()
 
     def contribute(
         self, step: str, broadcast: Mapping[str, np.ndarray], device: LocalTrainer, local_state: Any

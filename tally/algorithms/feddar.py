@@ -107,7 +107,7 @@ def encoder_part(params: Mapping[str, np.ndarray]) -> Arrays:
 
 
 @dataclass(frozen=True)
-class FedDARConfig(Options):
+class FedDAROptions(Options):
     """FedDAR-WA's options (and the options both variants share)."""
 
     options_of: ClassVar[str] = "feddar_wa"
@@ -137,7 +137,7 @@ class FedDARConfig(Options):
 
 
 @dataclass(frozen=True)
-class FedDARSAConfig(FedDARConfig):
+class FedDARSAOptions(FedDAROptions):
     """FedDAR-SA adds the Hessian options."""
 
     options_of: ClassVar[str] = "feddar_sa"
@@ -189,8 +189,8 @@ class FedDARWAServer:
 
     name = "feddar_wa"
 
-    def __init__(self, config: FedDARConfig | None = None) -> None:
-        self.config = config or FedDARConfig()
+    def __init__(self, config: FedDAROptions | None = None) -> None:
+        self.config = config or FedDAROptions()
 
     def init(self, params: Arrays) -> FedDARState:
         heads = np.asarray(params.get(HEADS))
@@ -303,10 +303,10 @@ class FedDARSAServer(FedDARWAServer):
     """FedDAR-SA: heads from the summed Hessian system, h_m = (Σ c H)^{-1} Σ c H w, damped."""
 
     name = "feddar_sa"
-    config: FedDARSAConfig
+    config: FedDARSAOptions
 
-    def __init__(self, config: FedDARSAConfig | None = None) -> None:
-        super().__init__(config or FedDARSAConfig())
+    def __init__(self, config: FedDARSAOptions | None = None) -> None:
+        super().__init__(config or FedDARSAOptions())
 
     def _hessian_unique(self, size: int) -> int:
         return size * (size + 1) // 2
@@ -346,8 +346,8 @@ class FedDARSAServer(FedDARWAServer):
 class FedDARClient:
     """The device half of both variants; SA's extra sums are sent when the config is SA's."""
 
-    def __init__(self, config: FedDARConfig | None = None) -> None:
-        self.config = config or FedDARConfig()
+    def __init__(self, config: FedDAROptions | None = None) -> None:
+        self.config = config or FedDAROptions()
 
     def contribute(
         self, step: str, broadcast: Mapping[str, np.ndarray], device: DomainDevice, local_state: Any
@@ -372,7 +372,7 @@ class FedDARClient:
         flat = np.asarray(local, dtype=np.float64).reshape(domains, -1)
         weight = np.minimum(counts, cfg.example_cap) / cfg.example_cap
         payload = {"counts": counts, "weights": weight, "weighted_heads": weight[:, None] * flat}
-        if isinstance(cfg, FedDARSAConfig):
+        if isinstance(cfg, FedDARSAOptions):
             at = local if cfg.hessian_at == "local" else global_heads
             _, hessians = device.head_derivatives({**encoder, HEADS: at})
             scaled = weight[:, None, None] * hessians

@@ -33,7 +33,7 @@ WEIGHTINGS = ("sign", "exact")
 
 
 @dataclass(frozen=True)
-class FedEvgConfig(Options):
+class FedEvgOptions(Options):
     options_of: ClassVar[str] = "fedevg"
 
     classes: int = 10  # L
@@ -80,14 +80,14 @@ class FedEvgConfig(Options):
         return math.e if self.weighting == "sign" else math.exp(self.logit_clamp)
 
 
-def step_size(config: FedEvgConfig, round_: int) -> float:
+def step_size(config: FedEvgOptions, round_: int) -> float:
     """beta^(t): cosine annealing from step_start (t = 0) to step_end (t = T - 1), then flat."""
     last = config.schedule_rounds - 1
     progress = min(round_, last) / last if last > 0 else 1.0
     return config.step_end + (config.step_start - config.step_end) * (1 + math.cos(math.pi * progress)) / 2
 
 
-def initial_synthetic(config: FedEvgConfig) -> Arrays:
+def initial_synthetic(config: FedEvgOptions) -> Arrays:
     """Eq. 4.12: inputs from N(0, I), exactly ``per_class`` samples of each class (labels fixed)."""
     rng = np.random.default_rng([config.seed, 412])
     return {
@@ -104,7 +104,7 @@ def mixture_gradient(weighted_gradient: np.ndarray, weight: np.ndarray) -> np.nd
     return np.asarray(weighted_gradient, dtype=np.float64).reshape(weight.size, -1) / weight[:, None]
 
 
-def sample_weights(logits_at_label: np.ndarray, config: FedEvgConfig) -> np.ndarray:
+def sample_weights(logits_at_label: np.ndarray, config: FedEvgOptions) -> np.ndarray:
     """s_ij from f_i(x_j)[y_j]: exp(sgn f) (sign trick) or exp(clip(f, -c, c)) (exact, clamped)."""
     f = np.asarray(logits_at_label, dtype=np.float64)
     if config.weighting == "sign":
@@ -122,8 +122,8 @@ class FedEvgState:
 class FedEvgServer:
     name = "fedevg"
 
-    def __init__(self, config: FedEvgConfig | None = None) -> None:
-        self.config = config or FedEvgConfig()
+    def __init__(self, config: FedEvgOptions | None = None) -> None:
+        self.config = config or FedEvgOptions()
 
     def init(self, params: Arrays) -> FedEvgState:
         """``params``: the job's model, the energy model devices start from (never summed)."""
@@ -165,7 +165,7 @@ class EnergyDevice(Protocol):
     def num_examples(self) -> int: ...
 
     def train_energy(self, params: Mapping[str, np.ndarray], synthetic_x: np.ndarray, synthetic_y: np.ndarray,
-                     config: FedEvgConfig) -> Arrays:
+                     config: FedEvgOptions) -> Arrays:
         """The energy model after ``local_iterations`` steps of CE + lambda CE(synthetic) + PCD
         from ``params``, with persistent SGLD chains started at the synthetic set."""
         ...
@@ -177,8 +177,8 @@ class EnergyDevice(Protocol):
 
 
 class FedEvgClient:
-    def __init__(self, config: FedEvgConfig | None = None) -> None:
-        self.config = config or FedEvgConfig()
+    def __init__(self, config: FedEvgOptions | None = None) -> None:
+        self.config = config or FedEvgOptions()
 
     def contribute(
         self, step: str, broadcast: Mapping[str, np.ndarray], device: EnergyDevice, local_state: Any

@@ -38,14 +38,14 @@ from typing import Any, ClassVar
 import numpy as np
 
 from tally.algorithms.base import Arrays, LocalTrainer, ModelMismatch, StepSpec
-from tally.algorithms.fedavg import FedAvgClient, FedAvgConfig, FedAvgServer, FedAvgState
+from tally.algorithms.fedavg import FedAvgClient, FedAvgOptions, FedAvgServer, FedAvgState
 
 WARMUP = "warmup"
 GLOBAL = "global"
 
 
 @dataclass(frozen=True)
-class LGFedAvgConfig(FedAvgConfig):
+class LGFedAvgOptions(FedAvgOptions):
     """FedAvg's options (its sums over the global part) with the paper's MNIST defaults, plus
     the split and the warm-up length."""
 
@@ -94,10 +94,10 @@ class LGFedAvgState:
 class LGFedAvgServer:
     name = "lg_fedavg"
 
-    def __init__(self, config: LGFedAvgConfig | None = None) -> None:
-        self.config = config or LGFedAvgConfig()
+    def __init__(self, config: LGFedAvgOptions | None = None) -> None:
+        self.config = config or LGFedAvgOptions()
         self.split = Split(self.config.global_patterns)
-        self._fedavg = FedAvgServer(FedAvgConfig.part_of(self.config))
+        self._fedavg = FedAvgServer(FedAvgOptions.part_of(self.config))
 
     def init(self, params: Arrays) -> LGFedAvgState:
         self.split.check(params)
@@ -174,10 +174,10 @@ def local_layers(split: Split, broadcast: Mapping[str, np.ndarray], local_state:
 
 
 class LGFedAvgClient:
-    def __init__(self, config: LGFedAvgConfig | None = None) -> None:
-        self.config = config or LGFedAvgConfig()
+    def __init__(self, config: LGFedAvgOptions | None = None) -> None:
+        self.config = config or LGFedAvgOptions()
         self.split = Split(self.config.global_patterns)
-        self._fedavg = FedAvgClient(FedAvgConfig.part_of(self.config))
+        self._fedavg = FedAvgClient(FedAvgOptions.part_of(self.config))
 
     def contribute(
         self, step: str, broadcast: Mapping[str, np.ndarray], device: LocalTrainer, local_state: Any

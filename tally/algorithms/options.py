@@ -5,7 +5,7 @@ device's learning rate in each), so it is written once. The job spec checks each
 at ``tally job validate`` and at submit, naming the option (a device never sees a value the
 coordinator would refuse), and ``docs/job-spec.md`` shows the meaning and the range beside the
 type. A test keeps every option of every algorithm in this table. Choices among words (a solver,
-a CDF) and relations between options are the algorithm's own checks, reported as ``config: ...``.
+a CDF) and relations between options are the algorithm's own checks, reported as ``options: ...``.
 """
 
 from __future__ import annotations

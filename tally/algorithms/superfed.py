@@ -30,7 +30,7 @@ from typing import Any, ClassVar, Protocol
 import numpy as np
 
 from tally.algorithms.base import Arrays, LocalTrainer, StepSpec
-from tally.algorithms.fedavg import FedAvgClient, FedAvgConfig, FedAvgServer, FedAvgState
+from tally.algorithms.fedavg import FedAvgClient, FedAvgOptions, FedAvgServer, FedAvgState
 
 STEP = "update"
 CONTROL = "superfed.control"  # [mixing on (0/1), learning-rate factor]
@@ -54,7 +54,7 @@ class MixingDevice(Protocol):
 
 
 @dataclass(frozen=True)
-class SuPerFedConfig(FedAvgConfig):
+class SuPerFedOptions(FedAvgOptions):
     """FedAvg's options (the federated model's sums) with the spec's toy defaults, plus mixing."""
 
     options_of: ClassVar[str] = "superfed"
@@ -86,9 +86,9 @@ class SuPerFedServer:
 
     name = "superfed"
 
-    def __init__(self, config: SuPerFedConfig | None = None) -> None:
-        self.config = config or SuPerFedConfig()
-        self._fedavg = FedAvgServer(FedAvgConfig.part_of(self.config))
+    def __init__(self, config: SuPerFedOptions | None = None) -> None:
+        self.config = config or SuPerFedOptions()
+        self._fedavg = FedAvgServer(FedAvgOptions.part_of(self.config))
 
     def init(self, params: Arrays) -> FedAvgState:
         if CONTROL in params:
@@ -110,7 +110,7 @@ class SuPerFedServer:
         return state.params
 
 
-def twins(config: SuPerFedConfig, names: Collection[str]) -> list[str]:
+def twins(config: SuPerFedOptions, names: Collection[str]) -> list[str]:
     """The parameters with a personal twin: all (the thesis) or the weights only (the code)."""
     return [k for k in names if config.mix_biases or k.endswith("weight")]
 
@@ -127,7 +127,7 @@ class _MixingAsTrainer:
     """The device seen as FedAvg's ``LocalTrainer``: train() runs the mixed training and keeps the
     personal model, returning only θ^f."""
 
-    def __init__(self, device: MixingDevice, local: Arrays, config: SuPerFedConfig, mixing: bool, lr_factor: float):
+    def __init__(self, device: MixingDevice, local: Arrays, config: SuPerFedOptions, mixing: bool, lr_factor: float):
         self.device, self.local, self.config = device, local, config
         self.mixing, self.lr_factor = mixing, lr_factor
 
@@ -146,9 +146,9 @@ class _MixingAsTrainer:
 
 
 class SuPerFedClient:
-    def __init__(self, config: SuPerFedConfig | None = None) -> None:
-        self.config = config or SuPerFedConfig()
-        self._fedavg = FedAvgClient(FedAvgConfig.part_of(self.config))
+    def __init__(self, config: SuPerFedOptions | None = None) -> None:
+        self.config = config or SuPerFedOptions()
+        self._fedavg = FedAvgClient(FedAvgOptions.part_of(self.config))
 
     def contribute(
         self, step: str, broadcast: Mapping[str, np.ndarray], device: MixingDevice, local_state: Any

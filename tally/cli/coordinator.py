@@ -32,7 +32,7 @@ if TYPE_CHECKING:  # the service and job specs import torch: `--help` must not w
     from tally.coordinator.replica import Replica
     from tally.coordinator.service import CoordinatorService
 
-log = logging.getLogger("tally.tally.cli.coordinator")
+log = logging.getLogger(__name__)
 
 DATABASE_ENV = "TALLY_DATABASE_URL"
 DEFAULT_INTERNAL_LISTEN = "0.0.0.0:7010"
@@ -169,7 +169,8 @@ def _aggregators(args: argparse.Namespace) -> list[tuple[str, str]]:
 
 
 def _job_specs(directory: Path) -> list[tuple[Path, JobSpec]]:
-    """Every ``*.yaml`` spec in ``directory``, all checked (``ValueError`` naming the file)."""
+    """Every ``*.yaml`` spec in ``directory``, all checked (``ValueError`` naming the file); a key
+    under its deprecated name is printed as a warning naming the file."""
     from tally.coordinator.spec.jobspec import JobSpecError
     from tally.coordinator.spec.jobspec import parse as parse_job_spec
 
@@ -177,10 +178,13 @@ def _job_specs(directory: Path) -> list[tuple[Path, JobSpec]]:
         raise ValueError(f"--jobs-dir {directory}: no such directory")
     specs = []
     for path in sorted(directory.glob("*.yaml")):
+        renamed: list[str] = []
         try:
-            specs.append((path, parse_job_spec(path.read_text())))
+            specs.append((path, parse_job_spec(path.read_text(), renamed)))
         except (OSError, JobSpecError) as exc:
             raise ValueError(f"--jobs-dir {path}: {exc}") from None
+        for note in renamed:
+            print(f"warning: --jobs-dir {path}: {note}", file=sys.stderr, flush=True)
     return specs
 
 

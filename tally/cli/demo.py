@@ -43,7 +43,7 @@ cohort_size: {cohort}
 over_selection: {over_selection}
 min_cohort: 10
 model: {{kind: mlp, inputs: 64, classes: 10, hidden: 64, seed: 0}}
-config: {{local_epochs: 5, local_lr: 0.1, batch_size: 16}}
+options: {{local_epochs: 5, local_lr: 0.1, batch_size: 16}}
 secure: {{dropout_rate: {dropout_rate}, corrupt_rate: 0.05}}
 deadlines: {{checkin: 20, download: 20, advertise_keys: 10, share_keys: 10, masked_input: 30, unmask: 10}}
 """

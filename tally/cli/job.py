@@ -115,8 +115,9 @@ def _validate(args: argparse.Namespace) -> int:
     if args.aggregators < 0:
         raise ValueError(f"--aggregators must be >= 0, got {args.aggregators}")
     text = args.spec.read_text()
+    renamed: list[str] = []
     try:
-        spec = jobspec.parse(text)
+        spec = jobspec.parse(text, renamed)
     except jobspec.JobSpecError as exc:
         problems = str(exc).splitlines()
         if args.json:
@@ -126,7 +127,7 @@ def _validate(args: argparse.Namespace) -> int:
             for line in problems:
                 print(f"  {line}", file=sys.stderr)
         return 1
-    warnings = cohort_warnings(spec, args.aggregators)
+    warnings = renamed + cohort_warnings(spec, args.aggregators)
     if args.json:
         _print_json({"valid": True, "errors": [], "warnings": warnings, "spec": spec.to_dict()})
     else:

@@ -10,7 +10,7 @@ from tally.cli.argtypes import FRACTION, POSITIVE, integer, number
 from tally.cli.job import ALGORITHMS
 
 ADAPTATIONS = ("finetune", "freeze_base", "ewc", "distill")
-# The datasets of tally.sim.tasks.BUILDERS (a test keeps the two equal).
+# The datasets of tally.sim.scenarios.BUILDERS (a test keeps the two equal).
 DATASETS = ("digits", "toy-regression", "domain-digits", "heterogeneous-digits", "domain-linear",
             "pathological-digits", "rotated-digits")
 

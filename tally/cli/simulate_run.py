@@ -17,7 +17,7 @@ from tally import algorithms
 from tally.algorithms import aaggff
 from tally.cli.console import console as cli_console
 from tally.secagg import ThreatModel, UnsafeParameters
-from tally.sim import tasks
+from tally.sim import scenarios
 from tally.sim.rounds import SecureSum, plain_sum, run_rounds
 from tally.training import single_threaded
 
@@ -29,7 +29,7 @@ class UsageError(ValueError):
 
 def _options(algorithm: str, pairs: list[str]) -> dict[str, Any]:
     """``--option KEY=VALUE`` pairs (values as JSON, else strings), type-checked against the
-    algorithm's options as a job spec's ``config`` is."""
+    algorithm's options as a job spec's ``options`` is."""
     from tally.coordinator.spec.jobspec import option_type_errors
 
     options = {}
@@ -76,18 +76,18 @@ def _trace(algorithm: str, server: Any, clients: int):
 
 
 def simulate_one(args: argparse.Namespace, algorithm: str, given: dict[str, Any], console: Console) -> dict:
-    task_args = tasks.TaskArgs(args.clients, args.cohort, args.domains, args.alpha, args.samples,
-                               args.noise, args.partition, args.seed, algorithm,
-                               classes_per_device=args.classes_per_device)
+    scenario_args = scenarios.ScenarioArgs(args.clients, args.cohort, args.domains, args.alpha, args.samples,
+                                           args.noise, args.partition, args.seed, algorithm,
+                                           classes_per_device=args.classes_per_device)
     try:  # the dataset and the algorithm refuse what does not fit them (num_clients, domains, ...)
-        task = tasks.build(args.dataset, task_args)
-        options = task.options(algorithm, given)
+        scenario = scenarios.build(args.dataset, scenario_args)
+        options = scenario.options(algorithm, given)
         if algorithm == "aaggff_s" and args.reveal:
             options.setdefault("reveal", list(args.reveal))
         server, client = algorithms.make(algorithm, options)
     except (TypeError, ValueError) as exc:
         raise UsageError(f"{algorithm} on {args.dataset}: {exc}") from None
-    if args.adapt and task.fleet is None:
+    if args.adapt and scenario.fleet is None:
         raise UsageError(f"--adapt: the devices of {args.dataset} have no validation and test splits of their "
                          "own (use pathological-digits or rotated-digits)")
     sum_fn = (
@@ -102,8 +102,8 @@ def simulate_one(args: argparse.Namespace, algorithm: str, given: dict[str, Any]
     with Progress(console=console, transient=True) as progress:
         bar = progress.add_task(f"{algorithm} rounds", total=args.rounds)
         state, logs = run_rounds(
-            server, client, task.devices, task.initial, args.rounds, args.cohort or args.clients, sum_fn,
-            seed=args.seed, evaluate=task.evaluate, reveal=args.reveal,
+            server, client, scenario.devices, scenario.initial, args.rounds, args.cohort or args.clients, sum_fn,
+            seed=args.seed, evaluate=scenario.evaluate, reveal=args.reveal,
             trace=_trace(algorithm, server, args.clients),
             on_round=lambda log: progress.update(bar, advance=1, description=f"{algorithm} round {log.round}"),
             local_states=local,
@@ -122,14 +122,14 @@ def simulate_one(args: argparse.Namespace, algorithm: str, given: dict[str, Any]
              "contributors": {k: len(v) for k, v in log.contributors.items()}, **log.trace}
             for log in logs
         ],
-        "final": task.final(server.model(state)),
+        "final": scenario.final(server.model(state)),
         "uploaded_values": uploads.values,
     }
-    if task.fleet is not None:
+    if scenario.fleet is not None:
         from tally.sim.personal_report import personal_results
 
         plot = (args.report or args.json.parent) / f"who-gains-{algorithm}.png"
-        out.update(personal_results(client, server.model(state), local, task.fleet, uploads, args.adapt,
+        out.update(personal_results(client, server.model(state), local, scenario.fleet, uploads, args.adapt,
                                     args.adapt_epochs, plot))
     return out
 

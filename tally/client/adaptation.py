@@ -33,7 +33,7 @@ from torch import nn
 from torch.func import functional_call, grad, vmap
 
 from tally.algorithms.adaptation_options import METHODS as METHODS  # re-exported: the SDK's API
-from tally.algorithms.adaptation_options import AdaptationConfig, JobAdaptation, trainable_names
+from tally.algorithms.adaptation_options import AdaptationOptions, JobAdaptation, trainable_names
 from tally.models.onnx import export_onnx
 from tally.models.params import get_params, set_params
 from tally.training.sgd import sgd_epochs
@@ -73,10 +73,10 @@ def distillation_loss(student: torch.Tensor, teacher: torch.Tensor, labels: torc
 
 
 def adapt(module: nn.Module, params: Mapping[str, np.ndarray], features: np.ndarray, labels: np.ndarray,
-          config: AdaptationConfig | None = None) -> Arrays:
+          config: AdaptationOptions | None = None) -> Arrays:
     """The adapted model's parameters: ``config.epochs`` epochs of ``config.method`` from ``params``
     (the federated model G^T) on this device's (features, labels)."""
-    cfg = config or AdaptationConfig()
+    cfg = config or AdaptationOptions()
     set_params(module, params)
     module.train()
     X = torch.as_tensor(features, dtype=torch.float32)
@@ -183,7 +183,7 @@ def adapt_for_job(module: nn.Module, federated: Mapping[str, np.ndarray], featur
         if scores["adapted"] < scores["federated"]:
             record["kept"], kept = "federated", dict(federated)
         if option.local_only_epochs:
-            baseline = AdaptationConfig("finetune", epochs=option.local_only_epochs, lr=cfg.lr,
+            baseline = AdaptationOptions("finetune", epochs=option.local_only_epochs, lr=cfg.lr,
                                         batch_size=cfg.batch_size, seed=cfg.seed)
             local = adapt(module, fresh_params(module, cfg.seed), flat[train], labels[train], baseline)
             scores["local_only"] = accuracy(module, local, flat[held], labels[held])

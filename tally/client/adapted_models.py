@@ -23,7 +23,7 @@ from tally.client.metrics import ClientMetrics
 from tally.security.certs import write_file_atomic
 from tally.security.files import private_dir
 
-log = logging.getLogger("tally.client.adapted_models")
+log = logging.getLogger(__name__)
 PENDING, MODEL, RECORD = ".adaptation-pending", ".adapted.onnx", ".who-gains.json"
 PRIVATE = 0o600  # the device's own: nobody else on the machine reads it
 

@@ -56,7 +56,7 @@ from tally.version import VERSION as SDK_VERSION
 from tally.wire.convert import WireError, tensors_to_proto
 from tally.wire.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc
 
-log = logging.getLogger("tally.client.device")
+log = logging.getLogger(__name__)
 
 # The coordinator's names for its answers (tally_coordinator_checkins_total{outcome}).
 _CHECKIN_OUTCOMES = {"task": "task", "retry_after": "retry"}

@@ -25,7 +25,7 @@ from tally.client.retry import RETRYABLE, RetryPolicy, pause
 from tally.security.files import private_dir
 from tally.wire.v1 import coordinator_pb2, coordinator_pb2_grpc
 
-log = logging.getLogger("tally.client.download")
+log = logging.getLogger(__name__)
 
 Metadata = Sequence[tuple[str, str]]
 

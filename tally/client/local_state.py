@@ -24,7 +24,7 @@ import numpy as np
 from tally import logs, modelio
 from tally.security.files import private_dir
 
-log = logging.getLogger("tally.client.local_state")
+log = logging.getLogger(__name__)
 SUFFIX = ".local-state"
 
 

@@ -52,7 +52,7 @@ from tally.wire.join import join_metadata
 from tally.wire.sized import already_serialized, sized
 from tally.wire.v1 import coordinator_pb2, secagg_pb2
 
-log = logging.getLogger("tally.client.session")
+log = logging.getLogger(__name__)
 
 COMPLETED, ABORTED, DROPPED = "completed", "aborted", "dropped"
 SESSION_METHOD = f"/{secagg_pb2.DESCRIPTOR.services_by_name['SecureAggregation'].full_name}/Session"

@@ -23,7 +23,7 @@ from tally.coordinator.state.leadership import Leadership
 from tally.coordinator.service import CoordinatorService
 from tally.coordinator.state.store import Store
 
-log = logging.getLogger("tally.coordinator.replica")
+log = logging.getLogger(__name__)
 
 LEAD_POLL_S = 1.0  # how often a follower tries for the lead, and a leader checks it still has it
 # A replica whose heartbeat (one per LEAD_POLL_S) is older than this is not counted as alive.

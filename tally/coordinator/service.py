@@ -58,7 +58,7 @@ from tally.security.tls import server_options
 from tally.wire.undecodable import RefuseUndecodable
 from tally.wire.v1 import admin_pb2, admin_pb2_grpc, coordinator_pb2, coordinator_pb2_grpc
 
-log = logging.getLogger("tally.coordinator")
+log = logging.getLogger(__name__)
 
 SERVICE_NAMES = (
     coordinator_pb2.DESCRIPTOR.services_by_name["Coordinator"].full_name,

@@ -14,7 +14,7 @@ import numpy as np
 
 from tally.algorithms.base import Arrays, ClientAlgorithm, StepSpec
 from tally.algorithms.superfed import SuPerFedClient
-from tally.client.adaptation import AdaptationConfig
+from tally.client.adaptation import AdaptationOptions
 from tally.sim.personalisation import PersonalFleet, local_only_accuracy, personal_accuracy, personal_params, summary
 from tally.sim.rounds import SumFn
 from tally.sim.who_gains import plot, who_gains
@@ -49,7 +49,7 @@ def personal_results(client: ClientAlgorithm, model: Arrays, local: Mapping[int,
         # for as many epochs as the adaptation has, three times over.
         local_only, _ = local_only_accuracy(fleet, 3 * adapt_epochs, 0.05, 10)
         start = [personal_params(client, model, local.get(i), fleet.validation[i]) for i in range(len(fleet.test))]
-        methods = [AdaptationConfig(m, epochs=adapt_epochs, lr=0.05, batch_size=10) for m in adapt]
+        methods = [AdaptationOptions(m, epochs=adapt_epochs, lr=0.05, batch_size=10) for m in adapt]
         report = who_gains(fleet, start, local_only, methods)
         if plot_path is not None:
             plot_path.parent.mkdir(parents=True, exist_ok=True)

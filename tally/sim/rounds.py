@@ -92,7 +92,7 @@ def reveal_values(
 # Revealed values per step name in this process: the simulator's counterpart of the
 # coordinator's tally_coordinator_revealed_values_total metric.
 REVEALED_VALUES: dict[str, int] = {}
-_log = logging.getLogger("tally.sim.rounds")
+_log = logging.getLogger(__name__)
 
 
 @dataclass

@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 
 from tally.algorithms.base import Arrays
-from tally.client.adaptation import AdaptationConfig, adapt
+from tally.client.adaptation import AdaptationOptions, adapt
 from tally.sim.personalisation import PersonalFleet
 
 
@@ -27,7 +27,7 @@ def share_worse(local: np.ndarray, other: np.ndarray) -> float:
 
 
 def who_gains(fleet: PersonalFleet, federated: Sequence[Mapping[str, np.ndarray]], local_only: np.ndarray,
-              methods: Sequence[AdaptationConfig]) -> dict[str, Any]:
+              methods: Sequence[AdaptationOptions]) -> dict[str, Any]:
     """``federated[i]`` is the model device i starts from (the global model, or its personal one)."""
     if not methods:
         raise ValueError("name at least one adaptation method")

@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from tally.algorithms.base import Arrays
-from tally.algorithms.fedevg import SYNTHETIC_X, SYNTHETIC_Y, FedEvgConfig
+from tally.algorithms.fedevg import SYNTHETIC_X, SYNTHETIC_Y, FedEvgOptions
 from tally.models.params import get_params, set_params
 from tally.training import DeviceTensors
 
@@ -33,7 +33,7 @@ class EnergyTrainer(DeviceTensors):
     def _at_label(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         return self.model(x).gather(1, y[:, None]).squeeze(1)
 
-    def sgld(self, x: torch.Tensor, y: torch.Tensor, config: FedEvgConfig) -> torch.Tensor:
+    def sgld(self, x: torch.Tensor, y: torch.Tensor, config: FedEvgOptions) -> torch.Tensor:
         """One step x + gamma grad_x f(x)[y] + sigma eps (descent on E = -f[y]), the gradient
         clipped as the uploads are."""
         x = x.detach().requires_grad_(True)
@@ -46,7 +46,7 @@ class EnergyTrainer(DeviceTensors):
         return moved.detach()
 
     def train_energy(self, params: Mapping[str, np.ndarray], synthetic_x: np.ndarray, synthetic_y: np.ndarray,
-                     config: FedEvgConfig) -> Arrays:
+                     config: FedEvgOptions) -> Arrays:
         set_params(self.model, params)
         self.model.train()
         optimiser = torch.optim.Adam(self.model.parameters(), lr=config.local_lr)

@@ -21,7 +21,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from support.stack import PLAINTEXT, run, spec, stack
 
-from tally.algorithms.adaptation_options import METHODS, AdaptationConfig, JobAdaptation
+from tally.algorithms.adaptation_options import METHODS, AdaptationOptions, JobAdaptation
 from tally.client import Device, OnnxModel
 from tally.client.adaptation import adapt_for_job, held_out
 from tally.client.adapted_models import AdaptedModels
@@ -227,7 +227,7 @@ def test_what_the_spec_accepts_reaches_the_device_unchanged(raw):
 
 def test_the_spec_defaults_are_the_sdks():
     defaults = jobspec.AdaptationSpec(method="finetune").option()
-    assert defaults == JobAdaptation(AdaptationConfig("finetune"))
+    assert defaults == JobAdaptation(AdaptationOptions("finetune"))
 
 
 @settings(max_examples=20, deadline=None)
@@ -245,7 +245,7 @@ def test_a_device_keeps_the_federated_model_when_adaptation_makes_it_worse_on_he
     d = pathological_digits(N, 2, seed=0).devices[0]
     X, y = d.train
     trained = TorchTrainer(_factory, X, y).train(get_params(_factory()), 20, 0.1, 16)[0]
-    wreck = JobAdaptation(AdaptationConfig("finetune", epochs=20, lr=10.0, batch_size=4), validation=0.3,
+    wreck = JobAdaptation(AdaptationOptions("finetune", epochs=20, lr=10.0, batch_size=4), validation=0.3,
                           local_only_epochs=5)
     result = adapt_for_job(_factory(), trained, X, y, wreck)
     assert result.record["kept"] == "federated", result.record
@@ -259,7 +259,7 @@ def test_a_device_keeps_the_federated_model_when_adaptation_makes_it_worse_on_he
 
 
 def test_owed_adaptations_survive_a_restart_and_an_unreadable_one_is_dropped(tmp_path):
-    option = JobAdaptation(AdaptationConfig("distill", alpha=0.95), validation=0.1)
+    option = JobAdaptation(AdaptationOptions("distill", alpha=0.95), validation=0.1)
     AdaptedModels(tmp_path).expect("job/1", option)
     again = AdaptedModels(tmp_path)
     assert again.pending() == {"job/1": option}
@@ -279,7 +279,7 @@ def test_owed_adaptations_survive_a_restart_and_an_unreadable_one_is_dropped(tmp
 def test_a_failed_adaptation_is_counted_and_nothing_stays_owed():
     metrics = ClientMetrics()
     models = AdaptedModels(None, metrics)
-    models.expect("j", JobAdaptation(AdaptationConfig("ewc")))
+    models.expect("j", JobAdaptation(AdaptationOptions("ewc")))
     models.failed("j", "ewc")
     assert models.pending() == {}
     assert metrics.registry.get_sample_value("tally_client_adaptations_total",

@@ -46,7 +46,7 @@ def test_job_init_writes_a_commented_spec_that_validates(tmp_path, capsys, algor
     from tally.coordinator.spec import jobspec
     from tally.coordinator.spec.jobspec_docs import STARTER_OPTIONS
 
-    lines = dict(line.strip().split(":", 1) for line in text.split("\nconfig:", 1)[1].splitlines()[1:] if line.strip())
+    lines = dict(line.strip().split(":", 1) for line in text.split("\noptions:", 1)[1].splitlines()[1:] if line.strip())
     for key, info in jobspec.options_model(algorithm).model_fields.items():
         if info.description and key not in STARTER_OPTIONS.get(algorithm, {}):
             assert f"# {info.description}: " in lines[key], (key, lines[key])
@@ -59,10 +59,10 @@ def test_job_init_writes_a_commented_spec_that_validates(tmp_path, capsys, algor
 
 def test_validate_reports_every_problem_offline_and_init_refuses_an_unknown_algorithm(tmp_path, capsys):
     path = tmp_path / "job.yaml"
-    path.write_text("name: x\nalgorithm: fedavg\nrounds: -1\nconfig: {local_epochs: '5'}\nsecure: {dropout_rate: high}\n")
+    path.write_text("name: x\nalgorithm: fedavg\nrounds: -1\noptions: {local_epochs: '5'}\nsecure: {dropout_rate: high}\n")
     assert tally(["job", "validate", str(path)]) == 1
     err = capsys.readouterr().err
-    for needle in ("cohort_size: required", "rounds: must be >= 1", "config.local_epochs: must be an integer",
+    for needle in ("cohort_size: required", "rounds: must be >= 1", "options.local_epochs: must be an integer",
                    "secure.dropout_rate: must be a number, got 'high' (str)"):
         assert needle in err, err
     assert tally(["job", "validate", str(path), "--json"]) == 1
@@ -73,10 +73,27 @@ def test_validate_reports_every_problem_offline_and_init_refuses_an_unknown_algo
     assert "unknown algorithm 'nope'; available: fedavg" in capsys.readouterr().err
 
 
+def test_validate_warns_of_the_old_name_config_and_refuses_it_beside_options(tmp_path, capsys):
+    """Issue 43: ``config:`` is read as ``options:`` for one release, and the operator is told."""
+    path = tmp_path / "job.yaml"
+    path.write_text("name: x\nalgorithm: fedavg\nrounds: 1\ncohort_size: 10\nconfig: {local_epochs: 2}\n")
+    with pytest.warns(DeprecationWarning):
+        assert tally(["job", "validate", str(path)]) == 0
+    out, err = capsys.readouterr()
+    assert "valid" in out and "warning: config: deprecated, renamed options:" in err, err
+    with pytest.warns(DeprecationWarning):
+        assert tally(["job", "validate", str(path), "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["spec"]["options"] == {"local_epochs": 2} and report["warnings"][0].startswith("config: deprecated")
+    path.write_text(path.read_text() + "options: {local_epochs: 3}\n")
+    assert tally(["job", "validate", str(path)]) == 1
+    assert "options: given twice, as options: and as its deprecated name config:" in capsys.readouterr().err
+
+
 def test_the_field_reference_is_generated_from_the_schema_and_up_to_date(capsys):
     assert DOCS.read_text() == reference(), "regenerate it: tally job schema > docs/job-spec.md"
     for line in ("| `secure.dropout_rate` | number (>= 0, < 1) | `0.1` |", "### `aaggff_d`",
-                 "| `config.local_epochs` | integer (>= 1) | `5` | passes over the device's own data per round |"):
+                 "| `options.local_epochs` | integer (>= 1) | `5` | passes over the device's own data per round |"):
         assert line in DOCS.read_text()
     assert tally(["job", "schema", "--json"]) == 0
     schema = json.loads(capsys.readouterr().out)
@@ -105,7 +122,7 @@ def test_job_commands_as_processes_against_the_services(tmp_path, caplog):
     good.write_text(spec("cli", rounds, cohort=n))
     mistyped.write_text(spec("typo", rounds, cohort=n).replace("local_epochs: 1", "local_epochs: '5'"))
     split.write_text(spec("split", rounds, cohort=20, over_selection=1.3).replace("min_cohort: 5", "min_cohort: 10")
-                     .replace("config:", "population: nobody\nconfig:"))
+                     .replace("options:", "population: nobody\noptions:"))
     out_dir = tmp_path / "out"
 
     async def main():
@@ -136,7 +153,7 @@ def test_job_commands_as_processes_against_the_services(tmp_path, caplog):
 
     job_id, r, onnx = run(main())
     code, _, err = r["typo"]
-    assert code == 1 and "config.local_epochs: must be an integer, got '5' (str)" in err  # refused at submit
+    assert code == 1 and "options.local_epochs: must be an integer, got '5' (str)" in err  # refused at submit
     code, out, err = r["split"]
     assert code == 0 and out.strip().startswith("split-")
     assert "warning: min_cohort: 26 selected devices are split 13/13 over 2 aggregator cohort(s)" in err

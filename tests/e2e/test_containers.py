@@ -27,7 +27,7 @@ import yaml
 
 from support import tools
 from support.deploy import ROOT
-from support.manifests import K8S, Cluster, LocalPod, find, image_entrypoint, load_secrets, one, render
+from support.manifests import K8S, LocalPod, ManifestCluster, find, image_entrypoint, load_secrets, one, render
 from support.postgres import needs_postgres, postgres_server
 from support.prometheus import LivePrometheus, needs_prometheus
 from support.operator_scrape import scrape_configs, targets
@@ -165,7 +165,7 @@ def test_the_dev_overlay_runs_in_containers_and_prometheus_sees_an_aggregator_go
     objects = render(K8S / "overlays" / "dev")
     namespace = one(objects, "Namespace", "tally")["metadata"]["name"]
     assert tally_main(["certs", "--out", str(tmp_path / "certs"), "--k8s-secrets", str(tmp_path / "k8s")]) == 0
-    cluster = Cluster(objects, load_secrets(tmp_path / "k8s"), tmp_path / "pods", namespace=namespace)
+    cluster = ManifestCluster(objects, load_secrets(tmp_path / "k8s"), tmp_path / "pods", namespace=namespace)
     prefix = f"tally-e2e-{secrets.token_hex(3)}"
     subnet = f"10.{200 + secrets.randbelow(50)}.{secrets.randbelow(250)}"
     aggregators = one(objects, "StatefulSet", "tally-aggregator")
@@ -310,7 +310,7 @@ def test_coordinator_replicas_run_in_containers_over_postgresql_and_one_takes_ov
         gateway = json.loads(podman("network", "inspect", network).stdout)[0]["subnets"][0]["gateway"]
         with postgres_server(tmp_path / "postgres", listen=gateway, clients=f"{subnet}.0/24", start=False) as database:
             secret_store = load_secrets(tmp_path / "k8s") | {"tally-database": {"url": database.url("tally").encode()}}
-            cluster = Cluster(objects, secret_store, tmp_path / "pods", namespace="tally")
+            cluster = ManifestCluster(objects, secret_store, tmp_path / "pods", namespace="tally")
             coordinator_set = one(objects, "StatefulSet", "tally-coordinator")
             aggregator_set = one(objects, "StatefulSet", "tally-aggregator")
             job = one(objects, "Job", "tally-fleet")

@@ -15,7 +15,7 @@ from support.stack import HIDDEN, run, scrape_text, spec, stack, trainers
 
 from tally import modelio, models
 from tally.aggregator import session as aggregator_session
-from tally.algorithms.fedavg import FedAvgClient, FedAvgConfig, FedAvgServer
+from tally.algorithms.fedavg import FedAvgClient, FedAvgOptions, FedAvgServer
 from tally.client import OnnxModel
 from tally.loadtest import DropoutPlan
 from tally.codec import unpack
@@ -42,7 +42,7 @@ def test_fedavg_through_the_services_equals_the_in_process_result(tmp_path):
     assert job.state == common_pb2.JOB_STATE_SUCCEEDED and job.committed_round == rounds
     assert fleet_stats.sessions_completed == n * rounds  # every device in every round, both aggregators
     # The reference: the same devices (fresh, same seeds), exact float sums, in process.
-    config = FedAvgConfig(local_epochs=1, local_lr=0.1, batch_size=16)
+    config = FedAvgOptions(local_epochs=1, local_lr=0.1, batch_size=16)
     reference_devices, _ = trainers(n)
     state, _ = run_rounds(FedAvgServer(config), FedAvgClient(config), reference_devices,
                           get_params(mlp(64, 10, hidden=HIDDEN, seed=0)), rounds, n, plain_sum)
@@ -318,7 +318,7 @@ def test_plain_sum_job_runs_through_the_services_without_any_key_exchange(tmp_pa
     assert fleet_stats.sessions_completed == n * rounds
     assert set(received) == {"MaskedInputResponse"}
     assert phases == {"join", "masked_input"}
-    config = FedAvgConfig(local_epochs=1, local_lr=0.1, batch_size=16)
+    config = FedAvgOptions(local_epochs=1, local_lr=0.1, batch_size=16)
     reference_devices, _ = trainers(n)
     state, _ = run_rounds(FedAvgServer(config), FedAvgClient(config), reference_devices,
                           get_params(mlp(64, 10, hidden=HIDDEN, seed=0)), rounds, n, plain_sum)
@@ -359,7 +359,7 @@ def test_agnostic_fedavg_through_the_services_with_a_coordinator_restart(tmp_pat
     rounds, initial = 3, {"w": np.array([5.0])}
     toy = toy_regression(clients=10, domains=3, samples_per_client=20, seed=0)
     n = len(toy.client_points)
-    # tally.sim.tasks' toy-regression options, with one full batch per epoch so that a device's
+    # tally.sim.scenarios' toy-regression options, with one full batch per epoch so that a device's
     # update does not depend on how often it was asked to train (an attempt interrupted by the
     # restart may have trained it once more).
     options = {"domains": toy.num_domains, "domain_lr": 0.005, "local_lr": 0.1, "batch_size": 20,

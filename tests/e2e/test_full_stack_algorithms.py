@@ -35,7 +35,7 @@ def feddar_through_the_services(tmp_path, algorithm: str, kind: str):
     single_threaded()
     rounds, clients, domains = 2, 8, 3
     data = domain_linear(clients=clients, domains=domains, alpha=2.0, samples=6, seed=0)
-    # tally.sim.tasks' domain-linear options (Newton heads from zero, full-batch encoder steps).
+    # tally.sim.scenarios' domain-linear options (Newton heads from zero, full-batch encoder steps).
     options = {"head_solver": "newton", "head_start": "zero", "encoder_epochs": 5, "encoder_lr": 0.5,
                "batch_size": 1000}
     fed = federation(data, heads=domains, seed=0)

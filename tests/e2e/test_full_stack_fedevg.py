@@ -9,7 +9,7 @@ import numpy as np
 from support.devices import FEDEVG_TOY, fedevg_toy_devices
 from support.jobs import run_job
 from tally import algorithms
-from tally.algorithms.fedevg import SYNTHETIC_X, FedEvgConfig
+from tally.algorithms.fedevg import SYNTHETIC_X, FedEvgOptions
 from tally.sim.rounds import plain_sum, run_rounds
 from tally.models.params import get_params
 
@@ -29,4 +29,4 @@ def test_fedevg_through_the_services_equals_the_in_process_result(tmp_path):
     start = algorithms.make("fedevg", options)[0].init({}).synthetic[SYNTHETIC_X]
     got, want = state.synthetic[SYNTHETIC_X], reference.synthetic[SYNTHETIC_X]
     assert np.max(np.abs(got - want)) < 1e-3 < np.max(np.abs(want - start))
-    assert FedEvgConfig.from_dict(options).input_range == (-3.0, 3.0)
+    assert FedEvgOptions.from_dict(options).input_range == (-3.0, 3.0)

@@ -273,9 +273,9 @@ def test_help_imports_nothing_heavy(command):
 
 def test_the_simulate_command_line_names_every_dataset():
     from tally.cli.simulate import DATASETS
-    from tally.sim import tasks
+    from tally.sim import scenarios
 
-    assert DATASETS == tuple(tasks.BUILDERS)
+    assert DATASETS == tuple(scenarios.BUILDERS)
 
 
 @pytest.mark.parametrize("argv", [["client", "--device-id", "d", "--shard", "0", "--shards", "2"],

@@ -26,8 +26,8 @@ from support.coordinator import (
     FRAC_BITS,
     SUCCEEDED,
     CoordinatorStack,
-    Device,
     FakeAggregatorControl,
+    FakeDevice,
     FixedTrainer,
     committed_model,
     coordinator_stack,
@@ -41,7 +41,7 @@ from support.coordinator import (
 from support.enrolment import provisioned_request
 from support.stack import scrape_text
 
-from tally.algorithms.fedavg import FedAvgConfig
+from tally.algorithms.fedavg import FedAvgOptions
 from tally.cli import coordinator as coordinator_cli
 from tally.coordinator.rounds.planner import (
     MIN_RETRY_S,
@@ -73,7 +73,7 @@ from tally.wire.v1 import (
 
 
 def test_fedavg_over_two_aggregators_matches_the_in_process_reference(tmp_path):
-    config = FedAvgConfig(local_epochs=1)
+    config = FedAvgOptions(local_epochs=1)
     rounds = 3
 
     async def main():
@@ -154,7 +154,7 @@ def test_check_ins_during_aggregation_are_seated_when_the_next_round_opens(tmp_p
     """Devices that check in while a round aggregates are held and become the next round's
     selection the moment it opens, without checking in again; a device whose hold ends leaves;
     the last round holds nobody."""
-    contribute = fedavg_contribution(FedAvgConfig(local_epochs=1))
+    contribute = fedavg_contribution(FedAvgOptions(local_epochs=1))
 
     async def main():
         async with coordinator_stack(tmp_path, aggregators=1) as s:
@@ -228,10 +228,10 @@ def test_a_device_whose_hold_ends_as_its_cohort_forms_comes_back_at_once_for_its
     assert sorted(r.task.device_index for r in again) == [1, 2, 3, 4, 5]
 
 
-async def held_for_round_two(s: CoordinatorStack, first: list[Device], later: list[Device], **job) -> tuple[str, asyncio.Event, list]:
+async def held_for_round_two(s: CoordinatorStack, first: list[FakeDevice], later: list[FakeDevice], **job) -> tuple[str, asyncio.Event, list]:
     """A two-round job whose round 1 aggregates (its devices wait for the returned event) while
     each of ``later`` is held for round 2 by one check-in (the returned tasks answer them)."""
-    contribute = fedavg_contribution(FedAvgConfig(local_epochs=1))
+    contribute = fedavg_contribution(FedAvgOptions(local_epochs=1))
     job_id = await s.submit(spec_yaml("overlap", rounds=2, cohort=len(first), **job))
     runner = s.service.jobs.runner(job_id)
     release, all_in = asyncio.Event(), asyncio.Event()
@@ -353,7 +353,7 @@ def test_two_step_rounds_broadcast_the_first_sum_of_every_cohort(tmp_path, twost
 
 
 def test_large_model_downloads_in_chunks_and_exports_to_onnx(tmp_path):
-    config = FedAvgConfig(local_epochs=1)
+    config = FedAvgOptions(local_epochs=1)
     hidden = 20_000  # 1.5 M parameters: a 6 MB model, above gRPC's default 4 MiB message limit
 
     async def main():
@@ -516,7 +516,7 @@ def test_admin_api_needs_its_token_and_validates_submit_list_cancel_watch(tmp_pa
 
 
 def test_restarted_coordinator_resumes_at_the_next_round(tmp_path):
-    config = FedAvgConfig(local_epochs=1)
+    config = FedAvgOptions(local_epochs=1)
     rounds = 3
 
     async def main():
@@ -582,7 +582,7 @@ def test_restarted_coordinator_resumes_at_the_next_round(tmp_path):
 
 @pytest.mark.parametrize("failure", ["killed", "aborted"])
 def test_failed_cohort_round_is_retried_and_the_job_goes_on(tmp_path, failure):
-    config = FedAvgConfig(local_epochs=1)
+    config = FedAvgOptions(local_epochs=1)
 
     async def main():
         async with coordinator_stack(tmp_path, aggregators=2) as s:
@@ -636,7 +636,7 @@ def test_exhausted_retries_fail_the_job_with_the_reason(tmp_path):
                 fake.abort_reason = "too few survivors: 3 < 5"
             devices = await s.devices(20)  # the retry's cohort is other devices
             aborting = await s.submit(spec_yaml("aborts", extra="retries: 1\n"))
-            events = await run_devices(devices, fedavg_contribution(FedAvgConfig()), s.until_done(aborting))
+            events = await run_devices(devices, fedavg_contribution(FedAvgOptions()), s.until_done(aborting))
             extra = "retries: 1\ndeadlines: {checkin: 0.2}\n"
             lonely = await s.submit(spec_yaml("lonely", population="empty", extra=extra))
             lonely_events = await s.until_done(lonely)
@@ -663,7 +663,7 @@ def test_round_deadline_bounds_a_silent_aggregator(tmp_path):
             devices = await s.devices(5)
             job_id = await s.submit(spec_yaml("silent", cohort=5, extra="retries: 0\n" + deadlines))
             started = time.monotonic()
-            events = await run_devices(devices, fedavg_contribution(FedAvgConfig()), s.until_done(job_id))
+            events = await run_devices(devices, fedavg_contribution(FedAvgOptions()), s.until_done(job_id))
             elapsed = time.monotonic() - started
             closed = [sess.closed for sess in s.aggregators[0].sessions.values()]
         return events, elapsed, closed

@@ -20,8 +20,8 @@ from support.manifests import (
     FLEET_OVERLAYS,
     K8S,
     OVERLAYS,
-    Cluster,
     LocalPod,
+    ManifestCluster,
     env_value,
     find,
     image_entrypoint,
@@ -416,7 +416,7 @@ def test_dev_overlay_runs_as_local_processes(
     mounted; every declared probe passes; the fleet Job's pods (one per completion index) run the
     ConfigMap's job to completion."""
     objects = rendered["dev"]
-    cluster = Cluster(objects, load_secrets(secrets_dir), tmp_path / "pods")
+    cluster = ManifestCluster(objects, load_secrets(secrets_dir), tmp_path / "pods")
     aggregator = LocalPod(cluster, one(objects, "StatefulSet", "tally-aggregator"), "tally-aggregator-0")
     coordinator = LocalPod(cluster, one(objects, "StatefulSet", "tally-coordinator"), "tally-coordinator-0")
     # Processes on one host: the template's {i} can point at one local port only, so one

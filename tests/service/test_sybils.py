@@ -25,7 +25,7 @@ from support.coordinator import (
 )
 from support.stack import scrape_text
 
-from tally.algorithms.fedavg import FedAvgConfig
+from tally.algorithms.fedavg import FedAvgOptions
 from tally.coordinator.rounds.planner import Failed, FormCohorts, Hold, Phase, Retry, RoundPlanner
 from tally.wire.convert import from_proto
 from tally.wire.v1 import coordinator_pb2
@@ -137,7 +137,7 @@ def test_a_withheld_sum_cannot_be_differenced_with_the_retry(tmp_path):
                 if attempt == "r1a2":
                     excluded_during_retry.append(s.service.store.seated(job_id, 1))
 
-            events = await run_devices(devices, fedavg_contribution(FedAvgConfig()), s.until_done(job_id), before)
+            events = await run_devices(devices, fedavg_contribution(FedAvgOptions()), s.until_done(job_id), before)
             computed = [
                 frozenset(members[session, i] for i in indices)
                 for fake in s.aggregators for session, _, indices in fake.computed
@@ -176,7 +176,7 @@ def test_a_retry_reseats_the_devices_that_report_they_sent_no_input(tmp_path):
             first_tasks: dict[str, str] = {}
             dev2_known = asyncio.Event()
             attempts: dict[str, set[str]] = defaultdict(set)
-            contribute = fedavg_contribution(FedAvgConfig())
+            contribute = fedavg_contribution(FedAvgOptions())
 
             async def device_loop(device, done):
                 while (task := await device.task(done)) is not None:

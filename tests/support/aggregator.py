@@ -101,7 +101,7 @@ def new_deployment(directory: Path) -> Deployment:
 
 
 @dataclass
-class Cohort:
+class PlannedCohort:
     """One session as the coordinator planned it, and every device's private values."""
 
     config: SessionConfig
@@ -148,7 +148,7 @@ def deadlines(seconds: float, **by_phase: float) -> secagg_pb2.PhaseDeadlines:
 
 
 def plan(deployment: Deployment, session_id: str, *, n: int = 8, seconds: float = 2.0,
-         aggregator_id: str = "agg-a", phase_seconds: dict | None = None) -> Cohort:
+         aggregator_id: str = "agg-a", phase_seconds: dict | None = None) -> PlannedCohort:
     config = SessionConfig.plan(SessionRef("job-1", 3, session_id), list(SCHEMAS.items()), n,
                                 THREAT, identities=roster(n))
     rng = np.random.default_rng(abs(hash(session_id)) % 2**32)
@@ -170,7 +170,7 @@ def plan(deployment: Deployment, session_id: str, *, n: int = 8, seconds: float 
     )
     owner = OWNER_TOKENS.token(aggregator_id, session_id)
     request.owner_token_sha256 = hashlib.sha256(owner).digest()
-    return Cohort(config, ticket, tokens, values, request, owner)
+    return PlannedCohort(config, ticket, tokens, values, request, owner)
 
 
 @asynccontextmanager
@@ -229,7 +229,7 @@ def _request_phase(message) -> tuple[str, str]:
     return _REQUEST_PHASES.get(type(message), ""), getattr(message, "sum_id", "")
 
 
-async def device(channel: grpc.aio.Channel, cohort: Cohort, index: int,
+async def device(channel: grpc.aio.Channel, cohort: PlannedCohort, index: int,
                  drop_at: tuple[str, str] | None = None, seen: DeviceRun | None = None,
                  tamper: Callable[[Any], Any] = lambda message: message,
                  split: Callable[[Any], list] = split_masked_input) -> DeviceRun:
@@ -295,21 +295,21 @@ async def misbehave(channel: grpc.aio.Channel, *messages) -> tuple[grpc.StatusCo
     return await call.code(), await call.details()
 
 
-def join(cohort: Cohort, index: int, token: str | None = None,
+def join(cohort: PlannedCohort, index: int, token: str | None = None,
          ticket: bytes | None = None) -> secagg_pb2.Join:
     return secagg_pb2.Join(session_ticket=cohort.ticket if ticket is None else ticket,
                            device_index=index,
                            session_token=cohort.tokens[index] if token is None else token)
 
 
-async def await_sum(stub, cohort: Cohort, sum_id: str, timeout: float = 20.0):
+async def await_sum(stub, cohort: PlannedCohort, sum_id: str, timeout: float = 20.0):
     reply = await stub.AwaitResult(aggregator_pb2.AwaitResultRequest(
         session_id=cohort.config.ref.session_id, sum_id=sum_id), timeout=timeout,
         metadata=cohort.owner_md)
     return reply, cohort_sum_from_proto(reply)
 
 
-async def until_not_found(stub, cohort: Cohort, timeout: float = 10.0) -> None:
+async def until_not_found(stub, cohort: PlannedCohort, timeout: float = 10.0) -> None:
     """Ask until the aggregator no longer knows the session (its results expired)."""
     loop = asyncio.get_running_loop()
     end = loop.time() + timeout
@@ -325,7 +325,7 @@ async def until_not_found(stub, cohort: Cohort, timeout: float = 10.0) -> None:
     raise AssertionError(f"session {session_id} was still held after {timeout} s")
 
 
-def assert_sum(cohort: Cohort, sum_id: str, result, contributors, dropped=()) -> None:
+def assert_sum(cohort: PlannedCohort, sum_id: str, result, contributors, dropped=()) -> None:
     assert result.contributors == tuple(contributors)
     assert result.dropped == tuple(dropped)
     bits = cohort.config.sum_spec(sum_id).bits

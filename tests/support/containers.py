@@ -20,7 +20,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from support.manifests import Cluster, LocalPod, expand
+from support.manifests import LocalPod, ManifestCluster, expand
 from support.operator_scrape import RunningPod
 
 PODMAN = ["podman", "--cgroup-manager=cgroupfs"]
@@ -248,7 +248,7 @@ class ContainerPod:
         return result.stdout + result.stderr
 
 
-def service_hosts(cluster: Cluster, pods: Sequence[ContainerPod]) -> dict[str, str]:
+def service_hosts(cluster: ManifestCluster, pods: Sequence[ContainerPod]) -> dict[str, str]:
     """The DNS names cluster DNS would answer, as host entries: each Service (short and qualified)
     for the first pod it selects, and each pod of a headless Service as ``pod.service[...]``."""
     hosts = {}

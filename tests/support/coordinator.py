@@ -30,7 +30,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from support.enrolment import provisioned_request
 from tally import modelio
 from tally.algorithms.base import StepSpec
-from tally.algorithms.fedavg import FedAvgClient, FedAvgConfig, FedAvgServer
+from tally.algorithms.fedavg import FedAvgClient, FedAvgOptions, FedAvgServer
 from tally.codec import Field, Kind, PayloadSchema, ring_dtype, ring_mask, to_ring
 from tally.coordinator.spec import jobspec
 from tally.coordinator.service import CoordinatorService
@@ -86,7 +86,7 @@ def spec_yaml(name: str, *, rounds: int = 1, cohort: int = 10, hidden: int = 8, 
     return (
         f"name: {name}\nalgorithm: fedavg\nrounds: {rounds}\ncohort_size: {cohort}\nover_selection: 1.0\n"
         f"min_cohort: 5\npopulation: {population}\nmodel: {{inputs: 64, classes: 10, hidden: {hidden}}}\n"
-        f"config: {{local_epochs: 1}}\n" + extra
+        f"options: {{local_epochs: 1}}\n" + extra
     )
 
 
@@ -296,10 +296,13 @@ class FixedTrainer:
         return 0.0, 0.0
 
 
-Contribute = Callable[["Device", str, Mapping[str, np.ndarray]], dict[str, Any]]
+Contribute = Callable[["FakeDevice", str, Mapping[str, np.ndarray]], dict[str, Any]]
 
 
-class Device:
+class FakeDevice:
+    """A device that speaks the device API itself rather than through the SDK (``tally.client.Device``):
+    the test scripts every call, including the ones a real device would never make."""
+
     def __init__(self, stack: CoordinatorStack, device_id: str, trainer: FixedTrainer | None = None, population: str = "default"):
         self.stack, self.device_id, self.trainer, self.population = stack, device_id, trainer, population
         self.stub = stack.device_stub
@@ -311,7 +314,7 @@ class Device:
     def md(self):
         return bearer_metadata(self.token)
 
-    async def register(self) -> Device:
+    async def register(self) -> FakeDevice:
         reply = await self.stub.Register(
             provisioned_request(self.stack.service, self.device_id, self.population), timeout=5
         )
@@ -395,7 +398,7 @@ class Device:
             await self.participate(task, contribute)
 
 
-def fedavg_contribution(config: FedAvgConfig) -> Contribute:
+def fedavg_contribution(config: FedAvgOptions) -> Contribute:
     client = FedAvgClient(config)
     return lambda device, step, broadcast: client.contribute(step, broadcast, device.trainer, None)[0]
 
@@ -403,7 +406,7 @@ def fedavg_contribution(config: FedAvgConfig) -> Contribute:
 @dataclass
 class CoordinatorStack:
     """A real coordinator and fake aggregators (unlike ``support.stack.Stack``, the whole system):
-    the devices are scripted (``Device``), so a test controls every call the coordinator sees."""
+    the devices are scripted (``FakeDevice``), so a test controls every call the coordinator sees."""
 
     service: CoordinatorService
     aggregators: list[FakeAggregatorControl]
@@ -427,9 +430,9 @@ class CoordinatorStack:
 
     async def devices(
         self, n: int, *, trainers: bool = True, prefix: str = "dev", population: str = "default"
-    ) -> list[Device]:
+    ) -> list[FakeDevice]:
         devices = [
-            Device(self, f"{prefix}{i}", FixedTrainer(i, 40 + 10 * i) if trainers else None, population)
+            FakeDevice(self, f"{prefix}{i}", FixedTrainer(i, 40 + 10 * i) if trainers else None, population)
             for i in range(n)
         ]
         return list(await asyncio.gather(*(d.register() for d in devices)))
@@ -480,7 +483,7 @@ async def coordinator_stack(tmp_path: Path, aggregators: int = 2, **service_args
             await fake.stop()
 
 
-async def run_devices(devices: list[Device], contribute: Contribute, until, before=None) -> Any:
+async def run_devices(devices: list[FakeDevice], contribute: Contribute, until, before=None) -> Any:
     """Run the devices' loops while ``until`` (a coroutine) runs; its result."""
     done = asyncio.Event()
     loops = [asyncio.create_task(d.loop(contribute, done, before)) for d in devices]
@@ -491,14 +494,14 @@ async def run_devices(devices: list[Device], contribute: Contribute, until, befo
         await asyncio.gather(*loops, return_exceptions=True)
 
 
-def reference_model(initial: dict, trainers: list[FixedTrainer], rounds: int, config: FedAvgConfig) -> dict:
+def reference_model(initial: dict, trainers: list[FixedTrainer], rounds: int, config: FedAvgOptions) -> dict:
     """The in-process result (tally.sim.rounds with an exact sum) for the same devices."""
     state, _ = run_rounds(FedAvgServer(config), FedAvgClient(config), trainers, initial, rounds,
                           len(trainers), plain_sum)
     return state.params
 
 
-def fedavg_bound(trainers: list[FixedTrainer], config: FedAvgConfig, rounds: int, max_delta: float) -> float:
+def fedavg_bound(trainers: list[FixedTrainer], config: FedAvgOptions, rounds: int, max_delta: float) -> float:
     """Quantisation bound on the FedAvg model after ``rounds``: each round the summed update and
     weight are each off by less than n 2^-frac_bits, so the mean update is off by at most
     (n 2^-f + |mean| n 2^-f) / (sum of weights - n 2^-f)."""

@@ -18,7 +18,7 @@ JOB_SPEC = (
     "name: {name}\nalgorithm: fedavg\nrounds: {rounds}\ncohort_size: {cohort}\n"
     "over_selection: 1.0\nmin_cohort: 5\nretries: 3\n"
     "model: {{inputs: 64, classes: 10, hidden: 16, seed: 0}}\n"
-    "config: {{local_epochs: 1, local_lr: 0.1, batch_size: 16}}\n"
+    "options: {{local_epochs: 1, local_lr: 0.1, batch_size: 16}}\n"
     "secure: {{dropout_rate: 0.1, corrupt_rate: 0.05}}\n"
     "deadlines: {{checkin: 20, download: 20, advertise_keys: 10, share_keys: 10, masked_input: 20, "
     "unmask: 10}}\n"

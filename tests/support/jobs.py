@@ -28,7 +28,7 @@ def job_text(name: str, algorithm: str, rounds: int, cohort: int, kind: str, opt
     return (
         f"name: {name}\nalgorithm: {algorithm}\nrounds: {rounds}\ncohort_size: {cohort}\n"
         f"over_selection: 1.0\nmin_cohort: 5\nretries: 3\nmodel: {{kind: {kind}}}\n"
-        f"config: {json.dumps(options)}\n"  # JSON is YAML
+        f"options: {json.dumps(options)}\n"  # JSON is YAML
         "secure: {dropout_rate: 0.1, corrupt_rate: 0.05}\n"
         "deadlines: {checkin: 10, download: 10, advertise_keys: 4, share_keys: 4, masked_input: 8, unmask: 4}\n"
     )
@@ -51,7 +51,7 @@ def run_job(tmp_path, algorithm: str, options: Mapping[str, Any], kind: str, ini
             store = s.coordinator.store
             version = store.model_version(job_id)
             model = modelio.deserialize(store.read_blob(version.model_digest))
-            template = algorithms.make(algorithm, parse(text).config)[0].init(model)  # with the opt-in
+            template = algorithms.make(algorithm, parse(text).options)[0].init(model)  # with the opt-in
             state = state_from_bytes(store.read_blob(version.state_digest), template)
             probed = await probe(s, job_id) if probe is not None else None
             return await s.job(job_id), state, fleet_stats, probed

@@ -72,7 +72,7 @@ def expand(text: str, env: dict[str, str]) -> str:
 
 
 @dataclass
-class Cluster:
+class ManifestCluster:
     """What the local pods share: the namespace, Secrets, ConfigMaps, Services and every pod's
     local port for each container port."""
 
@@ -127,7 +127,7 @@ class Cluster:
 class LocalPod:
     """One pod of a workload's template, its first container ready to run locally."""
 
-    def __init__(self, cluster: Cluster, workload: dict[str, Any], pod_name: str,
+    def __init__(self, cluster: ManifestCluster, workload: dict[str, Any], pod_name: str,
                  annotations: dict[str, str] | None = None, ip: str | None = None) -> None:
         self.cluster, self.name, self.ip = cluster, pod_name, ip
         self.spec = workload["spec"]["template"]["spec"]

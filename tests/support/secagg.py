@@ -163,7 +163,7 @@ ServerHook = Callable[[Outgoing], Outgoing]
 ClientHook = Callable[[object], object]
 
 
-class Cohort:
+class ProtocolCohort:
     """Real server and clients; ``tamper_server`` rewrites what the aggregator sends,
     ``tamper_client`` what devices send; refusals are recorded, not raised."""
 

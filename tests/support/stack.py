@@ -34,7 +34,7 @@ def spec(name: str, rounds: int, cohort: int, over_selection: float = 1.0) -> st
         f"name: {name}\nalgorithm: fedavg\nrounds: {rounds}\ncohort_size: {cohort}\n"
         f"over_selection: {over_selection}\nmin_cohort: 5\nretries: 3\n"
         f"model: {{inputs: 64, classes: 10, hidden: {HIDDEN}, seed: 0}}\n"
-        "config: {local_epochs: 1, local_lr: 0.1, batch_size: 16}\n"
+        "options: {local_epochs: 1, local_lr: 0.1, batch_size: 16}\n"
         "secure: {dropout_rate: 0.1, corrupt_rate: 0.05}\n"
         "deadlines: {checkin: 10, download: 10, advertise_keys: 4, share_keys: 4, masked_input: 8, unmask: 4}\n"
     )

@@ -16,7 +16,7 @@ from tally.sim import fairness
 from tally.algorithms import aaggff as A
 from tally.algorithms import online_portfolio as P
 from tally.algorithms.base import StepSpec
-from tally.algorithms.fedavg import FedAvgClient, FedAvgConfig, FedAvgServer
+from tally.algorithms.fedavg import FedAvgClient, FedAvgOptions, FedAvgServer
 from tally.codec import to_ring
 from tally.datasets.heterogeneous import heterogeneous_devices, heterogeneous_digits
 from tally.secagg import ThreatModel
@@ -143,12 +143,12 @@ def run(server, client, devices, rounds, cohort, sum_fn=plain_sum, seed=0, dim=N
     return state, logs, runner
 
 
-def d_config(**options) -> A.AAggFFDConfig:
-    return A.AAggFFDConfig.from_dict({"local_epochs": 1, "local_lr": 0.3, **options})
+def d_config(**options) -> A.AAggFFDOptions:
+    return A.AAggFFDOptions.from_dict({"local_epochs": 1, "local_lr": 0.3, **options})
 
 
-def s_config(**options) -> A.AAggFFSConfig:
-    return A.AAggFFSConfig.from_dict({"local_epochs": 1, "local_lr": 0.3, **options})
+def s_config(**options) -> A.AAggFFSOptions:
+    return A.AAggFFSOptions.from_dict({"local_epochs": 1, "local_lr": 0.3, **options})
 
 
 # ----------------------------------------------------------------------------------------------
@@ -531,12 +531,12 @@ def test_server_half_receives_only_sums_and_broadcasts_only_aggregates(variant):
 
 
 def test_ons_reveal_is_refused_without_the_opt_in():
-    cfg = A.AAggFFSConfig.from_dict({"num_clients": 3})
+    cfg = A.AAggFFSOptions.from_dict({"num_clients": 3})
     with pytest.raises(A.RevealRefused, match='reveal: \\["response"\\]'):
         A.AAggFFSServer(cfg)
     with pytest.raises(ValueError, match="can reveal only"):
-        A.AAggFFSConfig.from_dict({"num_clients": 3, "reveal": ["loss"]})
-    assert A.AAggFFSServer(A.AAggFFSConfig(num_clients=3, solver="separable"))  # sums only: no opt-in needed
+        A.AAggFFSOptions.from_dict({"num_clients": 3, "reveal": ["loss"]})
+    assert A.AAggFFSServer(A.AAggFFSOptions(num_clients=3, solver="separable"))  # sums only: no opt-in needed
     # the runner refuses a reveal step too if the job did not list it
     cfg = s_config(num_clients=3, reveal=["response"])
     devices = quadratic_fleet(3)
@@ -594,24 +594,24 @@ def test_dropouts_between_sums_leave_the_round_consistent():
 
 def test_config_validation():
     with pytest.raises(ValueError, match="unknown"):
-        A.AAggFFDConfig.from_dict({"num_clients": 4, "zeta": 1})
+        A.AAggFFDOptions.from_dict({"num_clients": 4, "zeta": 1})
     with pytest.raises(ValueError, match="num_clients"):
-        A.AAggFFDConfig.from_dict({})
+        A.AAggFFDOptions.from_dict({})
     with pytest.raises(ValueError, match="code_deviations"):
-        A.AAggFFDConfig.from_dict({"num_clients": 4, "code_deviations": ["ons_objective"]})
+        A.AAggFFDOptions.from_dict({"num_clients": 4, "code_deviations": ["ons_objective"]})
     with pytest.raises(ValueError, match="normal_cdf"):
-        A.AAggFFSConfig.from_dict({"num_clients": 4, "cdf": "weibull", "code_deviations": ["normal_cdf"]})
+        A.AAggFFSOptions.from_dict({"num_clients": 4, "cdf": "weibull", "code_deviations": ["normal_cdf"]})
     with pytest.raises(ValueError, match="cdf"):
-        A.AAggFFDConfig.from_dict({"num_clients": 4, "cdf": "cauchy"})
-    d = A.AAggFFDConfig.from_dict({"num_clients": 40, "cohort_size": 10})
+        A.AAggFFDOptions.from_dict({"num_clients": 4, "cdf": "cauchy"})
+    d = A.AAggFFDOptions.from_dict({"num_clients": 40, "cohort_size": 10})
     assert d.sampling_rate == 0.25 and d.response_range == (0.0, 0.25) and d.lipschitz == pytest.approx(2.25)
-    s = A.AAggFFSConfig.from_dict({"num_clients": 5, "code_deviations": "response_range", "reveal": "response"})
+    s = A.AAggFFSOptions.from_dict({"num_clients": 5, "code_deviations": "response_range", "reveal": "response"})
     assert s.response_range == (0.0, 0.2) and s.reveal == ("response",)
     assert P.ons_constants(5, s.lipschitz) == pytest.approx((4.0, 1.25))  # the code's α = 4, β = K/4
-    assert A.AAggFFSConfig(num_clients=5).response_range == (0.0, 3.0)
-    lr = A.AAggFFDConfig(num_clients=4, lr_decay=0.5, lr_decay_every=10, code_deviations=("lr_schedule",))
+    assert A.AAggFFSOptions(num_clients=5).response_range == (0.0, 3.0)
+    lr = A.AAggFFDOptions(num_clients=4, lr_decay=0.5, lr_decay_every=10, code_deviations=("lr_schedule",))
     assert (lr.lr_factor(25), lr.server_lr_at(25)) == (0.25, 4.0)
-    assert A.AAggFFDConfig(num_clients=4, lr_decay=0.5, lr_decay_every=10).server_lr_at(25) == 1.0
+    assert A.AAggFFDOptions(num_clients=4, lr_decay=0.5, lr_decay_every=10).server_lr_at(25) == 1.0
 
 
 # ----------------------------------------------------------------------------------------------
@@ -635,10 +635,10 @@ def test_aaggff_d_improves_the_worst_decile_over_fedavg_with_secure_sums():
         for name in ("fedavg", "aaggff_d"):
             devices = heterogeneous_devices(task, seed=seed)
             if name == "fedavg":
-                cfg = FedAvgConfig(local_epochs=1, local_lr=0.1, batch_size=20)
+                cfg = FedAvgOptions(local_epochs=1, local_lr=0.1, batch_size=20)
                 server, client = FedAvgServer(cfg), FedAvgClient(cfg)
             else:
-                cfg = A.AAggFFDConfig(num_clients=k, cohort_size=cohort, local_epochs=1, local_lr=0.1, batch_size=20)
+                cfg = A.AAggFFDOptions(num_clients=k, cohort_size=cohort, local_epochs=1, local_lr=0.1, batch_size=20)
                 server, client = A.AAggFFDServer(cfg), A.AAggFFClient(cfg)
             state, _ = run_rounds(server, client, devices.devices, devices.initial, rounds, cohort,
                                   SecureSum(SEMI_HONEST, seed=seed), seed=seed)

@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 
 from tally import algorithms
 from tally.algorithms.base import flatten
-from tally.client.adaptation import AdaptationConfig, adapt, distillation_loss, fisher_diagonal
+from tally.client.adaptation import AdaptationOptions, adapt, distillation_loss, fisher_diagonal
 from tally.datasets.personal import pathological_digits
 from tally.models.mlp import mlp
 from tally.models.onnx import export_onnx
@@ -45,12 +45,12 @@ def test_ewc_with_lambda_zero_is_finetuning_and_its_first_step_is_finetunings(de
     """12.B.1: λ = 0 is FT step for step; the penalty's gradient is 0 at A = G^T, so one
     full-batch EWC step equals one FT step whatever λ."""
     X, y, start = device
-    ft = adapt(mlp(64, 10), start, X, y, AdaptationConfig("finetune", epochs=3, batch_size=8))
-    ewc0 = adapt(mlp(64, 10), start, X, y, AdaptationConfig("ewc", epochs=3, batch_size=8, ewc_lambda=0.0))
+    ft = adapt(mlp(64, 10), start, X, y, AdaptationOptions("finetune", epochs=3, batch_size=8))
+    ewc0 = adapt(mlp(64, 10), start, X, y, AdaptationOptions("ewc", epochs=3, batch_size=8, ewc_lambda=0.0))
     np.testing.assert_array_equal(flatten(ft), flatten(ewc0))
     one = dict(epochs=1, batch_size=len(y))
-    np.testing.assert_allclose(flatten(adapt(mlp(64, 10), start, X, y, AdaptationConfig("finetune", **one))),
-                               flatten(adapt(mlp(64, 10), start, X, y, AdaptationConfig("ewc", ewc_lambda=50.0, **one))),
+    np.testing.assert_allclose(flatten(adapt(mlp(64, 10), start, X, y, AdaptationOptions("finetune", **one))),
+                               flatten(adapt(mlp(64, 10), start, X, y, AdaptationOptions("ewc", ewc_lambda=50.0, **one))),
                                atol=1e-7)
 
 
@@ -62,7 +62,7 @@ def test_ewc_anchors_harder_as_lambda_grows_while_stable(device):
     top = max(float(v.max()) for v in fisher.values())
     lr = 0.05
     lambdas = [0.0, 0.2 / (lr * top), 1.0 / (lr * top), 1.9 / (lr * top)]
-    moved = [_distance(adapt(mlp(64, 10), start, X, y, AdaptationConfig("ewc", epochs=10, lr=lr, ewc_lambda=lam)),
+    moved = [_distance(adapt(mlp(64, 10), start, X, y, AdaptationOptions("ewc", epochs=10, lr=lr, ewc_lambda=lam)),
                        start) for lam in lambdas]
     assert all(a > b for a, b in zip(moved, moved[1:])), moved
 
@@ -90,11 +90,11 @@ def test_distillation_first_step_is_the_scaled_hard_step(device):
     X, y, start = device
     one = dict(epochs=1, batch_size=len(y))
     for form, alpha, weight in (("hinton", 0.7, 0.3), ("paper", 0.2, 0.2 * 36)):
-        kd = adapt(mlp(64, 10), start, X, y, AdaptationConfig("distill", alpha=alpha, temperature=6.0, kd_form=form,
+        kd = adapt(mlp(64, 10), start, X, y, AdaptationOptions("distill", alpha=alpha, temperature=6.0, kd_form=form,
                                                               lr=0.01, **one))
-        ft = adapt(mlp(64, 10), start, X, y, AdaptationConfig("finetune", lr=0.01 * weight, **one))
+        ft = adapt(mlp(64, 10), start, X, y, AdaptationOptions("finetune", lr=0.01 * weight, **one))
         np.testing.assert_allclose(flatten(kd), flatten(ft), atol=1e-6)
-    still = adapt(mlp(64, 10), start, X, y, AdaptationConfig("distill", alpha=1.0, epochs=3))
+    still = adapt(mlp(64, 10), start, X, y, AdaptationOptions("distill", alpha=1.0, epochs=3))
     np.testing.assert_allclose(flatten(still), flatten(start), atol=1e-6)
 
 
@@ -132,15 +132,15 @@ def test_kl_mean_reduction_is_batchmean_over_classes():
 def test_freeze_base_moves_only_the_top_layer(device):
     """12.B.3: every frozen tensor is bit-identical to G^T; only the top layer's tensors differ."""
     X, y, start = device
-    adapted = adapt(mlp(64, 10), start, X, y, AdaptationConfig("freeze_base", epochs=3))
+    adapted = adapt(mlp(64, 10), start, X, y, AdaptationOptions("freeze_base", epochs=3))
     for k in ("0.weight", "0.bias"):
         np.testing.assert_array_equal(adapted[k], start[k])
     for k in ("2.weight", "2.bias"):
         assert not np.array_equal(adapted[k], start[k])
-    chosen = adapt(mlp(64, 10), start, X, y, AdaptationConfig("freeze_base", epochs=1, trainable=("0.*",)))
+    chosen = adapt(mlp(64, 10), start, X, y, AdaptationOptions("freeze_base", epochs=1, trainable=("0.*",)))
     np.testing.assert_array_equal(chosen["2.weight"], start["2.weight"])
     with pytest.raises(ValueError, match="matches none"):
-        adapt(mlp(64, 10), start, X, y, AdaptationConfig("freeze_base", trainable=("head.*",)))
+        adapt(mlp(64, 10), start, X, y, AdaptationOptions("freeze_base", trainable=("head.*",)))
 
 
 def test_options_are_validated():
@@ -149,12 +149,12 @@ def test_options_are_validated():
 
     assert ADAPTATIONS == METHODS  # --adapt's choices, named without importing the SDK
     with pytest.raises(ValueError, match="method"):
-        AdaptationConfig("retrain")
+        AdaptationOptions("retrain")
     with pytest.raises(ValueError, match="unknown adaptation options"):
-        AdaptationConfig.from_dict({"lambda": 3})
+        AdaptationOptions.from_dict({"lambda": 3})
     with pytest.raises(ValueError, match="alpha"):
-        AdaptationConfig("distill", alpha=1.5)
-    assert AdaptationConfig.from_dict({"method": "freeze_base", "trainable": "2.*"}).trainable == ("2.*",)
+        AdaptationOptions("distill", alpha=1.5)
+    assert AdaptationOptions.from_dict({"method": "freeze_base", "trainable": "2.*"}).trainable == ("2.*",)
 
 
 def test_gain_lose_count_is_strict():
@@ -167,7 +167,7 @@ def test_adapted_model_is_served_by_onnx_runtime_without_torch(tmp_path, device)
     cannot be imported, gives torch's logits."""
     X, y, start = device
     net = mlp(64, 10)
-    adapted = adapt(net, start, X, y, AdaptationConfig("finetune", epochs=2))
+    adapted = adapt(net, start, X, y, AdaptationOptions("finetune", epochs=2))
     (tmp_path / "model.onnx").write_bytes(export_onnx(net, adapted, 64))
     np.save(tmp_path / "x.npy", X[:7])
     script = (
@@ -201,7 +201,7 @@ def test_who_gains_adaptation_cuts_the_share_worse_off_than_local_only(tmp_path)
     server, client = algorithms.make("fedavg", FAST)
     state, _ = run_rounds(server, client, fleet.devices, fleet.initial, 20, 10, plain_sum)
     local_only, _ = local_only_accuracy(personal_fleet(data, factory), 30, 0.05, 10)
-    methods = [AdaptationConfig(m, epochs=10, lr=0.05, batch_size=10)
+    methods = [AdaptationOptions(m, epochs=10, lr=0.05, batch_size=10)
                for m in ("finetune", "freeze_base", "ewc", "distill")]
     report = who_gains(fleet, [server.model(state)] * 20, local_only, methods)
     shares = report["share_worse_than_local"]
@@ -247,7 +247,7 @@ def test_adapt_then_average_is_one_full_participation_fedavg_round():
     state, _ = run_rounds(server, client, fleet.devices, start, 1, 6, plain_sum)
     fresh = personal_fleet(data, factory)
     adapted = [adapt(factory(), start, d.features.cpu().numpy(), d.labels.cpu().numpy(),
-                     AdaptationConfig("finetune", epochs=3, lr=0.01, batch_size=10, seed=i))
+                     AdaptationOptions("finetune", epochs=3, lr=0.01, batch_size=10, seed=i))
                for i, d in enumerate(fresh.devices)]
     sizes = np.array([d.num_examples for d in fresh.devices], dtype=np.float64)
     average = sum(n * flatten(a) for n, a in zip(sizes, adapted)) / sizes.sum()

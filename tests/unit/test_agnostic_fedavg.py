@@ -13,13 +13,13 @@ from tally.algorithms.agnostic_fedavg import (
     ALPHA,
     MODEL_PREFIX,
     AgnosticFedAvgClient,
-    AgnosticFedAvgConfig,
+    AgnosticFedAvgOptions,
     AgnosticFedAvgServer,
     exponentiated_gradient,
     mean_domain_loss,
 )
 from tally.algorithms.base import flatten
-from tally.algorithms.fedavg import FedAvgClient, FedAvgConfig, FedAvgServer
+from tally.algorithms.fedavg import FedAvgClient, FedAvgOptions, FedAvgServer
 from tally.datasets.domain_digits import domain_digits
 from tally.training.domain_weighted import TorchDomainTrainer
 from tally.datasets.toy_regression import ScalarRegressionDevice, toy_regression
@@ -38,7 +38,7 @@ TOY_FEDAVG = dict(local_epochs=1, local_lr=0.1, batch_size=10, delta_clip=16.0)
 
 
 def _halves(**options):
-    config = AgnosticFedAvgConfig(**options)
+    config = AgnosticFedAvgOptions(**options)
     return AgnosticFedAvgServer(config), AgnosticFedAvgClient(config)
 
 
@@ -240,8 +240,8 @@ def test_oracle6_alpha_scale_invariance(s):
     assert _w(one) == pytest.approx(_w(other), abs=1e-12)
     np.testing.assert_allclose(one.weights, other.weights, atol=1e-15)
     # Scaling N̄ (here N_0) scales the raw α; the broadcast is rescaled to the same values.
-    base = AgnosticFedAvgServer(AgnosticFedAvgConfig(domains=3, initial_counts=(2, 5, 9)))
-    wide = AgnosticFedAvgServer(AgnosticFedAvgConfig(domains=3, initial_counts=(2 / s, 5 / s, 9 / s)))
+    base = AgnosticFedAvgServer(AgnosticFedAvgOptions(domains=3, initial_counts=(2, 5, 9)))
+    wide = AgnosticFedAvgServer(AgnosticFedAvgOptions(domains=3, initial_counts=(2 / s, 5 / s, 9 / s)))
     np.testing.assert_allclose(base.alpha(base.init(dict(W0)))[0], wide.alpha(wide.init(dict(W0)))[0], rtol=1e-12)
 
 
@@ -268,8 +268,8 @@ def test_oracle8_constant_alpha_full_batch_is_fedavg(epochs):
     for server, client in (
         _halves(domains=5, local_epochs=epochs, local_lr=0.05, batch_size=1000, delta_clip=16.0,
                 loss_clip=1e6, loss_frac_bits=4),
-        (FedAvgServer(FedAvgConfig(local_epochs=epochs, local_lr=0.05, batch_size=1000, delta_clip=16.0)),
-         FedAvgClient(FedAvgConfig(local_epochs=epochs, local_lr=0.05, batch_size=1000, delta_clip=16.0))),
+        (FedAvgServer(FedAvgOptions(local_epochs=epochs, local_lr=0.05, batch_size=1000, delta_clip=16.0)),
+         FedAvgClient(FedAvgOptions(local_epochs=epochs, local_lr=0.05, batch_size=1000, delta_clip=16.0))),
     ):
         state, _ = run_rounds(server, client, toy.devices(), dict(W0), 1, 10, plain_sum)
         results.append(_w(state))
@@ -368,7 +368,7 @@ def test_oracle13_target_only_fedavg_converges_to_the_domain_centre():
     toy = toy_regression(clients=20, samples_per_client=50, seed=0)
     devices = toy.devices()
     # Full-batch local steps, so the last iterate has no SGD noise to hide behind.
-    config = FedAvgConfig(local_epochs=1, local_lr=0.1, batch_size=10_000, delta_clip=32.0)
+    config = FedAvgOptions(local_epochs=1, local_lr=0.1, batch_size=10_000, delta_clip=32.0)
     for domain in (0, 4):
         mine = [d for d in devices if d.num_examples and d.domains[0] == domain]
         state, _ = run_rounds(FedAvgServer(config), FedAvgClient(config), mine, dict(W0), 100, len(mine), plain_sum)
@@ -386,7 +386,7 @@ def test_secure_toy_lowers_worst_domain_loss_below_fedavg():
         return SecureSum(ThreatModel(dropout_rate=0.1), dropout=0.1, seed=1)
 
     state, trace, logs = _toy_run(toy, *_halves(**TOY), rounds=80, sum_fn=secure())
-    fedavg, _, _ = _toy_run(toy, FedAvgServer(FedAvgConfig(**TOY_FEDAVG)), FedAvgClient(FedAvgConfig(**TOY_FEDAVG)),
+    fedavg, _, _ = _toy_run(toy, FedAvgServer(FedAvgOptions(**TOY_FEDAVG)), FedAvgClient(FedAvgOptions(**TOY_FEDAVG)),
                             rounds=80, sum_fn=secure())
     assert min(len(log.contributors["update"]) for log in logs) < 12  # devices really dropped
     fedavg_worst = toy.domain_losses(_w(fedavg)).max()
@@ -474,12 +474,12 @@ def test_server_optimizers_follow_their_update_rules():
 
 def test_config_validation():
     with pytest.raises(ValueError, match="unknown agnostic_fedavg options"):
-        AgnosticFedAvgConfig.from_dict({"gamma": 0.1})
+        AgnosticFedAvgOptions.from_dict({"gamma": 0.1})
     with pytest.raises(ValueError, match="strictly positive"):
-        AgnosticFedAvgConfig.from_dict({"domains": 2, "initial_weights": [1.0, 0.0]})
+        AgnosticFedAvgOptions.from_dict({"domains": 2, "initial_weights": [1.0, 0.0]})
     with pytest.raises(ValueError, match="server_optimizer"):
-        AgnosticFedAvgConfig.from_dict({"server_optimizer": "rmsprop"})
-    config = AgnosticFedAvgConfig.from_dict({"domains": 3, "initial_weights": [0.2, 0.3, 0.5]})
+        AgnosticFedAvgOptions.from_dict({"server_optimizer": "rmsprop"})
+    config = AgnosticFedAvgOptions.from_dict({"domains": 3, "initial_weights": [0.2, 0.3, 0.5]})
     assert config.initial_weights == (0.2, 0.3, 0.5)
     assert AgnosticFedAvgServer.name == "agnostic_fedavg"
 

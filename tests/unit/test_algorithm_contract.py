@@ -83,7 +83,7 @@ def test_a_tuple_option_given_a_scalar_is_refused_by_name():
 
 
 def test_the_one_algorithm_with_flagged_steps_declares_what_runners_call():
-    config = aaggff.AAggFFSConfig(num_clients=3, reveal=("response",))
+    config = aaggff.AAggFFSOptions(num_clients=3, reveal=("response",))
     server = aaggff.AAggFFSServer(config)
     flags = {s.name: (s.reveal, s.personal) for s in server.steps(server.init({"w": np.zeros(2)}))}
     assert flags == {aaggff.LOSS: ((), False), aaggff.RESPONSE: (("response",), False), aaggff.UPDATE: ((), True)}
@@ -149,7 +149,7 @@ def test_the_example_algorithm_runs_end_to_end_and_its_server_sees_exactly_the_s
     options = {"local_epochs": 2, "local_lr": 0.3, "server_lr": server_lr}
     assert "evaluated_average" in catalogue.algorithm_names()
     server = catalogue.make_server("evaluated_average", options)
-    client = example.EvaluatedAverageClient(example.EvaluatedAverageConfig.from_dict(options))
+    client = example.EvaluatedAverageClient(example.EvaluatedAverageOptions.from_dict(options))
     devices = [QuadraticDevice(np.array(t)) for t in targets]
     secure = SecureSum(ThreatModel(dropout_rate=0.2, corrupt_rate=0.0, malicious_server=False), dropout, seed)
     recorder = Recorder(server, secure)

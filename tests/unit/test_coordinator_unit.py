@@ -258,7 +258,7 @@ def test_job_spec_lists_every_problem_and_knows_registered_algorithms(twostep):
         assert any(needle in line for line in lines), (needle, lines)
     assert jobspec.parse("name: t\nalgorithm: twostep\nrounds: 1\ncohort_size: 10\n").algorithm == "twostep"
     with pytest.raises(jobspec.JobSpecError, match="twostep takes no options"):
-        jobspec.parse("name: t\nalgorithm: twostep\nrounds: 1\ncohort_size: 10\nconfig: {x: 1}\n")
+        jobspec.parse("name: t\nalgorithm: twostep\nrounds: 1\ncohort_size: 10\noptions: {x: 1}\n")
 
 
 @dataclass
@@ -301,14 +301,14 @@ def test_a_job_about_to_select_comes_before_holding_a_device_for_another_jobs_ne
 def test_reveal_opt_in_lives_at_the_top_level_and_is_refused_through_the_services():
     base = "name: r\nalgorithm: aaggff_s\nrounds: 1\ncohort_size: 8\nmin_cohort: 5\n"
     with pytest.raises(jobspec.JobSpecError, match="top level"):
-        jobspec.parse(base + "config: {num_clients: 8, reveal: [response]}\n")
-    opted_in = jobspec.parse(base + "config: {num_clients: 8}\nreveal: [response]\n")
-    assert opted_in.reveal == ("response",) and opted_in.config["reveal"] == ["response"]
+        jobspec.parse(base + "options: {num_clients: 8, reveal: [response]}\n")
+    opted_in = jobspec.parse(base + "options: {num_clients: 8}\nreveal: [response]\n")
+    assert opted_in.reveal == ("response",) and opted_in.options["reveal"] == ["response"]
     assert jobspec.parse(opted_in.to_yaml()) == opted_in  # a resumed job parses the same
     with pytest.raises(jobspec.JobSpecError, match="nothing is: the server sees only sums"):
         jobspec.parse("name: f\nalgorithm: fedavg\nrounds: 1\ncohort_size: 8\nmin_cohort: 5\nreveal: [update]\n")
-    accepted = jobspec.parse(base + "config: {num_clients: 8, solver: separable}\n")
-    assert accepted.reveal == () and "reveal" not in accepted.config
+    accepted = jobspec.parse(base + "options: {num_clients: 8, solver: separable}\n")
+    assert accepted.reveal == () and "reveal" not in accepted.options
 
 
 def test_reveal_collector_builds_the_rows_as_the_simulator_and_refuses_what_does_not_fit():
@@ -350,7 +350,7 @@ def test_task_reports_keep_an_example_and_only_real_failures_are_warnings(tmp_pa
     from tally.coordinator.rounds.task_reports import TaskReportBook
     from tally.wire.v1 import coordinator_pb2
 
-    caplog.set_level("INFO", logger="tally.coordinator.reports")
+    caplog.set_level("INFO", logger="tally.coordinator.rounds.task_reports")
     store = Store(tmp_path)
     book = TaskReportBook(store, "job")
     seats = [Seat(f"d{i}", 0, i + 1, f"task-{i}") for i in range(3)]

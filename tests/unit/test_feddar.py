@@ -12,14 +12,14 @@ from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 from tally.algorithms.base import flatten
-from tally.algorithms.fedavg import FedAvgClient, FedAvgConfig, FedAvgServer
+from tally.algorithms.fedavg import FedAvgClient, FedAvgOptions, FedAvgServer
 from tally.algorithms.feddar import (
     DOMAIN_WEIGHTS,
     ENCODER,
     HEADS,
     FedDARClient,
-    FedDARConfig,
-    FedDARSAConfig,
+    FedDAROptions,
+    FedDARSAOptions,
     FedDARSAServer,
     FedDARWAServer,
     SingularHeadSystem,
@@ -96,7 +96,7 @@ def test_sa_equals_pooled_least_squares(seed, sizes, start):
         assume(len(x) >= 5)
     devices, factory = _devices(splits, 2)
     params = initial_params(factory(), 2, 1, seed=seed)
-    cfg = FedDARSAConfig(**EXACT, head_start=start)
+    cfg = FedDARSAOptions(**EXACT, head_start=start)
     state, _ = _head_round(FedDARSAServer(cfg), FedDARClient(cfg), devices, params)
     assert state.wa_fallbacks == 0
     for m in range(2):
@@ -112,9 +112,9 @@ def test_wa_is_not_least_squares_and_algorithm2_statistics_agree():
     splits = _random_splits(rng, [3, 2, 4, 3, 2, 5], 2, 5)
     devices, factory = _devices(splits, 2)
     params = initial_params(factory(), 2, 1, seed=1)
-    sa_cfg = FedDARSAConfig(**EXACT, head_start="zero")
+    sa_cfg = FedDARSAOptions(**EXACT, head_start="zero")
     sa, contributions = _head_round(FedDARSAServer(sa_cfg), FedDARClient(sa_cfg), devices, params)
-    wa_cfg = FedDARConfig(head_solver="newton", head_epochs=1, head_start="zero")
+    wa_cfg = FedDAROptions(head_solver="newton", head_epochs=1, head_start="zero")
     wa, _ = _head_round(FedDARWAServer(wa_cfg), FedDARClient(wa_cfg), devices, params)
     for m in range(2):
         stats_a, stats_b = np.zeros((3, 3)), np.zeros(3)
@@ -138,7 +138,7 @@ def test_sa_with_global_hessians_is_the_pooled_newton_step():
     splits = _random_splits(rng, [12, 7, 20, 9, 15], 3, 6, classes=2)
     devices, factory = _devices(splits, 3, loss="logistic")
     params = initial_params(factory(), 3, 1, scale=0.5, seed=2)
-    cfg = FedDARSAConfig(**EXACT, hessian_at="global")
+    cfg = FedDARSAOptions(**EXACT, hessian_at="global")
     state, _ = _head_round(FedDARSAServer(cfg), FedDARClient(cfg), devices, params)
     for m in range(3):
         x, y = _pooled(splits, m)
@@ -173,7 +173,7 @@ def _aggregate(server, total, previous):
 def _sa_and_wa_from(heads, hessians, counts):
     total = _one_domain_total(heads, hessians, counts)
     previous = np.zeros(heads.shape[1])
-    return [_aggregate(s, total, previous) for s in (FedDARSAServer(FedDARSAConfig(damping=0.0)), FedDARWAServer())]
+    return [_aggregate(s, total, previous) for s in (FedDARSAServer(FedDARSAOptions(damping=0.0)), FedDARWAServer())]
 
 
 @fast
@@ -219,13 +219,13 @@ def test_damping_pulls_toward_the_previous_head_and_keeps_the_fixed_point():
     system[np.triu_indices(3)] = total["hessians"][0]
     system = system + np.triu(system, 1).T
     previous = rng.standard_normal(3)
-    damped = _aggregate(FedDARSAServer(FedDARSAConfig(damping=0.3)), total, previous)
+    damped = _aggregate(FedDARSAServer(FedDARSAOptions(damping=0.3)), total, previous)
     lam = 0.3 * np.trace(system) / 3
     np.testing.assert_allclose(damped, np.linalg.solve(system + lam * np.eye(3), rhs + lam * previous), atol=1e-12)
     exact = np.linalg.solve(system, rhs)
-    kept = _aggregate(FedDARSAServer(FedDARSAConfig(damping=0.3)), total, exact)
+    kept = _aggregate(FedDARSAServer(FedDARSAOptions(damping=0.3)), total, exact)
     np.testing.assert_allclose(kept, exact, atol=1e-10)
-    np.testing.assert_allclose(_aggregate(FedDARSAServer(FedDARSAConfig(damping=1e9)), total, previous), previous,
+    np.testing.assert_allclose(_aggregate(FedDARSAServer(FedDARSAOptions(damping=1e9)), total, previous), previous,
                                atol=1e-6)
 
 
@@ -286,11 +286,11 @@ def test_softmax_hessian_null_space_and_damping():
     v = rng.standard_normal(features)
     np.testing.assert_allclose(h @ np.tile(v, classes), 0.0, atol=1e-12)  # H (1_N ⊗ v) = 0
     assert np.linalg.matrix_rank(h) == classes * features - features
-    undamped = FedDARSAConfig(head_solver="sgd", head_epochs=2, head_lr=0.5, damping=0.0)
+    undamped = FedDARSAOptions(head_solver="sgd", head_epochs=2, head_lr=0.5, damping=0.0)
     with pytest.warns(SingularHeadSystem):
         state, _ = _head_round(FedDARSAServer(undamped), FedDARClient(undamped), devices, params)
     assert state.wa_fallbacks == 2
-    damped = FedDARSAConfig(head_solver="sgd", head_epochs=2, head_lr=0.5)
+    damped = FedDARSAOptions(head_solver="sgd", head_epochs=2, head_lr=0.5)
     with warnings.catch_warnings():
         warnings.simplefilter("error", SingularHeadSystem)
         state, _ = _head_round(FedDARSAServer(damped), FedDARClient(damped), devices, params)
@@ -311,7 +311,7 @@ def test_sa_from_secure_sums_equals_sa_from_individual_uploads():
         return _devices(part, 3, loss="logistic")[0]
 
     params = initial_params(linear_encoder(6, 2, seed=0), 3, 1, scale=0.5, seed=4)
-    cfg = FedDARSAConfig(head_solver="sgd", head_epochs=3, head_lr=0.5, damping=0.0)
+    cfg = FedDARSAOptions(head_solver="sgd", head_epochs=3, head_lr=0.5, damping=0.0)
     plain, _ = _head_round(FedDARSAServer(cfg), FedDARClient(cfg), fresh(), params)
     secure, _ = _head_round(FedDARSAServer(cfg), FedDARClient(cfg), fresh(), params,
                             SecureSum(ThreatModel(0.0, 0.0, malicious_server=False)))
@@ -347,12 +347,12 @@ def test_feddar_sa_reaches_the_noise_floor_where_fedavg_cannot():
     data = domain_linear(clients=100, samples=20, seed=0)
     masked = SecureSum(ThreatModel(0.0, 0.0, malicious_server=False), seed=0)
     sa = federation(data, heads=5)
-    cfg = FedDARSAConfig(**SYNTHETIC)
+    cfg = FedDARSAOptions(**SYNTHETIC)
     state, logs = run_rounds(FedDARSAServer(cfg), FedDARClient(cfg), sa.devices, sa.initial, ROUNDS, 100, masked)
     assert all(len(c) == 100 for log in logs for c in log.contributors.values())
     sa_metrics = sa.final_metrics(state.params)
     avg = federation(data, heads=1)
-    fedavg_cfg = FedAvgConfig(local_epochs=5, local_lr=0.5, batch_size=1000)
+    fedavg_cfg = FedAvgOptions(local_epochs=5, local_lr=0.5, batch_size=1000)
     fedavg_state, _ = run_rounds(FedAvgServer(fedavg_cfg), FedAvgClient(fedavg_cfg), avg.devices, avg.initial,
                                  ROUNDS, 100, masked)
     fedavg_metrics = avg.final_metrics(fedavg_state.params)
@@ -368,7 +368,7 @@ def test_wa_with_scratch_heads_stalls_at_five_samples():
     """Oracle 9's last point: WA of min-norm local heads does not converge at L = 5."""
     data = domain_linear(clients=100, samples=5, seed=0)
     fed = federation(data, heads=5)
-    cfg = FedDARConfig(**SYNTHETIC)
+    cfg = FedDAROptions(**SYNTHETIC)
     state, _ = run_rounds(FedDARWAServer(cfg), FedDARClient(cfg), fed.devices, fed.initial, ROUNDS, 100, plain_sum)
     loss = fed.evaluate(state.params)[0]
     print(f"\nFedDAR-WA (scratch heads, L = 5) ½MSE {loss:.3g}")
@@ -398,10 +398,10 @@ def test_default_options_learn_a_concept_shift_that_one_model_cannot():
         devices = [DomainTrainer(factory, *split_, domains, "softmax", classes, seed=i, device=CPU)
                    for i, split_ in enumerate(train)]
         if name == "sa":
-            cfg = FedDARSAConfig(projection=4)
+            cfg = FedDARSAOptions(projection=4)
             server, client = FedDARSAServer(cfg), FedDARClient(cfg)
         else:
-            cfg = FedAvgConfig(local_epochs=1, local_lr=0.1, batch_size=32)
+            cfg = FedAvgOptions(local_epochs=1, local_lr=0.1, batch_size=32)
             server, client = FedAvgServer(cfg), FedAvgClient(cfg)
         initial = initial_params(factory(), heads, classes, scale=0.1)
         state, _ = run_rounds(server, client, devices, initial, 8, 10, masked)
@@ -456,7 +456,7 @@ def test_server_half_receives_only_sums(variant):
     the model and u_m, which is a function of summed counts; and the result does not depend on
     which device is which."""
     data = domain_linear(clients=12, samples=10, seed=3)
-    cfg = (FedDARSAConfig if variant == "sa" else FedDARConfig)(head_solver="newton", encoder_lr=0.1)
+    cfg = (FedDARSAOptions if variant == "sa" else FedDAROptions)(head_solver="newton", encoder_lr=0.1)
     server_type = FedDARSAServer if variant == "sa" else FedDARWAServer
     fed = federation(data, heads=5)
     server = _RecordingServer(server_type(cfg))
@@ -501,7 +501,7 @@ def test_server_half_receives_only_sums(variant):
 
 def test_payload_report_counts_hessians_and_bytes():
     fed = federation(domain_linear(clients=3, samples=5), heads=5)
-    sa = FedDARSAServer(FedDARSAConfig(projection=2))
+    sa = FedDARSAServer(FedDARSAOptions(projection=2))
     report = sa.payload_report(sa.init(fed.initial), cohort_size=100)
     # k = 2 features + bias, N = 1: P = 3, 6 unique Hessian entries per domain, 5 domains.
     sizes = ("head_params", "hessian_entries_per_domain", "hessian_unique_per_domain")
@@ -517,7 +517,7 @@ def test_payload_report_counts_hessians_and_bytes():
     assert wa_report["steps"][HEADS]["values"] == 5 + 5 + 15
     # The spec's FairFace age setting: a projection to k = 8, N = 9 classes, 7 domains.
     encoder = mlp_encoder(64, 32, projection=8)
-    big = FedDARSAServer(FedDARSAConfig(projection=8))
+    big = FedDARSAServer(FedDARSAOptions(projection=8))
     report = big.payload_report(big.init(initial_params(encoder, 7, 9)), cohort_size=5)
     assert report["head_params"] == 9 * 9 and report["hessian_unique_per_domain"] == 81 * 82 // 2
     assert report["hessian_values_per_device"] == 7 * 3321
@@ -526,19 +526,19 @@ def test_payload_report_counts_hessians_and_bytes():
 def test_projection_option_fixes_the_head_width():
     projected = initial_params(mlp_encoder(64, 32, projection=8), 3, 4)
     assert projected[HEADS].shape == (3, 4, 9)
-    FedDARSAServer(FedDARSAConfig(projection=8)).init(projected)
+    FedDARSAServer(FedDARSAOptions(projection=8)).init(projected)
     with pytest.raises(ValueError, match="projection"):
-        FedDARSAServer(FedDARSAConfig(projection=8)).init(initial_params(mlp_encoder(64, 32), 3, 4))
+        FedDARSAServer(FedDARSAOptions(projection=8)).init(initial_params(mlp_encoder(64, 32), 3, 4))
 
 
 def test_options_are_validated():
-    assert FedDARSAConfig.from_dict({"damping": 0.1}).damping == 0.1
+    assert FedDARSAOptions.from_dict({"damping": 0.1}).damping == 0.1
     with pytest.raises(ValueError, match="unknown"):
-        FedDARConfig.from_dict({"damping": 0.1})  # an SA option is not a WA option
+        FedDAROptions.from_dict({"damping": 0.1})  # an SA option is not a WA option
     with pytest.raises(ValueError, match="head_solver"):
-        FedDARConfig.from_dict({"head_solver": "adam"})
+        FedDAROptions.from_dict({"head_solver": "adam"})
     with pytest.raises(ValueError, match="hessian_at"):
-        FedDARSAConfig.from_dict({"hessian_at": "anywhere"})
+        FedDARSAOptions.from_dict({"hessian_at": "anywhere"})
 
 
 def test_domain_linear_generator():

@@ -14,7 +14,7 @@ from tally.algorithms.fedevg import (
     SYNTHETIC_X,
     SYNTHETIC_Y,
     FedEvgClient,
-    FedEvgConfig,
+    FedEvgOptions,
     FedEvgServer,
     mixture_gradient,
     sample_weights,
@@ -63,10 +63,10 @@ def test_oracles_2_to_4_single_client_scale_invariance_and_the_sign_tricks_conve
     assert single[0, 0] == pytest.approx(2.5)
     s = np.exp(-_energies(0.5))
     assert _server_gradient(0.5, 7 * s, 3 * W) == pytest.approx(_server_gradient(0.5, s))
-    signed = sample_weights(-_energies(0.5), FedEvgConfig())  # both logits negative: signs agree
+    signed = sample_weights(-_energies(0.5), FedEvgOptions())  # both logits negative: signs agree
     assert set(signed) == {math.exp(-1)}
     assert _server_gradient(0.5, signed) == pytest.approx(float(np.sum(W * _gradients(0.5))))  # +0.5
-    mixed = sample_weights(np.array([2.0, -3.0]), FedEvgConfig())
+    mixed = sample_weights(np.array([2.0, -3.0]), FedEvgOptions())
     g = _server_gradient(0.5, mixed)
     assert min(_gradients(0.5)) <= g <= max(_gradients(0.5))
     assert g == pytest.approx((math.e * 2.5 + math.exp(-1) * -1.5) / (math.e + math.exp(-1)))
@@ -79,10 +79,10 @@ def test_oracle_5_a_server_step_lowers_the_mixture_energy():
     assert _mixture_energy(0.5 - 0.5 * g) == pytest.approx(1.164286, abs=1e-6)
 
 
-def _toy_trainer(seed: int = 0) -> tuple[EnergyTrainer, FedEvgConfig]:
+def _toy_trainer(seed: int = 0) -> tuple[EnergyTrainer, FedEvgOptions]:
     single_threaded()
     data = four_blobs(clients=2, alpha=1.0, samples=400, seed=seed)
-    config = FedEvgConfig(classes=4, inputs=2, per_class=5, sgld_step=0.05, sgld_noise=0.0, local_iterations=5)
+    config = FedEvgOptions(classes=4, inputs=2, per_class=5, sgld_step=0.05, sgld_noise=0.0, local_iterations=5)
     return EnergyTrainer(lambda: energy_mlp(2, 4, 16, seed), *data.clients[0], seed=seed), config
 
 
@@ -122,7 +122,7 @@ class _MovingBuffer:
 
 
 def test_oracles_8_9_11_uploads_at_the_downloaded_set_balanced_initialisation_and_the_payload():
-    config = FedEvgConfig(classes=3, inputs=4, per_class=5)
+    config = FedEvgOptions(classes=3, inputs=4, per_class=5)
     server = FedEvgServer(config)
     state = server.init({"w": np.zeros(2)})
     x, y = state.synthetic[SYNTHETIC_X], state.synthetic[SYNTHETIC_Y]
@@ -138,7 +138,7 @@ def test_oracles_8_9_11_uploads_at_the_downloaded_set_balanced_initialisation_an
 
 
 def test_oracle_10_the_step_size_anneals_from_start_to_end():
-    config = FedEvgConfig(schedule_rounds=500)
+    config = FedEvgOptions(schedule_rounds=500)
     steps = [step_size(config, t) for t in range(500)]
     assert steps[0] == pytest.approx(10.0) and steps[-1] == pytest.approx(0.01)
     assert all(a >= b for a, b in zip(steps, steps[1:]))
@@ -154,12 +154,12 @@ def test_exact_weights_overflow_without_the_public_clamp_and_are_bounded_with_it
         raw = np.exp(logits)  # what exp(f) without a clamp gives
         unclamped = mixture_gradient(np.array([np.sum(raw * _gradients(0.5))]), np.array([np.sum(raw)]))
     assert np.isnan(unclamped).all()
-    config = FedEvgConfig(weighting="exact", logit_clamp=5.0)
+    config = FedEvgOptions(weighting="exact", logit_clamp=5.0)
     clamped = sample_weights(logits, config)
     assert clamped.max() == pytest.approx(math.exp(5.0)) and config.max_weight == pytest.approx(math.exp(5.0))
     assert np.isfinite(_server_gradient(0.5, clamped))
     with pytest.raises(ValueError, match="weighting must be one of"):
-        FedEvgConfig(weighting="raw")
+        FedEvgOptions(weighting="raw")
 
 
 @pytest.mark.full
@@ -170,7 +170,7 @@ def test_the_toys_synthetic_points_move_into_their_class_regions_through_the_sec
     synthetic points alone scores >= 90 % on real held-out data."""
     rounds = 150
     data, factory, devices = fedevg_toy_devices(seed=0)
-    config = FedEvgConfig(**FEDEVG_TOY, schedule_rounds=rounds)
+    config = FedEvgOptions(**FEDEVG_TOY, schedule_rounds=rounds)
     start = fedevg.initial_synthetic(config)
     assert in_own_region(start[SYNTHETIC_X], start[SYNTHETIC_Y]).mean() < 0.4
     state, _ = run_rounds(FedEvgServer(config), FedEvgClient(config), devices, get_params(factory()), rounds, 10,
@@ -181,7 +181,7 @@ def test_the_toys_synthetic_points_move_into_their_class_regions_through_the_sec
 
 
 def test_the_synthetic_set_exports_as_numpy_and_an_image_grid(tmp_path):
-    config = FedEvgConfig(classes=10, inputs=64, per_class=3)
+    config = FedEvgOptions(classes=10, inputs=64, per_class=3)
     synthetic = fedevg.initial_synthetic(config)
     npz, png = export_synthetic(synthetic, tmp_path / "out", image_side=8)
     loaded = np.load(npz)
@@ -193,7 +193,7 @@ def test_the_synthetic_set_exports_as_numpy_and_an_image_grid(tmp_path):
 def test_a_short_toy_run_is_the_same_through_plain_and_secure_sums():
     """The secure sum changes only fixed-point rounding: 3 rounds, the two synthetic sets agree to
     the codec's resolution."""
-    config = FedEvgConfig(**{**FEDEVG_TOY, "local_iterations": 5}, schedule_rounds=3)
+    config = FedEvgOptions(**{**FEDEVG_TOY, "local_iterations": 5}, schedule_rounds=3)
     results = []
     for sum_fn in (plain_sum, SecureSum(ThreatModel(dropout_rate=0.1, corrupt_rate=0.05))):
         _, factory, devices = fedevg_toy_devices(seed=1)

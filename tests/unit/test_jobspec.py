@@ -3,6 +3,8 @@ path and the type that was given, never a crash; every problem is reported in on
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import yaml
 from hypothesis import given, settings
@@ -28,8 +30,8 @@ def _errors(**overrides) -> list[str]:
         ({"secure": {"dropout_rate": 0.9}}, "secure: malicious server requires corrupt_rate + 2*dropout_rate <= 0.9"),
         ({"secure": {"consistency_check": "yes"}}, "secure.consistency_check: must be true or false, got 'yes' (str)"),
         ({"reveal": "response"}, "reveal: must be a list, got 'response' (str)"),
-        ({"config": {"local_epochs": "5"}}, "config.local_epochs: must be an integer, got '5' (str)"),
-        ({"config": {"local_lr": [0.1]}}, "config.local_lr: must be a number, got [0.1] (list)"),
+        ({"options": {"local_epochs": "5"}}, "options.local_epochs: must be an integer, got '5' (str)"),
+        ({"options": {"local_lr": [0.1]}}, "options.local_lr: must be a number, got [0.1] (list)"),
         ({"rounds": 2.5}, "rounds: must be an integer, got 2.5 (float)"),
         ({"model": {"hidden": "64"}}, "model.hidden: must be an integer, got '64' (str)"),
         ({"deadlines": {"unmask": "soon"}}, "deadlines.unmask: must be a number, got 'soon' (str)"),
@@ -42,13 +44,13 @@ def test_a_wrongly_typed_value_is_one_line_naming_the_field_and_its_type(overrid
 
 
 def test_a_string_reveal_is_one_error_not_one_per_letter():
-    lines = _errors(algorithm="aaggff_s", config={"num_clients": 10}, reveal="response")
+    lines = _errors(algorithm="aaggff_s", options={"num_clients": 10}, reveal="response")
     assert sum("reveal" in line for line in lines) == 1, lines
 
 
 def test_unknown_keys_list_the_valid_ones():
-    (line,) = _errors(config={"local_epoch": 5, "lr": 1})
-    assert line.startswith("config: unknown fedavg options ['local_epoch', 'lr']; its options: [")
+    (line,) = _errors(options={"local_epoch": 5, "lr": 1})
+    assert line.startswith("options: unknown fedavg options ['local_epoch', 'lr']; its options: [")
     assert "'local_epochs'" in line and "'local_lr'" in line
     (line,) = _errors(secure={"dropout": 0.1})
     assert line.startswith("secure: unknown keys ['dropout']; valid keys: [") and "'dropout_rate'" in line
@@ -60,9 +62,9 @@ def test_unknown_keys_list_the_valid_ones():
 
 def test_missing_required_fields_do_not_stop_the_checking():
     lines = _errors(name=None, cohort_size=None, rounds=0, secure={"dropout_rate": "high"},
-                    config={"local_epochs": "5"}, model={"kind": "nope"})
+                    options={"local_epochs": "5"}, model={"kind": "nope"})
     for needle in ("name: required", "cohort_size: required", "rounds: must be >= 1",
-                   "secure.dropout_rate:", "config.local_epochs:", "model.kind: 'nope' is not one of"):
+                   "secure.dropout_rate:", "options.local_epochs:", "model.kind: 'nope' is not one of"):
         assert any(line.startswith(needle) for line in lines), (needle, lines)
 
 
@@ -73,14 +75,14 @@ def test_typed_options_of_every_algorithm_refuse_a_string_for_a_number():
         options = jobspec.option_fields(name)
         assert options, name
         key = next(k for k, kind in options.items() if kind is int)
-        lines = _errors(algorithm=name, config={key: "5"})
-        assert f"config.{key}: must be an integer, got '5' (str)" in lines, (name, lines)
+        lines = _errors(algorithm=name, options={key: "5"})
+        assert f"options.{key}: must be an integer, got '5' (str)" in lines, (name, lines)
 
 
 def test_a_valid_spec_round_trips_through_yaml():
-    spec = jobspec.parse(yaml.safe_dump({**BASE, "config": {"local_epochs": 2, "local_lr": 1},
+    spec = jobspec.parse(yaml.safe_dump({**BASE, "options": {"local_epochs": 2, "local_lr": 1},
                                          "secure": {"dropout_rate": 0.2}, "deadlines": {"unmask": 5}}))
-    assert spec.config == {"local_epochs": 2, "local_lr": 1}
+    assert spec.options == {"local_epochs": 2, "local_lr": 1}
     assert spec.secure.dropout_rate == 0.2 and spec.deadlines["unmask"] == 5.0
     assert spec.deadlines["checkin"] == jobspec.DEFAULT_DEADLINES["checkin"]
     assert jobspec.parse(spec.to_yaml()) == spec
@@ -91,18 +93,20 @@ JSONISH = st.recursive(
     lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=6), inner, max_size=3),
     max_leaves=8,
 )
-KEYS = st.sampled_from([*jobspec.JobSpec.model_fields, "secure", "model", "deadlines", "config", "extra"])
+KEYS = st.sampled_from([*jobspec.JobSpec.model_fields, "secure", "model", "deadlines", "options", "config", "extra"])
 
 
 @settings(max_examples=150, deadline=None)
 @given(st.dictionaries(KEYS, JSONISH, max_size=6), st.dictionaries(st.text(max_size=6), JSONISH, max_size=3))
 def test_any_document_is_a_spec_or_a_job_spec_error(overrides, section):
     raw = {**BASE, **overrides}
-    for key in ("secure", "model", "deadlines", "config"):
+    for key in ("secure", "model", "deadlines", "options", "config"):
         if key in overrides and isinstance(overrides[key], dict):
             raw[key] = {**section, **overrides[key]}
     try:
-        jobspec.from_dict(raw)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", DeprecationWarning)  # `config:`, the old name, is drawn too
+            jobspec.from_dict(raw)
     except jobspec.JobSpecError as exc:
         assert str(exc).strip()
 
@@ -114,7 +118,7 @@ def test_options_that_do_not_fit_the_model_are_refused_before_the_job_starts():
     assert any(line.startswith("model: the cnn model does not fit lg_fedavg's options: global_patterns "
                                "['2.*'] match none") for line in lines), lines
     fitting = {**BASE, "algorithm": "lg_fedavg", "model": {"kind": "cnn", "hidden": 8},
-               "config": {"global_patterns": ["head.*"]}}
+               "options": {"global_patterns": ["head.*"]}}
     assert jobspec.parse(yaml.safe_dump(fitting)).algorithm == "lg_fedavg"
 
 
@@ -145,10 +149,27 @@ def test_option_ranges_are_checked_at_validation_each_naming_its_option():
     """Issue 25, item 3: these were "valid", and every device then failed the round
     (`ValueError: Invalid learning rate: -0.1`); `example_cap: -5` was blamed on a codec field."""
     text = ("name: x\nalgorithm: fedavg\nrounds: 2\ncohort_size: 10\n"
-            "config: {local_epochs: -2, local_lr: -0.1, batch_size: 0, server_lr: 0, example_cap: -5}\n")
+            "options: {local_epochs: -2, local_lr: -0.1, batch_size: 0, server_lr: 0, example_cap: -5}\n")
     with pytest.raises(jobspec.JobSpecError) as err:
         jobspec.parse(text)
     assert str(err.value).splitlines() == [
-        "config.local_epochs: must be >= 1, got -2", "config.local_lr: must be > 0, got -0.1",
-        "config.batch_size: must be >= 1, got 0", "config.server_lr: must be > 0, got 0",
-        "config.example_cap: must be >= 1, got -5"]
+        "options.local_epochs: must be >= 1, got -2", "options.local_lr: must be > 0, got -0.1",
+        "options.batch_size: must be >= 1, got 0", "options.server_lr: must be > 0, got 0",
+        "options.example_cap: must be >= 1, got -5"]
+
+
+def test_the_old_name_config_is_read_as_options_with_a_warning_naming_it():
+    """Issue 43: ``options:`` was ``config:``; a spec written with the old name still runs for one
+    release, and says so, to the Python caller and to whoever validates or submits it."""
+    renamed: list[str] = []
+    with pytest.warns(DeprecationWarning, match="config: deprecated, renamed options:"):
+        spec = jobspec.parse(yaml.safe_dump({**BASE, "config": {"local_epochs": 2}}), renamed)
+    assert spec.options == {"local_epochs": 2}
+    assert renamed == ["config: deprecated, renamed options: (read as options: until the next release)"]
+    with pytest.warns(DeprecationWarning), pytest.raises(jobspec.JobSpecError, match=r"options\.local_epochs: must"):
+        jobspec.from_dict({**BASE, "config": {"local_epochs": "5"}})  # checked under its new name
+
+
+def test_options_and_config_together_are_refused_naming_both():
+    lines = _errors(options={"local_epochs": 2}, config={"local_epochs": 3})
+    assert lines == ["options: given twice, as options: and as its deprecated name config:; keep options: only"]

@@ -18,7 +18,7 @@ from tally.algorithms.lg_fedavg import (
     GLOBAL,
     WARMUP,
     LGFedAvgClient,
-    LGFedAvgConfig,
+    LGFedAvgOptions,
     LGFedAvgServer,
     Split,
     ensemble_cost,
@@ -85,7 +85,7 @@ def test_communication_accounting_reproduces_the_papers_table():
 
 def test_tally_upload_accounting_against_fedavg_on_the_same_model():
     model = get_params(mlp(64, 10, seed=0))  # 4,810 values; the head "2.*" is 650
-    server = LGFedAvgServer(LGFedAvgConfig(warmup_rounds=10))
+    server = LGFedAvgServer(LGFedAvgOptions(warmup_rounds=10))
     report = upload_accounting(server, server.init(model), rounds=30, cohort=10)
     assert report["model_values"] == 4_810 and report["global_values"] == 650
     assert report["uploaded_values"] == 10 * (10 * 4_812 + 20 * 652)
@@ -118,8 +118,8 @@ def test_no_global_parameter_is_refused_and_local_layers_train_as_local_only():
     layers a device keeps are exactly what training its whole model alone gives."""
     fleet = _digits_fleet()
     with pytest.raises(ValueError, match="match none"):
-        LGFedAvgServer(LGFedAvgConfig(global_patterns=("nothing.*",))).init(fleet.initial)
-    client = LGFedAvgClient(LGFedAvgConfig(**FAST))
+        LGFedAvgServer(LGFedAvgOptions(global_patterns=("nothing.*",))).init(fleet.initial)
+    client = LGFedAvgClient(LGFedAvgOptions(**FAST))
     _, local = client.contribute(GLOBAL, fleet.initial, fleet.devices[0], None)
     alone = _digits_fleet().devices[0].train(fleet.initial, 1, 0.05, 10)[0]
     assert set(local) == {"0.weight", "0.bias"}
@@ -261,12 +261,12 @@ def test_ensemble_of_identical_local_models_is_the_single_model():
 
 def test_local_state_of_another_model_is_a_model_mismatch():
     fleet = _digits_fleet()
-    client = LGFedAvgClient(LGFedAvgConfig(**FAST))
+    client = LGFedAvgClient(LGFedAvgOptions(**FAST))
     with pytest.raises(ModelMismatch):
         client.contribute(GLOBAL, fleet.initial, fleet.devices[0], {"0.weight": np.zeros((2, 2))})
     with pytest.raises(ValueError, match="unknown lg_fedavg step"):
         client.contribute("update", fleet.initial, fleet.devices[0], None)
-    server = LGFedAvgServer(LGFedAvgConfig(warmup_rounds=1))
+    server = LGFedAvgServer(LGFedAvgOptions(warmup_rounds=1))
     state = server.init(fleet.initial)
     assert [s.name for s in server.steps(state)] == [WARMUP]
     with pytest.raises(ValueError, match="warmup"):
@@ -440,7 +440,7 @@ def test_online_rotated_device_fedavg_forgets_and_lg_fedavg_does_not():
     first with the head frozen for 20 epochs) by less than 0.03, and its rotated accuracy is at
     least FedAvg's − 0.01."""
     from tally.algorithms.lg_fedavg import personal_model
-    from tally.client.adaptation import AdaptationConfig, adapt
+    from tally.client.adaptation import AdaptationOptions, adapt
     from tally.datasets.personal import rotated_gaussian
 
     def factory():
@@ -469,7 +469,7 @@ def test_online_rotated_device_fedavg_forgets_and_lg_fedavg_does_not():
     model = server.model(state)
     lg_before = normal(model, local)
     encoder = adapt(factory(), model, new.features.cpu().numpy(), new.labels.cpu().numpy(),
-                    AdaptationConfig("freeze_base", epochs=20, lr=0.1, batch_size=10, trainable=("0.*",)))
+                    AdaptationOptions("freeze_base", epochs=20, lr=0.1, batch_size=10, trainable=("0.*",)))
     server, client = algorithms.make("lg_fedavg", lg)
     newcomer = {0: split.local_part(encoder)}
     state, _ = run_rounds(server, client, [new], model, 100, 1, plain_sum, local_states=newcomer)
@@ -489,7 +489,7 @@ def test_a_restarted_coordinator_resumes_in_the_right_phase():
 
     from tally.coordinator.state.state_codec import state_from_bytes, state_to_bytes
 
-    server = LGFedAvgServer(LGFedAvgConfig(warmup_rounds=2))
+    server = LGFedAvgServer(LGFedAvgOptions(warmup_rounds=2))
     state = replace(server.init(get_params(mlp(64, 10, seed=0))), round=3)
     template = server.init(get_params(mlp(64, 10, seed=1)))
     restored = state_from_bytes(state_to_bytes(state), template)

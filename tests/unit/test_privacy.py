@@ -14,7 +14,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tally.algorithms.fedavg import FedAvgClient, FedAvgConfig, FedAvgServer
+from tally.algorithms.fedavg import FedAvgClient, FedAvgOptions, FedAvgServer
 from tally.codec import CodecError
 from tally.codec.schema import ring_mask
 from tally.coordinator.spec.jobspec import JobSpecError, parse
@@ -54,7 +54,7 @@ class RecordingFedAvg(FedAvgServer):
 
 
 def fedavg_job(mechanism: str, cohort: int, z: float, **extra):
-    server, client = RecordingFedAvg(FedAvgConfig(example_cap=1)), FedAvgClient(FedAvgConfig(example_cap=1))
+    server, client = RecordingFedAvg(FedAvgOptions(example_cap=1)), FedAvgClient(FedAvgOptions(example_cap=1))
     settings = PrivacySettings(mechanism, 1.0, z, 1e-5, cohort_size=cohort, **extra)
     private = PrivateServer(server, "fedavg", settings)
     state = private.init({"w": np.zeros((127, 128)), "b": np.zeros(128)})  # 16384 values + weight
@@ -213,7 +213,7 @@ def test_bits_follow_noise_cohort_and_dropouts():
     assert narrow.bits(100) <= bits - 3 and narrow.inflation > plan_distributed(**base).inflation
 
 
-SPEC = "name: dp\nalgorithm: {algorithm}\nrounds: 20\ncohort_size: 20\nconfig: {{example_cap: 1}}\n"
+SPEC = "name: dp\nalgorithm: {algorithm}\nrounds: 20\ncohort_size: 20\noptions: {{example_cap: 1}}\n"
 
 
 @pytest.mark.parametrize("privacy, reason", [
@@ -256,7 +256,7 @@ def test_a_counted_field_must_be_one_on_every_device():
 
 
 def test_without_example_cap_one_the_weight_is_clipped_with_the_update():
-    server, client = FedAvgServer(FedAvgConfig(example_cap=4)), PrivateClient(FedAvgClient(FedAvgConfig(example_cap=4)))
+    server, client = FedAvgServer(FedAvgOptions(example_cap=4)), PrivateClient(FedAvgClient(FedAvgOptions(example_cap=4)))
     private = PrivateServer(server, "fedavg", PrivacySettings("central", 1.0, 1.0, 1e-5, cohort_size=5))
     state = private.init({"w": np.zeros(100)})
     (step,) = private.steps(state)
@@ -286,7 +286,7 @@ def test_a_device_refuses_noise_below_its_floor(mechanism, z, floor, reason):
 
 
 def test_a_device_refuses_a_step_without_noise_and_accepts_enough():
-    plain = FedAvgClient(FedAvgConfig(example_cap=1))
+    plain = FedAvgClient(FedAvgOptions(example_cap=1))
     with pytest.raises(NoiseBelowFloor, match="no DP noise") as refused:
         PrivateClient(plain, 1.0, 20).contribute("update", {"w": np.zeros(3)}, ShiftTrainer(0.001), None)
     assert refused.value.reason == "no_noise"

@@ -23,7 +23,7 @@ from tally.privacy.payload import FIELD_PREFIX, PARAMS, PrivateClient, privatise
 from tally.privacy.sensitivity import DECLARED, Role, layout
 from tally.privacy.server import PrivacySettings, PrivateServer
 from tally.privacy.simulation import RingSum
-from tally.sim import tasks
+from tally.sim import scenarios
 from tally.sim.rounds import run_rounds
 from tally.training import single_threaded
 
@@ -45,7 +45,7 @@ JOBS: dict[str, tuple[str, str]] = {
 def job(algorithm: str, mechanism: str = "distributed") -> str:
     model, options = JOBS[algorithm]
     return (f"name: dp\nalgorithm: {algorithm}\nrounds: 10\ncohort_size: 20\nmodel: {model}\n"
-            f"config: {options}\n" + PRIVACY.format(mechanism=mechanism))
+            f"options: {options}\n" + PRIVACY.format(mechanism=mechanism))
 
 
 def test_every_algorithm_on_secure_sums_declares_its_sensitivities():
@@ -87,8 +87,8 @@ def test_a_counted_role_on_a_count_field_is_refused_by_name():
         layout("undeclared", server, server.steps(None)[0])
 
 
-def task_for(algorithm: str, clients: int) -> tuple[tasks.Task, dict[str, Any]]:
-    """A small task each algorithm runs on, and its options."""
+def scenario_for(algorithm: str, clients: int) -> tuple[scenarios.Scenario, dict[str, Any]]:
+    """A small scenario each algorithm runs on, and its options."""
     single_threaded()
     if algorithm == "fedevg":
         from tally.datasets.energy_toy import four_blobs
@@ -101,10 +101,10 @@ def task_for(algorithm: str, clients: int) -> tuple[tasks.Task, dict[str, Any]]:
         devices = [EnergyTrainer(factory, X, y, seed=i) for i, (X, y) in enumerate(data.clients)]
         options = {"classes": 4, "inputs": 2, "per_class": 5, "local_iterations": 2, "batch_size": 32,
                    "example_cap": 60}
-        return tasks.Task(devices, get_params(factory()), lambda m: (0.0, None), dict), options
+        return scenarios.Scenario(devices, get_params(factory()), lambda m: (0.0, None), dict), options
     dataset = {"agnostic_fedavg": "toy-regression", "feddar_wa": "domain-linear", "feddar_sa": "domain-linear",
                "lg_fedavg": "pathological-digits", "superfed": "pathological-digits"}.get(algorithm, "digits")
-    task = tasks.build(dataset, tasks.TaskArgs(clients=clients, samples=30, algorithm=algorithm, domains=2))
+    scenario = scenarios.build(dataset, scenarios.ScenarioArgs(clients=clients, samples=30, algorithm=algorithm, domains=2))
     options = {} if "feddar" in algorithm else {"local_epochs": 1}
     if algorithm.startswith("aaggff"):
         options.update(weight_clip=1.0, **({"solver": "separable"} if algorithm == "aaggff_s" else {}))
@@ -116,7 +116,7 @@ def task_for(algorithm: str, clients: int) -> tuple[tasks.Task, dict[str, Any]]:
         options.update(hessian_clip=2.0, head_clip=2.0)
     if algorithm == "agnostic_fedavg":
         options.update(count_clip=100, loss_clip=5000.0)
-    return task, task.options(algorithm, options)
+    return scenario, scenario.options(algorithm, options)
 
 
 # A large epsilon: 8 devices carry little signal under DP (the noisy total weights of AAggFF and
@@ -128,7 +128,7 @@ TARGET = 2000.0
 @pytest.mark.parametrize("algorithm", sorted(JOBS))
 def test_an_in_process_dp_run_completes_with_its_epsilon_recorded(algorithm):
     clients, rounds = 8, 2
-    task, options = task_for(algorithm, clients)
+    scenario, options = scenario_for(algorithm, clients)
     server, client = algorithms.make(algorithm, options)
     clip = 40.0 if algorithm == "fedevg" else 4.0  # FedEvg's energy gradients are O(10) per sample
     one_sum = calibrate(TARGET, 1e-5, rounds)  # what the spec resolves; init recalibrates for k sums
@@ -136,7 +136,7 @@ def test_an_in_process_dp_run_completes_with_its_epsilon_recorded(algorithm):
                                 dropout_rate=0.1, target_epsilon=TARGET, rounds=rounds)
     private = PrivateServer(server, algorithm, settings_)
     ring = RingSum(private, dropout=0.1)
-    state, logs = run_rounds(private, PrivateClient(client), task.devices, task.initial, rounds, clients, ring)
+    state, logs = run_rounds(private, PrivateClient(client), scenario.devices, scenario.initial, rounds, clients, ring)
     sums = len(private.steps(state))
     assert len(logs) == rounds and len(private.ledger.rounds) == rounds * sums
     assert private.settings.sums_per_round == sums
@@ -163,7 +163,7 @@ def small_steps() -> list[tuple[str, StepSpec, Any]]:
     out = []
     for algorithm in sorted(JOBS):
         spec = parse(job(algorithm))
-        server = catalogue.make_server(algorithm, spec.config)
+        server = catalogue.make_server(algorithm, spec.options)
         for step in server.steps(server.init(catalogue.initial_model(spec.model))):
             out.append((algorithm, step, server))
     return out

@@ -15,7 +15,7 @@ from collections.abc import Callable
 import numpy as np
 import pytest
 from support.secagg import (
-    Cohort,
+    ProtocolCohort,
     identities,
     lax_client,
     make_config,
@@ -125,7 +125,7 @@ def test_an_aggregator_substituting_keys_gets_nothing_and_the_victim_refuses(
     switched off the same attack rebuilds device 1's mask key and seed, so the test can fail."""
     config = make_config(10, 9, 6, consistency=consistency)
     substitute, pairs = _substitute_keys(config, relay_real_signature)
-    cohort = Cohort(config)
+    cohort = ProtocolCohort(config)
     cohort.run(tamper_server=substitute)
     assert "not signed by its enrolled identity key" in str(cohort.refused[1])
     assert [type(m) for m in cohort.sent if getattr(m, "sender", None) == 1] == [AdvertiseKeys]
@@ -133,7 +133,7 @@ def test_an_aggregator_substituting_keys_gets_nothing_and_the_victim_refuses(
 
     monkeypatch.setattr("tally.secagg.client._check_neighbour", lambda config, neighbour: None)
     substitute, pairs = _substitute_keys(config, relay_real_signature)
-    unchecked = Cohort(config)
+    unchecked = ProtocolCohort(config)
     unchecked.run(tamper_server=substitute)
     stolen = _secrets_the_attacker_decrypts(config, unchecked, pairs)
     advert = next(m for m in unchecked.sent if isinstance(m, AdvertiseKeys) and m.sender == 1)
@@ -176,7 +176,7 @@ def test_a_small_order_key_excludes_only_its_sender(bad):
     """Device 3 advertises a key of small order, correctly signed with its own identity: the
     server refuses it at AdvertiseKeys and the other nine devices' sum is exact."""
     config = make_config(10, 9, 6)
-    cohort = Cohort(config, seed=3)
+    cohort = ProtocolCohort(config, seed=3)
 
     def poison(message):
         if isinstance(message, AdvertiseKeys) and message.sender == 3:
@@ -220,7 +220,7 @@ def test_wrong_shares_from_one_device_are_decoded_around_and_the_sum_is_exact(ki
     graph some secrets are decoded (naming device 2) while others wait for another share: the
     next rebuild takes those from holders never caught lying first."""
     config = make_config(*graph)
-    cohort = Cohort(config, seed=7)
+    cohort = ProtocolCohort(config, seed=7)
     rewrite = _wrong_shares(kind)
     lost = {5} if dropout else set()
 
@@ -243,7 +243,7 @@ def test_answers_in_any_order_rebuild_seeds_and_keys_exactly():
     """Devices may list their shares in any order: the server places each share by its owner,
     not by its position, for the survivors' seeds and the dropped device's key alike."""
     config = make_config(10, 9, 6)
-    cohort = Cohort(config, seed=8)
+    cohort = ProtocolCohort(config, seed=8)
 
     def tamper(message):
         if isinstance(message, UnmaskResponse):
@@ -266,7 +266,7 @@ def test_too_many_wrong_shares_abort_instead_of_a_wrong_sum():
     """When wrong shares outnumber what the others' shares can correct, the session aborts
     naming the secrets: it never completes with every coordinate wrong."""
     config = make_config(8, 7, 6)
-    cohort = Cohort(config, seed=9)
+    cohort = ProtocolCohort(config, seed=9)
     rewrite = _wrong_shares("offset")
     cohort.run(tamper_client=lambda m: rewrite(m) if isinstance(m, UnmaskResponse) and m.sender in (2, 3) else m)
     assert cohort.server.aborted is not None and "do not rebuild" in cohort.server.aborted.reason
@@ -281,7 +281,7 @@ def test_a_device_refuses_to_mask_when_fewer_than_t_shares_are_delivered(deliver
     """The aggregator withholds device 1's ShareDelivery (t=6): it would otherwise mask with
     its self mask and few pairwise masks, and its seed would later be released. It refuses."""
     config = make_config(10, 9, 6)
-    cohort = Cohort(config, seed=1)
+    cohort = ProtocolCohort(config, seed=1)
 
     def withhold(o: Outgoing) -> Outgoing:
         if o.recipient == 1 and isinstance(o.message, ShareDelivery):
@@ -331,7 +331,7 @@ def test_a_device_refuses_unsafe_and_plain_configurations():
 @pytest.mark.parametrize("forgery", ["repeated", "non_survivor", "foreign_key"])
 def test_consistency_check_needs_t_distinct_surviving_signers(forgery):
     config = make_config(10, 9, 6, consistency=True)
-    cohort = Cohort(config, seed=4)
+    cohort = ProtocolCohort(config, seed=4)
     dropped = 10
 
     def forge(o: Outgoing) -> Outgoing:
@@ -403,7 +403,7 @@ def test_seed_commitments_bind_the_seed():
 # ---- 12. survivor split: each device shown its own survivor set (third review, finding 1) -----
 
 
-def _split_cohort(n: int, consistency: bool) -> tuple[Cohort, SplitViewServer]:
+def _split_cohort(n: int, consistency: bool) -> tuple[ProtocolCohort, SplitViewServer]:
     """A cohort of n with the parameters a real job gets (Harary from n = 100 on) and a malicious
     aggregator splitting views against device 1. Without the check, devices run the semi-honest
     policy, the only one that accepts such a session."""
@@ -411,7 +411,7 @@ def _split_cohort(n: int, consistency: bool) -> tuple[Cohort, SplitViewServer]:
         Field("w", (4,), clip=1.0, frac_bits=8),)))], n, consistency_check=consistency, identities=roster(n))
     threat = ThreatModel(dropout_rate=0.1, malicious_server=consistency)
     server = SplitViewServer(config, victim=1, attempts=[])
-    return Cohort(config, seed=n, policy=DevicePolicy(threat=threat), server=server), server
+    return ProtocolCohort(config, seed=n, policy=DevicePolicy(threat=threat), server=server), server
 
 
 @pytest.mark.parametrize("n", [20, 100, pytest.param(1000, marks=pytest.mark.full)])

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from support.secagg import Cohort, identities, lax_client, make_config, random_inputs
+from support.secagg import ProtocolCohort, identities, lax_client, make_config, random_inputs
 
 from tally.secagg import MalformedMessage, SecAggServer, shamir, sharecheck
 from tally.secagg.adversary import CORRUPT_DEALERS, InconsistentDealer
@@ -39,7 +39,7 @@ from tally.secagg.messages import (
 @pytest.mark.parametrize("adversary", CORRUPT_DEALERS, ids=lambda dealer: dealer.kind)
 def test_a_corrupt_dealer_is_excluded_before_any_input_and_the_sum_is_exact(adversary, n, k, t, consistency):
     dealer = 5
-    cohort = Cohort(make_config(n, k, t, consistency=consistency), dealers={dealer: adversary})
+    cohort = ProtocolCohort(make_config(n, k, t, consistency=consistency), dealers={dealer: adversary})
     cohort.run()
     server = cohort.server
     assert server.aborted is None, server.aborted
@@ -58,7 +58,7 @@ def test_without_the_check_shares_on_no_polynomial_fail_the_round_after_every_in
     """The control: what finding 2 was. Every holder accepts its share, every device sends its
     masked input, and Unmask cannot rebuild the dealer's seed."""
     monkeypatch.setattr(sharecheck, "passes", lambda plaintext, check: True)
-    cohort = Cohort(make_config(12, 11, 7), dealers={5: InconsistentDealer})
+    cohort = ProtocolCohort(make_config(12, 11, 7), dealers={5: InconsistentDealer})
     cohort.run()
     assert cohort.server.excluded == {}
     assert sum(isinstance(m, MaskedInputResponse) for m in cohort.sent) == 12
@@ -74,7 +74,7 @@ def _signed_complaint(config, delivery: ShareDelivery, dealer: int, holder: int,
 def test_a_false_complaint_is_settled_by_the_dealers_key_and_names_the_complainer():
     config = make_config(10, 9, 6, consistency=True)
     liar, dealer = 3, 7
-    cohort = Cohort(config)
+    cohort = ProtocolCohort(config)
 
     def complain(message):
         if isinstance(message, ShareComplaints) and message.sender == liar:
@@ -223,7 +223,7 @@ def test_an_unmask_request_naming_a_device_outside_the_neighbourhood_is_refused(
             return dataclasses.replace(outgoing, message=dataclasses.replace(message, survivors=survivors))
         return outgoing
 
-    cohort = Cohort(config)
+    cohort = ProtocolCohort(config)
     cohort.run(tamper_server=widen)
     assert refusal in str(cohort.refused[1])
     assert not any(isinstance(m, UnmaskResponse) and m.sender == 1 for m in cohort.sent)

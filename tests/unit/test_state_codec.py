@@ -18,7 +18,7 @@ import pytest
 from tally import algorithms
 from tally.coordinator.state.state_codec import UnsupportedState, state_from_bytes, state_to_bytes
 from tally.sim.rounds import plain_sum, run_rounds
-from tally.sim.tasks import TaskArgs, build
+from tally.sim.scenarios import ScenarioArgs, build
 
 # algorithm -> (dataset, extra options): the smallest setting that exercises its whole state.
 CASES = {
@@ -59,13 +59,13 @@ def assert_same(back: Any, state: Any, where: str) -> None:
 def test_every_algorithms_server_state_round_trips_exactly(case):
     dataset, extra = CASES[case]
     name = case.removesuffix("_separable")
-    task = build(dataset, TaskArgs(clients=6, domains=3, samples=20, seed=1, algorithm=name))
-    options = task.options(name, extra)
+    scenario = build(dataset, ScenarioArgs(clients=6, domains=3, samples=20, seed=1, algorithm=name))
+    options = scenario.options(name, extra)
     server, client = algorithms.make(name, options)
-    state, _ = run_rounds(server, client, task.devices, task.initial, rounds=2,
-                          cohort_size=len(task.devices), sum_fn=plain_sum, seed=1,
+    state, _ = run_rounds(server, client, scenario.devices, scenario.initial, rounds=2,
+                          cohort_size=len(scenario.devices), sum_fn=plain_sum, seed=1,
                           reveal=options.get("reveal", ()))
-    template = algorithms.make(name, options)[0].init(task.initial)
+    template = algorithms.make(name, options)[0].init(scenario.initial)
     data = state_to_bytes(state)
     assert b"pickle" not in data
     assert_same(state_from_bytes(data, template), state, type(state).__name__)

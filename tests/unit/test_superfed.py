@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 from tally import algorithms
 from tally.algorithms.base import flatten
-from tally.algorithms.superfed import CONTROL, LAMBDA_GRID, SuPerFedClient, SuPerFedConfig, mix
+from tally.algorithms.superfed import CONTROL, LAMBDA_GRID, SuPerFedClient, SuPerFedOptions, mix
 from tally.datasets.personal import gaussian_classes, pathological_digits
 from tally.training.personal import cos_squared, mixed_objective, module_of
 from tally.sim.personalisation import personal_accuracy, personal_fleet
@@ -120,7 +120,7 @@ def test_with_mu_the_federated_update_is_fedprox():
     """8.1: with μ > 0 (and no mixing) one client update is FedProx's with (μ/2)||θ − θ^g||²."""
     fleet = _digits()
     device, initial = fleet.devices[0], fleet.initial
-    client = SuPerFedClient(SuPerFedConfig(start_round=5, mu=0.5, nu=3.0, local_epochs=1, local_lr=0.1,
+    client = SuPerFedClient(SuPerFedOptions(start_round=5, mu=0.5, nu=3.0, local_epochs=1, local_lr=0.1,
                                            batch_size=16, lr_decay=1.0))
     payload, local = client.contribute("update", {**initial, CONTROL: np.array([0.0, 1.0])}, device, None)
     reference = TorchTrainer(fleet.factory, device.features.cpu().numpy(), device.labels.cpu().numpy(), seed=0)

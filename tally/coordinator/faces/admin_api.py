@@ -26,7 +26,7 @@ from tally.coordinator.state.store import JobRecord, Store
 from tally.security import AuthError, token_from_metadata
 from tally.wire.v1 import admin_pb2, admin_pb2_grpc, common_pb2
 
-log = logging.getLogger("tally.coordinator.admin")
+log = logging.getLogger(__name__)
 
 DEFAULT_PAGE_SIZE = 50
 MAX_PAGE_SIZE = 1000
@@ -94,19 +94,20 @@ class AdminService(admin_pb2_grpc.AdminServicer):
     async def SubmitJob(self, request: admin_pb2.SubmitJobRequest, context: grpc.aio.ServicerContext):
         await self._authorize(context)
         which = request.WhichOneof("spec")
+        renamed: list[str] = []
         try:
             if which == "spec_yaml":
                 if len(request.spec_yaml) > MAX_SPEC_CHARS:
                     raise jobspec.JobSpecError(f"spec_yaml longer than {MAX_SPEC_CHARS} characters")
-                spec = jobspec.parse(request.spec_yaml)
+                spec = jobspec.parse(request.spec_yaml, renamed)
             elif which == "spec_struct":
-                spec = jobspec.from_dict(integral(json_format.MessageToDict(request.spec_struct)))
+                spec = jobspec.from_dict(integral(json_format.MessageToDict(request.spec_struct)), renamed)
             else:
                 raise jobspec.JobSpecError("spec_yaml or spec_struct is required")
         except jobspec.JobSpecError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"invalid job spec:\n{exc}")
         job_id = self.jobs.submit(spec)
-        warnings = cohort_warnings(spec, len(self.jobs.pool.members))
+        warnings = renamed + cohort_warnings(spec, len(self.jobs.pool.members))
         for warning in warnings:
             logs.event(log, "job spec warning", logging.WARNING, job_id=job_id, warning=warning)
         job = self.job_proto(await self._record(job_id, context))

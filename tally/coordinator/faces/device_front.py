@@ -69,7 +69,7 @@ from tally.shutdown import stop_on_signals
 from tally.wire.undecodable import RefuseUndecodable
 from tally.wire.v1 import admin_pb2, coordinator_pb2
 
-log = logging.getLogger("tally.coordinator.front")
+log = logging.getLogger(__name__)
 
 REFRESH_S = 0.5
 STALE_S = 5.0  # a front that could not read the store this long stops

@@ -24,7 +24,7 @@ from tally.security import DeviceClaims, TicketSigner
 from tally.wire.task_reports import reason_label
 from tally.wire.v1 import coordinator_pb2
 
-log = logging.getLogger("tally.coordinator")
+log = logging.getLogger(__name__)
 
 # A held check-in answers this long before the caller's deadline.
 HOLD_MARGIN_S = 1.0

@@ -21,7 +21,7 @@ from tally.security import OwnerTokens, TLSConfig, channel_options, owner_metada
 from tally.security.tls import file_stamps, open_aio_channel as aio_channel
 from tally.wire.v1 import aggregator_pb2, aggregator_pb2_grpc
 
-log = logging.getLogger("tally.coordinator.rounds.aggregators")
+log = logging.getLogger(__name__)
 
 HEALTH_TIMEOUT_S = 2.0
 # gRPC backs off reconnecting up to 120 s by default, and a probe on a channel in backoff fails at

@@ -22,7 +22,7 @@ from tally.coordinator.rounds.onnx_export import export_model
 from tally.coordinator.state.state_codec import UnsupportedState, state_from_bytes, state_to_bytes
 from tally.coordinator.state.store import ModelVersion, Store
 
-log = logging.getLogger("tally.coordinator")
+log = logging.getLogger(__name__)
 
 
 class Checkpoints:

@@ -35,7 +35,7 @@ from tally.security import SessionTicket, TicketSigner, config_digest
 from tally.wire.convert import WireError, cohort_sum_from_proto, schema_to_proto, session_config_bytes, to_proto
 from tally.wire.v1 import aggregator_pb2, secagg_pb2
 
-log = logging.getLogger("tally.coordinator")
+log = logging.getLogger(__name__)
 
 OPEN_TIMEOUT_S = 10.0
 CLOSE_TIMEOUT_S = 2.0

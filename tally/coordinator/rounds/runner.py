@@ -77,7 +77,7 @@ from tally.security import TicketSigner
 from tally.wire.convert import to_proto
 from tally.wire.v1 import coordinator_pb2
 
-log = logging.getLogger("tally.coordinator")
+log = logging.getLogger(__name__)
 
 CHUNK_SIZE = 1 << 20
 # Weight of the newest round in the running estimate of a round's duration (pace steering).
@@ -138,7 +138,7 @@ class JobRunner:
         self._on_done = on_done
         self.resumed = resumed
         # A job with a privacy: section releases noisy sums only (tally/privacy).
-        self.server = private_job_server(catalogue.make_server(spec.algorithm, spec.config), spec)
+        self.server = private_job_server(catalogue.make_server(spec.algorithm, spec.options), spec)
         self.ledger = getattr(self.server, "ledger", None)
         if self.ledger is not None:
             privacy_metrics.publish(job_id, self.ledger)
@@ -164,7 +164,7 @@ class JobRunner:
         self.cancel_reason: str | None = None
         self.next_attempt_at = 0.0  # while a failed attempt's retry backs off (clock time)
         self.task: asyncio.Task[None] | None = None
-        self._options = json.dumps(dict(spec.config), sort_keys=True)
+        self._options = json.dumps(dict(spec.options), sort_keys=True)
         self._adaptation = spec.adaptation.option().to_json() if spec.adaptation is not None else ""
 
     @property

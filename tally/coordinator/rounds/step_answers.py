@@ -26,7 +26,7 @@ from tally.coordinator.state.store import Store
 from tally.wire.convert import schema_to_proto, tensors_from_proto, tensors_to_proto
 from tally.wire.v1 import coordinator_pb2
 
-log = logging.getLogger("tally.coordinator")
+log = logging.getLogger(__name__)
 
 
 def step_proto(step: StepSpec, broadcast: dict[str, Any] | None = None) -> coordinator_pb2.Step:

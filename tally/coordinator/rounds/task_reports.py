@@ -23,7 +23,7 @@ from tally.coordinator.state.store import Store
 from tally.wire.task_reports import reason_label
 from tally.wire.v1 import coordinator_pb2
 
-log = logging.getLogger("tally.coordinator.reports")
+log = logging.getLogger(__name__)
 
 Outcome = coordinator_pb2.TaskReport.Outcome
 # Reports may arrive a check-in after their round committed: tasks of this many recent rounds

@@ -4,10 +4,11 @@ A spec is checked completely before anything is stored, so a typo in round 1 nev
 failed job in round 40, and a wrongly typed option (``local_epochs: "5"``) never reaches a
 device. The sections are pydantic models: strict types (a string is never read as a number, nor
 ``"yes"`` as true), unknown keys refused with the valid ones listed, and every field's problem
-reported at once. Each algorithm's options are typed from its own config dataclass, so the spec
+reported at once. Each algorithm's options are typed from its own options dataclass, so the spec
 cannot drift from what the algorithm accepts. Relations between fields (``min_cohort`` against
 ``cohort_size``, the secure threshold, what may be revealed) are checked on the fields that are
-individually valid, in the same pass.
+individually valid, in the same pass. A key renamed in this release (``config:``, now ``options:``)
+is still read under its old name, with a warning naming it, until the next release.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import dataclasses
 import functools
 import types
 import typing
+import warnings
 from collections.abc import Mapping
 from typing import Annotated, Any, Literal
 
@@ -27,7 +29,7 @@ from tally.algorithms.adaptation_options import (
     KD_FORMS,
     METHOD_OPTIONS,
     METHODS,
-    AdaptationConfig,
+    AdaptationOptions,
     JobAdaptation,
     trainable_names,
 )
@@ -100,7 +102,7 @@ class SecureSpec(BaseModel):
         return ThreatModel(self.dropout_rate, self.corrupt_rate, self.malicious_server)
 
 
-_TECHNIQUE = AdaptationConfig  # the defaults a device uses when the SDK's API is called without options
+_TECHNIQUE = AdaptationOptions  # the defaults a device uses when the SDK's API is called without options
 _JOB_OPTION = JobAdaptation.__dataclass_fields__
 
 
@@ -159,7 +161,9 @@ class JobSpec(BaseModel):
     rounds: int = Field(ge=1, description="rounds to train")
     cohort_size: int = Field(ge=2, description="devices whose contributions are summed each round")
     model: ModelSpec = Field(default_factory=ModelSpec, description="the model trained")
-    config: dict[str, Any] = Field(default_factory=dict, description="the algorithm's options")
+    options: dict[str, Any] = Field(
+        default_factory=dict, description="the algorithm's options (until the next release also read as config:)",
+    )
     population: str = Field("default", description="which enrolled devices may take part")
     over_selection: float = Field(1.3, ge=1, le=3, description="devices selected per cohort place")
     min_cohort: int = Field(
@@ -206,7 +210,7 @@ REQUIRED = tuple(name for name, info in JobSpec.model_fields.items() if info.is_
 
 
 def _strict_type(hint: Any) -> Any:
-    """A config dataclass's annotation as the job spec accepts it: YAML has lists, not tuples."""
+    """An options dataclass's annotation as the job spec accepts it: YAML has lists, not tuples."""
     origin, args = typing.get_origin(hint), typing.get_args(hint)
     if origin is tuple and len(args) == 2 and args[1] is Ellipsis:
         return list[_strict_type(args[0])]
@@ -219,17 +223,17 @@ def _strict_type(hint: Any) -> Any:
 
 @functools.cache
 def options_model(algorithm: str) -> type[BaseModel] | None:
-    """The typed options of a built-in algorithm, from its config dataclass; ``None`` for one
+    """The typed options of a built-in algorithm, from its options dataclass; ``None`` for one
     registered at run time (its factory checks its own options)."""
     if algorithm not in algorithms.NAMES:
         return None
-    config = algorithms.options_type(algorithm)
-    hints = typing.get_type_hints(config)
+    options_class = algorithms.options_type(algorithm)
+    hints = typing.get_type_hints(options_class)
     fields = {
         f.name: (_strict_type(hints[f.name]), _option_field(f.name, f.default))
-        for f in dataclasses.fields(config) if f.init and f.name != "reveal"  # reveal: top level
+        for f in dataclasses.fields(options_class) if f.init and f.name != "reveal"  # reveal: top level
     }
-    return create_model(f"{algorithm}_options", __config__=STRICT, __doc__=config.__doc__, **fields)
+    return create_model(f"{algorithm}_options", __config__=STRICT, __doc__=options_class.__doc__, **fields)
 
 
 def _option_field(name: str, default: Any) -> Any:
@@ -238,7 +242,7 @@ def _option_field(name: str, default: Any) -> Any:
     return Field(default, description=option.meaning, **option.bounds())
 
 
-def option_type_errors(algorithm: str, options: Mapping[str, Any], where: str = "config") -> list[str]:
+def option_type_errors(algorithm: str, options: Mapping[str, Any], where: str = "options") -> list[str]:
     """Options of the wrong type or unknown to ``algorithm``, one line each naming
     ``<where>.<option>`` (what the algorithm refuses of well-typed values is its own check)."""
     errors: list[str] = []
@@ -275,10 +279,10 @@ class _Keys:
 
     algorithm: Any
     at: Mapping[str, list[str]]
-    options_at: str = "config"
+    options_at: str = "options"
 
     @classmethod
-    def of(cls, algorithm: Any, options_at: str = "config") -> _Keys:
+    def of(cls, algorithm: Any, options_at: str = "options") -> _Keys:
         options = list(option_fields(algorithm)) if isinstance(algorithm, str) else []
         sections = {name: list(model.model_fields) for name, model in SECTIONS.items()}
         return cls(algorithm, {"": list(JobSpec.model_fields), **sections, options_at: options}, options_at)
@@ -343,21 +347,26 @@ def yaml_problem(exc: yaml.YAMLError) -> str:
     return f"not valid YAML{at(getattr(exc, 'problem_mark', None))}: {problem}{where}"
 
 
-def parse(text: str) -> JobSpec:
+def parse(text: str, notes: list[str] | None = None) -> JobSpec:
+    """``from_dict`` of the YAML ``text``."""
     try:
         raw = yaml.safe_load(text)
     except yaml.YAMLError as exc:
         raise JobSpecError(yaml_problem(exc)) from None
     if not isinstance(raw, Mapping):
         raise JobSpecError("a job spec is a YAML mapping")
-    return from_dict(raw)
+    return from_dict(raw, notes)
 
 
-def from_dict(raw: Mapping[str, Any]) -> JobSpec:
-    """The validated spec, or ``JobSpecError`` listing every problem, each naming its field."""
+def from_dict(raw: Mapping[str, Any], notes: list[str] | None = None) -> JobSpec:
+    """The validated spec, or ``JobSpecError`` listing every problem, each naming its field.
+
+    A key read under its old name raises a ``DeprecationWarning`` and, where the caller reports
+    warnings to a person (``tally job validate``, a submission), appends the same line to ``notes``."""
     errors: list[str] = []
     # `key: null` (or an empty YAML key) means the default, as if the key were absent.
     raw = {k: v for k, v in raw.items() if v is not None or k in REQUIRED}
+    raw = _renamed_keys(raw, errors, notes)
     keys = _Keys.of(raw.get("algorithm"))
     unknown = [str(key) for key in raw if key not in JobSpec.model_fields]
     if unknown:
@@ -377,8 +386,31 @@ def from_dict(raw: Mapping[str, Any]) -> JobSpec:
     valid.setdefault("min_cohort", min(DEFAULT_MIN_COHORT, valid["cohort_size"]))
     valid["deadlines"] = {**DEFAULT_DEADLINES, **valid.get("deadlines", Deadlines()).model_dump(exclude_unset=True)}
     if valid.get("reveal"):
-        valid["config"] = {**valid.get("config", {}), "reveal": list(valid["reveal"])}
+        valid["options"] = {**valid.get("options", {}), "reveal": list(valid["reveal"])}
     return JobSpec.model_validate(valid, strict=False)
+
+
+# Keys renamed in this release, old name -> new: the old one is read, with a warning, until the next.
+RENAMED = {"config": "options"}
+
+
+def _renamed_keys(raw: dict[str, Any], errors: list[str], notes: list[str] | None) -> dict[str, Any]:
+    """``raw`` with each key given by its old name moved to its new one; both names at once is an
+    error naming them, since which one was meant cannot be known."""
+    out = dict(raw)
+    for old, new in RENAMED.items():
+        if old not in out:
+            continue
+        if new in out:
+            errors.append(f"{new}: given twice, as {new}: and as its deprecated name {old}:; keep {new}: only")
+            del out[old]
+            continue
+        note = f"{old}: deprecated, renamed {new}: (read as {new}: until the next release)"
+        warnings.warn(note, DeprecationWarning, stacklevel=3)
+        if notes is not None:
+            notes.append(note)
+        out[new] = out.pop(old)
+    return out
 
 
 def _check_relations(raw: Mapping[str, Any], valid: dict[str, Any], errors: list[str]) -> None:
@@ -411,17 +443,17 @@ def _check_relations(raw: Mapping[str, Any], valid: dict[str, Any], errors: list
                     f"reveal: {item!r} is not revealable for {algorithm!r}"
                     + (f" (only {list(allowed)})" if allowed else "; nothing is: the server sees only sums")
                 )
-    config = valid.get("config", {} if "config" not in raw else None)
-    if algorithm is not None and config is not None and reveal is not None:
-        _check_options(algorithm, config, tuple(reveal), model, errors)
+    options = valid.get("options", {} if "options" not in raw else None)
+    if algorithm is not None and options is not None and reveal is not None:
+        _check_options(algorithm, options, tuple(reveal), model, errors)
     adaptation = valid.get("adaptation")
     if adaptation is not None:
         _check_adaptation(raw["adaptation"], adaptation, model, errors)
     privacy = valid.get("privacy")
-    if privacy is not None and None not in (algorithm, config, model, secure, min_cohort) and "rounds" in valid:
+    if privacy is not None and None not in (algorithm, options, model, secure, min_cohort) and "rounds" in valid:
         errors += privacy_spec.job_problems(
             privacy, algorithm=algorithm,
-            make_server=lambda: catalogue.make_server(algorithm, {**config, "reveal": list(reveal)} if reveal else config),
+            make_server=lambda: catalogue.make_server(algorithm, {**options, "reveal": list(reveal)} if reveal else options),
             initial=lambda: catalogue.initial_model(model), secure=secure, rounds=valid["rounds"],
             cohort_size=cohort, min_cohort=min_cohort,
         )
@@ -470,22 +502,22 @@ def _check_secure(secure: SecureSpec, min_cohort: int | None, errors: list[str])
 
 
 def _check_options(
-    algorithm: str, config: dict[str, Any], reveal: tuple[str, ...], model: ModelSpec | None, errors: list[str]
+    algorithm: str, options: dict[str, Any], reveal: tuple[str, ...], model: ModelSpec | None, errors: list[str]
 ) -> None:
     # The opt-in to reveal per-device values is the job's, at the top level (DESIGN.md section 1);
     # the algorithm sees it as its `reveal` option, never set on its own.
-    if "reveal" in config:
-        if tuple(config["reveal"] or ()) != reveal:
-            errors.append("config.reveal: the opt-in belongs at the top level of the job spec (reveal: [...])")
-        config = {k: v for k, v in config.items() if k != "reveal"}
-    typed_errors = option_type_errors(algorithm, config)
+    if "reveal" in options:
+        if tuple(options["reveal"] or ()) != reveal:
+            errors.append("options.reveal: the opt-in belongs at the top level of the job spec (reveal: [...])")
+        options = {k: v for k, v in options.items() if k != "reveal"}
+    typed_errors = option_type_errors(algorithm, options)
     errors += typed_errors
     if typed_errors:
         return
     try:
-        server = catalogue.make_server(algorithm, {**config, "reveal": list(reveal)} if reveal else config)
+        server = catalogue.make_server(algorithm, {**options, "reveal": list(reveal)} if reveal else options)
     except (TypeError, ValueError) as exc:
-        errors.append(f"config: {exc}")
+        errors.append(f"options: {exc}")
         return
     if model is None:
         return

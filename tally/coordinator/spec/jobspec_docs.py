@@ -114,11 +114,11 @@ def reference() -> str:
     ]
     for section, model in jobspec.SECTIONS.items():
         lines += ["", f"## `{section}`", "", _summary(model), "", *_table(model, f"{section}.")]
-    lines += ["", "## `config`: options per algorithm", ""]
+    lines += ["", "## `options`: options per algorithm", ""]
     for name in algorithms.NAMES:
         model = jobspec.options_model(name)
         doc = _summary(algorithms.options_type(name))
-        lines += [f"### `{name}`", "", *([doc, ""] if doc else []), *_table(model, "config."), ""]
+        lines += [f"### `{name}`", "", *([doc, ""] if doc else []), *_table(model, "options."), ""]
     return "\n".join(lines).rstrip() + "\n"
 
 
@@ -150,7 +150,7 @@ def template(algorithm: str) -> str:
             value = chosen.get(key, info.default)
             out.append(f"  {key}: {yaml.safe_dump(value, default_flow_style=True).split(chr(10))[0]}"
                        f"{_comment(info.description or '')}")
-    out.append(f"config:  # {algorithm} options; every option with its default")
+    out.append(f"options:  # {algorithm} options; every option with its default")
     starters = STARTER_OPTIONS.get(algorithm, {})
     for key, info in jobspec.options_model(algorithm).model_fields.items():
         kind = f"{type_name(info.annotation)}{_constraints(info)}"

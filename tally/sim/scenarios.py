@@ -1,4 +1,4 @@
-"""Simulation tasks: a dataset's devices, its starting model, and the metrics a report shows.
+"""Simulation scenarios: a dataset's devices, its starting model, and the metrics a report shows.
 
 ``tally simulate`` and the README's reproduction commands build every run through
 ``build``, so a dataset's conventions (its default algorithm options, how its domains
@@ -22,7 +22,7 @@ from tally.training import TorchTrainer
 
 
 @dataclass(frozen=True)
-class TaskArgs:
+class ScenarioArgs:
     clients: int = 50
     cohort: int | None = None
     domains: int = 4
@@ -36,7 +36,7 @@ class TaskArgs:
 
 
 @dataclass
-class Task:
+class Scenario:
     devices: list[Any]
     initial: Arrays
     evaluate: Callable[[Arrays], tuple[float, float | None]]
@@ -63,14 +63,14 @@ def _device_fairness(per_device: np.ndarray) -> dict[str, Any]:
     return {"per_device_accuracy": per_device.tolist(), **fairness.summary(per_device)}
 
 
-def _population_options(args: TaskArgs) -> dict[str, dict[str, Any]]:
+def _population_options(args: ScenarioArgs) -> dict[str, dict[str, Any]]:
     return {
         "aaggff_d": {"num_clients": args.clients, "cohort_size": args.cohort or args.clients},
         "aaggff_s": {"num_clients": args.clients},
     }
 
 
-def digits_task(args: TaskArgs) -> Task:
+def digits_scenario(args: ScenarioArgs) -> Scenario:
     fed = digits(args.clients, alpha=args.alpha, seed=args.seed)
     factory = lambda: mlp(fed.num_features, fed.num_classes, seed=args.seed)  # noqa: E731
     devices = [TorchTrainer(factory, X, y, seed=args.seed + i) for i, (X, y) in enumerate(fed.clients)]
@@ -81,10 +81,10 @@ def digits_task(args: TaskArgs) -> Task:
         per_device = np.array([d.evaluate(model)[1] for d in devices])
         return {"test_loss": loss, "test_accuracy": accuracy, **_device_fairness(per_device)}
 
-    return Task(devices, get_params(factory()), test.evaluate, final, injected=_population_options(args))
+    return Scenario(devices, get_params(factory()), test.evaluate, final, injected=_population_options(args))
 
 
-def toy_regression_task(args: TaskArgs) -> Task:
+def toy_regression_scenario(args: ScenarioArgs) -> Scenario:
     from tally.datasets.toy_regression import toy_regression
 
     toy = toy_regression(
@@ -99,14 +99,14 @@ def toy_regression_task(args: TaskArgs) -> Task:
         "fedavg": {"local_epochs": 1, "batch_size": 10, "delta_clip": 16},
     }
     injected = {"agnostic_fedavg": {"domains": toy.num_domains}, **_population_options(args)}
-    return Task(
+    return Scenario(
         toy.devices(args.seed), {"w": np.array([5.0])},
         lambda model: (toy.domain_metrics(model)["mean_loss"], None),
         toy.domain_metrics, toy.num_domains, injected, defaults,
     )
 
 
-def domain_digits_task(args: TaskArgs) -> Task:
+def domain_digits_scenario(args: ScenarioArgs) -> Scenario:
     from tally.datasets.domain_digits import domain_digits
     from tally.training.domain_weighted import TorchDomainTrainer
 
@@ -129,10 +129,10 @@ def domain_digits_task(args: TaskArgs) -> Task:
     # updates stay too small to train the MLP in 40 rounds.
     defaults = {"agnostic_fedavg": {"batch_size": 16, "domain_lr": 0.1, "local_lr": 0.5,
                                     "server_optimizer": "adam", "server_lr": 0.01}}
-    return Task(devices, get_params(factory()), test.evaluate, final, fed.num_domains, injected, defaults)
+    return Scenario(devices, get_params(factory()), test.evaluate, final, fed.num_domains, injected, defaults)
 
 
-def heterogeneous_digits_task(args: TaskArgs) -> Task:
+def heterogeneous_digits_scenario(args: ScenarioArgs) -> Scenario:
     from tally.datasets.heterogeneous import heterogeneous_devices, heterogeneous_digits
 
     data = heterogeneous_digits(args.clients, alpha=args.alpha, seed=args.seed)
@@ -144,10 +144,10 @@ def heterogeneous_digits_task(args: TaskArgs) -> Task:
 
     # The AAggFF comparisons use one local epoch of batch 20 for every algorithm.
     defaults = {"fedavg": {"local_epochs": 1, "batch_size": 20}}
-    return Task(fl.devices, fl.initial, fl.test.evaluate, final, injected=_population_options(args), defaults=defaults)
+    return Scenario(fl.devices, fl.initial, fl.test.evaluate, final, injected=_population_options(args), defaults=defaults)
 
 
-def domain_linear_task(args: TaskArgs) -> Task:
+def domain_linear_scenario(args: ScenarioArgs) -> Scenario:
     """FedDAR's linear domain mixture; FedDAR gets one head per domain, others one shared head."""
     from tally.datasets.domain_linear import domain_linear, federation
 
@@ -160,11 +160,11 @@ def domain_linear_task(args: TaskArgs) -> Task:
     feddar = {"head_solver": "newton", "head_start": "zero", "encoder_epochs": 5, "encoder_lr": 0.5, "batch_size": 1000}
     defaults = {"feddar_wa": feddar, "feddar_sa": feddar,
                 "fedavg": {"local_epochs": 5, "local_lr": 0.5, "batch_size": 1000}}
-    return Task(fed.devices, fed.initial, lambda model: (fed.evaluate(model)[0], None), fed.final_metrics,
+    return Scenario(fed.devices, fed.initial, lambda model: (fed.evaluate(model)[0], None), fed.final_metrics,
                 data_.domains, _population_options(args), defaults)
 
 
-def personal_digits_task(args: TaskArgs, domains: int = 1) -> Task:
+def personal_digits_scenario(args: ScenarioArgs, domains: int = 1) -> Scenario:
     """Digits with ``classes_per_device`` classes per device (pathological non-IID), each device's
     own train / validation / test split; ``domains`` > 1 turns device i's images by 90° x (i mod
     domains). The global model is tested on the union of the devices' test splits."""
@@ -185,26 +185,26 @@ def personal_digits_task(args: TaskArgs, domains: int = 1) -> Task:
     # The LG-FedAvg paper's MNIST settings: one local epoch, batch 10, lr 0.05.
     paper = {"local_epochs": 1, "batch_size": 10, "local_lr": 0.05}
     defaults = {"fedavg": paper, "lg_fedavg": paper, "superfed": paper}
-    return Task(fleet.devices, fleet.initial, pooled.evaluate, final, domains, _population_options(args), defaults,
+    return Scenario(fleet.devices, fleet.initial, pooled.evaluate, final, domains, _population_options(args), defaults,
                 fleet=fleet)
 
 
-def rotated_digits_task(args: TaskArgs) -> Task:
-    return personal_digits_task(args, args.domains)
+def rotated_digits_scenario(args: ScenarioArgs) -> Scenario:
+    return personal_digits_scenario(args, args.domains)
 
 
-BUILDERS: dict[str, Callable[[TaskArgs], Task]] = {
-    "digits": digits_task,
-    "toy-regression": toy_regression_task,
-    "domain-digits": domain_digits_task,
-    "heterogeneous-digits": heterogeneous_digits_task,
-    "domain-linear": domain_linear_task,
-    "pathological-digits": personal_digits_task,
-    "rotated-digits": rotated_digits_task,
+BUILDERS: dict[str, Callable[[ScenarioArgs], Scenario]] = {
+    "digits": digits_scenario,
+    "toy-regression": toy_regression_scenario,
+    "domain-digits": domain_digits_scenario,
+    "heterogeneous-digits": heterogeneous_digits_scenario,
+    "domain-linear": domain_linear_scenario,
+    "pathological-digits": personal_digits_scenario,
+    "rotated-digits": rotated_digits_scenario,
 }
 
 
-def build(name: str, args: TaskArgs) -> Task:
+def build(name: str, args: ScenarioArgs) -> Scenario:
     try:
         return BUILDERS[name](args)
     except KeyError:
