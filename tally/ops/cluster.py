@@ -1,6 +1,9 @@
 """A deployment on 127.0.0.1 made of real processes: a coordinator (or several replicas of it
-over PostgreSQL) and aggregators over TLS, on fixed ports so that a killed process comes back
-where the others expect it, with its state."""
+over PostgreSQL) and aggregators over TLS, on ports chosen free when it is made and kept, so that
+a killed process comes back where the others expect it, with its state.
+
+The one way Tally starts its services as processes: the demo, the fault campaign, the benchmarks
+and the tests that need real processes all build a ``ProcessCluster``."""
 
 from __future__ import annotations
 
@@ -45,22 +48,27 @@ class Usage:
     rss_bytes: int
 
 
-class LocalCluster:
-    """``start`` brings every process up; ``kill``/``restart`` act on one by name
-    (``coordinator``, ``aggregator-1``, ...); ``admin`` is an Admin stub with its metadata.
+class ProcessCluster:
+    """``start`` brings every process up (each waited for until it says where it listens);
+    ``kill``/``restart`` act on one by name (``coordinator``, ``aggregator-1``, ...); ``admin`` is
+    an Admin stub with its metadata. ``async with`` starts it and stops it however the body ends.
+
+    ``checkin_hold_s`` None leaves the coordinator's own default; ``new_certificates`` False keeps
+    the identities already in ``workdir/certs`` (a resumed run's devices still trust them).
 
     With ``replicas`` > 1 the coordinator is that many replicas over the PostgreSQL database at
     ``database_url`` (``coordinator``, ``coordinator-2``, ...), each with its own state directory
     and fixed internal port; devices and the Admin API reach ``coordinator``, whichever leads."""
 
-    def __init__(self, workdir: Path, aggregators: int = 2, checkin_hold_s: float = 2.0,
+    def __init__(self, workdir: Path, aggregators: int = 2, checkin_hold_s: float | None = 2.0,
                  coordinator_flags: Sequence[str] = (), replicas: int = 1,
-                 database_url: str | None = None) -> None:
+                 database_url: str | None = None, new_certificates: bool = True) -> None:
         if replicas > 1 and not database_url:
             raise ValueError("coordinator replicas need a PostgreSQL database (database_url)")
         self.workdir = workdir
         self.certs, self.state = workdir / "certs", workdir / "state"
-        write_deployment(self.certs, aggregators=aggregators, force=True)
+        if new_certificates:
+            write_deployment(self.certs, aggregators=aggregators, force=True)
         self.tls = TLSConfig.from_dir(self.certs / "device", None)
         self.enrolment_key = read_enrolment_key(self.certs / "coordinator" / ENROLMENT_KEY_FILE)
         logs = workdir / "logs"
@@ -88,15 +96,15 @@ class LocalCluster:
             port, state = free_port(), self.state if r == 1 else workdir / f"state-{r}"
             if r == 1:
                 self.port = port
-            flags = list(coordinator_flags)
+            flags = [*(["--checkin-hold", str(checkin_hold_s)] if checkin_hold_s is not None else []),
+                     *coordinator_flags]
             if self.database_url:
                 self.internal_ports[name] = free_port()
                 flags += [*replication, "--internal-listen", f"127.0.0.1:{self.internal_ports[name]}"]
             self.processes[name] = Process(
                 name,
                 ["coordinator", "--listen", f"127.0.0.1:{port}", "--state-dir", str(state),
-                 "--tls-dir", str(self.certs / "coordinator"), "--metrics-port", "0",
-                 "--checkin-hold", str(checkin_hold_s), *flags,
+                 "--tls-dir", str(self.certs / "coordinator"), "--metrics-port", "0", *flags,
                  *[a for i, control in enumerate(control_ports, start=1)
                    for a in ("--aggregator", f"agg-{i}=localhost:{control}")]],
                 logs / f"{name}.log")
@@ -107,6 +115,17 @@ class LocalCluster:
     async def start(self) -> None:
         for name in self.processes:
             await self.restart(name)
+
+    async def __aenter__(self) -> ProcessCluster:
+        try:
+            await self.start()
+        except BaseException:  # the processes that did start must not outlive a failed start
+            await self.stop()
+            raise
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.stop()
 
     async def restart(self, name: str) -> None:
         process = self.processes[name]
