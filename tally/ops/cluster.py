@@ -58,7 +58,9 @@ class ProcessCluster:
 
     With ``replicas`` > 1 the coordinator is that many replicas over the PostgreSQL database at
     ``database_url`` (``coordinator``, ``coordinator-2``, ...), each with its own state directory
-    and fixed internal port; devices and the Admin API reach ``coordinator``, whichever leads."""
+    and fixed internal port; devices and the Admin API reach ``coordinator``, whichever leads.
+    With ``replicas`` 0 there is no coordinator: aggregators alone, for what is measured or
+    tested of them from outside (``aggregator_ports`` names their device ports)."""
 
     def __init__(self, workdir: Path, aggregators: int = 2, checkin_hold_s: float | None = 2.0,
                  coordinator_flags: Sequence[str] = (), replicas: int = 1,
@@ -73,6 +75,7 @@ class ProcessCluster:
         self.enrolment_key = read_enrolment_key(self.certs / "coordinator" / ENROLMENT_KEY_FILE)
         logs = workdir / "logs"
         agg_ports = [free_port() for _ in range(aggregators)]
+        self.aggregator_ports = {f"aggregator-{i}": port for i, port in enumerate(agg_ports, start=1)}
         control_ports = [free_port() for _ in range(aggregators)]
         self.processes: dict[str, Process] = {
             f"aggregator-{i}": Process(
@@ -91,6 +94,7 @@ class ProcessCluster:
             url_file.write_text(self.database_url)
             replication = ["--database-file", str(url_file)]
         self.internal_ports: dict[str, int] = {}
+        self.port = 0  # the coordinator's, once there is one
         for r in range(1, replicas + 1):
             name = "coordinator" if r == 1 else f"coordinator-{r}"
             port, state = free_port(), self.state if r == 1 else workdir / f"state-{r}"
@@ -108,7 +112,7 @@ class ProcessCluster:
                  *[a for i, control in enumerate(control_ports, start=1)
                    for a in ("--aggregator", f"agg-{i}=localhost:{control}")]],
                 logs / f"{name}.log")
-        self.target = f"localhost:{self.port}"
+        self.target = f"localhost:{self.port}" if replicas else ""
         self.metrics_ports: dict[str, int] = {}
         self._channel = None
 
