@@ -124,7 +124,7 @@ async def idle(target: str, tls: TLSConfig, args) -> dict:
 
 async def _measure(workdir: Path, args: argparse.Namespace) -> dict:
     async with ProcessCluster(workdir, aggregators=1, replicas=0) as cluster:
-        target = f"127.0.0.1:{cluster.aggregator_ports['aggregator-1']}"
+        target = f"127.0.0.1:{cluster.ports['aggregator-1']}"
         async with open_aio_channel(target, cluster.tls) as channel:
             await asyncio.wait_for(channel.channel_ready(), 60)
         pid = cluster.processes["aggregator-1"].pid

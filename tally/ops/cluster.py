@@ -60,7 +60,7 @@ class ProcessCluster:
     ``database_url`` (``coordinator``, ``coordinator-2``, ...), each with its own state directory
     and fixed internal port; devices and the Admin API reach ``coordinator``, whichever leads.
     With ``replicas`` 0 there is no coordinator: aggregators alone, for what is measured or
-    tested of them from outside (``aggregator_ports`` names their device ports)."""
+    tested of them from outside. ``ports`` names where each process serves devices."""
 
     def __init__(self, workdir: Path, aggregators: int = 2, checkin_hold_s: float | None = 2.0,
                  coordinator_flags: Sequence[str] = (), replicas: int = 1,
@@ -75,7 +75,7 @@ class ProcessCluster:
         self.enrolment_key = read_enrolment_key(self.certs / "coordinator" / ENROLMENT_KEY_FILE)
         logs = workdir / "logs"
         agg_ports = [free_port() for _ in range(aggregators)]
-        self.aggregator_ports = {f"aggregator-{i}": port for i, port in enumerate(agg_ports, start=1)}
+        self.ports = {f"aggregator-{i}": port for i, port in enumerate(agg_ports, start=1)}
         control_ports = [free_port() for _ in range(aggregators)]
         self.processes: dict[str, Process] = {
             f"aggregator-{i}": Process(
@@ -98,6 +98,7 @@ class ProcessCluster:
         for r in range(1, replicas + 1):
             name = "coordinator" if r == 1 else f"coordinator-{r}"
             port, state = free_port(), self.state if r == 1 else workdir / f"state-{r}"
+            self.ports[name] = port
             if r == 1:
                 self.port = port
             flags = [*(["--checkin-hold", str(checkin_hold_s)] if checkin_hold_s is not None else []),

@@ -519,7 +519,7 @@ def test_cli_serves_until_sigterm_and_stops_gracefully(tmp_path):
     async def scenario() -> None:
         async with ProcessCluster(tmp_path, aggregators=1, replicas=0) as cluster:
             aggregator = cluster.processes["aggregator-1"]
-            async with open_aio_channel(f"127.0.0.1:{cluster.aggregator_ports['aggregator-1']}",
+            async with open_aio_channel(f"127.0.0.1:{cluster.ports['aggregator-1']}",
                                         cluster.tls) as channel:
                 reply = await health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(),
                                                                         timeout=10)
