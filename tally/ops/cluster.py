@@ -69,8 +69,8 @@ class ProcessCluster:
             raise ValueError("coordinator replicas need a PostgreSQL database (database_url)")
         self.workdir = workdir
         self.certs, self.state = workdir / "certs", workdir / "state"
-        if new_certificates:
-            write_deployment(self.certs, aggregators=aggregators, force=True)
+        if new_certificates:  # a deployment has at least one aggregator's identity, used or not
+            write_deployment(self.certs, aggregators=max(aggregators, 1), force=True)
         self.tls = TLSConfig.from_dir(self.certs / "device", None)
         self.enrolment_key = read_enrolment_key(self.certs / "coordinator" / ENROLMENT_KEY_FILE)
         logs = workdir / "logs"
