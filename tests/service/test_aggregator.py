@@ -44,6 +44,7 @@ from support.aggregator import (
     until_not_found,
 )
 from support.secagg import roster
+from support.stack import in_process
 
 from tally.aggregator import AggregatorService
 from tally.aggregator.admission import admit
@@ -557,27 +558,23 @@ def test_the_coordinator_follows_a_certificate_rotation_without_a_restart(tmp_pa
     served = TLSConfig.from_dir(old / "aggregator-1", "aggregator", require_client_auth=True)
 
     async def scenario():
-        first = AggregatorService("127.0.0.1:0", served, public, "agg-1", control_listen="127.0.0.1:0")
-        await first.start()
-        port, control = first.port, first.control_port
-        pool = AggregatorPool([("agg-1", f"localhost:{control}")], TLSConfig.from_dir(old / "coordinator", "coordinator"),
-                              1 << 20, OWNER_TOKENS)
-        try:
-            assert await pool.healthy() == ["agg-1"]
-            for role, names in (("aggregator-1", ("ca.pem", "aggregator.pem", "aggregator.key")),
-                                ("coordinator", ("ca.pem", "coordinator.pem", "coordinator.key"))):
-                for name in names:
-                    source = new / role / name
-                    write_file_atomic(old / role / name, source.read_bytes(), source.stat().st_mode & 0o777)
-            await first.stop(0)
-            second = AggregatorService(f"127.0.0.1:{port}", served, public, "agg-1",
-                                       control_listen=f"127.0.0.1:{control}")
-            await second.start()
+        async with in_process() as services:
+            first = await services.aggregator(served, public, "agg-1", control_listen="127.0.0.1:0")
+            port, control = first.port, first.control_port
+            pool = AggregatorPool([("agg-1", f"localhost:{control}")],
+                                  TLSConfig.from_dir(old / "coordinator", "coordinator"), 1 << 20, OWNER_TOKENS)
             try:
                 assert await pool.healthy() == ["agg-1"]
+                for role, names in (("aggregator-1", ("ca.pem", "aggregator.pem", "aggregator.key")),
+                                    ("coordinator", ("ca.pem", "coordinator.pem", "coordinator.key"))):
+                    for name in names:
+                        source = new / role / name
+                        write_file_atomic(old / role / name, source.read_bytes(), source.stat().st_mode & 0o777)
+                await services.stop(first)
+                await services.aggregator(served, public, "agg-1", listen=f"127.0.0.1:{port}",
+                                          control_listen=f"127.0.0.1:{control}")
+                assert await pool.healthy() == ["agg-1"]
             finally:
-                await second.stop(0)
-        finally:
-            await pool.close()
+                await pool.close()
 
     run(scenario)
