@@ -33,7 +33,7 @@ from pathlib import Path
 import psutil
 from cores import pin  # this folder is on sys.path when run as a script
 
-from tally.ops.cluster import LocalCluster
+from tally.ops.cluster import ProcessCluster
 from tally.client.enrolment import register_request, simulated_identity
 from tally.security import TLSConfig, bearer_metadata
 from tally.security.enrolment import enrolment_credential
@@ -100,7 +100,7 @@ def _generator_main(args: tuple) -> list[dict]:
 
 
 async def _capacity_run(args: argparse.Namespace, workdir: Path) -> dict:
-    cluster = LocalCluster(workdir, aggregators=1, coordinator_flags=UNLIMITED)
+    cluster = ProcessCluster(workdir, aggregators=1, coordinator_flags=UNLIMITED)
     await cluster.start()
     try:
         cpus = list(range(psutil.cpu_count() or 1))
@@ -157,7 +157,7 @@ def _checkins(exposition: str) -> float:
 
 async def _pacing_run(args: argparse.Namespace, workdir: Path) -> dict:
     flags = UNLIMITED + (["--checkin-rate", str(args.rate)] if args.rate else [])
-    cluster = LocalCluster(workdir, aggregators=1, coordinator_flags=flags)
+    cluster = ProcessCluster(workdir, aggregators=1, coordinator_flags=flags)
     await cluster.start()
     fleet = None
     try:

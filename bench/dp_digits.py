@@ -13,7 +13,7 @@ Runs the in-process simulator (``tally.sim.rounds.run_rounds``) with the privacy
 
 ``--services`` runs the sweep through the real services instead (no DP and distributed DP at
 each target epsilon, ``--seeds`` seeds): a coordinator and two aggregators as processes over TLS
-(``tally.ops.cluster.LocalCluster``), the devices as an SDK fleet with masking on, each
+(``tally.ops.cluster.ProcessCluster``), the devices as an SDK fleet with masking on, each
 cohort's ``--dropout`` leaving before its masked input; next to each, the in-process run at the
 same settings, so the two can be compared (accuracy within noise, the epsilon spent).
 

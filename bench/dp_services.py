@@ -1,7 +1,7 @@
 """``dp_digits.py --services``: the accuracy-vs-epsilon sweep through the real services.
 
 Per configuration (no DP, then distributed DP at each target epsilon), a fresh deployment: a
-coordinator and two aggregators as processes over TLS (``LocalCluster``), the job submitted with
+coordinator and two aggregators as processes over TLS (``ProcessCluster``), the job submitted with
 its ``privacy:`` section, and the digits devices as one SDK fleet in this process (masking on,
 each session left before its masked input with probability ``--dropout``). The final model
 comes from the coordinator's store and is tested as the in-process run's is; the epsilon spent
@@ -24,7 +24,7 @@ from rich.progress import Progress
 from rich.table import Table
 
 from tally import modelio
-from tally.ops.cluster import LocalCluster
+from tally.ops.cluster import ProcessCluster
 from tally.loadtest.dropout import DropoutPlan
 from tally.loadtest.fleet import Fleet
 from tally.coordinator.state.store import Store
@@ -59,7 +59,7 @@ def job_spec(args: argparse.Namespace, seed: int, epsilon: float | None) -> str:
 async def _through_services(args: argparse.Namespace, seed: int, epsilon: float | None, workdir: Path,
                             population: Callable) -> dict:
     devices, _, test = population(args, seed)
-    cluster = LocalCluster(workdir, aggregators=AGGREGATORS, checkin_hold_s=CHECKIN_HOLD_SECONDS)
+    cluster = ProcessCluster(workdir, aggregators=AGGREGATORS, checkin_hold_s=CHECKIN_HOLD_SECONDS)
     start = time.perf_counter()
     await cluster.start()
     try:

@@ -28,7 +28,7 @@ import grpc
 import psutil
 from prometheus_client.parser import text_string_to_metric_families
 
-from tally.ops.cluster import LocalCluster
+from tally.ops.cluster import ProcessCluster
 from tally.loadtest.sum_audit import SumAudit, check_committed, outcome_counts
 from tally.loadtest.timeline import FleetTimeline
 from tally.shutdown import Signalled, cancelled_by_signals
@@ -96,7 +96,7 @@ async def _run(args: argparse.Namespace, workdir: Path) -> dict:
     flags = ["--register-limit", "1000000/1000000", "--checkin-limit", "1000000/1000000"]
     if args.checkin_rate:
         flags += ["--checkin-rate", str(args.checkin_rate)]
-    cluster = LocalCluster(workdir, aggregators=args.aggregators, checkin_hold_s=20.0, coordinator_flags=flags)
+    cluster = ProcessCluster(workdir, aggregators=args.aggregators, checkin_hold_s=20.0, coordinator_flags=flags)
     sampler = Sampler()
     shards: list[asyncio.subprocess.Process] = []
     try:

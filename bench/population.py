@@ -66,7 +66,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from cores import pin, pinned_cores  # noqa: E402  (this folder is on sys.path when run as a script)
 from secagg_engine import machine_info  # noqa: E402
 
-from tally.ops.cluster import LocalCluster  # noqa: E402
+from tally.ops.cluster import ProcessCluster  # noqa: E402
 from tally.client.enrolment import register_request, simulated_identity  # noqa: E402
 from tally.coordinator.state.store import Store  # noqa: E402
 from tally.security import TLSConfig, bearer_metadata, bind  # noqa: E402
@@ -297,7 +297,7 @@ def _rss(pid: int) -> int:
     return psutil.Process(pid).memory_info().rss
 
 
-async def _start(cluster: LocalCluster) -> float:
+async def _start(cluster: ProcessCluster) -> float:
     """Start the cluster (its aggregator too: a deployment has one); the coordinator's seconds
     from spawn to serving (with its fronts, if any)."""
     await cluster.restart("aggregator-1")
@@ -402,7 +402,7 @@ def _store_flags(database: str | None) -> list[str]:
 async def _one_population(args: argparse.Namespace, population: int, workdir: Path, progress: Progress) -> dict:
     with _own_database(args.database) as empty_db:
         # The same coordinator on an empty store first: the base its memory per device is read against.
-        empty = LocalCluster(workdir / "empty", aggregators=1, coordinator_flags=[*UNLIMITED, *_store_flags(empty_db)])
+        empty = ProcessCluster(workdir / "empty", aggregators=1, coordinator_flags=[*UNLIMITED, *_store_flags(empty_db)])
         try:
             await _start(empty)
             base_rss = _rss(empty.processes["coordinator"].pid)
@@ -419,7 +419,7 @@ async def _measure(args: argparse.Namespace, population: int, workdir: Path, pro
     row: dict = {"population": population, "enrol_seconds": fill_seconds, "base_rss_bytes": base_rss,
                  "by_processes": []}
     for processes in args.processes:
-        cluster = LocalCluster(workdir / f"p{processes}", aggregators=1,
+        cluster = ProcessCluster(workdir / f"p{processes}", aggregators=1,
                                coordinator_flags=[*UNLIMITED, "--device-processes", str(processes),
                                                   *_store_flags(database)])
         shutil.rmtree(cluster.state, ignore_errors=True)

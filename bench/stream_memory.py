@@ -11,7 +11,7 @@ authenticated by the Join in its metadata) opens session streams without a Join:
   open ``--wait`` seconds later, and how each one ended.
 
 The aggregator is the ``tally aggregator`` command in its own process over TLS, as deployed (the
-control API on its own mutual-TLS port).
+control API on its own mutual-TLS port), started by ``ProcessCluster`` with no coordinator.
 Writes JSON (``--json``).
 """
 
@@ -21,8 +21,6 @@ import argparse
 import asyncio
 import json
 import os
-import socket
-import subprocess
 import sys
 import tempfile
 import threading
@@ -32,18 +30,11 @@ from pathlib import Path
 import grpc
 
 from tally.security import TLSConfig
-from tally.security.certs import write_deployment
+from tally.ops.cluster import ProcessCluster
 from tally.security.tls import open_aio_channel
-from tally.security.tokens import load_or_create_ticket_key
 from tally.wire.v1 import secagg_pb2
 
 METHOD = "/tally.v1.SecureAggregation/Session"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _rss(pid: int) -> int:
@@ -131,6 +122,22 @@ async def idle(target: str, tls: TLSConfig, args) -> dict:
                 "ended_by_status": codes, "waited_s": time.perf_counter() - started}
 
 
+async def _measure(workdir: Path, args: argparse.Namespace) -> dict:
+    async with ProcessCluster(workdir, aggregators=1, replicas=0) as cluster:
+        target = f"127.0.0.1:{cluster.ports['aggregator-1']}"
+        async with open_aio_channel(target, cluster.tls) as channel:
+            await asyncio.wait_for(channel.channel_ready(), 60)
+        pid = cluster.processes["aggregator-1"].pid
+        assert pid is not None
+        sampler = Sampler(pid)
+        sampler.start()
+        report = {"oversized": await oversized(target, cluster.tls, args, sampler, pid),
+                  "idle": await idle(target, cluster.tls, args),
+                  "machine": {"cpus": os.cpu_count()}, "date": time.strftime("%Y-%m-%d")}
+        sampler.stop()
+    return report
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--messages", type=int, default=80, help="oversized messages in all")
@@ -143,33 +150,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
 
     with tempfile.TemporaryDirectory() as tmp:
-        pki = Path(tmp) / "pki"
-        write_deployment(pki, aggregators=1)
-        load_or_create_ticket_key(Path(tmp) / "state")
-        port = _free_port()
-        command = [sys.executable, "-m", "tally.cli", "aggregator", "--listen", f"127.0.0.1:{port}",
-                   "--control-listen", f"127.0.0.1:{_free_port()}",
-                   "--id", "agg-1", "--tls-dir", str(pki / "aggregator-1"), "--require-client-cert",
-                   "--metrics-port", "0", "--log-level", "ERROR"]
-        aggregator = subprocess.Popen(command, stdout=subprocess.DEVNULL)
-        try:
-            tls = TLSConfig.from_dir(pki / "device", None)
-            target = f"127.0.0.1:{port}"
-
-            async def ready() -> None:
-                async with open_aio_channel(target, tls) as channel:
-                    await asyncio.wait_for(channel.channel_ready(), 60)
-
-            asyncio.run(ready())
-            sampler = Sampler(aggregator.pid)
-            sampler.start()
-            report = {"oversized": asyncio.run(oversized(target, tls, args, sampler, aggregator.pid)),
-                      "idle": asyncio.run(idle(target, tls, args)),
-                      "machine": {"cpus": os.cpu_count()}, "date": time.strftime("%Y-%m-%d")}
-            sampler.stop()
-        finally:
-            aggregator.terminate()
-            aggregator.wait(30)
+        report = asyncio.run(_measure(Path(tmp), args))
     text = json.dumps(report, indent=2)
     print(text)
     if args.json:

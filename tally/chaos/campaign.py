@@ -28,7 +28,7 @@ import grpc
 import numpy as np
 from prometheus_client.parser import text_string_to_metric_families
 
-from tally.ops.cluster import LocalCluster, wait_for
+from tally.ops.cluster import ProcessCluster, wait_for
 from tally.loadtest import Fleet
 from tally.loadtest.behaviour import BehaviourProfile
 from tally.loadtest.dropout import DEFAULT_PHASES
@@ -192,7 +192,7 @@ class Campaign:
 
     async def run(self) -> CampaignResult:
         cfg = self.config
-        cluster = LocalCluster(self.workdir, aggregators=cfg.aggregators,
+        cluster = ProcessCluster(self.workdir, aggregators=cfg.aggregators,
                                coordinator_flags=["--device-processes", str(cfg.device_processes)],
                                replicas=cfg.replicas, database_url=self.database_url)
         try:
@@ -228,7 +228,7 @@ class Campaign:
             await cluster.stop()
         return self.result
 
-    async def _new_job(self, cluster: LocalCluster) -> str:
+    async def _new_job(self, cluster: ProcessCluster) -> str:
         self.jobs += 1
         cfg = self.config
         deadlines = "{" + ", ".join(f"{k}: {v}" for k, v in DEADLINES.items()) + "}"
@@ -237,7 +237,7 @@ class Campaign:
         self.seats = parse(spec).selection_target
         return await cluster.submit(spec)
 
-    async def _next_round(self, cluster: LocalCluster, job_id: str) -> tuple[str, int]:
+    async def _next_round(self, cluster: ProcessCluster, job_id: str) -> tuple[str, int]:
         """The job and round the next fault goes into: the round the job is running now. The job
         does not wait for the campaign (it commits rounds while the campaign audits one), so a
         count kept here would fall behind it and aim faults at rounds already committed, and at
@@ -258,7 +258,7 @@ class Campaign:
             return await self._new_job(cluster), 1
         return job_id, seen[0].committed_round + 1
 
-    async def _round(self, cluster: LocalCluster, fleet: Fleet, dropouts: VaryingDropouts, index: int,
+    async def _round(self, cluster: ProcessCluster, fleet: Fleet, dropouts: VaryingDropouts, index: int,
                      job_id: str, round_: int) -> RoundRecord:
         fault = self._next_fault()
         start = time.monotonic()
@@ -308,7 +308,7 @@ class Campaign:
             self.rng.shuffle(self._block)
         return self._block.pop()
 
-    async def _inject(self, fault: str, cluster: LocalCluster, fleet: Fleet, dropouts: VaryingDropouts,
+    async def _inject(self, fault: str, cluster: ProcessCluster, fleet: Fleet, dropouts: VaryingDropouts,
                       job_id: str) -> str:
         """Inject ``fault`` into the round starting. The coordinator starts the next round the moment
         one commits (its selection was filled while the round aggregated), so a dropout fault left
@@ -373,12 +373,12 @@ class Campaign:
             return f"{name} killed {where}, down {down:.1f} s"
         return ""
 
-    async def _bring_back(self, cluster: LocalCluster) -> None:
+    async def _bring_back(self, cluster: ProcessCluster) -> None:
         for name in list(self.killed):
             await cluster.restart(name)
             self.killed.discard(name)
 
-    async def _audit(self, cluster: LocalCluster, fleet: Fleet, record: RoundRecord) -> None:
+    async def _audit(self, cluster: ProcessCluster, fleet: Fleet, record: RoundRecord) -> None:
         stub, md = cluster.admin()
         sums = await stub.GetRoundSums(admin_pb2.GetRoundSumsRequest(job_id=record.job_id, round=record.round),
                                        metadata=md, timeout=10)
@@ -391,11 +391,11 @@ class Campaign:
         if not checks or record.sums_wrong:
             self.result.violations.append(f"round {record.round} of {record.job_id}: cohort sums {counts}")
 
-    def _sample(self, cluster: LocalCluster) -> None:
+    def _sample(self, cluster: ProcessCluster) -> None:
         for name, usage in cluster.usage().items():
             self.result.memory.setdefault(name, []).append(usage.rss_bytes)
 
-    def _check_state(self, cluster: LocalCluster) -> None:
+    def _check_state(self, cluster: ProcessCluster) -> None:
         """From the coordinator's own database: each committed round of each job committed once,
         rounds contiguous from 1, and the job's committed round the last of them."""
         with cluster.database() as db:
@@ -423,7 +423,7 @@ class Campaign:
 
 def failed_round(db: sqlite3.Connection | Database, job_id: str, round_: int) -> tuple[list[str], int]:
     """How each attempt of a round that failed its job ended, and how many devices were still
-    turned away from its retries when it did (``LocalCluster.database``)."""
+    turned away from its retries when it did (``ProcessCluster.database``)."""
     attempts = [m for (m,) in db.execute(
         "SELECT message FROM rounds WHERE job_id = ? AND round = ? ORDER BY attempt", (job_id, round_))]
     (excluded,) = db.execute(
@@ -431,7 +431,7 @@ def failed_round(db: sqlite3.Connection | Database, job_id: str, round_: int) ->
     return attempts, excluded
 
 
-def _refusals(cluster: LocalCluster) -> dict[str, float]:
+def _refusals(cluster: ProcessCluster) -> dict[str, float]:
     refused: dict[str, float] = {}
     for name in cluster.processes:
         if name.startswith("aggregator-") and cluster.processes[name].running:

@@ -25,13 +25,10 @@ from rich.table import Table
 
 from tally.cli.argtypes import FRACTION, POSITIVE, integer
 from tally.cli.console import console as cli_console
-from tally.ops.processes import Process
-from tally.security import TLSConfig, bearer_metadata
-from tally.security.certs import write_deployment
-from tally.security.enrolment import ENROLMENT_KEY_FILE, SharedKeyEnrolment, read_enrolment_key
-from tally.security.tls import open_channel
+from tally.ops.cluster import ProcessCluster
+from tally.security.enrolment import SharedKeyEnrolment
 from tally.shutdown import Signalled, cancelled_by_signals
-from tally.wire.v1 import admin_pb2, admin_pb2_grpc, common_pb2
+from tally.wire.v1 import admin_pb2, common_pb2
 
 DEVICES_DIR = "devices"  # under --out: each simulated device's state (its input ledger)
 
@@ -83,37 +80,15 @@ def _devices(text: str) -> int:
     return value
 
 
-async def _submit(target: str, tls: TLSConfig, token: str, spec: str) -> admin_pb2.Job:
-    channel = open_channel(target, tls)
-    try:
-        stub = admin_pb2_grpc.AdminStub(channel)
-        return await asyncio.to_thread(
-            stub.SubmitJob, admin_pb2.SubmitJobRequest(spec_yaml=spec), metadata=bearer_metadata(token), timeout=30
-        )
-    finally:
-        channel.close()
-
-
-async def _job(target: str, tls: TLSConfig, token: str, job_id: str) -> admin_pb2.Job:
-    channel = open_channel(target, tls)
-    try:
-        stub = admin_pb2_grpc.AdminStub(channel)
-        return await asyncio.to_thread(
-            stub.GetJob, admin_pb2.GetJobRequest(job_id=job_id), metadata=bearer_metadata(token), timeout=30
-        )
-    finally:
-        channel.close()
-
-
-def _prepare(out: Path, resume: bool, console: Console) -> tuple[Path, Path]:
-    """Certificates and state for this run: fresh unless ``resume``, so an interrupted run's job
-    never continues silently beside the new one."""
-    certs, state = out / "certs", out / "state"
+def _prepare(out: Path, resume: bool, console: Console) -> None:
+    """Clear the last run's state for this one unless ``resume``, so an interrupted run's job
+    never continues silently beside the new one (the cluster writes fresh certificates then)."""
+    state = out / "state"
     if resume:
         if not (state / "admin.token").exists():
             raise ValueError(f"--resume: no earlier demo state in {state}")
         console.print(f"resuming from {state}")
-        return certs, state
+        return
     if state.exists():
         shutil.rmtree(state)
         console.print(f"fresh state: removed the previous run's {state} (--resume continues its job instead)")
@@ -121,76 +96,45 @@ def _prepare(out: Path, resume: bool, console: Console) -> tuple[Path, Path]:
     # read like the last.
     for leftover in ("logs", DEVICES_DIR):
         shutil.rmtree(out / leftover, ignore_errors=True)
-    # One identity per process, as a deployment would hand them out.
-    write_deployment(certs, aggregators=2, force=True)
-    return certs, state
 
 
-async def _unfinished_job(target: str, tls: TLSConfig, token: str) -> admin_pb2.Job | None:
+async def _unfinished_job(cluster: ProcessCluster) -> admin_pb2.Job | None:
     """The newest job a resumed coordinator is still running."""
-    channel = open_channel(target, tls)
-    try:
-        stub = admin_pb2_grpc.AdminStub(channel)
-        states = [common_pb2.JOB_STATE_PENDING, common_pb2.JOB_STATE_RUNNING]
-        page = await asyncio.to_thread(
-            stub.ListJobs, admin_pb2.ListJobsRequest(states=states), metadata=bearer_metadata(token), timeout=30
-        )
-        return page.jobs[-1] if page.jobs else None
-    finally:
-        channel.close()
+    stub, md = cluster.admin()
+    states = [common_pb2.JOB_STATE_PENDING, common_pb2.JOB_STATE_RUNNING]
+    page = await stub.ListJobs(admin_pb2.ListJobsRequest(states=states), metadata=md, timeout=30)
+    return page.jobs[-1] if page.jobs else None
 
 
 async def _demo(args: argparse.Namespace, console: Console) -> dict:
     # Imported here, not with the module: they bring torch and scikit-learn, and `--help` must
     # not wait for them.
     from tally.client import Device, OnnxModel
-    from tally.loadtest import DropoutPlan, Fleet
     from tally.datasets.digits import digits
+    from tally.loadtest import DropoutPlan, Fleet
     from tally.models.mlp import mlp
     from tally.training import TorchTrainer, single_threaded
 
     out = args.out.resolve()
-    certs, state = _prepare(out, args.resume, console)
-    tls = TLSConfig.from_dir(certs / "device", None)
-    processes = [
-        # Any free metrics port: two aggregators on one host cannot both have the default.
-        # Devices dial --listen with no client certificate; only the coordinator's is demanded, on
-        # the control port.
-        Process(f"aggregator-{i}", ["aggregator", "--listen", "127.0.0.1:0", "--control-listen", "127.0.0.1:0",
-                                    "--id", f"agg-{i}", "--metrics-port", "0",
-                                    "--tls-dir", str(certs / f"aggregator-{i}"), "--require-client-cert"],
-                out / "logs" / f"aggregator-{i}.log")
-        for i in (1, 2)
-    ]
-    try:
-        aggregators = []
-        for i, p in enumerate(processes, start=1):
-            port = (await p.start(r"control API on port (\d+)\)")).group(1)
-            aggregators.append(f"agg-{i}=localhost:{port}")
-        console.print(f"aggregators up: {', '.join(aggregators)}")
-        coordinator = Process(
-            "coordinator",
-            ["coordinator", "--listen", "127.0.0.1:0", "--state-dir", str(state), "--metrics-port", "0",
-             "--tls-dir", str(certs / "coordinator"),
-             *[a for agg in aggregators for a in ("--aggregator", agg)]],
-            out / "logs" / "coordinator.log",
-        )
-        processes.append(coordinator)
-        started = await coordinator.start(r"coordinator on port (\d+)")
-        target = f"localhost:{started.group(1)}"
-        console.print(f"coordinator up on {target} (TLS, CA in {certs})")
-        token = (state / "admin.token").read_text().strip()
+    _prepare(out, args.resume, console)
+    # One identity per process, as a deployment would hand them out; the coordinator's own
+    # check-in hold, as a deployment would run it.
+    async with ProcessCluster(out, aggregators=2, checkin_hold_s=None,
+                              new_certificates=not args.resume) as cluster:
+        console.print(f"coordinator and two aggregators up; devices dial {cluster.target} "
+                      f"(TLS, CA in {cluster.certs})")
+        stub, md = cluster.admin()
         # A device that sent an input in a round never serves the round's retry: the other half of
         # the population is what a retry past MaskedInput (after a failure or a --resume) seats.
         cohort = int(args.devices / 2 / OVER_SELECTION)
-        resumed = await _unfinished_job(target, tls, token) if args.resume else None
+        resumed = await _unfinished_job(cluster) if args.resume else None
         if resumed is not None:
             job_id, cohort = resumed.job_id, int(yaml.safe_load(resumed.spec_yaml)["cohort_size"])
             console.print(f"job {job_id}: resumed after round {resumed.committed_round}")
         else:
             spec = JOB_SPEC.format(rounds=args.rounds, cohort=cohort, over_selection=OVER_SELECTION,
                                    dropout_rate=max(args.dropout, 0.05))
-            submitted = await _submit(target, tls, token, spec)
+            submitted = await stub.SubmitJob(admin_pb2.SubmitJobRequest(spec_yaml=spec), metadata=md, timeout=30)
             job_id = submitted.job_id
             for warning in submitted.warnings:  # e.g. cohorts split too close to min_cohort
                 console.print(f"warning: {warning}")
@@ -201,27 +145,24 @@ async def _demo(args: argparse.Namespace, console: Console) -> dict:
         factory = lambda: mlp(fed.num_features, fed.num_classes, hidden=64, seed=0)  # noqa: E731
         trainers = [TorchTrainer(factory, X, y, seed=args.seed + i) for i, (X, y) in enumerate(fed.clients)]
         # The demo provisions its simulated devices with the coordinator's enrolment key.
-        enrolment_key = read_enrolment_key(certs / "coordinator" / ENROLMENT_KEY_FILE)
+        enrolment_key = cluster.enrolment_key
         # Each device keeps its input ledger on disk, as a real one would: after an interruption
         # it can show the coordinator which rounds it sent nothing to, and be seated again in them.
-        fleet = Fleet(target, tls, trainers, dropout=DropoutPlan(args.dropout, seed=args.seed), seed=args.seed,
-                      enrolment_key=enrolment_key, state_dir=out / DEVICES_DIR)
+        fleet = Fleet(cluster.target, cluster.tls, trainers, dropout=DropoutPlan(args.dropout, seed=args.seed),
+                      seed=args.seed, enrolment_key=enrolment_key, state_dir=out / DEVICES_DIR)
         start = time.perf_counter()
         stats = await fleet.run(until=fleet.until_job_done(job_id), progress=True, console=console)
         elapsed = time.perf_counter() - start
         fleet.close()
-        job = await _job(target, tls, token, job_id)
+        job = await stub.GetJob(admin_pb2.GetJobRequest(job_id=job_id), metadata=md, timeout=30)
 
-        evaluator = Device(target, tls, "demo-evaluator", trainers[0], enrolment_credential=SharedKeyEnrolment(
-            enrolment_key).credential("default", "demo-evaluator"))
+        evaluator = Device(cluster.target, cluster.tls, "demo-evaluator", trainers[0],
+                           enrolment_credential=SharedKeyEnrolment(enrolment_key).credential("default", "demo-evaluator"))
         test_x, test_y = fed.test
         accuracy = []
         for r in range(1, job.committed_round + 1):
             model = OnnxModel.from_bytes(await evaluator.fetch_onnx(f"{job_id}/v{r}"))
             accuracy.append(float(model.evaluate(test_x, test_y)[1]))
-    finally:
-        for p in reversed(processes):
-            await p.stop()
     return {
         "job_id": job_id,
         "job_state": common_pb2.JobState.Name(job.state).removeprefix("JOB_STATE_"),

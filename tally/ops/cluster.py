@@ -1,6 +1,9 @@
 """A deployment on 127.0.0.1 made of real processes: a coordinator (or several replicas of it
-over PostgreSQL) and aggregators over TLS, on fixed ports so that a killed process comes back
-where the others expect it, with its state."""
+over PostgreSQL) and aggregators over TLS, on ports chosen free when it is made and kept, so that
+a killed process comes back where the others expect it, with its state.
+
+The one way Tally starts its services as processes: the demo, the fault campaign, the benchmarks
+and the tests that need real processes all build a ``ProcessCluster``."""
 
 from __future__ import annotations
 
@@ -45,26 +48,34 @@ class Usage:
     rss_bytes: int
 
 
-class LocalCluster:
-    """``start`` brings every process up; ``kill``/``restart`` act on one by name
-    (``coordinator``, ``aggregator-1``, ...); ``admin`` is an Admin stub with its metadata.
+class ProcessCluster:
+    """``start`` brings every process up (each waited for until it says where it listens);
+    ``kill``/``restart`` act on one by name (``coordinator``, ``aggregator-1``, ...); ``admin`` is
+    an Admin stub with its metadata. ``async with`` starts it and stops it however the body ends.
+
+    ``checkin_hold_s`` None leaves the coordinator's own default; ``new_certificates`` False keeps
+    the identities already in ``workdir/certs`` (a resumed run's devices still trust them).
 
     With ``replicas`` > 1 the coordinator is that many replicas over the PostgreSQL database at
     ``database_url`` (``coordinator``, ``coordinator-2``, ...), each with its own state directory
-    and fixed internal port; devices and the Admin API reach ``coordinator``, whichever leads."""
+    and fixed internal port; devices and the Admin API reach ``coordinator``, whichever leads.
+    With ``replicas`` 0 there is no coordinator: aggregators alone, for what is measured or
+    tested of them from outside. ``ports`` names where each process serves devices."""
 
-    def __init__(self, workdir: Path, aggregators: int = 2, checkin_hold_s: float = 2.0,
+    def __init__(self, workdir: Path, aggregators: int = 2, checkin_hold_s: float | None = 2.0,
                  coordinator_flags: Sequence[str] = (), replicas: int = 1,
-                 database_url: str | None = None) -> None:
+                 database_url: str | None = None, new_certificates: bool = True) -> None:
         if replicas > 1 and not database_url:
             raise ValueError("coordinator replicas need a PostgreSQL database (database_url)")
         self.workdir = workdir
         self.certs, self.state = workdir / "certs", workdir / "state"
-        write_deployment(self.certs, aggregators=aggregators, force=True)
+        if new_certificates:  # a deployment has at least one aggregator's identity, used or not
+            write_deployment(self.certs, aggregators=max(aggregators, 1), force=True)
         self.tls = TLSConfig.from_dir(self.certs / "device", None)
         self.enrolment_key = read_enrolment_key(self.certs / "coordinator" / ENROLMENT_KEY_FILE)
         logs = workdir / "logs"
         agg_ports = [free_port() for _ in range(aggregators)]
+        self.ports = {f"aggregator-{i}": port for i, port in enumerate(agg_ports, start=1)}
         control_ports = [free_port() for _ in range(aggregators)]
         self.processes: dict[str, Process] = {
             f"aggregator-{i}": Process(
@@ -83,30 +94,43 @@ class LocalCluster:
             url_file.write_text(self.database_url)
             replication = ["--database-file", str(url_file)]
         self.internal_ports: dict[str, int] = {}
+        self.port = 0  # the coordinator's, once there is one
         for r in range(1, replicas + 1):
             name = "coordinator" if r == 1 else f"coordinator-{r}"
             port, state = free_port(), self.state if r == 1 else workdir / f"state-{r}"
+            self.ports[name] = port
             if r == 1:
                 self.port = port
-            flags = list(coordinator_flags)
+            flags = [*(["--checkin-hold", str(checkin_hold_s)] if checkin_hold_s is not None else []),
+                     *coordinator_flags]
             if self.database_url:
                 self.internal_ports[name] = free_port()
                 flags += [*replication, "--internal-listen", f"127.0.0.1:{self.internal_ports[name]}"]
             self.processes[name] = Process(
                 name,
                 ["coordinator", "--listen", f"127.0.0.1:{port}", "--state-dir", str(state),
-                 "--tls-dir", str(self.certs / "coordinator"), "--metrics-port", "0",
-                 "--checkin-hold", str(checkin_hold_s), *flags,
+                 "--tls-dir", str(self.certs / "coordinator"), "--metrics-port", "0", *flags,
                  *[a for i, control in enumerate(control_ports, start=1)
                    for a in ("--aggregator", f"agg-{i}=localhost:{control}")]],
                 logs / f"{name}.log")
-        self.target = f"localhost:{self.port}"
+        self.target = f"localhost:{self.port}" if replicas else ""
         self.metrics_ports: dict[str, int] = {}
         self._channel = None
 
     async def start(self) -> None:
         for name in self.processes:
             await self.restart(name)
+
+    async def __aenter__(self) -> ProcessCluster:
+        try:
+            await self.start()
+        except BaseException:  # the processes that did start must not outlive a failed start
+            await self.stop()
+            raise
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.stop()
 
     async def restart(self, name: str) -> None:
         process = self.processes[name]

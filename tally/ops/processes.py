@@ -35,6 +35,16 @@ class Process:
             raise RuntimeError(f"{self.name} did not start: {line.decode()!r} (log: {self.log})")
         return match
 
+    async def line(self, pattern: str, timeout: float = 60.0) -> re.Match:
+        """The next stdout line after the first that matches ``pattern`` (a role announces more
+        than where it listens: the coordinator names the jobs it submitted from --jobs-dir)."""
+        assert self.proc is not None and self.proc.stdout is not None
+        async with asyncio.timeout(timeout):
+            while line := await self.proc.stdout.readline():
+                if (match := re.search(pattern, line.decode())) is not None:
+                    return match
+        raise RuntimeError(f"{self.name} ended without a line matching {pattern!r} (log: {self.log})")
+
     @property
     def pid(self) -> int | None:
         return self.proc.pid if self.proc is not None else None

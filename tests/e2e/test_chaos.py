@@ -12,7 +12,7 @@ import sys
 import pytest
 
 from tally.chaos.campaign import FAULTS, MISBEHAVIOURS, Campaign, CampaignConfig, VaryingDropouts, failed_round
-from tally.ops.cluster import LocalCluster, wait_for
+from tally.ops.cluster import ProcessCluster, wait_for
 from tally.loadtest import Fleet
 from tally.loadtest.fleet import device_ids
 from tally.client.retry import RetryPolicy
@@ -69,7 +69,7 @@ def test_a_failed_round_says_how_each_attempt_ended_and_whom_its_retries_could_n
     ending in order, and the seats still held when the job failed (a released seat, or one of
     another round, does not count)."""
     url = request.getfixturevalue("postgres_url") if backend == "postgresql" else None
-    cluster = LocalCluster(tmp_path, aggregators=1, replicas=2 if url else 1, database_url=url)
+    cluster = ProcessCluster(tmp_path, aggregators=1, replicas=2 if url else 1, database_url=url)
     leadership = Leadership(url) if url else None  # over PostgreSQL only a leader writes
     store = Store(cluster.state, url, leadership.try_lead() if leadership else None)
     endings = ["masked_input[update]: 5 devices answered, at least 13 are required",
@@ -106,7 +106,7 @@ def test_the_synthetic_fleet_command_checks_every_sum_it_was_in(tmp_path, proces
     the parent merges their fingerprints: every cohort sum is exact, none holds a foreign device."""
 
     async def main():
-        cluster = LocalCluster(tmp_path / "cluster")
+        cluster = ProcessCluster(tmp_path / "cluster")
         try:
             await cluster.start()
             job_id = await cluster.submit(_fedavg_spec("synthetic-cli", cohort=12,
@@ -145,7 +145,7 @@ def test_a_round_waits_for_an_aggregator_when_every_one_is_down(tmp_path):
     the restarted processes were back; the job failed. Now the attempt waits for one."""
 
     async def main():
-        cluster = LocalCluster(tmp_path / "cluster", aggregators=2)
+        cluster = ProcessCluster(tmp_path / "cluster", aggregators=2)
         fleet = None
         try:
             await cluster.start()
@@ -228,7 +228,7 @@ def test_a_campaign_refuses_leader_faults_without_replicas_and_replicas_without_
     with pytest.raises(ValueError, match="replicas > 1"):
         CampaignConfig(faults=("kill_leader",))
     with pytest.raises(ValueError, match="PostgreSQL"):
-        LocalCluster(tmp_path, replicas=2)
+        ProcessCluster(tmp_path, replicas=2)
 
 
 def test_a_campaign_sent_sigterm_stops_every_process_it_started(tmp_path):

@@ -12,7 +12,7 @@ import sys
 
 from support.stack import run, stack
 
-from tally.ops.cluster import LocalCluster
+from tally.ops.cluster import ProcessCluster
 from tally.loadtest.fleet import device_ids
 from tally.loadtest.synthetic import SyntheticUpdates
 from tally.wire.v1 import admin_pb2, common_pb2
@@ -54,7 +54,7 @@ def test_a_fleet_and_a_client_without_their_credentials_say_why_and_exit_1(tmp_p
     fleet``, in one process and in two) or ``--credential`` (``tally client``)."""
 
     async def main():
-        cluster = LocalCluster(tmp_path / "cluster", aggregators=1)
+        cluster = ProcessCluster(tmp_path / "cluster", aggregators=1)
         try:
             await cluster.start()
             common = ["--coordinator", cluster.target, "--tls-dir", str(cluster.certs / "device"), "--no-progress"]

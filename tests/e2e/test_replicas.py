@@ -7,28 +7,23 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
-import signal
-import subprocess
-import sys
 import threading
 import time
-from pathlib import Path
 
 import grpc
 import pytest
 from support.deploy import free_port
 from support.stack import TIMEOUT, scrape_text, spec, trainers
 
-from tally.aggregator import AggregatorService
 from tally.loadtest import Fleet
 from tally.client.channels import open_aio_channel
 from tally.loadtest.sum_audit import EXACT, SumAudit, check_committed, outcome_counts
 from tally.coordinator.state.leadership import Leadership
 from tally.coordinator.state.store import CohortSumRecord, LeadershipLost, ModelVersion, Store
 from tally.coordinator.state.enrolled_devices import EnrolmentRefused
-from tally.security import TLSConfig, bearer_metadata, certs, load_or_create_ticket_key
-from tally.security.enrolment import load_or_create_enrolment_key
+from tally.ops.cluster import ProcessCluster
+from tally.ops.processes import Process
+from tally.security import bearer_metadata
 from tally.security.tls import open_channel
 from tally.wire.v1 import admin_pb2, admin_pb2_grpc, common_pb2
 
@@ -188,37 +183,10 @@ def test_replicas_starting_at_once_create_the_schema_once(tmp_path, postgres_url
 # -- replicas as processes ----------------------------------------------------------------------
 
 
-class _Replica:
-    """``tally coordinator --database`` in a process of its own, as a pod would run it."""
-
-    def __init__(self, name: str, tmp_path: Path, pki: Path, url: str, aggregators: list[str]) -> None:
-        self.name, self.port = name, free_port()
-        self.argv = [sys.executable, "-m", "tally.cli", "coordinator", "--listen", f"127.0.0.1:{self.port}",
-                     "--state-dir", str(tmp_path / name), "--tls-dir", str(pki / "coordinator"),
-                     "--internal-listen", "127.0.0.1:0", "--metrics-port", "0", "--checkin-hold", "2",
-                     *(a for agg in aggregators for a in ("--aggregator", agg))]
-        self.env = {**os.environ, "TALLY_DATABASE_URL": url}
-        self.log = tmp_path / f"{name}.log"
-        self.process: subprocess.Popen | None = None
-
-    def start(self) -> None:
-        self.process = subprocess.Popen(self.argv, env=self.env, stdout=self.log.open("a"),
-                                        stderr=subprocess.STDOUT)
-
-    def kill(self) -> None:
-        assert self.process is not None
-        self.process.send_signal(signal.SIGKILL)
-        self.process.wait(30)
-
-    def stop(self) -> int | None:
-        if self.process is None or self.process.poll() is not None:
-            return None if self.process is None else self.process.returncode
-        self.process.send_signal(signal.SIGTERM)
-        return self.process.wait(30)
-
-    def logged(self, event: str) -> list[dict]:
-        lines = [line for line in self.log.read_text().splitlines() if line.startswith("{")]
-        return [record for record in map(json.loads, lines) if record.get("event") == event]
+def _logged(process: Process, event: str) -> list[dict]:
+    """The structured records of ``event`` in a process's log, across its restarts."""
+    lines = [line for line in process.log.read_text().splitlines() if line.startswith("{")]
+    return [record for record in map(json.loads, lines) if record.get("event") == event]
 
 
 async def _until(predicate, seconds: float, what: str) -> None:
@@ -234,37 +202,29 @@ def test_a_job_survives_its_leader_killed_mid_round(tmp_path, postgres_url):
     front forwards the job's calls to the leader. The leader is killed as round 1 commits: the
     follower takes the lead on its own port, resumes the job, and every round commits with every
     cohort sum exact; the killed replica, started again, follows."""
-    pki = tmp_path / "pki"
-    certs.write_deployment(pki, aggregators=2)
-    secrets_dir = pki / "coordinator"
-    enrolment_key = load_or_create_enrolment_key(secrets_dir)  # made once, shared as a Secret would be
-    public = load_or_create_ticket_key(secrets_dir).public_key()
-    device_tls = TLSConfig.from_dir(pki / "device", None)
+    cluster = ProcessCluster(tmp_path, aggregators=2, replicas=2, database_url=postgres_url)
+    first, second = cluster.processes["coordinator"], cluster.processes["coordinator-2"]
+    first_port, second_port = cluster.ports["coordinator"], cluster.ports["coordinator-2"]
 
     async def main() -> None:
-        aggregators = [AggregatorService("127.0.0.1:0", TLSConfig.from_dir(pki / f"aggregator-{i}", "aggregator",
-                                                                           require_client_auth=True),
-                                         public, f"agg-{i}", control_listen="127.0.0.1:0") for i in (1, 2)]
-        for a in aggregators:
-            await a.start()
-        addresses = [f"{a.id}=127.0.0.1:{a.control_port}" for a in aggregators]
-        first, second = (_Replica(n, tmp_path, pki, postgres_url, addresses) for n in ("replica-a", "replica-b"))
-        first.start()
-        await _until(lambda: first.logged("replica leading"), 60, "the first replica leads")
-        second.start()
-        await _until(lambda: second.logged("replica following"), 60, "the second replica follows")
-        token = (tmp_path / "replica-a" / "admin.token").read_text().strip()
-        # A follower's directory holds the same token: an operator reads it from any replica.
-        assert (tmp_path / "replica-b" / "admin.token").read_text().strip() == token
-        admin = admin_pb2_grpc.AdminStub(open_channel(f"127.0.0.1:{second.port}", device_tls))
-        md = bearer_metadata(token)
         try:
+            for name in ("aggregator-1", "aggregator-2", "coordinator"):
+                await cluster.restart(name)
+            await _until(lambda: _logged(first, "replica leading"), 60, "the first replica leads")
+            await cluster.restart("coordinator-2")
+            await _until(lambda: _logged(second, "replica following"), 60, "the second replica follows")
+            token = (cluster.state / "admin.token").read_text().strip()
+            # A follower's directory holds the same token: an operator reads it from any replica.
+            assert (tmp_path / "state-2" / "admin.token").read_text().strip() == token
+            admin = admin_pb2_grpc.AdminStub(open_channel(f"127.0.0.1:{second_port}", cluster.tls))
+            md = bearer_metadata(token)
             # Submitted through the follower: the Admin API is forwarded to the leader.
             job_id = (await asyncio.to_thread(admin.SubmitJob, admin_pb2.SubmitJobRequest(
                 spec_yaml=spec("replicas", rounds=3, cohort=10)), metadata=md, timeout=10)).job_id
             devices, _ = trainers(12)
-            fleet = Fleet(f"127.0.0.1:{second.port}", device_tls, devices, enrolment_key=enrolment_key, seed=1,
-                          audit=True)
+            # The enrolment key made once, shared by both replicas as a Secret would be.
+            fleet = Fleet(f"127.0.0.1:{second_port}", cluster.tls, devices, enrolment_key=cluster.enrolment_key,
+                          seed=1, audit=True)
 
             def committed(round_: int):
                 return lambda: admin.GetJob(admin_pb2.GetJobRequest(job_id=job_id), metadata=md,
@@ -272,39 +232,36 @@ def test_a_job_survives_its_leader_killed_mid_round(tmp_path, postgres_url):
 
             async def kill_the_leader() -> None:
                 await _until(committed(1), TIMEOUT, "round 1 commits")
-                first.kill()
+                await cluster.kill("coordinator")
 
             try:
                 await asyncio.gather(kill_the_leader(), fleet.run(
                     until=fleet.until_job_done(job_id, every_seconds=0.2)))
-                first.start()  # as its supervisor would: it follows the new leader now
-                await _until(lambda: len(first.logged("replica following")) == 1, 60, "the old leader follows")
+                await cluster.restart("coordinator")  # as its supervisor would: it follows the new leader now
+                await _until(lambda: len(_logged(first, "replica following")) == 1, 60, "the old leader follows")
                 job = await asyncio.to_thread(admin.GetJob, admin_pb2.GetJobRequest(job_id=job_id), metadata=md,
                                               timeout=10)
                 assert job.state == common_pb2.JOB_STATE_SUCCEEDED, job.message
                 assert job.committed_round == 3
-                assert [r["epoch"] for r in second.logged("replica leading")] == [2]
+                assert [r["epoch"] for r in _logged(second, "replica leading")] == [2]
                 # What Prometheus sees: the new leader plans rounds, the restarted replica does not.
-                leader = scrape_text(second.logged("coordinator serving")[-1]["metrics_port"])
-                follower = scrape_text(first.logged("device front serving")[-1]["metrics_port"])
+                leader = scrape_text(_logged(second, "coordinator serving")[-1]["metrics_port"])
+                follower = scrape_text(_logged(first, "device front serving")[-1]["metrics_port"])
                 assert "tally_coordinator_leader 1.0" in leader.splitlines()
                 assert "tally_coordinator_leader 0.0" in follower.splitlines()
                 # It counts both replicas alive (their heartbeats, each second), to pace what the
                 # other forwards; the follower does not count.
-                leader_port = second.logged("coordinator serving")[-1]["metrics_port"]
+                leader_port = _logged(second, "coordinator serving")[-1]["metrics_port"]
                 await _until(lambda: "tally_coordinator_replicas 2.0" in scrape_text(leader_port).splitlines(),
                              10, "the leader counts two replicas alive")
                 assert "tally_coordinator_replicas" not in follower
                 checks = await check_committed(admin_pb2_grpc.AdminStub(
-                    open_aio_channel(f"127.0.0.1:{first.port}", device_tls)), md, SumAudit.of(fleet.inputs))
+                    open_aio_channel(f"127.0.0.1:{first_port}", cluster.tls)), md, SumAudit.of(fleet.inputs))
                 assert outcome_counts(checks)[EXACT] == len(checks) >= 3
             finally:
                 fleet.close()
         finally:
-            for replica in (first, second):
-                replica.stop()
-            for a in aggregators:
-                await a.stop(grace=0)
+            await cluster.stop()
 
     asyncio.run(asyncio.wait_for(main(), TIMEOUT))
 

@@ -12,9 +12,6 @@ import asyncio
 import contextlib
 import hashlib
 import re
-import signal
-import subprocess
-import sys
 import time
 from collections.abc import Callable
 from functools import partial
@@ -47,6 +44,7 @@ from support.aggregator import (
     until_not_found,
 )
 from support.secagg import roster
+from support.stack import in_process
 
 from tally.aggregator import AggregatorService
 from tally.aggregator.admission import admit
@@ -56,6 +54,7 @@ from tally.aggregator.session import Session
 from tally.cli.aggregator import register
 from tally.client.session import CORRUPT_MESSAGE
 from tally.codec import Field, Kind, PayloadSchema, packed_size
+from tally.ops.cluster import ProcessCluster
 from tally.secagg import SessionConfig
 from tally.secagg.messages import (
     AdvertiseKeys,
@@ -72,7 +71,7 @@ from tally.security import (
     owner_metadata,
 )
 from tally.security.certs import write_deployment, write_file_atomic
-from tally.security.tls import open_channel
+from tally.security.tls import open_aio_channel
 from tally.security.tokens import load_or_create_ticket_key
 from tally.wire.chunks import split_masked_input
 from tally.wire.convert import (
@@ -514,31 +513,22 @@ def test_stopping_the_aggregator_aborts_running_sessions_for_their_devices(deplo
     run(scenario)
 
 
-def test_cli_serves_until_sigterm_and_stops_gracefully(deployment):
+def test_cli_serves_until_sigterm_and_stops_gracefully(tmp_path):
     """``tally aggregator`` with a --tls-dir: ticket.pub is found there, health answers over TLS,
     SIGTERM ends it with status 0."""
-    launcher = ("import argparse, sys; from tally.cli.aggregator import register; "
-                "p = argparse.ArgumentParser(prog='tally'); register(p.add_subparsers()); "
-                "a = p.parse_args(sys.argv[1:]); sys.exit(a.run(a))")
-    command = [sys.executable, "-c", launcher, "aggregator", "--listen", "127.0.0.1:0",
-               "--id", "agg-cli", "--tls-dir", str(deployment.tls_dir / "aggregator-1"), "--metrics-port", "0",
-               "--log-level", "warning"]
-    with subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                          text=True) as process:
-        try:
-            line = process.stdout.readline()
-            assert "aggregator agg-cli serving on 127.0.0.1:" in line, process.stderr.read()
-            port = int(line.split("(port ")[1].split(")")[0])
-            tls = TLSConfig.from_dir(deployment.tls_dir / "device", None)
-            with open_channel(f"127.0.0.1:{port}", tls) as channel:
-                reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(),
-                                                                  timeout=10)
+
+    async def scenario() -> None:
+        async with ProcessCluster(tmp_path, aggregators=1, replicas=0) as cluster:
+            aggregator = cluster.processes["aggregator-1"]
+            async with open_aio_channel(f"127.0.0.1:{cluster.ports['aggregator-1']}",
+                                        cluster.tls) as channel:
+                reply = await health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(),
+                                                                        timeout=10)
             assert reply.status == health_pb2.HealthCheckResponse.SERVING
-            process.send_signal(signal.SIGTERM)
-            assert process.wait(timeout=30) == 0
-        finally:
-            if process.poll() is None:
-                process.kill()
+            await aggregator.stop()  # SIGTERM
+            assert aggregator.exit_code() == 0, (tmp_path / "logs" / "aggregator-1.log").read_text()
+
+    run(scenario)
 
 
 def test_cli_refuses_to_start_without_a_ticket_key(capsys):
@@ -568,27 +558,23 @@ def test_the_coordinator_follows_a_certificate_rotation_without_a_restart(tmp_pa
     served = TLSConfig.from_dir(old / "aggregator-1", "aggregator", require_client_auth=True)
 
     async def scenario():
-        first = AggregatorService("127.0.0.1:0", served, public, "agg-1", control_listen="127.0.0.1:0")
-        await first.start()
-        port, control = first.port, first.control_port
-        pool = AggregatorPool([("agg-1", f"localhost:{control}")], TLSConfig.from_dir(old / "coordinator", "coordinator"),
-                              1 << 20, OWNER_TOKENS)
-        try:
-            assert await pool.healthy() == ["agg-1"]
-            for role, names in (("aggregator-1", ("ca.pem", "aggregator.pem", "aggregator.key")),
-                                ("coordinator", ("ca.pem", "coordinator.pem", "coordinator.key"))):
-                for name in names:
-                    source = new / role / name
-                    write_file_atomic(old / role / name, source.read_bytes(), source.stat().st_mode & 0o777)
-            await first.stop(0)
-            second = AggregatorService(f"127.0.0.1:{port}", served, public, "agg-1",
-                                       control_listen=f"127.0.0.1:{control}")
-            await second.start()
+        async with in_process() as services:
+            first = await services.aggregator(served, public, "agg-1", control_listen="127.0.0.1:0")
+            port, control = first.port, first.control_port
+            pool = AggregatorPool([("agg-1", f"localhost:{control}")],
+                                  TLSConfig.from_dir(old / "coordinator", "coordinator"), 1 << 20, OWNER_TOKENS)
             try:
                 assert await pool.healthy() == ["agg-1"]
+                for role, names in (("aggregator-1", ("ca.pem", "aggregator.pem", "aggregator.key")),
+                                    ("coordinator", ("ca.pem", "coordinator.pem", "coordinator.key"))):
+                    for name in names:
+                        source = new / role / name
+                        write_file_atomic(old / role / name, source.read_bytes(), source.stat().st_mode & 0o777)
+                await services.stop(first)
+                await services.aggregator(served, public, "agg-1", listen=f"127.0.0.1:{port}",
+                                          control_listen=f"127.0.0.1:{control}")
+                assert await pool.healthy() == ["agg-1"]
             finally:
-                await second.stop(0)
-        finally:
-            await pool.close()
+                await pool.close()
 
     run(scenario)

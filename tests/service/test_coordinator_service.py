@@ -26,7 +26,6 @@ from support.coordinator import (
     FRAC_BITS,
     SUCCEEDED,
     CoordinatorStack,
-    FakeAggregatorControl,
     FakeDevice,
     FixedTrainer,
     committed_model,
@@ -39,7 +38,7 @@ from support.coordinator import (
     spec_yaml,
 )
 from support.enrolment import provisioned_request
-from support.stack import scrape_text
+from support.stack import in_process, scrape_text
 
 from tally.algorithms.fedavg import FedAvgOptions
 from tally.cli import coordinator as coordinator_cli
@@ -48,7 +47,6 @@ from tally.coordinator.rounds.planner import (
     Phase,
 )
 from tally.coordinator.rounds.runner import RETRY_BACKOFF_FIRST_S
-from tally.coordinator.service import CoordinatorService
 from tally.models.mlp import mlp
 from tally.models.params import get_params, set_params
 from tally.security import (
@@ -688,17 +686,14 @@ def test_tls_to_devices_and_mutual_tls_to_aggregators_from_tally_certs(tmp_path)
     assert tls.cert == own / "coordinator.pem" and tls.ca == own / "ca.pem"
 
     async def main():
-        fake = FakeAggregatorControl("agg0", TicketVerifier(load_or_create_ticket_key(own).public_key()))
-        await fake.start(TLSConfig.from_dir(pki / "aggregator-1", "aggregator", require_client_auth=True),
-                         host="localhost")
-        service = CoordinatorService(
-            "127.0.0.1:0", tls, tmp_path / "state", [("agg0", fake.address)], secrets_dir=own,
-        )
-        port = await service.start()
-        try:
+        async with in_process() as services:
+            fake = await services.fake_aggregator(
+                "agg0", TicketVerifier(load_or_create_ticket_key(own).public_key()),
+                TLSConfig.from_dir(pki / "aggregator-1", "aggregator", require_client_auth=True), host="localhost")
+            service = await services.coordinator(tls, tmp_path / "state", [("agg0", fake.address)], secrets_dir=own)
             healthy = await service.jobs.pool.healthy()
             channel = grpc.aio.secure_channel(
-                f"localhost:{port}", channel_credentials(TLSConfig.from_dir(pki / "device", None)),
+                f"localhost:{service.port}", channel_credentials(TLSConfig.from_dir(pki / "device", None)),
                 options=channel_options(),
             )
             async with channel:
@@ -706,16 +701,9 @@ def test_tls_to_devices_and_mutual_tls_to_aggregators_from_tally_certs(tmp_path)
                 reply = await stub.Register(provisioned_request(service, "d", "p"), timeout=5)
                 metadata = bearer_metadata(reply.token)
                 answer = await stub.CheckIn(coordinator_pb2.CheckInRequest(), metadata=metadata, timeout=5)
-            without_client_cert = CoordinatorService(
-                "127.0.0.1:0", tls, tmp_path / "other", [("agg0", fake.address)], secrets_dir=own,
-                aggregator_tls=TLSConfig(ca=tls.ca),
-            )
-            await without_client_cert.start()
+            without_client_cert = await services.coordinator(tls, tmp_path / "other", [("agg0", fake.address)],
+                                                             secrets_dir=own, aggregator_tls=TLSConfig(ca=tls.ca))
             refused = await without_client_cert.jobs.pool.healthy()
-            await without_client_cert.stop(grace=0)
-        finally:
-            await service.stop(grace=0)
-            await fake.stop()
         return healthy, answer, refused
 
     healthy, answer, refused = run(main())

@@ -20,6 +20,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from support.enrolment import provisioned_request
+from support.stack import in_process
 
 from tally.cli import coordinator as coordinator_cli
 from tally.cli import enrol as enrol_cli
@@ -78,17 +79,11 @@ async def coordinator(tmp_path: Path, **kwargs) -> AsyncIterator[Coordinator]:
     if not pki.exists():
         write_deployment(pki)
     clock = Clock()
-    service = CoordinatorService(
-        "127.0.0.1:0", TLSConfig.from_dir(pki / "coordinator", "coordinator"), tmp_path / "state", [],
-        clock=clock, **kwargs,
-    )
-    port = await service.start()
-    channel = open_aio_channel(f"localhost:{port}", TLSConfig.from_dir(pki / "device", None))
-    try:
-        yield Coordinator(service, coordinator_pb2_grpc.CoordinatorStub(channel), clock)
-    finally:
-        await channel.close()
-        await service.stop(grace=0)
+    async with in_process() as services:
+        service = await services.coordinator(TLSConfig.from_dir(pki / "coordinator", "coordinator"), tmp_path / "state",
+                                             clock=clock, **kwargs)
+        async with open_aio_channel(f"localhost:{service.port}", TLSConfig.from_dir(pki / "device", None)) as channel:
+            yield Coordinator(service, coordinator_pb2_grpc.CoordinatorStub(channel), clock)
 
 
 def run(coro):

@@ -17,7 +17,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from prometheus_client.parser import text_string_to_metric_families
 
-from tally.ops.cluster import LocalCluster, wait_for
+from tally.ops.cluster import ProcessCluster, wait_for
 from tally.cli.fleet_run import _block
 from tally.loadtest.fleet import FleetStats
 from tally.loadtest.processes import DEVICES_PER_EXTRA_PROCESS, _part, available_cores, default_processes
@@ -81,7 +81,7 @@ def test_a_signal_to_a_fleet_ends_it_cleanly_with_merged_statistics(tmp_path, pr
     """SIGTERM, or Ctrl-C's SIGINT, ends every process with its statistics and exit code 0, and
     nothing on stderr but log lines: no traceback, no "exception was never retrieved"."""
     async def main():
-        cluster = LocalCluster(tmp_path / "cluster", aggregators=1)
+        cluster = ProcessCluster(tmp_path / "cluster", aggregators=1)
         try:
             await cluster.start()
             argv = [sys.executable, "-m", "tally.cli", "fleet", "--coordinator", cluster.target,

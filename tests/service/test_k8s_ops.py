@@ -3,6 +3,7 @@ real coordinator; the parts that need an API server run where one is configured.
 
 from __future__ import annotations
 
+import asyncio
 import os
 import subprocess
 import sys
@@ -12,12 +13,12 @@ from typing import Any
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from support.deploy import JOB_SPEC, Service, clean_env, poll_until_ok
+from support.deploy import JOB_SPEC, poll_until_ok
 from support.manifests import K8S, kubernetes_validate, render, versions
 from tally.cli import main as tally_main
 from tally.ops import k8s
 from tally.cli.k8s import coordinator_jobs
-from tally.security import certs
+from tally.ops.cluster import ProcessCluster
 
 
 
@@ -101,27 +102,26 @@ def test_cli_errors_are_one_line(tmp_path: Path) -> None:
 
 
 def test_status_reads_jobs_and_rounds_from_a_real_coordinator(tmp_path: Path) -> None:
-    tls = tmp_path / "certs"
-    certs.write_deployment(tls)
     jobs = tmp_path / "jobs"
     jobs.mkdir()
     (jobs / "digits.yaml").write_text(JOB_SPEC.format(name="digits", rounds=2, cohort=10))
-    coordinator = Service("coordinator", [
-        sys.executable, "-m", "tally.cli", "coordinator", "--listen", "127.0.0.1:0", "--metrics-port", "0",
-        "--state-dir", str(tmp_path / "state"), "--tls-dir", str(tls / "coordinator"), "--jobs-dir", str(jobs),
-    ], tmp_path, clean_env())
-    try:
-        port = coordinator.wait_for(r"coordinator on port (\d+)").group(1)
-        job_id = coordinator.wait_for(r"submitted digits.yaml as job (\S+)").group(1)
-        poll_until_ok([sys.executable, "-m", "tally.ops.probe", f"localhost:{port}", "--tls-dir", str(tls / "device")])
-        token = (tmp_path / "state" / "admin.token").read_text().strip()
-        rows = coordinator_jobs(f"localhost:{port}", tls / "device", token)
-        assert [r[0] for r in rows] == [job_id]
-        assert rows[0][1] in ("PENDING", "RUNNING") and rows[0][4] == "0"
-        with pytest.raises(RuntimeError, match="UNAUTHENTICATED|PERMISSION_DENIED"):
-            coordinator_jobs(f"localhost:{port}", tls / "device", "not-the-token")
-    finally:
-        coordinator.stop()
+    services = ProcessCluster(tmp_path, aggregators=0, checkin_hold_s=None, coordinator_flags=["--jobs-dir", str(jobs)])
+    tls = services.certs
+
+    async def scenario() -> None:
+        async with services:
+            job_id = (await services.processes["coordinator"].line(r"submitted digits.yaml as job (\S+)")).group(1)
+            port = services.port
+            poll_until_ok([sys.executable, "-m", "tally.ops.probe", f"localhost:{port}", "--tls-dir",
+                           str(tls / "device")])
+            token = (services.state / "admin.token").read_text().strip()
+            rows = coordinator_jobs(f"localhost:{port}", tls / "device", token)
+            assert [r[0] for r in rows] == [job_id]
+            assert rows[0][1] in ("PENDING", "RUNNING") and rows[0][4] == "0"
+            with pytest.raises(RuntimeError, match="UNAUTHENTICATED|PERMISSION_DENIED"):
+                coordinator_jobs(f"localhost:{port}", tls / "device", "not-the-token")
+
+    asyncio.run(scenario())
 
 
 @pytest.fixture

@@ -19,13 +19,12 @@ import pytest
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 from support.metrics_catalogue import CATALOGUE, SECTIONS, catalogue
+from support.stack import in_process
 
-from tally.aggregator.service import AggregatorService
 from tally.cli import aggregator as aggregator_cli
 from tally.cli import client as client_cli
 from tally.cli import coordinator as coordinator_cli
 from tally.client.metrics import ClientMetrics
-from tally.coordinator.service import CoordinatorService
 from tally.metrics import METRICS_PORTS, MetricsServer
 from tally.security import TLSConfig, certs, load_or_create_ticket_key
 from tally.version import VERSION
@@ -54,29 +53,28 @@ async def _serve_each_role(tmp_path: Path) -> dict[str, Served]:
     pki = tmp_path / "pki"
     certs.write_deployment(pki)
     public = load_or_create_ticket_key(pki / "coordinator").public_key()
-    aggregator = AggregatorService("127.0.0.1:0", TLSConfig.from_dir(pki / "aggregator-1", "aggregator"), public, "agg-1")
-    coordinator = CoordinatorService("127.0.0.1:0", TLSConfig.from_dir(pki / "coordinator", "coordinator"),
-                                     tmp_path / "state", [], secrets_dir=pki / "coordinator",
-                                     device_processes=2)  # a device front serves coordinator series too
     client = MetricsServer(ClientMetrics().registry)
-    await aggregator.start()
-    await coordinator.start()
-    ports = {"coordinator": coordinator.metrics_port, "aggregator": aggregator.metrics_port, "client": client.start()}
-    try:
-        served = {}
-        for role, port in ports.items():
-            base = f"http://127.0.0.1:{port}"
-            metrics = await asyncio.to_thread(_get, f"{base}/metrics")
-            assert metrics[0] == 200
-            text = metrics[1]
-            if role == "coordinator":
-                text += (await asyncio.to_thread(_get, f"http://127.0.0.1:{coordinator.fronts[0].metrics_port}/metrics"))[1]
-            served[role] = Served(text, *[await asyncio.to_thread(_get, f"{base}{p}") for p in ("/healthz", "/readyz")],
-                                  refused_after_stop=False)
-    finally:
-        client.stop()
-        await coordinator.stop(grace=0)
-        await aggregator.stop(grace=0)
+    async with in_process() as services:
+        aggregator = await services.aggregator(TLSConfig.from_dir(pki / "aggregator-1", "aggregator"), public, "agg-1")
+        coordinator = await services.coordinator(TLSConfig.from_dir(pki / "coordinator", "coordinator"),
+                                                 tmp_path / "state", secrets_dir=pki / "coordinator",
+                                                 device_processes=2)  # a device front serves coordinator series too
+        ports = {"coordinator": coordinator.metrics_port, "aggregator": aggregator.metrics_port,
+                 "client": client.start()}
+        try:
+            served = {}
+            for role, port in ports.items():
+                base = f"http://127.0.0.1:{port}"
+                metrics = await asyncio.to_thread(_get, f"{base}/metrics")
+                assert metrics[0] == 200
+                text = metrics[1]
+                if role == "coordinator":
+                    front = f"http://127.0.0.1:{coordinator.fronts[0].metrics_port}/metrics"
+                    text += (await asyncio.to_thread(_get, front))[1]
+                served[role] = Served(text, *[await asyncio.to_thread(_get, f"{base}{p}")
+                                              for p in ("/healthz", "/readyz")], refused_after_stop=False)
+        finally:
+            client.stop()
     for role, port in ports.items():
         try:
             await asyncio.to_thread(_get, f"http://127.0.0.1:{port}/healthz")

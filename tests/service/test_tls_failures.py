@@ -13,8 +13,8 @@ from pathlib import Path
 import grpc
 import pytest
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from support.stack import in_process
 
-from tally.coordinator.service import CoordinatorService
 from tally.security import TLSConfig, certs
 from tally.security.tls import bind, open_aio_channel
 from tally.security.tls_failures import tls_failure
@@ -85,10 +85,9 @@ def test_client_and_fleet_with_the_wrong_ca_say_tls_not_address(tmp_path, comman
     certs.write_deployment(tmp_path / "other")
 
     async def main() -> tuple[int, str]:
-        service = CoordinatorService("127.0.0.1:0", TLSConfig.from_dir(tmp_path / "pki" / "coordinator", "coordinator"),
-                                     tmp_path / "state", [])
-        await service.start()
-        try:
+        async with in_process() as services:
+            service = await services.coordinator(TLSConfig.from_dir(tmp_path / "pki" / "coordinator", "coordinator"),
+                                                 tmp_path / "state")
             process = await asyncio.create_subprocess_exec(
                 sys.executable, "-m", "tally.cli", *command, "--hidden", "8", "--connect-timeout", "2",
                 "--coordinator", f"127.0.0.1:{service.port}", "--tls-dir", str(tmp_path / "other" / "device"),
@@ -96,8 +95,6 @@ def test_client_and_fleet_with_the_wrong_ca_say_tls_not_address(tmp_path, comman
                 stdout=asyncio.subprocess.DEVNULL)
             _, err = await asyncio.wait_for(process.communicate(), 120)
             return process.returncode, err.decode()
-        finally:
-            await service.stop(grace=0)
 
     code, err = asyncio.run(main())
     assert code == 1, err

@@ -23,6 +23,7 @@ import pytest
 from cryptography.hazmat.primitives import serialization
 
 from support.secagg import identities, roster
+from support.stack import in_process
 from tally.aggregator import AggregatorService
 from tally.client.session import stream_status
 from tally.codec import Field, Kind, PayloadSchema, to_ring
@@ -180,13 +181,8 @@ async def running(deployment: Deployment, aggregator_id: str = "agg-a", mutual: 
     port of its own)."""
     if mutual:
         options.setdefault("control_listen", "127.0.0.1:0")
-    service = AggregatorService("127.0.0.1:0", deployment.server_tls(mutual), deployment.public_key,
-                                aggregator_id, **options)
-    await service.start()
-    try:
-        yield service
-    finally:
-        await service.stop(0)
+    async with in_process() as services:
+        yield await services.aggregator(deployment.server_tls(mutual), deployment.public_key, aggregator_id, **options)
 
 
 @asynccontextmanager

@@ -28,6 +28,7 @@ import numpy as np
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from support.enrolment import provisioned_request
+from support.stack import InProcess, in_process
 from tally import modelio
 from tally.algorithms.base import StepSpec
 from tally.algorithms.fedavg import FedAvgClient, FedAvgOptions, FedAvgServer
@@ -408,10 +409,14 @@ class CoordinatorStack:
     """A real coordinator and fake aggregators (unlike ``support.stack.Stack``, the whole system):
     the devices are scripted (``FakeDevice``), so a test controls every call the coordinator sees."""
 
+    services: InProcess
     service: CoordinatorService
     aggregators: list[FakeAggregatorControl]
     channel: grpc.aio.Channel
-    state_dir: Path
+
+    @property
+    def state_dir(self) -> Path:
+        return self.service.state_dir
 
     @property
     def device_stub(self) -> coordinator_pb2_grpc.CoordinatorStub:
@@ -451,36 +456,24 @@ class CoordinatorStack:
 
     async def restart(self) -> None:
         """Stop the coordinator and start a new one on the same port and state directory."""
-        port = self.service.port
-        aggregators = self.service.aggregators
-        await self.service.stop(grace=0)
-        self.service = CoordinatorService(f"127.0.0.1:{port}", TLSConfig.plaintext(), self.state_dir, aggregators)
-        await self.service.start()
+        self.service = await self.services.restart(self.service)
 
 
 @contextlib.asynccontextmanager
 async def coordinator_stack(tmp_path: Path, aggregators: int = 2, **service_args) -> AsyncIterator[CoordinatorStack]:
     state_dir = tmp_path / "state"
     verifier = TicketVerifier(load_or_create_ticket_key(state_dir).public_key())
-    fakes = [FakeAggregatorControl(f"agg{i}", verifier) for i in range(aggregators)]
-    for fake in fakes:
-        await fake.start()
-    service = CoordinatorService(
-        "127.0.0.1:0", TLSConfig.plaintext(), state_dir, [(a.ident, a.address) for a in fakes], **service_args
-    )
-    port = await service.start()
-    channel = grpc.aio.insecure_channel(
-        f"127.0.0.1:{port}",
-        options=channel_options() + [("grpc.initial_reconnect_backoff_ms", 50), ("grpc.max_reconnect_backoff_ms", 200)],
-    )
-    s = CoordinatorStack(service, fakes, channel, state_dir)
-    try:
-        yield s
-    finally:
-        await channel.close()
-        await s.service.stop(grace=0)
-        for fake in fakes:
-            await fake.stop()
+    async with in_process() as services:
+        fakes = [await services.fake_aggregator(f"agg{i}", verifier) for i in range(aggregators)]
+        service = await services.coordinator(TLSConfig.plaintext(), state_dir, [(a.ident, a.address) for a in fakes],
+                                             **service_args)
+        channel = grpc.aio.insecure_channel(
+            f"127.0.0.1:{service.port}",
+            options=channel_options() + [("grpc.initial_reconnect_backoff_ms", 50),
+                                         ("grpc.max_reconnect_backoff_ms", 200)],
+        )
+        async with channel:
+            yield CoordinatorStack(services, service, fakes, channel)
 
 
 async def run_devices(devices: list[FakeDevice], contribute: Contribute, until, before=None) -> Any:

@@ -1,7 +1,11 @@
-"""The whole system on 127.0.0.1 for the end-to-end tests: the real coordinator, two real
-aggregators and real SDK devices over gRPC, plaintext or over TLS as deployed, and the FedAvg job
-and digits devices most of those tests run. One copy here, so every end-to-end module starts the
-services the same way.
+"""Tally's services started in the test's own process, over real gRPC on 127.0.0.1: the one
+builder (``in_process``) every test that starts a coordinator or an aggregator without a process
+of its own goes through, and the compositions the tests share on it: the whole system (``stack``:
+the real coordinator, two real aggregators and real SDK devices, plaintext or over TLS as
+deployed, with the FedAvg job and digits devices most end-to-end tests run), the coordinator with
+fake aggregators (``support.coordinator.coordinator_stack``, for the coordinator's service tests)
+and one aggregator alone (``support.aggregator.running``, for the aggregator's). Services as processes are
+``tally.ops.cluster.ProcessCluster``; as containers, ``support.containers``.
 """
 
 from __future__ import annotations
@@ -9,9 +13,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import urllib.request
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from cryptography.hazmat.primitives.asymmetric import ed25519
 
 from tally import modelio
 from tally.aggregator import AggregatorService
@@ -19,10 +26,13 @@ from tally.loadtest import Fleet, FleetStats
 from tally.coordinator.service import CoordinatorService
 from tally.datasets.digits import digits
 from tally.models.mlp import mlp
-from tally.security import TLSConfig, bearer_metadata, certs, load_or_create_ticket_key
+from tally.security import TLSConfig, TicketVerifier, bearer_metadata, certs, load_or_create_ticket_key
 from tally.security.tls import open_channel
 from tally.training import TorchTrainer, single_threaded
 from tally.wire.v1 import admin_pb2, admin_pb2_grpc
+
+if TYPE_CHECKING:
+    from support.coordinator import FakeAggregatorControl
 
 TIMEOUT = 240
 HIDDEN = 16
@@ -47,9 +57,67 @@ def trainers(n: int, seed: int = 0) -> tuple[list[TorchTrainer], tuple]:
     return [TorchTrainer(factory, X, y, seed=seed + i) for i, (X, y) in enumerate(fed.clients)], fed.test
 
 
+class InProcess:
+    """What one test started in its process, stopped newest first when its ``in_process`` block
+    ends however the test went, so no test leaves a server bound or a job loop running."""
+
+    def __init__(self) -> None:
+        self._running: list[AggregatorService | CoordinatorService | FakeAggregatorControl] = []
+
+    async def aggregator(self, tls: TLSConfig, ticket_public_key: bytes | ed25519.Ed25519PublicKey,
+                         aggregator_id: str, listen: str = "127.0.0.1:0", **options: Any) -> AggregatorService:
+        service = AggregatorService(listen, tls, ticket_public_key, aggregator_id, **options)
+        await service.start()
+        self._running.append(service)
+        return service
+
+    async def fake_aggregator(self, aggregator_id: str, verifier: TicketVerifier, tls: TLSConfig = PLAINTEXT,
+                              host: str = "127.0.0.1") -> FakeAggregatorControl:
+        from support.coordinator import FakeAggregatorControl  # that module builds on this one
+
+        fake = FakeAggregatorControl(aggregator_id, verifier)
+        await fake.start(tls, host)
+        self._running.append(fake)
+        return fake
+
+    async def coordinator(self, tls: TLSConfig, state_dir: Path, aggregators: Sequence[tuple[str, str]] = (),
+                          listen: str = "127.0.0.1:0", **options: Any) -> CoordinatorService:
+        service = CoordinatorService(listen, tls, state_dir, aggregators, **options)
+        await service.start()
+        self._running.append(service)
+        return service
+
+    async def restart(self, coordinator: CoordinatorService) -> CoordinatorService:
+        """A new coordinator where ``coordinator`` served, on its state and aggregators, as a
+        supervisor would start one after a crash (its other options are the defaults)."""
+        await self.stop(coordinator)
+        return await self.coordinator(coordinator.tls, coordinator.state_dir, coordinator.aggregators,
+                                      listen=f"127.0.0.1:{coordinator.port}")
+
+    async def stop(self, service: AggregatorService | CoordinatorService | FakeAggregatorControl) -> None:
+        self._running.remove(service)
+        await (service.stop(grace=0) if isinstance(service, AggregatorService | CoordinatorService)
+               else service.stop())
+
+    async def close(self) -> None:
+        while self._running:
+            await self.stop(self._running[-1])
+
+
+@contextlib.asynccontextmanager
+async def in_process() -> AsyncIterator[InProcess]:
+    """The builder: ``async with in_process() as services:``, then ``await services.coordinator(...)``
+    and the like; everything it started is stopped when the block ends."""
+    services = InProcess()
+    try:
+        yield services
+    finally:
+        await services.close()
+
+
 @dataclass
 class Stack:
-    state_dir: Path
+    services: InProcess
     aggregators: list[AggregatorService]
     coordinator: CoordinatorService
     client_tls: TLSConfig = PLAINTEXT  # what devices and the admin present to the services
@@ -57,6 +125,10 @@ class Stack:
     @property
     def target(self) -> str:
         return f"127.0.0.1:{self.coordinator.port}"
+
+    @property
+    def state_dir(self) -> Path:
+        return self.coordinator.state_dir
 
     def fleet(self, trainers, **kwargs) -> Fleet:
         """A fleet provisioned with the coordinator's enrolment key."""
@@ -114,10 +186,7 @@ class Stack:
         return modelio.deserialize(self.coordinator.store.read_blob(version.model_digest))
 
     async def restart_coordinator(self) -> None:
-        port, aggregators = self.coordinator.port, self.coordinator.aggregators
-        await self.coordinator.stop(grace=0)
-        self.coordinator = CoordinatorService(f"127.0.0.1:{port}", self.coordinator.tls, self.state_dir, aggregators)
-        await self.coordinator.start()
+        self.coordinator = await self.services.restart(self.coordinator)
 
 
 @contextlib.asynccontextmanager
@@ -135,24 +204,16 @@ async def stack(tmp_path: Path, tls: bool = False, device_processes: int = 1) ->
     def identity(role: str, directory: str, **kwargs) -> TLSConfig:
         return TLSConfig.from_dir(pki / directory, role, **kwargs) if tls else PLAINTEXT
 
-    aggregators = [AggregatorService("127.0.0.1:0", identity("aggregator", f"aggregator-{i}", require_client_auth=tls),
-                                     public, f"agg-{i}", control_listen="127.0.0.1:0" if tls else None)
-                   for i in (1, 2)]
-    for a in aggregators:
-        await a.start()
-    coordinator = CoordinatorService(
-        "127.0.0.1:0", identity("coordinator", "coordinator"), state_dir,
-        [(a.id, f"127.0.0.1:{a.control_port}") for a in aggregators], checkin_hold_s=2.0,
-        device_processes=device_processes,
-    )
-    await coordinator.start()
-    s = Stack(state_dir, aggregators, coordinator, identity(None, "device"))
-    try:
-        yield s
-    finally:
-        await s.coordinator.stop(grace=0)
-        for a in aggregators:
-            await a.stop(grace=0)
+    async with in_process() as services:
+        aggregators = [await services.aggregator(identity("aggregator", f"aggregator-{i}", require_client_auth=tls),
+                                                 public, f"agg-{i}", control_listen="127.0.0.1:0" if tls else None)
+                       for i in (1, 2)]
+        coordinator = await services.coordinator(
+            identity("coordinator", "coordinator"), state_dir,
+            [(a.id, f"127.0.0.1:{a.control_port}") for a in aggregators], checkin_hold_s=2.0,
+            device_processes=device_processes,
+        )
+        yield Stack(services, aggregators, coordinator, identity(None, "device"))
 
 
 def run(coro, timeout: float = TIMEOUT):
