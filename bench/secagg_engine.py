@@ -71,7 +71,7 @@ from tally.secagg import (
     crypto,
     run_cohort,
 )
-from tally.secagg.driver import TIMED_PHASES
+from tally.secagg.phases import TIMED
 from tally.secagg.layouts import payload_bytes, seed_commitment
 
 SUM_ID = "x"
@@ -587,11 +587,11 @@ def summarise(args: argparse.Namespace, runs: list[dict], wall: float) -> dict:
         summary["masked_input_bytes"] = packed_size(dim, wire_width(bits))
         summary["plain_bytes_per_client"] = 4 * dim
         summary["upload_ratio"] = summary["upload_bytes_per_client"] / summary["plain_bytes_per_client"]
-        phases = [p for p in TIMED_PHASES if any(p in r["server_seconds"] for r in ok)]
+        phases = [p for p in TIMED if any(p in r["server_seconds"] for r in ok)]
         summary["server_phase_s"] = {
             p: _median(r["server_seconds"].get(p, 0.0) for r in ok) for p in phases
         }
-        cphases = [p for p in TIMED_PHASES if any(p in r["client_median_s"] for r in ok)]
+        cphases = [p for p in TIMED if any(p in r["client_median_s"] for r in ok)]
         summary["client_phase_median_s"] = {
             p: _median(r["client_median_s"].get(p, 0.0) for r in ok) for p in cphases
         }

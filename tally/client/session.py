@@ -38,14 +38,12 @@ from tally.secagg import (
 from tally.secagg.messages import (
     Abort,
     ClientMessage,
-    ConsistencyCheckRequest,
-    MaskedInputRequest,
     MaskedInputResponse,
     ServerMessage,
     ShareDelivery,
     ShareKeysRequest,
-    UnmaskRequest,
 )
+from tally.secagg.phases import Phase, asked_for
 from tally.wire.chunks import split_masked_input
 from tally.wire.convert import WireError, device_envelope, from_proto, open_envelope
 from tally.wire.join import join_metadata
@@ -163,19 +161,6 @@ def input_failure_label(error: BaseException) -> str:
     return "training_error"
 
 
-def _phase_of(message: ServerMessage) -> tuple[str, str]:
-    """(phase, sum) the aggregator is asking this device for; ("", "") when it asks nothing."""
-    if isinstance(message, ShareKeysRequest):
-        return "share_keys", ""
-    if isinstance(message, MaskedInputRequest):
-        return "masked_input", message.sum_id
-    if isinstance(message, ConsistencyCheckRequest):
-        return "consistency_check", message.sum_id
-    if isinstance(message, UnmaskRequest):
-        return "unmask", message.sum_id
-    return "", ""
-
-
 class SecAggSession:
     """One session; ``run`` never raises for what the network or the aggregator does, it
     returns the outcome. ``ring_input(sum_id)`` supplies this device's encoded input;
@@ -219,7 +204,7 @@ class SecAggSession:
         self._on_input = on_input
         # The protocol phase the session is in, and when the aggregator asked for it while the
         # device's answer is not sent yet (tally_client_phase_duration_seconds).
-        self._phase = "join"
+        self._phase = Phase.JOIN
         self._asked_at: float | None = None
         self._traits = traits
         self._events = events or SessionEvents()
@@ -269,8 +254,8 @@ class SecAggSession:
                               fault=self._events.fault)
         if self._events.fault is not None:
             self.metrics.misbehaviours.labels(kind=self._events.fault.value).inc()
-        self._asked("advertise_keys")  # Joined is the aggregator's request for the device's keys
-        if self.drop_phase == "advertise_keys":
+        self._asked(Phase.ADVERTISE_KEYS)  # Joined is the aggregator's request for the device's keys
+        if self.drop_phase == Phase.ADVERTISE_KEYS:
             return self._drop()
         if self._events.replay and self._replay is not None:
             self.metrics.misbehaviours.labels(kind="replay").inc()
@@ -320,11 +305,12 @@ class SecAggSession:
                     return self._outcome(ABORTED, message.reason or "aborted by the aggregator")
                 if not isinstance(message, ServerMessage):
                     return self._outcome(ABORTED, f"unexpected {type(message).__name__} on the stream")
-                phase, sum_id = _phase_of(message)
-                if phase:
+                request = asked_for(message)
+                if request is not None:
+                    phase, sum_id = request
                     self._asked(phase)
-                if phase and phase == self.drop_phase and sum_id in ("", first_sum):
-                    return self._drop()
+                    if phase == self.drop_phase and sum_id in ("", first_sum):
+                        return self._drop()
                 if isinstance(message, _HEAVY):
                     replies = await asyncio.to_thread(client.receive, message)
                 else:
@@ -374,7 +360,7 @@ class SecAggSession:
                                        time.perf_counter() - self._asked_at)
             self._asked_at = None
 
-    def _asked(self, phase: str) -> None:
+    def _asked(self, phase: Phase) -> None:
         self._phase, self._asked_at = phase, time.perf_counter()
 
     async def _read(self):

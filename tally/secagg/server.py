@@ -55,6 +55,7 @@ from tally.secagg.messages import (
     UnmaskRequest,
     UnmaskResponse,
 )
+from tally.secagg.phases import Phase
 from tally.secagg.layouts import (
     COMMITMENT_BYTES,
     SHARE_CIPHERTEXT_BYTES,
@@ -104,7 +105,7 @@ class SecAggServer:
         )
 
     @property
-    def phase(self) -> str:
+    def phase(self) -> Phase:
         return self._phase.name
 
     @property
@@ -179,7 +180,7 @@ class SecAggServer:
 
 
 class _Phase(abc.ABC):
-    name = ""
+    name: Phase
     message_type: type = object
 
     def __init__(self, server: SecAggServer, expected: frozenset[int]) -> None:
@@ -236,7 +237,7 @@ class _Phase(abc.ABC):
 
 
 class _Finished(_Phase):
-    name = "finished"
+    name = Phase.FINISHED
 
     def validate(self, message: ClientMessage) -> None:
         raise OutOfPhase("session is finished")
@@ -253,7 +254,7 @@ class _Finished(_Phase):
 class _NotStarted(_Phase):
     """A plain session before ``start()``, while devices join: they only speak when asked."""
 
-    name = "join"
+    name = Phase.JOIN
     message_type = ()
 
     def validate(self, message: ClientMessage) -> None:
@@ -264,7 +265,7 @@ class _NotStarted(_Phase):
 
 
 class _AdvertiseKeysPhase(_Phase):
-    name = "advertise_keys"
+    name = Phase.ADVERTISE_KEYS
     message_type = AdvertiseKeys
 
     def validate(self, message: AdvertiseKeys) -> None:
@@ -319,7 +320,7 @@ def _prune(config: SessionConfig, advertised: frozenset[int]) -> tuple[frozenset
 
 
 class _ShareKeysPhase(_Phase):
-    name = "share_keys"
+    name = Phase.SHARE_KEYS
     message_type = ShareKeysResponse
 
     def validate(self, message: ShareKeysResponse) -> None:
@@ -394,7 +395,7 @@ class _ComplaintsPhase(_Phase):
     """Every holder answers its delivery; a complaint must be signed by its holder over the
     share exactly as delivered (an honest server can check that, and the dealer will)."""
 
-    name = "share_complaints"
+    name = Phase.SHARE_COMPLAINTS
     message_type = ShareComplaints
 
     def validate(self, message: ShareComplaints) -> None:
@@ -436,7 +437,7 @@ class _JustifyPhase(_Phase):
     the share it delivered with it. A dealer that does not, or whose share fails, is excluded;
     a complaint about a good share names its holder as misbehaving."""
 
-    name = "justify"
+    name = Phase.JUSTIFY
     message_type = JustifyResponse
 
     def __init__(self, server: SecAggServer, accused: frozenset[int], answered: frozenset[int],
@@ -509,7 +510,7 @@ class _MaskedInputPhase(_SumPhase):
     masks, and the server holds at most a small batch of uploads (``PackedSum``: 512 KiB), never
     the cohort's."""
 
-    name = "masked_input"
+    name = Phase.MASKED_INPUT
     message_type = MaskedInputResponse
 
     def __init__(self, server: SecAggServer, expected: frozenset[int], position: int) -> None:
@@ -571,7 +572,7 @@ class _ConsistencyPhase(_SumPhase):
     then gets the survivors within two hops and its neighbours' signatures, all it needs to check
     that t of them signed views that count it as a survivor. Messages stay O(k), not O(n)."""
 
-    name = "consistency_check"
+    name = Phase.CONSISTENCY_CHECK
     message_type = ConsistencyCheckResponse
 
     def __init__(self, server, expected, position, masked: np.ndarray) -> None:
@@ -627,7 +628,7 @@ class _UnmaskPhase(_SumPhase):
     """Collects t shares of every secret the sum needs and rebuilds them all at once; the secrets,
     shares, rebuilding and unmasking are ``tally.secagg.unmask``'s."""
 
-    name = "unmask"
+    name = Phase.UNMASK
     message_type = UnmaskResponse
 
     def __init__(self, server, expected, position, masked: np.ndarray, survivors) -> None:
