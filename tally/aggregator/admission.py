@@ -16,7 +16,9 @@ from tally.codec import CodecError, PayloadSchema
 from tally.secagg import SessionConfig
 from tally.secagg.phases import DEADLINED, Phase
 from tally.security import AuthError, SessionTicket, TicketVerifier, config_digest
-from tally.wire.convert import WireError, from_proto, schema_from_proto, session_config_bytes
+from tally.wire.fields import WireError
+from tally.wire.protocol import from_proto, session_config_bytes
+from tally.wire.sums import schema_from_proto
 from tally.wire.v1 import aggregator_pb2, secagg_pb2
 
 TOKEN_DIGEST_BYTES = 32

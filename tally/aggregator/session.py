@@ -47,7 +47,7 @@ from tally.secagg.messages import (
     SumResult,
     UnmaskResponse,
 )
-from tally.wire.convert import aggregator_envelope, to_proto
+from tally.wire.protocol import aggregator_envelope, to_proto
 from tally.wire.v1 import secagg_pb2
 
 log = logging.getLogger("tally.aggregator.session")

@@ -45,8 +45,9 @@ from tally.secagg.messages import (
 )
 from tally.secagg.phases import Phase, asked_for
 from tally.wire.chunks import split_masked_input
-from tally.wire.convert import WireError, device_envelope, from_proto, open_envelope
+from tally.wire.fields import WireError
 from tally.wire.join import join_metadata
+from tally.wire.protocol import device_envelope, from_proto, open_envelope
 from tally.wire.sized import already_serialized, sized
 from tally.wire.v1 import coordinator_pb2, secagg_pb2
 

@@ -41,16 +41,15 @@ from tally.security.certs import write_deployment
 from tally.security.tls import channel_credentials, channel_options
 from tally.security.tokens import load_or_create_ticket_key
 from tally.wire.chunks import split_masked_input
-from tally.wire.convert import (
-    cohort_sum_from_proto,
+from tally.wire.join import join_metadata
+from tally.wire.protocol import (
     device_envelope,
     from_proto,
     open_envelope,
-    schema_to_proto,
     session_config_bytes,
     to_proto,
 )
-from tally.wire.join import join_metadata
+from tally.wire.sums import cohort_sum_from_proto, schema_to_proto
 from tally.wire.v1 import aggregator_pb2, aggregator_pb2_grpc, secagg_pb2, secagg_pb2_grpc
 
 TEST_TIMEOUT_S = 50

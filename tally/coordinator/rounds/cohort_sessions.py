@@ -33,7 +33,9 @@ from tally.secagg import SessionConfig, SessionRef
 from tally.secagg.messages import SessionAborted, SumResult
 from tally.secagg.phases import DEADLINED
 from tally.security import SessionTicket, TicketSigner, config_digest
-from tally.wire.convert import WireError, cohort_sum_from_proto, schema_to_proto, session_config_bytes, to_proto
+from tally.wire.fields import WireError
+from tally.wire.protocol import session_config_bytes, to_proto
+from tally.wire.sums import cohort_sum_from_proto, schema_to_proto
 from tally.wire.v1 import aggregator_pb2, secagg_pb2
 
 log = logging.getLogger("tally.coordinator")
