@@ -305,7 +305,9 @@ class Session:
         self._phase_started = self._loop.time()
         self._phase_expected = self.server.awaiting
         self._phase_answered = set()
-        seconds = self.plan.deadlines[self.server.phase.deadline]
+        deadline = self.server.phase.deadline
+        assert deadline is not None, "only a finished session is in a phase without a deadline"
+        seconds = self.plan.deadlines[deadline]
         self._timer = self._loop.call_later(seconds, self._fire, self._generation)
 
     def _fire(self, generation: int) -> None:

@@ -58,7 +58,7 @@ class Phase(StrEnum):
     @property
     def deadline(self) -> Phase | None:
         """The phase whose deadline setting bounds this one (itself, for a phase with its own)."""
-        return None if self._deadline is None else Phase(self._deadline)
+        return next((p for p in Phase if p.value == self._deadline), None)
 
     @property
     def deadline_field(self) -> str:

@@ -26,7 +26,8 @@ def submessage(proto: Message, field: str) -> Message:
     """A required submessage: proto3 reports an absent one as empty, which is never valid here."""
     if not proto.HasField(field):
         raise WireError(f"{message_name(proto)}.{field} is missing")
-    return getattr(proto, field)
+    sub: Message = getattr(proto, field)
+    return sub
 
 
 MAX_ID_BYTES = 256
@@ -34,7 +35,7 @@ MAX_ID_BYTES = 256
 
 def id_text(proto: Message, field: str) -> str:
     """A required id: non-empty, at most ``MAX_ID_BYTES`` characters."""
-    value = getattr(proto, field)
+    value: str = getattr(proto, field)
     if not value:
         raise WireError(f"{message_name(proto)}.{field} is missing (empty)")
     if len(value) > MAX_ID_BYTES:
