@@ -45,10 +45,13 @@ class Phase(StrEnum):
     SHARE_KEYS = ("share_keys", ShareKeysRequest, "share_keys", True)
     SHARE_COMPLAINTS = ("share_complaints", None, "share_keys", False)
     JUSTIFY = ("justify", None, "share_keys", False)
+    # The device's wait for the server's verdict on complaints (the server is in one of the two above).
     SHARE_VERDICT = ("share_verdict", None, "share_keys", False)
     MASKED_INPUT = ("masked_input", MaskedInputRequest, "masked_input", True)
     CONSISTENCY_CHECK = ("consistency_check", ConsistencyCheckRequest, "consistency_check", True)
     UNMASK = ("unmask", UnmaskRequest, "unmask", True)
+    # The server's session is over. (A device's own states between phases, done and awaiting its
+    # input, are no phase of the session: they stay in ``tally.secagg.client``.)
     FINISHED = ("finished", None, None, False)
 
     def __repr__(self) -> str:
