@@ -71,7 +71,7 @@ from tally.secagg import (
     crypto,
     run_cohort,
 )
-from tally.secagg.phases import TIMED
+from tally.secagg.phases import TIMED, Phase
 from tally.secagg.layouts import payload_bytes, seed_commitment
 
 SUM_ID = "x"
@@ -86,7 +86,7 @@ KEX_LIMIT_MAX_DIM = 10_000
 ADD_POOL_BYTES = 128 << 20
 TARGET_SERVER_RATIO = 2.0
 TARGET_CLIENT_RATIO = 1.5
-PHASE_OF_DROPOUT = {"shares": "masked_input", "masked": "unmask"}
+PHASE_OF_DROPOUT = {"shares": Phase.MASKED_INPUT, "masked": Phase.UNMASK}
 GRID_CLIENTS = [100, 200, 500, 1000, 5000]
 GRID_DIMS = [10_000, 100_000, 1_000_000]
 
@@ -436,11 +436,11 @@ def run_once(args: argparse.Namespace, schema: PayloadSchema, rep: int,
     out["server_seconds"] = {p: float(s) for p, s in run.server_seconds.items()}
     out["client_median_s"] = {p: _median(v) for p, v in run.client_seconds.items()}
     out["client_mean_per_device_s"] = {p: float(sum(v)) / n for p, v in run.client_seconds.items()}
-    out["client_mask_s"] = _median(run.client_seconds.get("masked_input", []))
-    out["server_unmask_s"] = float(run.server_seconds.get("unmask", float("nan")))
+    out["client_mask_s"] = _median(run.client_seconds.get(Phase.MASKED_INPUT, []))
+    out["server_unmask_s"] = float(run.server_seconds.get(Phase.UNMASK, float("nan")))
     # The server adds each masked input as it arrives: what it spends on the sum is its
     # MaskedInput phase (checks, additions, the Unmask requests) plus its Unmask phase.
-    out["server_sum_s"] = out["server_unmask_s"] + float(run.server_seconds.get("masked_input", 0.0))
+    out["server_sum_s"] = out["server_unmask_s"] + float(run.server_seconds.get(Phase.MASKED_INPUT, 0.0))
     survivors = [i for i in range(1, n + 1) if i not in dropouts]
     out["upload_bytes_per_client"] = _median(upload_bytes[i] for i in survivors)
 

@@ -486,7 +486,7 @@ def _verdict(server: SecAggServer, answered: frozenset[int],
     server.sharers -= excluded
     alive = answered - excluded
     server.deliveries = {}
-    refused = server._require(alive, "share_verdict", alive)
+    refused = server._require(alive, Phase.SHARE_VERDICT, alive)
     if refused is not None:
         return refused
     out = []
