@@ -26,6 +26,7 @@ from rich.table import Table
 from tally import modelio
 from tally.ops.cluster import ProcessCluster
 from tally.loadtest.dropout import DropoutPlan
+from tally.secagg.phases import Phase
 from tally.loadtest.fleet import Fleet
 from tally.coordinator.state.store import Store
 
@@ -65,7 +66,7 @@ async def _through_services(args: argparse.Namespace, seed: int, epsilon: float 
     try:
         job_id = await cluster.submit(job_spec(args, seed, epsilon))
         fleet = Fleet(cluster.target, cluster.tls, devices, enrolment_key=cluster.enrolment_key, seed=seed,
-                      dropout=DropoutPlan(args.dropout, ("masked_input",), seed=seed) if args.dropout else None)
+                      dropout=DropoutPlan(args.dropout, (Phase.MASKED_INPUT,), seed=seed) if args.dropout else None)
         try:
             stats = await fleet.run(until=fleet.until_job_done(job_id, every_seconds=0.5))
         finally:

@@ -49,11 +49,12 @@ from tally.loadtest import DropoutPlan, Fleet  # noqa: E402
 from tally.coordinator.spec.jobspec import parse  # noqa: E402
 from tally.coordinator.service import CoordinatorService  # noqa: E402
 from tally.secagg import DevicePolicy  # noqa: E402
+from tally.secagg.phases import Phase  # noqa: E402
 from tally.security import TLSConfig, load_or_create_ticket_key  # noqa: E402
 
 PLAINTEXT = TLSConfig.plaintext()
 PHASE_METRIC = "tally_aggregator_phase_duration_seconds"
-DROPOUT_PHASES = ("advertise_keys", "masked_input")
+DROPOUT_PHASES = (Phase.ADVERTISE_KEYS, Phase.MASKED_INPUT)
 
 
 class DeltaTrainer:

@@ -71,7 +71,7 @@ from tally.secagg import (
     crypto,
     run_cohort,
 )
-from tally.secagg.driver import TIMED_PHASES
+from tally.secagg.phases import TIMED, Phase
 from tally.secagg.layouts import payload_bytes, seed_commitment
 
 SUM_ID = "x"
@@ -86,7 +86,7 @@ KEX_LIMIT_MAX_DIM = 10_000
 ADD_POOL_BYTES = 128 << 20
 TARGET_SERVER_RATIO = 2.0
 TARGET_CLIENT_RATIO = 1.5
-PHASE_OF_DROPOUT = {"shares": "masked_input", "masked": "unmask"}
+PHASE_OF_DROPOUT = {"shares": Phase.MASKED_INPUT, "masked": Phase.UNMASK}
 GRID_CLIENTS = [100, 200, 500, 1000, 5000]
 GRID_DIMS = [10_000, 100_000, 1_000_000]
 
@@ -436,11 +436,11 @@ def run_once(args: argparse.Namespace, schema: PayloadSchema, rep: int,
     out["server_seconds"] = {p: float(s) for p, s in run.server_seconds.items()}
     out["client_median_s"] = {p: _median(v) for p, v in run.client_seconds.items()}
     out["client_mean_per_device_s"] = {p: float(sum(v)) / n for p, v in run.client_seconds.items()}
-    out["client_mask_s"] = _median(run.client_seconds.get("masked_input", []))
-    out["server_unmask_s"] = float(run.server_seconds.get("unmask", float("nan")))
+    out["client_mask_s"] = _median(run.client_seconds.get(Phase.MASKED_INPUT, []))
+    out["server_unmask_s"] = float(run.server_seconds.get(Phase.UNMASK, float("nan")))
     # The server adds each masked input as it arrives: what it spends on the sum is its
     # MaskedInput phase (checks, additions, the Unmask requests) plus its Unmask phase.
-    out["server_sum_s"] = out["server_unmask_s"] + float(run.server_seconds.get("masked_input", 0.0))
+    out["server_sum_s"] = out["server_unmask_s"] + float(run.server_seconds.get(Phase.MASKED_INPUT, 0.0))
     survivors = [i for i in range(1, n + 1) if i not in dropouts]
     out["upload_bytes_per_client"] = _median(upload_bytes[i] for i in survivors)
 
@@ -587,11 +587,11 @@ def summarise(args: argparse.Namespace, runs: list[dict], wall: float) -> dict:
         summary["masked_input_bytes"] = packed_size(dim, wire_width(bits))
         summary["plain_bytes_per_client"] = 4 * dim
         summary["upload_ratio"] = summary["upload_bytes_per_client"] / summary["plain_bytes_per_client"]
-        phases = [p for p in TIMED_PHASES if any(p in r["server_seconds"] for r in ok)]
+        phases = [p for p in TIMED if any(p in r["server_seconds"] for r in ok)]
         summary["server_phase_s"] = {
             p: _median(r["server_seconds"].get(p, 0.0) for r in ok) for p in phases
         }
-        cphases = [p for p in TIMED_PHASES if any(p in r["client_median_s"] for r in ok)]
+        cphases = [p for p in TIMED if any(p in r["client_median_s"] for r in ok)]
         summary["client_phase_median_s"] = {
             p: _median(r["client_median_s"].get(p, 0.0) for r in ok) for p in cphases
         }

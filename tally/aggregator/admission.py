@@ -14,20 +14,14 @@ from dataclasses import dataclass
 from tally.aggregator.errors import Rejected
 from tally.codec import CodecError, PayloadSchema
 from tally.secagg import SessionConfig
+from tally.secagg.phases import DEADLINED, Phase
 from tally.security import AuthError, SessionTicket, TicketVerifier, config_digest
-from tally.wire.convert import WireError, from_proto, schema_from_proto, session_config_bytes
+from tally.wire.fields import WireError
+from tally.wire.protocol import from_proto, session_config_bytes
+from tally.wire.sums import schema_from_proto
 from tally.wire.v1 import aggregator_pb2, secagg_pb2
 
 TOKEN_DIGEST_BYTES = 32
-
-# PhaseDeadlines field of each protocol phase (SecAggServer.phase names).
-DEADLINE_FIELDS = {
-    "advertise_keys": "advertise_keys_seconds",
-    "share_keys": "share_keys_seconds",
-    "masked_input": "masked_input_seconds",
-    "consistency_check": "consistency_check_seconds",
-    "unmask": "unmask_seconds",
-}
 
 
 @dataclass(frozen=True)
@@ -37,7 +31,7 @@ class SessionPlan:
     ticket: bytes
     config: SessionConfig
     schemas: dict[str, PayloadSchema]
-    deadlines: dict[str, float]  # seconds per phase name
+    deadlines: dict[Phase, float]  # seconds per phase with a deadline of its own
     deadlines_proto: secagg_pb2.PhaseDeadlines
     grants: dict[int, bytes]  # device index -> SHA-256 of its session token
     owner_sha256: bytes  # SHA-256 of the coordinator's owner token for this session
@@ -139,17 +133,17 @@ def _schemas(
 
 def _deadlines(
     request: aggregator_pb2.OpenSessionRequest, config: SessionConfig
-) -> dict[str, float]:
+) -> dict[Phase, float]:
     """Seconds per phase the session runs; each must be positive and finite (no phase may wait
     forever, and none may close before a device could answer)."""
     if not request.HasField("deadlines"):
         raise _invalid("OpenSessionRequest.deadlines is missing")
-    phases = [p for p in DEADLINE_FIELDS if p != "consistency_check" or config.consistency_check]
+    phases = [p for p in DEADLINED if p != Phase.CONSISTENCY_CHECK or config.consistency_check]
     out = {}
     for phase in phases:
-        seconds = getattr(request.deadlines, DEADLINE_FIELDS[phase])
+        seconds = getattr(request.deadlines, phase.deadline_field)
         if not (math.isfinite(seconds) and seconds > 0):
-            raise _invalid(f"PhaseDeadlines.{DEADLINE_FIELDS[phase]} must be > 0, got {seconds}")
+            raise _invalid(f"PhaseDeadlines.{phase.deadline_field} must be > 0, got {seconds}")
         out[phase] = float(seconds)
     return out
 

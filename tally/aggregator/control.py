@@ -34,7 +34,7 @@ from tally.aggregator.metrics import AggregatorMetrics
 from tally.aggregator.session import Session
 from tally.security import AuthError, TicketVerifier, owner_token_from_metadata
 from tally.security.tls import peer_identity
-from tally.wire.convert import cohort_sum_to_proto
+from tally.wire.sums import cohort_sum_to_proto
 from tally.wire.v1 import aggregator_pb2, aggregator_pb2_grpc
 
 log = logging.getLogger(__name__)

@@ -15,7 +15,7 @@ import grpc
 
 from tally.secagg import ProtocolError
 from tally.security import AuthError
-from tally.wire.convert import WireError
+from tally.wire.fields import WireError
 
 
 class Rejected(Exception):

@@ -38,6 +38,7 @@ from tally.aggregator.errors import Rejected
 from tally.aggregator.metrics import AggregatorMetrics
 from tally.codec import packed_size
 from tally.secagg import ProtocolError, SecAggServer, SessionConfig
+from tally.secagg.phases import Phase
 from tally.secagg.messages import (
     Abort,
     ClientMessage,
@@ -46,7 +47,7 @@ from tally.secagg.messages import (
     SumResult,
     UnmaskResponse,
 )
-from tally.wire.convert import aggregator_envelope, to_proto
+from tally.wire.protocol import aggregator_envelope, to_proto
 from tally.wire.v1 import secagg_pb2
 
 log = logging.getLogger(__name__)
@@ -62,12 +63,6 @@ class StreamEnd:
     status: str | None = None
     message: str = ""
 
-
-# A plain session (benchmarks only) waits in this server phase for its devices to join; the window
-# lasts as long as AdvertiseKeys would in a secure session.
-JOIN = "join"
-# The share-checking phases run within the ShareKeys budget (no deadline of their own on the wire).
-_DEADLINE_OF = {JOIN: "advertise_keys", "share_complaints": "share_keys", "justify": "share_keys"}
 
 DeviceQueue = asyncio.Queue[secagg_pb2.AggregatorToDevice | StreamEnd]  # the envelopes, then one StreamEnd
 Routed = list[tuple[int, secagg_pb2.AggregatorToDevice]]
@@ -153,7 +148,7 @@ class Session:
         if self.finished:
             raise Rejected("FAILED_PRECONDITION", f"session {self.session_id} is over",
                            "session_over")
-        if self.server.phase not in ("advertise_keys", JOIN):
+        if self.server.phase not in (Phase.ADVERTISE_KEYS, Phase.JOIN):
             raise Rejected("FAILED_PRECONDITION",
                            f"session {self.session_id} is past advertise_keys: device {index} "
                            "joined too late", "late_join")
@@ -164,7 +159,7 @@ class Session:
         queue.put_nowait(aggregator_envelope(joined))
         self._streams[index] = queue
         logs.event(log, "device joined", level=logging.DEBUG, device=index, **self.log_fields)
-        if self.server.phase == JOIN and len(self._joined) == self.config.n:
+        if self.server.phase == Phase.JOIN and len(self._joined) == self.config.n:
             self._spawn(self._drive(self._begin_plain))
         return queue
 
@@ -237,7 +232,7 @@ class Session:
             return None
 
     async def _deadline(self, generation: int) -> None:
-        call = self._begin_plain if self.server.phase == JOIN else self.server.on_deadline
+        call = self._begin_plain if self.server.phase == Phase.JOIN else self.server.on_deadline
         await self._drive(call, lambda: generation == self._generation)
 
     def _begin_plain(self) -> list[Outgoing]:
@@ -273,7 +268,7 @@ class Session:
 
     def _may_close(self, message: ClientMessage) -> bool:
         """Unmask closes as soon as every secret has its shares, so any answer there may close it."""
-        return self.server.phase == "unmask" or self.server.awaiting <= {message.sender}
+        return self.server.phase == Phase.UNMASK or self.server.awaiting <= {message.sender}
 
     def _is_late(self, message: ClientMessage) -> bool:
         """An Unmask answer for a sum the server already unmasked: it closed Unmask as soon as
@@ -318,7 +313,9 @@ class Session:
         self._phase_started = self._loop.time()
         self._phase_expected = self.server.awaiting
         self._phase_answered = set()
-        seconds = self.plan.deadlines[_DEADLINE_OF.get(self.server.phase, self.server.phase)]
+        deadline = self.server.phase.deadline
+        assert deadline is not None, "only a finished session is in a phase without a deadline"
+        seconds = self.plan.deadlines[deadline]
         self._timer = self._loop.call_later(seconds, self._fire, self._generation)
 
     def _fire(self, generation: int) -> None:
@@ -330,7 +327,7 @@ class Session:
         elapsed = self._loop.time() - self._phase_started
         m.phase_duration.labels(phase=phase).observe(elapsed)
         m.phase_devices.labels(phase=phase).observe(len(self._phase_answered))
-        if phase == "unmask":
+        if phase == Phase.UNMASK:
             m.unmask_seconds.observe(seconds)
         if not self.server.finished:
             dropped = self._phase_expected - self.server.awaiting

@@ -35,8 +35,8 @@ from tally.aggregator.session import Session as AggregationSession
 from tally.secagg.messages import ClientMessage
 from tally.security import TicketVerifier
 from tally.wire.chunks import MaskedInputAssembler
-from tally.wire.convert import open_envelope
 from tally.wire.join import JoinError, join_from_metadata
+from tally.wire.protocol import open_envelope
 from tally.wire.sized import already_serialized, sized
 from tally.wire.v1 import secagg_pb2, secagg_pb2_grpc
 

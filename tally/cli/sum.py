@@ -18,19 +18,20 @@ from tally.cli import argtypes
 from tally.cli.console import console as cli_console
 from tally.codec import Field, PayloadSchema, to_ring
 from tally.secagg import DevicePolicy, Dropout, SessionConfig, SessionRef, ThreatModel, enrol, run_cohort
-from tally.secagg.driver import PHASES
 from tally.secagg.messages import (
     AdvertiseKeys,
     MaskedInputResponse,
     ShareKeysResponse,
     UnmaskResponse,
 )
+from tally.secagg.phases import DEADLINED, DROPPABLE, Phase
 
+# The phase each device answer completes: the progress bars count them.
 _PHASE_OF = {
-    AdvertiseKeys: "advertise_keys",
-    ShareKeysResponse: "share_keys",
-    MaskedInputResponse: "masked_input",
-    UnmaskResponse: "unmask",
+    AdvertiseKeys: Phase.ADVERTISE_KEYS,
+    ShareKeysResponse: Phase.SHARE_KEYS,
+    MaskedInputResponse: Phase.MASKED_INPUT,
+    UnmaskResponse: Phase.UNMASK,
 }
 
 
@@ -49,7 +50,7 @@ def _add_cohort_args(p: argparse.ArgumentParser, clients: int, dim: int) -> None
     p.add_argument("--dropout", type=argtypes.FRACTION, default=0.1, help="fraction of devices that drop")
     p.add_argument(
         "--phase",
-        choices=["random", *PHASES],
+        choices=["random", *DROPPABLE],
         default="random",
         help="phase in which the dropped devices stop answering",
     )
@@ -77,7 +78,7 @@ def simulate(args: argparse.Namespace, console: Console) -> dict:
         i: {"update": to_ring(schema.encode({"update": values[i - 1]}, rng).vector, bits)}
         for i in range(1, n + 1)
     }
-    phases = [p for p in PHASES if p != "consistency_check" or not args.semi_honest]
+    phases = [p for p in DROPPABLE if p != Phase.CONSISTENCY_CHECK or not args.semi_honest]
     device_threat = dataclasses.replace(threat, malicious_server=not args.semi_honest)
     victims = rng.choice(np.arange(1, n + 1), size=int(args.dropout * n), replace=False)
     dropouts = {
@@ -132,7 +133,7 @@ def _table(report: dict) -> Table:
     table.add_column("phase")
     table.add_column("server s", justify="right")
     table.add_column("device median s", justify="right")
-    for phase in PHASES:
+    for phase in DEADLINED:
         if phase in report["server_seconds"] or phase in report["client_median_seconds"]:
             table.add_row(
                 phase,
@@ -156,7 +157,7 @@ def _plot(report: dict, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    phases = [p for p in PHASES if p in report["server_seconds"]]
+    phases = [p for p in DEADLINED if p in report["server_seconds"]]
     fig, ax = plt.subplots(figsize=(7, 3.5))
     x = np.arange(len(phases))
     ax.bar(x - 0.2, [report["server_seconds"][p] for p in phases], 0.4, label="server (total)")

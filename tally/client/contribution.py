@@ -26,7 +26,9 @@ from tally.client.metrics import ClientMetrics
 from tally.codec import PayloadSchema
 from tally.privacy.payload import NoiseBelowFloor, PrivateClient, ring_encode
 from tally.secagg import SessionConfig
-from tally.wire.convert import from_proto, schema_from_proto, tensors_from_proto
+from tally.wire.protocol import from_proto
+from tally.wire.sums import schema_from_proto
+from tally.wire.tensors import tensors_from_proto
 from tally.wire.v1 import coordinator_pb2
 
 

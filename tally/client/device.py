@@ -53,7 +53,8 @@ from tally.security import TLSConfig, bearer_metadata
 from tally.security.files import private_dir
 from tally.security.tls_failures import tls_failure
 from tally.version import VERSION as SDK_VERSION
-from tally.wire.convert import WireError, tensors_to_proto
+from tally.wire.fields import WireError
+from tally.wire.tensors import tensors_to_proto
 from tally.wire.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc
 
 log = logging.getLogger(__name__)

@@ -38,17 +38,16 @@ from tally.secagg import (
 from tally.secagg.messages import (
     Abort,
     ClientMessage,
-    ConsistencyCheckRequest,
-    MaskedInputRequest,
     MaskedInputResponse,
     ServerMessage,
     ShareDelivery,
     ShareKeysRequest,
-    UnmaskRequest,
 )
+from tally.secagg.phases import Phase, asked_for
 from tally.wire.chunks import split_masked_input
-from tally.wire.convert import WireError, device_envelope, from_proto, open_envelope
+from tally.wire.fields import WireError
 from tally.wire.join import join_metadata
+from tally.wire.protocol import device_envelope, from_proto, open_envelope
 from tally.wire.sized import already_serialized, sized
 from tally.wire.v1 import coordinator_pb2, secagg_pb2
 
@@ -139,19 +138,6 @@ def input_failure_label(error: BaseException) -> str:
     return "training_error"
 
 
-def _phase_of(message: ServerMessage) -> tuple[str, str]:
-    """(phase, sum) the aggregator is asking this device for; ("", "") when it asks nothing."""
-    if isinstance(message, ShareKeysRequest):
-        return "share_keys", ""
-    if isinstance(message, MaskedInputRequest):
-        return "masked_input", message.sum_id
-    if isinstance(message, ConsistencyCheckRequest):
-        return "consistency_check", message.sum_id
-    if isinstance(message, UnmaskRequest):
-        return "unmask", message.sum_id
-    return "", ""
-
-
 class SecAggSession:
     """One session; ``run`` never raises for what the network or the aggregator does, it
     returns the outcome. ``ring_input(sum_id)`` supplies this device's encoded input;
@@ -191,7 +177,7 @@ class SecAggSession:
         self._on_input = on_input
         # The protocol phase the session is in, and when the aggregator asked for it while the
         # device's answer is not sent yet (tally_client_phase_duration_seconds).
-        self._phase = "join"
+        self._phase = Phase.JOIN
         self._asked_at: float | None = None
         self._hooks = hooks
         # The first protocol message this device sent (the hooks learn it: a simulated device's
@@ -241,8 +227,8 @@ class SecAggSession:
             client = SecAggClient(self.config, task.device_index, self.identity, policy=self.policy)
         else:
             client = hooks.secagg_client(self.config, task.device_index, self.identity, self.policy)
-        self._asked("advertise_keys")  # Joined is the aggregator's request for the device's keys
-        if self.drop_phase == "advertise_keys":
+        self._asked(Phase.ADVERTISE_KEYS)  # Joined is the aggregator's request for the device's keys
+        if self.drop_phase == Phase.ADVERTISE_KEYS:
             return self._drop()
         if hooks is not None:
             if hooks.replay is not None:
@@ -293,11 +279,12 @@ class SecAggSession:
                     return self._outcome(ABORTED, message.reason or "aborted by the aggregator")
                 if not isinstance(message, ServerMessage):
                     return self._outcome(ABORTED, f"unexpected {type(message).__name__} on the stream")
-                phase, sum_id = _phase_of(message)
-                if phase:
+                request = asked_for(message)
+                if request is not None:
+                    phase, sum_id = request
                     self._asked(phase)
-                if phase and phase == self.drop_phase and sum_id in ("", first_sum):
-                    return self._drop()
+                    if phase == self.drop_phase and sum_id in ("", first_sum):
+                        return self._drop()
                 if isinstance(message, _HEAVY):
                     replies = await asyncio.to_thread(client.receive, message)
                 else:
@@ -351,7 +338,7 @@ class SecAggSession:
                                        time.perf_counter() - self._asked_at)
             self._asked_at = None
 
-    def _asked(self, phase: str) -> None:
+    def _asked(self, phase: Phase) -> None:
         self._phase, self._asked_at = phase, time.perf_counter()
 
     async def _read(self):

@@ -13,7 +13,7 @@ from __future__ import annotations
 from tally.client.contribution import TaskError
 from tally.secagg import DevicePolicy, ProtocolError, SessionConfig, SigningKey
 from tally.security import AuthError, TicketVerifier, config_digest
-from tally.wire.convert import session_config_bytes
+from tally.wire.protocol import session_config_bytes
 from tally.wire.v1 import coordinator_pb2
 
 

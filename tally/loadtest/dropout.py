@@ -13,9 +13,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from tally.secagg.driver import PHASES
+from tally.secagg.phases import DROPPABLE, Phase
 
-DEFAULT_PHASES = ("advertise_keys", "share_keys", "masked_input", "unmask")
+# Every droppable phase but the consistency check, which not every session runs.
+DEFAULT_PHASES = tuple(p for p in DROPPABLE if p is not Phase.CONSISTENCY_CHECK)
 
 
 @dataclass(frozen=True)
@@ -35,9 +36,9 @@ class DropoutPlan:
         object.__setattr__(self, "phases", tuple(self.phases))
         if not self.phases:
             raise ValueError("a dropout plan needs at least one phase")
-        unknown = set(self.phases) - set(PHASES)
+        unknown = set(self.phases) - set(DROPPABLE)
         if unknown:
-            raise ValueError(f"unknown dropout phases {sorted(unknown)}; choose from {PHASES}")
+            raise ValueError(f"unknown dropout phases {sorted(unknown)}; choose from {DROPPABLE}")
 
     def draws(self, device_id: str) -> Iterator[str | None]:
         """One draw per session of ``device_id``: the phase to leave in, or None to stay."""

@@ -13,8 +13,7 @@ from typing import Any
 
 from tally.loadtest.fleet import FleetStats
 from tally.loadtest.timeline import FleetTimeline
-
-PHASES = ("advertise_keys", "share_keys", "masked_input", "consistency_check", "unmask")
+from tally.secagg.phases import DEADLINED
 
 
 def write_report(timeline: FleetTimeline, stats: FleetStats, directory: Path) -> list[Path]:
@@ -44,7 +43,7 @@ def _plot(timeline: FleetTimeline, report: dict[str, Any], path: Path) -> Path:
     checkins.plot([s - start for s in seconds], [timeline.checkins[s] for s in seconds], lw=1)
     checkins.set(title="check-ins per second", xlabel="seconds since the first check-in", ylabel="check-ins")
 
-    colours = dict(zip(PHASES, plt.get_cmap("tab10").colors, strict=False))
+    colours = dict(zip(DEADLINED, plt.get_cmap("tab10").colors, strict=False))
     ordered = sorted(report["rounds"].items(), key=lambda kv: min(s for s, _ in kv[1].values()))
     for row, (_, phases) in enumerate(ordered):
         for phase, (begin, end) in phases.items():  # first ask to last answer of the phase

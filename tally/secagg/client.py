@@ -55,6 +55,7 @@ from tally.secagg.messages import (
     UnmaskRequest,
     UnmaskResponse,
 )
+from tally.secagg.phases import Phase
 from tally.secagg.policy import DevicePolicy
 from tally.secagg.layouts import (
     SHARE_CIPHERTEXT_BYTES,
@@ -238,7 +239,7 @@ class _Done(_Phase[ServerMessage]):
 
 
 class _AwaitShareKeysRequest(_Phase[ShareKeysRequest]):
-    name = "advertise_keys"
+    name = Phase.ADVERTISE_KEYS
     accepts = ShareKeysRequest
 
     def on(self, message: ShareKeysRequest) -> list[ClientMessage]:
@@ -305,7 +306,7 @@ class _AwaitShareDelivery(_Phase[ShareDelivery]):
     complaint for each that fails to decrypt or check. It never aborts over one dealer's bad
     share, nor drops that dealer on its own: the verdict decides for every device at once."""
 
-    name = "share_keys"
+    name = Phase.SHARE_KEYS
     accepts = ShareDelivery
 
     def __init__(self, client: SecAggClient, keyed: frozenset[int]) -> None:
@@ -373,7 +374,7 @@ class _AwaitShareVerdict(_Phase[JustifyRequest | ShareVerdict]):
     complainer's); then the excluded dealers are treated as never having shared, and this
     device's complaints must each be settled by an exclusion or a key that opens a good share."""
 
-    name = "share_verdict"
+    name = Phase.SHARE_VERDICT
     accepts = (JustifyRequest, ShareVerdict)
 
     def __init__(self, client: SecAggClient, delivered: frozenset[int]) -> None:
@@ -440,7 +441,7 @@ class _AwaitShareVerdict(_Phase[JustifyRequest | ShareVerdict]):
 
 
 class _AwaitMaskedInputRequest(_Phase[MaskedInputRequest]):
-    name = "masked_input"
+    name = Phase.MASKED_INPUT
     accepts = MaskedInputRequest
 
     def __init__(self, client: SecAggClient, position: int) -> None:
@@ -527,7 +528,7 @@ class _AwaitConsistencyCheck(_Phase[ConsistencyCheckRequest]):
     device signs one view only, so no two views that disagree about a device j can each carry
     the signatures of t of j's neighbours when 2t > k + corrupt neighbours."""
 
-    name = "consistency_check"
+    name = Phase.CONSISTENCY_CHECK
     accepts = ConsistencyCheckRequest
 
     def __init__(self, client: SecAggClient, position: int) -> None:
@@ -561,7 +562,7 @@ class _AwaitUnmask(_Phase[UnmaskRequest]):
     the one the request names (semi-honest policy only). Either way the request may name only
     this device's neighbourhood, each device once."""
 
-    name = "unmask"
+    name = Phase.UNMASK
     accepts = UnmaskRequest
 
     def __init__(self, client: SecAggClient, position: int, signed: tuple[int, ...] | None) -> None:

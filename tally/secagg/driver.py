@@ -22,27 +22,12 @@ from tally.secagg.client import SecAggClient
 from tally.secagg.crypto import SigningKey
 from tally.secagg.config import SessionConfig
 from tally.secagg.errors import OutOfPhase, ProtocolError, StaleMessage
-from tally.secagg.messages import (
-    ClientMessage,
-    ConsistencyCheckRequest,
-    MaskedInputRequest,
-    Outgoing,
-    ServerMessage,
-    SessionRef,
-    ShareKeysRequest,
-    SumResult,
-    UnmaskRequest,
-)
+from tally.secagg.messages import ClientMessage, Outgoing, SessionRef, SumResult
 from tally.secagg.params import ThreatModel
+from tally.secagg.phases import DROPPABLE, Phase, asked_for
 from tally.secagg.policy import DevicePolicy
 from tally.secagg.server import SecAggServer
 from tally.secagg.layouts import payload_bytes
-
-PHASES = ("advertise_keys", "share_keys", "masked_input", "consistency_check", "unmask")
-# Every phase a run times, in protocol order: the share-checking ones (server: complaints, and
-# justify when a dealer was accused; device: waiting for the verdict) have no dropout of their own.
-TIMED_PHASES = ("advertise_keys", "share_keys", "share_complaints", "justify", "share_verdict",
-                "masked_input", "consistency_check", "unmask")
 
 
 @dataclass(frozen=True)
@@ -53,8 +38,8 @@ class Dropout:
     sum_id: str | None = None
 
     def __post_init__(self) -> None:
-        if self.phase not in PHASES:
-            raise ValueError(f"unknown phase {self.phase!r}; one of {PHASES}")
+        if self.phase not in DROPPABLE:
+            raise ValueError(f"unknown phase {self.phase!r}; one of {tuple(map(str, DROPPABLE))}")
 
 
 @dataclass
@@ -71,18 +56,6 @@ class CohortRun:
     rejected: list[tuple[ClientMessage, ProtocolError]] = field(default_factory=list)
     # Devices that refused to go on (e.g. too few surviving neighbours to unmask safely).
     refused: dict[int, ProtocolError] = field(default_factory=dict)
-
-
-def _request_phase(message: ServerMessage) -> tuple[str, str] | None:
-    if isinstance(message, ShareKeysRequest):
-        return "share_keys", ""
-    if isinstance(message, MaskedInputRequest):
-        return "masked_input", message.sum_id
-    if isinstance(message, ConsistencyCheckRequest):
-        return "consistency_check", message.sum_id
-    if isinstance(message, UnmaskRequest):
-        return "unmask", message.sum_id
-    return None
 
 
 def enrol(n: int) -> dict[int, SigningKey]:
@@ -130,7 +103,7 @@ def run_cohort(
         d = dropouts.get(i)
         if d is None or d.phase != phase:
             return False
-        return phase in ("advertise_keys", "share_keys") or sum_id == (d.sum_id or first_sum)
+        return phase in (Phase.ADVERTISE_KEYS, Phase.SHARE_KEYS) or sum_id == (d.sum_id or first_sum)
 
     def send(i: int, messages: list[ClientMessage]) -> None:
         if measure_bytes:
@@ -142,7 +115,7 @@ def run_cohort(
             i = o.recipient
             if i in dead:
                 continue
-            request = _request_phase(o.message)
+            request = asked_for(o.message)
             if request is not None and drops_at(i, *request):
                 dead.add(i)
                 continue
@@ -161,12 +134,12 @@ def run_cohort(
             send(i, responses)
 
     for i, client in clients.items():
-        if drops_at(i, "advertise_keys", first_sum):
+        if drops_at(i, Phase.ADVERTISE_KEYS, first_sum):
             dead.add(i)
         else:
             start = time.perf_counter()
             messages = client.start()
-            run.client_seconds["advertise_keys"].append(time.perf_counter() - start)
+            run.client_seconds[Phase.ADVERTISE_KEYS].append(time.perf_counter() - start)
             send(i, messages)
 
     def timed_server(call: Callable[[], list[Outgoing]]) -> list[Outgoing]:

@@ -56,6 +56,7 @@ from tally.secagg.messages import (
     UnmaskRequest,
     UnmaskResponse,
 )
+from tally.secagg.phases import Phase
 from tally.secagg.layouts import (
     COMMITMENT_BYTES,
     SHARE_CIPHERTEXT_BYTES,
@@ -105,7 +106,7 @@ class SecAggServer:
         )
 
     @property
-    def phase(self) -> str:
+    def phase(self) -> Phase:
         return self._phase.name
 
     @property
@@ -184,7 +185,7 @@ K = TypeVar("K", bound=ClientMessage | None)  # what it keeps of each in ``recei
 
 
 class _Phase(abc.ABC, Generic[M, K]):
-    name = ""
+    name: Phase
     message_type: type[M] | tuple[type[M], ...] = ()
 
     def __init__(self, server: SecAggServer, expected: frozenset[int]) -> None:
@@ -247,7 +248,7 @@ _AnyPhase = _Phase[Any, Any]
 
 
 class _Finished(_Phase[ClientMessage, ClientMessage]):
-    name = "finished"
+    name = Phase.FINISHED
 
     def validate(self, message: ClientMessage) -> None:
         raise OutOfPhase("session is finished")
@@ -264,7 +265,7 @@ class _Finished(_Phase[ClientMessage, ClientMessage]):
 class _NotStarted(_Phase[ClientMessage, ClientMessage]):
     """A plain session before ``start()``, while devices join: they only speak when asked."""
 
-    name = "join"
+    name = Phase.JOIN
     message_type = ()
 
     def validate(self, message: ClientMessage) -> None:
@@ -275,7 +276,7 @@ class _NotStarted(_Phase[ClientMessage, ClientMessage]):
 
 
 class _AdvertiseKeysPhase(_Phase[AdvertiseKeys, AdvertiseKeys]):
-    name = "advertise_keys"
+    name = Phase.ADVERTISE_KEYS
     message_type = AdvertiseKeys
 
     def validate(self, message: AdvertiseKeys) -> None:
@@ -330,7 +331,7 @@ def _prune(config: SessionConfig, advertised: frozenset[int]) -> tuple[frozenset
 
 
 class _ShareKeysPhase(_Phase[ShareKeysResponse, ShareKeysResponse]):
-    name = "share_keys"
+    name = Phase.SHARE_KEYS
     message_type = ShareKeysResponse
 
     def validate(self, message: ShareKeysResponse) -> None:
@@ -405,7 +406,7 @@ class _ComplaintsPhase(_Phase[ShareComplaints, ShareComplaints]):
     """Every holder answers its delivery; a complaint must be signed by its holder over the
     share exactly as delivered (an honest server can check that, and the dealer will)."""
 
-    name = "share_complaints"
+    name = Phase.SHARE_COMPLAINTS
     message_type = ShareComplaints
 
     def validate(self, message: ShareComplaints) -> None:
@@ -447,7 +448,7 @@ class _JustifyPhase(_Phase[JustifyResponse, JustifyResponse]):
     the share it delivered with it. A dealer that does not, or whose share fails, is excluded;
     a complaint about a good share names its holder as misbehaving."""
 
-    name = "justify"
+    name = Phase.JUSTIFY
     message_type = JustifyResponse
 
     def __init__(self, server: SecAggServer, accused: frozenset[int], answered: frozenset[int],
@@ -496,7 +497,7 @@ def _verdict(server: SecAggServer, answered: frozenset[int],
     server.sharers -= excluded
     alive = answered - excluded
     server.deliveries = {}
-    refused = server._require(alive, "share_verdict", alive)
+    refused = server._require(alive, Phase.SHARE_VERDICT, alive)
     if refused is not None:
         return refused
     out = []
@@ -520,7 +521,7 @@ class _MaskedInputPhase(_SumPhase[MaskedInputResponse, None]):
     masks, and the server holds at most a small batch of uploads (``PackedSum``: 512 KiB), never
     the cohort's."""
 
-    name = "masked_input"
+    name = Phase.MASKED_INPUT
     message_type = MaskedInputResponse
 
     def __init__(self, server: SecAggServer, expected: frozenset[int], position: int) -> None:
@@ -582,7 +583,7 @@ class _ConsistencyPhase(_SumPhase[ConsistencyCheckResponse, ConsistencyCheckResp
     then gets the survivors within two hops and its neighbours' signatures, all it needs to check
     that t of them signed views that count it as a survivor. Messages stay O(k), not O(n)."""
 
-    name = "consistency_check"
+    name = Phase.CONSISTENCY_CHECK
     message_type = ConsistencyCheckResponse
 
     def __init__(self, server: SecAggServer, expected: frozenset[int], position: int, masked: np.ndarray) -> None:
@@ -638,7 +639,7 @@ class _UnmaskPhase(_SumPhase[UnmaskResponse, UnmaskResponse]):
     """Collects t shares of every secret the sum needs and rebuilds them all at once; the secrets,
     shares, rebuilding and unmasking are ``tally.secagg.unmask``'s."""
 
-    name = "unmask"
+    name = Phase.UNMASK
     message_type = UnmaskResponse
 
     def __init__(self, server: SecAggServer, expected: frozenset[int], position: int, masked: np.ndarray,

@@ -19,6 +19,7 @@ from tally import logs
 from tally.algorithms.base import Arrays, ClientAlgorithm, LocalTrainer, ServerAlgorithm, StepSpec
 from tally.codec import to_ring
 from tally.secagg import Dropout, SessionRef, ThreatModel, secure_sum
+from tally.secagg.phases import Phase
 
 SumFn = Callable[[int, StepSpec, Mapping[int, Arrays]], tuple[dict[str, np.ndarray], list[int]]]
 
@@ -48,7 +49,7 @@ class SecureSum:
         devices = sorted(contributions)
         values = {i + 1: {step.name: contributions[d]} for i, d in enumerate(devices)}
         victims = self.rng.choice(len(devices), size=int(self.dropout * len(devices)), replace=False)
-        dropouts = {int(v) + 1: Dropout(str(self.rng.choice(("share_keys", "masked_input", "unmask")))) for v in victims}
+        dropouts = {int(v) + 1: Dropout(str(self.rng.choice((Phase.SHARE_KEYS, Phase.MASKED_INPUT, Phase.UNMASK)))) for v in victims}
         decoded, run = secure_sum(
             {step.name: step.schema},
             values,

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from tally.wire.convert import WireError
+from tally.wire.fields import WireError
 from tally.wire.v1 import secagg_pb2
 
 CHUNK_BYTES = 1 << 20

@@ -188,7 +188,7 @@ def test_a_reveal_for_a_job_without_the_opt_in_is_permission_denied(tmp_path):
 
     from tally.coordinator.spec import catalogue
     from tally.security import bearer_metadata
-    from tally.wire.convert import tensors_to_proto
+    from tally.wire.tensors import tensors_to_proto
     from tally.wire.v1 import coordinator_pb2, coordinator_pb2_grpc
 
     kind = "aaggff-s-no-reveal"

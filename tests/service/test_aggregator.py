@@ -74,11 +74,9 @@ from tally.security.certs import write_deployment, write_file_atomic
 from tally.security.tls import open_aio_channel
 from tally.security.tokens import load_or_create_ticket_key
 from tally.wire.chunks import split_masked_input
-from tally.wire.convert import (
-    schema_to_proto,
-    session_config_bytes,
-)
 from tally.wire.join import join_metadata
+from tally.wire.protocol import session_config_bytes
+from tally.wire.sums import schema_to_proto
 from tally.wire.v1 import aggregator_pb2, aggregator_pb2_grpc, secagg_pb2
 
 # ---- tests -------------------------------------------------------------------------------------

@@ -81,16 +81,11 @@ from tally.security import (
 from tally.security.files import private_dir
 from tally.security.tls import TLSConfig
 from tally.training import TorchTrainer
-from tally.wire.convert import (
-    aggregator_envelope,
-    open_envelope,
-    schema_to_proto,
-    session_config_bytes,
-    tensors_to_proto,
-    to_proto,
-)
 from tally.wire.join import join_from_metadata
+from tally.wire.protocol import aggregator_envelope, open_envelope, session_config_bytes, to_proto
+from tally.wire.sums import schema_to_proto
 from tally.wire.task_reports import MAX_LEDGER_JOBS
+from tally.wire.tensors import tensors_to_proto
 from tally.wire.v1 import (
     common_pb2,
     coordinator_pb2,

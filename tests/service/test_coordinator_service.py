@@ -59,9 +59,7 @@ from tally.security import (
     load_or_create_ticket_key,
 )
 from tally.security.tls import tls_config_from_args
-from tally.wire.convert import (
-    tensors_from_proto,
-)
+from tally.wire.tensors import tensors_from_proto
 from tally.wire.v1 import (
     admin_pb2,
     common_pb2,

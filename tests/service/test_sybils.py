@@ -27,7 +27,7 @@ from support.stack import scrape_text
 
 from tally.algorithms.fedavg import FedAvgOptions
 from tally.coordinator.rounds.planner import Failed, FormCohorts, Hold, Phase, Retry, RoundPlanner
-from tally.wire.convert import from_proto
+from tally.wire.protocol import from_proto
 from tally.wire.v1 import coordinator_pb2
 
 

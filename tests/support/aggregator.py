@@ -28,13 +28,8 @@ from tally.aggregator import AggregatorService
 from tally.client.session import stream_status
 from tally.codec import Field, Kind, PayloadSchema, to_ring
 from tally.secagg import DevicePolicy, SecAggClient, SessionConfig, SessionRef, ThreatModel
-from tally.secagg.messages import (
-    Abort,
-    ConsistencyCheckRequest,
-    MaskedInputRequest,
-    ShareKeysRequest,
-    UnmaskRequest,
-)
+from tally.secagg.messages import Abort
+from tally.secagg.phases import DEADLINED, asked_for
 from tally.security import (
     OwnerTokens,
     SessionTicket,
@@ -47,16 +42,15 @@ from tally.security.certs import write_deployment
 from tally.security.tls import channel_credentials, channel_options
 from tally.security.tokens import load_or_create_ticket_key
 from tally.wire.chunks import split_masked_input
-from tally.wire.convert import (
-    cohort_sum_from_proto,
+from tally.wire.join import join_metadata
+from tally.wire.protocol import (
     device_envelope,
     from_proto,
     open_envelope,
-    schema_to_proto,
     session_config_bytes,
     to_proto,
 )
-from tally.wire.join import join_metadata
+from tally.wire.sums import cohort_sum_from_proto, schema_to_proto
 from tally.wire.v1 import aggregator_pb2, aggregator_pb2_grpc, secagg_pb2, secagg_pb2_grpc
 
 TEST_TIMEOUT_S = 50
@@ -142,8 +136,7 @@ def sign(deployment: Deployment, config: SessionConfig, *, aggregator_id: str = 
 
 
 def deadlines(seconds: float, **by_phase: float) -> secagg_pb2.PhaseDeadlines:
-    values = {f"{p}_seconds": seconds for p in
-              ("advertise_keys", "share_keys", "masked_input", "consistency_check", "unmask")}
+    values = {p.deadline_field: seconds for p in DEADLINED}
     values.update({f"{p}_seconds": s for p, s in by_phase.items()})
     return secagg_pb2.PhaseDeadlines(**values)
 
@@ -216,15 +209,6 @@ class DeviceRun:
     joined: asyncio.Event = field(default_factory=asyncio.Event)
 
 
-_REQUEST_PHASES = {ShareKeysRequest: "share_keys", MaskedInputRequest: "masked_input",
-                   ConsistencyCheckRequest: "consistency_check", UnmaskRequest: "unmask"}
-
-
-def _request_phase(message) -> tuple[str, str]:
-    """(phase, sum id) of a server request; sum id "" for the phases before the sums."""
-    return _REQUEST_PHASES.get(type(message), ""), getattr(message, "sum_id", "")
-
-
 async def device(channel: grpc.aio.Channel, cohort: PlannedCohort, index: int,
                  drop_at: tuple[str, str] | None = None, seen: DeviceRun | None = None,
                  tamper: Callable[[Any], Any] = lambda message: message,
@@ -252,7 +236,7 @@ async def device(channel: grpc.aio.Channel, cohort: PlannedCohort, index: int,
                 assert list(message.sum_ids) == [s.sum_id for s in cohort.config.sums]
                 seen.outcome = "done"
                 continue
-            elif _request_phase(message) == drop_at:
+            elif drop_at is not None and asked_for(message) == drop_at:
                 return _drop(call, seen)
             else:
                 if isinstance(message, Abort):

@@ -49,13 +49,9 @@ from tally.security import (
 )
 from tally.security.tokens import OWNER_METADATA_KEY
 from tally.sim.rounds import plain_sum, run_rounds
-from tally.wire.convert import (
-    cohort_sum_to_proto,
-    from_proto,
-    schema_from_proto,
-    session_config_bytes,
-    tensors_from_proto,
-)
+from tally.wire.protocol import from_proto, session_config_bytes
+from tally.wire.sums import cohort_sum_to_proto, schema_from_proto
+from tally.wire.tensors import tensors_from_proto
 from tally.wire.v1 import (
     admin_pb2,
     admin_pb2_grpc,

@@ -21,7 +21,7 @@ from tally.secagg import (
     choose_params,
     secure_sum,
 )
-from tally.secagg.driver import PHASES
+from tally.secagg.phases import DROPPABLE, Phase
 
 
 def exact_total(inputs, contributors, sum_id, bits) -> list[int]:
@@ -45,7 +45,7 @@ def cohorts(draw):
         for j in range(n_sums)
     )
     consistency = draw(st.booleans())
-    phases = [p for p in PHASES if consistency or p != "consistency_check"]
+    phases = [p for p in DROPPABLE if consistency or p != Phase.CONSISTENCY_CHECK]
     dropouts = {}
     for i in range(1, n + 1):
         if draw(st.integers(0, 3)) == 0:

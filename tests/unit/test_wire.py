@@ -49,24 +49,28 @@ from tally.secagg.params import GraphParams
 from support.secagg import lax_client, roster
 from tally.secagg.layouts import SHARE_CIPHERTEXT_BYTES
 from tally.wire import generate
-from tally.wire.join import join_from_metadata, join_metadata
 from tally.wire.chunks import ChunkError, MaskedInputAssembler, split_masked_input
-from tally.wire.convert import (
-    WireError,
+from tally.wire.fields import WireError
+from tally.wire.join import join_from_metadata, join_metadata
+from tally.wire.protocol import (
     aggregator_envelope,
-    cohort_sum_from_proto,
-    cohort_sum_to_proto,
     device_envelope,
     from_proto,
     open_envelope,
+    session_config_bytes,
+    to_proto,
+)
+from tally.wire.sums import (
+    cohort_sum_from_proto,
+    cohort_sum_to_proto,
     schema_from_proto,
     schema_to_proto,
-    session_config_bytes,
+)
+from tally.wire.tensors import (
     tensor_from_proto,
     tensor_to_proto,
     tensors_from_proto,
     tensors_to_proto,
-    to_proto,
 )
 from tally.wire.v1 import (
     admin_pb2_grpc,

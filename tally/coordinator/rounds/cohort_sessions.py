@@ -31,8 +31,11 @@ from tally.coordinator.rounds.planner import CohortPlan, CohortRejected, NoCapac
 from tally.coordinator.state.store import CohortSumRecord, Store
 from tally.secagg import SessionConfig, SessionRef
 from tally.secagg.messages import SessionAborted, SumResult
+from tally.secagg.phases import DEADLINED
 from tally.security import SessionTicket, TicketSigner, config_digest
-from tally.wire.convert import WireError, cohort_sum_from_proto, schema_to_proto, session_config_bytes, to_proto
+from tally.wire.fields import WireError
+from tally.wire.protocol import session_config_bytes, to_proto
+from tally.wire.sums import cohort_sum_from_proto, schema_to_proto
 from tally.wire.v1 import aggregator_pb2, secagg_pb2
 
 log = logging.getLogger(__name__)
@@ -58,12 +61,7 @@ class OpenedSession:
 
 
 def phase_deadlines(spec: JobSpec) -> secagg_pb2.PhaseDeadlines:
-    d = spec.deadlines
-    return secagg_pb2.PhaseDeadlines(
-        advertise_keys_seconds=d["advertise_keys"], share_keys_seconds=d["share_keys"],
-        masked_input_seconds=d["masked_input"], consistency_check_seconds=d["consistency_check"],
-        unmask_seconds=d["unmask"],
-    )
+    return secagg_pb2.PhaseDeadlines(**{p.deadline_field: spec.deadlines[p] for p in DEADLINED})
 
 
 class CohortSessions:

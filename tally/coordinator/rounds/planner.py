@@ -56,6 +56,7 @@ from tally.codec import CodecError
 from tally.coordinator.rounds.come_back import Retry
 from tally.coordinator.spec.jobspec import JobSpec
 from tally.secagg import SumResult
+from tally.secagg.phases import Phase as SecAggPhase
 
 # Pace steering bounds: never tell a device to come back sooner or later than this.
 MIN_RETRY_S = 0.2
@@ -150,10 +151,10 @@ def attempt_bound_s(spec: JobSpec, n_steps: int) -> float:
     """Longest an attempt may take once its cohorts are formed: download, key exchange, then every
     step's masked input (with local computation), consistency check and unmask."""
     d = spec.deadlines
-    per_step = d["masked_input"] + d["unmask"]
+    per_step = d[SecAggPhase.MASKED_INPUT] + d[SecAggPhase.UNMASK]
     if spec.secure.checks_consistency:
-        per_step += d["consistency_check"]
-    total = d["download"] + d["advertise_keys"] + d["share_keys"] + n_steps * per_step
+        per_step += d[SecAggPhase.CONSISTENCY_CHECK]
+    total = d["download"] + d[SecAggPhase.ADVERTISE_KEYS] + d[SecAggPhase.SHARE_KEYS] + n_steps * per_step
     return total * (1 + ROUND_MARGIN_FRACTION) + ROUND_MARGIN_S
 
 

@@ -73,8 +73,9 @@ from tally.coordinator.state.store import RoundRecord, Store
 from tally.coordinator.rounds.task_reports import Recorded, TaskReportBook
 from tally.privacy import metrics as privacy_metrics
 from tally.privacy.spec import private_job_server
+from tally.secagg.phases import Phase as SecAggPhase
 from tally.security import TicketSigner
-from tally.wire.convert import to_proto
+from tally.wire.protocol import to_proto
 from tally.wire.v1 import coordinator_pb2
 
 log = logging.getLogger(__name__)
@@ -518,7 +519,7 @@ class JobRunner:
         phases = self.ctx.metrics.phase_duration
         with phases.labels(phase="aggregation").time():
             if step.reveal:
-                timeout = min(self.spec.deadlines["masked_input"], max(planner.deadline - self.ctx.clock(), 0.0))
+                timeout = min(self.spec.deadlines[SecAggPhase.MASKED_INPUT], max(planner.deadline - self.ctx.clock(), 0.0))
                 total = await answers.collect_reveals(k, step, timeout)
             else:
                 total = await self.sessions.collect(planner, step, self.round, self.attempt)

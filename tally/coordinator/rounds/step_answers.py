@@ -23,7 +23,8 @@ from tally.coordinator.metrics import CoordinatorMetrics
 from tally.coordinator.rounds.planner import Retry, RoundPlanner
 from tally.coordinator.rounds.reveals import RevealCollector, RevealOutOfPhase
 from tally.coordinator.state.store import Store
-from tally.wire.convert import schema_to_proto, tensors_from_proto, tensors_to_proto
+from tally.wire.sums import schema_to_proto
+from tally.wire.tensors import tensors_from_proto, tensors_to_proto
 from tally.wire.v1 import coordinator_pb2
 
 log = logging.getLogger(__name__)

@@ -38,10 +38,6 @@ from tally.coordinator.spec import catalogue
 from tally.privacy import spec as privacy_spec
 from tally.secagg import ThreatModel, UnsafeParameters, choose_params
 
-PHASE_DEADLINES = (
-    "checkin", "download", "advertise_keys", "share_keys", "masked_input", "consistency_check",
-    "unmask",
-)
 REVEALABLE = {"aaggff_s": ("response",)}
 DEFAULT_DEADLINES = {
     "checkin": 30.0,

@@ -1,15 +1,16 @@
-"""Translation between the protocol's plain values and their protobuf form.
+"""The secure-aggregation protocol's values and the stream envelopes that carry them, to and from
+their protobuf form.
 
-The state machines (``tally.secagg``) and the codec (``tally.codec``) know nothing of protobuf;
-the services call ``to_proto`` on what a state machine emits and ``from_proto`` on what arrives.
+The state machines (``tally.secagg``) know nothing of protobuf; the services call ``to_proto`` on
+what a state machine emits and ``from_proto`` on what arrives, and wrap and open the session
+stream's messages with ``device_envelope``, ``aggregator_envelope`` and ``open_envelope``.
 
-``from_proto`` is the trust boundary for structure: a message of the wrong type, a missing
-oneof, a missing submessage or a zero where a 1-based device index or a non-empty id is
-required raises ``WireError`` (a ``ValueError``) naming the message and field. So does every
-field of fixed size (keys, commitments, signatures, share ciphertexts) of any other size, and
-any id longer than ``MAX_ID_BYTES``: nothing oversized is ever stored or relayed to another
-device. Whether a message makes sense in its session (indices within the cohort, phase,
-signatures) is left to the state machines, which answer with their own errors.
+``from_proto`` is the trust boundary for structure (``tally.wire.fields``): a message of the
+wrong type, a missing oneof, a missing submessage, a zero where a 1-based device index or a
+non-empty id is required, or a fixed-size field (keys, commitments, signatures, share
+ciphertexts) of any other size raises ``WireError`` naming the message and field. Whether a
+message makes sense in its session (indices within the cohort, phase, signatures) is left to the
+state machines, which answer with their own errors.
 
 Encoders fill a message in place, so wrapping a large masked input in its stream envelope
 copies its bytes once, not once per layer.
@@ -17,14 +18,11 @@ copies its bytes once, not once per layer.
 
 from __future__ import annotations
 
-import math
-from collections.abc import Callable, Iterable, Mapping
-from typing import Any, TypeVar, cast, overload
+from collections.abc import Callable, Mapping
+from typing import Any
 
-import numpy as np
 from google.protobuf.message import Message
 
-from tally.codec import Field, Kind, PayloadSchema, pack, ring_mask, unpack, wire_width
 from tally.secagg.config import SessionConfig
 from tally.secagg.messages import (
     Abort,
@@ -40,7 +38,6 @@ from tally.secagg.messages import (
     NeighbourKeys,
     RevealedShareKey,
     ServerMessage,
-    SessionAborted,
     SessionRef,
     ShareCheck,
     ShareComplaint,
@@ -50,7 +47,6 @@ from tally.secagg.messages import (
     ShareKeysResponse,
     ShareVerdict,
     SumPublicKeys,
-    SumResult,
     SumSpec,
     UnmaskRequest,
     UnmaskResponse,
@@ -58,83 +54,20 @@ from tally.secagg.messages import (
 from tally.secagg import crypto, shamir, sharecheck
 from tally.secagg.params import GraphParams
 from tally.secagg.layouts import COMMITMENT_BYTES, SHARE_CIPHERTEXT_BYTES
-from tally.wire.v1 import aggregator_pb2, common_pb2, secagg_pb2
-
-__all__ = [
-    "WireError",
-    "aggregator_envelope",
-    "cohort_sum_from_proto",
-    "cohort_sum_to_proto",
-    "device_envelope",
-    "from_proto",
-    "open_envelope",
-    "schema_from_proto",
-    "schema_to_proto",
-    "session_config_bytes",
-    "tensor_from_proto",
-    "tensor_to_proto",
-    "tensors_from_proto",
-    "tensors_to_proto",
-    "to_proto",
-]
-
-
-class WireError(ValueError):
-    """A protobuf message that does not describe a valid value."""
-
-
-# ---- checks ------------------------------------------------------------------------------------
-
-
-def _name(proto: Message) -> str:
-    return type(proto).DESCRIPTOR.name
-
-
-def _sub(proto: Message, field: str) -> Message:
-    """A required submessage: proto3 reports an absent one as empty, which is never valid here."""
-    if not proto.HasField(field):
-        raise WireError(f"{_name(proto)}.{field} is missing")
-    sub: Message = getattr(proto, field)
-    return sub
-
-
-MAX_ID_BYTES = 256
-
-
-def _text(proto: Message, field: str) -> str:
-    value: str = getattr(proto, field)
-    if not value:
-        raise WireError(f"{_name(proto)}.{field} is missing (empty)")
-    if len(value) > MAX_ID_BYTES:
-        raise WireError(f"{_name(proto)}.{field}: at most {MAX_ID_BYTES} characters, got {len(value)}")
-    return value
-
-
-def _fixed(proto: Message, field: str, size: int, value: bytes | None = None) -> bytes:
-    """A bytes field of exactly ``size`` bytes."""
-    value = getattr(proto, field) if value is None else value
-    if len(value) != size:
-        raise WireError(f"{_name(proto)}.{field} must be {size} bytes, got {len(value)}")
-    return value
-
-
-def _index(proto: Message, field: str, value: int | None = None) -> int:
-    """A 1-based device index; 0 is what proto3 reads for an absent field."""
-    value = getattr(proto, field) if value is None else value
-    if value < 1:
-        raise WireError(f"{_name(proto)}.{field}: device indices are 1-based, got {value}")
-    return int(value)
-
-
-def _indices(proto: Message, field: str) -> tuple[int, ...]:
-    values = tuple(getattr(proto, field))
-    if values and min(values) < 1:
-        _index(proto, field, next(v for v in values if v < 1))  # raises, naming the field
-    return values
+from tally.wire.fields import (
+    WireError,
+    device_index,
+    device_indices,
+    fixed_bytes,
+    id_text,
+    message_name,
+    submessage,
+)
+from tally.wire.v1 import secagg_pb2
 
 
 def _ref(proto: Message) -> SessionRef:
-    return _session_ref_from(cast(secagg_pb2.SessionRef, _sub(proto, "ref")))  # every ref field is one
+    return _session_ref_from(submessage(proto, "ref"))
 
 
 # ---- session and sums --------------------------------------------------------------------------
@@ -148,7 +81,7 @@ def _session_ref_to(v: SessionRef, out: secagg_pb2.SessionRef) -> None:
 def _session_ref_from(p: secagg_pb2.SessionRef) -> SessionRef:
     if p.round < 0:
         raise WireError(f"SessionRef.round must be >= 0, got {p.round}")
-    return SessionRef(_text(p, "job_id"), int(p.round), _text(p, "session_id"))
+    return SessionRef(id_text(p, "job_id"), int(p.round), id_text(p, "session_id"))
 
 
 def _sum_spec_to(v: SumSpec, out: secagg_pb2.SumSpec) -> None:
@@ -160,7 +93,7 @@ def _sum_spec_from(p: secagg_pb2.SumSpec) -> SumSpec:
         raise WireError(f"SumSpec {p.sum_id!r}: dim must be >= 1, got {p.dim}")
     if not 1 <= p.bits <= 64:
         raise WireError(f"SumSpec {p.sum_id!r}: bits must be in 1..64, got {p.bits}")
-    return SumSpec(_text(p, "sum_id"), int(p.dim), int(p.bits))
+    return SumSpec(id_text(p, "sum_id"), int(p.dim), int(p.bits))
 
 
 def _session_config_to(v: SessionConfig, out: secagg_pb2.SessionConfig) -> None:
@@ -192,7 +125,7 @@ def _session_config_from(p: secagg_pb2.SessionConfig) -> SessionConfig:
             graph_seed=p.graph_seed,
             consistency_check=p.consistency_check,
             min_survivors=int(p.min_survivors),
-            identities=tuple(_fixed(p, "identities", crypto.PUBLIC_KEY_BYTES, k) for k in p.identities),
+            identities=tuple(fixed_bytes(p, "identities", crypto.PUBLIC_KEY_BYTES, k) for k in p.identities),
             plain=p.plain,
         )
     except ValueError as exc:
@@ -209,10 +142,10 @@ def _sum_keys_to(v: SumPublicKeys, out: secagg_pb2.SumPublicKeys) -> None:
 
 def _sum_keys_from(p: secagg_pb2.SumPublicKeys) -> SumPublicKeys:
     return SumPublicKeys(
-        _text(p, "sum_id"),
-        _fixed(p, "cipher_public", crypto.PUBLIC_KEY_BYTES),
-        _fixed(p, "mask_public", crypto.PUBLIC_KEY_BYTES),
-        _fixed(p, "seed_commitment", COMMITMENT_BYTES),
+        id_text(p, "sum_id"),
+        fixed_bytes(p, "cipher_public", crypto.PUBLIC_KEY_BYTES),
+        fixed_bytes(p, "mask_public", crypto.PUBLIC_KEY_BYTES),
+        fixed_bytes(p, "seed_commitment", COMMITMENT_BYTES),
     )
 
 
@@ -226,8 +159,8 @@ def _advertise_keys_to(v: AdvertiseKeys, out: secagg_pb2.AdvertiseKeys) -> None:
 
 def _advertise_keys_from(p: secagg_pb2.AdvertiseKeys) -> AdvertiseKeys:
     return AdvertiseKeys(
-        _ref(p), _index(p, "sender"), tuple(map(_sum_keys_from, p.keys)),
-        _fixed(p, "signature", crypto.SIGNATURE_BYTES),
+        _ref(p), device_index(p, "sender"), tuple(map(_sum_keys_from, p.keys)),
+        fixed_bytes(p, "signature", crypto.SIGNATURE_BYTES),
     )
 
 
@@ -239,10 +172,10 @@ def _share_to(v: EncryptedShare, out: secagg_pb2.EncryptedShare) -> None:
 
 def _share_from(p: secagg_pb2.EncryptedShare) -> EncryptedShare:
     if len(p.check) not in (0, sharecheck.CHECK_BYTES):
-        raise WireError(f"{_name(p)}.check must be empty or {sharecheck.CHECK_BYTES} bytes, got {len(p.check)}")
+        raise WireError(f"{message_name(p)}.check must be empty or {sharecheck.CHECK_BYTES} bytes, got {len(p.check)}")
     return EncryptedShare(
-        _text(p, "sum_id"), _index(p, "sender"), _index(p, "recipient"),
-        _fixed(p, "ciphertext", SHARE_CIPHERTEXT_BYTES), p.check,
+        id_text(p, "sum_id"), device_index(p, "sender"), device_index(p, "recipient"),
+        fixed_bytes(p, "ciphertext", SHARE_CIPHERTEXT_BYTES), p.check,
     )
 
 
@@ -251,7 +184,7 @@ def _share_check_to(v: ShareCheck, out: secagg_pb2.ShareCheck) -> None:
 
 
 def _share_check_from(p: secagg_pb2.ShareCheck) -> ShareCheck:
-    return ShareCheck(_text(p, "sum_id"), p.coefficients)
+    return ShareCheck(id_text(p, "sum_id"), p.coefficients)
 
 
 def _share_keys_response_to(v: ShareKeysResponse, out: secagg_pb2.ShareKeysResponse) -> None:
@@ -264,7 +197,7 @@ def _share_keys_response_to(v: ShareKeysResponse, out: secagg_pb2.ShareKeysRespo
 
 
 def _share_keys_response_from(p: secagg_pb2.ShareKeysResponse) -> ShareKeysResponse:
-    return ShareKeysResponse(_ref(p), _index(p, "sender"), tuple(map(_share_from, p.shares)),
+    return ShareKeysResponse(_ref(p), device_index(p, "sender"), tuple(map(_share_from, p.shares)),
                              tuple(map(_share_check_from, p.checks)))
 
 
@@ -273,8 +206,8 @@ def _complaint_to(v: ShareComplaint, out: secagg_pb2.ShareComplaint) -> None:
 
 
 def _complaint_from(p: secagg_pb2.ShareComplaint) -> ShareComplaint:
-    return ShareComplaint(_text(p, "sum_id"), _index(p, "dealer"), _index(p, "holder"),
-                          _fixed(p, "signature", crypto.SIGNATURE_BYTES))
+    return ShareComplaint(id_text(p, "sum_id"), device_index(p, "dealer"), device_index(p, "holder"),
+                          fixed_bytes(p, "signature", crypto.SIGNATURE_BYTES))
 
 
 def _complaints_to(v: ShareComplaints, out: secagg_pb2.ShareComplaints) -> None:
@@ -285,7 +218,7 @@ def _complaints_to(v: ShareComplaints, out: secagg_pb2.ShareComplaints) -> None:
 
 
 def _complaints_from(p: secagg_pb2.ShareComplaints) -> ShareComplaints:
-    return ShareComplaints(_ref(p), _index(p, "sender"), tuple(map(_complaint_from, p.complaints)))
+    return ShareComplaints(_ref(p), device_index(p, "sender"), tuple(map(_complaint_from, p.complaints)))
 
 
 def _revealed_to(v: RevealedShareKey, out: secagg_pb2.RevealedShareKey) -> None:
@@ -293,8 +226,8 @@ def _revealed_to(v: RevealedShareKey, out: secagg_pb2.RevealedShareKey) -> None:
 
 
 def _revealed_from(p: secagg_pb2.RevealedShareKey) -> RevealedShareKey:
-    return RevealedShareKey(_text(p, "sum_id"), _index(p, "dealer"), _index(p, "holder"),
-                            _fixed(p, "key", crypto.KEY_BYTES))
+    return RevealedShareKey(id_text(p, "sum_id"), device_index(p, "dealer"), device_index(p, "holder"),
+                            fixed_bytes(p, "key", crypto.KEY_BYTES))
 
 
 def _justify_response_to(v: JustifyResponse, out: secagg_pb2.JustifyResponse) -> None:
@@ -305,7 +238,7 @@ def _justify_response_to(v: JustifyResponse, out: secagg_pb2.JustifyResponse) ->
 
 
 def _justify_response_from(p: secagg_pb2.JustifyResponse) -> JustifyResponse:
-    return JustifyResponse(_ref(p), _index(p, "sender"), tuple(map(_revealed_from, p.keys)))
+    return JustifyResponse(_ref(p), device_index(p, "sender"), tuple(map(_revealed_from, p.keys)))
 
 
 def _masked_input_response_to(v: MaskedInputResponse, out: secagg_pb2.MaskedInputResponse) -> None:
@@ -314,7 +247,7 @@ def _masked_input_response_to(v: MaskedInputResponse, out: secagg_pb2.MaskedInpu
 
 
 def _masked_input_response_from(p: secagg_pb2.MaskedInputResponse) -> MaskedInputResponse:
-    return MaskedInputResponse(_ref(p), _text(p, "sum_id"), _index(p, "sender"), p.data)
+    return MaskedInputResponse(_ref(p), id_text(p, "sum_id"), device_index(p, "sender"), p.data)
 
 
 def _consistency_response_to(
@@ -328,16 +261,16 @@ def _consistency_response_from(
     p: secagg_pb2.ConsistencyCheckResponse,
 ) -> ConsistencyCheckResponse:
     return ConsistencyCheckResponse(
-        _ref(p), _text(p, "sum_id"), _index(p, "sender"), _fixed(p, "signature", crypto.SIGNATURE_BYTES)
+        _ref(p), id_text(p, "sum_id"), device_index(p, "sender"), fixed_bytes(p, "signature", crypto.SIGNATURE_BYTES)
     )
 
 
 def _owned_from(p: Message, owners: str, shares: str) -> tuple[tuple[int, ...], bytes]:
     """Owner indices and their shares' block, which must hold one share per owner."""
-    indices = _indices(p, owners)
+    indices = device_indices(p, owners)
     block = getattr(p, shares)
     if len(block) != len(indices) * shamir.SHARE_BYTES:
-        raise WireError(f"{_name(p)}.{shares} must be {shamir.SHARE_BYTES} bytes per owner in {owners} "
+        raise WireError(f"{message_name(p)}.{shares} must be {shamir.SHARE_BYTES} bytes per owner in {owners} "
                         f"({len(indices)}), got {len(block)}")
     return indices, block
 
@@ -354,8 +287,8 @@ def _unmask_response_to(v: UnmaskResponse, out: secagg_pb2.UnmaskResponse) -> No
 def _unmask_response_from(p: secagg_pb2.UnmaskResponse) -> UnmaskResponse:
     return UnmaskResponse(
         _ref(p),
-        _text(p, "sum_id"),
-        _index(p, "sender"),
+        id_text(p, "sum_id"),
+        device_index(p, "sender"),
         *_owned_from(p, "seed_owners", "seed_shares"),
         *_owned_from(p, "key_owners", "key_shares"),
     )
@@ -373,8 +306,8 @@ def _neighbour_to(v: NeighbourKeys, out: secagg_pb2.NeighbourKeys) -> None:
 
 def _neighbour_from(p: secagg_pb2.NeighbourKeys) -> NeighbourKeys:
     return NeighbourKeys(
-        _index(p, "index"), tuple(map(_sum_keys_from, p.keys)),
-        _fixed(p, "signature", crypto.SIGNATURE_BYTES),
+        device_index(p, "index"), tuple(map(_sum_keys_from, p.keys)),
+        fixed_bytes(p, "signature", crypto.SIGNATURE_BYTES),
     )
 
 
@@ -416,7 +349,7 @@ def _verdict_to(v: ShareVerdict, out: secagg_pb2.ShareVerdict) -> None:
 
 
 def _verdict_from(p: secagg_pb2.ShareVerdict) -> ShareVerdict:
-    return ShareVerdict(_ref(p), _indices(p, "excluded"), tuple(map(_revealed_from, p.keys)))
+    return ShareVerdict(_ref(p), device_indices(p, "excluded"), tuple(map(_revealed_from, p.keys)))
 
 
 def _masked_input_request_to(v: MaskedInputRequest, out: secagg_pb2.MaskedInputRequest) -> None:
@@ -425,7 +358,7 @@ def _masked_input_request_to(v: MaskedInputRequest, out: secagg_pb2.MaskedInputR
 
 
 def _masked_input_request_from(p: secagg_pb2.MaskedInputRequest) -> MaskedInputRequest:
-    return MaskedInputRequest(_ref(p), _text(p, "sum_id"))
+    return MaskedInputRequest(_ref(p), id_text(p, "sum_id"))
 
 
 def _consistency_request_to(
@@ -437,7 +370,7 @@ def _consistency_request_to(
 
 
 def _consistency_request_from(p: secagg_pb2.ConsistencyCheckRequest) -> ConsistencyCheckRequest:
-    return ConsistencyCheckRequest(_ref(p), _text(p, "sum_id"), _indices(p, "survivors"))
+    return ConsistencyCheckRequest(_ref(p), id_text(p, "sum_id"), device_indices(p, "survivors"))
 
 
 def _unmask_request_to(v: UnmaskRequest, out: secagg_pb2.UnmaskRequest) -> None:
@@ -451,10 +384,10 @@ def _unmask_request_to(v: UnmaskRequest, out: secagg_pb2.UnmaskRequest) -> None:
 
 def _unmask_request_from(p: secagg_pb2.UnmaskRequest) -> UnmaskRequest:
     signatures = tuple(
-        (_index(p, "signatures.signer", s.signer), _fixed(p, "signatures.signature", crypto.SIGNATURE_BYTES, s.signature))
+        (device_index(p, "signatures.signer", s.signer), fixed_bytes(p, "signatures.signature", crypto.SIGNATURE_BYTES, s.signature))
         for s in p.signatures
     )
-    return UnmaskRequest(_ref(p), _text(p, "sum_id"), _indices(p, "survivors"), signatures)
+    return UnmaskRequest(_ref(p), id_text(p, "sum_id"), device_indices(p, "survivors"), signatures)
 
 
 def _abort_to(v: Abort, out: secagg_pb2.Abort) -> None:
@@ -535,10 +468,6 @@ _AGGREGATOR_FIELDS: dict[type, str] = {
 }
 
 
-@overload
-def to_proto(value: SessionConfig) -> secagg_pb2.SessionConfig: ...
-@overload
-def to_proto(value: Any) -> Message: ...
 def to_proto(value: Any) -> Message:
     """The protobuf form of a protocol message, SessionConfig, SumSpec or SessionRef."""
     try:
@@ -566,13 +495,10 @@ def from_proto(proto: Message) -> Any:
     return decode(proto)
 
 
-E = TypeVar("E", bound=Message)
-
-
-def _wrap(envelope: E, fields: Mapping[type, str], message: Any) -> E:
+def _wrap(envelope: Message, fields: Mapping[type, str], message: Any) -> Message:
     field = fields.get(type(message))
     if field is None:
-        raise TypeError(f"a {type(message).__name__} does not travel in {_name(envelope)}")
+        raise TypeError(f"a {type(message).__name__} does not travel in {message_name(envelope)}")
     target = getattr(envelope, field)
     target.SetInParent()  # selects the oneof even for an empty message (SessionDone of no sums)
     if isinstance(message, Message):
@@ -594,12 +520,6 @@ def aggregator_envelope(
     return _wrap(secagg_pb2.AggregatorToDevice(), _AGGREGATOR_FIELDS, message)
 
 
-@overload
-def open_envelope(envelope: secagg_pb2.DeviceToAggregator) -> ClientMessage: ...
-@overload
-def open_envelope(
-    envelope: secagg_pb2.AggregatorToDevice,
-) -> ServerMessage | secagg_pb2.Joined | secagg_pb2.SessionDone: ...
 def open_envelope(envelope: secagg_pb2.DeviceToAggregator | secagg_pb2.AggregatorToDevice) -> Any:
     """The message a stream envelope carries: a protocol value, or the Joined or SessionDone
     proto as is (session plumbing, which the services handle themselves)."""
@@ -607,144 +527,7 @@ def open_envelope(envelope: secagg_pb2.DeviceToAggregator | secagg_pb2.Aggregato
         raise WireError(f"not a stream envelope: {type(envelope).__name__}")
     field = envelope.WhichOneof("message")
     if field is None:
-        raise WireError(f"{_name(envelope)} carries no message")
+        raise WireError(f"{message_name(envelope)} carries no message")
     inner = getattr(envelope, field)
     decode = _DECODERS.get(type(inner))
     return inner if decode is None else decode(inner)
-
-
-# ---- tensors -----------------------------------------------------------------------------------
-
-# Plain numeric dtypes only: object, string, void and datetime arrays have no portable bytes
-# (and decoding an object array from untrusted bytes would be unsafe).
-_DTYPES = frozenset(
-    ["bool", "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64",
-     "float16", "float32", "float64", "complex64", "complex128"]
-)
-
-
-def tensor_to_proto(name: str, array: Any) -> common_pb2.Tensor:
-    """A Tensor of ``array``'s values, C order, little-endian."""
-    if not isinstance(name, str):
-        raise TypeError(f"tensor name must be a str, got {type(name).__name__}")
-    array = np.asarray(array)
-    if array.dtype.name not in _DTYPES:
-        raise ValueError(f"tensor {name!r}: dtype {array.dtype} cannot go on the wire; "
-                         f"use one of {sorted(_DTYPES)}")
-    little = np.ascontiguousarray(array, dtype=array.dtype.newbyteorder("<"))
-    return common_pb2.Tensor(
-        name=name, shape=array.shape, dtype=array.dtype.name, data=little.tobytes()
-    )
-
-
-def tensor_from_proto(proto: common_pb2.Tensor) -> np.ndarray:
-    """A writable array in native byte order, with the Tensor's dtype and shape."""
-    if not isinstance(proto, common_pb2.Tensor):
-        raise WireError(f"expected a Tensor, got {type(proto).__name__}")
-    if proto.dtype not in _DTYPES:
-        raise WireError(f"tensor {proto.name!r}: unsupported dtype {proto.dtype!r}; "
-                        f"expected one of {sorted(_DTYPES)}")
-    shape = tuple(int(d) for d in proto.shape)
-    if any(d < 0 for d in shape):
-        raise WireError(f"tensor {proto.name!r}: negative dimension in shape {shape}")
-    dtype = np.dtype(proto.dtype).newbyteorder("<")
-    expected = math.prod(shape) * dtype.itemsize
-    if len(proto.data) != expected:
-        raise WireError(f"tensor {proto.name!r}: shape {shape} of {proto.dtype} needs {expected} "
-                        f"bytes, got {len(proto.data)}")
-    return np.frombuffer(proto.data, dtype=dtype).reshape(shape).astype(dtype.newbyteorder("="))
-
-
-def tensors_to_proto(values: Mapping[str, Any]) -> list[common_pb2.Tensor]:
-    """Named arrays (a broadcast) as Tensors, in the mapping's order."""
-    return [tensor_to_proto(name, array) for name, array in values.items()]
-
-
-def tensors_from_proto(protos: Iterable[common_pb2.Tensor]) -> dict[str, np.ndarray]:
-    """Inverse of ``tensors_to_proto``; names must be present and unique."""
-    out: dict[str, np.ndarray] = {}
-    for proto in protos:
-        if not isinstance(proto, common_pb2.Tensor):
-            raise WireError(f"expected a Tensor, got {type(proto).__name__}")
-        if not proto.name:
-            raise WireError("Tensor.name is missing (empty) in a list of named tensors")
-        if proto.name in out:
-            raise WireError(f"duplicate tensor name {proto.name!r}")
-        out[proto.name] = tensor_from_proto(proto)
-    return out
-
-
-# ---- payload schemas ---------------------------------------------------------------------------
-
-_KINDS = {Kind.REAL: aggregator_pb2.FIELD_KIND_REAL, Kind.COUNT: aggregator_pb2.FIELD_KIND_COUNT}
-_KINDS_BACK = {v: k for k, v in _KINDS.items()}
-
-
-def schema_to_proto(sum_id: str, schema: PayloadSchema) -> aggregator_pb2.PayloadSchemaSpec:
-    """The schema of sum ``sum_id``; pairs as in ``SessionConfig.plan(schemas=...)``."""
-    out = aggregator_pb2.PayloadSchemaSpec(sum_id=sum_id)
-    for f in schema.fields:
-        out.fields.add(name=f.name, shape=f.shape, kind=_KINDS[f.kind], clip=f.clip,
-                       frac_bits=f.frac_bits)
-    return out
-
-
-def schema_from_proto(proto: aggregator_pb2.PayloadSchemaSpec) -> tuple[str, PayloadSchema]:
-    """(sum_id, schema); a field with no kind, or any schema the codec refuses, is a WireError."""
-    if not isinstance(proto, aggregator_pb2.PayloadSchemaSpec):
-        raise WireError(f"expected a PayloadSchemaSpec, got {type(proto).__name__}")
-    sum_id = _text(proto, "sum_id")
-    fields = []
-    for f in proto.fields:
-        kind = _KINDS_BACK.get(f.kind)
-        if kind is None:
-            raise WireError(f"schema of sum {sum_id!r}: field {f.name!r} has no kind")
-        try:
-            fields.append(Field(f.name, tuple(f.shape), kind, f.clip, f.frac_bits))
-        except ValueError as exc:
-            raise WireError(f"schema of sum {sum_id!r}: {exc}") from exc
-    try:
-        return sum_id, PayloadSchema(tuple(fields))
-    except ValueError as exc:
-        raise WireError(f"schema of sum {sum_id!r}: {exc}") from exc
-
-
-# ---- cohort sums -------------------------------------------------------------------------------
-
-
-def cohort_sum_to_proto(
-    session_id: str, spec: SumSpec, result: SumResult | SessionAborted
-) -> aggregator_pb2.CohortSum:
-    """What AwaitResult returns: the packed total, or the abort reason."""
-    out = aggregator_pb2.CohortSum(
-        session_id=session_id, sum_id=spec.sum_id, bits=spec.bits, dim=spec.dim
-    )
-    if isinstance(result, SessionAborted):
-        out.aborted_reason = result.reason or "aborted"
-        return out
-    if result.sum_id != spec.sum_id:
-        raise ValueError(f"result of sum {result.sum_id!r} does not belong to {spec.sum_id!r}")
-    out.total = pack(np.asarray(result.total), spec.wire_bits)
-    out.contributors.extend(result.contributors)
-    out.dropped.extend(result.dropped)
-    for index, reason in result.excluded:
-        out.excluded.add(index=index, reason=reason)
-    return out
-
-
-def cohort_sum_from_proto(proto: aggregator_pb2.CohortSum) -> SumResult | SessionAborted:
-    """The cohort's SumResult (total mod 2**bits, as the codec decodes it), or SessionAborted."""
-    if not isinstance(proto, aggregator_pb2.CohortSum):
-        raise WireError(f"expected a CohortSum, got {type(proto).__name__}")
-    if proto.aborted_reason:
-        return SessionAborted(proto.aborted_reason)
-    sum_id = _text(proto, "sum_id")
-    spec = _sum_spec_from(secagg_pb2.SumSpec(sum_id=sum_id, dim=proto.dim, bits=proto.bits))
-    try:
-        total = unpack(proto.total, wire_width(spec.bits), spec.dim)
-    except ValueError as exc:
-        raise WireError(f"CohortSum {sum_id!r}: {exc}") from exc
-    if total.size and int(total.max()) > ring_mask(spec.bits):
-        raise WireError(f"CohortSum {sum_id!r}: total has values >= 2^{spec.bits}")
-    excluded = tuple((_index(e, "index"), e.reason) for e in proto.excluded)
-    return SumResult(sum_id, total, _indices(proto, "contributors"), _indices(proto, "dropped"), excluded)
