@@ -33,8 +33,8 @@ from pathlib import Path
 import psutil
 from cores import pin  # this folder is on sys.path when run as a script
 
-from tally.ops.cluster import ProcessCluster
 from tally.client.enrolment import register_request, simulated_identity
+from tally.ops.cluster import ProcessCluster
 from tally.security import TLSConfig, bearer_metadata
 from tally.security.enrolment import enrolment_credential
 from tally.security.tls import open_aio_channel

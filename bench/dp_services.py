@@ -24,11 +24,11 @@ from rich.progress import Progress
 from rich.table import Table
 
 from tally import modelio
-from tally.ops.cluster import ProcessCluster
-from tally.loadtest.dropout import DropoutPlan
-from tally.secagg.phases import Phase
-from tally.loadtest.fleet import Fleet
 from tally.coordinator.state.store import Store
+from tally.loadtest.dropout import DropoutPlan
+from tally.loadtest.fleet import Fleet
+from tally.ops.cluster import ProcessCluster
+from tally.secagg.phases import Phase
 
 # Seconds a device waits in a check-in for a round to seat it: short, so cohorts form quickly.
 CHECKIN_HOLD_SECONDS = 1.0

@@ -12,14 +12,14 @@ import json
 import time
 from pathlib import Path
 
-from tally.datasets.digits import digits
 from tally.algorithms.fedevg import SYNTHETIC_X, SYNTHETIC_Y, FedEvgClient, FedEvgOptions, FedEvgServer
-from tally.training.energy import EnergyTrainer, export_synthetic, synthetic_classifier_accuracy
+from tally.datasets.digits import digits
 from tally.models.energy import energy_mlp
+from tally.models.params import get_params
 from tally.secagg import ThreatModel
 from tally.sim.rounds import SecureSum, plain_sum, run_rounds
-from tally.models.params import get_params
 from tally.training import single_threaded
+from tally.training.energy import EnergyTrainer, export_synthetic, synthetic_classifier_accuracy
 
 
 def main() -> None:

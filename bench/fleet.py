@@ -28,9 +28,9 @@ import grpc
 import psutil
 from prometheus_client.parser import text_string_to_metric_families
 
-from tally.ops.cluster import ProcessCluster
 from tally.loadtest.sum_audit import SumAudit, check_committed, outcome_counts
 from tally.loadtest.timeline import FleetTimeline
+from tally.ops.cluster import ProcessCluster
 from tally.shutdown import Signalled, cancelled_by_signals
 
 SPEC = """\

@@ -66,9 +66,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from cores import pin, pinned_cores  # noqa: E402  (this folder is on sys.path when run as a script)
 from secagg_engine import machine_info  # noqa: E402
 
-from tally.ops.cluster import ProcessCluster  # noqa: E402
 from tally.client.enrolment import register_request, simulated_identity  # noqa: E402
 from tally.coordinator.state.store import Store  # noqa: E402
+from tally.ops.cluster import ProcessCluster  # noqa: E402
 from tally.security import TLSConfig, bearer_metadata, bind  # noqa: E402
 from tally.security.certs import write_deployment  # noqa: E402
 from tally.security.enrolment import enrolment_credential  # noqa: E402

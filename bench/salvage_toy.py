@@ -14,11 +14,10 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import salvage_toy_model as toy  # bench/ is the script's own folder: sys.path[0]
 from rich.console import Console
 from rich.progress import Progress
 from rich.table import Table
-
-import salvage_toy_model as toy  # bench/ is the script's own folder: sys.path[0]
 
 CONFIGS = {"A": toy.CONFIG_A, "B": toy.CONFIG_B}
 

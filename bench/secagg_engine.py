@@ -27,8 +27,8 @@ and skips, with the reason recorded, points whose cohort would not fit ``--max-m
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import cProfile
+import dataclasses
 import gc
 import json
 import math
@@ -67,12 +67,12 @@ from tally.secagg import (
     SessionRef,
     SigningKey,
     ThreatModel,
-    enrol,
     crypto,
+    enrol,
     run_cohort,
 )
-from tally.secagg.phases import TIMED, Phase
 from tally.secagg.layouts import payload_bytes, seed_commitment
+from tally.secagg.phases import TIMED, Phase
 
 SUM_ID = "x"
 CLIP = 1.0

@@ -29,8 +29,8 @@ from pathlib import Path
 
 import grpc
 
-from tally.security import TLSConfig
 from tally.ops.cluster import ProcessCluster
+from tally.security import TLSConfig
 from tally.security.tls import open_aio_channel
 from tally.wire.v1 import secagg_pb2
 

@@ -68,7 +68,6 @@ def twostep():
     """``twostep`` registered as an algorithm for one test: a two-sum algorithm whose second
     broadcast depends on the first sum (support.coordinator.TwoStepServer)."""
     from support.coordinator import TwoStepServer  # here: it imports the services, `-m unit` needs none
-
     from tally.coordinator.spec import catalogue
 
     catalogue.register_algorithm("twostep", TwoStepServer)

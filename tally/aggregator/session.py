@@ -38,7 +38,6 @@ from tally.aggregator.errors import Rejected
 from tally.aggregator.metrics import AggregatorMetrics
 from tally.codec import packed_size
 from tally.secagg import ProtocolError, SecAggServer, SessionConfig
-from tally.secagg.phases import Phase
 from tally.secagg.messages import (
     Abort,
     ClientMessage,
@@ -47,6 +46,7 @@ from tally.secagg.messages import (
     SumResult,
     UnmaskResponse,
 )
+from tally.secagg.phases import Phase
 from tally.wire.protocol import aggregator_envelope, to_proto
 from tally.wire.v1 import secagg_pb2
 

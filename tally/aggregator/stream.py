@@ -29,6 +29,7 @@ from tally import logs
 from tally.aggregator.errors import REFUSALS, Rejected, abort
 from tally.aggregator.held_sessions import HeldSessions
 from tally.aggregator.metrics import AggregatorMetrics
+
 # As AggregationSession: in DeviceStreams, ``Session`` is the RPC.
 from tally.aggregator.session import DeviceQueue, StreamEnd
 from tally.aggregator.session import Session as AggregationSession

@@ -5,7 +5,6 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from tally.algorithms.base import ClientAlgorithm, LocalTrainer, ServerAlgorithm, StepSpec
 from tally.algorithms.aaggff import (
     AAggFFClient,
     AAggFFDOptions,
@@ -18,8 +17,8 @@ from tally.algorithms.agnostic_fedavg import (
     AgnosticFedAvgOptions,
     AgnosticFedAvgServer,
 )
+from tally.algorithms.base import ClientAlgorithm, LocalTrainer, ServerAlgorithm, StepSpec
 from tally.algorithms.fedavg import FedAvgClient, FedAvgOptions, FedAvgServer
-from tally.algorithms.fedevg import FedEvgClient, FedEvgOptions, FedEvgServer
 from tally.algorithms.feddar import (
     FedDARClient,
     FedDAROptions,
@@ -27,6 +26,7 @@ from tally.algorithms.feddar import (
     FedDARSAServer,
     FedDARWAServer,
 )
+from tally.algorithms.fedevg import FedEvgClient, FedEvgOptions, FedEvgServer
 from tally.algorithms.lg_fedavg import LGFedAvgClient, LGFedAvgOptions, LGFedAvgServer
 from tally.algorithms.superfed import SuPerFedClient, SuPerFedOptions, SuPerFedServer
 

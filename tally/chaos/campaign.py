@@ -28,16 +28,16 @@ import grpc
 import numpy as np
 from prometheus_client.parser import text_string_to_metric_families
 
-from tally.ops.cluster import ProcessCluster, wait_for
+from tally.client.retry import RetryPolicy
+from tally.coordinator.spec.jobspec import parse
+from tally.coordinator.state.database import Database
 from tally.loadtest import Fleet
 from tally.loadtest.behaviour import BehaviourProfile
 from tally.loadtest.dropout import DEFAULT_PHASES
 from tally.loadtest.fleet import device_ids
-from tally.client.retry import RetryPolicy
 from tally.loadtest.sum_audit import EXACT, SumAudit, outcome_counts
 from tally.loadtest.synthetic import SyntheticUpdates
-from tally.coordinator.state.database import Database
-from tally.coordinator.spec.jobspec import parse
+from tally.ops.cluster import ProcessCluster, wait_for
 from tally.wire.v1 import admin_pb2, common_pb2
 
 FAULTS = ("none", "dropouts", "dropouts_past_threshold", "kill_aggregator", "kill_coordinator", "misbehaviour")

@@ -16,21 +16,21 @@ from tally.cli import argtypes, job
 from tally.cli.argtypes import add_metrics_arguments
 from tally.cli.job import DEFAULT_ADDRESS
 from tally.coordinator.faces.admin_token import ADMIN_TOKEN_FILE
-from tally.coordinator.state.database import is_postgres_url
-from tally.coordinator.rounds.aggregators import parse_aggregator
 from tally.coordinator.faces.ratelimit import (
     DEFAULT_CHECKIN_LIMIT,
     DEFAULT_MAX_REQUEST_BYTES,
     DEFAULT_REGISTER_LIMIT,
     RateLimit,
 )
+from tally.coordinator.rounds.aggregators import parse_aggregator
+from tally.coordinator.state.database import is_postgres_url
 from tally.security.tls import add_tls_arguments, tls_config_from_args
 from tally.shutdown import stop_on_signals
 
 if TYPE_CHECKING:  # the service and job specs import torch: `--help` must not wait for it
-    from tally.coordinator.spec.jobspec import JobSpec
     from tally.coordinator.replica import Replica
     from tally.coordinator.service import CoordinatorService
+    from tally.coordinator.spec.jobspec import JobSpec
 
 log = logging.getLogger(__name__)
 

@@ -109,8 +109,8 @@ def _init(args: argparse.Namespace) -> int:
 
 
 def _validate(args: argparse.Namespace) -> int:
-    from tally.coordinator.spec import jobspec
     from tally.coordinator.rounds.cohort_risk import cohort_warnings
+    from tally.coordinator.spec import jobspec
 
     if args.aggregators < 0:
         raise ValueError(f"--aggregators must be >= 0, got {args.aggregators}")

@@ -85,7 +85,7 @@ class _Layout:
         return np.argsort(np.concatenate([s.positions for s in self.starts]))
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _layout(bits: int) -> _Layout:
     word_bits = 32 if bits <= 32 else 64
     shift_type = f"u{word_bits // 8}"

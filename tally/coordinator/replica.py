@@ -19,8 +19,8 @@ from collections.abc import Callable
 from tally import logs
 from tally.coordinator.faces.admin_token import share_admin_token
 from tally.coordinator.faces.device_front import DeviceFront
-from tally.coordinator.state.leadership import Leadership
 from tally.coordinator.service import CoordinatorService
+from tally.coordinator.state.leadership import Leadership
 from tally.coordinator.state.store import Store
 
 log = logging.getLogger(__name__)

@@ -19,10 +19,8 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from tally import logs
-from tally.coordinator.rounds.active_jobs import ActiveJobs
 from tally.coordinator.faces.admin_api import AdminService, load_or_create_admin_token
 from tally.coordinator.faces.admin_token import share_admin_token
-from tally.coordinator.rounds.aggregators import AggregatorPool
 from tally.coordinator.faces.device_api import DeviceService
 from tally.coordinator.faces.device_entry import DeviceEntry
 from tally.coordinator.faces.device_front import (
@@ -33,8 +31,6 @@ from tally.coordinator.faces.device_front import (
     refuse_port_in_use,
     shares,
 )
-from tally.coordinator.metrics import CoordinatorMetrics
-from tally.coordinator.rounds.pacing import CheckinPacer
 from tally.coordinator.faces.ratelimit import (
     DEFAULT_CHECKIN_LIMIT,
     DEFAULT_MAX_REQUEST_BYTES,
@@ -42,6 +38,10 @@ from tally.coordinator.faces.ratelimit import (
     RateLimit,
     SourceRateLimiter,
 )
+from tally.coordinator.metrics import CoordinatorMetrics
+from tally.coordinator.rounds.active_jobs import ActiveJobs
+from tally.coordinator.rounds.aggregators import AggregatorPool
+from tally.coordinator.rounds.pacing import CheckinPacer
 from tally.coordinator.state.store import Store
 from tally.metrics import MetricsServer, watch_certificate
 from tally.security import (

@@ -30,6 +30,14 @@ from tally.secagg.errors import (
     SessionAbortedError,
     StaleMessage,
 )
+from tally.secagg.layouts import (
+    SHARE_CIPHERTEXT_BYTES,
+    advertise_statement,
+    consistency_message,
+    device_list,
+    seed_commitment,
+    share_associated_data,
+)
 from tally.secagg.messages import (
     Abort,
     AdvertiseKeys,
@@ -42,8 +50,8 @@ from tally.secagg.messages import (
     MaskedInputRequest,
     MaskedInputResponse,
     NeighbourKeys,
-    ServerMessage,
     RevealedShareKey,
+    ServerMessage,
     ShareCheck,
     ShareComplaint,
     ShareComplaints,
@@ -57,14 +65,6 @@ from tally.secagg.messages import (
 )
 from tally.secagg.phases import Phase
 from tally.secagg.policy import DevicePolicy
-from tally.secagg.layouts import (
-    SHARE_CIPHERTEXT_BYTES,
-    advertise_statement,
-    consistency_message,
-    device_list,
-    seed_commitment,
-    share_associated_data,
-)
 
 
 class _SumSecrets:

@@ -19,15 +19,15 @@ import numpy as np
 
 from tally.codec import PayloadSchema, to_ring
 from tally.secagg.client import SecAggClient
-from tally.secagg.crypto import SigningKey
 from tally.secagg.config import SessionConfig
+from tally.secagg.crypto import SigningKey
 from tally.secagg.errors import OutOfPhase, ProtocolError, StaleMessage
+from tally.secagg.layouts import payload_bytes
 from tally.secagg.messages import ClientMessage, Outgoing, SessionRef, SumResult
 from tally.secagg.params import ThreatModel
 from tally.secagg.phases import DROPPABLE, Phase, asked_for
 from tally.secagg.policy import DevicePolicy
 from tally.secagg.server import SecAggServer
-from tally.secagg.layouts import payload_bytes
 
 
 @dataclass(frozen=True)

@@ -31,6 +31,14 @@ from tally.secagg.errors import (
     StaleMessage,
     UnknownSender,
 )
+from tally.secagg.layouts import (
+    COMMITMENT_BYTES,
+    SHARE_CIPHERTEXT_BYTES,
+    advertise_statement,
+    consistency_message,
+    device_list,
+    share_associated_data,
+)
 from tally.secagg.messages import (
     Abort,
     AdvertiseKeys,
@@ -57,14 +65,6 @@ from tally.secagg.messages import (
     UnmaskResponse,
 )
 from tally.secagg.phases import Phase
-from tally.secagg.layouts import (
-    COMMITMENT_BYTES,
-    SHARE_CIPHERTEXT_BYTES,
-    advertise_statement,
-    consistency_message,
-    device_list,
-    share_associated_data,
-)
 from tally.secagg.unmask import (
     SHARE,
     NeededSecrets,

@@ -324,10 +324,10 @@ def _key_pem(key: ec.EllipticCurvePrivateKey | ed25519.Ed25519PrivateKey) -> byt
 
 def _now(now: dt.datetime | None) -> dt.datetime:
     if now is None:
-        return dt.datetime.now(dt.timezone.utc)
+        return dt.datetime.now(dt.UTC)
     if now.tzinfo is None:
         raise CertificateError("now must be timezone-aware")
-    return now.astimezone(dt.timezone.utc)
+    return now.astimezone(dt.UTC)
 
 
 def _check_days(days: int) -> None:

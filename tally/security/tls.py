@@ -15,9 +15,9 @@ never expose a service on a network interface by accident.
 from __future__ import annotations
 
 import argparse
-import re
 import ipaddress
 import os
+import re
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path

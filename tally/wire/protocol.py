@@ -19,11 +19,13 @@ copies its bytes once, not once per layer.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, TypeVar, cast, overload
 
 from google.protobuf.message import Message
 
+from tally.secagg import crypto, shamir, sharecheck
 from tally.secagg.config import SessionConfig
+from tally.secagg.layouts import COMMITMENT_BYTES, SHARE_CIPHERTEXT_BYTES
 from tally.secagg.messages import (
     Abort,
     AdvertiseKeys,
@@ -51,9 +53,7 @@ from tally.secagg.messages import (
     UnmaskRequest,
     UnmaskResponse,
 )
-from tally.secagg import crypto, shamir, sharecheck
 from tally.secagg.params import GraphParams
-from tally.secagg.layouts import COMMITMENT_BYTES, SHARE_CIPHERTEXT_BYTES
 from tally.wire.fields import (
     WireError,
     device_index,
@@ -67,7 +67,7 @@ from tally.wire.v1 import secagg_pb2
 
 
 def _ref(proto: Message) -> SessionRef:
-    return _session_ref_from(submessage(proto, "ref"))
+    return _session_ref_from(cast(secagg_pb2.SessionRef, submessage(proto, "ref")))  # every ref field is one
 
 
 # ---- session and sums --------------------------------------------------------------------------
@@ -468,6 +468,10 @@ _AGGREGATOR_FIELDS: dict[type, str] = {
 }
 
 
+@overload
+def to_proto(value: SessionConfig) -> secagg_pb2.SessionConfig: ...
+@overload
+def to_proto(value: Any) -> Message: ...
 def to_proto(value: Any) -> Message:
     """The protobuf form of a protocol message, SessionConfig, SumSpec or SessionRef."""
     try:
@@ -495,7 +499,10 @@ def from_proto(proto: Message) -> Any:
     return decode(proto)
 
 
-def _wrap(envelope: Message, fields: Mapping[type, str], message: Any) -> Message:
+E = TypeVar("E", bound=Message)
+
+
+def _wrap(envelope: E, fields: Mapping[type, str], message: Any) -> E:
     field = fields.get(type(message))
     if field is None:
         raise TypeError(f"a {type(message).__name__} does not travel in {message_name(envelope)}")
@@ -520,6 +527,12 @@ def aggregator_envelope(
     return _wrap(secagg_pb2.AggregatorToDevice(), _AGGREGATOR_FIELDS, message)
 
 
+@overload
+def open_envelope(envelope: secagg_pb2.DeviceToAggregator) -> ClientMessage: ...
+@overload
+def open_envelope(
+    envelope: secagg_pb2.AggregatorToDevice,
+) -> ServerMessage | secagg_pb2.Joined | secagg_pb2.SessionDone: ...
 def open_envelope(envelope: secagg_pb2.DeviceToAggregator | secagg_pb2.AggregatorToDevice) -> Any:
     """The message a stream envelope carries: a protocol value, or the Joined or SessionDone
     proto as is (session plumbing, which the services handle themselves)."""

@@ -17,7 +17,6 @@ import numpy as np
 from tally.wire.fields import WireError
 from tally.wire.v1 import common_pb2
 
-
 # Plain numeric dtypes only: object, string, void and datetime arrays have no portable bytes
 # (and decoding an object array from untrusted bytes would be unsafe).
 _DTYPES = frozenset(

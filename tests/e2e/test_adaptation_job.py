@@ -19,8 +19,8 @@ import torch
 import yaml
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from support.stack import PLAINTEXT, run, spec, stack
 
+from support.stack import PLAINTEXT, run, spec, stack
 from tally.algorithms.adaptation_options import METHODS, AdaptationOptions, JobAdaptation
 from tally.client import Device, OnnxModel
 from tally.client.adaptation import adapt_for_job, held_out

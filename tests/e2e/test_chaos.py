@@ -12,13 +12,13 @@ import sys
 import pytest
 
 from tally.chaos.campaign import FAULTS, MISBEHAVIOURS, Campaign, CampaignConfig, VaryingDropouts, failed_round
-from tally.ops.cluster import ProcessCluster, wait_for
-from tally.loadtest import Fleet
-from tally.loadtest.fleet import device_ids
 from tally.client.retry import RetryPolicy
-from tally.loadtest.synthetic import SyntheticUpdates
 from tally.coordinator.state.leadership import Leadership
 from tally.coordinator.state.store import Store
+from tally.loadtest import Fleet
+from tally.loadtest.fleet import device_ids
+from tally.loadtest.synthetic import SyntheticUpdates
+from tally.ops.cluster import ProcessCluster, wait_for
 from tally.wire.v1 import common_pb2
 
 

@@ -16,8 +16,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from support.stack import run, spec, stack, trainers
 
+from support.stack import run, spec, stack, trainers
 from tally import algorithms
 from tally.cli import main as tally
 from tally.client import OnnxModel

@@ -10,7 +10,6 @@ import sys
 from pathlib import Path
 
 from support.stack import run, spec, stack, trainers
-
 from tally.client.device import DeviceStats
 from tally.client.device_progress import DeviceProgress, summary
 from tally.security.enrolment import SharedKeyEnrolment

@@ -26,14 +26,21 @@ import pytest
 import yaml
 
 from support import tools
+from support.containers import (
+    CANNOT_HONOUR,
+    RUNTIME,
+    ContainerPod,
+    can_run_containers,
+    podman,
+    remove_everything,
+    service_hosts,
+    start,
+)
 from support.deploy import ROOT
 from support.manifests import K8S, LocalPod, ManifestCluster, find, image_entrypoint, load_secrets, one, render
+from support.operator_scrape import scrape_configs, targets
 from support.postgres import needs_postgres, postgres_server
 from support.prometheus import LivePrometheus, needs_prometheus
-from support.operator_scrape import scrape_configs, targets
-from support.containers import (
-    CANNOT_HONOUR, RUNTIME, ContainerPod, can_run_containers, podman, remove_everything, service_hosts, start,
-)
 from tally.cli import main as tally_main
 
 pytestmark = pytest.mark.containers

@@ -18,16 +18,16 @@ import time
 
 import grpc
 import pytest
+
 from support.enrolment import provisioned_request
 from support.stack import PLAINTEXT, run, scrape_text, spec, stack, trainers
-
 from tally.cli import main as tally
-from tally.loadtest import Fleet
 from tally.client.channels import open_aio_channel
 from tally.coordinator.faces import device_front
 from tally.coordinator.faces.device_front import REFRESH_S, DeviceFront, refuse_port_in_use, shares
-from tally.coordinator.service import CoordinatorService
 from tally.coordinator.faces.ratelimit import RateLimit
+from tally.coordinator.service import CoordinatorService
+from tally.loadtest import Fleet
 from tally.security import bearer_metadata
 from tally.wire.v1 import admin_pb2, admin_pb2_grpc, common_pb2, coordinator_pb2, coordinator_pb2_grpc
 

@@ -9,9 +9,9 @@ import re
 import sys
 from pathlib import Path
 
+from support.stack import run, spec, stack, trainers
 from tally.security.enrolment import SharedKeyEnrolment
 from tally.wire.v1 import common_pb2
-from support.stack import run, spec, stack, trainers
 
 GUIDE = Path(__file__).resolve().parents[2] / "docs" / "embedding.md"
 FLEET = 11

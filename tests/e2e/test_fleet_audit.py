@@ -14,13 +14,13 @@ from typing import Any
 import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from support.jobs import run_synthetic_job
 
+from support.jobs import run_synthetic_job
+from tally.codec import Field, Kind, PayloadSchema, to_ring
+from tally.codec.fingerprint import add_fingerprints, ring_fingerprint
 from tally.loadtest.behaviour import BehaviourProfile
 from tally.loadtest.sum_audit import EXACT, FOREIGN, MISMATCH, SumAudit, outcome_counts
 from tally.loadtest.synthetic import SyntheticUpdates
-from tally.codec import Field, Kind, PayloadSchema, to_ring
-from tally.codec.fingerprint import add_fingerprints, ring_fingerprint
 from tally.secagg.adversary import GarbageDealer, InconsistentDealer
 from tally.secagg.messages import SumResult
 

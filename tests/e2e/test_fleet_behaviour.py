@@ -15,8 +15,8 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from support.jobs import run_synthetic_job
 
+from support.jobs import run_synthetic_job
 from tally.loadtest.behaviour import BehaviourProfile, DeviceTraits
 from tally.loadtest.fleet import device_ids
 from tally.loadtest.sum_audit import EXACT, FOREIGN, MISMATCH, outcome_counts

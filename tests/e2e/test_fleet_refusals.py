@@ -11,10 +11,9 @@ import subprocess
 import sys
 
 from support.stack import run, stack
-
-from tally.ops.cluster import ProcessCluster
 from tally.loadtest.fleet import device_ids
 from tally.loadtest.synthetic import SyntheticUpdates
+from tally.ops.cluster import ProcessCluster
 from tally.wire.v1 import admin_pb2, common_pb2
 
 JOB = ("name: refusals\nalgorithm: fedavg\nrounds: 2\ncohort_size: 5\nover_selection: 1.0\nmin_cohort: 5\n"

@@ -10,16 +10,16 @@ import numpy as np
 import pytest
 import torch
 from scipy import stats
+
 from support.jobs import job_text
 from support.stack import HIDDEN, run, scrape_text, spec, stack, trainers
-
 from tally import modelio, models
 from tally.aggregator import session as aggregator_session
 from tally.algorithms.fedavg import FedAvgClient, FedAvgOptions, FedAvgServer
 from tally.client import OnnxModel
-from tally.loadtest import DropoutPlan
 from tally.codec import unpack
 from tally.datasets.digits import digits
+from tally.loadtest import DropoutPlan
 from tally.models.mlp import mlp
 from tally.models.params import get_params, set_params
 from tally.secagg import DevicePolicy, SecAggServer

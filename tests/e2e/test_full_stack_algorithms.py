@@ -11,11 +11,11 @@ from typing import Any
 
 import numpy as np
 import pytest
+
 from support.devices import quadratic_fleet
 from support.enrolment import provisioned_request
 from support.jobs import job_text, max_error, run_job
 from support.stack import run, stack
-
 from tally import algorithms
 from tally.sim.rounds import plain_sum, run_rounds
 

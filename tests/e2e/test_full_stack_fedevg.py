@@ -10,8 +10,8 @@ from support.devices import FEDEVG_TOY, fedevg_toy_devices
 from support.jobs import run_job
 from tally import algorithms
 from tally.algorithms.fedevg import SYNTHETIC_X, FedEvgOptions
-from tally.sim.rounds import plain_sum, run_rounds
 from tally.models.params import get_params
+from tally.sim.rounds import plain_sum, run_rounds
 
 ROUNDS = 3
 

@@ -8,9 +8,9 @@ from __future__ import annotations
 from typing import Any
 
 import numpy as np
+
 from support.jobs import job_text, max_error
 from support.stack import PLAINTEXT, run, stack
-
 from tally import algorithms, modelio
 from tally.algorithms.base import flatten
 from tally.client import Device

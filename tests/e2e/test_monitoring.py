@@ -16,11 +16,11 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import yaml
+
 from support import tools
 from support.metrics_catalogue import catalogue
 from support.prometheus import PROMTOOL, LivePrometheus, needs_prometheus, needs_promtool
 from support.stack import run, spec, stack, trainers
-
 from tally.client import ClientMetrics
 from tally.loadtest import DropoutPlan
 from tally.metrics import MetricsServer

@@ -9,9 +9,9 @@ import asyncio
 import re
 
 import numpy as np
+
 from support.jobs import job_text, run_job
 from support.stack import run, scrape_text, stack
-
 from tally.coordinator.spec import catalogue
 from tally.privacy.accounting import PrivacyLedger
 from tally.wire.v1 import common_pb2

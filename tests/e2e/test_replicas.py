@@ -12,15 +12,15 @@ import time
 
 import grpc
 import pytest
+
 from support.deploy import free_port
 from support.stack import TIMEOUT, scrape_text, spec, trainers
-
-from tally.loadtest import Fleet
 from tally.client.channels import open_aio_channel
-from tally.loadtest.sum_audit import EXACT, SumAudit, check_committed, outcome_counts
+from tally.coordinator.state.enrolled_devices import EnrolmentRefused
 from tally.coordinator.state.leadership import Leadership
 from tally.coordinator.state.store import CohortSumRecord, LeadershipLost, ModelVersion, Store
-from tally.coordinator.state.enrolled_devices import EnrolmentRefused
+from tally.loadtest import Fleet
+from tally.loadtest.sum_audit import EXACT, SumAudit, check_committed, outcome_counts
 from tally.ops.cluster import ProcessCluster
 from tally.ops.processes import Process
 from tally.security import bearer_metadata

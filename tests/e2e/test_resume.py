@@ -22,8 +22,8 @@ from pathlib import Path
 import grpc
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
-from support.stack import Stack, run, scrape_text, spec, stack
 
+from support.stack import Stack, run, scrape_text, spec, stack
 from tally.aggregator import session as aggregator_session
 from tally.cli.job import job_dict, show
 from tally.loadtest.fleet import device_ids

@@ -10,9 +10,9 @@ import asyncio
 
 import numpy as np
 import pytest
+
 from support.split_view import Attempt, SplitViewServer
 from support.stack import run, stack
-
 from tally.aggregator import session as aggregator_session
 from tally.loadtest.fleet import device_ids
 from tally.loadtest.synthetic import SyntheticUpdates

@@ -10,8 +10,8 @@ import math
 
 import grpc
 import pytest
-from support.stack import run, stack
 
+from support.stack import run, stack
 from tally.client.enrolment import register_request
 from tally.secagg import SigningKey
 from tally.security.enrolment import enrolment_credential

@@ -22,6 +22,7 @@ import pytest
 from cryptography.hazmat.primitives.asymmetric import ed25519
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
 from support.aggregator import (
     CODE,
     OWNER_TOKENS,
@@ -45,7 +46,6 @@ from support.aggregator import (
 )
 from support.secagg import roster
 from support.stack import in_process
-
 from tally.aggregator import AggregatorService
 from tally.aggregator.admission import admit
 from tally.aggregator.errors import Rejected

@@ -14,6 +14,7 @@ from pathlib import Path
 import grpc
 import pytest
 from cryptography.hazmat.primitives import serialization
+
 from support.aggregator import (
     CODE,
     assert_sum,
@@ -28,7 +29,6 @@ from support.aggregator import (
     scrape,
 )
 from support.secagg import identities
-
 from tally.aggregator import AggregatorService
 from tally.secagg.layouts import advertise_statement
 from tally.secagg.messages import AdvertiseKeys, UnmaskResponse

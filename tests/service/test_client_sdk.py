@@ -39,22 +39,22 @@ from google.protobuf.timestamp_pb2 import Timestamp
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from rich.console import Console
-from support.secagg import LAX, identities, roster
 
+from support.secagg import LAX, identities, roster
 from tally import algorithms, modelio
 from tally.cli import client as client_cli
 from tally.cli import client_run
 from tally.client import ClientMetrics, Device, ModelCache, OnnxModel, RetryPolicy
-from tally.loadtest import DropoutPlan, Fleet
-from tally.loadtest.hooks import SimulatedDevice
 from tally.client.adapted_models import AdaptedModels
 from tally.client.channels import open_aio_channel
 from tally.client.enrolment import load_or_create_identity, simulated_identity
-from tally.client.local_state import LocalStateStore
 from tally.client.input_ledger import LEDGER_FILE, InputLedger
+from tally.client.local_state import LocalStateStore
 from tally.client.session import settle, stream_timeout
 from tally.codec import Field, Kind, PayloadSchema, ring_mask, to_ring
 from tally.datasets.digits import digits
+from tally.loadtest import DropoutPlan, Fleet
+from tally.loadtest.hooks import SimulatedDevice
 from tally.models.mlp import mlp
 from tally.models.params import get_params
 from tally.secagg import (

@@ -20,6 +20,7 @@ import pytest
 import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
 from support.coordinator import (
     CANCELLED,
     FAILED,
@@ -39,7 +40,6 @@ from support.coordinator import (
 )
 from support.enrolment import provisioned_request
 from support.stack import in_process, scrape_text
-
 from tally.algorithms.fedavg import FedAvgOptions
 from tally.cli import coordinator as coordinator_cli
 from tally.coordinator.rounds.planner import (

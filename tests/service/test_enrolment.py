@@ -19,9 +19,9 @@ import grpc
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+
 from support.enrolment import provisioned_request
 from support.stack import in_process
-
 from tally.cli import coordinator as coordinator_cli
 from tally.cli import enrol as enrol_cli
 from tally.cli import main as tally

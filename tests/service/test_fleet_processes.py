@@ -17,10 +17,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from prometheus_client.parser import text_string_to_metric_families
 
-from tally.ops.cluster import ProcessCluster, wait_for
 from tally.cli.fleet_run import _block
 from tally.loadtest.fleet import FleetStats
 from tally.loadtest.processes import DEVICES_PER_EXTRA_PROCESS, _part, available_cores, default_processes
+from tally.ops.cluster import ProcessCluster, wait_for
 
 
 def _args(devices: int, shard: tuple[int, int]) -> argparse.Namespace:

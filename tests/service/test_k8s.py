@@ -14,6 +14,7 @@ from typing import Any
 
 import pytest
 import yaml
+
 from support import tools
 from support.deploy import ROOT, Service, clean_env, poll_until_ok
 from support.manifests import (
@@ -31,7 +32,6 @@ from support.manifests import (
     render,
     versions,
 )
-
 from tally.cli import main as tally_main
 
 DOCKERFILES = {role: ROOT / "docker" / f"{role}.Dockerfile" for role in ("aggregator", "coordinator", "client")}

@@ -11,15 +11,15 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from support.deploy import JOB_SPEC, poll_until_ok
 from support.manifests import K8S, kubernetes_validate, render, versions
 from tally.cli import main as tally_main
-from tally.ops import k8s
 from tally.cli.k8s import coordinator_jobs
+from tally.ops import k8s
 from tally.ops.cluster import ProcessCluster
-
 
 
 @pytest.fixture(scope="module")

@@ -18,9 +18,9 @@ from pathlib import Path
 import pytest
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
+
 from support.metrics_catalogue import CATALOGUE, SECTIONS, catalogue
 from support.stack import in_process
-
 from tally.cli import aggregator as aggregator_cli
 from tally.cli import client as client_cli
 from tally.cli import coordinator as coordinator_cli

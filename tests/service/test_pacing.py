@@ -8,11 +8,11 @@ import logging
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
+
 from support.coordinator import coordinator_stack, run, spec_yaml
 from support.stack import scrape_text
-
-from tally.coordinator.rounds.pacing import MAX_PACED_RETRY_S, CheckinPacer
 from tally.coordinator.rounds.come_back import Retry
+from tally.coordinator.rounds.pacing import MAX_PACED_RETRY_S, CheckinPacer
 
 arrivals = st.lists(st.tuples(st.floats(0, 5), st.floats(0.2, 60)), min_size=1, max_size=200)
 

@@ -16,8 +16,8 @@ from importlib import metadata
 from pathlib import Path
 
 import pytest
-from support.deploy import JOB_SPEC, ROOT, Service, clean_env, poll_until_ok
 
+from support.deploy import JOB_SPEC, ROOT, Service, clean_env, poll_until_ok
 from tally.security import certs
 
 pytestmark = pytest.mark.full

@@ -13,6 +13,7 @@ from collections import defaultdict
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
+
 from support.coordinator import (
     STEP,
     SUCCEEDED,
@@ -24,7 +25,6 @@ from support.coordinator import (
     spec_yaml,
 )
 from support.stack import scrape_text
-
 from tally.algorithms.fedavg import FedAvgOptions
 from tally.coordinator.rounds.planner import Failed, FormCohorts, Hold, Phase, Retry, RoundPlanner
 from tally.wire.protocol import from_proto

@@ -13,8 +13,8 @@ from pathlib import Path
 import grpc
 import pytest
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from support.stack import in_process
 
+from support.stack import in_process
 from tally.security import TLSConfig, certs
 from tally.security.tls import bind, open_aio_channel
 from tally.security.tls_failures import tls_failure

@@ -33,8 +33,8 @@ from tally import modelio
 from tally.algorithms.base import StepSpec
 from tally.algorithms.fedavg import FedAvgClient, FedAvgOptions, FedAvgServer
 from tally.codec import Field, Kind, PayloadSchema, ring_dtype, ring_mask, to_ring
-from tally.coordinator.spec import jobspec
 from tally.coordinator.service import CoordinatorService
+from tally.coordinator.spec import jobspec
 from tally.coordinator.state.store import Store
 from tally.secagg import SessionConfig, SumResult
 from tally.security import (

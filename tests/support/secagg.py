@@ -17,8 +17,8 @@ from tally.secagg import (
     MalformedMessage,
     OutOfPhase,
     SecAggClient,
-    SessionConfig,
     SessionAbortedError,
+    SessionConfig,
     SessionRef,
     SigningKey,
     SumSpec,
@@ -26,8 +26,8 @@ from tally.secagg import (
     shamir,
 )
 from tally.secagg.messages import Outgoing, UnmaskResponse
-from tally.secagg.server import SecAggServer
 from tally.secagg.params import GraphParams
+from tally.secagg.server import SecAggServer
 
 # The protocol tests use thresholds below what a real device accepts (small t makes dropout
 # patterns easy to reach); devices in them run this policy. The policy tests use the default.
@@ -36,7 +36,7 @@ LAX = DevicePolicy(threat=None)
 PLAIN_OK = DevicePolicy(threat=None, allow_plain=True)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def identities(n: int) -> dict[int, SigningKey]:
     """Deterministic identity keys of devices 1..n (the roster ``make_config`` lists)."""
     return {i: SigningKey(hashlib.sha256(b"tally-test-device|%d" % i).digest()) for i in range(1, n + 1)}

@@ -22,11 +22,11 @@ from cryptography.hazmat.primitives.asymmetric import ed25519
 
 from tally import modelio
 from tally.aggregator import AggregatorService
-from tally.loadtest import Fleet, FleetStats
 from tally.coordinator.service import CoordinatorService
 from tally.datasets.digits import digits
+from tally.loadtest import Fleet, FleetStats
 from tally.models.mlp import mlp
-from tally.security import TLSConfig, TicketVerifier, bearer_metadata, certs, load_or_create_ticket_key
+from tally.security import TicketVerifier, TLSConfig, bearer_metadata, certs, load_or_create_ticket_key
 from tally.security.tls import open_channel
 from tally.training import TorchTrainer, single_threaded
 from tally.wire.v1 import admin_pb2, admin_pb2_grpc

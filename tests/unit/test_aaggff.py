@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from scipy import optimize
 
-from tally.sim import fairness
+from support.devices import quadratic_fleet
 from tally.algorithms import aaggff as A
 from tally.algorithms import online_portfolio as P
 from tally.algorithms.base import StepSpec
@@ -20,9 +20,9 @@ from tally.algorithms.fedavg import FedAvgClient, FedAvgOptions, FedAvgServer
 from tally.codec import to_ring
 from tally.datasets.heterogeneous import heterogeneous_devices, heterogeneous_digits
 from tally.secagg import ThreatModel
+from tally.sim import fairness
 from tally.sim.rounds import SecureSum, plain_sum, run_rounds
 from tally.training import single_threaded
-from support.devices import quadratic_fleet
 
 SEMI_HONEST = ThreatModel(0.0, 0.0, malicious_server=False)
 LOSSES = np.array([0.01, 0.10, 0.02])

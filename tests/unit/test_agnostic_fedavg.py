@@ -21,13 +21,13 @@ from tally.algorithms.agnostic_fedavg import (
 from tally.algorithms.base import flatten
 from tally.algorithms.fedavg import FedAvgClient, FedAvgOptions, FedAvgServer
 from tally.datasets.domain_digits import domain_digits
-from tally.training.domain_weighted import TorchDomainTrainer
 from tally.datasets.toy_regression import ScalarRegressionDevice, toy_regression
-from tally.secagg import ThreatModel
-from tally.sim.rounds import SecureSum, plain_sum, run_rounds
 from tally.models.mlp import mlp
 from tally.models.params import get_params
+from tally.secagg import ThreatModel
+from tally.sim.rounds import SecureSum, plain_sum, run_rounds
 from tally.training import single_threaded
+from tally.training.domain_weighted import TorchDomainTrainer
 
 W0 = {"w": np.array([5.0])}
 # The spec's toy recipe (§5.3.2): client SGD lr 0.1, batch 10, one epoch, server SGD lr 1,

@@ -15,8 +15,8 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from support.devices import QuadraticDevice
 
+from support.devices import QuadraticDevice
 from tally import algorithms
 from tally.algorithms import aaggff, fedavg, lg_fedavg, superfed
 from tally.algorithms.base import Options, PersonalBroadcast, PersonalisedClient

@@ -10,16 +10,14 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import pytest
-from support.coordinator import STEP, TwoStepState, planner_spec
 
+from support.coordinator import STEP, TwoStepState, planner_spec
 from tally.algorithms.base import StepSpec
 from tally.algorithms.fedavg import FedAvgServer, FedAvgState
 from tally.codec import PayloadSchema, ring_dtype, ring_mask, to_ring
-from tally.coordinator.spec import jobspec
+from tally.coordinator.metrics import CoordinatorMetrics
 from tally.coordinator.rounds.active_jobs import ActiveJobs
 from tally.coordinator.rounds.aggregators import aio_channel, parse_aggregator
-from tally.coordinator.state.enrolled_devices import EnrolmentRefused
-from tally.coordinator.metrics import CoordinatorMetrics
 from tally.coordinator.rounds.planner import (
     MIN_RETRY_S,
     CohortRejected,
@@ -36,6 +34,8 @@ from tally.coordinator.rounds.planner import (
     WaitingRoom,
     split_cohorts,
 )
+from tally.coordinator.spec import jobspec
+from tally.coordinator.state.enrolled_devices import EnrolmentRefused
 from tally.coordinator.state.state_codec import UnsupportedState, state_from_bytes, state_to_bytes
 from tally.coordinator.state.store import Store
 from tally.models.mlp import mlp

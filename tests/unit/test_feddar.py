@@ -28,9 +28,9 @@ from tally.algorithms.feddar import (
 from tally.codec import packed_size, wire_width
 from tally.datasets.domain_linear import domain_linear, federation, subspace_distance
 from tally.models.domain import linear_encoder, mlp_encoder
-from tally.training.domain import DomainTrainer, initial_params
 from tally.secagg import ThreatModel
 from tally.sim.rounds import SecureSum, plain_sum, run_rounds
+from tally.training.domain import DomainTrainer, initial_params
 
 CPU = torch.device("cpu")
 EXACT = {"head_solver": "newton", "head_epochs": 1, "damping": 0.0}

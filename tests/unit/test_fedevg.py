@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 import torch
 
+from support.devices import FEDEVG_TOY, fedevg_toy_devices
 from tally.algorithms import fedevg
 from tally.algorithms.fedevg import (
     SYNTHETIC_X,
@@ -21,13 +22,12 @@ from tally.algorithms.fedevg import (
     step_size,
 )
 from tally.datasets.energy_toy import four_blobs, in_own_region
-from tally.training.energy import EnergyTrainer, export_synthetic, pcd_loss, synthetic_classifier_accuracy
 from tally.models.energy import energy_mlp
+from tally.models.params import get_params
 from tally.secagg import ThreatModel
 from tally.sim.rounds import SecureSum, plain_sum, run_rounds
-from tally.models.params import get_params
 from tally.training import single_threaded
-from support.devices import FEDEVG_TOY, fedevg_toy_devices
+from tally.training.energy import EnergyTrainer, export_synthetic, pcd_loss, synthetic_classifier_accuracy
 
 # The spec's 1-D example: E_1 = (x+2)^2/2, E_2 = (x-2)^2/2, w = (1/2, 1/2), at x = 0.5.
 W = np.array([0.5, 0.5])

@@ -14,10 +14,10 @@ from tally import models
 from tally.algorithms.base import ModelMismatch
 from tally.cli import coordinator as coordinator_cli
 from tally.client.onnx_model import OnnxModel
+from tally.coordinator.rounds.onnx_export import export_model
 from tally.coordinator.spec import jobspec
 from tally.coordinator.spec.catalogue import initial_model
 from tally.coordinator.spec.jobspec import ModelSpec
-from tally.coordinator.rounds.onnx_export import export_model
 from tally.models.params import get_params, set_params
 
 SPEC = """name: m

@@ -14,6 +14,7 @@ from collections.abc import Callable
 
 import numpy as np
 import pytest
+
 from support.secagg import (
     ProtocolCohort,
     identities,
@@ -24,7 +25,6 @@ from support.secagg import (
     with_shares,
 )
 from support.split_view import SplitViewServer
-
 from tally.codec import Field, Kind, PayloadSchema, ring_mask, to_ring
 from tally.secagg import (
     DevicePolicy,
@@ -39,6 +39,13 @@ from tally.secagg import (
     crypto,
     shamir,
 )
+from tally.secagg.layouts import (
+    SeedCommitments,
+    advertise_statement,
+    consistency_message,
+    seed_commitment,
+    share_associated_data,
+)
 from tally.secagg.messages import (
     AdvertiseKeys,
     MaskedInputResponse,
@@ -52,13 +59,6 @@ from tally.secagg.messages import (
     UnmaskResponse,
 )
 from tally.secagg.params import GraphParams
-from tally.secagg.layouts import (
-    SeedCommitments,
-    advertise_statement,
-    consistency_message,
-    seed_commitment,
-    share_associated_data,
-)
 
 # ---- 1. key substitution -----------------------------------------------------------------------
 

@@ -15,8 +15,8 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from support.secagg import ProtocolCohort, identities, lax_client, make_config, random_inputs
 
+from support.secagg import ProtocolCohort, identities, lax_client, make_config, random_inputs
 from tally.secagg import MalformedMessage, SecAggServer, shamir, sharecheck
 from tally.secagg.adversary import CORRUPT_DEALERS, InconsistentDealer
 from tally.secagg.client import _AwaitShareVerdict
@@ -24,9 +24,9 @@ from tally.secagg.messages import (
     JustifyRequest,
     JustifyResponse,
     MaskedInputResponse,
+    SessionRef,
     ShareComplaint,
     ShareComplaints,
-    SessionRef,
     ShareDelivery,
     ShareVerdict,
     UnmaskRequest,

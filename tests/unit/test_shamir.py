@@ -7,7 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tally.secagg import shamir
-from tally.secagg.shamir import CHUNKS, P, SHARE_BYTES
+from tally.secagg.shamir import CHUNKS, SHARE_BYTES, P
 
 SECRETS = st.lists(st.binary(min_size=32, max_size=32), min_size=1, max_size=5)
 

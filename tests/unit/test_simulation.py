@@ -8,13 +8,13 @@ import json
 import numpy as np
 
 from tally import algorithms
-from tally.datasets.digits import digits
 from tally.algorithms.base import flatten
 from tally.cli import main
-from tally.secagg import ThreatModel
-from tally.sim.rounds import SecureSum, plain_sum, run_rounds
+from tally.datasets.digits import digits
 from tally.models.mlp import mlp
 from tally.models.params import get_params
+from tally.secagg import ThreatModel
+from tally.sim.rounds import SecureSum, plain_sum, run_rounds
 from tally.training import TorchTrainer, single_threaded
 
 

@@ -15,14 +15,13 @@ from tally import algorithms
 from tally.algorithms.base import flatten
 from tally.algorithms.superfed import CONTROL, LAMBDA_GRID, SuPerFedClient, SuPerFedOptions, mix
 from tally.datasets.personal import gaussian_classes, pathological_digits
-from tally.training.personal import cos_squared, mixed_objective, module_of
-from tally.sim.personalisation import personal_accuracy, personal_fleet
-from tally.secagg import ThreatModel
-from tally.sim.rounds import SecureSum, plain_sum, run_rounds
 from tally.models.mlp import mlp
 from tally.models.params import get_params
+from tally.secagg import ThreatModel
+from tally.sim.personalisation import personal_accuracy, personal_fleet
+from tally.sim.rounds import SecureSum, plain_sum, run_rounds
 from tally.training import TorchTrainer
-
+from tally.training.personal import cos_squared, mixed_objective, module_of
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -15,8 +15,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
+from support.secagg import lax_client, roster
 from tally.codec import Field, Kind, PayloadSchema, ring_dtype, ring_mask
-from tally.secagg import OutOfPhase, SecAggServer, SessionConfig
+from tally.secagg import OutOfPhase, SecAggServer, SessionConfig, shamir, sharecheck
+from tally.secagg.layouts import SHARE_CIPHERTEXT_BYTES
 from tally.secagg.messages import (
     Abort,
     AdvertiseKeys,
@@ -44,10 +46,7 @@ from tally.secagg.messages import (
     UnmaskRequest,
     UnmaskResponse,
 )
-from tally.secagg import shamir, sharecheck
 from tally.secagg.params import GraphParams
-from support.secagg import lax_client, roster
-from tally.secagg.layouts import SHARE_CIPHERTEXT_BYTES
 from tally.wire import generate
 from tally.wire.chunks import ChunkError, MaskedInputAssembler, split_masked_input
 from tally.wire.fields import WireError

@@ -17,10 +17,10 @@ import yaml
 from google.protobuf import json_format
 
 from tally import logs
-from tally.coordinator.spec import jobspec
-from tally.coordinator.rounds.active_jobs import ActiveJobs
 from tally.coordinator.faces.admin_token import ADMIN_TOKEN_FILE, load_or_create_admin_token  # noqa: F401 (re-exported)
+from tally.coordinator.rounds.active_jobs import ActiveJobs
 from tally.coordinator.rounds.cohort_risk import cohort_warnings
+from tally.coordinator.spec import jobspec
 from tally.coordinator.state.events import TERMINAL_STATES, event_to_proto, job_state, round_phase, timestamp
 from tally.coordinator.state.store import JobRecord, Store
 from tally.security import AuthError, token_from_metadata

@@ -15,14 +15,14 @@ from collections.abc import AsyncIterator, Callable
 
 import grpc
 
-from tally.coordinator.rounds.active_jobs import ActiveJobs
 from tally.coordinator.faces.device_entry import DeviceEntry, retry_proto, turned_away
-from tally.coordinator.state.events import job_state, round_phase
 from tally.coordinator.metrics import CoordinatorMetrics
-from tally.coordinator.rounds.pacing import CheckinPacer
+from tally.coordinator.rounds.active_jobs import ActiveJobs
 from tally.coordinator.rounds.come_back import Retry
+from tally.coordinator.rounds.pacing import CheckinPacer
 from tally.coordinator.rounds.reveals import RevealOutOfPhase
 from tally.coordinator.rounds.runner import CHUNK_SIZE
+from tally.coordinator.state.events import job_state, round_phase
 from tally.coordinator.state.store import SERVED_KINDS, Store
 from tally.wire.v1 import coordinator_pb2, coordinator_pb2_grpc
 

@@ -13,12 +13,12 @@ from collections.abc import Callable
 
 import grpc
 
+from tally.coordinator.faces.ratelimit import SourceRateLimiter
+from tally.coordinator.metrics import DeviceMetrics
+from tally.coordinator.rounds.come_back import Retry
+from tally.coordinator.rounds.pacing import CheckinPacer
 from tally.coordinator.state.enrolled_devices import EnrolledDevices, EnrolmentRefused
 from tally.coordinator.state.events import timestamp
-from tally.coordinator.metrics import DeviceMetrics
-from tally.coordinator.rounds.pacing import CheckinPacer
-from tally.coordinator.rounds.come_back import Retry
-from tally.coordinator.faces.ratelimit import SourceRateLimiter
 from tally.secagg.crypto import PUBLIC_KEY_BYTES, SIGNATURE_BYTES, verify_signature
 from tally.security import AuthError, DeviceClaims, TokenIssuer, token_from_metadata
 from tally.security.enrolment import (

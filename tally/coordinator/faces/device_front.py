@@ -47,18 +47,18 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
-from prometheus_client import Counter
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
+from prometheus_client import Counter
 
 from tally import logs
 from tally.coordinator.faces.device_entry import DeviceEntry, turned_away
-from tally.coordinator.state.enrolled_devices import EnrolledDevices
-from tally.coordinator.metrics import DeviceMetrics
-from tally.coordinator.rounds.pacing import CheckinPacer
-from tally.coordinator.rounds.come_back import idle_retry
 from tally.coordinator.faces.ratelimit import RateLimit, SourceRateLimiter
+from tally.coordinator.metrics import DeviceMetrics
+from tally.coordinator.rounds.come_back import idle_retry
+from tally.coordinator.rounds.pacing import CheckinPacer
 from tally.coordinator.state.database import Database, open_database
+from tally.coordinator.state.enrolled_devices import EnrolledDevices
 from tally.coordinator.state.leadership import leader_address
 from tally.metrics import MetricsServer, RoleRegistry
 from tally.security import TLSConfig, TokenIssuer, bind, load_or_create_ticket_key, load_or_create_token_secret

@@ -10,16 +10,16 @@ import secrets
 from collections.abc import Callable, Iterable
 
 from tally import logs
+from tally.coordinator.metrics import CoordinatorMetrics
 from tally.coordinator.rounds.aggregators import AggregatorPool
 from tally.coordinator.rounds.checkin_holds import CheckInResult
-from tally.coordinator.state.events import TERMINAL_STATES, EventHub
-from tally.coordinator.spec.jobspec import JobSpec, parse
-from tally.coordinator.metrics import CoordinatorMetrics
 from tally.coordinator.rounds.come_back import Retry, idle_retry
 from tally.coordinator.rounds.planner import Hold
 from tally.coordinator.rounds.runner import JobRunner, RunnerContext
-from tally.coordinator.state.store import Store
 from tally.coordinator.rounds.task_reports import outcome_name
+from tally.coordinator.spec.jobspec import JobSpec, parse
+from tally.coordinator.state.events import TERMINAL_STATES, EventHub
+from tally.coordinator.state.store import Store
 from tally.security import DeviceClaims, TicketSigner
 from tally.wire.task_reports import reason_label
 from tally.wire.v1 import coordinator_pb2

@@ -18,7 +18,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from tally import logs
 from tally.security import OwnerTokens, TLSConfig, channel_options, owner_metadata
-from tally.security.tls import file_stamps, open_aio_channel as aio_channel
+from tally.security.tls import file_stamps
+from tally.security.tls import open_aio_channel as aio_channel
 from tally.wire.v1 import aggregator_pb2, aggregator_pb2_grpc
 
 log = logging.getLogger(__name__)

@@ -15,10 +15,10 @@ from typing import Any
 
 from tally import logs, modelio
 from tally.algorithms.base import ServerAlgorithm
-from tally.coordinator.spec import catalogue
 from tally.coordinator.rounds.failures import JobFailed
-from tally.coordinator.spec.jobspec import JobSpec
 from tally.coordinator.rounds.onnx_export import export_model
+from tally.coordinator.spec import catalogue
+from tally.coordinator.spec.jobspec import JobSpec
 from tally.coordinator.state.state_codec import UnsupportedState, state_from_bytes, state_to_bytes
 from tally.coordinator.state.store import ModelVersion, Store
 

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from scipy.stats import binom
 
-from tally.coordinator.spec.jobspec import JobSpec
 from tally.coordinator.rounds.planner import NoCapacity, split_cohorts
+from tally.coordinator.spec.jobspec import JobSpec
 from tally.secagg import UnsafeParameters, choose_params
 
 # Above this chance that a round's first attempt fails, the operator is told before the job runs.

@@ -22,12 +22,12 @@ from typing import Any
 from tally import logs
 from tally.algorithms.base import StepSpec
 from tally.codec.fingerprint import ring_fingerprint, sum_key
-from tally.coordinator.rounds.aggregators import AggregatorCallFailed, AggregatorPool
-from tally.coordinator.state.events import EventHub
-from tally.coordinator.rounds.failures import AttemptFailed
-from tally.coordinator.spec.jobspec import JobSpec
 from tally.coordinator.metrics import CoordinatorMetrics
+from tally.coordinator.rounds.aggregators import AggregatorCallFailed, AggregatorPool
+from tally.coordinator.rounds.failures import AttemptFailed
 from tally.coordinator.rounds.planner import CohortPlan, CohortRejected, NoCapacity, RoundPlanner
+from tally.coordinator.spec.jobspec import JobSpec
+from tally.coordinator.state.events import EventHub
 from tally.coordinator.state.store import CohortSumRecord, Store
 from tally.secagg import SessionConfig, SessionRef
 from tally.secagg.messages import SessionAborted, SumResult

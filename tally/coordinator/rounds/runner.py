@@ -45,15 +45,12 @@ import numpy as np
 
 from tally import logs, modelio
 from tally.algorithms.base import StepSpec
-from tally.coordinator.spec import catalogue
+from tally.coordinator.metrics import CoordinatorMetrics
 from tally.coordinator.rounds.aggregators import AggregatorPool
 from tally.coordinator.rounds.checkin_holds import CheckInHolds, CheckInResult
 from tally.coordinator.rounds.checkpoints import Checkpoints
 from tally.coordinator.rounds.cohort_sessions import CohortSessions
-from tally.coordinator.state.events import EventHub
 from tally.coordinator.rounds.failures import AttemptFailed, JobFailed
-from tally.coordinator.spec.jobspec import JobSpec
-from tally.coordinator.metrics import CoordinatorMetrics
 from tally.coordinator.rounds.planner import (
     FIRST_ROUND_GUESS_S,
     MIN_RETRY_S,
@@ -69,8 +66,11 @@ from tally.coordinator.rounds.planner import (
 )
 from tally.coordinator.rounds.reveals import RevealOutOfPhase
 from tally.coordinator.rounds.step_answers import StepAnswers
-from tally.coordinator.state.store import RoundRecord, Store
 from tally.coordinator.rounds.task_reports import Recorded, TaskReportBook
+from tally.coordinator.spec import catalogue
+from tally.coordinator.spec.jobspec import JobSpec
+from tally.coordinator.state.events import EventHub
+from tally.coordinator.state.store import RoundRecord, Store
 from tally.privacy import metrics as privacy_metrics
 from tally.privacy.spec import private_job_server
 from tally.secagg.phases import Phase as SecAggPhase

@@ -17,11 +17,11 @@ from typing import Any
 
 from tally import logs
 from tally.algorithms.base import ServerAlgorithm, StepSpec
-from tally.coordinator.rounds.failures import AttemptFailed
-from tally.coordinator.spec.jobspec import JobSpec
 from tally.coordinator.metrics import CoordinatorMetrics
+from tally.coordinator.rounds.failures import AttemptFailed
 from tally.coordinator.rounds.planner import Retry, RoundPlanner
 from tally.coordinator.rounds.reveals import RevealCollector, RevealOutOfPhase
+from tally.coordinator.spec.jobspec import JobSpec
 from tally.coordinator.state.store import Store
 from tally.wire.sums import schema_to_proto
 from tally.wire.tensors import tensors_from_proto, tensors_to_proto

@@ -32,8 +32,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from tally.coordinator.state.enrolled_devices import EnrolledDevices
 from tally.coordinator.state.database import Database, SqliteDatabase, open_database, schema
+from tally.coordinator.state.enrolled_devices import EnrolledDevices
 
 BLOB_KINDS = ("model", "broadcast", "onnx", "state")
 # What devices may download; algorithm states stay on the server.
