@@ -68,7 +68,7 @@ async def _generate(target: str, tls_dir: str, key: bytes, first: int, count: in
         latencies: list[float] = []
         failures = 0
 
-        async def one(md) -> None:
+        async def one(md, latencies: list[float]) -> None:
             nonlocal failures
             began = time.perf_counter()
             try:
@@ -84,7 +84,7 @@ async def _generate(target: str, tls_dir: str, key: bytes, first: int, count: in
             delay = began + k / rate - time.perf_counter()
             if delay > 0:
                 await asyncio.sleep(delay)
-            calls.append(asyncio.ensure_future(one(metadata[k % len(metadata)])))
+            calls.append(asyncio.ensure_future(one(metadata[k % len(metadata)], latencies)))
         await asyncio.gather(*calls)
         results.append({"latencies_ms": latencies, "failures": failures, "sent": n,
                         "seconds": time.perf_counter() - began})
@@ -191,7 +191,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
     c = sub.add_parser("capacity", help="highest check-in rate one coordinator core serves with p99 under a limit")
-    c.add_argument("--rates", type=float, nargs="+", default=[500, 1000, 1500, 2000, 2500, 3000, 3500, 4000, 4500, 5000])
+    c.add_argument("--rates", type=float, nargs="+",
+                   default=[500, 1000, 1500, 2000, 2500, 3000, 3500, 4000, 4500, 5000])
     c.add_argument("--step-seconds", type=float, default=5.0)
     c.add_argument("--generators", type=int, default=max(1, (os.cpu_count() or 2) - 1))
     c.add_argument("--pool", type=int, default=1000, help="registered devices the check-ins rotate over")

@@ -62,7 +62,8 @@ TFF_DEFAULT_BITS = 20
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--clients", type=int, default=150, help="population (devices with data)")
     p.add_argument("--cohort", type=int, default=30, help="devices per round")
     p.add_argument("--rounds", type=int, default=40)
@@ -187,7 +188,9 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def write_report(args: argparse.Namespace, rows: list[dict], plot: Callable[[list[dict], argparse.Namespace], None]) -> None:
+def write_report(
+    args: argparse.Namespace, rows: list[dict], plot: Callable[[list[dict], argparse.Namespace], None]
+) -> None:
     report = {"args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
               "tally_version": metadata.version("tally"), "rows": rows}
     if args.json:

@@ -50,8 +50,8 @@ def main(argv: list[str] | None = None) -> int:
     Console().print(table)
     Console().print(f"* more than TFF's {TFF_MAX_BITS}-bit cap")
     if args.json:
-        args.json.write_text(json.dumps({"args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
-                                         "rows": rows}, indent=2))
+        args.json.write_text(json.dumps(
+            {"args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}, "rows": rows}, indent=2))
     return 0
 
 

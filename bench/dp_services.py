@@ -118,7 +118,8 @@ def sweep_through_services(args: argparse.Namespace, in_process: Callable[..., d
         table.add_column(column)
     for r in rows:
         s, p = r["services"], r["in_process"]
-        spent = "-" if r["target_epsilon"] is None else f"{s.get('epsilon_spent', float('nan')):.3f} / {p['epsilon_spent']:.3f}"
+        spent = ("-" if r["target_epsilon"] is None
+                 else f"{s.get('epsilon_spent', float('nan')):.3f} / {p['epsilon_spent']:.3f}")
         table.add_row(f"{r['target_epsilon'] or 'no DP'}", spent, f"{s['accuracy']:.3f} / {p['accuracy']:.3f}",
                       f"{s['seconds']:.0f}")
     Console().print(table)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import json
 import time
+from functools import partial
 from pathlib import Path
 
 from tally.algorithms.fedevg import SYNTHETIC_X, SYNTHETIC_Y, FedEvgClient, FedEvgOptions, FedEvgServer
@@ -41,7 +42,7 @@ def main() -> None:
                               schedule_rounds=args.rounds, noise=0.01, input_range=(0.0, 1.0),
                               local_iterations=20, local_lr=1e-3, batch_size=64, sgld_step=1.0,
                               sgld_noise=0.01, synthetic_weight=0.1, seed=seed)
-        factory = lambda: energy_mlp(64, 10, 128, seed)  # noqa: E731
+        factory = partial(energy_mlp, 64, 10, 128, seed)
         devices = [EnergyTrainer(factory, X, y, seed=100 * seed + i) for i, (X, y) in enumerate(fed.clients)]
         sum_fn = plain_sum if args.plain else SecureSum(ThreatModel(dropout_rate=0.1, corrupt_rate=0.05), seed=seed)
         start = time.perf_counter()
@@ -55,8 +56,8 @@ def main() -> None:
             export_synthetic(state.synthetic, args.export, image_side=8)
     result = {"rounds": args.rounds, "clients": args.clients, "alpha": args.alpha, "secure": not args.plain,
               "step_start": args.step,
-              "samples": int(state.synthetic[SYNTHETIC_Y].size), "upload_values": int(state.synthetic[SYNTHETIC_X].size
-                                                                                       + state.synthetic[SYNTHETIC_Y].size),
+              "samples": int(state.synthetic[SYNTHETIC_Y].size),
+              "upload_values": int(state.synthetic[SYNTHETIC_X].size + state.synthetic[SYNTHETIC_Y].size),
               "runs": runs}
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)

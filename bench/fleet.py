@@ -195,8 +195,10 @@ async def _run(args: argparse.Namespace, workdir: Path) -> dict:
     rounds = len(durations)
     result.update({
         "registered_at_commit": registered_at_commit, "ramp_seconds": args.ramp,
-        "values": 75 * args.hidden + 10, "cohort": args.cohort, "plain": args.plain, "consistency_check": not (args.plain or args.semi_honest), "rounds_committed": rounds,
-        "round_seconds": durations, "round_metrics": round_metrics, "round_seconds_median": statistics.median(durations) if durations else None,
+        "values": 75 * args.hidden + 10, "cohort": args.cohort, "plain": args.plain,
+        "consistency_check": not (args.plain or args.semi_honest), "rounds_committed": rounds,
+        "round_seconds": durations, "round_metrics": round_metrics,
+        "round_seconds_median": statistics.median(durations) if durations else None,
         "rounds_per_hour": 3600 / statistics.median(durations) if durations else None,
         "cpu_seconds_per_round": {k: (v - started_cpu.get(k, 0.0)) / max(rounds, 1) for k, v in sampler.cpu.items()},
         "cpu_seconds_until_first_commit": {k: v - started_cpu.get(k, 0.0) for k, v in at_commit[min(at_commit)].items()}
@@ -204,7 +206,8 @@ async def _run(args: argparse.Namespace, workdir: Path) -> dict:
         "cpu_seconds_per_round_after_the_first": _steady(at_commit),
         "audit": outcome_counts(checks),
         "aggregator_engine_cpu_seconds_per_round": {
-            name: {phase: s / max(rounds, 1) for phase, s in _samples(text, "tally_aggregator_engine_cpu_seconds_total").items()}
+            name: {phase: s / max(rounds, 1)
+                   for phase, s in _samples(text, "tally_aggregator_engine_cpu_seconds_total").items()}
             for name, text in expositions.items() if name.startswith("aggregator")},
         "aggregator_cpu_itemised_per_round": {
             name: _itemised(text, (sampler.cpu[name] - started_cpu.get(name, 0.0)) / max(rounds, 1), rounds)
@@ -240,7 +243,8 @@ def main() -> None:
                         help="fraction of devices that leave each session (and the job's planned dropout rate)")
     parser.add_argument("--plain", action="store_true", help="plain sums (benchmark-only) instead of secure ones")
     parser.add_argument("--semi-honest", action="store_true",
-                        help="secure sums without the consistency check (devices trust the aggregators): what the check costs")
+                        help="secure sums without the consistency check (devices trust the aggregators): "
+                        "what the check costs")
     parser.add_argument("--idle", type=float, default=0.0, metavar="SECONDS",
                         help="no job: run the fleet this long and report its memory per idle device")
     parser.add_argument("--checkin-rate", type=float, default=0.0,

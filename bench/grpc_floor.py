@@ -142,7 +142,8 @@ def measure(args: argparse.Namespace) -> dict:
     messages = args.streams * (len(pattern.device) + len(pattern.server))
     median = statistics.median(per_round)
     return {"streams": args.streams, "dim": args.dim, "k": args.k, "tls": args.tls,
-            "messages_per_round": messages, "bytes_per_round": args.streams * (sum(pattern.device) + sum(pattern.server)),
+            "messages_per_round": messages,
+            "bytes_per_round": args.streams * (sum(pattern.device) + sum(pattern.server)),
             "server_cpu_seconds_per_round": per_round, "server_cpu_seconds_median": median,
             "server_cpu_microseconds_per_message": median / messages * 1e6}
 

@@ -35,7 +35,8 @@ own (created, then dropped), and the coordinator runs as the leading replica ove
 JSON to ``--json``; with ``--plot``, one panel per figure against N (log scale).
 
     .venv/bin/python bench/population.py --json bench/results/population.json --plot bench/results/population.png
-    .venv/bin/python bench/population.py --populations 2000 --register 200 --rates 200 --step-seconds 2 --processes 1 2 --json out.json
+    .venv/bin/python bench/population.py --populations 2000 --register 200 --rates 200 --step-seconds 2 \\
+        --processes 1 2 --json out.json
 """
 
 from __future__ import annotations
@@ -202,7 +203,7 @@ async def _live_devices(target: str, tls_dir: str, key: bytes, prefix: str, coun
         latencies: list[float] = []
         failed = 0
 
-        async def check_in(stub, metadata) -> None:
+        async def check_in(stub, metadata, latencies: list[float]) -> None:
             nonlocal failed
             start = time.perf_counter()
             try:
@@ -221,7 +222,7 @@ async def _live_devices(target: str, tls_dir: str, key: bytes, prefix: str, coun
             delay = step_began + k * seconds / n - time.perf_counter()
             if delay > 0:
                 await asyncio.sleep(delay)
-            sent.append(asyncio.ensure_future(check_in(*devices[k % len(devices)])))
+            sent.append(asyncio.ensure_future(check_in(*devices[k % len(devices)], latencies)))
         await asyncio.gather(*sent)
         steps.append({"sent": n, "latencies_ms": latencies, "failures": failed,
                       "start": wall_began, "end": time.time()})
@@ -341,7 +342,8 @@ async def _drive(target: str, tls_dir: Path, key: bytes, prefix: str, pid: int, 
     database = CpuSampler(database_pid) if database_pid else None
     try:
         outcome = await asyncio.to_thread(_generate, target, tls_dir, key, prefix, args.register,
-                                          [float(r) for r in args.rates], args.step_seconds, generator_cores, args.p99_ms)
+                                          [float(r) for r in args.rates], args.step_seconds, generator_cores,
+                                          args.p99_ms)
     finally:
         sampler.stop()
         if database:
@@ -402,7 +404,8 @@ def _store_flags(database: str | None) -> list[str]:
 async def _one_population(args: argparse.Namespace, population: int, workdir: Path, progress: Progress) -> dict:
     with _own_database(args.database) as empty_db:
         # The same coordinator on an empty store first: the base its memory per device is read against.
-        empty = ProcessCluster(workdir / "empty", aggregators=1, coordinator_flags=[*UNLIMITED, *_store_flags(empty_db)])
+        empty = ProcessCluster(workdir / "empty", aggregators=1,
+                               coordinator_flags=[*UNLIMITED, *_store_flags(empty_db)])
         try:
             await _start(empty)
             base_rss = _rss(empty.processes["coordinator"].pid)
@@ -584,7 +587,8 @@ def main() -> None:
         parser.error(f"--register: at least one device per generator ({args.generators}, --generators)")
     result = run(args)
     summary = [{k: v for k, v in row.items() if k != "by_processes"}
-               | {"by_processes": [{k: v for k, v in run.items() if k != "checkin_steps"} for run in row["by_processes"]]}
+               | {"by_processes": [{k: v for k, v in run.items() if k != "checkin_steps"}
+                                   for run in row["by_processes"]]}
                for row in result["populations"]]
     print(json.dumps(summary, indent=2))
     if args.json:

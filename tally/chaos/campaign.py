@@ -347,7 +347,8 @@ class Campaign:
                 return seen[0].phase == target or seen[0].state not in LIVE
 
             await wait_for(in_target_phase, sum(DEADLINES.values()), every=0.02)
-            where = (f"round {seen[0].round} in {common_pb2.RoundPhase.Name(seen[0].phase).removeprefix('ROUND_PHASE_')}"
+            where = (f"round {seen[0].round} in "
+                     f"{common_pb2.RoundPhase.Name(seen[0].phase).removeprefix('ROUND_PHASE_')}"
                      if seen else "before the job answered")
             if fault == "kill_device_front":
                 # One killed in the round before may still be starting again.

@@ -27,9 +27,9 @@ def register(sub: argparse._SubParsersAction) -> None:
         description=(
             "Serve AggregatorControl (for the coordinator) and SecureAggregation (for devices) on "
             "one gRPC port, with health checking and reflection, and Prometheus metrics with plain "
-            "HTTP /healthz and /readyz on another. Sessions must carry a session ticket signed by the coordinator for this "
-            "aggregator's --id; nothing is kept between sessions. Stops gracefully on SIGINT or "
-            "SIGTERM (running sessions are aborted for their devices)."
+            "HTTP /healthz and /readyz on another. Sessions must carry a session ticket signed by the "
+            "coordinator for this aggregator's --id; nothing is kept between sessions. Stops gracefully on "
+            "SIGINT or SIGTERM (running sessions are aborted for their devices)."
         ),
     )
     p.add_argument("--listen", required=True, metavar="HOST:PORT",

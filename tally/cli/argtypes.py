@@ -27,7 +27,9 @@ def integer(low: int, high: int | None = None) -> Callable[[str], int]:
     return parse
 
 
-def number(low: float, high: float = math.inf, *, open_low: bool = False, open_high: bool = True) -> Callable[[str], float]:
+def number(
+    low: float, high: float = math.inf, *, open_low: bool = False, open_high: bool = True
+) -> Callable[[str], float]:
     """A finite number between ``low`` and ``high``, each bound closed unless said open."""
     span = f"{'(' if open_low else '['}{low:g}, {'∞' if high == math.inf else f'{high:g}'}{')' if open_high else ']'}"
 

@@ -35,7 +35,9 @@ def register(sub: argparse._SubParsersAction) -> None:
         "chaos", help="a fault campaign: random faults against real services, every committed sum checked",
         description="Starts a coordinator and aggregators as processes over TLS on 127.0.0.1 and a synthetic "
         "fleet, runs one FedAvg job, and injects one random fault per round (device dropouts below and past "
-        "the threshold, aggregators and the coordinator (or, with --replicas, its leading replica) SIGKILLed mid-round and restarted, devices sending late, duplicated, replayed or corrupt messages or leaving their stream open and unread). After every round: "
+        "the threshold, aggregators and the coordinator (or, with --replicas, its leading replica) SIGKILLed "
+        "mid-round and restarted, devices sending late, duplicated, replayed or corrupt messages or leaving "
+        "their stream open and unread). After every round: "
         "each committed cohort sum equals the sum of its contributors' inputs, rounds commit once and in "
         "order, the round ended by its deadline, no process died unkilled; at the end, no memory growth. "
         "Exit status 1 when any invariant was violated.",

@@ -71,7 +71,9 @@ def _trainers(args: argparse.Namespace, shards: int) -> list[LocalTrainer]:
     return [TorchTrainer(factory, X, y, seed=args.seed + i) for i, (X, y) in enumerate(fed.clients)]
 
 
-async def _run_device(device: Device, stop: asyncio.Event, max_tasks: int | None, connect_timeout: float) -> DeviceStats:
+async def _run_device(
+    device: Device, stop: asyncio.Event, max_tasks: int | None, connect_timeout: float
+) -> DeviceStats:
     """``device.run``, given up with ``CoordinatorUnreachable`` when it has not checked in once
     within ``connect_timeout`` seconds (0: never given up), rather than retrying in silence."""
     running = asyncio.ensure_future(device.run(stop, max_tasks))

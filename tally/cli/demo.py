@@ -76,7 +76,8 @@ OVER_SELECTION = 1.3  # the job spec's
 def _devices(text: str) -> int:
     value = integer(1)(text)
     if value < MIN_DEVICES:
-        raise argparse.ArgumentTypeError(f"the demo needs at least {MIN_DEVICES} devices ({WHY_MIN_DEVICES}), got {value}")
+        raise argparse.ArgumentTypeError(
+            f"the demo needs at least {MIN_DEVICES} devices ({WHY_MIN_DEVICES}), got {value}")
     return value
 
 
@@ -156,8 +157,8 @@ async def _demo(args: argparse.Namespace, console: Console) -> dict:
         fleet.close()
         job = await stub.GetJob(admin_pb2.GetJobRequest(job_id=job_id), metadata=md, timeout=30)
 
-        evaluator = Device(cluster.target, cluster.tls, "demo-evaluator", trainers[0],
-                           enrolment_credential=SharedKeyEnrolment(enrolment_key).credential("default", "demo-evaluator"))
+        credential = SharedKeyEnrolment(enrolment_key).credential("default", "demo-evaluator")
+        evaluator = Device(cluster.target, cluster.tls, "demo-evaluator", trainers[0], enrolment_credential=credential)
         test_x, test_y = fed.test
         accuracy = []
         for r in range(1, job.committed_round + 1):

@@ -148,7 +148,8 @@ def run_status(args: argparse.Namespace) -> int:
         console.print(f"{name}: {ready}/{wanted} ready")
     if state.fleet is not None:
         f = state.fleet
-        console.print(f"fleet: {f['succeeded']}/{f['completions']} shards done, {f['active']} running, {f['failed']} failed")
+        console.print(f"fleet: {f['succeeded']}/{f['completions']} shards done, {f['active']} running, "
+                      f"{f['failed']} failed")
     if token is None:
         return 0
     try:

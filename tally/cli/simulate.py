@@ -31,7 +31,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     mode = p.add_mutually_exclusive_group()
     mode.add_argument("--secure", dest="secure", action="store_true", default=True, help="real secure sums (default)")
     mode.add_argument("--plain", dest="secure", action="store_false", help="plain float sums (baseline)")
-    p.add_argument("--dropout", type=FRACTION, default=0.0, help="fraction of each cohort dropping (secure mode), in [0, 1)")
+    p.add_argument("--dropout", type=FRACTION, default=0.0,
+                   help="fraction of each cohort dropping (secure mode), in [0, 1)")
     p.add_argument("--option", action="append", default=[], metavar="KEY=VALUE", help="algorithm option (JSON value)")
     p.add_argument("--reveal", action="append", default=[], metavar="NAME",
                    help="opt in to revealing a per-device value (only aaggff_s: response)")

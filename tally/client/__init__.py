@@ -14,7 +14,8 @@ _EXPORTS = {
     "SDK_VERSION": "tally.client.device", "Device": "tally.client.device", "DeviceStats": "tally.client.device",
     "DeviceHooks": "tally.client.hooks", "SessionHooks": "tally.client.hooks",
     "DownloadError": "tally.client.download", "ModelCache": "tally.client.download",
-    "ClientMetrics": "tally.client.metrics", "OnnxModel": "tally.client.onnx_model", "RetryPolicy": "tally.client.retry",
+    "ClientMetrics": "tally.client.metrics", "OnnxModel": "tally.client.onnx_model",
+    "RetryPolicy": "tally.client.retry",
 }
 
 

@@ -48,7 +48,8 @@ class DeviceProgress:
 def summary(stats: DeviceStats) -> str:
     """One line: the tasks and how they ended, the bytes moved, the last task."""
     ended = [f"{stats.sessions_completed} summed"] + [
-        f"{count} {what}" for count, what in ((stats.dropouts, "dropped"), (stats.sessions_aborted, "aborted or refused"))
+        f"{count} {what}"
+        for count, what in ((stats.dropouts, "dropped"), (stats.sessions_aborted, "aborted or refused"))
         if count]
     line = (f"{stats.tasks_done} task(s): {', '.join(ended)}; {stats.bytes_up / MIB:.1f} MiB up, "
             f"{stats.bytes_down / MIB:.1f} MiB down; {stats.checkins} check-in(s), {stats.retries} retried call(s)")

@@ -48,4 +48,5 @@ def load_or_create_identity(path: str | os.PathLike[str]) -> SigningKey:
 def simulated_identity(enrolment_key: bytes, device_id: str) -> SigningKey:
     """A simulated device's identity, derived from the enrolment key the simulator holds anyway:
     a fleet restarted against the same coordinator registers under the same keys."""
-    return SigningKey(hmac.new(enrolment_key, b"tally-simulated-identity\x00" + device_id.encode(), hashlib.sha256).digest())
+    return SigningKey(
+        hmac.new(enrolment_key, b"tally-simulated-identity\x00" + device_id.encode(), hashlib.sha256).digest())

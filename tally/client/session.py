@@ -1,12 +1,13 @@
 """The device end of one secure-aggregation session: a bidirectional gRPC stream to the
 aggregator, pumping messages between it and the sans-IO ``SecAggClient``.
 
-The device opens the stream with its Join in the metadata, checks that the configuration the aggregator answers with is the one the
-coordinator assigned (an aggregator must not be able to run the device in another session or
-graph), then relays protocol messages until SessionDone or Abort. Its masked input goes out as
-soon as both the aggregator has asked and the local computation is ready; an Abort that arrives
-meanwhile is seen at once. A simulated device's hooks (``tally.client.hooks.SessionHooks``) may
-make it leave in a phase (it really cancels the call), misbehave, or wait as a slow network would.
+The device opens the stream with its Join in the metadata, checks that the configuration the
+aggregator answers with is the one the coordinator assigned (an aggregator must not be able to
+run the device in another session or graph), then relays protocol messages until SessionDone or
+Abort. Its masked input goes out as soon as both the aggregator has asked and the local
+computation is ready; an Abort that arrives meanwhile is seen at once. A simulated device's
+hooks (``tally.client.hooks.SessionHooks``) may make it leave in a phase (it really cancels the
+call), misbehave, or wait as a slow network would.
 """
 
 from __future__ import annotations

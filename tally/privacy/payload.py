@@ -3,7 +3,8 @@ client wrapper that applies them, and ring encoding of a payload already in the 
 
 The parameters travel with the step's broadcast (``dp.*`` tensors), so a device needs no
 configuration: it applies what the server's step asks for, and strips those tensors before its
-algorithm sees the broadcast. A device with a noise floor checks them first (``check_noise_floor``). Nothing here needs the accountant (devices do not install it).
+algorithm sees the broadcast. A device with a noise floor checks them first
+(``check_noise_floor``). Nothing here needs the accountant (devices do not install it).
 """
 
 from __future__ import annotations
@@ -59,7 +60,8 @@ def check_noise_floor(public: Mapping[str, np.ndarray], floor: float, cohort: in
     if floor <= 0:
         return
     if PARAMS not in public:
-        raise NoiseBelowFloor("no_noise", f"the step adds no DP noise; this device requires noise multiplier >= {floor:g}")
+        raise NoiseBelowFloor("no_noise",
+                              f"the step adds no DP noise; this device requires noise multiplier >= {floor:g}")
     params = [float(x) for x in public[PARAMS]]
     code, declared, honest = params[0], params[5] if len(params) > 5 else 0.0, params[6] if len(params) > 6 else 0.0
     if code != MECHANISM_CODES[DISTRIBUTED]:

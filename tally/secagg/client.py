@@ -426,7 +426,8 @@ class _AwaitShareVerdict(_Phase[JustifyRequest | ShareVerdict]):
                 raise MalformedMessage("a complaint to justify is not about a share I dealt")
             holder = complaint.holder
             check = sharecheck.check_bytes(
-                secrets.check_digest, sharecheck.evaluate_rows(secrets.check_polynomials[None], np.array([[holder]]))[0, 0])
+                secrets.check_digest,
+                sharecheck.evaluate_rows(secrets.check_polynomials[None], np.array([[holder]]))[0, 0])
             statement = sharecheck.complaint_statement(
                 config.ref, complaint.sum_id, client.index, holder, secrets.dealt[holder], check)
             if not crypto.verify_signature(config.identity(holder), complaint.signature, statement):

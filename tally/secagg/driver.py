@@ -157,7 +157,7 @@ def run_cohort(
             if observe is not None:
                 observe(message)
             try:
-                deliver(timed_server(lambda: server.receive(message)))
+                deliver(timed_server(partial(server.receive, message)))
             except (OutOfPhase, StaleMessage) as exc:
                 run.rejected.append((message, exc))
         if not server.finished:

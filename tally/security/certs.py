@@ -19,10 +19,11 @@ every party is told apart by its certificate:
 Server certificates cover loopback (``localhost``, ``127.0.0.1``, ``::1``), the Kubernetes service
 names of their role (``tally-<role>``, ``tally-<role>.<ns>``, ``tally-<role>.<ns>.svc``,
 ``tally-<role>.<ns>.svc.cluster.local``, plus ``*.tally-<role>.<ns>.svc`` and the first
-``POD_ORDINALS`` short pod names ``tally-<role>-<i>.tally-<role>`` for the pods of a headless service) and whatever DNS names and IP addresses the operator adds. Every role directory
-holds ``ca.pem`` and the role's default file names, so ``--tls-dir <out>/<role>`` just works.
-Certificates are written 0644, keys and secrets 0600, directories 0700, and nothing is
-overwritten unless ``force`` is given (nothing at all is written when any target exists).
+``POD_ORDINALS`` short pod names ``tally-<role>-<i>.tally-<role>`` for the pods of a headless
+service) and whatever DNS names and IP addresses the operator adds. Every role directory holds
+``ca.pem`` and the role's default file names, so ``--tls-dir <out>/<role>`` just works.
+Certificates are written 0644, keys and secrets 0600, directories 0700, and nothing is overwritten
+unless ``force`` is given (nothing at all is written when any target exists).
 """
 
 from __future__ import annotations

@@ -58,7 +58,9 @@ def personal_accuracy(client: ClientAlgorithm, model: Mapping[str, np.ndarray], 
     ])
 
 
-def local_only_accuracy(fleet: PersonalFleet, epochs: int, lr: float, batch_size: int) -> tuple[np.ndarray, list[Arrays]]:
+def local_only_accuracy(
+    fleet: PersonalFleet, epochs: int, lr: float, batch_size: int
+) -> tuple[np.ndarray, list[Arrays]]:
     """Per device: test accuracy of a model trained on its own training split alone, from the
     common initial model (the baseline a device could have without federated learning)."""
     models = [device.train(fleet.initial, epochs, lr, batch_size)[0] for device in fleet.devices]

@@ -65,13 +65,15 @@ def _weights(path: Path, report: dict) -> Path | None:
     values = np.array([p[key] for p in report["per_round"]])
     fig, ax = plt.subplots(figsize=(6, 3.5))
     for j in range(values.shape[1]):
-        ax.plot(values[:, j], lw=1, label=f"{'domain' if key == 'lambda' else 'device'} {j}" if values.shape[1] <= 10 else None)
+        ax.plot(values[:, j], lw=1,
+                label=f"{'domain' if key == 'lambda' else 'device'} {j}" if values.shape[1] <= 10 else None)
     ax.set_xlabel("round")
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.set_ylabel("λ" if key == "lambda" else "p")
     if values.shape[1] <= 10:
         ax.legend(fontsize=7)
-    return _save(fig, ax, path, f"{report['algorithm']}: {'domain weights λ' if key == 'lambda' else 'mixing coefficients p'}")
+    return _save(fig, ax, path,
+                 f"{report['algorithm']}: {'domain weights λ' if key == 'lambda' else 'mixing coefficients p'}")
 
 
 def _per_domain(path: Path, runs: list[dict]) -> Path | None:
@@ -81,7 +83,8 @@ def _per_domain(path: Path, runs: list[dict]) -> Path | None:
     width = 0.8 / len(runs)
     domains = np.arange(len(runs[0]["final"]["per_domain_loss"]))
     for k, run in enumerate(runs):
-        ax.bar(domains + (k - (len(runs) - 1) / 2) * width, run["final"]["per_domain_loss"], width, label=run["algorithm"])
+        ax.bar(domains + (k - (len(runs) - 1) / 2) * width, run["final"]["per_domain_loss"], width,
+               label=run["algorithm"])
     ax.set_xticks(domains)  # one tick per domain, at the centre of its bars
     ax.set_xlabel("domain")
     ax.set_ylabel("loss")
@@ -96,7 +99,8 @@ def _per_device(path: Path, runs: list[dict]) -> Path | None:
     fig, ax = plt.subplots(figsize=(6, 3.5))
     for run in runs:
         acc = np.sort(run["final"]["per_device_accuracy"])
-        ax.plot(np.linspace(0, 100, acc.size), acc, label=f"{run['algorithm']} (worst 10%: {run['final']['worst10_accuracy']:.3f})")
+        ax.plot(np.linspace(0, 100, acc.size), acc,
+                label=f"{run['algorithm']} (worst 10%: {run['final']['worst10_accuracy']:.3f})")
     ax.set_xlabel("devices, worst to best (%)")
     ax.set_ylabel("accuracy")
     ax.legend()
@@ -108,7 +112,8 @@ def write_report(directory: Path, report: dict, baseline: dict | None = None) ->
     runs = _runs(report, baseline)
     rounds = directory / "rounds.json"
     rounds.write_text(json.dumps({r["algorithm"]: r["per_round"] for r in runs}, indent=2))
-    summary: dict[str, Any] = {r["algorithm"]: {k: r["final"][k] for k in SUMMARY_KEYS if k in r["final"]} for r in runs}
+    summary: dict[str, Any] = {
+        r["algorithm"]: {k: r["final"][k] for k in SUMMARY_KEYS if k in r["final"]} for r in runs}
     fairness = directory / "summary.json"
     fairness.write_text(json.dumps(summary, indent=2))
     plots = [

@@ -49,7 +49,8 @@ class SecureSum:
         devices = sorted(contributions)
         values = {i + 1: {step.name: contributions[d]} for i, d in enumerate(devices)}
         victims = self.rng.choice(len(devices), size=int(self.dropout * len(devices)), replace=False)
-        dropouts = {int(v) + 1: Dropout(str(self.rng.choice((Phase.SHARE_KEYS, Phase.MASKED_INPUT, Phase.UNMASK)))) for v in victims}
+        dropouts = {int(v) + 1: Dropout(str(self.rng.choice((Phase.SHARE_KEYS, Phase.MASKED_INPUT, Phase.UNMASK))))
+                    for v in victims}
         decoded, run = secure_sum(
             {step.name: step.schema},
             values,
@@ -78,7 +79,8 @@ def reveal_values(
     """
     missing = set(step.reveal) - set(allowed)
     if missing:
-        raise RevealRefused(f"step {step.name!r} reveals {sorted(missing)} but the job's reveal list is {list(allowed)}")
+        raise RevealRefused(
+            f"step {step.name!r} reveals {sorted(missing)} but the job's reveal list is {list(allowed)}")
     ids = sorted(contributions)
     bits = step.schema.required_bits(1)
     alone = [step.schema.decode_sum(to_ring(step.schema.encode(contributions[d], rng).vector, bits), bits) for d in ids]

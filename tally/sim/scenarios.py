@@ -144,7 +144,8 @@ def heterogeneous_digits_scenario(args: ScenarioArgs) -> Scenario:
 
     # The AAggFF comparisons use one local epoch of batch 20 for every algorithm.
     defaults = {"fedavg": {"local_epochs": 1, "batch_size": 20}}
-    return Scenario(fl.devices, fl.initial, fl.test.evaluate, final, injected=_population_options(args), defaults=defaults)
+    return Scenario(fl.devices, fl.initial, fl.test.evaluate, final, injected=_population_options(args),
+                    defaults=defaults)
 
 
 def domain_linear_scenario(args: ScenarioArgs) -> Scenario:

@@ -55,7 +55,8 @@ def who_gains(fleet: PersonalFleet, federated: Sequence[Mapping[str, np.ndarray]
         "per_method_test_accuracy": {m: per_method[m]["test"] for m in names},
         "mean": {"local_only": float(np.mean(local_only)), "federated": float(np.mean(fed)),
                  "adapted": float(np.mean(adapted)), **{m: float(np.mean(per_method[m]["test"])) for m in names}},
-        "share_worse_than_local": {"federated": share_worse(local_only, fed), "adapted": share_worse(local_only, adapted),
+        "share_worse_than_local": {"federated": share_worse(local_only, fed),
+                                   "adapted": share_worse(local_only, adapted),
                                    **{m: share_worse(local_only, per_method[m]["test"]) for m in names}},
     }
 

@@ -94,8 +94,8 @@ class FairTrainer:
         """The classifier's and the co-trained adversary's scores, and the representations."""
         set_params(self.model, params)
         h = self.model.represent(self.x)
-        return {"class": self.model.head(h).squeeze(-1).numpy(), "adversary": self.model.adversary(h).squeeze(-1).numpy(),
-                "h": h.numpy()}
+        return {"class": self.model.head(h).squeeze(-1).numpy(),
+                "adversary": self.model.adversary(h).squeeze(-1).numpy(), "h": h.numpy()}
 
 
 def fairness_metrics(params: Mapping[str, np.ndarray], train: FairTrainer, test: FairTrainer) -> dict[str, float]:

@@ -384,7 +384,8 @@ def _unmask_request_to(v: UnmaskRequest, out: secagg_pb2.UnmaskRequest) -> None:
 
 def _unmask_request_from(p: secagg_pb2.UnmaskRequest) -> UnmaskRequest:
     signatures = tuple(
-        (device_index(p, "signatures.signer", s.signer), fixed_bytes(p, "signatures.signature", crypto.SIGNATURE_BYTES, s.signature))
+        (device_index(p, "signatures.signer", s.signer),
+         fixed_bytes(p, "signatures.signature", crypto.SIGNATURE_BYTES, s.signature))
         for s in p.signatures
     )
     return UnmaskRequest(_ref(p), id_text(p, "sum_id"), device_indices(p, "survivors"), signatures)

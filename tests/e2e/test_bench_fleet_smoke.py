@@ -25,7 +25,8 @@ def test_fleet_bench_audits_every_sum_and_itemises_the_aggregators_cpu(tmp_path)
                     "--aggregators", "2", "--hidden", "8", "--rounds", "1", "--checkin-rate", "50")
     assert result["rounds_committed"] == 1 and len(result["round_metrics"]) == 1
     assert result["audit"]["exact"] >= 1 and result["audit"]["mismatch"] == result["audit"]["foreign"] == 0
-    assert {"coordinator", "aggregator-1", "aggregator-2", "fleet-0", "fleet-1"} <= result["cpu_seconds_per_round"].keys()
+    assert ({"coordinator", "aggregator-1", "aggregator-2", "fleet-0", "fleet-1"}
+            <= result["cpu_seconds_per_round"].keys())
     shards = result["fleet_shards"]
     assert len(shards) == 2 and sum(s["tasks_done"] for s in shards) == result["fleet"]["tasks_done"]
     # The first commit's CPU (enrolment included) is measured apart; one round has no steady state.

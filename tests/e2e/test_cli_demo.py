@@ -18,7 +18,8 @@ import pytest
 from tally.coordinator.state.store import Store
 
 REPO = Path(__file__).resolve().parents[2]
-pytestmark = pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="needs Linux /proc to find child processes")
+pytestmark = pytest.mark.skipif(not Path("/proc/self/stat").exists(),
+                                reason="needs Linux /proc to find child processes")
 
 
 def _children(pid: int) -> list[int]:
@@ -135,7 +136,8 @@ def test_resume_continues_the_job_interrupted_while_devices_send_inputs(tmp_path
     # way it failed and round 1 committed after.
     failed = [message for round_, state, message in attempts if (round_, state) == (1, "failed")]
     assert len(failed) == 1 and (failed[0] == "interrupted: coordinator stopped"
-                                 or re.search(r"session aborted: \S+: \d+ devices answered, at least \d+ are required", failed[0])), attempts
+                                 or re.search(r"session aborted: \S+: \d+ devices answered, at least \d+ are required",
+                                              failed[0])), attempts
     assert (1, "committed", "") in attempts
     assert "job resumed" in (out / "logs" / "coordinator.log").read_text()
 

@@ -59,7 +59,8 @@ def test_job_init_writes_a_commented_spec_that_validates(tmp_path, capsys, algor
 
 def test_validate_reports_every_problem_offline_and_init_refuses_an_unknown_algorithm(tmp_path, capsys):
     path = tmp_path / "job.yaml"
-    path.write_text("name: x\nalgorithm: fedavg\nrounds: -1\noptions: {local_epochs: '5'}\nsecure: {dropout_rate: high}\n")
+    path.write_text("name: x\nalgorithm: fedavg\nrounds: -1\noptions: {local_epochs: '5'}\n"
+                    "secure: {dropout_rate: high}\n")
     assert tally(["job", "validate", str(path)]) == 1
     err = capsys.readouterr().err
     for needle in ("cohort_size: required", "rounds: must be >= 1", "options.local_epochs: must be an integer",
@@ -134,7 +135,8 @@ def test_job_commands_as_processes_against_the_services(tmp_path, caplog):
             code, out, err = await _tally("job", "submit", str(good), *common, "--json")
             assert code == 0, err
             job_id = json.loads(out)["job_id"]
-            results["early"] = await _tally("job", "model", job_id, "--out", str(out_dir / "v0.onnx"), "--json", *common)
+            results["early"] = await _tally("job", "model", job_id, "--out", str(out_dir / "v0.onnx"), "--json",
+                                            *common)
             fleet = s.fleet(devices, seed=1)
             await fleet.run(until=fleet.until_job_done(job_id, every_seconds=0.2))
             fleet.close()

@@ -178,8 +178,10 @@ def test_the_dev_overlay_runs_in_containers_and_prometheus_sees_an_aggregator_go
     aggregators = one(objects, "StatefulSet", "tally-aggregator")
     coordinator_set = one(objects, "StatefulSet", "tally-coordinator")
     job = one(objects, "Job", "tally-fleet")
-    pods = [ContainerPod(LocalPod(cluster, coordinator_set, "tally-coordinator-0"), coordinator_set, f"{subnet}.10", prefix)]
-    pods += [ContainerPod(LocalPod(cluster, aggregators, f"tally-aggregator-{i}"), aggregators, f"{subnet}.{20 + i}", prefix)
+    pods = [ContainerPod(LocalPod(cluster, coordinator_set, "tally-coordinator-0"), coordinator_set,
+                         f"{subnet}.10", prefix)]
+    pods += [ContainerPod(LocalPod(cluster, aggregators, f"tally-aggregator-{i}"), aggregators,
+                          f"{subnet}.{20 + i}", prefix)
              for i in range(aggregators["spec"]["replicas"])]
     fleet = [ContainerPod(LocalPod(cluster, job, f"tally-fleet-{i}-x{i}",
                                    annotations={"batch.kubernetes.io/job-completion-index": str(i)}),
@@ -333,7 +335,8 @@ def test_coordinator_replicas_run_in_containers_over_postgresql_and_one_takes_ov
                          annotations={"batch.kubernetes.io/job-completion-index": str(i)})
                      for i in range(job["spec"]["completions"])]
             assert len(coordinators) == 3 and len(aggregators) == 3
-            unhonoured = {field: why for p in coordinators + aggregators + fleet for field, why in p.unhonoured().items()}
+            unhonoured = {field: why for p in coordinators + aggregators + fleet
+                          for field, why in p.unhonoured().items()}
             unhonoured |= {kind: "no cert-manager here: `tally certs` writes the same Secrets"
                            for kind in ("Certificate", "Issuer") if find(objects, kind)}
             unhonoured |= {"NetworkPolicy": CANNOT_HONOUR["NetworkPolicy"],

@@ -57,7 +57,8 @@ def test_fingerprints_add_like_the_vectors_they_fingerprint(bits, parts, dim, se
     for v in vectors[1:]:
         total = to_ring(total.astype(np.uint64) + v.astype(np.uint64), bits)
     key = f"s{seed}/update"
-    assert add_fingerprints([ring_fingerprint(v, bits, key) for v in vectors], bits) == ring_fingerprint(total, bits, key)
+    assert (add_fingerprints([ring_fingerprint(v, bits, key) for v in vectors], bits)
+            == ring_fingerprint(total, bits, key))
     changed = total.astype(np.uint64).copy()
     changed[seed % dim] = (int(changed[seed % dim]) + 1) & ((1 << bits) - 1)
     assert ring_fingerprint(changed, bits, key) != ring_fingerprint(total, bits, key)

@@ -94,7 +94,8 @@ def test_a_population_draws_the_profiles_distributions(tmp_path):
 # half a minute of a simulated day: `make test` keeps the profile's other tests; CI runs this too
 @pytest.mark.full
 def test_a_diurnal_population_follows_its_curve(tmp_path):
-    profile = _profile(tmp_path, "availability: {diurnal: {trough: 0.1, peak: 0.9, period_seconds: 1000}, spell_seconds: 1}")
+    profile = _profile(tmp_path,
+                       "availability: {diurnal: {trough: 0.1, peak: 0.9, period_seconds: 1000}, spell_seconds: 1}")
     traits = [profile.traits(3, i) for i in device_ids("sim", 3000)]
     at_peak = np.mean([t.offline_for(1000.0) == 0.0 for t in traits])
     at_trough = np.mean([t.offline_for(1500.0) == 0.0 for t in traits])

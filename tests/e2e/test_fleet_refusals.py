@@ -62,7 +62,8 @@ def test_a_fleet_and_a_client_without_their_credentials_say_why_and_exit_1(tmp_p
                             "--json", str(tmp_path / f"fleet-{processes}.json")]
                 for processes in (1, 2)
             }
-            commands["client"] = ["client", *common, "--device-id", "lone", "--shard", "0", "--shards", "2", "--state-dir", str(tmp_path / "lone")]
+            commands["client"] = ["client", *common, "--device-id", "lone", "--shard", "0", "--shards", "2",
+                                  "--state-dir", str(tmp_path / "lone")]
             ended = {}
             for name, argv in commands.items():
                 process = await asyncio.create_subprocess_exec(sys.executable, "-m", "tally.cli", *argv,

@@ -155,7 +155,8 @@ def _dashboard_queries() -> list[str]:
 
 def test_the_dashboard_is_the_generators_output_and_shows_what_operators_need():
     generator = _generator()
-    assert DASHBOARD.read_text() == generator.render(), "regenerate: python k8s/monitoring/dashboard.py > k8s/monitoring/dashboard.json"
+    assert DASHBOARD.read_text() == generator.render(), (
+        "regenerate: python k8s/monitoring/dashboard.py > k8s/monitoring/dashboard.json")
     board = json.loads(DASHBOARD.read_text())
     rows = [p["title"] for p in board["panels"] if p["type"] == "row"]
     assert rows == ["Rounds", "Phases", "Devices and dropouts", "Traffic", "Sessions", "Alerts and health"]
@@ -222,14 +223,16 @@ def test_a_real_prometheus_scrapes_a_job_and_agrees_with_it(tmp_path):
                 job = await s.job(job_id)
                 registries = [a.metrics.registry for a in s.aggregators]
                 committed = await asyncio.to_thread(
-                    prometheus.until, "sum(tally_coordinator_rounds_committed_total)", lambda v: v >= job.committed_round)
+                    prometheus.until, "sum(tally_coordinator_rounds_committed_total)",
+                    lambda v: v >= job.committed_round)
                 phases = _own(registries, "tally_aggregator_phase_duration_seconds_count")
                 scraped_phases = await asyncio.to_thread(
                     prometheus.until, "sum(tally_aggregator_phase_duration_seconds_count)", lambda v: v >= phases)
                 dropouts = _own(registries, "tally_aggregator_dropouts_total")
                 scraped_dropouts = await asyncio.to_thread(
                     prometheus.until, "sum(tally_aggregator_dropouts_total) or vector(0)", lambda v: v >= dropouts)
-                coordinator_side = {expr: await asyncio.to_thread(prometheus.until, expr, lambda v, want=want: v >= want)
+                coordinator_side = {expr: await asyncio.to_thread(prometheus.until, expr,
+                                                                  lambda v, want=want: v >= want)
                                     for expr, want in coordinator_expected.items()}
                 sessions = _own([fleet_metrics.registry], "tally_client_sessions_total")
                 scraped_sessions = await asyncio.to_thread(

@@ -44,8 +44,9 @@ def test_dp_digits_through_the_services_smoke(tmp_path):
     """--services: a coordinator, two aggregators (processes, TLS) and a fleet run the job with and
     without distributed DP; each row holds the services' run and the in-process run beside it."""
     out, plot = tmp_path / "services.json", tmp_path / "services.png"
-    run("dp_digits.py", "--services", "--clients", "40", "--cohort", "16", "--rounds", "2", "--hidden", "4", "--seeds", "1",
-        "--epsilons", "8", "--workdir", str(tmp_path / "work"), "--json", str(out), "--plot", str(plot))
+    run("dp_digits.py", "--services", "--clients", "40", "--cohort", "16", "--rounds", "2", "--hidden", "4",
+        "--seeds", "1", "--epsilons", "8", "--workdir", str(tmp_path / "work"), "--json", str(out),
+        "--plot", str(plot))
     none, private = json.loads(out.read_text())["rows"]
     assert none["target_epsilon"] is None and private["target_epsilon"] == 8
     for row in (none, private):

@@ -167,8 +167,8 @@ def test_a_stream_without_a_valid_join_is_refused_before_any_message_is_read(dep
             }
             outcomes = {}
             for name, metadata in attempts.items():
-                call = channel.stream_stream(SESSION, request_serializer=secagg_pb2.DeviceToAggregator.SerializeToString)(
-                    metadata=metadata)
+                call = channel.stream_stream(
+                    SESSION, request_serializer=secagg_pb2.DeviceToAggregator.SerializeToString)(metadata=metadata)
                 with contextlib.suppress(grpc.aio.AioRpcError, asyncio.InvalidStateError):
                     await call.write(big)
                 outcomes[name] = await _status(call)
@@ -180,14 +180,16 @@ def test_a_stream_without_a_valid_join_is_refused_before_any_message_is_read(dep
     # stream's reset can reach it before the status does (gRPC reports INTERNAL). What the server
     # answered is in its counters, whichever way the race went.
     expected = {
-        "none": (CODE.UNAUTHENTICATED, f"a session stream must carry exactly one Join in its {JOIN_METADATA!r} metadata"),
+        "none": (CODE.UNAUTHENTICATED,
+                 f"a session stream must carry exactly one Join in its {JOIN_METADATA!r} metadata"),
         "two joins": (CODE.UNAUTHENTICATED, None),
         "not a join": (CODE.UNAUTHENTICATED, "the stream's Join metadata is not a Join message"),
         "no session": (CODE.NOT_FOUND, None),
     }
     for name, (code, details) in expected.items():
         got_code, got_details = outcomes[name]
-        assert got_code == CODE.INTERNAL or (got_code == code and details in (None, got_details)), (name, outcomes[name])
+        assert got_code == CODE.INTERNAL or (got_code == code and details in (None, got_details)), (
+            name, outcomes[name])
     assert metrics['tally_aggregator_rejected_total{reason="not_joined",status="UNAUTHENTICATED"}'] == 3
     assert metrics['tally_aggregator_rejected_total{reason="unknown_session",status="NOT_FOUND"}'] == 1
     assert metrics["tally_aggregator_received_bytes_total"] == 0

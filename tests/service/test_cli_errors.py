@@ -135,11 +135,13 @@ def test_tally_help_imports_no_command_module():
 
     code = ("import sys; from tally.cli import main\n"
             "try: main(['--help'])\nexcept SystemExit: pass\n"
-            "heavy = [m for m in ('torch', 'tally.coordinator.service', 'tally.client', 'tally.aggregator') if m in sys.modules]\n"
+            "heavy = [m for m in ('torch', 'tally.coordinator.service', 'tally.client', 'tally.aggregator')"
+            " if m in sys.modules]\n"
             "print('HEAVY', heavy)")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert "HEAVY []" in done.stdout, done.stdout + done.stderr
-    version = subprocess.run([sys.executable, "-m", "tally.cli", "--version"], capture_output=True, text=True, timeout=60)
+    version = subprocess.run([sys.executable, "-m", "tally.cli", "--version"],
+                             capture_output=True, text=True, timeout=60)
     assert version.returncode == 0 and version.stdout.startswith("tally ")
 
 
@@ -265,8 +267,9 @@ def test_help_imports_nothing_heavy(command):
     import subprocess
     import sys
 
-    code = ("import sys\nfrom tally.cli import main\ntry:\n    main([%r, '--help'])\nexcept SystemExit:\n    pass\n"
-            "print(sorted(m for m in ('torch', 'sklearn', 'dp_accounting') if m in sys.modules))") % command
+    code = ("import sys\nfrom tally.cli import main\n"
+            f"try:\n    main([{command!r}, '--help'])\nexcept SystemExit:\n    pass\n"
+            "print(sorted(m for m in ('torch', 'sklearn', 'dp_accounting') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip().splitlines()[-1] == "[]", out
 

@@ -377,7 +377,8 @@ class FakeSessionStreams(secagg_pb2_grpc.SecureAggregationServicer):
         index = join.device_index
         if join.session_ticket != self.plan.ticket or join.session_token != self.plan.tokens.get(index):
             await context.abort(grpc.StatusCode.PERMISSION_DENIED, "bad ticket or session token")
-        await context.write(aggregator_envelope(secagg_pb2.Joined(config=to_proto(self.announced), deadlines=DEADLINES)))
+        await context.write(aggregator_envelope(
+            secagg_pb2.Joined(config=to_proto(self.announced), deadlines=DEADLINES)))
         reader = asyncio.ensure_future(self._read(index, context))
         try:
             while True:
@@ -893,7 +894,8 @@ def test_a_device_whose_shares_were_withheld_sends_no_input(tmp_path):
 
     trainers = {i: ShiftTrainer(0.1 * i, 4) for i in range(1, 6)}
     tls = (TLSConfig.from_dir(tmp_path / "coordinator", "coordinator"), TLSConfig.from_dir(tmp_path / "device", None))
-    aggregator, _, _, stats = run(run_cohort(plan, trainers, aggregator=FakeSessionStreams(plan, rewrite=withhold), tls=tls))
+    aggregator, _, _, stats = run(
+        run_cohort(plan, trainers, aggregator=FakeSessionStreams(plan, rewrite=withhold), tls=tls))
     assert stats[1].sessions_aborted == 1 and stats[1].sessions_completed == 0
     assert not any(isinstance(m, MaskedInputResponse) and m.sender == 1 for m in aggregator.received)
     assert aggregator.server.results["update"].contributors == (2, 3, 4, 5)
@@ -1039,7 +1041,8 @@ def test_onnx_model_matches_torch_predictions(tmp_path):
 def test_onnx_model_module_does_not_need_torch():
     code = ("import sys, tally.client.onnx_model, tally.client; "
             "assert 'torch' not in sys.modules, 'torch was imported'")
-    subprocess.run([sys.executable, "-c", code], check=True, cwd=os.path.dirname(os.path.dirname(os.path.dirname(__file__))))
+    subprocess.run([sys.executable, "-c", code], check=True,
+                   cwd=os.path.dirname(os.path.dirname(os.path.dirname(__file__))))
 
 
 def test_dropout_plan_is_deterministic_per_device_and_validated():
@@ -1213,7 +1216,8 @@ def test_a_client_given_a_state_directory_keeps_its_identity_key_there(tmp_path,
     monkeypatch.setenv("HOME", str(tmp_path / "home"))
     parser = argparse.ArgumentParser(prog="tally")
     client_cli.register(parser.add_subparsers())
-    base = ["client", "--coordinator", "127.0.0.1:1", "--insecure", "--device-id", "dev-7", "--shard", "0", "--shards", "1"]
+    base = ["client", "--coordinator", "127.0.0.1:1", "--insecure", "--device-id", "dev-7",
+            "--shard", "0", "--shards", "1"]
     in_state = parser.parse_args([*base, "--state-dir", str(tmp_path / "state")])
     assert client_run._identity_path(in_state) == tmp_path / "state" / "identity.key"
     given = parser.parse_args([*base, "--state-dir", str(tmp_path / "state"), "--identity", str(tmp_path / "k")])

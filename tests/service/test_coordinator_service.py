@@ -224,7 +224,9 @@ def test_a_device_whose_hold_ends_as_its_cohort_forms_comes_back_at_once_for_its
     assert sorted(r.task.device_index for r in again) == [1, 2, 3, 4, 5]
 
 
-async def held_for_round_two(s: CoordinatorStack, first: list[FakeDevice], later: list[FakeDevice], **job) -> tuple[str, asyncio.Event, list]:
+async def held_for_round_two(
+    s: CoordinatorStack, first: list[FakeDevice], later: list[FakeDevice], **job
+) -> tuple[str, asyncio.Event, list]:
     """A two-round job whose round 1 aggregates (its devices wait for the returned event) while
     each of ``later`` is held for round 2 by one check-in (the returned tasks answer them)."""
     contribute = fedavg_contribution(FedAvgOptions(local_epochs=1))
@@ -651,7 +653,8 @@ def test_exhausted_retries_fail_the_job_with_the_reason(tmp_path):
 
 
 def test_round_deadline_bounds_a_silent_aggregator(tmp_path):
-    deadlines = "deadlines: {download: 0.1, advertise_keys: 0.1, share_keys: 0.1, masked_input: 0.2, consistency_check: 0.1, unmask: 0.1}\n"
+    deadlines = ("deadlines: {download: 0.1, advertise_keys: 0.1, share_keys: 0.1, masked_input: 0.2, "
+                 "consistency_check: 0.1, unmask: 0.1}\n")
 
     async def main():
         async with coordinator_stack(tmp_path, aggregators=1) as s:

@@ -379,7 +379,8 @@ def test_a_registration_whose_answer_was_lost_is_retried_as_a_new_statement(tmp_
 
     async def main():
         async with coordinator(tmp_path) as c:
-            upstream = open_aio_channel(f"localhost:{c.service.port}", TLSConfig.from_dir(tmp_path / "pki" / "device", None))
+            upstream = open_aio_channel(f"localhost:{c.service.port}",
+                                        TLSConfig.from_dir(tmp_path / "pki" / "device", None))
             relay = _LoseTheFirstRegisterAnswer(upstream)
             server = grpc.aio.server()
             server.add_generic_rpc_handlers((relay,))

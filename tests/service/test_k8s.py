@@ -223,7 +223,8 @@ def test_the_kubernetes_page_names_the_ports_the_manifests_open(rendered: dict[s
     """The page said metrics were on 9100-9102 while every manifest used 9464-9466."""
     sentence = re.search(r"Ports: (.*?)\.\n", (ROOT / "docs" / "kubernetes.md").read_text(), re.S)
     assert sentence, "the page's Ports: sentence"
-    said = {(role, int(port)) for role, ports in re.findall(r"(coordinator|aggregator|fleet) ([^;]*)", sentence.group(1))
+    said = {(role, int(port))
+            for role, ports in re.findall(r"(coordinator|aggregator|fleet) ([^;]*)", sentence.group(1))
             for port in re.findall(r"\b(\d{4})\b", ports)}
     workloads = {"coordinator": ("StatefulSet", "tally-coordinator"), "aggregator": ("StatefulSet", "tally-aggregator"),
                  "fleet": ("Job", "tally-fleet")}
@@ -396,7 +397,8 @@ def test_recipe_shape(role: str, rendered: dict[str, list[dict[str, Any]]]) -> N
     init, separator, program = image_entrypoint(image)
     assert (init, separator) == ("tini", "--") and program in scripts
     exposed = {int(p) for p in re.search(r"^EXPOSE (.+)$", final, re.M).group(1).split()}
-    ours = [c for obj in rendered["dev"] for c in _containers(obj) if c["image"].split(":")[0].rsplit("/", 1)[-1] == image]
+    ours = [c for obj in rendered["dev"] for c in _containers(obj)
+            if c["image"].split(":")[0].rsplit("/", 1)[-1] == image]
     ports = {p["containerPort"] for c in ours for p in c.get("ports", [])}
     assert ports and exposed == ports
     assert ours and not any("command" in c for c in ours), "a manifest command would bypass tini"

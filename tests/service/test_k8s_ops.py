@@ -68,7 +68,8 @@ def test_apply_sends_valid_objects_in_dependency_order(overlay: str, tmp_path: P
     objects = k8s.apply_order(k8s.render(K8S / "overlays" / overlay) + k8s.load_manifests(tmp_path / "k8s"))
     kinds = [o["kind"] for o in objects]
     assert kinds[0] == "Namespace"
-    custom = [i for i, o in enumerate(objects) if o["apiVersion"].startswith(("cert-manager.io/", "monitoring.coreos.com/"))]
+    custom = [i for i, o in enumerate(objects)
+              if o["apiVersion"].startswith(("cert-manager.io/", "monitoring.coreos.com/"))]
     assert custom == list(range(len(objects) - len(custom), len(objects))), "custom resources go last"
     assert max(i for i, k in enumerate(kinds) if k == "Secret") < kinds.index("StatefulSet")
     for obj in objects:
@@ -83,7 +84,8 @@ def test_render_prints_an_overlay_offline_in_apply_order() -> None:
     import yaml
 
     result = subprocess.run([sys.executable, "-m", "tally.cli", "k8s", "render", str(K8S / "overlays" / "prod")],
-                            capture_output=True, text=True, timeout=120, env={**os.environ, "KUBECONFIG": "/nonexistent"})
+                            capture_output=True, text=True, timeout=120,
+                            env={**os.environ, "KUBECONFIG": "/nonexistent"})
     assert result.returncode == 0, result.stderr
     printed = [doc for doc in yaml.safe_load_all(result.stdout) if doc]
     assert printed == k8s.apply_order(render(K8S / "overlays" / "prod"))

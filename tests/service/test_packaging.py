@@ -3,8 +3,9 @@
 A wheel is built from a copy of the sources, then ``tally[aggregator]``, ``tally[coordinator]``,
 ``tally[client]`` (the SDK) and ``tally[loadtest]`` each go into a venv of their own (dependencies
 from the package index or pip's cache, torch from the machine's wheel), and the aggregator,
-coordinator and load-test venvs run one secure-aggregation job together: each server answers its gRPC health check with the ``tally-probe`` its own venv
-installed, and the aggregator does so with no torch importable.
+coordinator and load-test venvs run one secure-aggregation job together: each server answers its
+gRPC health check with the ``tally-probe`` its own venv installed, and the aggregator does so with
+no torch importable.
 """
 
 from __future__ import annotations

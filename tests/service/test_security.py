@@ -304,7 +304,8 @@ def test_tls_config_validation_and_args(pki):
     # Each side has only the flag that means something to it.
     client = argparse.ArgumentParser()
     add_tls_arguments(client, None)
-    assert tls_config_from_args(client.parse_args(["--tls-dir", str(pki / "device"), "--server-name", "x"])).server_name == "x"
+    parsed = client.parse_args(["--tls-dir", str(pki / "device"), "--server-name", "x"])
+    assert tls_config_from_args(parsed).server_name == "x"
     for side, flag in ((parser, "--server-name"), (client, "--require-client-cert")):
         with pytest.raises(SystemExit):
             side.parse_args([flag, *(["x"] if flag == "--server-name" else [])])

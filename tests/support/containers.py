@@ -195,7 +195,8 @@ class ContainerPod:
         # runAsNonRoot holds (a numeric non-zero user), privileged is off, seccomp is podman's
         # default profile, and no token is mounted: nothing to add to the flags for them.
         assert security.get("runAsUser", 0) != 0 or not security.get("runAsNonRoot")
-        assert not security.get("privileged") and security.get("seccompProfile", {}).get("type", "RuntimeDefault") == "RuntimeDefault"
+        assert not security.get("privileged")
+        assert security.get("seccompProfile", {}).get("type", "RuntimeDefault") == "RuntimeDefault"
         assert spec.get("automountServiceAccountToken") is False or "serviceAccountName" not in spec
         if "restartPolicy" in spec or self.workload["kind"] != "Job":  # a StatefulSet's pods: Always
             found["restartPolicy"] = CANNOT_HONOUR["restartPolicy"]
@@ -255,7 +256,8 @@ def service_hosts(cluster: ManifestCluster, pods: Sequence[ContainerPod]) -> dic
     for service in (o for o in cluster.objects if o["kind"] == "Service"):
         name, selector = service["metadata"]["name"], service["spec"].get("selector", {})
         chosen = [p for p in pods if selector and selector.items() <= p.running().labels.items()]
-        qualified = ("", f".{cluster.namespace}", f".{cluster.namespace}.svc", f".{cluster.namespace}.svc.cluster.local")
+        qualified = ("", f".{cluster.namespace}", f".{cluster.namespace}.svc",
+                     f".{cluster.namespace}.svc.cluster.local")
         for suffix in qualified:
             if chosen:
                 hosts[name + suffix] = chosen[0].ip

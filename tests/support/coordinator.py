@@ -28,7 +28,7 @@ import numpy as np
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from support.enrolment import provisioned_request
-from support.stack import InProcess, in_process
+from support.stack import PLAINTEXT, InProcess, in_process
 from tally import modelio
 from tally.algorithms.base import StepSpec
 from tally.algorithms.fedavg import FedAvgClient, FedAvgOptions, FedAvgServer
@@ -176,7 +176,7 @@ class FakeAggregatorControl(aggregator_pb2_grpc.AggregatorControlServicer):
         self.address = ""
         self._server: grpc.aio.Server | None = None
 
-    async def start(self, tls: TLSConfig = TLSConfig.plaintext(), host: str = "127.0.0.1") -> None:
+    async def start(self, tls: TLSConfig = PLAINTEXT, host: str = "127.0.0.1") -> None:
         self._server = grpc.aio.server(options=channel_options())
         aggregator_pb2_grpc.add_AggregatorControlServicer_to_server(self, self._server)
         checker = health.aio.HealthServicer()
@@ -300,7 +300,8 @@ class FakeDevice:
     """A device that speaks the device API itself rather than through the SDK (``tally.client.Device``):
     the test scripts every call, including the ones a real device would never make."""
 
-    def __init__(self, stack: CoordinatorStack, device_id: str, trainer: FixedTrainer | None = None, population: str = "default"):
+    def __init__(self, stack: CoordinatorStack, device_id: str, trainer: FixedTrainer | None = None,
+                 population: str = "default"):
         self.stack, self.device_id, self.trainer, self.population = stack, device_id, trainer, population
         self.stub = stack.device_stub
         self.token = ""

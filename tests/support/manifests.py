@@ -115,7 +115,8 @@ class ManifestCluster:
             for workload in find(self.objects, kind):
                 template = workload["spec"]["template"]
                 selector = service["spec"].get("selector", {})
-                if not pod.startswith(workload["metadata"]["name"]) or not selector.items() <= template["metadata"]["labels"].items():
+                if (not pod.startswith(workload["metadata"]["name"])
+                        or not selector.items() <= template["metadata"]["labels"].items()):
                     continue
                 for container in template["spec"]["containers"]:
                     for p in container.get("ports", []):

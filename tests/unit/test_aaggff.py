@@ -504,7 +504,7 @@ def test_server_half_receives_only_sums_and_broadcasts_only_aggregates(variant):
     assert all(not s.reveal and not s.personal for s in server.steps(state))
     # 1. every total apply() got is the secure sum of that step's contributions (up to quantisation)
     assert len(runner.applied) == len(runner.totals) == 3 * rounds
-    for (step_name, got), (round_, step, total, contributors) in zip(runner.applied, runner.totals):
+    for (step_name, got), (round_, step, _total, contributors) in zip(runner.applied, runner.totals):
         assert step_name == step.name and set(got) == {f.name for f in step.schema.fields}
         contributions = runner.contributions[(round_, step.name)]
         bound = step.schema.quantisation_bound(len(contributors))
@@ -522,7 +522,7 @@ def test_server_half_receives_only_sums_and_broadcasts_only_aggregates(variant):
     for name, value in vars(state).items():
         assert name == "params" or np.ndim(value) == 0, name
     # 4. the fixed-point ranges were respected: no weight or scale was clipped
-    for (round_, step_name), contributions in runner.contributions.items():
+    for (_round, step_name), contributions in runner.contributions.items():
         for payload in contributions.values():
             if step_name == A.UPDATE:
                 assert 0 <= payload["weight"] <= cfg.weight_clip

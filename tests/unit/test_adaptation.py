@@ -50,7 +50,8 @@ def test_ewc_with_lambda_zero_is_finetuning_and_its_first_step_is_finetunings(de
     np.testing.assert_array_equal(flatten(ft), flatten(ewc0))
     one = dict(epochs=1, batch_size=len(y))
     np.testing.assert_allclose(flatten(adapt(mlp(64, 10), start, X, y, AdaptationOptions("finetune", **one))),
-                               flatten(adapt(mlp(64, 10), start, X, y, AdaptationOptions("ewc", ewc_lambda=50.0, **one))),
+                               flatten(adapt(mlp(64, 10), start, X, y,
+                                             AdaptationOptions("ewc", ewc_lambda=50.0, **one))),
                                atol=1e-7)
 
 
@@ -221,7 +222,8 @@ def test_simulate_reports_personal_accuracy_uploads_and_who_gains(tmp_path, caps
     from tally.cli import main
 
     base = ["simulate", "--dataset", "pathological-digits", "--clients", "10", "--rounds", "4", "--plain"]
-    assert main([*base, "--algorithm", "lg_fedavg", "--option", "warmup_rounds=2", "--json", str(tmp_path / "lg.json")]) == 0
+    assert main([*base, "--algorithm", "lg_fedavg", "--option", "warmup_rounds=2",
+                 "--json", str(tmp_path / "lg.json")]) == 0
     assert main([*base, "--adapt", "finetune", "--adapt", "ewc", "--adapt-epochs", "3",
                  "--json", str(tmp_path / "fedavg.json")]) == 0
     lg, fedavg = (json.loads((tmp_path / f"{n}.json").read_text()) for n in ("lg", "fedavg"))

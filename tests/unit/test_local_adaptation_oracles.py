@@ -206,7 +206,8 @@ def test_class_weighted_accuracy_is_plain_accuracy_for_uniform_shares_and_acc_c_
     labels = np.repeat(np.arange(classes), 50)  # class-balanced test set
     predicted = np.where(rng.random(labels.size) < 0.7, labels, rng.integers(0, classes, labels.size))
     uniform = toy.class_shares(np.arange(classes), classes)
-    assert toy.class_weighted_accuracy(uniform, predicted, labels) == pytest.approx(np.mean(predicted == labels), abs=1e-15)
+    assert toy.class_weighted_accuracy(uniform, predicted, labels) == pytest.approx(np.mean(predicted == labels),
+                                                                                   abs=1e-15)
     for c in range(classes):
         one_hot = toy.class_shares(np.full(7, c), classes)
         assert toy.class_weighted_accuracy(one_hot, predicted, labels) == np.mean(predicted[labels == c] == c)

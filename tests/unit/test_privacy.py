@@ -78,8 +78,9 @@ def released_noise(mechanism: str, cohort: int, survivors: int, z: float, **extr
     broadcast = private.broadcast(state, "update")
     payloads = [client.contribute("update", broadcast, ShiftTrainer(0.001), None)[0] for _ in range(survivors)]
     bits = step.schema.required_bits(cohort)
-    total = step.schema.decode_sum(ring_total(step.schema, payloads, bits).astype(np.dtype(np.uint32 if bits <= 32 else np.uint64)),
-                                   bits, contributors=survivors)
+    total = step.schema.decode_sum(
+        ring_total(step.schema, payloads, bits).astype(np.dtype(np.uint32 if bits <= 32 else np.uint64)),
+        bits, contributors=survivors)
     private.account(1, "update", survivors)
     private.apply(state, "update", total)
     released = private.inner.received
@@ -256,7 +257,8 @@ def test_a_counted_field_must_be_one_on_every_device():
 
 
 def test_without_example_cap_one_the_weight_is_clipped_with_the_update():
-    server, client = FedAvgServer(FedAvgOptions(example_cap=4)), PrivateClient(FedAvgClient(FedAvgOptions(example_cap=4)))
+    server = FedAvgServer(FedAvgOptions(example_cap=4))
+    client = PrivateClient(FedAvgClient(FedAvgOptions(example_cap=4)))
     private = PrivateServer(server, "fedavg", PrivacySettings("central", 1.0, 1.0, 1e-5, cohort_size=5))
     state = private.init({"w": np.zeros(100)})
     (step,) = private.steps(state)

@@ -104,7 +104,8 @@ def scenario_for(algorithm: str, clients: int) -> tuple[scenarios.Scenario, dict
         return scenarios.Scenario(devices, get_params(factory()), lambda m: (0.0, None), dict), options
     dataset = {"agnostic_fedavg": "toy-regression", "feddar_wa": "domain-linear", "feddar_sa": "domain-linear",
                "lg_fedavg": "pathological-digits", "superfed": "pathological-digits"}.get(algorithm, "digits")
-    scenario = scenarios.build(dataset, scenarios.ScenarioArgs(clients=clients, samples=30, algorithm=algorithm, domains=2))
+    scenario = scenarios.build(
+        dataset, scenarios.ScenarioArgs(clients=clients, samples=30, algorithm=algorithm, domains=2))
     options = {} if "feddar" in algorithm else {"local_epochs": 1}
     if algorithm.startswith("aaggff"):
         options.update(weight_clip=1.0, **({"solver": "separable"} if algorithm == "aaggff_s" else {}))

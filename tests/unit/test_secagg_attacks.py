@@ -368,7 +368,8 @@ def _statement(config: SessionConfig, request: UnmaskRequest, signer: int) -> by
 
 
 def test_a_total_no_honest_cohort_can_reach_is_refused():
-    schema = PayloadSchema((Field("w", (3,), clip=1.0, frac_bits=8), Field("examples", (1,), kind=Kind.COUNT, clip=100)))
+    schema = PayloadSchema((Field("w", (3,), clip=1.0, frac_bits=8),
+                            Field("examples", (1,), kind=Kind.COUNT, clip=100)))
     n, bits = 8, schema.required_bits(8)
     rng = np.random.default_rng(0)
     honest = [to_ring(schema.encode({"w": rng.uniform(-1, 1, 3), "examples": [100]}, rng).vector, bits)

@@ -175,8 +175,8 @@ def test_shares_on_no_polynomial_fail_some_holder_whatever_check_the_dealer_publ
     digest = sharecheck.digest(SessionRef("j", 1, "s"), "s", 1, [r.tobytes() for r in rows])
     c = sharecheck.challenge(digest)
     # What each holder's values combine to; the dealer's h must be one polynomial of degree < t.
-    combined = (rows[:, sharecheck.TERMS:].astype(np.uint64)
-                + ((c[None, :, :] * rows[:, None, :sharecheck.TERMS].astype(np.uint64)) % shamir.P).sum(axis=2)) % shamir.P
+    products = (c[None, :, :] * rows[:, None, :sharecheck.TERMS].astype(np.uint64)) % shamir.P
+    combined = (rows[:, sharecheck.TERMS:].astype(np.uint64) + products.sum(axis=2)) % shamir.P
     fitted = np.stack([_interpolate(xs[:t], combined[:t, r], xs) for r in range(sharecheck.ROWS)], axis=1)
     verdicts = [sharecheck.passes(rows[i].tobytes(), sharecheck.check_bytes(digest, fitted[i])) for i in range(holders)]
     error = np.zeros(holders, dtype=np.uint64)

@@ -212,7 +212,8 @@ def test_device_rejects_stale_out_of_phase_and_tampered_messages():
         fresh.clients[1].receive(unchecked)
     # A flipped ciphertext bit is no reason to abort: the device complains about that share.
     flipped = bytes([share.ciphertext[0] ^ 1]) + share.ciphertext[1:]
-    forged = dataclasses.replace(delivery, shares=(dataclasses.replace(share, ciphertext=flipped),) + delivery.shares[1:])
+    forged = dataclasses.replace(
+        delivery, shares=(dataclasses.replace(share, ciphertext=flipped),) + delivery.shares[1:])
     [answer] = fresh.clients[1].receive(forged)
     assert isinstance(answer, ShareComplaints)
     assert [(c.dealer, c.holder) for c in answer.complaints] == [(share.sender, 1)]

@@ -182,7 +182,8 @@ def test_graph_table_rows_are_the_neighbourhoods(case):
 @given(graphs(), st.data())
 def test_server_neighbourhood_lookups_match_the_graph(case, data):
     """The server's tabulated neighbourhoods, its UnmaskRequest survivor lists, the owners each
-    Unmask answer must name and its dropouts-with-a-surviving-neighbour equal the per-device computation they replace."""
+    Unmask answer must name and its dropouts-with-a-surviving-neighbour equal the per-device
+    computation they replace."""
     from tally.secagg import unmask
     from tally.secagg.config import SessionConfig
     from tally.secagg.messages import SessionRef, SumSpec

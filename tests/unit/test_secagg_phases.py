@@ -39,7 +39,7 @@ def test_every_phase_with_a_deadline_has_its_wire_field_and_spec_default():
     assert {p.deadline_field for p in DEADLINED} == fields
     assert set(DEADLINED) <= DEFAULT_DEADLINES.keys()
     with pytest.raises(ValueError, match="share_complaints"):
-        Phase.SHARE_COMPLAINTS.deadline_field
+        _ = Phase.SHARE_COMPLAINTS.deadline_field
 
 
 def test_every_phase_a_session_passes_through_is_timed_under_its_table_name():

@@ -166,12 +166,16 @@ def test_unsafe_overrides_are_refused_with_a_message():
     threat = ThreatModel(dropout_rate=0.1, corrupt_rate=0.05)
     auto = choose_params(1000, threat)
     with pytest.raises(UnsafeParameters):
-        SessionConfig.plan(SessionRef("j", 0, "s"), [("s", schema)], 1000, threat, k=auto.k, t=2, identities=roster(1000))
+        SessionConfig.plan(SessionRef("j", 0, "s"), [("s", schema)], 1000, threat, k=auto.k, t=2,
+                           identities=roster(1000))
     with pytest.raises(UnsafeParameters):
-        SessionConfig.plan(SessionRef("j", 0, "s"), [("s", schema)], 1000, threat, k=auto.k, t=auto.k, identities=roster(1000))
+        SessionConfig.plan(SessionRef("j", 0, "s"), [("s", schema)], 1000, threat, k=auto.k, t=auto.k,
+                           identities=roster(1000))
     with pytest.raises(UnsafeParameters):
-        SessionConfig.plan(SessionRef("j", 0, "s"), [("s", schema)], 1000, threat, k=auto.k + 1, identities=roster(1000))
-    ok = SessionConfig.plan(SessionRef("j", 0, "s"), [("s", schema)], 1000, threat, k=auto.k, t=auto.t, identities=roster(1000))
+        SessionConfig.plan(SessionRef("j", 0, "s"), [("s", schema)], 1000, threat, k=auto.k + 1,
+                           identities=roster(1000))
+    ok = SessionConfig.plan(SessionRef("j", 0, "s"), [("s", schema)], 1000, threat, k=auto.k, t=auto.t,
+                            identities=roster(1000))
     assert (ok.params.k, ok.params.t) == (auto.k, auto.t)
 
 

@@ -184,8 +184,9 @@ CLIENT_MESSAGES = {
     JustifyResponse: st.builds(JustifyResponse, refs, index, tuples(revealed)),
     MaskedInputResponse: st.builds(MaskedInputResponse, refs, ids, index, st.binary(max_size=512)),
     ConsistencyCheckResponse: st.builds(ConsistencyCheckResponse, refs, ids, index, signature),
-    UnmaskResponse: st.builds(lambda ref, sum_id, sender, seeds, keys: UnmaskResponse(ref, sum_id, sender, *seeds, *keys),
-                              refs, ids, index, owned, owned),
+    UnmaskResponse: st.builds(
+        lambda ref, sum_id, sender, seeds, keys: UnmaskResponse(ref, sum_id, sender, *seeds, *keys),
+        refs, ids, index, owned, owned),
 }
 neighbours = st.builds(NeighbourKeys, index, tuples(sum_keys), signature)
 SERVER_MESSAGES = {

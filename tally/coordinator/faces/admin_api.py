@@ -192,7 +192,8 @@ class AdminService(admin_pb2_grpc.AdminServicer):
         version = self.store.model_version(request.job_id, wanted)
         if version is None:
             if wanted is not None:
-                await context.abort(grpc.StatusCode.NOT_FOUND, f"job {request.job_id!r} has no committed round {wanted}")
+                await context.abort(grpc.StatusCode.NOT_FOUND,
+                                    f"job {request.job_id!r} has no committed round {wanted}")
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"job {request.job_id!r} has no model yet")
         if version.onnx_digest is None:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION,

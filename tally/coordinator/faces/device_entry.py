@@ -145,7 +145,9 @@ def retry_proto(retry: Retry) -> coordinator_pb2.RetryAfter:
                                       population_idle=retry.population_idle)
 
 
-def turned_away(retry: Retry, pacer: CheckinPacer, metrics: DeviceMetrics, now: float) -> coordinator_pb2.CheckInResponse:
+def turned_away(
+    retry: Retry, pacer: CheckinPacer, metrics: DeviceMetrics, now: float
+) -> coordinator_pb2.CheckInResponse:
     """The answer to a check-in that gets no task: a come-back time at the pacer's next slot."""
     retry = pacer.steer(retry, now)
     metrics.checkins_retried.inc()

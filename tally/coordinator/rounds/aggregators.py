@@ -175,7 +175,8 @@ class AggregatorPool:
         self, aggregator_id: str, session_id: str, sum_id: str, timeout: float
     ) -> aggregator_pb2.CohortSum:
         request = aggregator_pb2.AwaitResultRequest(session_id=session_id, sum_id=sum_id)
-        return await self._call(aggregator_id, "AwaitResult", request, timeout, self._as_owner(aggregator_id, session_id))
+        return await self._call(aggregator_id, "AwaitResult", request, timeout,
+                                self._as_owner(aggregator_id, session_id))
 
     async def close_session(self, aggregator_id: str, session_id: str, reason: str, timeout: float) -> None:
         """Best effort: a session that cannot be closed ends at its own deadlines."""

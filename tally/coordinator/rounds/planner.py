@@ -30,9 +30,10 @@ Two rules stop a privacy attack on the cohorts themselves:
   its task never reached it (released when the attempt fails), or it reported that it sent none
   (``tally.coordinator.rounds.task_reports``), or the durable input ledger it states at each check-in shows
   no input in the round (how a restarted device, its reports lost, is seated again). A device
-  can only release its own seat, and lying exposes only itself. The device enforces the rule too: one that sent an input in a round refuses to
-  send another in it, whatever the coordinator asks (``tally.client.input_ledger``). So any two sums
-  of a round are over equal or disjoint sets of the devices that sent inputs.
+  can only release its own seat, and lying exposes only itself. The device enforces the rule too:
+  one that sent an input in a round refuses to send another in it, whatever the coordinator asks
+  (``tally.client.input_ledger``). So any two sums of a round are over equal or disjoint sets of
+  the devices that sent inputs.
   The price is liveness where inputs were sent: a retry after a failure past MaskedInput needs
   devices that sent none, so a population no larger than one selection cannot retry such a
   round. A failure before MaskedInput (a cohort below threshold in ShareKeys, an aggregator lost

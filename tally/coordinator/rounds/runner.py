@@ -21,8 +21,9 @@ closes the attempt's sessions and discards it whole; the round is retried with a
 while the job's retry budget lasts, then the job fails with the reason.
 
 The runner is the round loop and the devices' way into it; the rest of a round has a module of
-its own: ``tally.coordinator.rounds.checkin_holds`` (held check-ins), ``tally.coordinator.rounds.step_answers`` (``GetStep``
-and ``Reveal`` between sums), ``tally.coordinator.rounds.cohort_sessions`` (the aggregator sessions) and
+its own: ``tally.coordinator.rounds.checkin_holds`` (held check-ins),
+``tally.coordinator.rounds.step_answers`` (``GetStep`` and ``Reveal`` between sums),
+``tally.coordinator.rounds.cohort_sessions`` (the aggregator sessions) and
 ``tally.coordinator.rounds.checkpoints`` (model versions, and the state a restart continues from).
 
 Everything runs on one event loop, so runner, planner and API handlers never interleave inside
@@ -519,7 +520,8 @@ class JobRunner:
         phases = self.ctx.metrics.phase_duration
         with phases.labels(phase="aggregation").time():
             if step.reveal:
-                timeout = min(self.spec.deadlines[SecAggPhase.MASKED_INPUT], max(planner.deadline - self.ctx.clock(), 0.0))
+                timeout = min(self.spec.deadlines[SecAggPhase.MASKED_INPUT],
+                              max(planner.deadline - self.ctx.clock(), 0.0))
                 total = await answers.collect_reveals(k, step, timeout)
             else:
                 total = await self.sessions.collect(planner, step, self.round, self.attempt)

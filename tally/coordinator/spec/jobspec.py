@@ -61,7 +61,8 @@ class ModelSpec(BaseModel):
     operator) and its shape."""
 
     model_config = STRICT
-    kind: str = Field("mlp", description="model kind: built in (mlp, cnn; domain_mlp for FedDAR) or plugged in with --model-plugin")
+    kind: str = Field(
+        "mlp", description="model kind: built in (mlp, cnn; domain_mlp for FedDAR) or plugged in with --model-plugin")
     inputs: int = Field(64, ge=1, description="input features")
     classes: int = Field(10, ge=1, description="output classes")
     hidden: int = Field(64, ge=1, description="hidden width (mlp, domain_mlp) or channels (cnn)")
@@ -449,7 +450,8 @@ def _check_relations(raw: Mapping[str, Any], valid: dict[str, Any], errors: list
     if privacy is not None and None not in (algorithm, options, model, secure, min_cohort) and "rounds" in valid:
         errors += privacy_spec.job_problems(
             privacy, algorithm=algorithm,
-            make_server=lambda: catalogue.make_server(algorithm, {**options, "reveal": list(reveal)} if reveal else options),
+            make_server=lambda: catalogue.make_server(
+                algorithm, {**options, "reveal": list(reveal)} if reveal else options),
             initial=lambda: catalogue.initial_model(model), secure=secure, rounds=valid["rounds"],
             cohort_size=cohort, min_cohort=min_cohort,
         )

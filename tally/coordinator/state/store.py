@@ -315,7 +315,8 @@ class Store:
         self._cache_blob(digest, data)
         with self._lock:
             # A model of tens of MB is sent to the server only if it has not got it already.
-            if self._shared and self._db.execute("SELECT 1 FROM blob_data WHERE digest = ?", (digest,)).fetchone() is None:
+            if (self._shared
+                    and self._db.execute("SELECT 1 FROM blob_data WHERE digest = ?", (digest,)).fetchone() is None):
                 self._db.execute("INSERT INTO blob_data (digest, data) VALUES (?, ?) ON CONFLICT DO NOTHING",
                                  (digest, data))
             self._db.execute(
@@ -545,7 +546,8 @@ class Store:
                 "INSERT INTO task_reports (job_id, round, outcome, reason, count, example) "
                 "VALUES (?, ?, ?, ?, 1, ?) ON CONFLICT (job_id, round, outcome, reason) "
                 "DO UPDATE SET count = task_reports.count + 1, example = CASE WHEN task_reports.example = '' "
-                "THEN excluded.example ELSE task_reports.example END", (job_id, round_, outcome, reason, detail[:MAX_EXAMPLE_CHARS]),
+                "THEN excluded.example ELSE task_reports.example END",
+                (job_id, round_, outcome, reason, detail[:MAX_EXAMPLE_CHARS]),
             )
 
     def task_report_counts(self, job_id: str, round_: int) -> dict[tuple[str, str], int]:
