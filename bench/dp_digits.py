@@ -110,8 +110,8 @@ def fedavg_options(args: argparse.Namespace) -> dict:
 def run(args: argparse.Namespace, seed: int, mechanism: str | None, epsilon: float | None,
         bits: int | None = None) -> dict:
     devices, initial, test = population(args, seed)
-    config = FedAvgOptions(**fedavg_options(args))
-    server, client = FedAvgServer(config), FedAvgClient(config)
+    options = FedAvgOptions(**fedavg_options(args))
+    server, client = FedAvgServer(options), FedAvgClient(options)
     start = time.perf_counter()
     if mechanism is None:
         state, _ = run_rounds(server, client, devices, initial, args.rounds, args.cohort, plain_sum, seed=seed,

@@ -38,7 +38,7 @@ def main() -> None:
     runs = []
     for seed in args.seeds:
         fed = digits(args.clients, alpha=args.alpha, seed=seed)
-        config = FedEvgOptions(classes=10, inputs=64, per_class=10, step_start=args.step, step_end=0.01,
+        options = FedEvgOptions(classes=10, inputs=64, per_class=10, step_start=args.step, step_end=0.01,
                               schedule_rounds=args.rounds, noise=0.01, input_range=(0.0, 1.0),
                               local_iterations=20, local_lr=1e-3, batch_size=64, sgld_step=1.0,
                               sgld_noise=0.01, synthetic_weight=0.1, seed=seed)
@@ -46,7 +46,7 @@ def main() -> None:
         devices = [EnergyTrainer(factory, X, y, seed=100 * seed + i) for i, (X, y) in enumerate(fed.clients)]
         sum_fn = plain_sum if args.plain else SecureSum(ThreatModel(dropout_rate=0.1, corrupt_rate=0.05), seed=seed)
         start = time.perf_counter()
-        state, _ = run_rounds(FedEvgServer(config), FedEvgClient(config), devices, get_params(factory()),
+        state, _ = run_rounds(FedEvgServer(options), FedEvgClient(options), devices, get_params(factory()),
                               args.rounds, args.clients, sum_fn, seed=seed)
         accuracy = synthetic_classifier_accuracy(state.synthetic, *fed.test)
         runs.append({"seed": seed, "accuracy": accuracy, "seconds": time.perf_counter() - start})

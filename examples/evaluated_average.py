@@ -68,19 +68,19 @@ def _mean(total: Mapping[str, np.ndarray], field: str, step: str) -> np.ndarray:
 class EvaluatedAverageServer:
     name = "evaluated_average"
 
-    def __init__(self, config: EvaluatedAverageOptions) -> None:
-        self.config = config
+    def __init__(self, options: EvaluatedAverageOptions) -> None:
+        self.options = options
 
     def init(self, params: Arrays) -> EvaluatedAverageState:
         return EvaluatedAverageState(dict(params))
 
     def steps(self, state: EvaluatedAverageState) -> list[StepSpec]:
-        cfg = self.config
+        opts = self.options
         dim = sum(np.size(v) for v in state.params.values())
         return [
-            StepSpec(UPDATE, PayloadSchema((Field("delta", (dim,), clip=cfg.delta_clip, frac_bits=cfg.frac_bits),
+            StepSpec(UPDATE, PayloadSchema((Field("delta", (dim,), clip=opts.delta_clip, frac_bits=opts.frac_bits),
                                             COUNT))),
-            StepSpec(EVALUATE, PayloadSchema((Field("loss", (), clip=cfg.loss_clip, frac_bits=cfg.frac_bits),
+            StepSpec(EVALUATE, PayloadSchema((Field("loss", (), clip=opts.loss_clip, frac_bits=opts.frac_bits),
                                               COUNT))),
         ]
 
@@ -90,7 +90,7 @@ class EvaluatedAverageServer:
     def apply(self, state: EvaluatedAverageState, step: str, total: Mapping[str, np.ndarray]
               ) -> EvaluatedAverageState:
         if step == UPDATE:
-            moved = flatten(state.params) + self.config.server_lr * _mean(total, "delta", step)
+            moved = flatten(state.params) + self.options.server_lr * _mean(total, "delta", step)
             return replace(state, params=unflatten(moved, state.params))
         if step == EVALUATE:
             return replace(state, mean_loss=float(_mean(total, "loss", step)), round=state.round + 1)
@@ -101,14 +101,14 @@ class EvaluatedAverageServer:
 
 
 class EvaluatedAverageClient:
-    def __init__(self, config: EvaluatedAverageOptions) -> None:
-        self.config = config
+    def __init__(self, options: EvaluatedAverageOptions) -> None:
+        self.options = options
 
     def contribute(self, step: str, broadcast: Mapping[str, np.ndarray], device: LocalTrainer, local_state: Any
                    ) -> tuple[Arrays, Any]:
-        cfg = self.config
+        opts = self.options
         if step == UPDATE:
-            trained, _ = device.train(broadcast, cfg.local_epochs, cfg.local_lr, cfg.batch_size)
+            trained, _ = device.train(broadcast, opts.local_epochs, opts.local_lr, opts.batch_size)
             delta = flatten(trained) - flatten(broadcast)
             return {"delta": delta, "count": np.int64(1)}, (local_state or 0) + 1
         if step == EVALUATE:

@@ -48,9 +48,9 @@ NAMES = tuple(_BUILT_IN)
 
 def make(name: str, options: Mapping[str, Any] | None = None) -> tuple[ServerAlgorithm, ClientAlgorithm]:
     """The two halves of algorithm ``name`` with the job's options (validated)."""
-    config = options_type(name).from_dict(options)
+    parsed = options_type(name).from_dict(options)
     _, server, client = _BUILT_IN[name]
-    return server(config), client(config)
+    return server(parsed), client(parsed)
 
 
 def options_type(name: str) -> type:

@@ -26,7 +26,7 @@ cohort's normaliser before the update, Σ_S exp(-D_i/ζ - c): an aggregate of th
 * ``"ons"``, the online Newton step as specified: a K-dimensional QP over the simplex whose matrix
   couples all silos' responses, so the server needs each silo's response r_i in the clear. This is the
   one documented exception to the sums-only rule (DESIGN.md section 1): :class:`AAggFFSServer` refuses
-  to be constructed unless the config says ``reveal: ["response"]``. The ``response`` step is then a
+  to be constructed unless the options say ``reveal: ["response"]``. The ``response`` step is then a
   :class:`~tally.algorithms.base.StepSpec` with ``reveal=("response",)`` and the ``update`` step one
   with ``personal=True``: each silo gets only its own p_i (§4: sending everyone p would leak the
   others' histories), and Σ p_i·Δ_i, Σ p_i are secure sums. What a runner must do with those flags
@@ -247,9 +247,9 @@ class AAggFFSOptions(_Common):
 AAggFFOptions = AAggFFDOptions | AAggFFSOptions
 
 
-def _response_bound(config: AAggFFOptions) -> float:
-    c1, c2 = config.response_range
-    top = c1 + (c2 - c1) * (CODE_NORMAL_MAX if config.code_normal else 1.0)
+def _response_bound(options: AAggFFOptions) -> float:
+    c1, c2 = options.response_range
+    top = c1 + (c2 - c1) * (CODE_NORMAL_MAX if options.code_normal else 1.0)
     return max(abs(c1), abs(top))
 
 
@@ -264,9 +264,9 @@ def _scalar(name: str, clip: float) -> Field:
 COUNT = Field("count", (), kind=Kind.COUNT, clip=1)
 
 
-def _update_fields(config: AAggFFOptions, dim: int, weight_clip: float) -> tuple[Field, ...]:
+def _update_fields(options: AAggFFOptions, dim: int, weight_clip: float) -> tuple[Field, ...]:
     return (
-        Field("weighted_update", (dim,), clip=config.delta_clip * weight_clip, frac_bits=config.frac_bits),
+        Field("weighted_update", (dim,), clip=options.delta_clip * weight_clip, frac_bits=options.frac_bits),
         _scalar("weight", weight_clip),
         COUNT,
     )
@@ -276,13 +276,13 @@ def _model_dim(params: Arrays) -> int:
     return int(sum(v.size for v in params.values()))
 
 
-def _apply_update(config: AAggFFOptions, params: Arrays, round_: int, total: Mapping[str, np.ndarray]) -> Arrays:
+def _apply_update(options: AAggFFOptions, params: Arrays, round_: int, total: Mapping[str, np.ndarray]) -> Arrays:
     """θ ← θ + η_g·Σ w_iΔ_i / Σ w_i (the division also renormalises over the survivors)."""
     weight = float(total["weight"])
     if weight <= 0:
         raise ValueError("the round's total weight is zero: no device contributed an update")
     mean = np.asarray(total["weighted_update"], dtype=np.float64) / weight
-    return unflatten(flatten(params) + config.server_lr_at(round_) * mean, params)
+    return unflatten(flatten(params) + options.server_lr_at(round_) * mean, params)
 
 
 def _mean(total: Mapping[str, np.ndarray], name: str, step: str) -> float:
@@ -310,26 +310,26 @@ class AccumulatorState:
 class _AccumulatorServer:
     """The sums-only server of AAggFF-D and of AAggFF-S's separable solver."""
 
-    def __init__(self, config: AAggFFOptions) -> None:
-        self.config = config
+    def __init__(self, options: AAggFFOptions) -> None:
+        self.options = options
 
     def init(self, params: Arrays) -> AccumulatorState:
         return AccumulatorState(dict(params))
 
     def zeta(self, t: int) -> float:
         """ζ^(t) for 1-based round t."""
-        return step_size(t, self.config.lipschitz, self.config.num_clients)
+        return step_size(t, self.options.lipschitz, self.options.num_clients)
 
     def steps(self, state: AccumulatorState) -> list[StepSpec]:
-        cfg = self.config
-        if cfg.mode == "exact":  # Σ p_i r_i and Σ p_i give <p, r>; p_i ≤ 1 up to the quantisation of Z
-            response_fields = (_scalar("weighted_response", 2.0 * _response_bound(cfg)), _scalar("weight", 2.0), COUNT)
+        opts = self.options
+        if opts.mode == "exact":  # Σ p_i r_i and Σ p_i give <p, r>; p_i ≤ 1 up to the quantisation of Z
+            response_fields = (_scalar("weighted_response", 2.0 * _response_bound(opts)), _scalar("weight", 2.0), COUNT)
         else:
-            response_fields = (_scalar("response", _response_bound(cfg)), COUNT)
+            response_fields = (_scalar("response", _response_bound(opts)), COUNT)
         return [
-            StepSpec(LOSS, PayloadSchema((_scalar("loss", cfg.loss_clip), _scalar("scale", SCALE_CLIP), COUNT))),
+            StepSpec(LOSS, PayloadSchema((_scalar("loss", opts.loss_clip), _scalar("scale", SCALE_CLIP), COUNT))),
             StepSpec(RESPONSE, PayloadSchema(response_fields)),
-            StepSpec(UPDATE, PayloadSchema(_update_fields(cfg, _model_dim(state.params), cfg.weight_clip))),
+            StepSpec(UPDATE, PayloadSchema(_update_fields(opts, _model_dim(state.params), opts.weight_clip))),
         ]
 
     def broadcast(self, state: AccumulatorState, step: str) -> Arrays:
@@ -338,7 +338,7 @@ class _AccumulatorServer:
         if step == LOSS:
             # Sum 1's scale field: AAggFF-D weighs by the coming decision (ζ^(t+1)); the separable
             # solver needs the current decision p^(t) exactly (ζ^(t)) for <p, r>.
-            scale_t = t + 1 if self.config.mode == "dr" else t
+            scale_t = t + 1 if self.options.mode == "dr" else t
             return {**state.params, **public, ZETA: np.float64(self.zeta(scale_t))}
         if step == RESPONSE:
             return {**public, MEAN_LOSS: np.float64(state.mean_loss), ZETA: np.float64(self.zeta(t))}
@@ -354,14 +354,14 @@ class _AccumulatorServer:
                 raise ValueError("every device weight underflowed the fixed-point range of 'scale'")
             return replace(state, mean_loss=_mean(total, "loss", step), offset=state.offset + math.log(scale))
         if step == RESPONSE:
-            if self.config.mode == "exact":
+            if self.options.mode == "exact":
                 weight = float(total["weight"])
                 if weight <= 0:
                     raise ValueError("no device contributed to the 'response' sum")
                 return replace(state, mean_response=float(total["weighted_response"]) / weight)
             return replace(state, mean_response=_mean(total, "response", step))
         if step == UPDATE:
-            params = _apply_update(self.config, state.params, state.round, total)
+            params = _apply_update(self.options, state.params, state.round, total)
             return replace(state, params=params, round=state.round + 1)
         raise ValueError(f"unknown step {step!r}")
 
@@ -374,8 +374,8 @@ class AAggFFDServer(_AccumulatorServer):
 
     name = "aaggff_d"
 
-    def __init__(self, config: AAggFFDOptions) -> None:
-        super().__init__(config)
+    def __init__(self, options: AAggFFDOptions) -> None:
+        super().__init__(options)
 
 
 @dataclass(frozen=True)
@@ -394,22 +394,22 @@ class OnsState:
 class _OnsServer:
     """AAggFF-S with the online Newton step (Algorithm 3.1, Eq. 3.7), over revealed responses."""
 
-    def __init__(self, config: AAggFFSOptions, on_reveal: Callable[[int, Sequence[int]], None]) -> None:
-        self.config = config
+    def __init__(self, options: AAggFFSOptions, on_reveal: Callable[[int, Sequence[int]], None]) -> None:
+        self.options = options
         self.on_reveal = on_reveal
-        self.alpha, self.beta = ons_constants(config.num_clients, config.lipschitz)
+        self.alpha, self.beta = ons_constants(options.num_clients, options.lipschitz)
 
     def init(self, params: Arrays) -> OnsState:
-        k = self.config.num_clients
+        k = self.options.num_clients
         return OnsState(dict(params), np.full(k, 1.0 / k), OnsHistory.empty(k))
 
     def steps(self, state: OnsState) -> list[StepSpec]:
-        cfg = self.config
+        opts = self.options
         return [
-            StepSpec(LOSS, PayloadSchema((_scalar("loss", cfg.loss_clip), COUNT))),
-            StepSpec(RESPONSE, PayloadSchema((_scalar("response", _response_bound(cfg)), COUNT)),
+            StepSpec(LOSS, PayloadSchema((_scalar("loss", opts.loss_clip), COUNT))),
+            StepSpec(RESPONSE, PayloadSchema((_scalar("response", _response_bound(opts)), COUNT)),
                      reveal=("response",)),
-            StepSpec(UPDATE, PayloadSchema(_update_fields(cfg, _model_dim(state.params), 1.0)), personal=True),
+            StepSpec(UPDATE, PayloadSchema(_update_fields(opts, _model_dim(state.params), 1.0)), personal=True),
         ]
 
     def broadcast(self, state: OnsState, step: str) -> Arrays:
@@ -425,8 +425,8 @@ class _OnsServer:
     def broadcast_to(self, state: OnsState, step: str, device_id: int) -> Arrays:
         if step != UPDATE:
             raise ValueError(f"step {step!r} has one broadcast for every silo")
-        if not 0 <= device_id < self.config.num_clients:
-            raise ValueError(f"silo id {device_id} outside [0, {self.config.num_clients})")
+        if not 0 <= device_id < self.options.num_clients:
+            raise ValueError(f"silo id {device_id} outside [0, {self.options.num_clients})")
         return {**self.broadcast(state, step), COEFFICIENT: np.float64(state.decision[device_id])}
 
     def apply(self, state: OnsState, step: str, total: Mapping[str, np.ndarray]) -> OnsState:
@@ -437,13 +437,13 @@ class _OnsServer:
             return self._decide(state, np.asarray(total["device_ids"], dtype=np.int64)[present],
                                 np.asarray(total["response"], dtype=np.float64).reshape(-1)[present])
         if step == UPDATE:
-            params = _apply_update(self.config, state.params, state.round, total)
+            params = _apply_update(self.options, state.params, state.round, total)
             return replace(state, params=params, round=state.round + 1)
         raise ValueError(f"unknown step {step!r}")
 
     def _decide(self, state: OnsState, ids: np.ndarray, values: np.ndarray) -> OnsState:
         """One ONS step: g^(t) at p^(t), then p^(t+1) = the QP of Eq. 3.7 (used in this round)."""
-        k = self.config.num_clients
+        k = self.options.num_clients
         if ids.size == 0:
             raise ValueError("no silo revealed its response")
         if ids.min() < 0 or ids.max() >= k or len(set(ids.tolist())) != ids.size:
@@ -453,7 +453,7 @@ class _OnsServer:
         responses[ids] = values
         gradient = decision_gradient(state.decision, responses)
         history = state.history.add(gradient, state.decision)
-        A, b = history.quadratic(self.alpha, self.beta, code="ons_objective" in self.config.code_deviations)
+        A, b = history.quadratic(self.alpha, self.beta, code="ons_objective" in self.options.code_deviations)
         return replace(state, decision=simplex_qp(A, b), history=history, revealed=state.revealed + ids.size,
                        decision_loss=decision_loss(state.decision, responses))
 
@@ -470,18 +470,18 @@ class AAggFFSServer:
 
     name = "aaggff_s"
 
-    def __init__(self, config: AAggFFSOptions) -> None:
-        if config.solver == "ons" and "response" not in config.reveal:
+    def __init__(self, options: AAggFFSOptions) -> None:
+        if options.solver == "ons" and "response" not in options.reveal:
             raise RevealRefused(
                 "aaggff_s with solver 'ons' needs every silo's response in the clear (the online Newton "
                 "step couples all of them), which the one-rule forbids by default: opt in with "
                 "reveal: [\"response\"] in the job spec (reveals are logged and counted), or use "
                 "solver: separable, which needs only secure sums"
             )
-        self.config = config
+        self.options = options
         self.on_reveal: Callable[[int, Sequence[int]], None] | None = None
         self._impl: _OnsServer | _AccumulatorServer = (
-            _OnsServer(config, self._reveal) if config.solver == "ons" else _AccumulatorServer(config)
+            _OnsServer(options, self._reveal) if options.solver == "ons" else _AccumulatorServer(options)
         )
 
     def _reveal(self, round_: int, ids: Sequence[int]) -> None:
@@ -534,10 +534,10 @@ def _log_weight_exp(log_weight: float) -> float:
 
 
 class AAggFFClient:
-    """The device half of both variants (the variant is the config's type and solver)."""
+    """The device half of both variants (the variant is the options' type and solver)."""
 
-    def __init__(self, config: AAggFFOptions) -> None:
-        self.config = config
+    def __init__(self, options: AAggFFOptions) -> None:
+        self.options = options
 
     def contribute(
         self, step: str, broadcast: Mapping[str, np.ndarray], device: LocalTrainer, local_state: Any
@@ -558,13 +558,13 @@ class AAggFFClient:
     def _loss(self, broadcast: Mapping[str, np.ndarray], device: LocalTrainer, state: DeviceState,
               round_: int) -> tuple[Arrays, DeviceState]:
         """Algorithm 3.3: the loss of the received model on the training data, then local SGD."""
-        cfg = self.config
+        opts = self.options
         params = {k: v for k, v in broadcast.items() if not k.startswith("@")}
         loss = float(device.evaluate(params)[0])
-        trained, _ = device.train(params, cfg.local_epochs, cfg.local_lr * cfg.lr_factor(round_), cfg.batch_size)
-        update = np.clip(flatten(trained) - flatten(params), -cfg.delta_clip, cfg.delta_clip)
+        trained, _ = device.train(params, opts.local_epochs, opts.local_lr * opts.lr_factor(round_), opts.batch_size)
+        update = np.clip(flatten(trained) - flatten(params), -opts.delta_clip, opts.delta_clip)
         payload: Arrays = {"loss": np.float64(loss), "count": np.int64(1)}
-        if cfg.mode != "ons":
+        if opts.mode != "ons":
             payload["scale"] = np.float64(self._weight(state.accumulator, broadcast))
         return payload, DeviceState(state.accumulator, round_, loss, update)
 
@@ -572,31 +572,31 @@ class AAggFFClient:
                   round_: int) -> tuple[Arrays, DeviceState]:
         if state.round != round_ or state.loss is None:  # missed sum 1: contribute nothing
             return self._response_payload(0.0, 0.0, 0), state
-        cfg = self.config
-        c1, c2 = cfg.response_range
-        response = float(transform_responses(np.array([state.loss]), float(broadcast[MEAN_LOSS]), cfg.cdf,
-                                             c1, c2, cfg.code_normal)[0])
+        opts = self.options
+        c1, c2 = opts.response_range
+        response = float(transform_responses(np.array([state.loss]), float(broadcast[MEAN_LOSS]), opts.cdf,
+                                             c1, c2, opts.code_normal)[0])
         # Separable solver: p_i^(t) exactly, since the offset was just set so that Σ_j exp(-G_j/ζ^(t) - c) = 1.
-        p = self._weight(state.accumulator, broadcast) if cfg.mode == "exact" else 0.0
+        p = self._weight(state.accumulator, broadcast) if opts.mode == "exact" else 0.0
         return self._response_payload(response, p, 1), replace(state, response=response)
 
     def _response_payload(self, response: float, p: float, count: int) -> Arrays:
-        if self.config.mode == "exact":
+        if self.options.mode == "exact":
             return {"weighted_response": np.float64(p * response), "weight": np.float64(p), "count": np.int64(count)}
         return {"response": np.float64(response), "count": np.int64(count)}
 
     def _update(self, broadcast: Mapping[str, np.ndarray], state: DeviceState,
                 round_: int) -> tuple[Arrays, DeviceState]:
-        cfg = self.config
+        opts = self.options
         ready = state.round == round_ and state.update is not None
-        if cfg.mode != "ons":
+        if opts.mode != "ons":
             ready = ready and state.response is not None
         if not ready:
             dim = int(broadcast[DIM])
             zero = {"weighted_update": np.zeros(dim), "weight": np.float64(0.0), "count": np.int64(0)}
             return zero, DeviceState(state.accumulator)
         accumulator = state.accumulator
-        if cfg.mode == "ons":
+        if opts.mode == "ons":
             if COEFFICIENT not in broadcast:
                 raise ValueError("the ONS update step needs this silo's own coefficient (a personal broadcast)")
             weight = float(broadcast[COEFFICIENT])
@@ -613,18 +613,18 @@ class AAggFFClient:
         entries and the p-dependent term are the same for every device, and softmax ignores them).
         Separable AAggFF-S: the true gradient -r_i/(1 + <p, r>).
         """
-        if self.config.mode == "exact":
+        if self.options.mode == "exact":
             return -response / (1.0 + aggregate)
-        code = "dr_estimate" in self.config.code_deviations
-        r_hat = dr_estimate(np.array([response]), np.array([True]), aggregate, self.config.sampling_rate, code)[0]
+        code = "dr_estimate" in self.options.code_deviations
+        r_hat = dr_estimate(np.array([response]), np.array([True]), aggregate, self.options.sampling_rate, code)[0]
         return -(r_hat - aggregate) / (1.0 + aggregate)
 
 
-def decision(config: AAggFFOptions, completed_rounds: int, local_states: Sequence[Any]) -> np.ndarray:
+def decision(options: AAggFFOptions, completed_rounds: int, local_states: Sequence[Any]) -> np.ndarray:
     """The current decision p over all K devices, p^(t+1) after t completed rounds, from the devices'
     accumulators (simulation diagnostics for reports: only a simulator holds every device's local
     state; a device without one has accumulator 0). Not defined for ONS, whose p is server state."""
-    if config.mode == "ons":
+    if options.mode == "ons":
         raise ValueError("the ONS decision lives in the server state, not on the devices")
     accumulators = np.array([s.accumulator if isinstance(s, DeviceState) else 0.0 for s in local_states])
-    return entropic_decision(accumulators, step_size(completed_rounds + 1, config.lipschitz, config.num_clients))
+    return entropic_decision(accumulators, step_size(completed_rounds + 1, options.lipschitz, options.num_clients))

@@ -65,7 +65,7 @@ class JobAdaptation:
     the device also trains a model on its own data alone, from fresh weights, and records the
     who-gains comparison (spec 5) on the held-out examples; 0 measures no baseline."""
 
-    config: AdaptationOptions
+    options: AdaptationOptions
     validation: float = 0.2
     local_only_epochs: int = 0
 
@@ -78,7 +78,7 @@ class JobAdaptation:
     @classmethod
     def from_dict(cls, raw: Mapping[str, Any]) -> JobAdaptation:
         raw = dict(raw)
-        own = {f.name: raw.pop(f.name) for f in dataclasses.fields(cls) if f.name != "config" and f.name in raw}
+        own = {f.name: raw.pop(f.name) for f in dataclasses.fields(cls) if f.name != "options" and f.name in raw}
         return cls(AdaptationOptions.from_dict(raw), **own)
 
     @classmethod
@@ -89,20 +89,20 @@ class JobAdaptation:
         return cls.from_dict(raw)
 
     def to_dict(self) -> dict[str, Any]:
-        out = dataclasses.asdict(self.config)
-        out["trainable"] = list(self.config.trainable)
+        out = dataclasses.asdict(self.options)
+        out["trainable"] = list(self.options.trainable)
         return {**out, "validation": self.validation, "local_only_epochs": self.local_only_epochs}
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), sort_keys=True)
 
 
-def trainable_names(names: list[str], config: AdaptationOptions) -> list[str]:
+def trainable_names(names: list[str], options: AdaptationOptions) -> list[str]:
     """The parameters adaptation trains: all of them, or for freeze_base those ``trainable``
     matches (by default the last module's: "only the final classifier trainable", spec 11 #11)."""
-    if config.method != "freeze_base":
+    if options.method != "freeze_base":
         return list(names)
-    patterns = config.trainable or (names[-1].rpartition(".")[0] + ".*",)
+    patterns = options.trainable or (names[-1].rpartition(".")[0] + ".*",)
     chosen = [n for n in names if any(fnmatch.fnmatchcase(n, p) for p in patterns)]
     if not chosen:
         raise ValueError(f"freeze_base: trainable {list(patterns)} matches none of {names}")

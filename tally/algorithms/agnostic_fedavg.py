@@ -202,19 +202,19 @@ def mean_domain_loss(loss_sums: np.ndarray, counts: np.ndarray) -> np.ndarray:
 class AgnosticFedAvgServer:
     name = "agnostic_fedavg"
 
-    def __init__(self, config: AgnosticFedAvgOptions | None = None) -> None:
-        self.config = config or AgnosticFedAvgOptions()
+    def __init__(self, options: AgnosticFedAvgOptions | None = None) -> None:
+        self.options = options or AgnosticFedAvgOptions()
 
     def init(self, params: Arrays) -> AgnosticFedAvgState:
-        cfg = self.config
-        p = cfg.domains
-        weights = np.full(p, 1.0 / p) if cfg.initial_weights is None else np.array(cfg.initial_weights)
-        counts = np.ones(p) if cfg.initial_counts is None else np.array(cfg.initial_counts)
+        opts = self.options
+        p = opts.domains
+        weights = np.full(p, 1.0 / p) if opts.initial_weights is None else np.array(opts.initial_weights)
+        counts = np.ones(p) if opts.initial_counts is None else np.array(opts.initial_counts)
         dim = sum(np.asarray(v).size for v in params.values())
         return AgnosticFedAvgState(
             params=dict(params),
             log_weights=np.log(weights),
-            window=np.tile(counts, (cfg.window, 1)),
+            window=np.tile(counts, (opts.window, 1)),
             optimizer=OptimizerState(0, np.zeros(dim), np.zeros(dim)),
             domain_loss=np.zeros(p),
             counts=np.zeros(p),
@@ -227,15 +227,15 @@ class AgnosticFedAvgServer:
         (a mean over ΣN examples is off by < cohort·2^-loss_frac_bits / ΣN); counts are exact
         integers ≤ ``count_clip``. The defaults keep every field's largest encoded value near
         2^22, so the loss and count fields do not widen the ring the model needs."""
-        cfg = self.config
+        opts = self.options
         dim = sum(v.size for v in state.params.values())
-        p = cfg.domains
+        p = opts.domains
         schema = PayloadSchema(
             (
-                Field("weighted_update", (dim,), clip=cfg.delta_clip, frac_bits=cfg.frac_bits),
-                Field("beta", (), clip=1.0, frac_bits=cfg.frac_bits),
-                Field("domain_loss", (p,), clip=cfg.loss_clip, frac_bits=cfg.loss_frac_bits),
-                Field("domain_count", (p,), kind=Kind.COUNT, clip=cfg.count_clip),
+                Field("weighted_update", (dim,), clip=opts.delta_clip, frac_bits=opts.frac_bits),
+                Field("beta", (), clip=1.0, frac_bits=opts.frac_bits),
+                Field("domain_loss", (p,), clip=opts.loss_clip, frac_bits=opts.loss_frac_bits),
+                Field("domain_count", (p,), kind=Kind.COUNT, clip=opts.count_clip),
             )
         )
         return [StepSpec(STEP, schema)]
@@ -247,7 +247,7 @@ class AgnosticFedAvgServer:
         otherwise get α = λ/0 = ∞ and every β a NaN (spec §3.6 item 1)."""
         recent = np.maximum(state.window.mean(axis=0), 1.0)
         raw = state.weights / recent
-        scale = 1.0 / (raw.max() * self.config.example_cap)
+        scale = 1.0 / (raw.max() * self.options.example_cap)
         return raw * scale, scale
 
     def broadcast(self, state: AgnosticFedAvgState, step: str) -> Arrays:
@@ -272,7 +272,7 @@ class AgnosticFedAvgServer:
             state,
             params=params,
             optimizer=optimizer,
-            log_weights=exponentiated_gradient(state.log_weights, domain_loss, self.config.domain_lr),
+            log_weights=exponentiated_gradient(state.log_weights, domain_loss, self.options.domain_lr),
             window=np.vstack([state.window[1:], counts]),
             round=state.round + 1,
             domain_loss=domain_loss,
@@ -284,19 +284,19 @@ class AgnosticFedAvgServer:
         self, vector: np.ndarray, grad: np.ndarray, opt: OptimizerState
     ) -> tuple[np.ndarray, OptimizerState]:
         """One server step on the pseudo-gradient -(Σβ·Δ/Σβ), in optax's conventions."""
-        cfg = self.config
+        opts = self.options
         step = opt.step + 1
-        if cfg.server_optimizer == "sgd":
-            return vector - cfg.server_lr * grad, replace(opt, step=step)
-        if cfg.server_optimizer == "momentum":
-            trace = grad + cfg.momentum * opt.first
-            direction = grad + cfg.momentum * trace if cfg.nesterov else trace
-            return vector - cfg.server_lr * direction, replace(opt, step=step, first=trace)
-        first = cfg.adam_beta1 * opt.first + (1 - cfg.adam_beta1) * grad
-        second = cfg.adam_beta2 * opt.second + (1 - cfg.adam_beta2) * grad**2
-        first_hat = first / (1 - cfg.adam_beta1**step)
-        second_hat = second / (1 - cfg.adam_beta2**step)
-        new = vector - cfg.server_lr * first_hat / (np.sqrt(second_hat) + cfg.adam_eps)
+        if opts.server_optimizer == "sgd":
+            return vector - opts.server_lr * grad, replace(opt, step=step)
+        if opts.server_optimizer == "momentum":
+            trace = grad + opts.momentum * opt.first
+            direction = grad + opts.momentum * trace if opts.nesterov else trace
+            return vector - opts.server_lr * direction, replace(opt, step=step, first=trace)
+        first = opts.adam_beta1 * opt.first + (1 - opts.adam_beta1) * grad
+        second = opts.adam_beta2 * opt.second + (1 - opts.adam_beta2) * grad**2
+        first_hat = first / (1 - opts.adam_beta1**step)
+        second_hat = second / (1 - opts.adam_beta2**step)
+        new = vector - opts.server_lr * first_hat / (np.sqrt(second_hat) + opts.adam_eps)
         return new, OptimizerState(step, first, second)
 
     def model(self, state: AgnosticFedAvgState) -> Arrays:
@@ -304,8 +304,8 @@ class AgnosticFedAvgServer:
 
 
 class AgnosticFedAvgClient:
-    def __init__(self, config: AgnosticFedAvgOptions | None = None) -> None:
-        self.config = config or AgnosticFedAvgOptions()
+    def __init__(self, options: AgnosticFedAvgOptions | None = None) -> None:
+        self.options = options or AgnosticFedAvgOptions()
 
     def contribute(
         self, step: str, broadcast: Mapping[str, np.ndarray], device: DomainDevice, local_state: Any
@@ -314,18 +314,19 @@ class AgnosticFedAvgClient:
 
         A device whose β^k is 0 (no examples, or only domains whose α underflowed) has no
         weight in the model average, so it skips training and sends a zero update."""
-        cfg = self.config
+        opts = self.options
         params = {k[len(MODEL_PREFIX):]: v for k, v in broadcast.items() if k.startswith(MODEL_PREFIX)}
         alpha = np.asarray(broadcast[ALPHA], dtype=np.float64)
-        if alpha.shape != (cfg.domains,) or not (np.all(np.isfinite(alpha)) and np.all(alpha >= 0)):
-            raise ValueError(f"alpha must be {cfg.domains} finite non-negative values, got {alpha}")
-        counts, loss_sums = device.domain_statistics(params, cfg.domains)
+        if alpha.shape != (opts.domains,) or not (np.all(np.isfinite(alpha)) and np.all(alpha >= 0)):
+            raise ValueError(f"alpha must be {opts.domains} finite non-negative values, got {alpha}")
+        counts, loss_sums = device.domain_statistics(params, opts.domains)
         counts = np.asarray(counts, dtype=np.int64)
-        if counts.shape != (cfg.domains,) or np.shape(loss_sums) != (cfg.domains,):
-            raise ValueError(f"the device reports {counts.size} domains, the job has {cfg.domains}")
+        if counts.shape != (opts.domains,) or np.shape(loss_sums) != (opts.domains,):
+            raise ValueError(f"the device reports {counts.size} domains, the job has {opts.domains}")
         beta = float(alpha @ counts)
         if beta > 0:
-            trained = device.train_domain_weighted(params, alpha, beta, cfg.local_epochs, cfg.local_lr, cfg.batch_size)
+            trained = device.train_domain_weighted(
+                params, alpha, beta, opts.local_epochs, opts.local_lr, opts.batch_size)
             update = flatten(trained) - flatten(params)
         else:
             update = np.zeros(sum(np.asarray(v).size for v in params.values()))

@@ -34,9 +34,9 @@ class FedAvgOptions(Options):
     example_cap: int = 1000
 
     @classmethod
-    def part_of(cls, config: FedAvgOptions) -> FedAvgOptions:
-        """The FedAvg part of a config that extends FedAvg's (LG-FedAvg's, SuPerFed's)."""
-        return cls(**{f.name: getattr(config, f.name) for f in fields(cls)})
+    def part_of(cls, options: FedAvgOptions) -> FedAvgOptions:
+        """The FedAvg part of options that extend FedAvg's (LG-FedAvg's, SuPerFed's)."""
+        return cls(**{f.name: getattr(options, f.name) for f in fields(cls)})
 
 
 @dataclass(frozen=True)
@@ -48,8 +48,8 @@ class FedAvgState:
 class FedAvgServer:
     name = "fedavg"
 
-    def __init__(self, config: FedAvgOptions | None = None) -> None:
-        self.config = config or FedAvgOptions()
+    def __init__(self, options: FedAvgOptions | None = None) -> None:
+        self.options = options or FedAvgOptions()
 
     def init(self, params: Arrays) -> FedAvgState:
         return FedAvgState(dict(params))
@@ -58,9 +58,9 @@ class FedAvgServer:
         dim = sum(v.size for v in state.params.values())
         schema = PayloadSchema(
             (
-                Field("weighted_delta", (dim,), clip=self.config.delta_clip, frac_bits=self.config.frac_bits),
-                Field("weight", (), clip=1.0, frac_bits=self.config.frac_bits),
-                Field("examples", (), kind=Kind.COUNT, clip=self.config.example_cap * 1000),
+                Field("weighted_delta", (dim,), clip=self.options.delta_clip, frac_bits=self.options.frac_bits),
+                Field("weight", (), clip=1.0, frac_bits=self.options.frac_bits),
+                Field("examples", (), kind=Kind.COUNT, clip=self.options.example_cap * 1000),
             )
         )
         return [StepSpec(STEP, schema)]
@@ -74,7 +74,7 @@ class FedAvgServer:
             raise ValueError("the round's total weight is zero: no device contributed")
         mean_delta = np.asarray(total["weighted_delta"], dtype=np.float64) / weight
         current = flatten(state.params)
-        new = unflatten(current + self.config.server_lr * mean_delta, state.params)
+        new = unflatten(current + self.options.server_lr * mean_delta, state.params)
         return replace(state, params=new, round=state.round + 1)
 
     def model(self, state: FedAvgState) -> Arrays:
@@ -82,22 +82,22 @@ class FedAvgServer:
 
 
 class FedAvgClient:
-    def __init__(self, config: FedAvgOptions | None = None) -> None:
-        self.config = config or FedAvgOptions()
+    def __init__(self, options: FedAvgOptions | None = None) -> None:
+        self.options = options or FedAvgOptions()
 
     def contribute(
         self, step: str, broadcast: Mapping[str, np.ndarray], device: LocalTrainer, local_state: Any
     ) -> tuple[Arrays, Any]:
-        cfg = self.config
-        trained, _ = device.train(broadcast, cfg.local_epochs, cfg.local_lr, cfg.batch_size)
+        opts = self.options
+        trained, _ = device.train(broadcast, opts.local_epochs, opts.local_lr, opts.batch_size)
         delta = flatten(trained) - flatten(broadcast)
         n = device.num_examples
-        weight = min(n, cfg.example_cap) / cfg.example_cap
+        weight = min(n, opts.example_cap) / opts.example_cap
         return (
             {
-                "weighted_delta": weight * np.clip(delta, -cfg.delta_clip, cfg.delta_clip),
+                "weighted_delta": weight * np.clip(delta, -opts.delta_clip, opts.delta_clip),
                 "weight": np.float64(weight),
-                "examples": np.int64(min(n, cfg.example_cap * 1000)),
+                "examples": np.int64(min(n, opts.example_cap * 1000)),
             },
             local_state,
         )

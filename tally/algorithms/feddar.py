@@ -189,14 +189,14 @@ class FedDARWAServer:
 
     name = "feddar_wa"
 
-    def __init__(self, config: FedDAROptions | None = None) -> None:
-        self.config = config or FedDAROptions()
+    def __init__(self, options: FedDAROptions | None = None) -> None:
+        self.options = options or FedDAROptions()
 
     def init(self, params: Arrays) -> FedDARState:
         heads = np.asarray(params.get(HEADS))
         if heads.ndim != 3:
             raise ValueError(f"FedDAR needs '{HEADS}' of shape (domains, outputs, features + 1), got {heads.shape}")
-        width = self.config.projection
+        width = self.options.projection
         if width and heads.shape[2] != width + 1:
             raise ValueError(f"heads take {heads.shape[2] - 1} features but projection is {width}")
         state_params = {k: np.asarray(v, dtype=np.float64) for k, v in params.items()}
@@ -204,17 +204,17 @@ class FedDARWAServer:
 
     def steps(self, state: FedDARState) -> list[StepSpec]:
         domains, size = self._head_shape(state)
-        cfg = self.config
+        opts = self.options
         head_fields = (
-            Field("counts", (domains,), kind=Kind.COUNT, clip=cfg.max_examples),
-            Field("weights", (domains,), clip=1.0, frac_bits=cfg.frac_bits),
-            Field("weighted_heads", (domains, size), clip=cfg.head_clip, frac_bits=cfg.frac_bits),
+            Field("counts", (domains,), kind=Kind.COUNT, clip=opts.max_examples),
+            Field("weights", (domains,), clip=1.0, frac_bits=opts.frac_bits),
+            Field("weighted_heads", (domains, size), clip=opts.head_clip, frac_bits=opts.frac_bits),
             *self._extra_head_fields(domains, size),
         )
         dim = flatten(encoder_part(state.params)).size
         encoder_fields = (
-            Field("weighted_delta", (dim,), clip=cfg.delta_clip, frac_bits=cfg.frac_bits),
-            Field("weight", (), clip=1.0, frac_bits=cfg.frac_bits),
+            Field("weighted_delta", (dim,), clip=opts.delta_clip, frac_bits=opts.frac_bits),
+            Field("weight", (), clip=1.0, frac_bits=opts.frac_bits),
         )
         return [StepSpec(HEADS, PayloadSchema(head_fields)), StepSpec(ENCODER, PayloadSchema(encoder_fields))]
 
@@ -303,39 +303,39 @@ class FedDARSAServer(FedDARWAServer):
     """FedDAR-SA: heads from the summed Hessian system, h_m = (Σ c H)^{-1} Σ c H w, damped."""
 
     name = "feddar_sa"
-    config: FedDARSAOptions
+    options: FedDARSAOptions
 
-    def __init__(self, config: FedDARSAOptions | None = None) -> None:
-        super().__init__(config or FedDARSAOptions())
+    def __init__(self, options: FedDARSAOptions | None = None) -> None:
+        super().__init__(options or FedDARSAOptions())
 
     def _hessian_unique(self, size: int) -> int:
         return size * (size + 1) // 2
 
     def _extra_head_fields(self, domains: int, size: int) -> tuple[Field, ...]:
-        cfg = self.config
+        opts = self.options
         return (
-            Field("hessians", (domains, self._hessian_unique(size)), clip=cfg.hessian_clip, frac_bits=cfg.frac_bits),
-            Field("hessian_heads", (domains, size), clip=size * cfg.hessian_clip * cfg.head_clip,
-                  frac_bits=cfg.frac_bits),
+            Field("hessians", (domains, self._hessian_unique(size)), clip=opts.hessian_clip, frac_bits=opts.frac_bits),
+            Field("hessian_heads", (domains, size), clip=size * opts.hessian_clip * opts.head_clip,
+                  frac_bits=opts.frac_bits),
         )
 
     def _aggregate(
         self, previous: np.ndarray, present: np.ndarray, total: Mapping[str, np.ndarray]
     ) -> tuple[np.ndarray, int]:
-        cfg = self.config
+        opts = self.options
         weighted, fallbacks = super()._aggregate(previous, present, total)
         heads = previous.copy()
         size = previous.shape[1]
         for m in np.flatnonzero(present):
             system = _symmetric(np.asarray(total["hessians"][m], dtype=np.float64), size)
-            damping = cfg.damping * np.trace(system) / size
+            damping = opts.damping * np.trace(system) / size
             system += damping * np.eye(size)
             rhs = np.asarray(total["hessian_heads"][m], dtype=np.float64) + damping * previous[m]
             condition = np.linalg.cond(system)
-            if not np.isfinite(condition) or condition > cfg.max_condition:
+            if not np.isfinite(condition) or condition > opts.max_condition:
                 warnings.warn(
-                    f"domain {m}: SA system condition {condition:.3g} exceeds {cfg.max_condition:.3g} "
-                    f"(damping {cfg.damping}); using WA for this domain", SingularHeadSystem, stacklevel=2)
+                    f"domain {m}: SA system condition {condition:.3g} exceeds {opts.max_condition:.3g} "
+                    f"(damping {opts.damping}); using WA for this domain", SingularHeadSystem, stacklevel=2)
                 heads[m] = weighted[m]
                 fallbacks += 1
             else:
@@ -344,10 +344,10 @@ class FedDARSAServer(FedDARWAServer):
 
 
 class FedDARClient:
-    """The device half of both variants; SA's extra sums are sent when the config is SA's."""
+    """The device half of both variants; SA's extra sums are sent when the options are SA's."""
 
-    def __init__(self, config: FedDAROptions | None = None) -> None:
-        self.config = config or FedDAROptions()
+    def __init__(self, options: FedDAROptions | None = None) -> None:
+        self.options = options or FedDAROptions()
 
     def contribute(
         self, step: str, broadcast: Mapping[str, np.ndarray], device: DomainDevice, local_state: Any
@@ -359,21 +359,21 @@ class FedDARClient:
         raise ValueError(f"unknown FedDAR step {step!r}")
 
     def _heads(self, broadcast: Mapping[str, np.ndarray], device: DomainDevice) -> Arrays:
-        cfg = self.config
+        opts = self.options
         encoder = encoder_part(broadcast)
         global_heads = np.asarray(broadcast[HEADS], dtype=np.float64)
-        start = np.zeros_like(global_heads) if cfg.head_start == "zero" else global_heads
+        start = np.zeros_like(global_heads) if opts.head_start == "zero" else global_heads
         counts = np.asarray(device.domain_counts(), dtype=np.int64)
-        if cfg.head_solver == "sgd":
-            local = device.train_heads({**encoder, HEADS: start}, cfg.head_epochs, cfg.head_lr, cfg.batch_size)
+        if opts.head_solver == "sgd":
+            local = device.train_heads({**encoder, HEADS: start}, opts.head_epochs, opts.head_lr, opts.batch_size)
         else:
-            local = _newton_heads(device, encoder, start, counts > 0, cfg.head_epochs)
+            local = _newton_heads(device, encoder, start, counts > 0, opts.head_epochs)
         domains = len(counts)
         flat = np.asarray(local, dtype=np.float64).reshape(domains, -1)
-        weight = np.minimum(counts, cfg.example_cap) / cfg.example_cap
+        weight = np.minimum(counts, opts.example_cap) / opts.example_cap
         payload = {"counts": counts, "weights": weight, "weighted_heads": weight[:, None] * flat}
-        if isinstance(cfg, FedDARSAOptions):
-            at = local if cfg.hessian_at == "local" else global_heads
+        if isinstance(opts, FedDARSAOptions):
+            at = local if opts.hessian_at == "local" else global_heads
             _, hessians = device.head_derivatives({**encoder, HEADS: at})
             scaled = weight[:, None, None] * hessians
             payload["hessians"] = scaled[:, *_triangle(flat.shape[1])]
@@ -381,12 +381,12 @@ class FedDARClient:
         return payload
 
     def _encoder(self, broadcast: Mapping[str, np.ndarray], device: DomainDevice) -> Arrays:
-        cfg = self.config
+        opts = self.options
         params = {k: v for k, v in broadcast.items() if k != DOMAIN_WEIGHTS}
         trained, _ = device.train_encoder(
-            params, np.asarray(broadcast[DOMAIN_WEIGHTS]), cfg.encoder_epochs, cfg.encoder_lr, cfg.batch_size
+            params, np.asarray(broadcast[DOMAIN_WEIGHTS]), opts.encoder_epochs, opts.encoder_lr, opts.batch_size
         )
-        weight = min(device.num_examples, cfg.example_cap) / cfg.example_cap
+        weight = min(device.num_examples, opts.example_cap) / opts.example_cap
         delta = flatten(trained) - flatten(encoder_part(params))
         return {"weighted_delta": weight * delta, "weight": np.float64(weight)}
 

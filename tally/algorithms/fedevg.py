@@ -80,19 +80,19 @@ class FedEvgOptions(Options):
         return math.e if self.weighting == "sign" else math.exp(self.logit_clamp)
 
 
-def step_size(config: FedEvgOptions, round_: int) -> float:
+def step_size(options: FedEvgOptions, round_: int) -> float:
     """beta^(t): cosine annealing from step_start (t = 0) to step_end (t = T - 1), then flat."""
-    last = config.schedule_rounds - 1
+    last = options.schedule_rounds - 1
     progress = min(round_, last) / last if last > 0 else 1.0
-    return config.step_end + (config.step_start - config.step_end) * (1 + math.cos(math.pi * progress)) / 2
+    return options.step_end + (options.step_start - options.step_end) * (1 + math.cos(math.pi * progress)) / 2
 
 
-def initial_synthetic(config: FedEvgOptions) -> Arrays:
+def initial_synthetic(options: FedEvgOptions) -> Arrays:
     """Eq. 4.12: inputs from N(0, I), exactly ``per_class`` samples of each class (labels fixed)."""
-    rng = np.random.default_rng([config.seed, 412])
+    rng = np.random.default_rng([options.seed, 412])
     return {
-        SYNTHETIC_X: rng.standard_normal((config.samples, config.inputs)),
-        SYNTHETIC_Y: np.repeat(np.arange(config.classes), config.per_class).astype(np.int64),
+        SYNTHETIC_X: rng.standard_normal((options.samples, options.inputs)),
+        SYNTHETIC_Y: np.repeat(np.arange(options.classes), options.per_class).astype(np.int64),
     }
 
 
@@ -104,12 +104,12 @@ def mixture_gradient(weighted_gradient: np.ndarray, weight: np.ndarray) -> np.nd
     return np.asarray(weighted_gradient, dtype=np.float64).reshape(weight.size, -1) / weight[:, None]
 
 
-def sample_weights(logits_at_label: np.ndarray, config: FedEvgOptions) -> np.ndarray:
+def sample_weights(logits_at_label: np.ndarray, options: FedEvgOptions) -> np.ndarray:
     """s_ij from f_i(x_j)[y_j]: exp(sgn f) (sign trick) or exp(clip(f, -c, c)) (exact, clamped)."""
     f = np.asarray(logits_at_label, dtype=np.float64)
-    if config.weighting == "sign":
+    if options.weighting == "sign":
         return np.exp(np.sign(f))
-    return np.exp(np.clip(f, -config.logit_clamp, config.logit_clamp))
+    return np.exp(np.clip(f, -options.logit_clamp, options.logit_clamp))
 
 
 @dataclass(frozen=True)
@@ -122,20 +122,20 @@ class FedEvgState:
 class FedEvgServer:
     name = "fedevg"
 
-    def __init__(self, config: FedEvgOptions | None = None) -> None:
-        self.config = config or FedEvgOptions()
+    def __init__(self, options: FedEvgOptions | None = None) -> None:
+        self.options = options or FedEvgOptions()
 
     def init(self, params: Arrays) -> FedEvgState:
         """``params``: the job's model, the energy model devices start from (never summed)."""
-        return FedEvgState(initial_synthetic(self.config), dict(params))
+        return FedEvgState(initial_synthetic(self.options), dict(params))
 
     def steps(self, state: FedEvgState) -> list[StepSpec]:
-        cfg = self.config
-        bound = cfg.max_weight
+        opts = self.options
+        bound = opts.max_weight
         schema = PayloadSchema((
-            Field("weighted_gradient", (cfg.samples * cfg.inputs,), clip=bound * cfg.gradient_clip,
-                  frac_bits=cfg.frac_bits),
-            Field("weight", (cfg.samples,), clip=bound, frac_bits=cfg.frac_bits),
+            Field("weighted_gradient", (opts.samples * opts.inputs,), clip=bound * opts.gradient_clip,
+                  frac_bits=opts.frac_bits),
+            Field("weight", (opts.samples,), clip=bound, frac_bits=opts.frac_bits),
         ))
         return [StepSpec(STEP, schema)]
 
@@ -143,12 +143,12 @@ class FedEvgServer:
         return {**state.classifier, **state.synthetic}
 
     def apply(self, state: FedEvgState, step: str, total: Mapping[str, np.ndarray]) -> FedEvgState:
-        cfg = self.config
+        opts = self.options
         gradient = mixture_gradient(total["weighted_gradient"], total["weight"])
-        noise = np.random.default_rng([cfg.seed, 414, state.round]).standard_normal(gradient.shape)
-        x = state.synthetic[SYNTHETIC_X] - step_size(cfg, state.round) * gradient + cfg.noise * noise
-        if cfg.input_range is not None:
-            x = np.clip(x, *cfg.input_range)
+        noise = np.random.default_rng([opts.seed, 414, state.round]).standard_normal(gradient.shape)
+        x = state.synthetic[SYNTHETIC_X] - step_size(opts, state.round) * gradient + opts.noise * noise
+        if opts.input_range is not None:
+            x = np.clip(x, *opts.input_range)
         synthetic = {**state.synthetic, SYNTHETIC_X: x}
         return replace(state, synthetic=synthetic, round=state.round + 1)
 
@@ -165,7 +165,7 @@ class EnergyDevice(Protocol):
     def num_examples(self) -> int: ...
 
     def train_energy(self, params: Mapping[str, np.ndarray], synthetic_x: np.ndarray, synthetic_y: np.ndarray,
-                     config: FedEvgOptions) -> Arrays:
+                     options: FedEvgOptions) -> Arrays:
         """The energy model after ``local_iterations`` steps of CE + lambda CE(synthetic) + PCD
         from ``params``, with persistent SGLD chains started at the synthetic set."""
         ...
@@ -177,25 +177,25 @@ class EnergyDevice(Protocol):
 
 
 class FedEvgClient:
-    def __init__(self, config: FedEvgOptions | None = None) -> None:
-        self.config = config or FedEvgOptions()
+    def __init__(self, options: FedEvgOptions | None = None) -> None:
+        self.options = options or FedEvgOptions()
 
     def contribute(
         self, step: str, broadcast: Mapping[str, np.ndarray], device: EnergyDevice, local_state: Any
     ) -> tuple[Arrays, Any]:
-        cfg = self.config
+        opts = self.options
         x = np.asarray(broadcast[SYNTHETIC_X], dtype=np.float64)
         y = np.asarray(broadcast[SYNTHETIC_Y]).astype(np.int64)
-        if x.shape != (cfg.samples, cfg.inputs) or y.shape != (cfg.samples,):
+        if x.shape != (opts.samples, opts.inputs) or y.shape != (opts.samples,):
             raise ValueError(f"synthetic set of shape {x.shape}/{y.shape}, expected "
-                             f"({cfg.samples}, {cfg.inputs})/({cfg.samples},)")
+                             f"({opts.samples}, {opts.inputs})/({opts.samples},)")
         start = {k: v for k, v in broadcast.items() if k not in (SYNTHETIC_X, SYNTHETIC_Y)}
-        if cfg.persistent_model and local_state is not None:
+        if opts.persistent_model and local_state is not None:
             start = local_state
-        params = device.train_energy(start, x.copy(), y, cfg)  # the device's chains move a copy
+        params = device.train_energy(start, x.copy(), y, opts)  # the device's chains move a copy
         logits, gradient = device.energy_signals(params, x, y)  # at the set as downloaded
-        s = sample_weights(logits, cfg)
-        n = min(device.num_examples, cfg.example_cap) / cfg.example_cap
-        g = np.clip(np.asarray(gradient, dtype=np.float64), -cfg.gradient_clip, cfg.gradient_clip)
+        s = sample_weights(logits, opts)
+        n = min(device.num_examples, opts.example_cap) / opts.example_cap
+        g = np.clip(np.asarray(gradient, dtype=np.float64), -opts.gradient_clip, opts.gradient_clip)
         values = {"weighted_gradient": (n * s[:, None] * g).ravel(), "weight": n * s}
-        return values, (params if cfg.persistent_model else None)
+        return values, (params if opts.persistent_model else None)

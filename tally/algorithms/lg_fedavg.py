@@ -94,17 +94,17 @@ class LGFedAvgState:
 class LGFedAvgServer:
     name = "lg_fedavg"
 
-    def __init__(self, config: LGFedAvgOptions | None = None) -> None:
-        self.config = config or LGFedAvgOptions()
-        self.split = Split(self.config.global_patterns)
-        self._fedavg = FedAvgServer(FedAvgOptions.part_of(self.config))
+    def __init__(self, options: LGFedAvgOptions | None = None) -> None:
+        self.options = options or LGFedAvgOptions()
+        self.split = Split(self.options.global_patterns)
+        self._fedavg = FedAvgServer(FedAvgOptions.part_of(self.options))
 
     def init(self, params: Arrays) -> LGFedAvgState:
         self.split.check(params)
         return LGFedAvgState(dict(params))
 
     def warming_up(self, state: LGFedAvgState) -> bool:
-        return state.round < self.config.warmup_rounds
+        return state.round < self.options.warmup_rounds
 
     def summed(self, state: LGFedAvgState) -> Arrays:
         """The parameters this round's sums carry: all of them in warm-up, else the global part."""
@@ -174,10 +174,10 @@ def local_layers(split: Split, broadcast: Mapping[str, np.ndarray], local_state:
 
 
 class LGFedAvgClient:
-    def __init__(self, config: LGFedAvgOptions | None = None) -> None:
-        self.config = config or LGFedAvgOptions()
-        self.split = Split(self.config.global_patterns)
-        self._fedavg = FedAvgClient(FedAvgOptions.part_of(self.config))
+    def __init__(self, options: LGFedAvgOptions | None = None) -> None:
+        self.options = options or LGFedAvgOptions()
+        self.split = Split(self.options.global_patterns)
+        self._fedavg = FedAvgClient(FedAvgOptions.part_of(self.options))
 
     def contribute(
         self, step: str, broadcast: Mapping[str, np.ndarray], device: LocalTrainer, local_state: Any

@@ -86,9 +86,9 @@ class SuPerFedServer:
 
     name = "superfed"
 
-    def __init__(self, config: SuPerFedOptions | None = None) -> None:
-        self.config = config or SuPerFedOptions()
-        self._fedavg = FedAvgServer(FedAvgOptions.part_of(self.config))
+    def __init__(self, options: SuPerFedOptions | None = None) -> None:
+        self.options = options or SuPerFedOptions()
+        self._fedavg = FedAvgServer(FedAvgOptions.part_of(self.options))
 
     def init(self, params: Arrays) -> FedAvgState:
         if CONTROL in params:
@@ -99,8 +99,8 @@ class SuPerFedServer:
         return self._fedavg.steps(state)
 
     def broadcast(self, state: FedAvgState, step: str) -> Arrays:
-        cfg = self.config
-        control = np.array([float(state.round >= cfg.start_round), cfg.lr_decay**state.round])
+        opts = self.options
+        control = np.array([float(state.round >= opts.start_round), opts.lr_decay**state.round])
         return {**state.params, CONTROL: control}
 
     def apply(self, state: FedAvgState, step: str, total: Mapping[str, np.ndarray]) -> FedAvgState:
@@ -110,9 +110,9 @@ class SuPerFedServer:
         return state.params
 
 
-def twins(config: SuPerFedOptions, names: Collection[str]) -> list[str]:
+def twins(options: SuPerFedOptions, names: Collection[str]) -> list[str]:
     """The parameters with a personal twin: all (the thesis) or the weights only (the code)."""
-    return [k for k in names if config.mix_biases or k.endswith("weight")]
+    return [k for k in names if options.mix_biases or k.endswith("weight")]
 
 
 def mix(federated: Mapping[str, np.ndarray], local: Mapping[str, np.ndarray], lam: float,
@@ -127,8 +127,8 @@ class _MixingAsTrainer:
     """The device seen as FedAvg's ``LocalTrainer``: train() runs the mixed training and keeps the
     personal model, returning only θ^f."""
 
-    def __init__(self, device: MixingDevice, local: Arrays, config: SuPerFedOptions, mixing: bool, lr_factor: float):
-        self.device, self.local, self.config = device, local, config
+    def __init__(self, device: MixingDevice, local: Arrays, options: SuPerFedOptions, mixing: bool, lr_factor: float):
+        self.device, self.local, self.options = device, local, options
         self.mixing, self.lr_factor = mixing, lr_factor
 
     @property
@@ -136,19 +136,19 @@ class _MixingAsTrainer:
         return self.device.num_examples
 
     def train(self, params: Mapping[str, np.ndarray], epochs: int, lr: float, batch_size: int) -> tuple[Arrays, float]:
-        cfg = self.config
+        opts = self.options
         federated, self.local, loss = self.device.train_mixed(
             params, self.local, epochs, lr * self.lr_factor, batch_size,
-            mixing=cfg.mixing if self.mixing else "none", mu=cfg.mu, nu=cfg.nu, prox_form=cfg.prox_form,
-            momentum=cfg.momentum, weight_decay=cfg.weight_decay, twins=twins(cfg, params),
+            mixing=opts.mixing if self.mixing else "none", mu=opts.mu, nu=opts.nu, prox_form=opts.prox_form,
+            momentum=opts.momentum, weight_decay=opts.weight_decay, twins=twins(opts, params),
         )
         return federated, loss
 
 
 class SuPerFedClient:
-    def __init__(self, config: SuPerFedOptions | None = None) -> None:
-        self.config = config or SuPerFedOptions()
-        self._fedavg = FedAvgClient(FedAvgOptions.part_of(self.config))
+    def __init__(self, options: SuPerFedOptions | None = None) -> None:
+        self.options = options or SuPerFedOptions()
+        self._fedavg = FedAvgClient(FedAvgOptions.part_of(self.options))
 
     def contribute(
         self, step: str, broadcast: Mapping[str, np.ndarray], device: MixingDevice, local_state: Any
@@ -160,7 +160,7 @@ class SuPerFedClient:
         mixing, lr_factor = (float(x) for x in np.asarray(broadcast[CONTROL]).ravel())
         model = {k: v for k, v in broadcast.items() if k != CONTROL}
         local = dict(local_state) if local_state is not None else device.initial_local()
-        trainer = _MixingAsTrainer(device, local, self.config, mixing > 0.5, lr_factor)
+        trainer = _MixingAsTrainer(device, local, self.options, mixing > 0.5, lr_factor)
         payload, _ = self._fedavg.contribute(step, model, trainer, None)
         return payload, trainer.local
 
@@ -171,12 +171,12 @@ class SuPerFedClient:
         the paper's optimistic protocol passes a test split."""
         if local_state is None or validation is None or validation.num_examples == 0:
             return 0.0, []
-        paired = twins(self.config, model)
+        paired = twins(self.options, model)
         curve = [validation.evaluate(mix(model, local_state, lam, paired))[1] for lam in LAMBDA_GRID]
         return LAMBDA_GRID[int(np.argmax(curve))], curve
 
     def personal_model(self, model: Mapping[str, np.ndarray], local_state: Any,
                        validation: LocalTrainer | None = None) -> Arrays:
         lam, _ = self.choose_lambda(model, local_state, validation)
-        return dict(model) if local_state is None else mix(model, local_state, lam, twins(self.config, model))
+        return dict(model) if local_state is None else mix(model, local_state, lam, twins(self.options, model))
 

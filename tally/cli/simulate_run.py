@@ -69,7 +69,7 @@ def _trace(algorithm: str, server: Any, clients: int):
         elif getattr(state, "decision", None) is not None:
             out["p"] = np.asarray(state.decision).tolist()
         elif algorithm.startswith("aaggff"):
-            out["p"] = aaggff.decision(server.config, state.round, [local.get(i) for i in range(clients)]).tolist()
+            out["p"] = aaggff.decision(server.options, state.round, [local.get(i) for i in range(clients)]).tolist()
         return out
 
     return trace

@@ -73,37 +73,37 @@ def distillation_loss(student: torch.Tensor, teacher: torch.Tensor, labels: torc
 
 
 def adapt(module: nn.Module, params: Mapping[str, np.ndarray], features: np.ndarray, labels: np.ndarray,
-          config: AdaptationOptions | None = None) -> Arrays:
-    """The adapted model's parameters: ``config.epochs`` epochs of ``config.method`` from ``params``
+          options: AdaptationOptions | None = None) -> Arrays:
+    """The adapted model's parameters: ``options.epochs`` epochs of ``options.method`` from ``params``
     (the federated model G^T) on this device's (features, labels)."""
-    cfg = config or AdaptationOptions()
+    opts = options or AdaptationOptions()
     set_params(module, params)
     module.train()
     X = torch.as_tensor(features, dtype=torch.float32)
     y = torch.as_tensor(labels, dtype=torch.long)
     named = dict(module.named_parameters())
-    train = trainable_names(list(named), cfg)
+    train = trainable_names(list(named), opts)
     for name, p in named.items():
         p.requires_grad_(name in train)
     anchor = _tensors({k: params[k] for k in named})
-    fisher = _tensors(fisher_diagonal(module, params, features, labels)) if cfg.method == "ewc" else {}
+    fisher = _tensors(fisher_diagonal(module, params, features, labels)) if opts.method == "ewc" else {}
     teacher = None
-    if cfg.method == "distill":
+    if opts.method == "distill":
         with torch.no_grad():
             teacher = module(X)
-    optimiser = torch.optim.SGD([named[n] for n in train], lr=cfg.lr)
+    optimiser = torch.optim.SGD([named[n] for n in train], lr=opts.lr)
 
     def loss_of_batch(idx: torch.Tensor) -> torch.Tensor:
         logits = module(X[idx])
         if teacher is not None:
-            loss = distillation_loss(logits, teacher[idx], y[idx], cfg.alpha, cfg.temperature, cfg.kd_form)
+            loss = distillation_loss(logits, teacher[idx], y[idx], opts.alpha, opts.temperature, opts.kd_form)
         else:
             loss = nn.functional.cross_entropy(logits, y[idx])
-        if fisher and cfg.ewc_lambda:
-            loss = loss + cfg.ewc_lambda / 2 * sum((fisher[k] * (named[k] - anchor[k]) ** 2).sum() for k in train)
+        if fisher and opts.ewc_lambda:
+            loss = loss + opts.ewc_lambda / 2 * sum((fisher[k] * (named[k] - anchor[k]) ** 2).sum() for k in train)
         return loss
 
-    sgd_epochs(optimiser, loss_of_batch, len(y), cfg.epochs, cfg.batch_size, torch.Generator().manual_seed(cfg.seed))
+    sgd_epochs(optimiser, loss_of_batch, len(y), opts.epochs, opts.batch_size, torch.Generator().manual_seed(opts.seed))
     for p in named.values():
         p.requires_grad_(True)
     return get_params(module)
@@ -170,11 +170,11 @@ def adapt_for_job(module: nn.Module, federated: Mapping[str, np.ndarray], featur
     held-out examples and return the model to keep as ONNX with the who-gains record (spec 5:
     the accuracies of the local-only, federated and adapted models on the same examples; a device
     is worse off when its local-only model is strictly more accurate)."""
-    cfg = option.config
+    opts = option.options
     flat = np.asarray(features, dtype=np.float32).reshape(len(labels), -1)
-    train, held = held_out(len(labels), option.validation, cfg.seed)
-    adapted = adapt(module, federated, flat[train], labels[train], cfg)
-    record: dict[str, Any] = {"method": cfg.method, "trained_on": int(len(train)), "held_out": int(len(held)),
+    train, held = held_out(len(labels), option.validation, opts.seed)
+    adapted = adapt(module, federated, flat[train], labels[train], opts)
+    record: dict[str, Any] = {"method": opts.method, "trained_on": int(len(train)), "held_out": int(len(held)),
                               "kept": "adapted", "accuracy": {}, "worse_off_than_local": {}}
     kept = adapted
     if len(held):
@@ -183,9 +183,9 @@ def adapt_for_job(module: nn.Module, federated: Mapping[str, np.ndarray], featur
         if scores["adapted"] < scores["federated"]:
             record["kept"], kept = "federated", dict(federated)
         if option.local_only_epochs:
-            baseline = AdaptationOptions("finetune", epochs=option.local_only_epochs, lr=cfg.lr,
-                                        batch_size=cfg.batch_size, seed=cfg.seed)
-            local = adapt(module, fresh_params(module, cfg.seed), flat[train], labels[train], baseline)
+            baseline = AdaptationOptions("finetune", epochs=option.local_only_epochs, lr=opts.lr,
+                                        batch_size=opts.batch_size, seed=opts.seed)
+            local = adapt(module, fresh_params(module, opts.seed), flat[train], labels[train], baseline)
             scores["local_only"] = accuracy(module, local, flat[held], labels[held])
             record["worse_off_than_local"] = {
                 "federated": scores["local_only"] > scores["federated"],

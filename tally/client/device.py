@@ -274,7 +274,7 @@ class Device:
         result = await asyncio.get_running_loop().run_in_executor(self.executor, work)
         record = {"job_id": job_id, "model_version": status.model_version, **result.record}
         self._adapted.keep(job_id, result.onnx, record)
-        logs.event(log, "adapted", device_id=self.device_id, job_id=job_id, method=option.config.method,
+        logs.event(log, "adapted", device_id=self.device_id, job_id=job_id, method=option.options.method,
                    kept=record["kept"], **{f"accuracy_{k}": v for k, v in record["accuracy"].items()})
         return record
 
@@ -421,7 +421,7 @@ class Device:
             except (TypeError, ValueError, LookupError, RuntimeError) as exc:  # this device cannot adapt this job
                 logs.event(log, "adaptation failed", logging.WARNING, device_id=self.device_id, job_id=job_id,
                            reason=str(exc))
-                self._adapted.failed(job_id, option.config.method)
+                self._adapted.failed(job_id, option.options.method)
 
     def _refuse(self, task: coordinator_pb2.TaskAssignment, label: str, reason: Exception | str,
                 fields: dict[str, Any]) -> None:

@@ -27,8 +27,11 @@ import enum
 import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from typing import TypeVar
 
-from tally.algorithms.base import StepSpec
+from tally.algorithms.aaggff import AAggFFDOptions, AAggFFSOptions
+from tally.algorithms.base import Options, StepSpec
+from tally.algorithms.fedavg import FedAvgOptions
 from tally.codec import Field, Kind, PayloadSchema
 from tally.privacy.errors import PrivacyRefused
 
@@ -45,12 +48,25 @@ class Role(enum.Enum):
 # A field's role, or the L2 bound of a BOUNDED field whose codec clip is not its bound.
 Declared = Role | float
 
+AlgorithmOptions = TypeVar("AlgorithmOptions", bound=Options)
+
+
+def _options(server: object, *kinds: type[AlgorithmOptions]) -> AlgorithmOptions:
+    """The server half's ``options``, of one of ``kinds``. A declaration reads its bounds from them, so
+    a server half that keeps none (an attribute renamed, a half wrapped) is an error here: a default
+    would quietly clip FedAvg's weight instead of counting it, or bound AAggFF's scale by 1."""
+    options = getattr(server, "options", None)
+    if not isinstance(options, kinds):
+        raise TypeError(f"{type(server).__name__}.options is {type(options).__name__}, not "
+                        + " or ".join(k.__name__ for k in kinds))
+    return options
+
 
 def _fedavg(server: object) -> Mapping[str, Role]:
     """FedAvg sums w*delta and w. With ``example_cap: 1`` every device's w is 1, so the weight is
     counted; otherwise (w*delta, w) are clipped jointly, which scales both by one factor and
     keeps each device's mean update (a clipped-weight FedAvg, its denominator noised too)."""
-    counted = getattr(getattr(server, "config", None), "example_cap", None) == 1
+    counted = _options(server, FedAvgOptions).example_cap == 1
     return {"weighted_delta": Role.CLIPPED, "weight": Role.COUNTED if counted else Role.CLIPPED,
             "examples": Role.WITHHELD}
 
@@ -72,7 +88,7 @@ def _aaggff(server: object) -> Mapping[str, Declared]:
     ``weight_clip``, and a larger weight is scaled down by the joint clip, never released. AAggFF-S's
     ONS solver reveals responses and personalises the update step, which ``layout`` refuses."""
     bounded = ("loss", "count", "response", "weighted_response", "weight")
-    weight_clip = float(getattr(getattr(server, "config", None), "weight_clip", 1.0))
+    weight_clip = float(_options(server, AAggFFDOptions, AAggFFSOptions).weight_clip)
     return {"weighted_update": Role.CLIPPED, "scale": weight_clip, **{name: Role.BOUNDED for name in bounded}}
 
 

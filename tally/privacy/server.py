@@ -75,7 +75,7 @@ class PrivateServer:
         self._seeds: dict[str, int] = {}
         self._survivors: dict[str, int] = {}  # per step: contributors of the last accounted sum
 
-    def __getattr__(self, attr: str) -> Any:  # config, num_clients, ... of the algorithm
+    def __getattr__(self, attr: str) -> Any:  # options, num_clients, ... of the algorithm
         if attr == "inner":
             raise AttributeError(attr)
         return getattr(self.inner, attr)

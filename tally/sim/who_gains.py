@@ -33,14 +33,14 @@ def who_gains(fleet: PersonalFleet, federated: Sequence[Mapping[str, np.ndarray]
         raise ValueError("name at least one adaptation method")
     fed = np.array([t.evaluate(m)[1] for t, m in zip(fleet.test, federated)])
     per_method: dict[str, dict[str, list[float]]] = {}
-    for cfg in methods:
+    for options in methods:
         val, test = [], []
         for i, device in enumerate(fleet.devices):
             adapted: Arrays = adapt(fleet.factory(), federated[i], device.features.cpu().numpy(),
-                                    device.labels.cpu().numpy(), cfg)
+                                    device.labels.cpu().numpy(), options)
             val.append(fleet.validation[i].evaluate(adapted)[1] if fleet.validation[i].num_examples else 0.0)
             test.append(fleet.test[i].evaluate(adapted)[1])
-        per_method[cfg.method] = {"validation": val, "test": test}
+        per_method[options.method] = {"validation": val, "test": test}
     names = list(per_method)
     val = np.array([per_method[m]["validation"] for m in names])
     test = np.array([per_method[m]["test"] for m in names])

@@ -33,35 +33,35 @@ class EnergyTrainer(DeviceTensors):
     def _at_label(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         return self.model(x).gather(1, y[:, None]).squeeze(1)
 
-    def sgld(self, x: torch.Tensor, y: torch.Tensor, config: FedEvgOptions) -> torch.Tensor:
+    def sgld(self, x: torch.Tensor, y: torch.Tensor, options: FedEvgOptions) -> torch.Tensor:
         """One step x + gamma grad_x f(x)[y] + sigma eps (descent on E = -f[y]), the gradient
         clipped as the uploads are."""
         x = x.detach().requires_grad_(True)
         (gradient,) = torch.autograd.grad(self._at_label(x, y).sum(), x)
         noise = torch.randn(x.shape, generator=self.generator).to(self.device)
-        moved = x + config.sgld_step * gradient.clamp(-config.gradient_clip, config.gradient_clip) \
-            + config.sgld_noise * noise
-        if config.input_range is not None:
-            moved = moved.clamp(*config.input_range)
+        moved = x + options.sgld_step * gradient.clamp(-options.gradient_clip, options.gradient_clip) \
+            + options.sgld_noise * noise
+        if options.input_range is not None:
+            moved = moved.clamp(*options.input_range)
         return moved.detach()
 
     def train_energy(self, params: Mapping[str, np.ndarray], synthetic_x: np.ndarray, synthetic_y: np.ndarray,
-                     config: FedEvgOptions) -> Arrays:
+                     options: FedEvgOptions) -> Arrays:
         set_params(self.model, params)
         self.model.train()
-        optimiser = torch.optim.Adam(self.model.parameters(), lr=config.local_lr)
+        optimiser = torch.optim.Adam(self.model.parameters(), lr=options.local_lr)
         chains = torch.as_tensor(synthetic_x, dtype=torch.float32, device=self.device).clone()
         labels = torch.as_tensor(synthetic_y, dtype=torch.long, device=self.device)
-        batch = min(config.batch_size, self.num_examples)
-        for _ in range(config.local_iterations):
+        batch = min(options.batch_size, self.num_examples)
+        for _ in range(options.local_iterations):
             real = self._draw(self.num_examples, batch)
-            fake = self._draw(len(chains), min(config.batch_size, len(chains)))
+            fake = self._draw(len(chains), min(options.batch_size, len(chains)))
             start, fake_y = chains[fake], labels[fake]
-            sampled = self.sgld(start, fake_y, config)
+            sampled = self.sgld(start, fake_y, options)
             x, y = self.features[real], self.labels[real]
             pcd = pcd_loss(self.model, x, y, sampled, fake_y)
             ce = nn.functional.cross_entropy(self.model(x), y) \
-                + config.synthetic_weight * nn.functional.cross_entropy(self.model(start), fake_y)
+                + options.synthetic_weight * nn.functional.cross_entropy(self.model(start), fake_y)
             optimiser.zero_grad()
             (pcd + ce).backward()
             optimiser.step()

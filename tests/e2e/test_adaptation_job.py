@@ -220,7 +220,7 @@ def test_what_the_spec_accepts_reaches_the_device_unchanged(raw):
     block = jobspec.AdaptationSpec.model_validate(raw)
     option = JobAdaptation.from_json(block.option().to_json())
     assert option == block.option()
-    assert option.config.method == raw["method"] and option.config.epochs == raw["epochs"]
+    assert option.options.method == raw["method"] and option.options.epochs == raw["epochs"]
     assert option.validation == raw["validation"] and option.local_only_epochs == raw["local_only_epochs"]
     assert jobspec.parse(jobspec.from_dict({**BASE, "adaptation": raw}).to_yaml()).adaptation == block
 

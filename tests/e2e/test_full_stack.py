@@ -42,9 +42,9 @@ def test_fedavg_through_the_services_equals_the_in_process_result(tmp_path):
     assert job.state == common_pb2.JOB_STATE_SUCCEEDED and job.committed_round == rounds
     assert fleet_stats.sessions_completed == n * rounds  # every device in every round, both aggregators
     # The reference: the same devices (fresh, same seeds), exact float sums, in process.
-    config = FedAvgOptions(local_epochs=1, local_lr=0.1, batch_size=16)
+    options = FedAvgOptions(local_epochs=1, local_lr=0.1, batch_size=16)
     reference_devices, _ = trainers(n)
-    state, _ = run_rounds(FedAvgServer(config), FedAvgClient(config), reference_devices,
+    state, _ = run_rounds(FedAvgServer(options), FedAvgClient(options), reference_devices,
                           get_params(mlp(64, 10, hidden=HIDDEN, seed=0)), rounds, n, plain_sum)
     error = max(float(np.max(np.abs(model[k] - state.params[k]))) for k in model)
     moved = max(float(np.max(np.abs(model[k] - get_params(mlp(64, 10, hidden=HIDDEN, seed=0))[k]))) for k in model)
@@ -318,9 +318,9 @@ def test_plain_sum_job_runs_through_the_services_without_any_key_exchange(tmp_pa
     assert fleet_stats.sessions_completed == n * rounds
     assert set(received) == {"MaskedInputResponse"}
     assert phases == {"join", "masked_input"}
-    config = FedAvgOptions(local_epochs=1, local_lr=0.1, batch_size=16)
+    options = FedAvgOptions(local_epochs=1, local_lr=0.1, batch_size=16)
     reference_devices, _ = trainers(n)
-    state, _ = run_rounds(FedAvgServer(config), FedAvgClient(config), reference_devices,
+    state, _ = run_rounds(FedAvgServer(options), FedAvgClient(options), reference_devices,
                           get_params(mlp(64, 10, hidden=HIDDEN, seed=0)), rounds, n, plain_sum)
     assert max(float(np.max(np.abs(model[k] - state.params[k]))) for k in model) < 1e-4
 

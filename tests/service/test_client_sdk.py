@@ -709,7 +709,7 @@ class TwoStepClient:
     """Sum 1: each device's value and a count; sum 2: the value centred on the broadcast mean,
     which the coordinator only knows after sum 1. Local state counts contributed steps."""
 
-    def __init__(self, config: TwoStepOptions) -> None:
+    def __init__(self, options: TwoStepOptions) -> None:
         pass
 
     def contribute(self, step, broadcast, device, local_state):
@@ -720,7 +720,7 @@ class TwoStepClient:
 
 
 def test_multi_sum_session_fetches_later_steps_with_get_step(monkeypatch):
-    monkeypatch.setitem(algorithms._BUILT_IN, "twostep", (TwoStepOptions, lambda config: None, TwoStepClient))
+    monkeypatch.setitem(algorithms._BUILT_IN, "twostep", (TwoStepOptions, lambda options: None, TwoStepClient))
     stats_schema = PayloadSchema((Field("value", (), clip=10.0, frac_bits=12),
                                   Field("n", (), kind=Kind.COUNT, clip=10)))
     centred_schema = PayloadSchema((Field("centred", (), clip=10.0, frac_bits=12),))

@@ -69,7 +69,7 @@ from tally.wire.v1 import (
 
 
 def test_fedavg_over_two_aggregators_matches_the_in_process_reference(tmp_path):
-    config = FedAvgOptions(local_epochs=1)
+    options = FedAvgOptions(local_epochs=1)
     rounds = 3
 
     async def main():
@@ -92,7 +92,7 @@ def test_fedavg_over_two_aggregators_matches_the_in_process_reference(tmp_path):
                         first_round.set()
                     await first_round.wait()
 
-            events = await run_devices(devices, fedavg_contribution(config), watch, before)
+            events = await run_devices(devices, fedavg_contribution(options), watch, before)
             final_job = await s.job(job_id)
             metrics = scrape_text(s.service.metrics_port)
             status = await devices[0].stub.RoundStatus(
@@ -125,9 +125,9 @@ def test_fedavg_over_two_aggregators_matches_the_in_process_reference(tmp_path):
     assert all(r.metrics["update.contributors"] == 10 and r.metrics["cohorts"] == 2 for r in round_rows)
     assert all(r.metrics["update.examples"] == sum(40 + 10 * i for i in range(10)) for r in round_rows)
     trainers = [FixedTrainer(i, 40 + 10 * i) for i in range(10)]
-    expected = reference_model(get_params(mlp(64, 10, 8)), trainers, rounds, config)
+    expected = reference_model(get_params(mlp(64, 10, 8)), trainers, rounds, options)
     error = max(float(np.abs(model[k].astype(np.float64) - expected[k]).max()) for k in expected)
-    assert 0 < error <= fedavg_bound(trainers, config, rounds, 0.05), error
+    assert 0 < error <= fedavg_bound(trainers, options, rounds, 0.05), error
 
     assert "tally_coordinator_rounds_committed_total 3.0" in metrics
     assert 'tally_coordinator_checkins_total{outcome="task"} 30.0' in metrics
@@ -351,7 +351,7 @@ def test_two_step_rounds_broadcast_the_first_sum_of_every_cohort(tmp_path, twost
 
 
 def test_large_model_downloads_in_chunks_and_exports_to_onnx(tmp_path):
-    config = FedAvgOptions(local_epochs=1)
+    options = FedAvgOptions(local_epochs=1)
     hidden = 20_000  # 1.5 M parameters: a 6 MB model, above gRPC's default 4 MiB message limit
 
     async def main():
@@ -378,7 +378,7 @@ def test_large_model_downloads_in_chunks_and_exports_to_onnx(tmp_path):
                     [c async for c in devices[0].stub.DownloadModel(request, metadata=devices[0].md, timeout=5)]
                 errors[name] = err.value.code()
             watch = asyncio.create_task(s.until_done(job_id))
-            await asyncio.gather(*(d.participate(t, fedavg_contribution(config)) for d, t in zip(devices, tasks)))
+            await asyncio.gather(*(d.participate(t, fedavg_contribution(options)) for d, t in zip(devices, tasks)))
             events = await watch
             latest, _ = await devices[0].download(version="latest.onnx")
             by_name, _ = await devices[0].download(version=f"{job_id}/v1.onnx")
@@ -514,7 +514,7 @@ def test_admin_api_needs_its_token_and_validates_submit_list_cancel_watch(tmp_pa
 
 
 def test_restarted_coordinator_resumes_at_the_next_round(tmp_path):
-    config = FedAvgOptions(local_epochs=1)
+    options = FedAvgOptions(local_epochs=1)
     rounds = 3
 
     async def main():
@@ -542,12 +542,12 @@ def test_restarted_coordinator_resumes_at_the_next_round(tmp_path):
                     await release.wait()
 
             done = asyncio.Event()
-            loops = [asyncio.create_task(d.loop(fedavg_contribution(config), done, before)) for d in devices]
+            loops = [asyncio.create_task(d.loop(fedavg_contribution(options), done, before)) for d in devices]
             await all_held.wait()  # round 1 committed; round 2's sessions open and waiting
             await s.restart()
             mid = s.service.store.job(job_id)
             loops += [
-                asyncio.create_task(d.loop(fedavg_contribution(config), spare_done[d.device_id], before))
+                asyncio.create_task(d.loop(fedavg_contribution(options), spare_done[d.device_id], before))
                 for d in spares
             ]
             release.set()
@@ -573,14 +573,14 @@ def test_restarted_coordinator_resumes_at_the_next_round(tmp_path):
     assert all(v is not None and v.state_digest and v.onnx_digest for v in versions)
     assert sum(c is not None for c in closed) >= 1  # the interrupted session was closed
     trainers = [FixedTrainer(i, 40 + 10 * i) for i in range(6)]
-    expected = reference_model(get_params(mlp(64, 10, 8)), trainers, rounds, config)
+    expected = reference_model(get_params(mlp(64, 10, 8)), trainers, rounds, options)
     error = max(float(np.abs(model[k].astype(np.float64) - expected[k]).max()) for k in expected)
-    assert error <= fedavg_bound(trainers, config, rounds, 0.05), error
+    assert error <= fedavg_bound(trainers, options, rounds, 0.05), error
 
 
 @pytest.mark.parametrize("failure", ["killed", "aborted"])
 def test_failed_cohort_round_is_retried_and_the_job_goes_on(tmp_path, failure):
-    config = FedAvgOptions(local_epochs=1)
+    options = FedAvgOptions(local_epochs=1)
 
     async def main():
         async with coordinator_stack(tmp_path, aggregators=2) as s:
@@ -603,7 +603,7 @@ def test_failed_cohort_round_is_retried_and_the_job_goes_on(tmp_path, failure):
                 await ready.wait()
 
             failer = asyncio.create_task(fail())
-            events = await run_devices(devices, fedavg_contribution(config), s.until_done(job_id), before)
+            events = await run_devices(devices, fedavg_contribution(options), s.until_done(job_id), before)
             await failer
             metrics = scrape_text(s.service.metrics_port)
             _, rows = committed_model(s.service.store, job_id)

@@ -396,8 +396,8 @@ class FakeDevice:
             await self.participate(task, contribute)
 
 
-def fedavg_contribution(config: FedAvgOptions) -> Contribute:
-    client = FedAvgClient(config)
+def fedavg_contribution(options: FedAvgOptions) -> Contribute:
+    client = FedAvgClient(options)
     return lambda device, step, broadcast: client.contribute(step, broadcast, device.trainer, None)[0]
 
 
@@ -484,20 +484,20 @@ async def run_devices(devices: list[FakeDevice], contribute: Contribute, until, 
         await asyncio.gather(*loops, return_exceptions=True)
 
 
-def reference_model(initial: dict, trainers: list[FixedTrainer], rounds: int, config: FedAvgOptions) -> dict:
+def reference_model(initial: dict, trainers: list[FixedTrainer], rounds: int, options: FedAvgOptions) -> dict:
     """The in-process result (tally.sim.rounds with an exact sum) for the same devices."""
-    state, _ = run_rounds(FedAvgServer(config), FedAvgClient(config), trainers, initial, rounds,
+    state, _ = run_rounds(FedAvgServer(options), FedAvgClient(options), trainers, initial, rounds,
                           len(trainers), plain_sum)
     return state.params
 
 
-def fedavg_bound(trainers: list[FixedTrainer], config: FedAvgOptions, rounds: int, max_delta: float) -> float:
+def fedavg_bound(trainers: list[FixedTrainer], options: FedAvgOptions, rounds: int, max_delta: float) -> float:
     """Quantisation bound on the FedAvg model after ``rounds``: each round the summed update and
     weight are each off by less than n 2^-frac_bits, so the mean update is off by at most
     (n 2^-f + |mean| n 2^-f) / (sum of weights - n 2^-f)."""
     n = len(trainers)
-    unit = n * 2.0 ** -config.frac_bits
-    weight = sum(min(t.examples, config.example_cap) / config.example_cap for t in trainers)
+    unit = n * 2.0 ** -options.frac_bits
+    weight = sum(min(t.examples, options.example_cap) / options.example_cap for t in trainers)
     return rounds * (unit + max_delta * unit) / (weight - unit) + 1e-6  # + float32 rounding
 
 

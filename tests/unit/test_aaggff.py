@@ -143,12 +143,12 @@ def run(server, client, devices, rounds, cohort, sum_fn=plain_sum, seed=0, dim=N
     return state, logs, runner
 
 
-def d_config(**options) -> A.AAggFFDOptions:
-    return A.AAggFFDOptions.from_dict({"local_epochs": 1, "local_lr": 0.3, **options})
+def d_options(**given) -> A.AAggFFDOptions:
+    return A.AAggFFDOptions.from_dict({"local_epochs": 1, "local_lr": 0.3, **given})
 
 
-def s_config(**options) -> A.AAggFFSOptions:
-    return A.AAggFFSOptions.from_dict({"local_epochs": 1, "local_lr": 0.3, **options})
+def s_options(**given) -> A.AAggFFSOptions:
+    return A.AAggFFSOptions.from_dict({"local_epochs": 1, "local_lr": 0.3, **given})
 
 
 # ----------------------------------------------------------------------------------------------
@@ -217,12 +217,12 @@ def test_ons_two_clients_formulas():
                                                   (("ons_objective",), [[0.480368, 0.519632], None])])
 def test_ons_two_clients_through_the_halves(deviations, expected):
     """The same hand check, through the server and client halves and the reveal runner."""
-    cfg = s_config(num_clients=2, cdf="weibull", c2=1.0, reveal=["response"], code_deviations=list(deviations))
-    server = A.AAggFFSServer(cfg)
+    opts = s_options(num_clients=2, cdf="weibull", c2=1.0, reveal=["response"], code_deviations=list(deviations))
+    server = A.AAggFFSServer(opts)
     seen = []
     server.on_reveal = lambda round_, ids: seen.append((round_, list(ids)))
     devices = [ScriptedDevice([1.0, 2.0], [0.1]), ScriptedDevice([3.0, 2.5], [-0.3])]
-    runner = Runner(server, A.AAggFFClient(cfg), devices, plain_sum, job_reveal=cfg.reveal)
+    runner = Runner(server, A.AAggFFClient(opts), devices, plain_sum, job_reveal=opts.reveal)
     state = runner.init({"w": np.zeros(1)})
     decisions = []
     for r in range(2):
@@ -281,13 +281,13 @@ def test_aaggff_d_one_step_formulas():
 def test_aaggff_d_one_step_through_the_halves(deviations, p_all):
     """K = 4, C = 0.5, S = {1, 2} (devices 0 and 1 here), losses (1, 3), Weibull: the device-held
     accumulators give the spec's p (shift invariance), and the summed weights give p̃ over S."""
-    cfg = d_config(num_clients=4, cohort_size=2, cdf="weibull", code_deviations=list(deviations))
+    opts = d_options(num_clients=4, cohort_size=2, cdf="weibull", code_deviations=list(deviations))
     devices = [ScriptedDevice([1.0], [1.0]), ScriptedDevice([3.0], [0.0]),
                ScriptedDevice([2.0], [0.0]), ScriptedDevice([2.0], [0.0])]
-    runner = Runner(A.AAggFFDServer(cfg), A.AAggFFClient(cfg), devices, plain_sum)  # a secure sum needs n >= 3
+    runner = Runner(A.AAggFFDServer(opts), A.AAggFFClient(opts), devices, plain_sum)  # a secure sum needs n >= 3
     state = runner.init({"w": np.zeros(1)})
     state = _one_round(runner, state, devices, 0, cohort=[0, 1])
-    p = A.decision(cfg, state.round, [runner.states.get(i) for i in range(4)])
+    p = A.decision(opts, state.round, [runner.states.get(i) for i in range(4)])
     np.testing.assert_allclose(p, p_all, atol=1e-6)
     # w = θ + p̃_1·1 + p̃_2·0: the aggregation weight of the first sampled device
     assert state.params["w"][0] == pytest.approx(p[0] / p[:2].sum(), abs=1e-4)
@@ -382,11 +382,11 @@ def test_reductions_equal_responses_keep_p_uniform_and_c1_dr_is_identity():
     g = P.linearised_gradient(np.full(3, 1 / 3), np.full(3, 0.4), np.full(3, 0.4))
     np.testing.assert_allclose(P.entropic_decision(g, 1.7), np.full(3, 1 / 3))
     # through the halves: equal losses, equal weights, p stays uniform
-    cfg = d_config(num_clients=4, cohort_size=3)
+    opts = d_options(num_clients=4, cohort_size=3)
     devices = [ScriptedDevice([0.7], [float(i)]) for i in range(4)]
-    runner = Runner(A.AAggFFDServer(cfg), A.AAggFFClient(cfg), devices, plain_sum)
+    runner = Runner(A.AAggFFDServer(opts), A.AAggFFClient(opts), devices, plain_sum)
     state = _one_round(runner, runner.init({"w": np.zeros(1)}), devices, 0, cohort=[0, 1, 2])
-    np.testing.assert_allclose(A.decision(cfg, 1, [runner.states.get(i) for i in range(4)]), np.full(4, 0.25))
+    np.testing.assert_allclose(A.decision(opts, 1, [runner.states.get(i) for i in range(4)]), np.full(4, 0.25))
     assert state.params["w"][0] == pytest.approx(1.0, abs=1e-4)  # mean of updates 0, 1, 2
 
 
@@ -426,27 +426,27 @@ def test_online_layer_regret_stays_below_the_bounds():
 # Secure-aggregation equivalence: sums-only protocols = the centralised formulas
 
 
-def _reference(devices, cfg, cohorts, dim, kind):
+def _reference(devices, opts, cohorts, dim, kind):
     """Algorithms 3.1/3.2 computed centrally with every response in the clear."""
-    k = cfg.num_clients
-    c1, c2 = cfg.response_range
+    k = opts.num_clients
+    c1, c2 = opts.response_range
     w, p, g_sum = np.zeros(dim), np.full(k, 1 / k), np.zeros(k)
     history = P.OnsHistory.empty(k)
-    alpha, beta = P.ons_constants(k, cfg.lipschitz)
+    alpha, beta = P.ons_constants(k, opts.lipschitz)
     for t, cohort in enumerate(cohorts, start=1):
         losses = np.array([devices[i].loss(w) for i in cohort])
-        deltas = np.array([devices[i].train({"w": w}, cfg.local_epochs, cfg.local_lr, 0)[0]["w"] - w for i in cohort])
-        r = P.transform_responses(losses, losses.mean(), cfg.cdf, c1, c2)
+        deltas = np.array([devices[i].train({"w": w}, opts.local_epochs, opts.local_lr, 0)[0]["w"] - w for i in cohort])
+        r = P.transform_responses(losses, losses.mean(), opts.cdf, c1, c2)
         full = np.zeros(k)
         full[cohort] = r
         if kind == "dr":
             observed = np.isin(np.arange(k), cohort)
-            r_hat = P.dr_estimate(full, observed, r.mean(), cfg.sampling_rate)
+            r_hat = P.dr_estimate(full, observed, r.mean(), opts.sampling_rate)
             g_sum += P.linearised_gradient(p, r_hat, np.full(k, r.mean()))
-            p = P.entropic_decision(g_sum, P.step_size(t + 1, cfg.lipschitz, k))
+            p = P.entropic_decision(g_sum, P.step_size(t + 1, opts.lipschitz, k))
         elif kind == "exact":
             g_sum += P.decision_gradient(p, full)
-            p = P.entropic_decision(g_sum, P.step_size(t + 1, cfg.lipschitz, k))
+            p = P.entropic_decision(g_sum, P.step_size(t + 1, opts.lipschitz, k))
         else:
             history = history.add(P.decision_gradient(p, full), p)
             p = P.simplex_qp(*history.quadratic(alpha, beta))
@@ -462,17 +462,17 @@ def test_sums_only_protocols_equal_the_centralised_algorithms(kind):
     k, rounds, dim = 8, 12, 3
     devices = quadratic_fleet(k)
     if kind == "dr":
-        cfg, cohort = d_config(num_clients=k, cohort_size=3, cdf="logistic"), 3
-        server = A.AAggFFDServer(cfg)
+        opts, cohort = d_options(num_clients=k, cohort_size=3, cdf="logistic"), 3
+        server = A.AAggFFDServer(opts)
     else:
         solver = "separable" if kind == "exact" else "ons"
-        cfg = s_config(num_clients=k, solver=solver, cdf="gumbel", reveal=["response"] if kind == "ons" else [])
-        server, cohort = A.AAggFFSServer(cfg), k
-    state, logs, runner = run(server, A.AAggFFClient(cfg), devices, rounds, cohort,
+        opts = s_options(num_clients=k, solver=solver, cdf="gumbel", reveal=["response"] if kind == "ons" else [])
+        server, cohort = A.AAggFFSServer(opts), k
+    state, logs, runner = run(server, A.AAggFFClient(opts), devices, rounds, cohort,
                               SecureSum(SEMI_HONEST, seed=3), seed=5, job_reveal=("response",) if kind == "ons" else ())
-    want_w, want_p = _reference(devices, cfg, [log.cohort for log in logs], dim, kind)
+    want_w, want_p = _reference(devices, opts, [log.cohort for log in logs], dim, kind)
     np.testing.assert_allclose(state.params["w"], want_w, atol=2e-4)
-    got_p = state.decision if kind == "ons" else A.decision(cfg, rounds, [runner.states.get(i) for i in range(k)])
+    got_p = state.decision if kind == "ons" else A.decision(opts, rounds, [runner.states.get(i) for i in range(k)])
     np.testing.assert_allclose(got_p, want_p, atol=2e-4)
     assert np.abs(want_p - 1 / k).max() > 0.01, "the decision must have moved for the check to mean anything"
     assert len(runner.revealed) == (rounds if kind == "ons" else 0)
@@ -492,12 +492,12 @@ def test_server_half_receives_only_sums_and_broadcasts_only_aggregates(variant):
     k, rounds, cohort = 8, 4, 6 if variant == "d" else 8
     devices = quadratic_fleet(k, seed=2)
     if variant == "d":
-        cfg = d_config(num_clients=k, cohort_size=cohort)
-        server = A.AAggFFDServer(cfg)
+        opts = d_options(num_clients=k, cohort_size=cohort)
+        server = A.AAggFFDServer(opts)
     else:
-        cfg = s_config(num_clients=k, solver="separable")
-        server = A.AAggFFSServer(cfg)
-    state, logs, runner = run(server, A.AAggFFClient(cfg), devices, rounds, cohort, SecureSum(SEMI_HONEST, seed=4))
+        opts = s_options(num_clients=k, solver="separable")
+        server = A.AAggFFSServer(opts)
+    state, logs, runner = run(server, A.AAggFFClient(opts), devices, rounds, cohort, SecureSum(SEMI_HONEST, seed=4))
     assert not runner.revealed
     if variant == "separable":
         assert server.revealed_values(state) == 0
@@ -525,34 +525,34 @@ def test_server_half_receives_only_sums_and_broadcasts_only_aggregates(variant):
     for (_round, step_name), contributions in runner.contributions.items():
         for payload in contributions.values():
             if step_name == A.UPDATE:
-                assert 0 <= payload["weight"] <= cfg.weight_clip
+                assert 0 <= payload["weight"] <= opts.weight_clip
             if step_name == A.LOSS:
                 assert 2.0**-24 < payload["scale"] < A.SCALE_CLIP
 
 
 def test_ons_reveal_is_refused_without_the_opt_in():
-    cfg = A.AAggFFSOptions.from_dict({"num_clients": 3})
+    opts = A.AAggFFSOptions.from_dict({"num_clients": 3})
     with pytest.raises(A.RevealRefused, match='reveal: \\["response"\\]'):
-        A.AAggFFSServer(cfg)
+        A.AAggFFSServer(opts)
     with pytest.raises(ValueError, match="can reveal only"):
         A.AAggFFSOptions.from_dict({"num_clients": 3, "reveal": ["loss"]})
     assert A.AAggFFSServer(A.AAggFFSOptions(num_clients=3, solver="separable"))  # sums only: no opt-in needed
     # the runner refuses a reveal step too if the job did not list it
-    cfg = s_config(num_clients=3, reveal=["response"])
+    opts = s_options(num_clients=3, reveal=["response"])
     devices = quadratic_fleet(3)
     with pytest.raises(PermissionError):
-        run(A.AAggFFSServer(cfg), A.AAggFFClient(cfg), devices, 1, 3, job_reveal=())
+        run(A.AAggFFSServer(opts), A.AAggFFClient(opts), devices, 1, 3, job_reveal=())
 
 
 def test_ons_reveals_only_responses_counted_and_each_silo_gets_only_its_own_coefficient():
     k, rounds = 4, 3
-    cfg = s_config(num_clients=k, reveal=["response"])
-    server = A.AAggFFSServer(cfg)
+    opts = s_options(num_clients=k, reveal=["response"])
+    server = A.AAggFFSServer(opts)
     calls = []
     server.on_reveal = lambda round_, ids: calls.append((round_, tuple(ids)))
     devices = quadratic_fleet(k, seed=1)
-    state, logs, runner = run(server, A.AAggFFClient(cfg), devices, rounds, k, SecureSum(SEMI_HONEST, seed=2),
-                              job_reveal=cfg.reveal)
+    state, logs, runner = run(server, A.AAggFFClient(opts), devices, rounds, k, SecureSum(SEMI_HONEST, seed=2),
+                              job_reveal=opts.reveal)
     reveal_steps = [s for s in server.steps(state) if s.reveal]
     assert [s.name for s in reveal_steps] == [A.RESPONSE] and reveal_steps[0].reveal == ("response",)
     assert server.revealed_values(state) == k * rounds == sum(len(ids) for _, _, ids in runner.revealed)
@@ -570,10 +570,10 @@ def test_ons_reveals_only_responses_counted_and_each_silo_gets_only_its_own_coef
 def test_dropouts_between_sums_leave_the_round_consistent():
     """A device whose earlier sum did not count sends zeros with count 0 later; counts then match."""
     k, rounds, cohort = 12, 6, 10
-    cfg = d_config(num_clients=k, cohort_size=cohort)
+    opts = d_options(num_clients=k, cohort_size=cohort)
     devices = quadratic_fleet(k, seed=3)
     threat = ThreatModel(dropout_rate=0.3, corrupt_rate=0.0, malicious_server=False)
-    state, logs, runner = run(A.AAggFFDServer(cfg), A.AAggFFClient(cfg), devices, rounds, cohort,
+    state, logs, runner = run(A.AAggFFDServer(opts), A.AAggFFClient(opts), devices, rounds, cohort,
                               SecureSum(threat, dropout=0.2, seed=6))
     assert np.isfinite(state.params["w"]).all() and state.round == rounds
     totals = {(r, s.name): (t, c) for r, s, t, c in runner.totals}
@@ -635,11 +635,11 @@ def test_aaggff_d_improves_the_worst_decile_over_fedavg_with_secure_sums():
         for name in ("fedavg", "aaggff_d"):
             devices = heterogeneous_devices(task, seed=seed)
             if name == "fedavg":
-                cfg = FedAvgOptions(local_epochs=1, local_lr=0.1, batch_size=20)
-                server, client = FedAvgServer(cfg), FedAvgClient(cfg)
+                opts = FedAvgOptions(local_epochs=1, local_lr=0.1, batch_size=20)
+                server, client = FedAvgServer(opts), FedAvgClient(opts)
             else:
-                cfg = A.AAggFFDOptions(num_clients=k, cohort_size=cohort, local_epochs=1, local_lr=0.1, batch_size=20)
-                server, client = A.AAggFFDServer(cfg), A.AAggFFClient(cfg)
+                opts = A.AAggFFDOptions(num_clients=k, cohort_size=cohort, local_epochs=1, local_lr=0.1, batch_size=20)
+                server, client = A.AAggFFDServer(opts), A.AAggFFClient(opts)
             state, _ = run_rounds(server, client, devices.devices, devices.initial, rounds, cohort,
                                   SecureSum(SEMI_HONEST, seed=seed), seed=seed)
             row.append(fairness.summary(devices.per_device_accuracy(server.model(state))))

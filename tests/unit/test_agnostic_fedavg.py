@@ -38,8 +38,8 @@ TOY_FEDAVG = dict(local_epochs=1, local_lr=0.1, batch_size=10, delta_clip=16.0)
 
 
 def _halves(**options):
-    config = AgnosticFedAvgOptions(**options)
-    return AgnosticFedAvgServer(config), AgnosticFedAvgClient(config)
+    parsed = AgnosticFedAvgOptions(**options)
+    return AgnosticFedAvgServer(parsed), AgnosticFedAvgClient(parsed)
 
 
 def _totals(state, counts, loss_sums, beta=0.0, update=None):
@@ -368,10 +368,10 @@ def test_oracle13_target_only_fedavg_converges_to_the_domain_centre():
     toy = toy_regression(clients=20, samples_per_client=50, seed=0)
     devices = toy.devices()
     # Full-batch local steps, so the last iterate has no SGD noise to hide behind.
-    config = FedAvgOptions(local_epochs=1, local_lr=0.1, batch_size=10_000, delta_clip=32.0)
+    options = FedAvgOptions(local_epochs=1, local_lr=0.1, batch_size=10_000, delta_clip=32.0)
     for domain in (0, 4):
         mine = [d for d in devices if d.num_examples and d.domains[0] == domain]
-        state, _ = run_rounds(FedAvgServer(config), FedAvgClient(config), mine, dict(W0), 100, len(mine), plain_sum)
+        state, _ = run_rounds(FedAvgServer(options), FedAvgClient(options), mine, dict(W0), 100, len(mine), plain_sum)
         assert _w(state) == pytest.approx(toy.centres[domain], abs=1e-6)
 
 
@@ -432,7 +432,7 @@ def test_server_half_receives_only_sums_and_broadcasts_only_aggregates():
         assert broadcast[ALPHA].shape == (5,)
     # Replaying the recorded sums alone reproduces every broadcast and the final state: nothing
     # the server sends or keeps depends on anything but the sums.
-    replay = AgnosticFedAvgServer(server.config)
+    replay = AgnosticFedAvgServer(server.options)
     again = replay.init(dict(W0))
     for broadcast, total in zip(recording.broadcasts, recording.totals):
         for key, value in replay.broadcast(again, "update").items():
@@ -442,7 +442,7 @@ def test_server_half_receives_only_sums_and_broadcasts_only_aggregates():
     np.testing.assert_array_equal(again.log_weights, state.log_weights)
 
 
-# ---- server optimizers, config, weight cap ----------------------------------------------------------
+# ---- server optimizers, options, weight cap ----------------------------------------------------------
 
 def test_server_optimizers_follow_their_update_rules():
     grads = [np.array([1.0, -2.0]), np.array([0.5, 0.5]), np.array([-1.0, 3.0])]
@@ -479,8 +479,8 @@ def test_config_validation():
         AgnosticFedAvgOptions.from_dict({"domains": 2, "initial_weights": [1.0, 0.0]})
     with pytest.raises(ValueError, match="server_optimizer"):
         AgnosticFedAvgOptions.from_dict({"server_optimizer": "rmsprop"})
-    config = AgnosticFedAvgOptions.from_dict({"domains": 3, "initial_weights": [0.2, 0.3, 0.5]})
-    assert config.initial_weights == (0.2, 0.3, 0.5)
+    options = AgnosticFedAvgOptions.from_dict({"domains": 3, "initial_weights": [0.2, 0.3, 0.5]})
+    assert options.initial_weights == (0.2, 0.3, 0.5)
     assert AgnosticFedAvgServer.name == "agnostic_fedavg"
 
 

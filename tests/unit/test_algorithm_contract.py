@@ -52,11 +52,11 @@ class _Toy(Options):
 
 @pytest.mark.parametrize("name", algorithms.NAMES)
 def test_every_algorithm_parses_its_options_with_the_one_parser_naming_itself(name):
-    config = algorithms.options_type(name)
-    assert issubclass(config, Options) and "from_dict" not in vars(config)
-    assert config.options_of == name
+    options_class = algorithms.options_type(name)
+    assert issubclass(options_class, Options) and "from_dict" not in vars(options_class)
+    assert options_class.options_of == name
     with pytest.raises(ValueError, match=rf"^unknown {name} options \['no_such_option'\]$"):
-        config.from_dict({"no_such_option": 1})
+        options_class.from_dict({"no_such_option": 1})
 
 
 @settings(max_examples=60, deadline=None)
@@ -83,8 +83,8 @@ def test_a_tuple_option_given_a_scalar_is_refused_by_name():
 
 
 def test_the_one_algorithm_with_flagged_steps_declares_what_runners_call():
-    config = aaggff.AAggFFSOptions(num_clients=3, reveal=("response",))
-    server = aaggff.AAggFFSServer(config)
+    options = aaggff.AAggFFSOptions(num_clients=3, reveal=("response",))
+    server = aaggff.AAggFFSServer(options)
     flags = {s.name: (s.reveal, s.personal) for s in server.steps(server.init({"w": np.zeros(2)}))}
     assert flags == {aaggff.LOSS: ((), False), aaggff.RESPONSE: (("response",), False), aaggff.UPDATE: ((), True)}
     assert isinstance(server, PersonalBroadcast)

@@ -96,8 +96,8 @@ def test_sa_equals_pooled_least_squares(seed, sizes, start):
         assume(len(x) >= 5)
     devices, factory = _devices(splits, 2)
     params = initial_params(factory(), 2, 1, seed=seed)
-    cfg = FedDARSAOptions(**EXACT, head_start=start)
-    state, _ = _head_round(FedDARSAServer(cfg), FedDARClient(cfg), devices, params)
+    opts = FedDARSAOptions(**EXACT, head_start=start)
+    state, _ = _head_round(FedDARSAServer(opts), FedDARClient(opts), devices, params)
     assert state.wa_fallbacks == 0
     for m in range(2):
         x, y = _pooled(splits, m)
@@ -138,8 +138,8 @@ def test_sa_with_global_hessians_is_the_pooled_newton_step():
     splits = _random_splits(rng, [12, 7, 20, 9, 15], 3, 6, classes=2)
     devices, factory = _devices(splits, 3, loss="logistic")
     params = initial_params(factory(), 3, 1, scale=0.5, seed=2)
-    cfg = FedDARSAOptions(**EXACT, hessian_at="global")
-    state, _ = _head_round(FedDARSAServer(cfg), FedDARClient(cfg), devices, params)
+    opts = FedDARSAOptions(**EXACT, hessian_at="global")
+    state, _ = _head_round(FedDARSAServer(opts), FedDARClient(opts), devices, params)
     for m in range(3):
         x, y = _pooled(splits, m)
         f = _features(params, x)
@@ -311,13 +311,13 @@ def test_sa_from_secure_sums_equals_sa_from_individual_uploads():
         return _devices(part, 3, loss="logistic")[0]
 
     params = initial_params(linear_encoder(6, 2, seed=0), 3, 1, scale=0.5, seed=4)
-    cfg = FedDARSAOptions(head_solver="sgd", head_epochs=3, head_lr=0.5, damping=0.0)
-    plain, _ = _head_round(FedDARSAServer(cfg), FedDARClient(cfg), fresh(), params)
-    secure, _ = _head_round(FedDARSAServer(cfg), FedDARClient(cfg), fresh(), params,
+    opts = FedDARSAOptions(head_solver="sgd", head_epochs=3, head_lr=0.5, damping=0.0)
+    plain, _ = _head_round(FedDARSAServer(opts), FedDARClient(opts), fresh(), params)
+    secure, _ = _head_round(FedDARSAServer(opts), FedDARClient(opts), fresh(), params,
                             SecureSum(ThreatModel(0.0, 0.0, malicious_server=False)))
     # Per-device uploads, as the paper sends them: local heads and Hessians, then Eq. 8.
     devices = fresh()
-    local_heads = [d.train_heads(params, 3, 0.5, cfg.batch_size) for d in devices]
+    local_heads = [d.train_heads(params, 3, 0.5, opts.batch_size) for d in devices]
     hessians = [d.head_derivatives({**params, HEADS: w})[1] for d, w in zip(devices, local_heads)]
     for m in range(3):
         counts = [d.domain_counts()[m] for d in devices]
@@ -328,7 +328,7 @@ def test_sa_from_secure_sums_equals_sa_from_individual_uploads():
         np.testing.assert_allclose(secure.params[HEADS][m].ravel(), expected, atol=1e-4)
     assert np.abs(secure.params[HEADS] - plain.params[HEADS]).max() > 0  # it really went through the codec
     # A device without domain m leaves head m unchanged; the last device holds only domain 0.
-    without, _ = _head_round(FedDARSAServer(cfg), FedDARClient(cfg), fresh(splits[:-1]), params)
+    without, _ = _head_round(FedDARSAServer(opts), FedDARClient(opts), fresh(splits[:-1]), params)
     np.testing.assert_array_equal(without.params[HEADS][1:], plain.params[HEADS][1:])
     assert np.abs(without.params[HEADS][0] - plain.params[HEADS][0]).max() > 1e-6
 
@@ -347,8 +347,8 @@ def test_feddar_sa_reaches_the_noise_floor_where_fedavg_cannot():
     data = domain_linear(clients=100, samples=20, seed=0)
     masked = SecureSum(ThreatModel(0.0, 0.0, malicious_server=False), seed=0)
     sa = federation(data, heads=5)
-    cfg = FedDARSAOptions(**SYNTHETIC)
-    state, logs = run_rounds(FedDARSAServer(cfg), FedDARClient(cfg), sa.devices, sa.initial, ROUNDS, 100, masked)
+    opts = FedDARSAOptions(**SYNTHETIC)
+    state, logs = run_rounds(FedDARSAServer(opts), FedDARClient(opts), sa.devices, sa.initial, ROUNDS, 100, masked)
     assert all(len(c) == 100 for log in logs for c in log.contributors.values())
     sa_metrics = sa.final_metrics(state.params)
     avg = federation(data, heads=1)
@@ -368,8 +368,8 @@ def test_wa_with_scratch_heads_stalls_at_five_samples():
     """Oracle 9's last point: WA of min-norm local heads does not converge at L = 5."""
     data = domain_linear(clients=100, samples=5, seed=0)
     fed = federation(data, heads=5)
-    cfg = FedDAROptions(**SYNTHETIC)
-    state, _ = run_rounds(FedDARWAServer(cfg), FedDARClient(cfg), fed.devices, fed.initial, ROUNDS, 100, plain_sum)
+    opts = FedDAROptions(**SYNTHETIC)
+    state, _ = run_rounds(FedDARWAServer(opts), FedDARClient(opts), fed.devices, fed.initial, ROUNDS, 100, plain_sum)
     loss = fed.evaluate(state.params)[0]
     print(f"\nFedDAR-WA (scratch heads, L = 5) ½MSE {loss:.3g}")
     assert loss >= 1e-6
@@ -398,11 +398,11 @@ def test_default_options_learn_a_concept_shift_that_one_model_cannot():
         devices = [DomainTrainer(factory, *split_, domains, "softmax", classes, seed=i, device=CPU)
                    for i, split_ in enumerate(train)]
         if name == "sa":
-            cfg = FedDARSAOptions(projection=4)
-            server, client = FedDARSAServer(cfg), FedDARClient(cfg)
+            opts = FedDARSAOptions(projection=4)
+            server, client = FedDARSAServer(opts), FedDARClient(opts)
         else:
-            cfg = FedAvgOptions(local_epochs=1, local_lr=0.1, batch_size=32)
-            server, client = FedAvgServer(cfg), FedAvgClient(cfg)
+            opts = FedAvgOptions(local_epochs=1, local_lr=0.1, batch_size=32)
+            server, client = FedAvgServer(opts), FedAvgClient(opts)
         initial = initial_params(factory(), heads, classes, scale=0.1)
         state, _ = run_rounds(server, client, devices, initial, 8, 10, masked)
         accuracy[name] = test.evaluate(server.model(state))[1]
@@ -456,11 +456,11 @@ def test_server_half_receives_only_sums(variant):
     the model and u_m, which is a function of summed counts; and the result does not depend on
     which device is which."""
     data = domain_linear(clients=12, samples=10, seed=3)
-    cfg = (FedDARSAOptions if variant == "sa" else FedDAROptions)(head_solver="newton", encoder_lr=0.1)
+    opts = (FedDARSAOptions if variant == "sa" else FedDAROptions)(head_solver="newton", encoder_lr=0.1)
     server_type = FedDARSAServer if variant == "sa" else FedDARWAServer
     fed = federation(data, heads=5)
-    server = _RecordingServer(server_type(cfg))
-    client = _RecordingClient(FedDARClient(cfg), fed.devices)
+    server = _RecordingServer(server_type(opts))
+    client = _RecordingClient(FedDARClient(opts), fed.devices)
     masked = SecureSum(ThreatModel(0.2, 0.0, malicious_server=False), dropout=0.2, seed=1)
     _, logs = run_rounds(server, client, fed.devices, fed.initial, 3, 12, masked)
     assert len(server.totals) == 6
@@ -491,7 +491,7 @@ def test_server_half_receives_only_sums(variant):
     for order in (slice(None), slice(None, None, -1)):
         fresh = federation(data, heads=5)
         devices = fresh.devices[order]
-        state, _ = run_rounds(server_type(cfg), FedDARClient(cfg), devices, fresh.initial, 2, 12, plain_sum)
+        state, _ = run_rounds(server_type(opts), FedDARClient(opts), devices, fresh.initial, 2, 12, plain_sum)
         runs.append(flatten(state.params))
     np.testing.assert_allclose(runs[0], runs[1], rtol=0, atol=1e-10)
 

@@ -82,16 +82,16 @@ def test_oracle_5_a_server_step_lowers_the_mixture_energy():
 def _toy_trainer(seed: int = 0) -> tuple[EnergyTrainer, FedEvgOptions]:
     single_threaded()
     data = four_blobs(clients=2, alpha=1.0, samples=400, seed=seed)
-    config = FedEvgOptions(classes=4, inputs=2, per_class=5, sgld_step=0.05, sgld_noise=0.0, local_iterations=5)
-    return EnergyTrainer(lambda: energy_mlp(2, 4, 16, seed), *data.clients[0], seed=seed), config
+    options = FedEvgOptions(classes=4, inputs=2, per_class=5, sgld_step=0.05, sgld_noise=0.0, local_iterations=5)
+    return EnergyTrainer(lambda: energy_mlp(2, 4, 16, seed), *data.clients[0], seed=seed), options
 
 
 def test_oracles_6_and_7_client_sgld_and_the_pcd_term_move_the_right_way():
-    trainer, config = _toy_trainer()
+    trainer, options = _toy_trainer()
     x = torch.randn(8, 2).to(trainer.device)
     y = (torch.arange(8) % 4).to(trainer.device)
     before = trainer._at_label(x, y).detach()
-    after = trainer._at_label(trainer.sgld(x, y, config), y).detach()
+    after = trainer._at_label(trainer.sgld(x, y, options), y).detach()
     assert torch.all(after > before)  # one step up f(x)[y] (down the energy) raises the logit
     real_x, real_y, fake_x, fake_y = x[:4], y[:4], x[4:], y[4:]
     model = trainer.model
@@ -112,7 +112,7 @@ class _MovingBuffer:
     def __init__(self) -> None:
         self.signals_at: np.ndarray | None = None
 
-    def train_energy(self, params, synthetic_x, synthetic_y, config):
+    def train_energy(self, params, synthetic_x, synthetic_y, options):
         synthetic_x += 100.0
         return dict(params)
 
@@ -122,14 +122,14 @@ class _MovingBuffer:
 
 
 def test_oracles_8_9_11_uploads_at_the_downloaded_set_balanced_initialisation_and_the_payload():
-    config = FedEvgOptions(classes=3, inputs=4, per_class=5)
-    server = FedEvgServer(config)
+    options = FedEvgOptions(classes=3, inputs=4, per_class=5)
+    server = FedEvgServer(options)
     state = server.init({"w": np.zeros(2)})
     x, y = state.synthetic[SYNTHETIC_X], state.synthetic[SYNTHETIC_Y]
     assert x.shape == (15, 4) and np.bincount(y).tolist() == [5, 5, 5]  # M = L * spc, spc per class
     assert abs(x.mean()) < 0.5 and 0.6 < x.std() < 1.4  # N(0, I)
     device = _MovingBuffer()
-    values, _ = FedEvgClient(config).contribute(fedevg.STEP, server.broadcast(state, fedevg.STEP), device, None)
+    values, _ = FedEvgClient(options).contribute(fedevg.STEP, server.broadcast(state, fedevg.STEP), device, None)
     np.testing.assert_array_equal(device.signals_at, x)  # not the buffer the device moved
     (step,) = server.steps(state)
     assert step.schema.dim == 15 * (4 + 1) == sum(np.size(v) for v in values.values())
@@ -138,11 +138,11 @@ def test_oracles_8_9_11_uploads_at_the_downloaded_set_balanced_initialisation_an
 
 
 def test_oracle_10_the_step_size_anneals_from_start_to_end():
-    config = FedEvgOptions(schedule_rounds=500)
-    steps = [step_size(config, t) for t in range(500)]
+    options = FedEvgOptions(schedule_rounds=500)
+    steps = [step_size(options, t) for t in range(500)]
     assert steps[0] == pytest.approx(10.0) and steps[-1] == pytest.approx(0.01)
     assert all(a >= b for a, b in zip(steps, steps[1:]))
-    assert step_size(config, 900) == pytest.approx(0.01)  # past the schedule: its end value
+    assert step_size(options, 900) == pytest.approx(0.01)  # past the schedule: its end value
 
 
 def test_exact_weights_overflow_without_the_public_clamp_and_are_bounded_with_it():
@@ -154,9 +154,9 @@ def test_exact_weights_overflow_without_the_public_clamp_and_are_bounded_with_it
         raw = np.exp(logits)  # what exp(f) without a clamp gives
         unclamped = mixture_gradient(np.array([np.sum(raw * _gradients(0.5))]), np.array([np.sum(raw)]))
     assert np.isnan(unclamped).all()
-    config = FedEvgOptions(weighting="exact", logit_clamp=5.0)
-    clamped = sample_weights(logits, config)
-    assert clamped.max() == pytest.approx(math.exp(5.0)) and config.max_weight == pytest.approx(math.exp(5.0))
+    options = FedEvgOptions(weighting="exact", logit_clamp=5.0)
+    clamped = sample_weights(logits, options)
+    assert clamped.max() == pytest.approx(math.exp(5.0)) and options.max_weight == pytest.approx(math.exp(5.0))
     assert np.isfinite(_server_gradient(0.5, clamped))
     with pytest.raises(ValueError, match="weighting must be one of"):
         FedEvgOptions(weighting="raw")
@@ -170,10 +170,10 @@ def test_the_toys_synthetic_points_move_into_their_class_regions_through_the_sec
     synthetic points alone scores >= 90 % on real held-out data."""
     rounds = 150
     data, factory, devices = fedevg_toy_devices(seed=0)
-    config = FedEvgOptions(**FEDEVG_TOY, schedule_rounds=rounds)
-    start = fedevg.initial_synthetic(config)
+    options = FedEvgOptions(**FEDEVG_TOY, schedule_rounds=rounds)
+    start = fedevg.initial_synthetic(options)
     assert in_own_region(start[SYNTHETIC_X], start[SYNTHETIC_Y]).mean() < 0.4
-    state, _ = run_rounds(FedEvgServer(config), FedEvgClient(config), devices, get_params(factory()), rounds, 10,
+    state, _ = run_rounds(FedEvgServer(options), FedEvgClient(options), devices, get_params(factory()), rounds, 10,
                           SecureSum(ThreatModel(dropout_rate=0.1, corrupt_rate=0.05)))
     synthetic = state.synthetic
     assert in_own_region(synthetic[SYNTHETIC_X], synthetic[SYNTHETIC_Y]).mean() > 0.9
@@ -181,8 +181,8 @@ def test_the_toys_synthetic_points_move_into_their_class_regions_through_the_sec
 
 
 def test_the_synthetic_set_exports_as_numpy_and_an_image_grid(tmp_path):
-    config = FedEvgOptions(classes=10, inputs=64, per_class=3)
-    synthetic = fedevg.initial_synthetic(config)
+    options = FedEvgOptions(classes=10, inputs=64, per_class=3)
+    synthetic = fedevg.initial_synthetic(options)
     npz, png = export_synthetic(synthetic, tmp_path / "out", image_side=8)
     loaded = np.load(npz)
     np.testing.assert_array_equal(loaded["x"], synthetic[SYNTHETIC_X])
@@ -193,11 +193,11 @@ def test_the_synthetic_set_exports_as_numpy_and_an_image_grid(tmp_path):
 def test_a_short_toy_run_is_the_same_through_plain_and_secure_sums():
     """The secure sum changes only fixed-point rounding: 3 rounds, the two synthetic sets agree to
     the codec's resolution."""
-    config = FedEvgOptions(**{**FEDEVG_TOY, "local_iterations": 5}, schedule_rounds=3)
+    options = FedEvgOptions(**{**FEDEVG_TOY, "local_iterations": 5}, schedule_rounds=3)
     results = []
     for sum_fn in (plain_sum, SecureSum(ThreatModel(dropout_rate=0.1, corrupt_rate=0.05))):
         _, factory, devices = fedevg_toy_devices(seed=1)
-        state, _ = run_rounds(FedEvgServer(config), FedEvgClient(config), devices, get_params(factory()), 3, 10,
+        state, _ = run_rounds(FedEvgServer(options), FedEvgClient(options), devices, get_params(factory()), 3, 10,
                               sum_fn)
         results.append(state.synthetic[SYNTHETIC_X])
     assert np.max(np.abs(results[0] - results[1])) < 1e-3

@@ -278,7 +278,7 @@ def test_options_are_validated():
         algorithms.make("lg_fedavg", {"global_layers": ["2.*"]})
     with pytest.raises(ValueError, match="global_patterns"):
         algorithms.make("lg_fedavg", {"global_patterns": []})
-    assert algorithms.make("lg_fedavg", {"global_patterns": "2.*"})[0].config.global_patterns == ("2.*",)
+    assert algorithms.make("lg_fedavg", {"global_patterns": "2.*"})[0].options.global_patterns == ("2.*",)
 
 
 def test_alpha_sweep_of_the_synthetic_regression():

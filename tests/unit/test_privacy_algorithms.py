@@ -15,12 +15,13 @@ from hypothesis import strategies as st
 
 from tally import algorithms
 from tally.algorithms.base import StepSpec
+from tally.algorithms.fedavg import FedAvgOptions
 from tally.codec import Field, PayloadSchema
 from tally.coordinator.spec.jobspec import JobSpecError, parse
 from tally.privacy.accounting import calibrate
 from tally.privacy.errors import PrivacyRefused
 from tally.privacy.payload import FIELD_PREFIX, PARAMS, PrivateClient, privatise
-from tally.privacy.sensitivity import DECLARED, Role, layout
+from tally.privacy.sensitivity import DECLARED, Role, declared_roles, layout
 from tally.privacy.server import PrivacySettings, PrivateServer
 from tally.privacy.simulation import RingSum
 from tally.sim import scenarios
@@ -85,6 +86,27 @@ def test_a_counted_role_on_a_count_field_is_refused_by_name():
     server.privacy_fields = {"n": Role.CLIPPED}
     with pytest.raises(PrivacyRefused, match="'n' is a count and cannot be clipped"):
         layout("undeclared", server, server.steps(None)[0])
+
+
+class OptionsElsewhere(UndeclaredServer):
+    """A server half that keeps its options under another name than ``options``."""
+
+    config = FedAvgOptions(example_cap=1)
+
+
+@pytest.mark.parametrize("algorithm", ["fedavg", "aaggff_d"])
+def test_a_declaration_reading_options_refuses_a_half_without_them(algorithm):
+    """Issue 43: a declaration read ``server.config`` and fell back to defaults; a half whose options
+    moved would have had FedAvg's weight clipped, not counted, or AAggFF's scale bounded by 1."""
+    with pytest.raises(TypeError, match="OptionsElsewhere.options is NoneType"):
+        declared_roles(algorithm, OptionsElsewhere())
+
+
+def test_fedavg_counts_its_weight_as_its_options_say():
+    counted, _ = algorithms.make("fedavg", {"example_cap": 1})
+    weighted, _ = algorithms.make("fedavg", {"example_cap": 10})
+    assert declared_roles("fedavg", counted)["weight"] is Role.COUNTED
+    assert declared_roles("fedavg", weighted)["weight"] is Role.CLIPPED
 
 
 def scenario_for(algorithm: str, clients: int) -> tuple[scenarios.Scenario, dict[str, Any]]:

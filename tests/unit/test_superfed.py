@@ -305,6 +305,6 @@ def test_weights_only_mixing_keeps_biases_shared():
     np.testing.assert_array_equal(personal["2.bias"], model["2.bias"])
     from tally.algorithms.superfed import twins
 
-    endpoint = mix(model, local[0], 1.0, twins(client.config, model))
+    endpoint = mix(model, local[0], 1.0, twins(client.options, model))
     np.testing.assert_array_equal(endpoint["0.bias"], model["0.bias"])
     np.testing.assert_array_equal(endpoint["0.weight"], local[0]["0.weight"])

@@ -345,7 +345,7 @@ class JobRunner:
         ctx.metrics.current_round.labels(job_id=self.job_id).set(round_)
         steps = self.server.steps(state)
         if any(s.personal or s.reveal for s in steps):
-            self.silo_limit = int(self.server.config.num_clients)
+            self.silo_limit = int(self.server.options.num_clients)
         first = modelio.serialize(self.server.broadcast(state, steps[0].name))
         digest = await asyncio.to_thread(ctx.store.put_blob, first, "broadcast")
         blob = RoundBlob(f"{self.job_id}/v{self.committed}", digest, len(first))

@@ -471,7 +471,7 @@ def _check_adaptation(raw: Mapping[str, Any], adaptation: AdaptationSpec, model:
         return
     net = models.build(model.kind, model.inputs, model.classes, model.hidden, model.seed)
     try:
-        trainable_names([name for name, _ in net.named_parameters()], adaptation.option().config)
+        trainable_names([name for name, _ in net.named_parameters()], adaptation.option().options)
     except ValueError as exc:
         errors.append(f"adaptation.trainable: {exc}")
 
