@@ -45,17 +45,17 @@ from rich.table import Table
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from tally.algorithms.fedavg import FedAvgClient, FedAvgOptions, FedAvgServer  # noqa: E402
-from tally.datasets.digits import digits  # noqa: E402
-from tally.models.mlp import mlp  # noqa: E402
-from tally.models.params import get_params  # noqa: E402
-from tally.privacy.errors import PrivacyRefused  # noqa: E402
-from tally.privacy.payload import PrivateClient  # noqa: E402
-from tally.privacy.server import PrivacySettings, PrivateServer  # noqa: E402
-from tally.privacy.simulation import RingSum  # noqa: E402
-from tally.privacy.spec import PrivacySpec, settings_for  # noqa: E402
-from tally.sim.rounds import plain_sum, run_rounds  # noqa: E402
-from tally.training import TorchTrainer  # noqa: E402
+from tally.algorithms.fedavg import FedAvgClient, FedAvgOptions, FedAvgServer
+from tally.datasets.digits import digits
+from tally.models.mlp import mlp
+from tally.models.params import get_params
+from tally.privacy.errors import PrivacyRefused
+from tally.privacy.payload import PrivateClient
+from tally.privacy.server import PrivacySettings, PrivateServer
+from tally.privacy.simulation import RingSum
+from tally.privacy.spec import PrivacySpec, settings_for
+from tally.sim.rounds import plain_sum, run_rounds
+from tally.training import TorchTrainer
 
 TFF_MAX_BITS = 22  # tff.learning.ddp_secure_aggregator: bits "in the inclusive range of [1, 22]"
 TFF_DEFAULT_BITS = 20

@@ -21,7 +21,7 @@ from rich.table import Table
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from tally.privacy.planning import plan_distributed  # noqa: E402
+from tally.privacy.planning import plan_distributed
 
 TFF_MAX_BITS = 22
 

@@ -64,17 +64,17 @@ from rich.progress import Progress
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from cores import pin, pinned_cores  # noqa: E402  (this folder is on sys.path when run as a script)
-from secagg_engine import machine_info  # noqa: E402
+from cores import pin, pinned_cores
+from secagg_engine import machine_info
 
-from tally.client.enrolment import register_request, simulated_identity  # noqa: E402
-from tally.coordinator.state.store import Store  # noqa: E402
-from tally.ops.cluster import ProcessCluster  # noqa: E402
-from tally.security import TLSConfig, bearer_metadata, bind  # noqa: E402
-from tally.security.certs import write_deployment  # noqa: E402
-from tally.security.enrolment import enrolment_credential  # noqa: E402
-from tally.security.tls import open_aio_channel, server_options  # noqa: E402
-from tally.wire.v1 import coordinator_pb2, coordinator_pb2_grpc  # noqa: E402
+from tally.client.enrolment import register_request, simulated_identity
+from tally.coordinator.state.store import Store
+from tally.ops.cluster import ProcessCluster
+from tally.security import TLSConfig, bearer_metadata, bind
+from tally.security.certs import write_deployment
+from tally.security.enrolment import enrolment_credential
+from tally.security.tls import open_aio_channel, server_options
+from tally.wire.v1 import coordinator_pb2, coordinator_pb2_grpc
 
 UNLIMITED = ["--register-limit", "1000000/1000000", "--checkin-limit", "1000000/1000000"]
 AT_REST, LIVE = "rest", "live"  # the two populations: enrolled in the store, and the generator's devices

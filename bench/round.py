@@ -42,15 +42,15 @@ from rich.table import Table
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from secagg_engine import machine_info  # noqa: E402  (this folder is on sys.path when run as a script)
+from secagg_engine import machine_info
 
-from tally.aggregator import AggregatorService  # noqa: E402
-from tally.coordinator.service import CoordinatorService  # noqa: E402
-from tally.coordinator.spec.jobspec import parse  # noqa: E402
-from tally.loadtest import DropoutPlan, Fleet  # noqa: E402
-from tally.secagg import DevicePolicy  # noqa: E402
-from tally.secagg.phases import Phase  # noqa: E402
-from tally.security import TLSConfig, load_or_create_ticket_key  # noqa: E402
+from tally.aggregator import AggregatorService
+from tally.coordinator.service import CoordinatorService
+from tally.coordinator.spec.jobspec import parse
+from tally.loadtest import DropoutPlan, Fleet
+from tally.secagg import DevicePolicy
+from tally.secagg.phases import Phase
+from tally.security import TLSConfig, load_or_create_ticket_key
 
 PLAINTEXT = TLSConfig.plaintext()
 PHASE_METRIC = "tally_aggregator_phase_duration_seconds"

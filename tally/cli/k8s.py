@@ -108,7 +108,7 @@ def run_apply(args: argparse.Namespace) -> int:
             print(line)
     except k8s.K8sError as exc:
         return _fail(str(exc))
-    except Exception as exc:  # the API server's answer (ApiException, connection errors)
+    except Exception as exc:  # noqa: BLE001 (the API server's answer: ApiException, connection errors)
         return _fail(f"apply failed: {exc}")
     return 0
 
@@ -122,7 +122,7 @@ def run_fleet(args: argparse.Namespace) -> int:
         print(k8s.Cluster(args.kubeconfig, args.context).launch_fleet(job))
     except (k8s.K8sError, ValueError) as exc:
         return _fail(str(exc))
-    except Exception as exc:
+    except Exception as exc:  # noqa: BLE001 (as in apply: a CLI message, not a traceback)
         return _fail(f"fleet failed: {exc}")
     return 0
 
@@ -138,7 +138,7 @@ def run_status(args: argparse.Namespace) -> int:
                      else cluster.admin_token(args.namespace))
     except (k8s.K8sError, OSError) as exc:
         return _fail(str(exc))
-    except Exception as exc:
+    except Exception as exc:  # noqa: BLE001 (as in apply: a CLI message, not a traceback)
         return _fail(f"status failed: {exc}")
     pods = Table("pod", "phase", "ready", "restarts", title=f"namespace {args.namespace}")
     for pod in state.pods:

@@ -12,9 +12,9 @@ from typing import Any
 import matplotlib
 
 matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
-import numpy as np  # noqa: E402
-from matplotlib.ticker import MaxNLocator  # noqa: E402
+import matplotlib.pyplot as plt
+import numpy as np
+from matplotlib.ticker import MaxNLocator
 
 TITLE_CHARS = 60  # a title wider than the 6-inch figure is wrapped, never clipped
 LOG_SPAN = 100.0  # positive values spanning more than this factor are drawn on a log axis

@@ -26,7 +26,7 @@ from tally.secagg import ThreatModel
 from tally.secagg.driver import secure_sum
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))  # the toy is research, not product
-import salvage_toy_model as toy  # noqa: E402
+import salvage_toy_model as toy
 
 SEEDS = range(5)  # the spec's seeds 0-4; a seed of the toy takes about a second
 
