@@ -8,10 +8,16 @@ import sys
 from pathlib import Path
 
 import pytest
+from hypothesis import settings
 
 TESTS = Path(__file__).resolve().parent
 if str(TESTS) not in sys.path:
     sys.path.insert(0, str(TESTS))
+
+# Property tests check properties, not speed: hypothesis's default 200 ms deadline per example made a
+# graph-building test fail at 310 ms on a loaded machine. Speed is the benchmarks' business (bench/).
+settings.register_profile("tally", deadline=None)
+settings.load_profile("tally")
 
 
 def pytest_configure(config: pytest.Config) -> None:
