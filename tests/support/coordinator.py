@@ -185,9 +185,9 @@ class FakeAggregatorControl(aggregator_pb2_grpc.AggregatorControlServicer):
         self.address = f"{host}:{bind(self._server, '127.0.0.1:0', tls)}"
         await self._server.start()
 
-    async def stop(self) -> None:
+    async def stop(self, grace: float | None = None) -> None:
         if self._server is not None:
-            await self._server.stop(None)
+            await self._server.stop(grace)
             self._server = None
 
     async def OpenSession(self, request, context):

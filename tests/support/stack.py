@@ -1,11 +1,11 @@
 """Tally's services started in the test's own process, over real gRPC on 127.0.0.1: the one
-builder (``in_process``) every test that starts a coordinator or an aggregator without a process
-of its own goes through. A test composes services on it, or takes one of the compositions the tests
-share, each a method of the builder: the whole system (``whole_system``: the real coordinator, two
-real aggregators and real SDK devices, plaintext or over TLS as deployed, with the FedAvg job and
-digits devices most end-to-end tests run), the coordinator with fake aggregators
-(``coordinator_with_fakes``, for the coordinator's service tests) and one aggregator alone
-(``aggregator_alone``, for the aggregator's). Services as processes are
+builder (``in_process``) every test that starts a coordinator, an aggregator or a device front
+without a process of its own goes through. A test composes services on it, or takes one of the
+compositions the tests share, each a method of the builder: the whole system (``whole_system``:
+the real coordinator, two real aggregators and real SDK devices, plaintext or over TLS as deployed,
+with the FedAvg job and digits devices most end-to-end tests run), the coordinator with fake
+aggregators (``coordinator_with_fakes``, for the coordinator's service tests) and one aggregator
+alone (``aggregator_alone``, for the aggregator's). Services as processes are
 ``tally.ops.cluster.ProcessCluster``; as containers, ``support.containers``.
 """
 
@@ -24,6 +24,7 @@ from cryptography.hazmat.primitives.asymmetric import ed25519
 
 from tally import modelio
 from tally.aggregator import AggregatorService
+from tally.coordinator.faces.device_front import DeviceFront, FrontConfig
 from tally.coordinator.service import CoordinatorService
 from tally.datasets.digits import digits
 from tally.loadtest import Fleet, FleetStats
@@ -43,6 +44,8 @@ from tally.wire.v1 import admin_pb2, admin_pb2_grpc
 if TYPE_CHECKING:
     from support.aggregator import Deployment
     from support.coordinator import CoordinatorStack, FakeAggregatorControl
+
+    Started = AggregatorService | CoordinatorService | DeviceFront | FakeAggregatorControl
 
 TIMEOUT = 240
 HIDDEN = 16
@@ -71,11 +74,11 @@ class InProcess:
     """What one test started in its process, stopped newest first when its block ends however the
     test went, so no test leaves a server bound or a job loop running. Enter it (``async with
     in_process() as services:``) to compose services with ``coordinator``, ``aggregator``,
-    ``fake_aggregator`` and ``restart``, or take a shared composition (``async with
+    ``fake_aggregator``, ``front`` and ``restart``, or take a shared composition (``async with
     in_process().whole_system(tmp_path) as s:``), which enters it itself."""
 
     def __init__(self) -> None:
-        self._running: list[AggregatorService | CoordinatorService | FakeAggregatorControl] = []
+        self._running: list[Started] = []
 
     async def __aenter__(self) -> InProcess:
         return self
@@ -107,6 +110,14 @@ class InProcess:
         self._running.append(service)
         return service
 
+    async def front(self, config: FrontConfig) -> tuple[DeviceFront, int]:
+        """A device front in this process, where a test can reach into it (a coordinator runs its
+        own fronts as processes); the port it serves devices on."""
+        front = DeviceFront(config)
+        port = await front.start()
+        self._running.append(front)
+        return front, port
+
     async def restart(self, coordinator: CoordinatorService) -> CoordinatorService:
         """A new coordinator where ``coordinator`` served, on its state and aggregators, as a
         supervisor would start one after a crash (its other options are the defaults)."""
@@ -114,10 +125,9 @@ class InProcess:
         return await self.coordinator(coordinator.tls, coordinator.state_dir, coordinator.aggregators,
                                       listen=f"127.0.0.1:{coordinator.port}")
 
-    async def stop(self, service: AggregatorService | CoordinatorService | FakeAggregatorControl) -> None:
+    async def stop(self, service: Started) -> None:
         self._running.remove(service)
-        await (service.stop(grace=0) if isinstance(service, AggregatorService | CoordinatorService)
-               else service.stop())
+        await service.stop(grace=0)
 
     @contextlib.asynccontextmanager
     async def whole_system(self, tmp_path: Path, tls: bool = False, device_processes: int = 1) -> AsyncIterator[Stack]:
