@@ -20,7 +20,7 @@ import yaml
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from support.stack import PLAINTEXT, run, spec, stack
+from support.stack import PLAINTEXT, in_process, run, spec
 from tally.algorithms.adaptation_options import METHODS, AdaptationOptions, JobAdaptation
 from tally.client import Device, OnnxModel
 from tally.client.adaptation import adapt_for_job, held_out
@@ -82,7 +82,7 @@ def test_a_job_with_an_adaptation_option_leaves_each_device_an_adapted_model_and
         return await s.job(job_id), fleet.devices
 
     async def main():
-        async with stack(tmp_path, tls=True) as s:
+        async with in_process().whole_system(tmp_path, tls=True) as s:
             runs = [await run_fleet(s, adapted_spec, 1, True), await run_fleet(s, frozen_spec, 2, False),
                     await run_fleet(s, spec("plain", 1, cohort=N), 3, False)]
             store = s.coordinator.store
@@ -180,7 +180,7 @@ def test_the_coordinator_refuses_a_bad_adaptation_option_at_submit(tmp_path):
     """Over TLS: SubmitJob answers INVALID_ARGUMENT naming the field; no job is created."""
 
     async def main():
-        async with stack(tmp_path, tls=True) as s:
+        async with in_process().whole_system(tmp_path, tls=True) as s:
             bad = spec("bad", 1, cohort=N) + "adaptation: {method: ewc, ewc_lambda: -1}\n"
             with pytest.raises(grpc.RpcError) as err:
                 await s.submit(bad)

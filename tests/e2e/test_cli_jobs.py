@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from support.stack import run, spec, stack, trainers
+from support.stack import in_process, run, spec, trainers
 from tally import algorithms
 from tally.cli import main as tally
 from tally.client import OnnxModel
@@ -127,7 +127,7 @@ def test_job_commands_as_processes_against_the_services(tmp_path, caplog):
     out_dir = tmp_path / "out"
 
     async def main():
-        async with stack(tmp_path) as s:  # two aggregators
+        async with in_process().whole_system(tmp_path) as s:  # two aggregators
             common = ("--coordinator", s.target, "--state-dir", str(s.state_dir), "--insecure")
             results = {"typo": await _tally("job", "submit", str(mistyped), *common),
                        "split": await _tally("job", "submit", str(split), *common),

@@ -9,7 +9,7 @@ import json
 import sys
 from pathlib import Path
 
-from support.stack import run, spec, stack, trainers
+from support.stack import in_process, run, spec, trainers
 from tally.client.device import DeviceStats
 from tally.client.device_progress import DeviceProgress, summary
 from tally.security.enrolment import SharedKeyEnrolment
@@ -25,7 +25,7 @@ def test_a_client_process_says_what_it_does_and_sums_up(tmp_path):
     text = spec("talk", 1, cohort=FLEET + 1).replace("checkin: 10", "checkin: 120")
 
     async def main():
-        async with stack(tmp_path) as s:
+        async with in_process().whole_system(tmp_path) as s:
             job_id = await s.submit(text)
             credential = SharedKeyEnrolment(s.coordinator.enrolment_key).credential("default", "cli-device")
             client = [sys.executable, "-m", "tally.cli", "client", "--coordinator", s.target, "--insecure",

@@ -20,11 +20,11 @@ import grpc
 import pytest
 
 from support.enrolment import provisioned_request
-from support.stack import PLAINTEXT, run, scrape_text, spec, stack, trainers
+from support.stack import PLAINTEXT, in_process, run, scrape_text, spec, trainers
 from tally.cli import main as tally
 from tally.client.channels import open_aio_channel
 from tally.coordinator.faces import device_front
-from tally.coordinator.faces.device_front import REFRESH_S, DeviceFront, refuse_port_in_use, shares
+from tally.coordinator.faces.device_front import REFRESH_S, refuse_port_in_use, shares
 from tally.coordinator.faces.ratelimit import RateLimit
 from tally.coordinator.service import CoordinatorService
 from tally.loadtest import Fleet
@@ -64,15 +64,15 @@ class _Front:
     """A front in the test's own process, on a port of its own, forwarding to ``s``'s coordinator."""
 
     def __init__(self, s) -> None:
-        self.front = DeviceFront(s.coordinator.front_config(99, "127.0.0.1:0"))
+        self.s = s
 
     async def __aenter__(self):
-        self.port = await self.front.start()
+        self.front, self.port = await self.s.services.front(self.s.coordinator.front_config(99, "127.0.0.1:0"))
         self.target = f"127.0.0.1:{self.port}"
         return self
 
     async def __aexit__(self, *exc) -> None:
-        await self.front.stop(grace=0)
+        await self.s.services.stop(self.front)
 
     def metrics(self) -> str:
         return scrape_text(self.front.metrics_port)
@@ -80,7 +80,7 @@ class _Front:
 
 def test_a_front_answers_idle_check_ins_and_refuses_bad_ones_itself(tmp_path):
     async def main() -> None:
-        async with stack(tmp_path, tls=True, device_processes=2) as s, _Front(s) as front:
+        async with in_process().whole_system(tmp_path, tls=True, device_processes=2) as s, _Front(s) as front:
             channel, stub, md = await _register(s, front.target, "dev-1")
             reply = await stub.CheckIn(CHECK_IN, metadata=md, timeout=10)
             assert reply.retry_after.population_idle
@@ -114,7 +114,7 @@ def test_a_job_runs_through_a_front(tmp_path):
     of the job's population and every other call are forwarded, and the rounds commit."""
 
     async def main() -> None:
-        async with stack(tmp_path, tls=True, device_processes=2) as s, _Front(s) as front:
+        async with in_process().whole_system(tmp_path, tls=True, device_processes=2) as s, _Front(s) as front:
             devices, _ = trainers(10)
             job_id = await s.submit(spec("through-front", rounds=2, cohort=10))
             fleet = Fleet(front.target, s.client_tls, devices, enrolment_key=s.coordinator.enrolment_key, seed=1)
@@ -139,7 +139,7 @@ def test_a_job_runs_through_a_front(tmp_path):
 
 def test_a_revocation_reaches_a_front_and_admin_calls_pass_through_it(tmp_path):
     async def main() -> None:
-        async with stack(tmp_path, tls=True, device_processes=2) as s, _Front(s) as front:
+        async with in_process().whole_system(tmp_path, tls=True, device_processes=2) as s, _Front(s) as front:
             channel, stub, md = await _register(s, front.target, "dev-1")
             await stub.CheckIn(CHECK_IN, metadata=md, timeout=10)
             admin = admin_pb2_grpc.AdminStub(channel)  # the Admin API, forwarded by the front
@@ -166,7 +166,7 @@ def test_a_revocation_reaches_a_front_and_admin_calls_pass_through_it(tmp_path):
 
 def test_the_internal_port_admits_fronts_only(tmp_path):
     async def main() -> None:
-        async with stack(tmp_path, tls=True, device_processes=2) as s:
+        async with in_process().whole_system(tmp_path, tls=True, device_processes=2) as s:
             channel = grpc.aio.insecure_channel(s.coordinator.internal_target)
             stub = coordinator_pb2_grpc.CoordinatorStub(channel)
             for metadata in ((), (("tally-front-key", "0" * 64),)):
@@ -180,7 +180,7 @@ def test_the_internal_port_admits_fronts_only(tmp_path):
 
 def test_device_processes_share_the_port_and_a_killed_front_comes_back(tmp_path):
     async def main() -> None:
-        async with stack(tmp_path, tls=True, device_processes=3) as s:
+        async with in_process().whole_system(tmp_path, tls=True, device_processes=3) as s:
             assert len(s.coordinator.fronts) == 2
 
             async def check_in_on_new_connections(prefix: str, count: int) -> None:
@@ -233,7 +233,7 @@ def test_a_job_survives_its_device_front_killed_between_rounds(tmp_path):
     and every round commits."""
 
     async def main() -> None:
-        async with stack(tmp_path, tls=True, device_processes=2) as s:
+        async with in_process().whole_system(tmp_path, tls=True, device_processes=2) as s:
             devices, _ = trainers(18)
             job_id = await s.submit(spec("front-killed", rounds=3, cohort=12))
             fleets = [s.fleet(devices[i::6], seed=1, id_prefix=f"f{i}") for i in range(6)]
@@ -271,7 +271,7 @@ def test_a_front_that_cannot_read_the_store_stops_rather_than_answer_from_stale_
     monkeypatch.setattr(device_front, "STALE_S", 0.3)
 
     async def main() -> None:
-        async with stack(tmp_path, tls=True, device_processes=2) as s, _Front(s) as front:
+        async with in_process().whole_system(tmp_path, tls=True, device_processes=2) as s, _Front(s) as front:
             def unreadable() -> None:
                 raise sqlite3.OperationalError("database is locked")
 

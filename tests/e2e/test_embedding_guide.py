@@ -9,7 +9,7 @@ import re
 import sys
 from pathlib import Path
 
-from support.stack import run, spec, stack, trainers
+from support.stack import in_process, run, spec, trainers
 from tally.security.enrolment import SharedKeyEnrolment
 from tally.wire.v1 import common_pb2
 
@@ -31,7 +31,7 @@ def test_the_guide_program_takes_part_in_a_secure_round_as_written(tmp_path):
     text = spec("guide", 1, cohort=FLEET + 1).replace("checkin: 10", "checkin: 120")
 
     async def main():
-        async with stack(tmp_path, tls=True) as s:
+        async with in_process().whole_system(tmp_path, tls=True) as s:
             job_id = await s.submit(text)
             credential = SharedKeyEnrolment(s.coordinator.enrolment_key).credential("default", "app-device")
             guide = [sys.executable, str(program), s.target.replace("127.0.0.1", "localhost"),

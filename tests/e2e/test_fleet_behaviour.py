@@ -168,12 +168,12 @@ def test_a_ramp_brings_each_device_online_at_its_own_time(tmp_path):
     import sqlite3
     import time
 
-    from support.stack import run, stack, trainers
+    from support.stack import in_process, run, trainers
 
     ramp, n = 3.0, 16
 
     async def main():
-        async with stack(tmp_path) as s:
+        async with in_process().whole_system(tmp_path) as s:
             devices, _ = trainers(n)
             fleet = s.fleet(devices, ramp_s=ramp, seed=7)
             started = time.time()

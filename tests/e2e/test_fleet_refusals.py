@@ -10,7 +10,7 @@ import json
 import subprocess
 import sys
 
-from support.stack import run, stack
+from support.stack import in_process, run
 from tally.loadtest.fleet import device_ids
 from tally.loadtest.synthetic import SyntheticUpdates
 from tally.ops.cluster import ProcessCluster
@@ -23,7 +23,7 @@ JOB = ("name: refusals\nalgorithm: fedavg\nrounds: 2\ncohort_size: 5\nover_selec
 
 def test_a_revoked_device_stops_alone_and_the_rest_of_its_fleet_finishes_the_job(tmp_path):
     async def main():
-        async with stack(tmp_path) as s:
+        async with in_process().whole_system(tmp_path) as s:
             fleet = s.fleet([SyntheticUpdates(i, 1) for i in device_ids("sim", 6)], seed=1)
             try:
                 # Every device enrols and checks in once (no job yet), then the operator revokes one.

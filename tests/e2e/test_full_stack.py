@@ -12,7 +12,7 @@ import torch
 from scipy import stats
 
 from support.jobs import job_text
-from support.stack import HIDDEN, run, scrape_text, spec, stack, trainers
+from support.stack import HIDDEN, in_process, run, scrape_text, spec, trainers
 from tally import modelio, models
 from tally.aggregator import session as aggregator_session
 from tally.algorithms.fedavg import FedAvgClient, FedAvgOptions, FedAvgServer
@@ -34,7 +34,7 @@ def test_fedavg_through_the_services_equals_the_in_process_result(tmp_path):
     devices, _ = trainers(n)
 
     async def main():
-        async with stack(tmp_path) as s:
+        async with in_process().whole_system(tmp_path) as s:
             job_id, fleet_stats = await s.run_job(spec("fidelity", rounds, cohort=n), devices)
             return await s.job(job_id), s.model(job_id), fleet_stats
 
@@ -79,7 +79,7 @@ def test_dropouts_a_killed_aggregator_and_a_restarted_coordinator(tmp_path, monk
     monkeypatch.setattr(SecAggServer, "receive", watch_reveals)
 
     async def main():
-        async with stack(tmp_path) as s:
+        async with in_process().whole_system(tmp_path) as s:
             job_id = await s.submit(spec("resilience", rounds, cohort=18, over_selection=1.3))
             fleet = s.fleet(devices, dropout=DropoutPlan(0.2, seed=5), seed=2)
             running = asyncio.create_task(fleet.run(until=fleet.until_job_done(job_id, every_seconds=0.2)))
@@ -129,7 +129,7 @@ def test_devices_that_cannot_train_report_why_and_keep_running(tmp_path):
             .replace("min_cohort: 5", "min_cohort: 8"))
 
     async def main():
-        async with stack(tmp_path) as s:
+        async with in_process().whole_system(tmp_path) as s:
             job_id, fleet_stats = await s.run_job(text, devices)
             return await s.job(job_id), fleet_stats, scrape_text(s.coordinator.metrics_port)
 
@@ -156,7 +156,7 @@ def test_a_failure_no_retry_can_fix_fails_the_job_at_once_and_says_why(tmp_path)
     text = spec("hopeless", 2, cohort=n).replace("retries: 3", "retries: 6")
 
     async def main():
-        async with stack(tmp_path) as s:
+        async with in_process().whole_system(tmp_path) as s:
             job_id, _ = await s.run_job(text, devices)
             return await s.job(job_id), [r for r in s.coordinator.store.rounds(job_id) if r.round == 1]
 
@@ -182,7 +182,7 @@ def test_a_cnn_job_trains_through_the_services_and_exports_to_onnx(tmp_path):
             .replace("local_epochs: 1", "local_epochs: 4"))
 
     async def main():
-        async with stack(tmp_path) as s:
+        async with in_process().whole_system(tmp_path) as s:
             job_id, _ = await s.run_job(text, devices)
             version = s.coordinator.store.model_version(job_id)
             return (await s.job(job_id), s.model(job_id),
@@ -239,7 +239,7 @@ def test_oversized_messages_get_resource_exhausted_and_the_services_keep_serving
     from tally.wire.v1 import coordinator_pb2_grpc, secagg_pb2, secagg_pb2_grpc
 
     async def main():
-        async with stack(tmp_path) as s:
+        async with in_process().whole_system(tmp_path) as s:
             huge = "x" * (65 << 20)  # above the aggregator's explicit 64 MiB limit
             codes = []
             async with grpc.aio.insecure_channel(
@@ -300,7 +300,7 @@ def test_plain_sum_job_runs_through_the_services_without_any_key_exchange(tmp_pa
     text = plain_spec(rounds, n)
 
     async def main():
-        async with stack(tmp_path) as s:
+        async with in_process().whole_system(tmp_path) as s:
             job_id, fleet_stats = await s.run_job(text, devices, device_policy=DevicePolicy(allow_plain=True))
             phases = {
                 sample.labels["phase"]
@@ -334,7 +334,7 @@ def test_devices_refuse_a_plain_job_they_did_not_opt_into(tmp_path, monkeypatch)
     text = plain_spec(1, n)
 
     async def main():
-        async with stack(tmp_path) as s:
+        async with in_process().whole_system(tmp_path) as s:
             await s.submit(text)
             fleet = s.fleet(devices, seed=1)
             fleet_stats = await fleet.run(max_tasks_per_device=1)
@@ -368,7 +368,7 @@ def test_agnostic_fedavg_through_the_services_with_a_coordinator_restart(tmp_pat
     catalogue.register_model("toy-scalar", lambda _spec: initial)
 
     async def main():
-        async with stack(tmp_path) as s:
+        async with in_process().whole_system(tmp_path) as s:
             job_id = await s.submit(text)
             fleet = s.fleet(toy.devices(0), seed=1)
             running = asyncio.create_task(fleet.run(until=fleet.until_job_done(job_id, every_seconds=0.2)))

@@ -15,7 +15,7 @@ import pytest
 from support.devices import quadratic_fleet
 from support.enrolment import provisioned_request
 from support.jobs import job_text, max_error, run_job
-from support.stack import run, stack
+from support.stack import in_process, run
 from tally import algorithms
 from tally.sim.rounds import plain_sum, run_rounds
 
@@ -124,7 +124,7 @@ def test_aaggff_s_ons_without_the_reveal_opt_in_is_refused_at_submit(tmp_path):
     catalogue.register_model(kind, lambda _spec: {"w": np.zeros(3)})
 
     async def main():
-        async with stack(tmp_path) as s:
+        async with in_process().whole_system(tmp_path) as s:
             with pytest.raises(grpc.RpcError) as refused:
                 await s.submit(text)
             return refused.value
@@ -196,7 +196,7 @@ def test_a_reveal_for_a_job_without_the_opt_in_is_permission_denied(tmp_path):
     catalogue.register_model(kind, lambda _spec: {"w": np.zeros(3)})
 
     async def main():
-        async with stack(tmp_path) as s:
+        async with in_process().whole_system(tmp_path) as s:
             job_id = await s.submit(text)
             async with grpc.aio.insecure_channel(s.target) as channel:
                 stub = coordinator_pb2_grpc.CoordinatorStub(channel)

@@ -10,7 +10,7 @@ from typing import Any
 import numpy as np
 
 from support.jobs import job_text, max_error
-from support.stack import PLAINTEXT, run, stack
+from support.stack import PLAINTEXT, in_process, run
 from tally import algorithms, modelio
 from tally.algorithms.base import flatten
 from tally.client import Device
@@ -44,7 +44,7 @@ def _through_the_services(tmp_path, algorithm: str, options: dict[str, Any]):
     catalogue.register_model(kind, lambda _spec: initial)
 
     async def main():
-        async with stack(tmp_path) as s:
+        async with in_process().whole_system(tmp_path) as s:
             job_id = await s.submit(text)
             fleet = s.fleet(devices, seed=1, state_dir=tmp_path / "devices")
             await fleet.run(until=fleet.until_job_done(job_id, every_seconds=0.2))

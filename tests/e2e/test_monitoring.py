@@ -20,7 +20,7 @@ import yaml
 from support import tools
 from support.metrics_catalogue import catalogue
 from support.prometheus import PROMTOOL, LivePrometheus, needs_prometheus, needs_promtool
-from support.stack import run, spec, stack, trainers
+from support.stack import in_process, run, spec, trainers
 from tally.client import ClientMetrics
 from tally.loadtest import DropoutPlan
 from tally.metrics import MetricsServer
@@ -209,7 +209,7 @@ def test_a_real_prometheus_scrapes_a_job_and_agrees_with_it(tmp_path):
     fleet_server = MetricsServer(fleet_metrics.registry)
 
     async def main():
-        async with stack(tmp_path) as s:
+        async with in_process().whole_system(tmp_path) as s:
             prometheus = LivePrometheus.every_second(tmp_path, RULES, {
                 "tally-coordinator": [s.coordinator.metrics_port],
                 "tally-aggregator": [a.metrics_port for a in s.aggregators],

@@ -11,7 +11,7 @@ import re
 import numpy as np
 
 from support.jobs import job_text, run_job
-from support.stack import run, scrape_text, stack
+from support.stack import in_process, run, scrape_text
 from tally.coordinator.spec import catalogue
 from tally.privacy.accounting import PrivacyLedger
 from tally.wire.v1 import common_pb2
@@ -82,7 +82,7 @@ def test_a_restarted_coordinator_keeps_the_epsilon_spent(tmp_path):
     catalogue.register_model("dp-restart", lambda _spec: {"w": np.zeros(15)})
 
     async def main():
-        async with stack(tmp_path) as s:
+        async with in_process().whole_system(tmp_path) as s:
             job_id = await s.submit(text)
             fleet = s.fleet([ShiftDevice(0.01) for _ in range(n)], seed=1)
             running = asyncio.create_task(fleet.run(until=fleet.until_job_done(job_id, every_seconds=0.2)))
@@ -117,7 +117,7 @@ def test_devices_refuse_noise_below_their_floor_through_the_services(tmp_path):
     catalogue.register_model("dp-floor", lambda _spec: {"w": np.zeros(15)})
 
     async def main():
-        async with stack(tmp_path) as s:
+        async with in_process().whole_system(tmp_path) as s:
             job_id = await s.submit(text)
             metrics = ClientMetrics()
             fleets = [s.fleet([ShiftDevice(0.01) for _ in range(trusting)], seed=1, id_prefix="trusting"),

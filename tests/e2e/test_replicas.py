@@ -14,7 +14,7 @@ import grpc
 import pytest
 
 from support.deploy import free_port
-from support.stack import TIMEOUT, scrape_text, spec, trainers
+from support.stack import TIMEOUT, in_process, scrape_text, spec, trainers
 from tally.client.channels import open_aio_channel
 from tally.coordinator.state.enrolled_devices import EnrolmentRefused
 from tally.coordinator.state.leadership import Leadership
@@ -318,7 +318,6 @@ def test_a_leader_paces_what_the_other_replicas_forward(tmp_path):
 def test_a_follower_before_any_leader_announced_tells_devices_to_retry(tmp_path, postgres_url):
     """A leader that has taken the lock but not yet announced its internal port: a follower's
     front answers what it would forward with UNAVAILABLE (devices retry), and serves the rest."""
-    from tally.coordinator.faces.device_front import DeviceFront
     from tally.coordinator.service import CoordinatorService
     from tally.security import TLSConfig
     from tally.wire.v1 import coordinator_pb2, coordinator_pb2_grpc
@@ -329,9 +328,8 @@ def test_a_follower_before_any_leader_announced_tells_devices_to_retry(tmp_path,
                                   database_url=postgres_url, internal_listen="127.0.0.1:0")
 
     async def main():
-        front = DeviceFront(template.front_config(0, "127.0.0.1:0", coordinator=""))
-        port = await front.start()
-        try:
+        async with in_process() as services:
+            front, port = await services.front(template.front_config(0, "127.0.0.1:0", coordinator=""))
             channel = open_aio_channel(f"127.0.0.1:{port}", TLSConfig.plaintext())
             stub = coordinator_pb2_grpc.CoordinatorStub(channel)
             with pytest.raises(grpc.aio.AioRpcError) as forwarded:
@@ -340,8 +338,6 @@ def test_a_follower_before_any_leader_announced_tells_devices_to_retry(tmp_path,
                 await stub.CheckIn(coordinator_pb2.CheckInRequest(), timeout=10)
             await channel.close()
             return forwarded.value, answered.value, front.target
-        finally:
-            await front.stop(0)
 
     try:
         forwarded, answered, target = asyncio.run(asyncio.wait_for(main(), 60))

@@ -23,7 +23,7 @@ import grpc
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from support.stack import Stack, run, scrape_text, spec, stack
+from support.stack import Stack, in_process, run, scrape_text, spec
 from tally.aggregator import session as aggregator_session
 from tally.cli.job import job_dict, show
 from tally.loadtest.fleet import device_ids
@@ -124,7 +124,7 @@ def test_a_job_interrupted_in_any_phase_resumes_and_its_sums_stay_exact(tmp_path
     devices = SELECTION if before_inputs else 2 * SELECTION + 2
 
     async def main():
-        async with stack(tmp_path) as s:
+        async with in_process().whole_system(tmp_path) as s:
             return await _interrupt_and_resume(s, tmp_path, reached, release, devices, coordinator_too)
 
     job, checks, released, events, attempts, reports = run(main())
@@ -150,7 +150,7 @@ def test_job_status_names_every_attempt_of_the_round_and_why_it_ended(tmp_path, 
     reached, release = _hold_first(monkeypatch, AdvertiseKeys)
 
     async def main():
-        async with stack(tmp_path) as s:
+        async with in_process().whole_system(tmp_path) as s:
             job_id = await s.submit(spec("status", 1, cohort=COHORT, over_selection=1.2))
             await _stop_when_reached(s, job_id, SELECTION, tmp_path / "devices", reached, release)
             await s.restart_coordinator()

@@ -8,7 +8,7 @@ import asyncio
 import sys
 from pathlib import Path
 
-from support.stack import HIDDEN, run, spec, stack, trainers
+from support.stack import HIDDEN, in_process, run, spec, trainers
 from tally.security.enrolment import SharedKeyEnrolment
 from tally.wire.v1 import common_pb2
 
@@ -19,7 +19,7 @@ def test_the_embedding_example_takes_part_in_a_secure_round(tmp_path):
     fleet_devices, _ = trainers(5)
 
     async def main():
-        async with stack(tmp_path) as s:
+        async with in_process().whole_system(tmp_path) as s:
             job_id = await s.submit(spec("embedded", 1, cohort=6))
             credential = SharedKeyEnrolment(s.coordinator.enrolment_key).credential("default", "app-1")
             app = await asyncio.create_subprocess_exec(

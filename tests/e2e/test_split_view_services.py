@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from support.split_view import Attempt, SplitViewServer
-from support.stack import run, stack
+from support.stack import in_process, run
 from tally.aggregator import session as aggregator_session
 from tally.loadtest.fleet import device_ids
 from tally.loadtest.synthetic import SyntheticUpdates
@@ -53,7 +53,7 @@ def _attack(tmp_path, monkeypatch, n: int, secure: str, policy: DevicePolicy | N
     monkeypatch.setattr(SecAggClient, "provide_input", record)
 
     async def main():
-        async with stack(tmp_path, tls=True) as s:
+        async with in_process().whole_system(tmp_path, tls=True) as s:
             job_id = await s.submit(_job(n, secure))
             options = {} if policy is None else {"device_policy": policy}
             fleet = s.fleet([SyntheticUpdates(i, 1) for i in device_ids("sim", n)], seed=1, **options)

@@ -11,7 +11,7 @@ import math
 import grpc
 import pytest
 
-from support.stack import run, stack
+from support.stack import in_process, run
 from tally.client.enrolment import register_request
 from tally.secagg import SigningKey
 from tally.security.enrolment import enrolment_credential
@@ -50,7 +50,7 @@ def test_undecodable_requests_are_invalid_arguments_on_every_service(tmp_path):
     assert all(SERVICES.values())
 
     async def main():
-        async with stack(tmp_path) as s:
+        async with in_process().whole_system(tmp_path) as s:
             targets = {"coordinator": s.target, "aggregator": s.aggregators[0].address}
             return {(service, method): await _call(targets[service], method, streaming)
                     for service, methods in SERVICES.items() for method, streaming in methods}
@@ -64,7 +64,7 @@ def test_undecodable_requests_are_invalid_arguments_on_every_service(tmp_path):
 @pytest.mark.parametrize("value", [math.nan, math.inf, -math.inf])
 def test_a_registration_timestamp_that_is_not_finite_is_invalid(tmp_path, value):
     async def main():
-        async with stack(tmp_path) as s:
+        async with in_process().whole_system(tmp_path) as s:
             identity = SigningKey.generate()
             credential = enrolment_credential(s.coordinator.enrolment_key, "default", "dev-nan")
             request = register_request(identity, "dev-nan", "default", credential, value)

@@ -39,7 +39,6 @@ from support.aggregator import (
     plan,
     rpc_error,
     run,
-    running,
     scrape,
     sign,
     until_not_found,
@@ -84,7 +83,7 @@ from tally.wire.v1 import aggregator_pb2, aggregator_pb2_grpc, secagg_pb2
 
 def test_a_session_sums_exactly_the_survivors_of_dropouts_in_every_phase(deployment):
     async def scenario():
-        async with running(deployment) as service, connected(deployment, service) as (ch, stub):
+        async with in_process().aggregator_alone(deployment) as service, connected(deployment, service) as (ch, stub):
             cohort = plan(deployment, "s-dropouts")
             opened = await stub.OpenSession(cohort.request)
             assert opened.session_id == "s-dropouts"
@@ -136,7 +135,7 @@ def test_bytes_that_are_no_message_end_the_stream_with_a_clear_status(deployment
     with INVALID_ARGUMENT naming what was wrong; nothing else is affected. (Before joining nothing
     it sends is read: ``test_aggregator_attacks``.)"""
     async def scenario():
-        async with running(deployment) as service, connected(deployment, service) as (ch, stub):
+        async with in_process().aggregator_alone(deployment) as service, connected(deployment, service) as (ch, stub):
             cohort = plan(deployment, "s-corrupt")
             await stub.OpenSession(cohort.request)
             raw = ch.stream_stream("/tally.v1.SecureAggregation/Session", request_serializer=lambda data: data,
@@ -165,7 +164,7 @@ def test_masked_inputs_travel_in_chunks_and_bad_chunks_end_only_their_stream(dep
     (4 MiB by default) is far below the largest vector; a bigger message is refused, and a device
     whose chunks are out of order, of another sum or too many loses its own stream only."""
     async def scenario():
-        async with running(deployment) as service, connected(deployment, service) as (ch, stub):
+        async with in_process().aggregator_alone(deployment) as service, connected(deployment, service) as (ch, stub):
             cohort = plan(deployment, "s-chunks")
             await stub.OpenSession(cohort.request)
             huge = secagg_pb2.DeviceToAggregator(masked_input_response=secagg_pb2.MaskedInputResponse(
@@ -208,7 +207,7 @@ def test_the_control_api_can_have_a_port_of_its_own(deployment):
     streams; only the control port takes messages above the 4 MiB request cap (a very large
     cohort's OpenSession), and a session runs across the two."""
     async def scenario():
-        async with running(deployment, control_listen="127.0.0.1:0") as service:
+        async with in_process().aggregator_alone(deployment, control_listen="127.0.0.1:0") as service:
             assert service.control_port != service.port
             big = aggregator_pb2.OpenSessionRequest(session_ticket=b"\0" * (5 << 20))
             async with connected(deployment, service) as (device_channel, on_device_port):
@@ -234,7 +233,7 @@ def test_the_control_api_can_have_a_port_of_its_own(deployment):
 def test_bad_tickets_and_bad_devices_get_clear_statuses_and_the_session_still_completes(
         deployment):
     async def scenario():
-        async with running(deployment) as service, connected(deployment, service) as (ch, stub):
+        async with in_process().aggregator_alone(deployment) as service, connected(deployment, service) as (ch, stub):
             cohort = plan(deployment, "s-bad", phase_seconds={"advertise_keys": 3.0})
             config = cohort.config
 
@@ -325,7 +324,7 @@ def test_control_calls_need_the_owner_token_the_session_was_opened_with(deployme
     neither lets a caller await or close a session; only the coordinator's owner token does."""
 
     async def scenario():
-        async with running(deployment) as service, connected(deployment, service) as (ch, stub):
+        async with in_process().aggregator_alone(deployment) as service, connected(deployment, service) as (ch, stub):
             mine, theirs = plan(deployment, "s-mine", seconds=0.3), plan(deployment, "s-theirs")
             await stub.OpenSession(mine.request)
             await stub.OpenSession(theirs.request)
@@ -382,7 +381,7 @@ def test_control_calls_need_the_owner_token_the_session_was_opened_with(deployme
 
 def test_a_session_nobody_joins_aborts_at_its_deadline(deployment):
     async def scenario():
-        async with running(deployment) as service, connected(deployment, service) as (ch, stub):
+        async with in_process().aggregator_alone(deployment) as service, connected(deployment, service) as (ch, stub):
             cohort = plan(deployment, "s-empty", seconds=0.3)
             await stub.OpenSession(cohort.request)
             reply, result = await await_sum(stub, cohort, "count", timeout=10)
@@ -416,7 +415,8 @@ def test_two_aggregators_run_sessions_at_once_with_metrics_health_and_reflection
             assert code == CODE.NOT_FOUND
 
     async def scenario():
-        async with running(deployment, "agg-a") as a, running(deployment, "agg-b") as b:
+        async with in_process().aggregator_alone(deployment, "agg-a") as a, \
+                in_process().aggregator_alone(deployment, "agg-b") as b:
             await asyncio.gather(session_on(a, "s-a"), session_on(b, "s-b"))
             for service in (a, b):
                 metrics = await asyncio.to_thread(scrape, service.metrics_port)
@@ -444,7 +444,7 @@ def test_two_aggregators_run_sessions_at_once_with_metrics_health_and_reflection
 
 def test_close_session_aborts_its_devices_and_keeps_nothing(deployment):
     async def scenario():
-        async with running(deployment, result_ttl_s=0.2) as service, \
+        async with in_process().aggregator_alone(deployment, result_ttl_s=0.2) as service, \
                 connected(deployment, service) as (ch, stub):
             cohort = plan(deployment, "s-close", seconds=5.0)
             await stub.OpenSession(cohort.request)
@@ -497,7 +497,7 @@ def test_closing_a_session_resolves_its_pending_results_with_the_reason(deployme
 
 def test_stopping_the_aggregator_aborts_running_sessions_for_their_devices(deployment):
     async def scenario():
-        async with running(deployment) as service, connected(deployment, service) as (ch, stub):
+        async with in_process().aggregator_alone(deployment) as service, connected(deployment, service) as (ch, stub):
             cohort = plan(deployment, "s-stop", seconds=10.0)
             await stub.OpenSession(cohort.request)
             seen = DeviceRun()

@@ -25,10 +25,10 @@ from support.aggregator import (
     plan,
     rpc_error,
     run,
-    running,
     scrape,
 )
 from support.secagg import identities
+from support.stack import in_process
 from tally.aggregator import AggregatorService
 from tally.secagg.layouts import advertise_statement
 from tally.secagg.messages import AdvertiseKeys, UnmaskResponse
@@ -57,7 +57,7 @@ def _zeroed_shares(message):
 
 def test_a_zero_key_excludes_its_sender_and_wrong_shares_are_decoded_around(deployment):
     async def scenario():
-        async with running(deployment) as service, connected(deployment, service) as (ch, stub):
+        async with in_process().aggregator_alone(deployment) as service, connected(deployment, service) as (ch, stub):
             cohort = plan(deployment, "s-attacks")
             await stub.OpenSession(cohort.request)
             tamper = {3: _small_order_key, 2: _zeroed_shares}
@@ -97,7 +97,7 @@ def test_under_mutual_tls_only_the_coordinator_reaches_the_control_api_and_devic
                          key=tmp_path / "impostor.key")
 
     async def scenario():
-        async with running(deployment, mutual=True) as service, \
+        async with in_process().aggregator_alone(deployment, mutual=True) as service, \
                 connected(deployment, service, "coordinator") as (_, control), \
                 connected(deployment, service) as (devices, on_device_port):
             cohort = plan(deployment, "s-mtls")
@@ -157,7 +157,7 @@ def test_a_stream_without_a_valid_join_is_refused_before_any_message_is_read(dep
         sum_id="x", sender=1, data=bytes((4 << 20) - 64)))
 
     async def scenario():
-        async with running(deployment) as service, connected(deployment, service) as (channel, _):
+        async with in_process().aggregator_alone(deployment) as service, connected(deployment, service) as (channel, _):
             cohort = plan(deployment, "s-nojoin")
             attempts = {
                 "none": (),

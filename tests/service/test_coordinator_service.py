@@ -30,7 +30,6 @@ from support.coordinator import (
     FakeDevice,
     FixedTrainer,
     committed_model,
-    coordinator_stack,
     fedavg_bound,
     fedavg_contribution,
     reference_model,
@@ -73,7 +72,7 @@ def test_fedavg_over_two_aggregators_matches_the_in_process_reference(tmp_path):
     rounds = 3
 
     async def main():
-        async with coordinator_stack(tmp_path, aggregators=2) as s:
+        async with in_process().coordinator_with_fakes(tmp_path, aggregators=2) as s:
             devices = await s.devices(10)
             job_id = await s.submit(spec_yaml("fidelity", rounds=rounds))
             watch = asyncio.create_task(s.until_done(job_id))
@@ -153,7 +152,7 @@ def test_check_ins_during_aggregation_are_seated_when_the_next_round_opens(tmp_p
     contribute = fedavg_contribution(FedAvgOptions(local_epochs=1))
 
     async def main():
-        async with coordinator_stack(tmp_path, aggregators=1) as s:
+        async with in_process().coordinator_with_fakes(tmp_path, aggregators=1) as s:
             first = await s.devices(5, prefix="first")
             later = await s.devices(5, prefix="next")
             leaver = (await s.devices(1, prefix="leaver"))[0]
@@ -204,7 +203,7 @@ def test_a_device_whose_hold_ends_as_its_cohort_forms_comes_back_at_once_for_its
     pace steering, which would send it behind the whole population, leaves that answer alone."""
 
     async def main():
-        async with coordinator_stack(tmp_path, aggregators=1, checkin_rate=0.5) as s:
+        async with in_process().coordinator_with_fakes(tmp_path, aggregators=1, checkin_rate=0.5) as s:
             devices = await s.devices(5)
             gate = s.aggregators[0].open_gate = asyncio.Event()
             job_id = await s.submit(spec_yaml("late-hold", rounds=1, cohort=5))
@@ -251,7 +250,7 @@ async def held_for_round_two(
 
 def test_devices_held_for_a_jobs_next_round_are_let_go_when_another_jobs_selection_opens(tmp_path):
     async def main():
-        async with coordinator_stack(tmp_path, aggregators=1, checkin_rate=0.5) as s:
+        async with in_process().coordinator_with_fakes(tmp_path, aggregators=1, checkin_rate=0.5) as s:
             first, later = await s.devices(5, prefix="first"), await s.devices(5, prefix="next")
             _, release, held = await held_for_round_two(s, first, later)
             job_b = await s.submit(spec_yaml("newer", rounds=1, cohort=5))
@@ -266,7 +265,7 @@ def test_devices_held_for_a_jobs_next_round_are_let_go_when_another_jobs_selecti
 
 def test_devices_held_during_an_attempt_that_fails_are_seated_by_its_retry(tmp_path):
     async def main():
-        async with coordinator_stack(tmp_path, aggregators=2) as s:
+        async with in_process().coordinator_with_fakes(tmp_path, aggregators=2) as s:
             first, later = await s.devices(5, prefix="first"), await s.devices(5, prefix="next")
             _, release, held = await held_for_round_two(s, first, later)
             serving = next(a for a in s.aggregators if a.sessions)
@@ -282,7 +281,7 @@ def test_devices_held_during_an_attempt_that_fails_are_seated_by_its_retry(tmp_p
 
 def test_a_job_that_ends_answers_its_held_devices_and_holds_no_more(tmp_path):
     async def main():
-        async with coordinator_stack(tmp_path, aggregators=1) as s:
+        async with in_process().coordinator_with_fakes(tmp_path, aggregators=1) as s:
             first, later = await s.devices(5, prefix="first"), await s.devices(5, prefix="next")
             job_id, release, held = await held_for_round_two(s, first, later[:4])  # room for one more
             gate = s.aggregators[0].close_gate = asyncio.Event()  # the job's last act waits here
@@ -311,7 +310,7 @@ def test_two_step_rounds_broadcast_the_first_sum_of_every_cohort(tmp_path, twost
         return {"delta": np.full(dim, scale), "weight": 1}
 
     async def main():
-        async with coordinator_stack(tmp_path, aggregators=2) as s:
+        async with in_process().coordinator_with_fakes(tmp_path, aggregators=2) as s:
             devices = await s.devices(10, trainers=False)
             job_id = await s.submit(
                 "name: two\nalgorithm: twostep\nrounds: 1\ncohort_size: 10\nover_selection: 1.0\nmin_cohort: 5\n"
@@ -355,7 +354,7 @@ def test_large_model_downloads_in_chunks_and_exports_to_onnx(tmp_path):
     hidden = 20_000  # 1.5 M parameters: a 6 MB model, above gRPC's default 4 MiB message limit
 
     async def main():
-        async with coordinator_stack(tmp_path, aggregators=1) as s:
+        async with in_process().coordinator_with_fakes(tmp_path, aggregators=1) as s:
             devices = await s.devices(5)
             job_id = await s.submit(spec_yaml("big", cohort=5, hidden=hidden))
             tasks = await asyncio.gather(*(d.task() for d in devices))
@@ -420,7 +419,7 @@ async def status_of(call) -> tuple[grpc.StatusCode, str]:
 
 def test_device_calls_without_a_valid_token_or_with_bad_input_get_clear_statuses(tmp_path):
     async def main():
-        async with coordinator_stack(tmp_path, aggregators=1) as s:
+        async with in_process().coordinator_with_fakes(tmp_path, aggregators=1) as s:
             stub, pb = s.device_stub, coordinator_pb2
             device = (await s.devices(1))[0]
             forged = bearer_metadata(device.token[:-4] + "AAAA")
@@ -465,7 +464,7 @@ def test_device_calls_without_a_valid_token_or_with_bad_input_get_clear_statuses
 
 def test_admin_api_needs_its_token_and_validates_submit_list_cancel_watch(tmp_path):
     async def main():
-        async with coordinator_stack(tmp_path, aggregators=1) as s:
+        async with in_process().coordinator_with_fakes(tmp_path, aggregators=1) as s:
             admin, md = s.admin, s.admin_md
             device = (await s.devices(1))[0]
             assert stat.S_IMODE((s.state_dir / "admin.token").stat().st_mode) == 0o600
@@ -518,7 +517,7 @@ def test_restarted_coordinator_resumes_at_the_next_round(tmp_path):
     rounds = 3
 
     async def main():
-        async with coordinator_stack(tmp_path, aggregators=1) as s:
+        async with in_process().coordinator_with_fakes(tmp_path, aggregators=1) as s:
             devices = await s.devices(6)
             # The interrupted attempt's devices may not be seated again in round 2, not even by a
             # restarted coordinator: six spares with the same data take round 2 and then stop,
@@ -583,7 +582,7 @@ def test_failed_cohort_round_is_retried_and_the_job_goes_on(tmp_path, failure):
     options = FedAvgOptions(local_epochs=1)
 
     async def main():
-        async with coordinator_stack(tmp_path, aggregators=2) as s:
+        async with in_process().coordinator_with_fakes(tmp_path, aggregators=2) as s:
             # Twice the cohort: a retry never seats a device the failed attempt seated.
             devices = await s.devices(20)
             job_id = await s.submit(spec_yaml("failover", rounds=2))
@@ -629,7 +628,7 @@ def test_failed_cohort_round_is_retried_and_the_job_goes_on(tmp_path, failure):
 
 def test_exhausted_retries_fail_the_job_with_the_reason(tmp_path):
     async def main():
-        async with coordinator_stack(tmp_path, aggregators=2) as s:
+        async with in_process().coordinator_with_fakes(tmp_path, aggregators=2) as s:
             for fake in s.aggregators:
                 fake.abort_reason = "too few survivors: 3 < 5"
             devices = await s.devices(20)  # the retry's cohort is other devices
@@ -657,7 +656,7 @@ def test_round_deadline_bounds_a_silent_aggregator(tmp_path):
                  "consistency_check: 0.1, unmask: 0.1}\n")
 
     async def main():
-        async with coordinator_stack(tmp_path, aggregators=1) as s:
+        async with in_process().coordinator_with_fakes(tmp_path, aggregators=1) as s:
             s.aggregators[0].hang = True
             devices = await s.devices(5)
             job_id = await s.submit(spec_yaml("silent", cohort=5, extra="retries: 0\n" + deadlines))
@@ -731,7 +730,7 @@ def test_cli_help_and_job_commands(tmp_path, capsys):
         return code, capsys.readouterr().out  # stderr may hold other tests' log noise
 
     async def main():
-        async with coordinator_stack(tmp_path, aggregators=1) as s:
+        async with in_process().coordinator_with_fakes(tmp_path, aggregators=1) as s:
             common = ("--coordinator", f"127.0.0.1:{s.service.port}", "--state-dir", str(s.state_dir), "--insecure")
             code, out = await asyncio.to_thread(cli, "job", "submit", str(spec), *common)
             job_id = out.strip()
@@ -759,7 +758,7 @@ def test_cli_help_and_job_commands(tmp_path, capsys):
 @pytest.mark.parametrize("ledger", [{f"job-{i}": 1 for i in range(17)}, {"job": 0}, {"job": -3}])
 def test_a_check_in_with_a_malformed_input_ledger_is_refused_naming_it(tmp_path, ledger):
     async def main():
-        async with coordinator_stack(tmp_path, aggregators=1) as s:
+        async with in_process().coordinator_with_fakes(tmp_path, aggregators=1) as s:
             device = (await s.devices(1))[0]
             request = coordinator_pb2.CheckInRequest(input_ledger=coordinator_pb2.InputLedger(latest_round=ledger))
             return await status_of(device.stub.CheckIn(request, metadata=device.md, timeout=5))

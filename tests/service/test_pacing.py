@@ -9,8 +9,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from support.coordinator import coordinator_stack, run, spec_yaml
-from support.stack import scrape_text
+from support.coordinator import run, spec_yaml
+from support.stack import in_process, scrape_text
 from tally.coordinator.rounds.come_back import Retry
 from tally.coordinator.rounds.pacing import MAX_PACED_RETRY_S, CheckinPacer
 
@@ -56,7 +56,7 @@ def test_the_coordinator_paces_idle_devices_and_exports_their_come_back_times(tm
     rate = 4.0
 
     async def main():
-        async with coordinator_stack(tmp_path, aggregators=1, checkin_rate=rate) as s:
+        async with in_process().coordinator_with_fakes(tmp_path, aggregators=1, checkin_rate=rate) as s:
             devices = await s.devices(12, trainers=False)
             replies = await asyncio.gather(*(d.check_in_once() for d in devices))
             waits = sorted(r.retry_after.seconds for r in replies)
@@ -74,7 +74,8 @@ def test_the_coordinator_paces_idle_devices_and_exports_their_come_back_times(tm
 @pytest.mark.parametrize("rate, warned", [(1.0, True), (100.0, False)])
 def test_a_job_whose_selection_cannot_fill_at_the_paced_rate_is_warned_about(tmp_path, caplog, rate, warned):
     async def main():
-        async with coordinator_stack(tmp_path, aggregators=1, checkin_rate=rate, checkin_hold_s=2.0) as s:
+        async with in_process().coordinator_with_fakes(tmp_path, aggregators=1, checkin_rate=rate,
+                                                       checkin_hold_s=2.0) as s:
             with caplog.at_level(logging.WARNING):
                 await s.submit(spec_yaml("paced", cohort=10))
 

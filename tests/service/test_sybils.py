@@ -17,14 +17,13 @@ from hypothesis import strategies as st
 from support.coordinator import (
     STEP,
     SUCCEEDED,
-    coordinator_stack,
     fedavg_contribution,
     planner_spec,
     run,
     run_devices,
     spec_yaml,
 )
-from support.stack import scrape_text
+from support.stack import in_process, scrape_text
 from tally.algorithms.fedavg import FedAvgOptions
 from tally.coordinator.rounds.planner import Failed, FormCohorts, Hold, Phase, Retry, RoundPlanner
 from tally.wire.protocol import from_proto
@@ -122,7 +121,7 @@ def test_a_withheld_sum_cannot_be_differenced_with_the_retry(tmp_path):
     every two sums computed in the round (by any aggregator) are over equal or disjoint devices."""
 
     async def main():
-        async with coordinator_stack(tmp_path, aggregators=2) as s:
+        async with in_process().coordinator_with_fakes(tmp_path, aggregators=2) as s:
             devices = await s.devices(15)
             s.aggregators[1].withhold_next = True
             job_id = await s.submit(spec_yaml("diff", extra="deadlines: {checkin: 0.5}\n"))
@@ -169,7 +168,7 @@ def test_a_retry_reseats_the_devices_that_report_they_sent_no_input(tmp_path):
     ABORTED = coordinator_pb2.TaskReport.ABORTED
 
     async def main():
-        async with coordinator_stack(tmp_path, aggregators=1) as s:
+        async with in_process().coordinator_with_fakes(tmp_path, aggregators=1) as s:
             devices = await s.devices(10)
             s.aggregators[0].aborts = ["share_keys: 4 devices sent shares, below t = 6"]
             job_id = await s.submit(spec_yaml("live", extra="deadlines: {checkin: 0.5}\n"))

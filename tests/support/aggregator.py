@@ -11,7 +11,7 @@ import hashlib
 import secrets
 import time
 import urllib.request
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -23,7 +23,6 @@ import pytest
 from cryptography.hazmat.primitives import serialization
 
 from support.secagg import identities, roster
-from support.stack import in_process
 from tally.aggregator import AggregatorService
 from tally.client.session import stream_status
 from tally.codec import Field, Kind, PayloadSchema, to_ring
@@ -165,17 +164,6 @@ def plan(deployment: Deployment, session_id: str, *, n: int = 8, seconds: float 
     owner = OWNER_TOKENS.token(aggregator_id, session_id)
     request.owner_token_sha256 = hashlib.sha256(owner).digest()
     return PlannedCohort(config, ticket, tokens, values, request, owner)
-
-
-@asynccontextmanager
-async def running(deployment: Deployment, aggregator_id: str = "agg-a", mutual: bool = False,
-                  **options) -> AsyncIterator[AggregatorService]:
-    """``mutual``: the aggregator demands client certificates (of the coordinator, on a control
-    port of its own)."""
-    if mutual:
-        options.setdefault("control_listen", "127.0.0.1:0")
-    async with in_process() as services:
-        yield await services.aggregator(deployment.server_tls(mutual), deployment.public_key, aggregator_id, **options)
 
 
 @asynccontextmanager

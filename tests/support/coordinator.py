@@ -1,13 +1,14 @@
 """The coordinator under test with fake aggregators and scripted devices, over real gRPC on
-127.0.0.1, and the job specs and algorithms its tests use.
+127.0.0.1 (``in_process().coordinator_with_fakes`` in ``support.stack`` starts them), and the job
+specs and algorithms its tests use.
 
 The fake aggregators (``FakeAggregatorControl``) check the coordinator's session tickets and grants
 and compute cohort sums the way a real one hands them back: devices encode their contributions with
 the step's schema, map them into the session's ring, and the fake adds them mod 2^bits and packs the
 total at the wire width. That tests everything on the coordinator's side of a sum (decoding each
 cohort at its own width, adding across aggregators, applying, committing) without the
-secure-aggregation protocol, which the aggregator's own tests cover; ``support.stack`` runs the
-whole system. The coordinator's service tests, its pacing and its Sybil tests share this.
+secure-aggregation protocol, which the aggregator's own tests cover; ``in_process().whole_system``
+runs the whole system. The coordinator's service tests, its pacing and its Sybil tests share this.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import dataclasses
 import hashlib
 import time
 from collections import defaultdict
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -28,7 +29,7 @@ import numpy as np
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from support.enrolment import provisioned_request
-from support.stack import PLAINTEXT, InProcess, in_process
+from support.stack import PLAINTEXT, InProcess
 from tally import modelio
 from tally.algorithms.base import StepSpec
 from tally.algorithms.fedavg import FedAvgClient, FedAvgOptions, FedAvgServer
@@ -45,7 +46,6 @@ from tally.security import (
     bind,
     channel_options,
     config_digest,
-    load_or_create_ticket_key,
 )
 from tally.security.tokens import OWNER_METADATA_KEY
 from tally.sim.rounds import plain_sum, run_rounds
@@ -185,9 +185,9 @@ class FakeAggregatorControl(aggregator_pb2_grpc.AggregatorControlServicer):
         self.address = f"{host}:{bind(self._server, '127.0.0.1:0', tls)}"
         await self._server.start()
 
-    async def stop(self) -> None:
+    async def stop(self, grace: float | None = None) -> None:
         if self._server is not None:
-            await self._server.stop(None)
+            await self._server.stop(grace)
             self._server = None
 
     async def OpenSession(self, request, context):
@@ -454,23 +454,6 @@ class CoordinatorStack:
     async def restart(self) -> None:
         """Stop the coordinator and start a new one on the same port and state directory."""
         self.service = await self.services.restart(self.service)
-
-
-@contextlib.asynccontextmanager
-async def coordinator_stack(tmp_path: Path, aggregators: int = 2, **service_args) -> AsyncIterator[CoordinatorStack]:
-    state_dir = tmp_path / "state"
-    verifier = TicketVerifier(load_or_create_ticket_key(state_dir).public_key())
-    async with in_process() as services:
-        fakes = [await services.fake_aggregator(f"agg{i}", verifier) for i in range(aggregators)]
-        service = await services.coordinator(TLSConfig.plaintext(), state_dir, [(a.ident, a.address) for a in fakes],
-                                             **service_args)
-        channel = grpc.aio.insecure_channel(
-            f"127.0.0.1:{service.port}",
-            options=channel_options() + [("grpc.initial_reconnect_backoff_ms", 50),
-                                         ("grpc.max_reconnect_backoff_ms", 200)],
-        )
-        async with channel:
-            yield CoordinatorStack(services, service, fakes, channel)
 
 
 async def run_devices(devices: list[FakeDevice], contribute: Contribute, until, before=None) -> Any:

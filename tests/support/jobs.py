@@ -1,6 +1,6 @@
-"""Jobs run end to end on the service stack (``support.stack``): the job text for any built-in
-algorithm, a run that hands back the server state the coordinator committed, and a run of a
-synthetic fleet whose every committed sum is audited. Several end-to-end modules check their own
+"""Jobs run end to end on the whole system (``in_process().whole_system``): the job text for any
+built-in algorithm, a run that hands back the server state the coordinator committed, and a run of
+a synthetic fleet whose every committed sum is audited. Several end-to-end modules check their own
 algorithm or fleet with these, against an in-process reference.
 """
 
@@ -14,7 +14,7 @@ from typing import Any
 import grpc
 import numpy as np
 
-from support.stack import run, spec, stack
+from support.stack import in_process, run, spec
 from tally import algorithms, modelio
 from tally.loadtest import DropoutPlan
 from tally.loadtest.behaviour import BehaviourProfile
@@ -46,7 +46,7 @@ def run_job(tmp_path, algorithm: str, options: Mapping[str, Any], kind: str, ini
     catalogue.register_model(kind, lambda _spec: initial)
 
     async def main():
-        async with stack(tmp_path) as s:
+        async with in_process().whole_system(tmp_path) as s:
             job_id, fleet_stats = await s.run_job(text, devices)
             store = s.coordinator.store
             version = store.model_version(job_id)
@@ -91,7 +91,7 @@ def run_synthetic_job(tmp_path, n: int, rounds: int, cohort: int, dropout: float
     devices = [SyntheticUpdates(i, seed=7) for i in ids]
 
     async def main():
-        async with stack(tmp_path) as s:
+        async with in_process().whole_system(tmp_path) as s:
             job_id = await s.submit(spec("synthetic", rounds, cohort=cohort, over_selection=1.2))
             fleet = s.fleet(devices, id_prefix="syn", dropout=DropoutPlan(dropout, seed=4) if dropout else None,
                             seed=3, audit=True, profile=profile)

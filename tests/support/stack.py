@@ -1,10 +1,11 @@
 """Tally's services started in the test's own process, over real gRPC on 127.0.0.1: the one
-builder (``in_process``) every test that starts a coordinator or an aggregator without a process
-of its own goes through, and the compositions the tests share on it: the whole system (``stack``:
-the real coordinator, two real aggregators and real SDK devices, plaintext or over TLS as
-deployed, with the FedAvg job and digits devices most end-to-end tests run), the coordinator with
-fake aggregators (``support.coordinator.coordinator_stack``, for the coordinator's service tests)
-and one aggregator alone (``support.aggregator.running``, for the aggregator's). Services as processes are
+builder (``in_process``) every test that starts a coordinator, an aggregator or a device front
+without a process of its own goes through. A test composes services on it, or takes one of the
+compositions the tests share, each a method of the builder: the whole system (``whole_system``:
+the real coordinator, two real aggregators and real SDK devices, plaintext or over TLS as deployed,
+with the FedAvg job and digits devices most end-to-end tests run), the coordinator with fake
+aggregators (``coordinator_with_fakes``, for the coordinator's service tests) and one aggregator
+alone (``aggregator_alone``, for the aggregator's). Services as processes are
 ``tally.ops.cluster.ProcessCluster``; as containers, ``support.containers``.
 """
 
@@ -18,21 +19,33 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import grpc
 from cryptography.hazmat.primitives.asymmetric import ed25519
 
 from tally import modelio
 from tally.aggregator import AggregatorService
+from tally.coordinator.faces.device_front import DeviceFront, FrontConfig
 from tally.coordinator.service import CoordinatorService
 from tally.datasets.digits import digits
 from tally.loadtest import Fleet, FleetStats
 from tally.models.mlp import mlp
-from tally.security import TicketVerifier, TLSConfig, bearer_metadata, certs, load_or_create_ticket_key
+from tally.security import (
+    TicketVerifier,
+    TLSConfig,
+    bearer_metadata,
+    certs,
+    channel_options,
+    load_or_create_ticket_key,
+)
 from tally.security.tls import open_channel
 from tally.training import TorchTrainer, single_threaded
 from tally.wire.v1 import admin_pb2, admin_pb2_grpc
 
 if TYPE_CHECKING:
-    from support.coordinator import FakeAggregatorControl
+    from support.aggregator import Deployment
+    from support.coordinator import CoordinatorStack, FakeAggregatorControl
+
+    Started = AggregatorService | CoordinatorService | DeviceFront | FakeAggregatorControl
 
 TIMEOUT = 240
 HIDDEN = 16
@@ -58,11 +71,21 @@ def trainers(n: int, seed: int = 0) -> tuple[list[TorchTrainer], tuple]:
 
 
 class InProcess:
-    """What one test started in its process, stopped newest first when its ``in_process`` block
-    ends however the test went, so no test leaves a server bound or a job loop running."""
+    """What one test started in its process, stopped newest first when its block ends however the
+    test went, so no test leaves a server bound or a job loop running. Enter it (``async with
+    in_process() as services:``) to compose services with ``coordinator``, ``aggregator``,
+    ``fake_aggregator``, ``front`` and ``restart``, or take a shared composition (``async with
+    in_process().whole_system(tmp_path) as s:``), which enters it itself."""
 
     def __init__(self) -> None:
-        self._running: list[AggregatorService | CoordinatorService | FakeAggregatorControl] = []
+        self._running: list[Started] = []
+
+    async def __aenter__(self) -> InProcess:
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        while self._running:
+            await self.stop(self._running[-1])
 
     async def aggregator(self, tls: TLSConfig, ticket_public_key: bytes | ed25519.Ed25519PublicKey,
                          aggregator_id: str, listen: str = "127.0.0.1:0", **options: Any) -> AggregatorService:
@@ -87,6 +110,14 @@ class InProcess:
         self._running.append(service)
         return service
 
+    async def front(self, config: FrontConfig) -> tuple[DeviceFront, int]:
+        """A device front in this process, where a test can reach into it (a coordinator runs its
+        own fronts as processes); the port it serves devices on."""
+        front = DeviceFront(config)
+        port = await front.start()
+        self._running.append(front)
+        return front, port
+
     async def restart(self, coordinator: CoordinatorService) -> CoordinatorService:
         """A new coordinator where ``coordinator`` served, on its state and aggregators, as a
         supervisor would start one after a crash (its other options are the defaults)."""
@@ -94,25 +125,71 @@ class InProcess:
         return await self.coordinator(coordinator.tls, coordinator.state_dir, coordinator.aggregators,
                                       listen=f"127.0.0.1:{coordinator.port}")
 
-    async def stop(self, service: AggregatorService | CoordinatorService | FakeAggregatorControl) -> None:
+    async def stop(self, service: Started) -> None:
         self._running.remove(service)
-        await (service.stop(grace=0) if isinstance(service, AggregatorService | CoordinatorService)
-               else service.stop())
+        await service.stop(grace=0)
 
-    async def close(self) -> None:
-        while self._running:
-            await self.stop(self._running[-1])
+    @contextlib.asynccontextmanager
+    async def whole_system(self, tmp_path: Path, tls: bool = False, device_processes: int = 1) -> AsyncIterator[Stack]:
+        """The real coordinator and two real aggregators. ``tls``: every connection over TLS with
+        ``tally certs`` identities instead of plaintext on loopback; as deployed, each aggregator's
+        control API has its own port and admits only the coordinator's certificate, and devices
+        present none (their Join authenticates each stream). ``device_processes``: the coordinator
+        serves devices from that many processes (its fronts)."""
+        state_dir = tmp_path / "state"
+        public = load_or_create_ticket_key(state_dir).public_key()
+        pki = tmp_path / "pki"
+        if tls:
+            certs.write_deployment(pki, aggregators=2)
+
+        def identity(role: str | None, directory: str, **kwargs: Any) -> TLSConfig:
+            return TLSConfig.from_dir(pki / directory, role, **kwargs) if tls else PLAINTEXT
+
+        async with self:
+            aggregators = [await self.aggregator(identity("aggregator", f"aggregator-{i}", require_client_auth=tls),
+                                                 public, f"agg-{i}", control_listen="127.0.0.1:0" if tls else None)
+                           for i in (1, 2)]
+            coordinator = await self.coordinator(
+                identity("coordinator", "coordinator"), state_dir,
+                [(a.id, f"127.0.0.1:{a.control_port}") for a in aggregators], checkin_hold_s=2.0,
+                device_processes=device_processes,
+            )
+            yield Stack(self, aggregators, coordinator, identity(None, "device"))
+
+    @contextlib.asynccontextmanager
+    async def coordinator_with_fakes(self, tmp_path: Path, aggregators: int = 2,
+                                     **options: Any) -> AsyncIterator[CoordinatorStack]:
+        """The real coordinator (``options`` are its own) and ``aggregators`` fake ones, with a
+        channel to it that reconnects quickly, so a test can restart the coordinator under it."""
+        from support.coordinator import CoordinatorStack  # that module builds on this one
+
+        state_dir = tmp_path / "state"
+        verifier = TicketVerifier(load_or_create_ticket_key(state_dir).public_key())
+        async with self:
+            fakes = [await self.fake_aggregator(f"agg{i}", verifier) for i in range(aggregators)]
+            service = await self.coordinator(PLAINTEXT, state_dir, [(a.ident, a.address) for a in fakes], **options)
+            channel = grpc.aio.insecure_channel(
+                f"127.0.0.1:{service.port}",
+                options=channel_options() + [("grpc.initial_reconnect_backoff_ms", 50),
+                                             ("grpc.max_reconnect_backoff_ms", 200)],
+            )
+            async with channel:
+                yield CoordinatorStack(self, service, fakes, channel)
+
+    @contextlib.asynccontextmanager
+    async def aggregator_alone(self, deployment: Deployment, aggregator_id: str = "agg-a", mutual: bool = False,
+                               **options: Any) -> AsyncIterator[AggregatorService]:
+        """One real aggregator with ``deployment``'s identity and ticket key. ``mutual``: it
+        demands client certificates (of the coordinator, on a control port of its own)."""
+        if mutual:
+            options.setdefault("control_listen", "127.0.0.1:0")
+        async with self:
+            yield await self.aggregator(deployment.server_tls(mutual), deployment.public_key, aggregator_id, **options)
 
 
-@contextlib.asynccontextmanager
-async def in_process() -> AsyncIterator[InProcess]:
-    """The builder: ``async with in_process() as services:``, then ``await services.coordinator(...)``
-    and the like; everything it started is stopped when the block ends."""
-    services = InProcess()
-    try:
-        yield services
-    finally:
-        await services.close()
+def in_process() -> InProcess:
+    """The builder; see ``InProcess``."""
+    return InProcess()
 
 
 @dataclass
@@ -187,33 +264,6 @@ class Stack:
 
     async def restart_coordinator(self) -> None:
         self.coordinator = await self.services.restart(self.coordinator)
-
-
-@contextlib.asynccontextmanager
-async def stack(tmp_path: Path, tls: bool = False, device_processes: int = 1) -> AsyncIterator[Stack]:
-    """``tls``: every connection over TLS with ``tally certs`` identities instead of plaintext on
-    loopback; as deployed, each aggregator's control API has its own port and admits only the
-    coordinator's certificate, and devices present none (their Join authenticates each stream).
-    ``device_processes``: the coordinator serves devices from that many processes (its fronts)."""
-    state_dir = tmp_path / "state"
-    public = load_or_create_ticket_key(state_dir).public_key()
-    pki = tmp_path / "pki"
-    if tls:
-        certs.write_deployment(pki, aggregators=2)
-
-    def identity(role: str, directory: str, **kwargs) -> TLSConfig:
-        return TLSConfig.from_dir(pki / directory, role, **kwargs) if tls else PLAINTEXT
-
-    async with in_process() as services:
-        aggregators = [await services.aggregator(identity("aggregator", f"aggregator-{i}", require_client_auth=tls),
-                                                 public, f"agg-{i}", control_listen="127.0.0.1:0" if tls else None)
-                       for i in (1, 2)]
-        coordinator = await services.coordinator(
-            identity("coordinator", "coordinator"), state_dir,
-            [(a.id, f"127.0.0.1:{a.control_port}") for a in aggregators], checkin_hold_s=2.0,
-            device_processes=device_processes,
-        )
-        yield Stack(services, aggregators, coordinator, identity(None, "device"))
 
 
 def run(coro, timeout: float = TIMEOUT):
