@@ -75,7 +75,7 @@ build_wheelhouse() {
     mkdir -p build/wheelhouse
     # (pip's complaints about this machine's configured local indexes are noise here)
     "$PYTHON" -m pip wheel --quiet --disable-pip-version-check -c constraints.txt \
-        --wheel-dir build/wheelhouse '.[coordinator,client]' 2> >(grep -v 'is ignored: it is neither' >&2)
+        --wheel-dir build/wheelhouse '.[coordinator,loadtest]' 2> >(grep -v 'is ignored: it is neither' >&2)
 }
 
 build_role() {
