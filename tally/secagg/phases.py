@@ -61,7 +61,7 @@ class Phase(StrEnum):
     @property
     def deadline(self) -> Phase | None:
         """The phase whose deadline setting bounds this one (itself, for a phase with its own)."""
-        return next((p for p in Phase if p.value == self._deadline), None)
+        return None if self._deadline is None else _BY_NAME[self._deadline]
 
     @property
     def deadline_field(self) -> str:
@@ -70,6 +70,8 @@ class Phase(StrEnum):
             raise ValueError(f"phase {self.value!r} has no deadline of its own")
         return f"{self.value}_seconds"
 
+
+_BY_NAME: dict[str, Phase] = {p.value: p for p in Phase}
 
 # Phases with a deadline setting of their own, in protocol order (``PhaseDeadlines``, the spec's
 # ``deadlines:``); CONSISTENCY_CHECK only runs when the session checks consistency.

@@ -29,15 +29,16 @@ def minibatches(n: int, epochs: int, batch_size: int, generator: torch.Generator
 def sgd_epochs(optimiser: torch.optim.Optimizer, loss_of_batch: Callable[[torch.Tensor], torch.Tensor], n: int,
                epochs: int, batch_size: int, generator: torch.Generator, device: torch.device | None = None) -> float:
     """One ``optimiser`` step on ``loss_of_batch(indices)`` for each of ``minibatches``; the mean
-    batch loss (what a trainer reports as its training loss)."""
+    batch loss (what a trainer reports as its training loss). The losses stay on the device until
+    the loop ends: one copy to the host, not a synchronisation per batch on a GPU."""
     losses = []
     for indices in minibatches(n, epochs, batch_size, generator, device):
         optimiser.zero_grad()
         loss = loss_of_batch(indices)
         loss.backward()
         optimiser.step()
-        losses.append(loss.item())
-    return mean_loss(losses)
+        losses.append(loss.detach())
+    return mean_loss(torch.stack(losses).cpu().tolist() if losses else [])
 
 
 def mean_loss(losses: list[float]) -> float:
