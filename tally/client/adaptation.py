@@ -36,6 +36,7 @@ from tally.algorithms.adaptation_options import METHODS as METHODS  # re-exporte
 from tally.algorithms.adaptation_options import AdaptationOptions, JobAdaptation, trainable_names
 from tally.models.onnx import export_onnx
 from tally.models.params import get_params, set_params
+from tally.training import held_out_indices
 from tally.training.sgd import sgd_epochs
 
 Arrays = dict[str, np.ndarray]
@@ -137,13 +138,6 @@ def _numpy(values: Any) -> np.ndarray:
     return values.detach().cpu().numpy() if isinstance(values, torch.Tensor) else np.asarray(values)
 
 
-def held_out(n: int, share: float, seed: int) -> tuple[np.ndarray, np.ndarray]:
-    """(training, held-out) indices: ``share`` of n examples held out, at least one left to train on."""
-    order = np.random.default_rng(seed).permutation(n)
-    k = min(int(round(n * share)), n - 1)
-    return order[k:], order[:k]
-
-
 @torch.no_grad()
 def accuracy(module: nn.Module, params: Mapping[str, np.ndarray], features: np.ndarray, labels: np.ndarray) -> float:
     set_params(module, params)
@@ -172,7 +166,7 @@ def adapt_for_job(module: nn.Module, federated: Mapping[str, np.ndarray], featur
     is worse off when its local-only model is strictly more accurate)."""
     opts = option.options
     flat = np.asarray(features, dtype=np.float32).reshape(len(labels), -1)
-    train, held = held_out(len(labels), option.validation, opts.seed)
+    train, held = held_out_indices(len(labels), option.validation, opts.seed)
     adapted = adapt(module, federated, flat[train], labels[train], opts)
     record: dict[str, Any] = {"method": opts.method, "trained_on": int(len(train)), "held_out": int(len(held)),
                               "kept": "adapted", "accuracy": {}, "worse_off_than_local": {}}

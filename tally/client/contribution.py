@@ -24,6 +24,7 @@ from tally.algorithms.base import Arrays, LocalTrainer
 from tally.client.hooks import DeviceHooks
 from tally.client.metrics import ClientMetrics
 from tally.codec import PayloadSchema
+from tally.evaluation import EvaluatedClient
 from tally.privacy.payload import NoiseBelowFloor, PrivateClient, ring_encode
 from tally.secagg import SessionConfig
 from tally.wire.protocol import from_proto
@@ -62,8 +63,10 @@ def plan_task(task: coordinator_pb2.TaskAssignment, min_noise_multiplier: float 
         _, client_half = algorithms.make(task.algorithm, options)
     except (ValueError, TypeError) as exc:
         raise TaskError(f"algorithm {task.algorithm!r}: {exc}") from exc
-    # Applies the differential privacy a step's broadcast asks for (tally/privacy), none otherwise.
-    return TaskPlan(task, config, first_sum, PrivateClient(client_half, min_noise_multiplier, config.n))
+    # Applies the differential privacy a step's broadcast asks for (tally/privacy), none otherwise,
+    # around the federated evaluation its plan asks for (tally/evaluation), none otherwise.
+    private = PrivateClient(EvaluatedClient(client_half), min_noise_multiplier, config.n)
+    return TaskPlan(task, config, first_sum, private)
 
 
 class Contribution:

@@ -28,6 +28,7 @@ from tally.client.contribution import TaskError
 from tally.client.download import DownloadError
 from tally.client.hooks import SessionHooks
 from tally.client.metrics import ClientMetrics
+from tally.evaluation import EvaluationError
 from tally.privacy.payload import NoiseBelowFloor
 from tally.secagg import (
     DevicePolicy,
@@ -132,6 +133,8 @@ def input_failure_label(error: BaseException) -> str:
         return "model_mismatch"
     if isinstance(error, NoiseBelowFloor):
         return "privacy_floor"
+    if isinstance(error, EvaluationError):
+        return EvaluationError.reason
     if isinstance(error, (grpc.RpcError, DownloadError)):
         return "download_failed"
     if isinstance(error, TaskError):

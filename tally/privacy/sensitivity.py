@@ -142,11 +142,17 @@ class Layout:
 
 
 def declared_roles(algorithm: str, server: object) -> Mapping[str, Declared] | None:
+    """The algorithm's declaration (its own ``privacy_fields`` or the built-in table), with the
+    metric fields of a server half that evaluates (``tally.evaluation``: ``privacy_roles``)."""
     own: Mapping[str, Declared] | None = getattr(server, "privacy_fields", None)
-    if own is not None:
+    if own is None:
+        declared = DECLARED.get(algorithm)
+        own = declared(server) if declared is not None else None
+    metric_roles = getattr(server, "privacy_roles", None)
+    if own is None or metric_roles is None:
         return own
-    declared = DECLARED.get(algorithm)
-    return declared(server) if declared is not None else None
+    return {**own, **{name: Role(role) if isinstance(role, str) else float(role)
+                      for name, role in metric_roles().items()}}
 
 
 def layout(algorithm: str, server: object, step: StepSpec) -> Layout:

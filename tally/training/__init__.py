@@ -9,7 +9,9 @@ The trainers of algorithms whose devices do more than plain SGD are beside this 
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable, Mapping
+from typing import Self
 
 import numpy as np
 import torch
@@ -24,6 +26,13 @@ Arrays = dict[str, np.ndarray]
 def default_device() -> torch.device:
     """Train on the GPU when the device has one."""
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def held_out_indices(n: int, share: float, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    """(training, held-out) indices: ``share`` of n examples held out, at least one left to train on."""
+    order = np.random.default_rng(seed).permutation(n)
+    k = max(min(int(round(n * share)), n - 1), 0)
+    return order[k:], order[:k]
 
 
 def single_threaded() -> None:
@@ -49,9 +58,25 @@ class DeviceTensors:
         self.labels = torch.as_tensor(labels, dtype=torch.long, device=self.device)
         self.generator = torch.Generator().manual_seed(seed)
 
+    # The tensors with one row per example: what a held-out view slices.
+    per_example: tuple[str, ...] = ("features", "labels")
+
     @property
     def num_examples(self) -> int:
         return int(self.labels.shape[0])
+
+    def held_out(self, share: float, seed: int) -> tuple[Self, Self]:
+        """(training view, held-out view) of this device: the same split for the same ``seed`` in
+        every round, so federated evaluation never scores a model on examples it trained on."""
+        train, held = held_out_indices(self.num_examples, share, seed)
+        return self._rows(train), self._rows(held)
+
+    def _rows(self, rows: np.ndarray) -> Self:
+        view = copy.copy(self)  # shares the model and the generator: views are used one at a time
+        index = torch.as_tensor(rows, dtype=torch.long, device=self.device)
+        for name in self.per_example:
+            setattr(view, name, getattr(self, name)[index])
+        return view
 
 
 class TorchTrainer(DeviceTensors):

@@ -17,6 +17,7 @@ features, so a head phase costs one forward pass of the encoder.
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Literal
@@ -27,7 +28,7 @@ from torch import nn
 
 from tally.algorithms.base import check_fits
 from tally.algorithms.feddar import HEADS, encoder_part
-from tally.training import default_device
+from tally.training import default_device, held_out_indices
 from tally.training.sgd import mean_loss, minibatches
 
 Arrays = dict[str, np.ndarray]
@@ -111,6 +112,18 @@ class DomainTrainer:
         n = max(int(ev.count.sum()), 1)
         accuracy = float(ev.correct.sum() / n) if ev.correct is not None else float("nan")
         return float(ev.loss_sum.sum() / n), accuracy
+
+    def held_out(self, share: float, seed: int) -> tuple[DomainTrainer, DomainTrainer]:
+        """(training view, held-out view), as ``tally.training.DeviceTensors.held_out``."""
+        train, held = held_out_indices(self.num_examples, share, seed)
+        return self._rows(train), self._rows(held)
+
+    def _rows(self, rows: np.ndarray) -> DomainTrainer:
+        view = copy.copy(self)
+        index = torch.as_tensor(rows, dtype=torch.long, device=self.device)
+        view.x, view.y, view.z = self.x[index], self.y[index], self.z[index]
+        view.y_np, view.z_np = self.y_np[rows], self.z_np[rows]
+        return view
 
     # -- what FedDAR needs (tally.algorithms.feddar.DomainDevice) -----------------------------
 

@@ -23,6 +23,8 @@ class TorchDomainTrainer(TorchTrainer):
     domain-weighted loss; ``evaluate_domains`` adds per-domain correct counts for reports.
     """
 
+    per_example = ("features", "labels", "domains")
+
     def __init__(
         self,
         model_factory: Callable[[], nn.Module],

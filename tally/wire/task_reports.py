@@ -6,7 +6,7 @@ from __future__ import annotations
 
 REASONS = frozenset({
     "", "invalid_task", "policy", "already_sent_input", "model_mismatch", "training_error",
-    "download_failed", "session_aborted", "dropped", "privacy_floor",
+    "download_failed", "session_aborted", "dropped", "privacy_floor", "metric_unavailable",
 })
 # The most reports one check-in may carry.
 MAX_REPORTS = 16

@@ -23,14 +23,14 @@ from hypothesis import strategies as st
 from support.stack import PLAINTEXT, in_process, run, spec
 from tally.algorithms.adaptation_options import METHODS, AdaptationOptions, JobAdaptation
 from tally.client import Device, OnnxModel
-from tally.client.adaptation import adapt_for_job, held_out
+from tally.client.adaptation import adapt_for_job
 from tally.client.adapted_models import AdaptedModels
 from tally.client.metrics import ClientMetrics
 from tally.coordinator.spec import jobspec
 from tally.datasets.personal import pathological_digits
 from tally.models.mlp import mlp
 from tally.models.params import get_params
-from tally.training import TorchTrainer, single_threaded
+from tally.training import TorchTrainer, held_out_indices, single_threaded
 from tally.wire.v1 import admin_pb2, common_pb2
 
 N, ROUNDS, HIDDEN = 10, 2, 16  # ten devices: two cohorts of five, one per aggregator
@@ -233,7 +233,7 @@ def test_the_spec_defaults_are_the_sdks():
 @settings(max_examples=20, deadline=None)
 @given(st.integers(2, 500), st.floats(0, 0.99), st.integers(0, 100))
 def test_the_held_out_split_is_a_partition_leaving_something_to_train_on(n, share, seed):
-    train, held = held_out(n, share, seed)
+    train, held = held_out_indices(n, share, seed)
     assert sorted([*train, *held]) == list(range(n)) and len(train) >= 1
     assert abs(len(held) - n * share) <= 1 or len(train) == 1
 

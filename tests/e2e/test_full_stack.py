@@ -19,6 +19,7 @@ from tally.algorithms.fedavg import FedAvgClient, FedAvgOptions, FedAvgServer
 from tally.client import OnnxModel
 from tally.codec import unpack
 from tally.datasets.digits import digits
+from tally.evaluation import EvaluatedClient, EvaluatedServer, EvaluationPlan, is_quality
 from tally.loadtest import DropoutPlan
 from tally.models.mlp import mlp
 from tally.models.params import get_params, set_params
@@ -30,26 +31,39 @@ from tally.wire.v1 import common_pb2, coordinator_pb2
 
 
 def test_fedavg_through_the_services_equals_the_in_process_result(tmp_path):
+    """The model and every model-quality figure the devices' metric sums give (tally/evaluation)
+    equal the in-process run of the same devices: counts exactly, means to fixed point."""
     n, rounds = 12, 2
     devices, _ = trainers(n)
 
     async def main():
         async with in_process().whole_system(tmp_path) as s:
             job_id, fleet_stats = await s.run_job(spec("fidelity", rounds, cohort=n), devices)
-            return await s.job(job_id), s.model(job_id), fleet_stats
+            return await s.job(job_id), s.model(job_id), fleet_stats, await s.round_metrics(job_id)
 
-    job, model, fleet_stats = run(main())
+    job, model, fleet_stats, figures = run(main())
     assert job.state == common_pb2.JOB_STATE_SUCCEEDED and job.committed_round == rounds
     assert fleet_stats.sessions_completed == n * rounds  # every device in every round, both aggregators
-    # The reference: the same devices (fresh, same seeds), exact float sums, in process.
+    # The reference: the same devices (fresh, same seeds), exact float sums, in process, with the
+    # job's default evaluation (each device holds out 10 % of its examples and never trains on them).
     options = FedAvgOptions(local_epochs=1, local_lr=0.1, batch_size=16)
     reference_devices, _ = trainers(n)
-    state, _ = run_rounds(FedAvgServer(options), FedAvgClient(options), reference_devices,
-                          get_params(mlp(64, 10, hidden=HIDDEN, seed=0)), rounds, n, plain_sum)
+    reference = EvaluatedServer(FedAvgServer(options), EvaluationPlan())
+    expected: list[dict[str, float]] = []
+    state, _ = run_rounds(reference, EvaluatedClient(FedAvgClient(options)), reference_devices,
+                          get_params(mlp(64, 10, hidden=HIDDEN, seed=0)), rounds, n, plain_sum,
+                          on_round=lambda log: expected.append(dict(reference.round_quality)))
     error = max(float(np.max(np.abs(model[k] - state.params[k]))) for k in model)
     moved = max(float(np.max(np.abs(model[k] - get_params(mlp(64, 10, hidden=HIDDEN, seed=0))[k]))) for k in model)
     # Each round: Σ w·Δ and Σ w are off by < n·2^-20 (two cohorts decoded apart); float32 model storage.
     assert error < 1e-4 < moved
+    for r, want in enumerate(expected, start=1):
+        got = {k: v for k, v in figures[r].items() if is_quality(k)}
+        assert set(got) == set(want) and want["eval.devices"] == n
+        for key, value in want.items():
+            exact = key.startswith(("eval.accuracy_hist.", "eval.devices", "eval.examples", "eval.clipped"))
+            assert got[key] == value if exact else abs(got[key] - value) < 1e-3, key
+    assert expected[-1]["eval.loss"] < expected[0]["eval.loss"]  # the figures show it learning
 
 
 def test_dropouts_a_killed_aggregator_and_a_restarted_coordinator(tmp_path, monkeypatch):

@@ -246,6 +246,13 @@ class Stack:
         stub, md = self.admin()
         return await asyncio.to_thread(stub.GetJob, admin_pb2.GetJobRequest(job_id=job_id), metadata=md, timeout=10)
 
+    async def round_metrics(self, job_id: str) -> dict[int, dict[str, float]]:
+        """Each committed round's figures, as ``tally job metrics`` reads them."""
+        stub, md = self.admin()
+        out = await asyncio.to_thread(stub.GetJobMetrics, admin_pb2.GetJobMetricsRequest(job_id=job_id),
+                                      metadata=md, timeout=10)
+        return {r.round: dict(r.metrics) for r in out.rounds}
+
     async def committed(self, job_id: str, round_: int) -> None:
         """Until round ``round_`` is committed (WatchJob streams each change)."""
         stub, md = self.admin()

@@ -206,6 +206,16 @@ class AdminService(admin_pb2_grpc.AdminServicer):
                 data=data[offset:offset + MODEL_CHUNK_BYTES],
             )
 
+    async def GetJobMetrics(self, request: admin_pb2.GetJobMetricsRequest, context: grpc.aio.ServicerContext):
+        await self._authorize(context)
+        await self._record(request.job_id, context)
+        committed = [r for r in self.store.rounds(request.job_id) if r.state == "committed"]
+        return admin_pb2.JobMetrics(job_id=request.job_id, rounds=[
+            admin_pb2.RoundMetrics(round=r.round, metrics=r.metrics,
+                                   committed_at=timestamp(r.finished_at) if r.finished_at is not None else None)
+            for r in sorted(committed, key=lambda r: r.round)
+        ])
+
     async def GetRoundSums(self, request: admin_pb2.GetRoundSumsRequest, context: grpc.aio.ServicerContext):
         await self._authorize(context)
         await self._record(request.job_id, context)

@@ -69,9 +69,11 @@ from tally.coordinator.rounds.reveals import RevealOutOfPhase
 from tally.coordinator.rounds.step_answers import StepAnswers
 from tally.coordinator.rounds.task_reports import Recorded, TaskReportBook
 from tally.coordinator.spec import catalogue
+from tally.coordinator.spec.evaluation_spec import evaluated_job_server
 from tally.coordinator.spec.jobspec import JobSpec
 from tally.coordinator.state.events import EventHub
 from tally.coordinator.state.store import RoundRecord, Store
+from tally.evaluation.plan import PREFIX as METRIC_PREFIX
 from tally.privacy import metrics as privacy_metrics
 from tally.privacy.spec import private_job_server
 from tally.secagg.phases import Phase as SecAggPhase
@@ -92,7 +94,7 @@ RETRY_BACKOFF_MAX_S = 30.0
 INTERRUPTED = "interrupted: coordinator stopped"  # how a restart closes the attempts it cut short
 
 # Task failures that fail the same way on every retry: the job stops at once with them.
-PERMANENT_REASONS = frozenset({"model_mismatch", "training_error", "invalid_task"})
+PERMANENT_REASONS = frozenset({"model_mismatch", "training_error", "invalid_task", "metric_unavailable"})
 
 
 @dataclass
@@ -140,7 +142,9 @@ class JobRunner:
         self._on_done = on_done
         self.resumed = resumed
         # A job with a privacy: section releases noisy sums only (tally/privacy).
-        self.server = private_job_server(catalogue.make_server(spec.algorithm, spec.options), spec)
+        # It measures model quality on the devices (tally/evaluation) unless its evaluation: is null.
+        self.server = private_job_server(
+            evaluated_job_server(catalogue.make_server(spec.algorithm, spec.options), spec), spec)
         self.ledger = getattr(self.server, "ledger", None)
         if self.ledger is not None:
             privacy_metrics.publish(job_id, self.ledger)
@@ -343,6 +347,8 @@ class JobRunner:
         self.round = round_ = self.committed + 1
         self.round_started_at = ctx.clock()
         ctx.metrics.current_round.labels(job_id=self.job_id).set(round_)
+        if spec.evaluation is not None:
+            self.server.evaluate_round(spec.evaluation.due(round_, spec.rounds))
         steps = self.server.steps(state)
         if any(s.personal or s.reveal for s in steps):
             self.silo_limit = int(self.server.options.num_clients)
@@ -450,6 +456,8 @@ class JobRunner:
             }
             for k, step in enumerate(steps):
                 state = await self._run_step(planner, self.answers, k, step, state, metrics)
+            # The metric sums of the round's last step, as tally/evaluation read them.
+            metrics.update(getattr(self.server, "round_quality", {}))
             await self.sessions.close("round complete")
             return state, metrics
         except AttemptFailed as exc:
@@ -533,7 +541,7 @@ class JobRunner:
         step_metrics = {
             **planner.step_metrics(),
             **{f"{step.name}.{name}": float(v) for name, v in total.items()
-               if np.ndim(v) == 0 and self.ledger is None},
+               if np.ndim(v) == 0 and self.ledger is None and not name.startswith(METRIC_PREFIX)},
         }
         metrics.update(step_metrics)
         self._set_phase("UPDATE", step.name, metrics=step_metrics)

@@ -33,8 +33,10 @@ from tally.algorithms.adaptation_options import (
     JobAdaptation,
     trainable_names,
 )
+from tally.algorithms.base import PersonalisedClient
 from tally.algorithms.options import OPTIONS
 from tally.coordinator.spec import catalogue
+from tally.coordinator.spec.evaluation_spec import EvaluationSpec, evaluated_job_server, plan_for
 from tally.privacy import spec as privacy_spec
 from tally.secagg import ThreatModel, UnsafeParameters, choose_params
 
@@ -179,6 +181,9 @@ class JobSpec(BaseModel):
     )
     privacy: privacy_spec.PrivacySpec | None = Field(None, description="differential privacy of the released sums")
     adaptation: AdaptationSpec | None = Field(None, description="local adaptation of the final model on each device")
+    evaluation: EvaluationSpec | None = Field(
+        default_factory=EvaluationSpec, description="federated evaluation on the devices' held-out examples, as "
+        "secure sums (null: none)")
 
     @property
     def selection_target(self) -> int:
@@ -190,6 +195,8 @@ class JobSpec(BaseModel):
         out["reveal"] = list(self.reveal)
         if self.adaptation is not None:
             out["adaptation"] = self.adaptation.to_dict()
+        if self.evaluation is not None:
+            out["evaluation"] = self.evaluation.model_dump(mode="json", exclude_none=True)
         return out
 
     def to_yaml(self) -> str:
@@ -198,7 +205,7 @@ class JobSpec(BaseModel):
 
 SECTIONS: dict[str, type[BaseModel]] = {
     "model": ModelSpec, "secure": SecureSpec, "deadlines": Deadlines, "privacy": privacy_spec.PrivacySpec,
-    "adaptation": AdaptationSpec,
+    "adaptation": AdaptationSpec, "evaluation": EvaluationSpec,
 }
 REQUIRED = tuple(name for name, info in JobSpec.model_fields.items() if info.is_required())
 
@@ -446,15 +453,43 @@ def _check_relations(raw: Mapping[str, Any], valid: dict[str, Any], errors: list
     adaptation = valid.get("adaptation")
     if adaptation is not None:
         _check_adaptation(raw["adaptation"], adaptation, model, errors)
+    evaluation = valid.get("evaluation")
+    if evaluation is not None and None not in (algorithm, options, model):
+        _check_evaluation(algorithm, options, model, evaluation, errors)
     privacy = valid.get("privacy")
     if privacy is not None and None not in (algorithm, options, model, secure, min_cohort) and "rounds" in valid:
+        job = _Evaluated(algorithm, options, model, evaluation)
         errors += privacy_spec.job_problems(
             privacy, algorithm=algorithm,
-            make_server=lambda: catalogue.make_server(
-                algorithm, {**options, "reveal": list(reveal)} if reveal else options),
+            make_server=lambda: evaluated_job_server(catalogue.make_server(
+                algorithm, {**options, "reveal": list(reveal)} if reveal else options), job),
             initial=lambda: catalogue.initial_model(model), secure=secure, rounds=valid["rounds"],
             cohort_size=cohort, min_cohort=min_cohort,
         )
+
+
+@dataclasses.dataclass(frozen=True)
+class _Evaluated:
+    """The parts of a spec its evaluation plan reads, before the whole spec is valid."""
+
+    algorithm: str
+    options: Mapping[str, Any]
+    model: ModelSpec
+    evaluation: EvaluationSpec | None
+
+
+def _check_evaluation(algorithm: str, options: Mapping[str, Any], model: ModelSpec, evaluation: EvaluationSpec,
+                      errors: list[str]) -> None:
+    try:
+        plan = plan_for(_Evaluated(algorithm, options, model, evaluation))
+    except ValueError as exc:
+        errors.append(f"evaluation: {exc}")
+        return
+    if plan is not None and "personal_accuracy" in plan.metrics and algorithm in algorithms.NAMES:
+        _, client = algorithms.make(algorithm, options)
+        if not isinstance(client, PersonalisedClient):
+            errors.append(f"evaluation.metrics: personal_accuracy needs a personalised algorithm (lg_fedavg, "
+                          f"superfed); {algorithm} keeps no personal model")
 
 
 def _check_adaptation(raw: Mapping[str, Any], adaptation: AdaptationSpec, model: ModelSpec | None,

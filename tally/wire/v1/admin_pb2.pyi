@@ -158,6 +158,37 @@ class JobEvent(_message.Message):
     time: _timestamp_pb2.Timestamp
     def __init__(self, job_id: _Optional[str] = ..., round: _Optional[int] = ..., phase: _Optional[_Union[_common_pb2.RoundPhase, str]] = ..., step: _Optional[str] = ..., state: _Optional[_Union[_common_pb2.JobState, str]] = ..., metrics: _Optional[_Mapping[str, float]] = ..., message: _Optional[str] = ..., time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ...) -> None: ...
 
+class GetJobMetricsRequest(_message.Message):
+    __slots__ = ("job_id",)
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    def __init__(self, job_id: _Optional[str] = ...) -> None: ...
+
+class RoundMetrics(_message.Message):
+    __slots__ = ("round", "metrics", "committed_at")
+    class MetricsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: float
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[float] = ...) -> None: ...
+    ROUND_FIELD_NUMBER: _ClassVar[int]
+    METRICS_FIELD_NUMBER: _ClassVar[int]
+    COMMITTED_AT_FIELD_NUMBER: _ClassVar[int]
+    round: int
+    metrics: _containers.ScalarMap[str, float]
+    committed_at: _timestamp_pb2.Timestamp
+    def __init__(self, round: _Optional[int] = ..., metrics: _Optional[_Mapping[str, float]] = ..., committed_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ...) -> None: ...
+
+class JobMetrics(_message.Message):
+    __slots__ = ("job_id", "rounds")
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    ROUNDS_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    rounds: _containers.RepeatedCompositeFieldContainer[RoundMetrics]
+    def __init__(self, job_id: _Optional[str] = ..., rounds: _Optional[_Iterable[_Union[RoundMetrics, _Mapping]]] = ...) -> None: ...
+
 class GetModelRequest(_message.Message):
     __slots__ = ("job_id", "round")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]

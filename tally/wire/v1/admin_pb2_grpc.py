@@ -74,6 +74,11 @@ class AdminStub:
                 request_serializer=tally_dot_v1_dot_admin__pb2.RevokeDeviceRequest.SerializeToString,
                 response_deserializer=tally_dot_v1_dot_admin__pb2.RevokedDevice.FromString,
                 _registered_method=True)
+        self.GetJobMetrics = channel.unary_unary(
+                '/tally.v1.Admin/GetJobMetrics',
+                request_serializer=tally_dot_v1_dot_admin__pb2.GetJobMetricsRequest.SerializeToString,
+                response_deserializer=tally_dot_v1_dot_admin__pb2.JobMetrics.FromString,
+                _registered_method=True)
 
 
 class AdminServicer:
@@ -135,6 +140,14 @@ class AdminServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def GetJobMetrics(self, request, context):
+        """Each committed round's figures (model quality from the devices' metric sums, and the round's
+        own counts), oldest first; NOT_FOUND for an unknown job.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_AdminServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -177,6 +190,11 @@ def add_AdminServicer_to_server(servicer, server):
                     servicer.RevokeDevice,
                     request_deserializer=tally_dot_v1_dot_admin__pb2.RevokeDeviceRequest.FromString,
                     response_serializer=tally_dot_v1_dot_admin__pb2.RevokedDevice.SerializeToString,
+            ),
+            'GetJobMetrics': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetJobMetrics,
+                    request_deserializer=tally_dot_v1_dot_admin__pb2.GetJobMetricsRequest.FromString,
+                    response_serializer=tally_dot_v1_dot_admin__pb2.JobMetrics.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -395,6 +413,33 @@ class Admin:
             '/tally.v1.Admin/RevokeDevice',
             tally_dot_v1_dot_admin__pb2.RevokeDeviceRequest.SerializeToString,
             tally_dot_v1_dot_admin__pb2.RevokedDevice.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetJobMetrics(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tally.v1.Admin/GetJobMetrics',
+            tally_dot_v1_dot_admin__pb2.GetJobMetricsRequest.SerializeToString,
+            tally_dot_v1_dot_admin__pb2.JobMetrics.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,0 +1,89 @@
+"""The job spec's ``evaluation:`` section: what each round measures on the devices' held-out
+examples, as secure sums (``tally.evaluation``). On by default with the metrics that fit the
+algorithm: a personalised one adds the personal model's accuracy, a domain one per-domain loss
+and accuracy. ``evaluation: null`` turns it off."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from tally import algorithms
+from tally.algorithms.base import PersonalisedClient
+from tally.evaluation import BUILT_IN, DEFAULT_METRICS, CustomMetric, EvaluatedServer, EvaluationPlan
+
+STRICT = ConfigDict(extra="forbid", strict=True, frozen=True)
+# Algorithms whose devices hold examples labelled with domains (their trainers evaluate per domain).
+DOMAIN_ALGORITHMS = ("agnostic_fedavg", "feddar_wa", "feddar_sa")
+
+
+class CustomMetricSpec(BaseModel):
+    """A metric the devices' trainers report (``LocalTrainer.metrics``), declared so every device
+    encodes it alike: its kind and bounds, like any payload field (values outside are clipped and
+    counted)."""
+
+    model_config = STRICT
+    name: str = Field(pattern=r"^[A-Za-z][A-Za-z0-9_]{0,39}$", description="letters, digits and '_'")
+    kind: Literal["mean", "count", "histogram"] = Field(
+        "mean", description="mean (example-weighted over devices), count (summed) or histogram (devices per bin)")
+    low: float = Field(0.0, description="lowest value (0 for a count)")
+    high: float = Field(1.0, description="highest value")
+    bins: int = Field(10, ge=2, le=100, description="bins of a histogram over [low, high]")
+
+
+class EvaluationSpec(BaseModel):
+    """Federated evaluation: each selected device scores the model it receives on its held-out
+    examples before training and reports its training loss after; only sums leave it."""
+
+    model_config = STRICT
+    metrics: tuple[Literal[BUILT_IN], ...] | None = Field(  # type: ignore[valid-type]
+        None, strict=False, description="built-in metrics: " + ", ".join(BUILT_IN) + " (default: "
+        + ", ".join(DEFAULT_METRICS) + ", with personal_accuracy for a personalised algorithm and "
+        "domain for a domain one)")
+    custom: tuple[CustomMetricSpec, ...] = Field((), strict=False, description="metrics the devices' trainers report")
+    holdout: float = Field(0.1, ge=0, lt=1, description="share of each device's examples held out of training")
+    every: int = Field(1, ge=1, description="evaluate every this many rounds (and always the last round)")
+    bins: int = Field(10, ge=2, le=100, description="bins of the per-device accuracy histogram")
+    loss_bound: float = Field(10.0, gt=0, description="a device's mean loss is clipped to [0, loss_bound]")
+    example_cap: int = Field(1000, ge=1, description="held-out examples at which a device's weight stops growing")
+
+    def due(self, round_: int, rounds: int) -> bool:
+        return round_ % self.every == 0 or round_ == rounds
+
+
+def _metrics(spec: Any) -> tuple[str, ...]:
+    chosen = spec.evaluation.metrics
+    if chosen is not None:
+        return tuple(chosen)
+    extra = []
+    _, client = algorithms.make(spec.algorithm, spec.options) if spec.algorithm in algorithms.NAMES else (None, None)
+    if isinstance(client, PersonalisedClient):
+        extra.append("personal_accuracy")
+    if spec.algorithm in DOMAIN_ALGORITHMS:
+        extra.append("domain")
+    return (*DEFAULT_METRICS, *extra)
+
+
+def domains_of(spec: Any) -> int:
+    """How many domains the job's devices label their examples with."""
+    return max(int(spec.options.get("domains", 0) or 0), int(spec.model.domains))
+
+
+def plan_for(spec: Any) -> EvaluationPlan | None:
+    """The job's evaluation plan (None when ``evaluation: null``); ``ValueError`` when it cannot be."""
+    e = spec.evaluation
+    if e is None:
+        return None
+    metrics = _metrics(spec)
+    return EvaluationPlan(
+        metrics=metrics, custom=tuple(CustomMetric(**c.model_dump()) for c in e.custom), holdout=e.holdout,
+        bins=e.bins, loss_bound=e.loss_bound, example_cap=e.example_cap,
+        domains=domains_of(spec) if "domain" in metrics else 0,
+    )
+
+
+def evaluated_job_server(server: Any, spec: Any) -> Any:
+    """A job's server half, wrapped with its evaluation when it has one."""
+    plan = plan_for(spec)
+    return server if plan is None else EvaluatedServer(server, plan)
