@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import importlib.util
 import logging
 import os
 import shutil
@@ -23,6 +24,7 @@ from tally.coordinator.faces.ratelimit import (
     RateLimit,
 )
 from tally.coordinator.rounds.aggregators import parse_aggregator
+from tally.coordinator.rounds.experiment_tracking import default_uri
 from tally.coordinator.state.database import is_postgres_url
 from tally.security.tls import add_tls_arguments, tls_config_from_args
 from tally.shutdown import stop_on_signals
@@ -138,6 +140,12 @@ def register(sub: argparse._SubParsersAction) -> None:
         "--model-plugin", action="append", default=[], metavar="MODULE",
         help="import this Python module's TALLY_MODELS so jobs may name its model kinds "
         "(repeatable; only the operator can add code to the coordinator, never a job spec)",
+    )
+    p.add_argument(
+        "--tracking-uri", default="auto", metavar="URI",
+        help="MLflow tracking URI: one run per job with its spec, every round's figures and the final ONNX "
+        "model (needs tally[tracking]); 'auto': a file store in --state-dir/mlruns when MLflow is "
+        "installed, else none; 'none': no tracking (default: %(default)s)",
     )
     p.add_argument("--log-level", default="info", help="debug, info, warning or error")
     add_tls_arguments(p, "coordinator", server=True)
@@ -257,11 +265,23 @@ def run_coordinator(args: argparse.Namespace) -> int:
             database_url=args.database or None,
             epoch=epoch,
             internal_listen=args.internal_listen if args.database else None,
+            tracking_uri=_tracking_uri(args.tracking_uri, args.state_dir),
         )
     if advertise is not None:
         return asyncio.run(_serve_replica(Replica(make_service, advertise, lambda s: _submit_new(s, specs),
                                                   on_serving=_say_serving)))
     return asyncio.run(_serve(make_service(None), specs))
+
+
+def _tracking_uri(given: str, state_dir: Path) -> str | None:
+    """The MLflow tracking URI to use (None: none): ``auto`` tracks only where MLflow is installed."""
+    if given == "none":
+        return None
+    if given != "auto":
+        return given
+    if importlib.util.find_spec("mlflow") is None:
+        return None
+    return default_uri(state_dir)
 
 
 def _replication(args: argparse.Namespace) -> str | None:

@@ -145,6 +145,13 @@ class CoordinatorMetrics(DeviceMetrics):
             "tally_coordinator_current_round", "Round in progress per running job", ["job_id"],
             registry=registry,
         )
+        self.model_quality = Gauge(
+            "tally_coordinator_model_quality",
+            "A job's latest committed model-quality figure from its devices' metric sums (eval.loss, "
+            "eval.accuracy, train.loss, personal.accuracy, eval.accuracy_p10, per-domain, custom: "
+            "docs/evaluation.md); a ratio, a mean loss or a count, never one device's value",
+            ["job_id", "metric"], registry=registry,
+        )
         self.bytes_served = Counter(
             "tally_coordinator_model_served_bytes", "Model and ONNX bytes streamed to devices",
             registry=registry,

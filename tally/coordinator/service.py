@@ -41,7 +41,9 @@ from tally.coordinator.faces.ratelimit import (
 from tally.coordinator.metrics import CoordinatorMetrics
 from tally.coordinator.rounds.active_jobs import ActiveJobs
 from tally.coordinator.rounds.aggregators import AggregatorPool
+from tally.coordinator.rounds.experiment_tracking import MlflowTracker
 from tally.coordinator.rounds.pacing import CheckinPacer
+from tally.coordinator.rounds.quality_gauges import QualityGauges
 from tally.coordinator.state.store import Store
 from tally.metrics import MetricsServer, watch_certificate
 from tally.security import (
@@ -113,6 +115,7 @@ class CoordinatorService:
         database_url: str | None = None,
         epoch: int | None = None,
         internal_listen: str | None = None,
+        tracking_uri: str | None = None,
     ) -> None:
         if device_processes < 1:
             raise ValueError(f"device_processes must be >= 1, got {device_processes}")
@@ -131,6 +134,9 @@ class CoordinatorService:
         self.front_metrics_port = front_metrics_port  # front i on this + i - 1; 0: ephemeral ports
         self.database_url, self.epoch, self.internal_listen = database_url, epoch, internal_listen
         self.internal_port: int | None = None  # bound on internal_listen
+        # An MLflow run per job (tally/coordinator/rounds/experiment_tracking.py); None: no tracking.
+        self.tracking_uri = tracking_uri
+        self._tracker: MlflowTracker | None = None
         # Each process serving devices paces the devices connected to it: 1/N of them. The
         # check-ins fronts forward (their devices' of populations with a job) are paced here at
         # the fronts' share, so a population with a job arrives at the whole rate. A leading
@@ -199,6 +205,10 @@ class CoordinatorService:
             self._store, self._pool, signer, metrics, self.clock, checkin_hold_s=self.checkin_hold_s,
             checkin_rate=self.checkin_rate,
         )
+        jobs.events.listen(QualityGauges(metrics.model_quality))
+        if self.tracking_uri is not None:
+            self._tracker = MlflowTracker(self._store, self.tracking_uri)
+            jobs.events.listen(self._tracker)
         metrics.watch(self._store.job_counts,
                       lambda: sum(len(runner.sessions.opened) for runner in list(jobs.runners.values())))
 
@@ -335,6 +345,9 @@ class CoordinatorService:
             await self._health.enter_graceful_shutdown()
         if self.jobs is not None:
             await self.jobs.stop()
+        if self._tracker is not None:  # its last events, before the store they read closes
+            await asyncio.to_thread(self._tracker.close)
+            self._tracker = None
         if self._server is not None:
             await self._server.stop(grace)
         if self._pool is not None:

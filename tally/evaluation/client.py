@@ -106,7 +106,7 @@ class RoundEvaluation:
         model = {k: broadcast[k] for k in plan.model if k in broadcast} if plan.model else dict(broadcast)
         n = held.num_examples
         w = min(n, plan.example_cap) / plan.example_cap
-        values: dict[str, Any] = {"devices": np.int64(1), "examples": np.int64(min(n, plan.example_cap)),
+        values: dict[str, Any] = {"devices": np.float64(1.0), "examples": np.int64(min(n, plan.example_cap)),
                                   "weight": np.float64(w)}
         loss, accuracy = held.evaluate(model) if n else (0.0, 0.0)
         if "loss" in plan.metrics:

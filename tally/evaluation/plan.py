@@ -104,7 +104,7 @@ class EvaluationPlan:
     def fields(self) -> tuple[Field, ...]:
         """The metric fields appended to the step's schema, in a fixed order."""
         k = max(self.domains, 1)
-        out = [Field(PREFIX + "devices", (), kind=Kind.COUNT, clip=1),
+        out = [Field(PREFIX + "devices", (), clip=1.0),  # 1 per device: under DP, counted
                Field(PREFIX + "examples", (), kind=Kind.COUNT, clip=self.example_cap),
                Field(PREFIX + "weight", (), clip=1.0),
                Field(PREFIX + "clipped", (), kind=Kind.COUNT, clip=self.clip_capacity)]

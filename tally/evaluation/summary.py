@@ -51,8 +51,9 @@ def quality(plan: EvaluationPlan, totals: Mapping[str, np.ndarray]) -> dict[str,
     """The round's figures from the metric fields' totals (names without ``metric.``)."""
     t = {k: np.asarray(v, dtype=np.float64) for k, v in totals.items()}
     weight = t["weight"]
-    out = {"eval.devices": float(t["devices"]), "eval.examples": float(t["examples"]),
-           "eval.clipped": float(t["clipped"])}
+    # Under DP the exact counts of examples and clipped values are withheld (never released).
+    out = {"eval.devices": float(t["devices"]),
+           **{f"eval.{name}": float(t[name]) for name in ("examples", "clipped") if name in t}}
     if "loss" in t:
         out["eval.loss"] = float(_ratio(t["loss"], weight))
     if "accuracy" in t:

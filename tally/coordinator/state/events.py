@@ -40,6 +40,12 @@ class EventHub:
     def __init__(self, store: Store, clock: Callable[[], float]) -> None:
         self._store, self._clock = store, clock
         self._subscribers: dict[str, set[asyncio.Queue[EventRecord | None]]] = defaultdict(set)
+        # What reacts to every job's events in process (model-quality gauges, experiment tracking):
+        # called on the event loop, so each must return at once.
+        self._listeners: list[Callable[[EventRecord], None]] = []
+
+    def listen(self, listener: Callable[[EventRecord], None]) -> None:
+        self._listeners.append(listener)
 
     def publish(
         self,
@@ -56,6 +62,8 @@ class EventHub:
         self._store.add_event(event)
         for queue in self._subscribers.get(job_id, ()):
             queue.put_nowait(event)
+        for listener in self._listeners:
+            listener(event)
         return event
 
     def subscribe(self, job_id: str) -> asyncio.Queue[EventRecord | None]:
