@@ -130,12 +130,14 @@ class InProcess:
         await service.stop(grace=0)
 
     @contextlib.asynccontextmanager
-    async def whole_system(self, tmp_path: Path, tls: bool = False, device_processes: int = 1) -> AsyncIterator[Stack]:
+    async def whole_system(self, tmp_path: Path, tls: bool = False, device_processes: int = 1,
+                           **coordinator_options: Any) -> AsyncIterator[Stack]:
         """The real coordinator and two real aggregators. ``tls``: every connection over TLS with
         ``tally certs`` identities instead of plaintext on loopback; as deployed, each aggregator's
         control API has its own port and admits only the coordinator's certificate, and devices
         present none (their Join authenticates each stream). ``device_processes``: the coordinator
-        serves devices from that many processes (its fronts)."""
+        serves devices from that many processes (its fronts); ``coordinator_options``: its other
+        options (``tracking_uri``, ...)."""
         state_dir = tmp_path / "state"
         public = load_or_create_ticket_key(state_dir).public_key()
         pki = tmp_path / "pki"
@@ -152,7 +154,7 @@ class InProcess:
             coordinator = await self.coordinator(
                 identity("coordinator", "coordinator"), state_dir,
                 [(a.id, f"127.0.0.1:{a.control_port}") for a in aggregators], checkin_hold_s=2.0,
-                device_processes=device_processes,
+                device_processes=device_processes, **coordinator_options,
             )
             yield Stack(self, aggregators, coordinator, identity(None, "device"))
 

@@ -3,7 +3,8 @@ round's figures, model quality included; artifact: the final model as ONNX; tags
 state and, if it failed, why).
 
 MLflow is an optional extra (``tally[tracking]``, ``mlflow-skinny``); the tracking URI is the
-coordinator's (``--tracking-uri``; default a file store in its state directory). Calls to the
+coordinator's (``--tracking-uri``; default a file store in its state directory, which needs no
+server or database: point it at an MLflow server in production). Calls to the
 tracking server are blocking I/O, so they run on one worker thread in event order, never on the
 event loop, and a tracking server that fails is logged, never a job's failure. A restarted
 coordinator finds a job's run again by its ``tally.job_id`` tag and goes on logging into it.
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import importlib.util
 import logging
+import os
 import tempfile
 from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
@@ -29,6 +31,7 @@ log = logging.getLogger(__name__)
 EXPERIMENT = "tally"
 JOB_TAG = "tally.job_id"
 MAX_PARAM_CHARS = 500
+FILE_STORE_OPT_IN = "MLFLOW_ALLOW_FILE_STORE"
 
 
 class TrackingUnavailable(RuntimeError):
@@ -59,6 +62,9 @@ class MlflowTracker:
             raise TrackingUnavailable(
                 "experiment tracking needs MLflow: pip install 'tally[tracking]' (mlflow-skinny), or run the "
                 "coordinator with --tracking-uri none")
+        if uri.startswith("file:"):
+            # The default store needs no server or database; MLflow 3 asks file stores to opt in.
+            os.environ.setdefault(FILE_STORE_OPT_IN, "true")
         self.store, self.uri = store, uri
         self._client: Any = None  # imported on the worker thread: MLflow takes a second to import
         self._runs: dict[str, str] = {}
