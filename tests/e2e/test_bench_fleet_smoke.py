@@ -40,6 +40,10 @@ def test_fleet_bench_audits_every_sum_and_itemises_the_aggregators_cpu(tmp_path,
     assert re.search(r"^  sums audited    [1-9]\d* exact, 0 wrong, 0 foreign$", printed, re.M), printed
     assert printed.endswith("good: every round committed and every committed sum exact\n")
     assert not fleet.good(result, 2) and "NOT GOOD" in fleet.summary(result, 2)  # a round short
+    # docs/load-testing.md's first load test shows a summary of this shape: the same lines in order.
+    sample = re.search(r"```text\n(.+?)\n```", (ROOT / "docs" / "load-testing.md").read_text(), re.S).group(1)
+    labels = lambda text: [line[:18].strip() for line in text.splitlines()]  # noqa: E731
+    assert labels(sample)[1:] == labels(printed)[1:]
     assert result["audit"]["exact"] >= 1 and result["audit"]["mismatch"] == result["audit"]["foreign"] == 0
     assert ({"coordinator", "aggregator-1", "aggregator-2", "fleet-0", "fleet-1"}
             <= result["cpu_seconds_per_round"].keys())
