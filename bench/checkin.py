@@ -1,4 +1,4 @@
-"""Check-in capacity of one coordinator core (issue 8), and pace steering holding a population
+"""Check-in capacity of one coordinator core, and pace steering holding a population
 to a target rate.
 
 ``capacity``: a coordinator process over TLS pinned to one core; load generators in their own

@@ -1,4 +1,4 @@
-"""How long each `tally COMMAND --help` takes, against issue 25's limit of 0.5 s.
+"""How long each `tally COMMAND --help` takes, against a limit of 0.5 s.
 
 Each command runs as its own process (`python -m tally.cli COMMAND --help`), as a person types
 it, so interpreter start-up and every import the command's module makes are in the time. The

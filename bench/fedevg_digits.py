@@ -1,4 +1,4 @@
-"""FedEvg on scikit-learn's 8x8 digits (issue 13): devices split by Dirichlet(alpha) labels, the
+"""FedEvg on scikit-learn's 8x8 digits: devices split by Dirichlet(alpha) labels, the
 synthetic set refined through the secure sum, then a classifier trained only on the synthetic
 set is scored on real held-out digits (the thesis' utility measure, Tables 4.2-4.3).
 

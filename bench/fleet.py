@@ -1,12 +1,15 @@
-"""Servers under load, as deployed (issue 8): the coordinator, each aggregator and each fleet shard
-in its own process (TLS on 127.0.0.1), a synthetic fleet whose every committed sum is checked,
-every process's CPU seconds and peak resident memory measured from outside (psutil), and the
-latency percentiles of every coordinator call and protocol phase as the devices saw them.
+"""Servers under load, as deployed: the coordinator, each aggregator and each fleet shard in its
+own process (TLS on 127.0.0.1), a synthetic fleet whose every committed sum is checked, every
+process's CPU seconds and peak resident memory measured from outside (psutil), and the latency
+percentiles of every coordinator call and protocol phase as the devices saw them.
 
+    .venv/bin/python bench/fleet.py --devices 300 --cohort 60 --rounds 2   # a first load test, under a minute
     .venv/bin/python bench/fleet.py --devices 2000 --shards 2 --cohort 200 --hidden 133 --rounds 5 --json out.json
     .venv/bin/python bench/fleet.py --devices 10000 --idle 60 --json idle.json   # memory of idle devices
 
-Round wall times come from the coordinator's own record (its SQLite state, read-only).
+It shows its progress and ends with a summary, and exits 1 when a round did not commit or a
+committed sum was not exact; every measurement is in the JSON (--json). Round wall times come
+from the coordinator's own record (its SQLite state, read-only).
 """
 
 from __future__ import annotations
@@ -22,16 +25,25 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import grpc
 import psutil
 from prometheus_client.parser import text_string_to_metric_families
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
+from tally.cli.console import console
 from tally.loadtest.sum_audit import SumAudit, check_committed, outcome_counts
 from tally.loadtest.timeline import FleetTimeline
 from tally.ops.cluster import ProcessCluster
 from tally.shutdown import Signalled, cancelled_by_signals
+from tally.wire.v1 import common_pb2
+
+# What the progress line is told: what is going on, and how far along (rounds committed, or
+# seconds of an idle run) when that is known.
+Show = Callable[..., None]
 
 SPEC = """\
 name: bench-fleet
@@ -91,7 +103,21 @@ class Sampler:
             self.cpu[name] = times.user + times.system
 
 
-async def _run(args: argparse.Namespace, workdir: Path) -> dict:
+@contextlib.contextmanager
+def _progress(total: float) -> Iterator[Show]:
+    """A live line on stderr (stdout is for the summary, or the JSON with ``--json -``)."""
+    progress = Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+                        TimeElapsedColumn(), console=console(stderr=True))
+    with progress:
+        task = progress.add_task("starting", total=total)
+
+        def show(description: str, completed: float | None = None) -> None:
+            progress.update(task, description=description, completed=completed)
+
+        yield show
+
+
+async def _run(args: argparse.Namespace, workdir: Path, show: Show) -> dict:
     # Every simulated device comes from 127.0.0.1: lift the per-source limits a deployment keeps.
     flags = ["--register-limit", "1000000/1000000", "--checkin-limit", "1000000/1000000"]
     if args.checkin_rate:
@@ -100,6 +126,7 @@ async def _run(args: argparse.Namespace, workdir: Path) -> dict:
     sampler = Sampler()
     shards: list[asyncio.subprocess.Process] = []
     try:
+        show(f"starting the coordinator and {args.aggregators} aggregator(s)")
         await cluster.start()
         # The services' start-up (imports, TLS, SQLite) is not load: count CPU from here.
         sampler.sample({name: p.pid for name, p in cluster.processes.items() if p.pid})
@@ -130,6 +157,7 @@ async def _run(args: argparse.Namespace, workdir: Path) -> dict:
             shards.append(await asyncio.create_subprocess_exec(
                 *argv, stdout=asyncio.subprocess.DEVNULL, stderr=(workdir / f"shard-{i}.log").open("wb")))
         start = time.monotonic()
+        show(f"{args.devices} devices in {args.shards} fleet process(es) joining")
         pids = {name: p.pid for name, p in cluster.processes.items() if p.pid}
         pids.update({f"fleet-{i}": s.pid for i, s in enumerate(shards)})
         # CPU at each round's commit: the first round also carries the fleet's enrolment (every
@@ -141,9 +169,14 @@ async def _run(args: argparse.Namespace, workdir: Path) -> dict:
             sampler.sample(pids)
             if job_id is not None:
                 with contextlib.suppress(grpc.aio.AioRpcError):
-                    committed = (await cluster.job(job_id, timeout=2.0)).committed_round
+                    job = await cluster.job(job_id, timeout=2.0)
+                    committed = job.committed_round
                     if committed and committed not in at_commit:
                         at_commit[committed] = dict(sampler.cpu)
+                    phase = common_pb2.RoundPhase.Name(job.phase).removeprefix("ROUND_PHASE_").lower()
+                    show(f"round {max(job.round, 1)} of {args.rounds}: {phase} · rounds committed", committed)
+            elif args.idle:
+                show(f"{args.devices} idle devices · seconds", round(time.monotonic() - start))
 
         while True:
             await mark_commits()
@@ -163,6 +196,7 @@ async def _run(args: argparse.Namespace, workdir: Path) -> dict:
                                  + (workdir / f"shard-{i}.log").read_text()[-3000:])
         checks, expositions = [], {}
         if not args.idle:  # the shards' fingerprints merged, every committed sum checked at once
+            show("checking every committed sum against the devices' inputs")
             audit = SumAudit()
             for i in range(args.shards):
                 audit = audit.merge(SumAudit.from_json(json.loads((workdir / f"audit-{i}.json").read_text())))
@@ -230,9 +264,61 @@ async def _run(args: argparse.Namespace, workdir: Path) -> dict:
     return result
 
 
+def _mb(n: float) -> str:
+    return f"{n / 1e6:,.0f} MB"
+
+
+def _by_process(values: dict[str, float], unit: Callable[[float], str]) -> str:
+    return ", ".join(f"{name} {unit(v)}" for name, v in sorted(values.items()))
+
+
+def good(result: dict[str, Any], rounds: int) -> bool:
+    """Every round committed and every committed sum exact (an idle run has nothing to get wrong)."""
+    if "idle_seconds" in result:
+        return True
+    audit = result["audit"]
+    return result["rounds_committed"] == rounds and audit["mismatch"] == audit["foreign"] == 0 and audit["exact"] > 0
+
+
+def summary(result: dict[str, Any], rounds: int) -> str:
+    """What a person reads at the end of a run: the verdict, then the numbers that say why."""
+    seconds = lambda v: f"{v:.2f} s"  # noqa: E731
+    lines = [f"{result['devices']:,} devices in {result['shards']} fleet process(es), "
+             f"{result['aggregators']} aggregator(s); the fleet ran {result['seconds']:.1f} s"]
+    if "idle_seconds" in result:
+        lines += [f"  idle for        {result['idle_seconds']:g} s",
+                  f"  fleet memory    {result['fleet_rss_bytes_per_device'] / 1e3:,.1f} kB per idle device",
+                  f"  peak memory     {_by_process(result['peak_rss_bytes'], _mb)}"]
+        return "\n".join(lines)
+    audit, fleet = result["audit"], result["fleet"]
+    mode = "plain" if result["plain"] else "secure" if result["consistency_check"] else "secure, no consistency check"
+    median = result["round_seconds_median"]
+    lines += [
+        f"  rounds          {result['rounds_committed']} of {rounds} committed ({mode}, cohort {result['cohort']}, "
+        f"{result['values']:,} values)" + (f", median {median:.1f} s, {result['rounds_per_hour']:,.0f} per hour"
+                                           if median else ""),
+        f"  sums audited    {audit['exact']} exact, {audit['mismatch']} wrong, {audit['foreign']} foreign",
+        f"  fleet           {fleet['checkins']:,} check-ins, {fleet['tasks_done']:,} tasks done, "
+        f"{fleet['dropouts']:,} dropouts, {_mb(fleet['bytes_up'])} uploaded",
+        f"  CPU per round   {_by_process(result['cpu_seconds_per_round'], seconds)}",
+        f"  peak memory     {_by_process(result['peak_rss_bytes'], _mb)}",
+    ]
+    latency = result["device_latency_seconds"]
+    for kind, title in (("rpc", "device calls"), ("phase", "device phases")):
+        if latency[kind]:
+            lines.append(f"  {title:<15} " + ", ".join(f"{name} {p['p50']:.2f}/{p['p99']:.2f} s"
+                                                         for name, p in latency[kind].items()) + " (p50/p99)")
+    lines.append("good: every round committed and every committed sum exact" if good(result, rounds) else
+                 "NOT GOOD: a round did not commit, or a committed sum was not the sum of its devices' inputs "
+                 "(--keep DIR keeps the logs and the coordinator's database)")
+    return "\n".join(lines)
+
+
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],
-                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        epilog="A first load test, under a minute: bench/fleet.py --devices 300 --cohort 60 --rounds 2 "
+               "(docs/load-testing.md says what a good result looks like).")
     parser.add_argument("--devices", type=int, default=1000, help="simulated devices in all")
     parser.add_argument("--shards", type=int, default=1, help="fleet processes")
     parser.add_argument("--aggregators", type=int, default=2, help="aggregator processes")
@@ -251,24 +337,31 @@ def main() -> None:
                         help="the coordinator's pace steering target (check-ins per second; 0: off)")
     parser.add_argument("--ramp", type=float, default=0.0, metavar="SECONDS",
                         help="the fleet's devices come online over this many seconds (tally fleet --ramp)")
-    parser.add_argument("--json", type=Path, help="write the results here (they are printed either way)")
+    parser.add_argument("--json", type=Path, metavar="FILE",
+                        help="write every measurement as JSON to FILE ('-': print it instead of the summary)")
     parser.add_argument("--keep", type=Path, metavar="DIR",
                         help="run in DIR and keep what the run leaves (the coordinator's SQLite, every "
                              "process's log, the fleet's reports and timelines) to look into a round")
     args = parser.parse_args()
     try:
-        if args.keep:
-            args.keep.mkdir(parents=True, exist_ok=True)
-            result = asyncio.run(cancelled_by_signals(_run(args, args.keep), (signal.SIGTERM,)))
-        else:
-            with tempfile.TemporaryDirectory(prefix="tally-bench-fleet-") as tmp:
-                result = asyncio.run(cancelled_by_signals(_run(args, Path(tmp)), (signal.SIGTERM,)))
+        with _progress(args.idle or args.rounds) as show, contextlib.ExitStack() as stack:
+            workdir = args.keep or Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="tally-bench-fleet-")))
+            workdir.mkdir(parents=True, exist_ok=True)
+            result = asyncio.run(cancelled_by_signals(_run(args, workdir, show), (signal.SIGTERM,)))
+            show("done")
     except Signalled:
         raise SystemExit("bench/fleet.py: terminated; its processes are stopped") from None
-    print(json.dumps(result, indent=2))
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(result, indent=2))
+    text = json.dumps(result, indent=2)
+    if args.json == Path("-"):
+        print(text)
+        console(stderr=True).print(summary(result, args.rounds), highlight=False)
+    else:
+        print(summary(result, args.rounds))
+        if args.json:
+            args.json.parent.mkdir(parents=True, exist_ok=True)
+            args.json.write_text(text)
+    if not good(result, args.rounds):
+        raise SystemExit(1)
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-"""What a registered population costs the coordinator (issue 28), against the population's size.
+"""What a registered population costs the coordinator, against the population's size.
 
 For each population N (``--populations``, default 10,000 100,000 1,000,000):
 

@@ -5,8 +5,11 @@ in Grafana).
     python k8s/monitoring/dashboard.py > k8s/monitoring/dashboard.json
 
 tests/test_monitoring.py checks that dashboard.json is this script's output, and runs every query
-in it against a real Prometheus that scraped a real job. Queries use only Grafana's built-in
-``$__rate_interval``; series and units are in docs/metrics.md.
+in it against a real Prometheus that scraped a real job. Every query sums ``by (namespace)`` over
+the namespaces of the Namespace variable (a second deployment in another namespace is shown
+apart, not added in); the Job variable selects among the series that name a job (``job_id``). Besides those, queries
+use only Grafana's built-in ``$__rate_interval`` and ``$__range``; series and units are in
+docs/metrics.md.
 """
 
 from __future__ import annotations
@@ -18,12 +21,17 @@ from grafana_foundation_sdk.builders import common, dashboard, prometheus, stat,
 from grafana_foundation_sdk.cog.builder import Builder
 from grafana_foundation_sdk.cog.encoder import JSONEncoder
 from grafana_foundation_sdk.models.common import LegendDisplayMode, LegendPlacement, SortOrder, TooltipDisplayMode
-from grafana_foundation_sdk.models.dashboard import DataSourceRef
+from grafana_foundation_sdk.models.dashboard import DataSourceRef, VariableRefresh, VariableSort
 from grafana_foundation_sdk.models.prometheus import PromQueryFormat
 
 UID = "tally-overview"
 DATASOURCE = DataSourceRef(type_val="prometheus", uid="${datasource}")
 RATE = "[$__rate_interval]"
+# The Namespace variable's selection; without Kubernetes series have no namespace, which ".*"
+# (the variable's "All") matches.
+IN_NAMESPACE = 'namespace=~"$namespace"'
+# Devices' task reports on tasks that did not complete (unmatched: not a task of the reporter's).
+FAILED_REPORTS = 'outcome!~"completed|unmatched"'
 
 
 @dataclass(frozen=True)
@@ -32,16 +40,46 @@ class Query:
     legend: str = ""
 
 
+def series(metric: str, matchers: str = "") -> str:
+    """``metric`` in the selected namespaces, with ``matchers`` (PromQL label matchers) besides."""
+    return f"{metric}{{{IN_NAMESPACE}{', ' + matchers if matchers else ''}}}"
+
+
+def per_namespace(legend: str) -> str:
+    """A legend that also names the namespace, for when the variable selects several."""
+    return f"{legend} {{{{namespace}}}}" if legend else "{{namespace}}"
+
+
 def p95(metric: str, by: str = "") -> Query:
     """The 95th percentile of a histogram, per ``by`` label when given."""
-    labels = f"le, {by}" if by else "le"
-    return Query(f"histogram_quantile(0.95, sum by ({labels}) (rate({metric}_bucket{RATE})))",
-                 f"p95 {{{{{by}}}}}" if by else "p95")
+    labels = f"namespace, le, {by}" if by else "namespace, le"
+    return Query(f"histogram_quantile(0.95, sum by ({labels}) (rate({series(metric + '_bucket')}{RATE})))",
+                 per_namespace(f"p95 {{{{{by}}}}}" if by else "p95"))
 
 
-def per_second(metric: str, by: str = "", legend: str = "") -> Query:
-    grouping = f" by ({by})" if by else ""
-    return Query(f"sum{grouping} (rate({metric}{RATE}))", legend or (f"{{{{{by}}}}}" if by else ""))
+def per_second(metric: str, by: str = "", legend: str = "", matchers: str = "") -> Query:
+    grouping = f"namespace, {by}" if by else "namespace"
+    return Query(f"sum by ({grouping}) (rate({series(metric, matchers)}{RATE}))",
+                 per_namespace(legend or (f"{{{{{by}}}}}" if by else "")))
+
+
+def summed(metric: str, matchers: str = "", by: str = "", how: str = "sum") -> Query:
+    """A gauge or counter's value per namespace (and per ``by`` label), ``how`` aggregated."""
+    grouping = f"namespace, {by}" if by else "namespace"
+    return Query(f"{how} by ({grouping}) ({series(metric, matchers)})",
+                 per_namespace(f"{{{{{by}}}}}" if by else ""))
+
+
+def recorded(record: str, legend: str) -> Query:
+    """A recording rule of rules.yaml (already per namespace) in the selected namespaces."""
+    return Query(series(record), per_namespace(legend))
+
+
+def variable(name: str, label: str, query: str) -> Builder:
+    """A multi-value query variable with "All" (matching any value, and series without the label)."""
+    return (dashboard.QueryVariable(name).label(label).query(query).datasource(DATASOURCE)
+            .refresh(VariableRefresh.ON_TIME_RANGE_CHANGED).sort(VariableSort.ALPHABETICAL_ASC)
+            .multi(True).include_all(True).all_value(".*"))
 
 
 def _targets(panel: Builder, queries: list[Query], *, as_table: bool = False) -> Builder:
@@ -85,24 +123,29 @@ def build() -> dict:
         .time("now-6h", "now")
         .timezone("browser")
         .with_variable(dashboard.DatasourceVariable("datasource").label("Prometheus").type("prometheus"))
+        .with_variable(variable("namespace", "Namespace", "label_values(tally_build_info, namespace)"))
+        # Jobs named by any series (a running job's round, a job's privacy ledger, ...).
+        .with_variable(variable("job_id", "Job",
+                                f"label_values({{__name__=~\"tally_.+\", {IN_NAMESPACE}, job_id!=\"\"}}, job_id)"))
     )
     rows: list[tuple[str, list[Builder]]] = [
         ("Rounds", [
-            single("Rounds committed", "none", Query("sum(tally_coordinator_rounds_committed_total)"),
+            single("Rounds committed", "none", summed("tally_coordinator_rounds_committed_total"),
                    "Rounds whose model was checkpointed since the coordinator started"),
-            single("Running jobs", "none", Query('sum(tally_coordinator_jobs{state="RUNNING"})'),
+            single("Running jobs", "none", summed("tally_coordinator_jobs", 'state="RUNNING"', how="max"),
                    "Jobs the coordinator is running now"),
-            single("Aggregators up", "none", Query("max(tally_coordinator_aggregators_up)"),
+            single("Aggregators up", "none", summed("tally_coordinator_aggregators_up", how="max"),
                    "Aggregators answering SERVING to the coordinator"),
-            single("Open sessions", "none", Query("sum(tally_coordinator_open_sessions)"),
+            single("Open sessions", "none", summed("tally_coordinator_open_sessions"),
                    "Secure-aggregation sessions the running rounds hold open (one per cohort)"),
             single("Round p95", "s", p95("tally_coordinator_round_duration_seconds"),
                    "Round wall time, start to last sum applied"),
             single("Commit lag p95", "s", p95("tally_coordinator_commit_lag_seconds"),
                    "Checkpointing a round after its last sum"),
-            graph("Current round", "none", [Query("max by (job_id) (tally_coordinator_current_round)", "{{job_id}}")],
+            graph("Current round", "none",
+                  [summed("tally_coordinator_current_round", 'job_id=~"$job_id"', "job_id", how="max")],
                   "Round in progress per running job"),
-            graph("Jobs by state", "none", [Query("sum by (state) (tally_coordinator_jobs)", "{{state}}")],
+            graph("Jobs by state", "none", [summed("tally_coordinator_jobs", by="state", how="max")],
                   "Jobs in the coordinator's store per state"),
             graph("Round outcomes", "ops", [
                 per_second("tally_coordinator_rounds_committed_total", legend="committed"),
@@ -119,7 +162,7 @@ def build() -> dict:
                   "Aggregators: wall time of each secure-aggregation phase"),
             graph("Protocol phases on devices (p95)", "s", [p95("tally_client_phase_duration_seconds", "phase")],
                   "Devices: from the aggregator's request to the device's answer"),
-            graph("Unmask CPU (p95, 15 min)", "s", [Query("tally:aggregator_unmask_seconds:p95_15m", "unmask")],
+            graph("Unmask CPU (p95, 15 min)", "s", [recorded("tally:aggregator_unmask_seconds:p95_15m", "unmask")],
                   "CPU time of the call that closes Unmask (recording rule; alert above 30 s)"),
             graph("Local computation (p95)", "s", [p95("tally_client_compute_seconds"),
                                                    p95("tally_client_download_seconds")],
@@ -136,12 +179,12 @@ def build() -> dict:
             graph("Dropouts per phase", "ops", [per_second("tally_aggregator_dropouts_total", "phase")],
                   "Devices a phase expected that did not make it into the next, per second"),
             graph("Dropout ratio (10 min)", "percentunit",
-                  [Query("tally:aggregator_dropout_ratio:rate10m", "dropouts")],
+                  [recorded("tally:aggregator_dropout_ratio:rate10m", "dropouts")],
                   "Devices lost by the phases over devices they expected (recording rule; alert above 30 %)"),
             graph("Sessions left early, device side", "ops",
                   [per_second("tally_client_dropouts_total", "phase, outcome", "{{outcome}} in {{phase}}")],
                   "Sessions devices left before the end, by phase"),
-            graph("Clipped values (15 min)", "percentunit", [Query("tally:client_clipped_ratio:rate15m", "clipped")],
+            graph("Clipped values (15 min)", "percentunit", [recorded("tally:client_clipped_ratio:rate15m", "clipped")],
                   "Encoded values outside their clip bound (recording rule; alert above 1 %)"),
         ]),
         ("Traffic", [
@@ -160,8 +203,8 @@ def build() -> dict:
         ]),
         ("Sessions", [
             graph("Open sessions", "none", [
-                Query("sum(tally_aggregator_active_sessions)", "aggregators"),
-                Query("sum(tally_client_active_sessions)", "devices"),
+                Query(summed("tally_aggregator_active_sessions").expr, per_namespace("aggregators")),
+                Query(summed("tally_client_active_sessions").expr, per_namespace("devices")),
             ], "Secure-aggregation sessions open on the aggregators and on the devices"),
             graph("Session outcomes", "ops", [
                 per_second("tally_aggregator_sessions_finished_total", "outcome", "aggregator {{outcome}}"),
@@ -173,20 +216,41 @@ def build() -> dict:
             ], "Calls and messages refused, by reason"),
         ]),
         ("Alerts and health", [
-            listing("Firing alerts", Query('sum by (alertname, severity) (ALERTS{alertname=~"Tally.*", '
-                                           'alertstate="firing"})'),
+            listing("Firing alerts", summed("ALERTS", 'alertname=~"Tally.*", alertstate="firing"',
+                                            "alertname, severity"),
                     "Tally alerts firing now (k8s/monitoring/rules.yaml)"),
-            listing("Targets", Query('max by (job, instance) (up{job=~"tally-.*"})'),
+            listing("Targets", summed("up", 'job=~"tally-.*"', "job, instance", how="max"),
                     "Scrape targets: 1 up, 0 down"),
-            listing("Certificates", Query("min by (role) (tally_tls_certificate_expiry_timestamp_seconds) - time()"),
+            listing("Certificates", Query(summed("tally_tls_certificate_expiry_timestamp_seconds", by="role",
+                                                 how="min").expr + " - time()"),
                     "Seconds until each role's TLS certificate expires (alert below 14 days)"),
-            listing("Versions", Query("count by (role, version) (tally_build_info)"),
+            listing("Versions", summed("tally_build_info", by="role, version", how="count"),
                     "Processes per role and Tally version"),
             graph("CPU", "percentunit",
-                  [Query(f'sum by (job) (rate(process_cpu_seconds_total{{job=~"tally-.*"}}{RATE}))', "{{job}}")],
+                  [per_second("process_cpu_seconds_total", "job", matchers='job=~"tally-.*"')],
                   "CPU seconds per second, per scrape job", 12),
-            graph("Resident memory", "bytes", [Query('sum by (job) (process_resident_memory_bytes{job=~"tally-.*"})',
-                                                     "{{job}}")], "Resident memory per scrape job", 12),
+            graph("Resident memory", "bytes", [summed("process_resident_memory_bytes", 'job=~"tally-.*"', "job")],
+                  "Resident memory per scrape job", 12),
+        ]),
+        ("Failures", [
+            graph("Devices' task failures by reason", "ops", [
+                per_second("tally_coordinator_task_reports_total", "outcome, reason", "{{outcome}} {{reason}}",
+                           FAILED_REPORTS)],
+                  "Devices' reports on their tasks that did not complete, by outcome and reason, per second "
+                  "(tally job status JOB gives a round's reasons with a device's own words)", 12),
+            listing("Task failures over the time range", Query(
+                f"sort_desc(sum by (namespace, outcome, reason) "
+                f"(increase({series('tally_coordinator_task_reports_total', FAILED_REPORTS)}[$__range])))"),
+                    "Devices' task reports that did not complete, by outcome and reason", 12),
+            graph("Task failure share by reason (15 min)", "percentunit",
+                  [recorded("tally:coordinator_task_failure_ratio:rate15m", "{{reason}}")],
+                  "Reports failing for each reason over all reports, dropouts aside (recording rule; "
+                  "alert above 10 %)"),
+            graph("Round attempt failures (30 min)", "percentunit",
+                  [recorded("tally:coordinator_round_attempt_failure_ratio:rate30m", "failed attempts")],
+                  "Round attempts that failed over all attempts (recording rule; alert above 50 %)"),
+            graph("Jobs failed", "none", [summed("tally_coordinator_jobs", 'state="FAILED"', how="max")],
+                  "Jobs in the FAILED state (TallyJobFailed fires when this rises)"),
         ]),
     ]
     ids = iter(range(1, 1000))

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import importlib
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -12,18 +14,36 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def _bench(tmp_path: Path, script: str, *args: str, timeout: float = 240) -> dict:
+def _bench_run(tmp_path: Path, script: str, *args: str, timeout: float = 240) -> tuple[dict, str]:
+    """The JSON a bench wrote with --json, and what it printed."""
     out = tmp_path / "out.json"
     done = subprocess.run([sys.executable, str(ROOT / "bench" / script), *args, "--json", str(out)],
                           cwd=tmp_path, timeout=timeout, capture_output=True, text=True)
     assert done.returncode == 0, f"{script} exited {done.returncode}: {done.stderr[-4000:]}"
-    return json.loads(out.read_text())
+    return json.loads(out.read_text()), done.stdout
 
 
-def test_fleet_bench_audits_every_sum_and_itemises_the_aggregators_cpu(tmp_path):
-    result = _bench(tmp_path, "fleet.py", "--devices", "60", "--shards", "2", "--cohort", "20",
-                    "--aggregators", "2", "--hidden", "8", "--rounds", "1", "--checkin-rate", "50")
+def _bench(tmp_path: Path, script: str, *args: str, timeout: float = 240) -> dict:
+    return _bench_run(tmp_path, script, *args, timeout=timeout)[0]
+
+
+def test_fleet_bench_audits_every_sum_and_itemises_the_aggregators_cpu(tmp_path, monkeypatch):
+    result, printed = _bench_run(tmp_path, "fleet.py", "--devices", "60", "--shards", "2", "--cohort", "20",
+                                 "--aggregators", "2", "--hidden", "8", "--rounds", "1", "--checkin-rate", "50")
     assert result["rounds_committed"] == 1 and len(result["round_metrics"]) == 1
+    # A person reads a summary ending in a verdict, not ~190 lines of JSON (issue 39); the JSON
+    # is in the file --json names.
+    monkeypatch.syspath_prepend(str(ROOT / "bench"))
+    fleet = importlib.import_module("fleet")
+    assert printed == fleet.summary(result, 1) + "\n" and not printed.lstrip().startswith("{")
+    assert "rounds          1 of 1 committed" in printed
+    assert re.search(r"^  sums audited    [1-9]\d* exact, 0 wrong, 0 foreign$", printed, re.M), printed
+    assert printed.endswith("good: every round committed and every committed sum exact\n")
+    assert not fleet.good(result, 2) and "NOT GOOD" in fleet.summary(result, 2)  # a round short
+    # docs/load-testing.md's first load test shows a summary of this shape: the same lines in order.
+    sample = re.search(r"```text\n(.+?)\n```", (ROOT / "docs" / "load-testing.md").read_text(), re.S).group(1)
+    labels = lambda text: [line[:18].strip() for line in text.splitlines()]  # noqa: E731
+    assert labels(sample)[1:] == labels(printed)[1:]
     assert result["audit"]["exact"] >= 1 and result["audit"]["mismatch"] == result["audit"]["foreign"] == 0
     assert ({"coordinator", "aggregator-1", "aggregator-2", "fleet-0", "fleet-1"}
             <= result["cpu_seconds_per_round"].keys())
@@ -173,3 +193,17 @@ def test_a_population_generator_that_dies_ends_the_others_and_the_benchmark_at_o
     finally:
         for worker in workers:
             worker.kill()
+
+
+def test_no_bench_scripts_help_points_at_an_issue_and_the_fleet_bench_offers_a_first_load_test():
+    """Issue 39: `bench/fleet.py --help` said "(issue 8)", which tells a reader nothing."""
+    helped = {}
+    for script in sorted((ROOT / "bench").glob("*.py")):
+        done = subprocess.run([sys.executable, str(script), "--help"], capture_output=True, text=True, timeout=120)
+        if done.returncode == 0 and "usage:" in done.stdout:  # the others are modules the scripts import
+            helped[script.name] = done.stdout
+    assert len(helped) >= 12 and "fleet.py" in helped, sorted(helped)
+    assert {name: re.findall(r"\b[Ii]ssues? #?\d+", text) for name, text in helped.items()
+            if re.search(r"\b[Ii]ssues? #?\d+", text)} == {}
+    assert "A first load test, under a minute: bench/fleet.py --devices 300 --cohort 60 --rounds 2" in (
+        " ".join(helped["fleet.py"].split()))

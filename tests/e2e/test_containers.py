@@ -143,15 +143,24 @@ def _metric(pod: ContainerPod, name: str) -> float:
     return sum(float(m.group(1)) for m in re.finditer(rf"^{name}(?:{{[^}}]*}})? (\S+)$", text, re.M))
 
 
-def _job_list(coordinator: ContainerPod, device: ContainerPod) -> subprocess.CompletedProcess[str]:
-    """``tally job list`` from this machine against ``coordinator``, with the admin token from
-    its state volume and the CA ``device`` trusts."""
+def _job(coordinator: ContainerPod, device: ContainerPod, *action: str) -> subprocess.CompletedProcess[str]:
+    """``tally job ACTION...`` from this machine against ``coordinator``, with the admin token
+    from its state volume and the CA ``device`` trusts."""
     state = podman("volume", "inspect", coordinator.volumes["state"], "--format", "{{.Mountpoint}}").stdout.strip()
     return subprocess.run(
-        [sys.executable, "-m", "tally.cli", "job", "list", "--coordinator", f"{coordinator.ip}:7000",
+        [sys.executable, "-m", "tally.cli", "job", *action, "--coordinator", f"{coordinator.ip}:7000",
          "--server-name", "tally-coordinator", "--state-dir", f"{state}/state",
          "--tls-dir", str(device.local.mounts["/etc/tally/tls"])],
         capture_output=True, text=True, timeout=60)
+
+
+def _doomed(job_spec: str) -> str:
+    """``job_spec`` made to fail within seconds: no device of its population exists, and its
+    round may not retry an empty selection."""
+    doomed = yaml.safe_load(job_spec)
+    doomed.update(name="doomed", population="nobody", retries=0,
+                  deadlines={**doomed.get("deadlines", {}), "checkin": 1})
+    return yaml.safe_dump(doomed)
 
 
 def _alert(prometheus: LivePrometheus, name: str, pod: str) -> str | None:
@@ -168,7 +177,8 @@ def test_the_dev_overlay_runs_in_containers_and_prometheus_sees_an_aggregator_go
     aggregator stopped: TallyAggregatorDown fires for that pod and no other; once it is back, the
     coordinator and the fleet start and the ConfigMap's job commits every round through secure
     aggregation, in both aggregators (before its job: a job waiting out a two-minute outage
-    without devices would spend its retry budget on empty selection windows)."""
+    without devices would spend its retry budget on empty selection windows). Then a job made
+    to fail: TallyJobFailed fires for the namespace, and had not before."""
     objects = render(K8S / "overlays" / "dev")
     namespace = one(objects, "Namespace", "tally")["metadata"]["name"]
     assert tally_main(["certs", "--out", str(tmp_path / "certs"), "--k8s-secrets", str(tmp_path / "k8s")]) == 0
@@ -227,8 +237,9 @@ def test_the_dev_overlay_runs_in_containers_and_prometheus_sees_an_aggregator_go
         labels = {(s["job"], s["pod"], s["namespace"]) for s in prometheus.series('up{job=~"tally-.*"}')}
         assert labels >= {("tally-aggregator", "tally-aggregator-1", namespace),
                           ("tally-coordinator", "tally-coordinator-0", namespace)}, labels
-        rounds = next(yaml.safe_load(m["data"]["digits.yaml"]) for m in find(objects, "ConfigMap")
-                      if "digits.yaml" in m.get("data", {}))["rounds"]
+        job_spec = next(m["data"]["digits.yaml"] for m in find(objects, "ConfigMap")
+                        if "digits.yaml" in m.get("data", {}))
+        rounds = yaml.safe_load(job_spec)["rounds"]
         committed = f'sum(tally_coordinator_rounds_committed_total{{pod="{coordinator.name}"}})'
         try:
             prometheus.until(committed, lambda v: v == rounds, deadline_s=300)
@@ -240,8 +251,17 @@ def test_the_dev_overlay_runs_in_containers_and_prometheus_sees_an_aggregator_go
         assert _metric(coordinator, "tally_coordinator_rounds_committed_total") == rounds
         for pod in aggregator_pods:
             assert _metric(pod, "tally_aggregator_sessions_finished_total") >= 1, f"{pod.name} served no session"
-        listing = _job_list(coordinator, fleet[0])
+        listing = _job(coordinator, fleet[0], "list")
         assert re.search(r"^digits-\w+\s+SUCCEEDED", listing.stdout, re.M), listing.stdout + listing.stderr
+        failed = (f'count(ALERTS{{alertname="TallyJobFailed", alertstate="firing", namespace="{namespace}"}}) '
+                  "or vector(0)")
+        assert prometheus.value(failed) == 0, "a job failed before one was made to"
+        (tmp_path / "doomed.yaml").write_text(_doomed(job_spec))
+        submitted = _job(coordinator, fleet[0], "submit", str(tmp_path / "doomed.yaml"))
+        assert submitted.returncode == 0, submitted.stdout + submitted.stderr
+        # A scrape (15 s, the ServiceMonitor's) and an evaluation (5 s) after the job fails.
+        prometheus.until(failed, lambda v: v == 1, deadline_s=90)
+        assert re.search(r"^doomed-\w+\s+FAILED", _job(coordinator, fleet[0], "list").stdout, re.M)
         for pod in pods:
             assert pod.probe("livenessProbe").returncode == 0, pod.logs()
     finally:
@@ -375,7 +395,7 @@ def test_coordinator_replicas_run_in_containers_over_postgresql_and_one_takes_ov
             print(f"a surviving replica leads {time.monotonic() - killed:.1f} s after the leader's SIGKILL")
             for p in fleet:
                 assert p.exit_code(timeout=420) == 0, p.logs() + "\n" + "\n".join(c.logs() for c in survivors)
-            listing = _job_list(follower, fleet[0])
+            listing = _job(follower, fleet[0], "list")
             assert re.search(r"^digits-\w+\s+SUCCEEDED", listing.stdout, re.M), listing.stdout + listing.stderr
             new_leader = next(p for p in survivors if p.name in _leaders(survivors))
             assert _metric(new_leader, "tally_coordinator_rounds_committed_total") >= 1, "the new leader committed none"

@@ -10,6 +10,7 @@ import asyncio
 import json
 import re
 import runpy
+import shutil
 import subprocess
 import time
 from pathlib import Path
@@ -24,13 +25,15 @@ from support.stack import in_process, run, spec, trainers
 from tally.client import ClientMetrics
 from tally.loadtest import DropoutPlan
 from tally.metrics import MetricsServer
+from tally.wire.v1 import common_pb2
 
 ROOT = Path(__file__).resolve().parents[2]
 MONITORING = ROOT / "k8s" / "monitoring"
 RULES = MONITORING / "rules.yaml"
 DASHBOARD = MONITORING / "dashboard.json"
-# What Grafana substitutes for its built-in interval before a query reaches Prometheus.
-GRAFANA_MACROS = {"$__rate_interval": "1m"}
+# What Grafana substitutes for its built-in intervals and the dashboard's variables (at "All")
+# before a query reaches Prometheus.
+GRAFANA_MACROS = {"$__rate_interval": "1m", "$__range": "1h", "$namespace": ".*", "$job_id": ".*"}
 # Dashboard queries that may rightly be empty after a clean plaintext job, and why.
 MAY_BE_EMPTY = {
     "ALERTS{": "no alert fires during a healthy job",
@@ -38,7 +41,10 @@ MAY_BE_EMPTY = {
     "tally_aggregator_rejected_total": "no device message is refused",
     "tally_tls_certificate_expiry_timestamp_seconds": "the test stack runs without TLS",
     "tally_coordinator_current_round": "the gauge is removed when the job ends",
+    "tally:coordinator_task_failure_ratio": "no device fails its task other than by leaving a session",
 }
+# The aggregations of rules and dashboard queries, and the labels each keeps.
+AGGREGATION = re.compile(r"\b(sum|max|min|count|avg|group)\s*(?:by\s*\(([^)]*)\))?\s*\(")
 
 
 def _rules() -> list[dict]:
@@ -55,10 +61,26 @@ def test_the_rules_pass_promtool_and_every_alert_fires_and_stays_silent_in_its_u
              for case in test["alert_rule_test"]]
     fired = {c["alertname"] for c in cases if c["exp_alerts"]}
     silent = {c["alertname"] for c in cases if not c["exp_alerts"]}
-    assert len(alerts) == 10 and alerts == fired, alerts ^ fired
+    assert len(alerts) == 15 and alerts == fired, alerts ^ fired
     # Each alert also has a case where it must stay silent (the certificate's: the coordinator's
     # certificate, 100 days out, beside the aggregator's that fires).
     assert alerts - silent == {"TallyCertificateExpiring"}
+
+
+def _aggregations(expr: str) -> list[tuple[str, str]]:
+    """Each aggregation in ``expr`` with the labels it keeps ("" for none)."""
+    return [(m.group(1), m.group(2) or "") for m in AGGREGATION.finditer(expr)]
+
+
+def test_every_rule_sums_by_namespace_so_two_deployments_alert_apart():
+    """Issue 39: rules summed across namespaces, though the docs suggest a second deployment in
+    another one."""
+    for rule in _rules():
+        name = rule.get("record") or rule["alert"]
+        aggregations = _aggregations(rule["expr"])
+        assert all("namespace" in labels.split(", ") for _, labels in aggregations), (name, aggregations)
+    # and the check sees one that does not
+    assert _aggregations("max(tally_coordinator_current_round) > 0") == [("max", "")]
 
 
 def test_every_alert_links_a_runbook_that_says_what_it_means_how_to_confirm_and_what_to_do():
@@ -97,6 +119,32 @@ def test_the_kube_prometheus_stack_kustomization_is_picked_up_by_the_stacks_defa
             assert obj["metadata"]["namespace"] == "monitoring" and labels["grafana_dashboard"] == "1"
             obj["metadata"]["namespace"] = plain[key]["metadata"]["namespace"]
         assert obj == plain[key], key  # nothing else differs
+
+
+def test_the_runbook_urls_component_points_every_alert_at_its_section_of_the_published_page(tmp_path):
+    """Issue 39: `runbook_url` was a relative path with no way to set the prefix. The component
+    turns each into <page>#<alert>, applies no object of its own, and changes nothing else."""
+    kubectl = tools.require("kubectl", "it renders the kustomizations")
+    shutil.copytree(ROOT / "k8s", tmp_path / "k8s")
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "kustomization.yaml").write_text(
+        "resources: [../k8s/kube-prometheus-stack]\ncomponents: [../k8s/components/runbook-urls]\n")
+    page = yaml.safe_load((ROOT / "k8s" / "components" / "runbook-urls" / "runbook-page.yaml").read_text())
+
+    def render(path):
+        done = subprocess.run([kubectl, "kustomize", str(path)], capture_output=True, text=True, timeout=60)
+        assert done.returncode == 0, done.stderr
+        return {(d["kind"], d["metadata"]["name"]): d for d in yaml.safe_load_all(done.stdout) if d}
+
+    plain, linked = render(tmp_path / "k8s" / "kube-prometheus-stack"), render(tmp_path / "mine")
+    assert linked.keys() == plain.keys()  # the page's ConfigMap is local configuration, not applied
+    rules = linked[("PrometheusRule", "tally")]["spec"]["groups"]
+    alerts = [r for group in rules for r in group["rules"] if "alert" in r]
+    assert len(alerts) == len([r for r in _rules() if "alert" in r])
+    for rule in alerts:
+        assert rule["annotations"]["runbook_url"] == f"{page['data']['url']}#{rule['alert'].lower()}"
+        rule["annotations"]["runbook_url"] = f"docs/runbooks.md#{rule['alert'].lower()}"
+    assert linked == plain  # nothing but the links differs
 
 
 def test_the_operator_objects_carry_the_rules_and_select_the_services():
@@ -159,7 +207,22 @@ def test_the_dashboard_is_the_generators_output_and_shows_what_operators_need():
         "regenerate: python k8s/monitoring/dashboard.py > k8s/monitoring/dashboard.json")
     board = json.loads(DASHBOARD.read_text())
     rows = [p["title"] for p in board["panels"] if p["type"] == "row"]
-    assert rows == ["Rounds", "Phases", "Devices and dropouts", "Traffic", "Sessions", "Alerts and health"]
+    assert rows[:7] == ["Rounds", "Phases", "Devices and dropouts", "Traffic", "Sessions", "Alerts and health",
+                        "Failures"]
+    # A namespace and a job to look at, after the data source (issue 39); every query keeps to
+    # the namespaces chosen and sums by namespace, never across them.
+    variables = {v["name"]: v for v in board["templating"]["list"]}
+    assert list(variables) == ["datasource", "namespace", "job_id"]
+    assert variables["namespace"]["query"] == "label_values(tally_build_info, namespace)"
+    assert all(variables[v]["includeAll"] and variables[v]["allValue"] == ".*" for v in ("namespace", "job_id"))
+    exprs = generator.queries(board)
+    assert all('namespace=~"$namespace"' in e for e in exprs), [e for e in exprs if "$namespace" not in e]
+    assert all("namespace" in labels.split(", ") for e in exprs for _, labels in _aggregations(e)), exprs
+    assert any('job_id=~"$job_id"' in e for e in exprs)
+    # Devices' failure reasons, the first thing to look at when rounds fail.
+    failures = next(p for p in board["panels"] if p["title"] == "Devices' task failures by reason")
+    assert "sum by (namespace, outcome, reason) (rate(tally_coordinator_task_reports_total{" in (
+        failures["targets"][0]["expr"])
     panels = [p for p in board["panels"] if p["type"] != "row"]
     assert len({p["id"] for p in board["panels"]}) == len(board["panels"])
     assert all(p["datasource"] == {"type": "prometheus", "uid": "${datasource}"} and p["targets"] for p in panels)
@@ -272,6 +335,7 @@ def test_a_real_prometheus_scrapes_a_job_and_agrees_with_it(tmp_path):
     assert up == 1.0
     assert len(evaluated) == len(_rules())  # every rule expression parses and runs on live data
     assert evaluated["TallyCoordinatorDown"] == [] and evaluated["TallyAggregatorDown"] == []
+    assert evaluated["TallyJobFailed"] == [] and evaluated["TallyAggregatorUnreachable"] == []
     # Every dashboard query ran; each returned data unless it may rightly be empty here.
     empty = [expr for expr, result in dashboard.items() if not result]
     assert [e for e in empty if not any(key in e for key in MAY_BE_EMPTY)] == []
@@ -307,3 +371,46 @@ def test_certificate_expiry_is_exported_and_follows_a_renewal(tmp_path):
     plain = CollectorRegistry()
     watch_certificate(plain, None, "coordinator")
     assert plain.get_sample_value("tally_tls_certificate_expiry_timestamp_seconds", {"role": "coordinator"}) is None
+
+
+def failing_spec(name: str) -> str:
+    """A job that fails on its own within seconds: its population has no device, and its round
+    may not retry an empty selection (issue 39's "job made to fail")."""
+    return (spec(name, 1, cohort=10).replace("retries: 3", "retries: 0").replace("checkin: 10", "checkin: 1")
+            + "population: nobody\n")
+
+
+@needs_prometheus
+def test_a_real_prometheus_fires_job_failed_for_a_job_that_fails_and_only_then(tmp_path):
+    """Issue 39: nothing alerted when a job failed. A real Prometheus with rules.yaml scrapes a
+    real coordinator: quiet while no job has failed, TallyJobFailed firing (for that namespace's
+    coordinator, critical) once one has."""
+
+    async def main():
+        async with in_process().whole_system(tmp_path) as s:
+            prometheus = LivePrometheus.every_second(tmp_path, RULES, {
+                "tally-coordinator": [s.coordinator.metrics_port],
+                "tally-aggregator": [a.metrics_port for a in s.aggregators],
+            })
+            try:
+                # Scraped with no job failed (the rule's delta needs a sample from before).
+                await asyncio.to_thread(prometheus.until, 'count_over_time(tally_coordinator_jobs{state="FAILED"}[1m])',
+                                        lambda v: v >= 2)
+                quiet = [a for a in prometheus.alerts() if a["labels"]["alertname"] == "TallyJobFailed"]
+                job_id = await s.submit(failing_spec("doomed"))
+                await asyncio.to_thread(prometheus.until, 'max(tally_coordinator_jobs{state="FAILED"})',
+                                        lambda v: v == 1, deadline_s=60)
+                await asyncio.to_thread(
+                    prometheus.until, 'count(ALERTS{alertname="TallyJobFailed", alertstate="firing"}) or vector(0)',
+                    lambda v: v == 1, deadline_s=30)
+                fired = [a for a in prometheus.alerts() if a["labels"]["alertname"] == "TallyJobFailed"]
+                return quiet, await s.job(job_id), fired
+            finally:
+                prometheus.stop()
+
+    quiet, job, fired = run(main())
+    assert quiet == []
+    assert job.state == common_pb2.JOB_STATE_FAILED and "0 of" in job.message, job.message
+    (alert,) = fired
+    assert alert["state"] == "firing" and alert["labels"]["severity"] == "critical"
+    assert alert["annotations"]["runbook_url"] == "docs/runbooks.md#tallyjobfailed"

@@ -35,3 +35,19 @@ def test_no_page_refers_to_issue_numbers():
     pages = [p for p in (REPO / "docs").rglob("*.md") if "results" not in p.parts] + [REPO / "README.md"]
     found = [(p.name, m.group(0)) for p in pages for m in re.finditer(r"\b[Ii]ssues? #?\d+", p.read_text())]
     assert not found, found
+
+
+def test_load_testing_opens_with_a_first_load_test_and_keeps_its_history_on_a_page_of_its_own():
+    """Issue 39: the page began with 10,000-device runs and dated decisions and retractions."""
+    page = (REPO / "docs" / "load-testing.md").read_text()
+    first = page.split("\n## ")[1]
+    assert first.startswith("Your first load test\n")
+    (command,) = re.findall(r"```bash\n(.+?)\n```", first)
+    assert command == ".venv/bin/python bench/fleet.py --devices 300 --cohort 60 --rounds 2"
+    assert "under a minute" in first and "**A good result**" in first
+    # What was decided, dropped or found wrong, and when, is the history's.
+    assert not re.search(r"decided 20\d\d|found wrong|was wrong|\bdropped \(", page)
+    history = (REPO / "docs" / "load-testing-history.md").read_text()
+    assert "was wrong" in history and "decided 2026-11-27" in history
+    assert "(load-testing-history.md)" in page
+    assert "load-testing-history.md" in (REPO / "mkdocs.yml").read_text()
