@@ -30,6 +30,7 @@ RATE = "[$__rate_interval]"
 # The Namespace variable's selection; without Kubernetes series have no namespace, which ".*"
 # (the variable's "All") matches.
 IN_NAMESPACE = 'namespace=~"$namespace"'
+IN_JOB = 'job_id=~"$job_id"'
 # Devices' task reports on tasks that did not complete (unmatched: not a task of the reporter's).
 FAILED_REPORTS = 'outcome!~"completed|unmatched"'
 
@@ -251,6 +252,23 @@ def build() -> dict:
                   "Round attempts that failed over all attempts (recording rule; alert above 50 %)"),
             graph("Jobs failed", "none", [summed("tally_coordinator_jobs", 'state="FAILED"', how="max")],
                   "Jobs in the FAILED state (TallyJobFailed fires when this rises)"),
+        ]),
+        ("Model quality", [
+            graph("Held-out accuracy", "percentunit", [
+                summed("tally_coordinator_model_quality",
+                       f'{IN_JOB}, metric=~"eval.accuracy|eval.accuracy_p10|personal.accuracy"', "job_id, metric",
+                       how="max")],
+                  "Per job, the latest committed round's accuracy on the devices' held-out examples "
+                  "(example-weighted mean), the estimated mean of the worst decile of devices and, for a "
+                  "personalised job, the personal models' accuracy: sums over the round's devices, never "
+                  "one device's value (docs/evaluation.md)"),
+            graph("Loss", "none", [
+                summed("tally_coordinator_model_quality", f'{IN_JOB}, metric=~"eval.loss|train.loss"',
+                       "job_id, metric", how="max")],
+                  "Per job, the held-out loss of the model devices received and their training loss"),
+            listing("Latest figures", summed("tally_coordinator_model_quality", IN_JOB, "job_id, metric", how="max"),
+                    "Every model-quality figure of the selected jobs' latest committed rounds (per domain, "
+                    "custom metrics too)", 8),
         ]),
     ]
     ids = iter(range(1, 1000))
