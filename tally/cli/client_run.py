@@ -16,8 +16,8 @@ from typing import TypeVar
 import grpc
 
 from tally import logs
-from tally.cli import exit_codes
 from tally.algorithms.base import LocalTrainer
+from tally.cli import exit_codes
 from tally.client.device import Device, DeviceStats
 from tally.client.device_progress import DeviceProgress, summary
 from tally.client.enrolment import load_or_create_identity

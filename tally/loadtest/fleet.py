@@ -39,8 +39,8 @@ from tally.loadtest.sum_audit import InputFingerprint
 from tally.loadtest.synthetic import SyntheticUpdates
 from tally.secagg import DevicePolicy
 from tally.security import TLSConfig
-from tally.security.tls_failures import specificity
 from tally.security.enrolment import SharedKeyEnrolment
+from tally.security.tls_failures import specificity
 from tally.wire.v1 import common_pb2
 
 log = logging.getLogger(__name__)
