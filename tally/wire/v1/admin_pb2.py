@@ -27,7 +27,7 @@ from google.protobuf import timestamp_pb2 as google_dot_protobuf_dot_timestamp__
 from tally.wire.v1 import common_pb2 as tally_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x14tally/v1/admin.proto\x12\x08tally.v1\x1a\x1cgoogle/protobuf/struct.proto\x1a\x1fgoogle/protobuf/timestamp.proto\x1a\x15tally/v1/common.proto\"_\n\x10SubmitJobRequest\x12\x13\n\tspec_yaml\x18\x01 \x01(\tH\x00\x12.\n\x0bspec_struct\x18\x02 \x01(\x0b\x32\x17.google.protobuf.StructH\x00\x42\x06\n\x04spec\"\xb5\x03\n\x03Job\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x11\n\talgorithm\x18\x03 \x01(\t\x12!\n\x05state\x18\x04 \x01(\x0e\x32\x12.tally.v1.JobState\x12\r\n\x05round\x18\x05 \x01(\x03\x12#\n\x05phase\x18\x06 \x01(\x0e\x32\x14.tally.v1.RoundPhase\x12\x0c\n\x04step\x18\x07 \x01(\t\x12\x17\n\x0f\x63ommitted_round\x18\x08 \x01(\x03\x12\x11\n\tspec_yaml\x18\t \x01(\t\x12.\n\ncreated_at\x18\n \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12.\n\nupdated_at\x18\x0b \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x0f\n\x07message\x18\x0c \x01(\t\x12/\n\x0ctask_reports\x18\r \x03(\x0b\x32\x19.tally.v1.TaskReportCount\x12\x0e\n\x06rounds\x18\x0e \x01(\x03\x12\x10\n\x08warnings\x18\x0f \x03(\t\x12(\n\x08\x61ttempts\x18\x10 \x03(\x0b\x32\x16.tally.v1.RoundAttempt\"\xa0\x01\n\x0cRoundAttempt\x12\x0f\n\x07\x61ttempt\x18\x01 \x01(\x03\x12\r\n\x05state\x18\x02 \x01(\t\x12.\n\nstarted_at\x18\x03 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12/\n\x0b\x66inished_at\x18\x04 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x0f\n\x07message\x18\x05 \x01(\t\"R\n\x0fTaskReportCount\x12\x0f\n\x07outcome\x18\x01 \x01(\t\x12\x0e\n\x06reason\x18\x02 \x01(\t\x12\r\n\x05\x63ount\x18\x03 \x01(\x03\x12\x0f\n\x07\x65xample\x18\x04 \x01(\t\"\x1f\n\rGetJobRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\"\\\n\x0fListJobsRequest\x12\"\n\x06states\x18\x01 \x03(\x0e\x32\x12.tally.v1.JobState\x12\x11\n\tpage_size\x18\x02 \x01(\x05\x12\x12\n\npage_token\x18\x03 \x01(\t\"H\n\x10ListJobsResponse\x12\x1b\n\x04jobs\x18\x01 \x03(\x0b\x32\r.tally.v1.Job\x12\x17\n\x0fnext_page_token\x18\x02 \x01(\t\"(\n\x13RevokeDeviceRequest\x12\x11\n\tdevice_id\x18\x01 \x01(\t\"\"\n\rRevokedDevice\x12\x11\n\tdevice_id\x18\x01 \x01(\t\"2\n\x10\x43\x61ncelJobRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x0e\n\x06reason\x18\x02 \x01(\t\"!\n\x0fWatchJobRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\"\x9c\x02\n\x08JobEvent\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\r\n\x05round\x18\x02 \x01(\x03\x12#\n\x05phase\x18\x03 \x01(\x0e\x32\x14.tally.v1.RoundPhase\x12\x0c\n\x04step\x18\x04 \x01(\t\x12!\n\x05state\x18\x05 \x01(\x0e\x32\x12.tally.v1.JobState\x12\x30\n\x07metrics\x18\x06 \x03(\x0b\x32\x1f.tally.v1.JobEvent.MetricsEntry\x12\x0f\n\x07message\x18\x07 \x01(\t\x12(\n\x04time\x18\x08 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x1a.\n\x0cMetricsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"?\n\x0fGetModelRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x12\n\x05round\x18\x02 \x01(\x03H\x00\x88\x01\x01\x42\x08\n\x06_round\"b\n\x0eModelFileChunk\x12\r\n\x05round\x18\x01 \x01(\x03\x12\x0e\n\x06\x64igest\x18\x02 \x01(\t\x12\x13\n\x0btotal_bytes\x18\x03 \x01(\x03\x12\x0e\n\x06offset\x18\x04 \x01(\x03\x12\x0c\n\x04\x64\x61ta\x18\x05 \x01(\x0c\"4\n\x13GetRoundSumsRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\r\n\x05round\x18\x02 \x01(\x03\"\x83\x01\n\x14\x43ohortSumFingerprint\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x0e\n\x06sum_id\x18\x02 \x01(\t\x12\x0e\n\x06\x63ohort\x18\x03 \x01(\x05\x12\x0c\n\x04\x62its\x18\x04 \x01(\x05\x12\x14\n\x0c\x63ontributors\x18\x05 \x03(\x05\x12\x13\n\x0b\x66ingerprint\x18\x06 \x03(\x06\"X\n\tRoundSums\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\r\n\x05round\x18\x02 \x01(\x03\x12,\n\x04sums\x18\x03 \x03(\x0b\x32\x1e.tally.v1.CohortSumFingerprint2\xf8\x03\n\x05\x41\x64min\x12\x36\n\tSubmitJob\x12\x1a.tally.v1.SubmitJobRequest\x1a\r.tally.v1.Job\x12\x30\n\x06GetJob\x12\x17.tally.v1.GetJobRequest\x1a\r.tally.v1.Job\x12\x41\n\x08ListJobs\x12\x19.tally.v1.ListJobsRequest\x1a\x1a.tally.v1.ListJobsResponse\x12\x36\n\tCancelJob\x12\x1a.tally.v1.CancelJobRequest\x1a\r.tally.v1.Job\x12;\n\x08WatchJob\x12\x19.tally.v1.WatchJobRequest\x1a\x12.tally.v1.JobEvent0\x01\x12\x41\n\x08GetModel\x12\x19.tally.v1.GetModelRequest\x1a\x18.tally.v1.ModelFileChunk0\x01\x12\x42\n\x0cGetRoundSums\x12\x1d.tally.v1.GetRoundSumsRequest\x1a\x13.tally.v1.RoundSums\x12\x46\n\x0cRevokeDevice\x12\x1d.tally.v1.RevokeDeviceRequest\x1a\x17.tally.v1.RevokedDeviceb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x14tally/v1/admin.proto\x12\x08tally.v1\x1a\x1cgoogle/protobuf/struct.proto\x1a\x1fgoogle/protobuf/timestamp.proto\x1a\x15tally/v1/common.proto\"_\n\x10SubmitJobRequest\x12\x13\n\tspec_yaml\x18\x01 \x01(\tH\x00\x12.\n\x0bspec_struct\x18\x02 \x01(\x0b\x32\x17.google.protobuf.StructH\x00\x42\x06\n\x04spec\"\xc8\x03\n\x03Job\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x11\n\talgorithm\x18\x03 \x01(\t\x12!\n\x05state\x18\x04 \x01(\x0e\x32\x12.tally.v1.JobState\x12\r\n\x05round\x18\x05 \x01(\x03\x12#\n\x05phase\x18\x06 \x01(\x0e\x32\x14.tally.v1.RoundPhase\x12\x0c\n\x04step\x18\x07 \x01(\t\x12\x17\n\x0f\x63ommitted_round\x18\x08 \x01(\x03\x12\x11\n\tspec_yaml\x18\t \x01(\t\x12.\n\ncreated_at\x18\n \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12.\n\nupdated_at\x18\x0b \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x0f\n\x07message\x18\x0c \x01(\t\x12/\n\x0ctask_reports\x18\r \x03(\x0b\x32\x19.tally.v1.TaskReportCount\x12\x0e\n\x06rounds\x18\x0e \x01(\x03\x12\x10\n\x08warnings\x18\x0f \x03(\t\x12(\n\x08\x61ttempts\x18\x10 \x03(\x0b\x32\x16.tally.v1.RoundAttempt\x12\x11\n\tselection\x18\x18 \x01(\t\"\xa0\x01\n\x0cRoundAttempt\x12\x0f\n\x07\x61ttempt\x18\x01 \x01(\x03\x12\r\n\x05state\x18\x02 \x01(\t\x12.\n\nstarted_at\x18\x03 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12/\n\x0b\x66inished_at\x18\x04 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x0f\n\x07message\x18\x05 \x01(\t\"R\n\x0fTaskReportCount\x12\x0f\n\x07outcome\x18\x01 \x01(\t\x12\x0e\n\x06reason\x18\x02 \x01(\t\x12\r\n\x05\x63ount\x18\x03 \x01(\x03\x12\x0f\n\x07\x65xample\x18\x04 \x01(\t\"\x1f\n\rGetJobRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\"\\\n\x0fListJobsRequest\x12\"\n\x06states\x18\x01 \x03(\x0e\x32\x12.tally.v1.JobState\x12\x11\n\tpage_size\x18\x02 \x01(\x05\x12\x12\n\npage_token\x18\x03 \x01(\t\"H\n\x10ListJobsResponse\x12\x1b\n\x04jobs\x18\x01 \x03(\x0b\x32\r.tally.v1.Job\x12\x17\n\x0fnext_page_token\x18\x02 \x01(\t\"(\n\x13RevokeDeviceRequest\x12\x11\n\tdevice_id\x18\x01 \x01(\t\"\"\n\rRevokedDevice\x12\x11\n\tdevice_id\x18\x01 \x01(\t\"2\n\x10\x43\x61ncelJobRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x0e\n\x06reason\x18\x02 \x01(\t\"!\n\x0fWatchJobRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\"\x9c\x02\n\x08JobEvent\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\r\n\x05round\x18\x02 \x01(\x03\x12#\n\x05phase\x18\x03 \x01(\x0e\x32\x14.tally.v1.RoundPhase\x12\x0c\n\x04step\x18\x04 \x01(\t\x12!\n\x05state\x18\x05 \x01(\x0e\x32\x12.tally.v1.JobState\x12\x30\n\x07metrics\x18\x06 \x03(\x0b\x32\x1f.tally.v1.JobEvent.MetricsEntry\x12\x0f\n\x07message\x18\x07 \x01(\t\x12(\n\x04time\x18\x08 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x1a.\n\x0cMetricsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"?\n\x0fGetModelRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x12\n\x05round\x18\x02 \x01(\x03H\x00\x88\x01\x01\x42\x08\n\x06_round\"b\n\x0eModelFileChunk\x12\r\n\x05round\x18\x01 \x01(\x03\x12\x0e\n\x06\x64igest\x18\x02 \x01(\t\x12\x13\n\x0btotal_bytes\x18\x03 \x01(\x03\x12\x0e\n\x06offset\x18\x04 \x01(\x03\x12\x0c\n\x04\x64\x61ta\x18\x05 \x01(\x0c\"4\n\x13GetRoundSumsRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\r\n\x05round\x18\x02 \x01(\x03\"\x83\x01\n\x14\x43ohortSumFingerprint\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x0e\n\x06sum_id\x18\x02 \x01(\t\x12\x0e\n\x06\x63ohort\x18\x03 \x01(\x05\x12\x0c\n\x04\x62its\x18\x04 \x01(\x05\x12\x14\n\x0c\x63ontributors\x18\x05 \x03(\x05\x12\x13\n\x0b\x66ingerprint\x18\x06 \x03(\x06\"X\n\tRoundSums\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\r\n\x05round\x18\x02 \x01(\x03\x12,\n\x04sums\x18\x03 \x03(\x0b\x32\x1e.tally.v1.CohortSumFingerprint2\xf8\x03\n\x05\x41\x64min\x12\x36\n\tSubmitJob\x12\x1a.tally.v1.SubmitJobRequest\x1a\r.tally.v1.Job\x12\x30\n\x06GetJob\x12\x17.tally.v1.GetJobRequest\x1a\r.tally.v1.Job\x12\x41\n\x08ListJobs\x12\x19.tally.v1.ListJobsRequest\x1a\x1a.tally.v1.ListJobsResponse\x12\x36\n\tCancelJob\x12\x1a.tally.v1.CancelJobRequest\x1a\r.tally.v1.Job\x12;\n\x08WatchJob\x12\x19.tally.v1.WatchJobRequest\x1a\x12.tally.v1.JobEvent0\x01\x12\x41\n\x08GetModel\x12\x19.tally.v1.GetModelRequest\x1a\x18.tally.v1.ModelFileChunk0\x01\x12\x42\n\x0cGetRoundSums\x12\x1d.tally.v1.GetRoundSumsRequest\x1a\x13.tally.v1.RoundSums\x12\x46\n\x0cRevokeDevice\x12\x1d.tally.v1.RevokeDeviceRequest\x1a\x17.tally.v1.RevokedDeviceb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -39,39 +39,39 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_SUBMITJOBREQUEST']._serialized_start=120
   _globals['_SUBMITJOBREQUEST']._serialized_end=215
   _globals['_JOB']._serialized_start=218
-  _globals['_JOB']._serialized_end=655
-  _globals['_ROUNDATTEMPT']._serialized_start=658
-  _globals['_ROUNDATTEMPT']._serialized_end=818
-  _globals['_TASKREPORTCOUNT']._serialized_start=820
-  _globals['_TASKREPORTCOUNT']._serialized_end=902
-  _globals['_GETJOBREQUEST']._serialized_start=904
-  _globals['_GETJOBREQUEST']._serialized_end=935
-  _globals['_LISTJOBSREQUEST']._serialized_start=937
-  _globals['_LISTJOBSREQUEST']._serialized_end=1029
-  _globals['_LISTJOBSRESPONSE']._serialized_start=1031
-  _globals['_LISTJOBSRESPONSE']._serialized_end=1103
-  _globals['_REVOKEDEVICEREQUEST']._serialized_start=1105
-  _globals['_REVOKEDEVICEREQUEST']._serialized_end=1145
-  _globals['_REVOKEDDEVICE']._serialized_start=1147
-  _globals['_REVOKEDDEVICE']._serialized_end=1181
-  _globals['_CANCELJOBREQUEST']._serialized_start=1183
-  _globals['_CANCELJOBREQUEST']._serialized_end=1233
-  _globals['_WATCHJOBREQUEST']._serialized_start=1235
-  _globals['_WATCHJOBREQUEST']._serialized_end=1268
-  _globals['_JOBEVENT']._serialized_start=1271
-  _globals['_JOBEVENT']._serialized_end=1555
-  _globals['_JOBEVENT_METRICSENTRY']._serialized_start=1509
-  _globals['_JOBEVENT_METRICSENTRY']._serialized_end=1555
-  _globals['_GETMODELREQUEST']._serialized_start=1557
-  _globals['_GETMODELREQUEST']._serialized_end=1620
-  _globals['_MODELFILECHUNK']._serialized_start=1622
-  _globals['_MODELFILECHUNK']._serialized_end=1720
-  _globals['_GETROUNDSUMSREQUEST']._serialized_start=1722
-  _globals['_GETROUNDSUMSREQUEST']._serialized_end=1774
-  _globals['_COHORTSUMFINGERPRINT']._serialized_start=1777
-  _globals['_COHORTSUMFINGERPRINT']._serialized_end=1908
-  _globals['_ROUNDSUMS']._serialized_start=1910
-  _globals['_ROUNDSUMS']._serialized_end=1998
-  _globals['_ADMIN']._serialized_start=2001
-  _globals['_ADMIN']._serialized_end=2505
+  _globals['_JOB']._serialized_end=674
+  _globals['_ROUNDATTEMPT']._serialized_start=677
+  _globals['_ROUNDATTEMPT']._serialized_end=837
+  _globals['_TASKREPORTCOUNT']._serialized_start=839
+  _globals['_TASKREPORTCOUNT']._serialized_end=921
+  _globals['_GETJOBREQUEST']._serialized_start=923
+  _globals['_GETJOBREQUEST']._serialized_end=954
+  _globals['_LISTJOBSREQUEST']._serialized_start=956
+  _globals['_LISTJOBSREQUEST']._serialized_end=1048
+  _globals['_LISTJOBSRESPONSE']._serialized_start=1050
+  _globals['_LISTJOBSRESPONSE']._serialized_end=1122
+  _globals['_REVOKEDEVICEREQUEST']._serialized_start=1124
+  _globals['_REVOKEDEVICEREQUEST']._serialized_end=1164
+  _globals['_REVOKEDDEVICE']._serialized_start=1166
+  _globals['_REVOKEDDEVICE']._serialized_end=1200
+  _globals['_CANCELJOBREQUEST']._serialized_start=1202
+  _globals['_CANCELJOBREQUEST']._serialized_end=1252
+  _globals['_WATCHJOBREQUEST']._serialized_start=1254
+  _globals['_WATCHJOBREQUEST']._serialized_end=1287
+  _globals['_JOBEVENT']._serialized_start=1290
+  _globals['_JOBEVENT']._serialized_end=1574
+  _globals['_JOBEVENT_METRICSENTRY']._serialized_start=1528
+  _globals['_JOBEVENT_METRICSENTRY']._serialized_end=1574
+  _globals['_GETMODELREQUEST']._serialized_start=1576
+  _globals['_GETMODELREQUEST']._serialized_end=1639
+  _globals['_MODELFILECHUNK']._serialized_start=1641
+  _globals['_MODELFILECHUNK']._serialized_end=1739
+  _globals['_GETROUNDSUMSREQUEST']._serialized_start=1741
+  _globals['_GETROUNDSUMSREQUEST']._serialized_end=1793
+  _globals['_COHORTSUMFINGERPRINT']._serialized_start=1796
+  _globals['_COHORTSUMFINGERPRINT']._serialized_end=1927
+  _globals['_ROUNDSUMS']._serialized_start=1929
+  _globals['_ROUNDSUMS']._serialized_end=2017
+  _globals['_ADMIN']._serialized_start=2020
+  _globals['_ADMIN']._serialized_end=2524
 # @@protoc_insertion_point(module_scope)
