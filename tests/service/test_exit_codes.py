@@ -10,8 +10,10 @@ import signal
 import sys
 from pathlib import Path
 
+import pytest
+
 from support.stack import in_process, run
-from tally.cli import exit_codes
+from tally.cli import build_parser, exit_codes
 from tally.datasets.digits import digits
 from tally.models.mlp import mlp
 from tally.security.enrolment import SharedKeyEnrolment
@@ -118,3 +120,13 @@ def test_a_client_exits_4_for_a_failed_job_and_5_when_no_task_came(tmp_path):
     assert idle_code == exit_codes.NO_TASK and "tally client: no task came within 1 s" in idle_err, idle_err
     assert code == exit_codes.JOB_FAILED, err
     assert f"tally client: job {job_id} FAILED: model_mismatch x1" in err
+
+
+def test_every_exit_status_is_in_the_help_of_both_commands(capsys):
+    for command in ("client", "fleet"):
+        with pytest.raises(SystemExit):
+            build_parser(command).parse_args([command, "--help"])
+        text = capsys.readouterr().out
+        assert "exit status:" in text and "--task-timeout" in text
+        for code, meaning in exit_codes.MEANINGS.items():
+            assert f"  {code}  {meaning}" in text
