@@ -100,6 +100,10 @@ class ControlServicer(aggregator_pb2_grpc.AggregatorControlServicer):
     ) -> aggregator_pb2.CloseSessionResponse:
         try:
             self._check_peer(context)
+            if not request.session_id:
+                # Closes nothing: the coordinator's health check calls this to know that it reached
+                # this API (not the device port) and that this aggregator admits it.
+                return aggregator_pb2.CloseSessionResponse()
             presented = self._owner_token(context)
             session = self._sessions.find(request.session_id)
             if session is not None:  # closing what is already gone is a no-op, so it may be retried

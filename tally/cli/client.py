@@ -10,7 +10,7 @@ import functools
 import importlib
 from pathlib import Path
 
-from tally.cli import argtypes
+from tally.cli import argtypes, exit_codes
 from tally.cli.argtypes import add_metrics_arguments
 from tally.security.tls import add_tls_arguments
 
@@ -32,6 +32,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         "client",
         help="run one device on a shard of a dataset against a coordinator",
         description="Register, check in, train on the shard and take part in secure aggregation.",
+        epilog=exit_codes.epilog(), formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     _add_common(c)
     c.add_argument("--device-id", required=True, help="stable id of this device")
@@ -62,6 +63,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="run N simulated devices (load tests, demos)",
         description="Many virtual devices, each a real client with its own stream, in one or several "
         "processes (--processes) of this machine and several machines (--shard).",
+        epilog=exit_codes.epilog(), formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     _add_common(f)
     f.add_argument("--devices", type=int, required=True, help="number of simulated devices")
@@ -206,4 +208,9 @@ def _add_connect_timeout(parser: argparse.ArgumentParser, who: str) -> None:
         "--connect-timeout", type=float, default=30.0, metavar="SECONDS",
         help=f"exit with an error if {who} reaches the coordinator within this time "
         "(default: %(default)s; 0: wait forever)",
+    )
+    parser.add_argument(
+        "--task-timeout", type=argtypes.number(0.0), default=0.0, metavar="SECONDS",
+        help=f"exit with status {exit_codes.NO_TASK} when no task has come within this time "
+        "(default: 0, no limit)",
     )

@@ -7,6 +7,7 @@ import argparse
 import asyncio
 import json
 import sys
+import time
 from collections.abc import Awaitable, Callable
 from dataclasses import asdict
 from pathlib import Path
@@ -16,6 +17,7 @@ import grpc
 
 from tally import logs
 from tally.algorithms.base import LocalTrainer
+from tally.cli import exit_codes
 from tally.client.device import Device, DeviceStats
 from tally.client.device_progress import DeviceProgress, summary
 from tally.client.enrolment import load_or_create_identity
@@ -72,10 +74,13 @@ def _trainers(args: argparse.Namespace, shards: int) -> list[LocalTrainer]:
 
 
 async def _run_device(
-    device: Device, stop: asyncio.Event, max_tasks: int | None, connect_timeout: float
-) -> DeviceStats:
+    device: Device, stop: asyncio.Event, max_tasks: int | None, connect_timeout: float, task_timeout: float = 0.0
+) -> tuple[DeviceStats, dict[str, str]]:
     """``device.run``, given up with ``CoordinatorUnreachable`` when it has not checked in once
-    within ``connect_timeout`` seconds (0: never given up), rather than retrying in silence."""
+    within ``connect_timeout`` seconds (0: never given up), rather than retrying in silence, and
+    stopped when no task has come within ``task_timeout`` seconds (0: no limit); then the states
+    of the jobs it served."""
+    started = time.monotonic()
     running = asyncio.ensure_future(device.run(stop, max_tasks))
     if connect_timeout > 0:
         done, _ = await asyncio.wait({running}, timeout=connect_timeout)
@@ -84,7 +89,29 @@ async def _run_device(
             await running
             raise CoordinatorUnreachable.after("the device did not reach", device.coordinator, connect_timeout,
                                                device.stats.last_error)
-    return await running
+    if task_timeout > 0:
+        await asyncio.wait({running}, timeout=max(task_timeout - (time.monotonic() - started), 0.0))
+        if not running.done() and not device.stats.jobs:
+            stop.set()
+    stats = await running
+    stop.set()  # asking after the jobs: a call that fails is not retried
+    return stats, await device.job_states(stats.jobs)
+
+
+def verdict(command: str, job_states: dict[str, str], failures: dict[str, dict[str, int]], no_task: str) -> int:
+    """Print why the command fails, if it does, and return its exit status: a job it served
+    FAILED (``exit_codes.JOB_FAILED``), or ``no_task`` ("within 60 s") says no task ever came
+    (``exit_codes.NO_TASK``); else 0."""
+    failed = exit_codes.failed_jobs(job_states, failures)
+    if failed:
+        for line in failed.splitlines():
+            print(f"tally {command}: {line}", file=sys.stderr)
+        return exit_codes.JOB_FAILED
+    if no_task:
+        print(f"tally {command}: no task came {no_task}: is a job of the population running, and does it have "
+              "enough devices for its min_cohort? (`tally job status`)", file=sys.stderr)
+        return exit_codes.NO_TASK
+    return exit_codes.OK
 
 
 def run_client(args: argparse.Namespace) -> int:
@@ -122,7 +149,8 @@ def run_client(args: argparse.Namespace) -> int:
     )
     try:
         with _metrics_server(args, metrics):
-            stats = _run_until_signal(lambda stop: _run_device(device, stop, args.max_tasks, args.connect_timeout))
+            stats, job_states = _run_until_signal(
+                lambda stop: _run_device(device, stop, args.max_tasks, args.connect_timeout, args.task_timeout))
     except CoordinatorUnreachable as exc:
         print(f"tally client: {exc}", file=sys.stderr)
         return 1
@@ -136,7 +164,8 @@ def run_client(args: argparse.Namespace) -> int:
     if args.progress:
         print(f"tally client: {summary(stats)}", file=sys.stderr)
     print(json.dumps(asdict(stats)))
-    return 0
+    gave_up = args.task_timeout > 0 and not stats.jobs
+    return verdict("client", job_states, stats.failures, f"within {args.task_timeout:g} s" if gave_up else "")
 
 
 class _metrics_server:

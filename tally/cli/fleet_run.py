@@ -11,7 +11,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from tally import logs
-from tally.cli.client_run import _load, _metrics_server, _policy, _run_until_signal, _trainers
+from tally.cli.client_run import _load, _metrics_server, _policy, _run_until_signal, _trainers, verdict
 from tally.cli.console import console as cli_console
 from tally.client.retry import CoordinatorUnreachable
 from tally.loadtest.behaviour import BehaviourProfile
@@ -72,7 +72,18 @@ def run_fleet(args: argparse.Namespace) -> int:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(result, indent=2))
         console.print(f"statistics written to {args.json}")
-    return code
+    return code or verdict("fleet", stats.job_states, stats.failures, _no_task(stats, args.population, shards))
+
+
+def _no_task(stats: FleetStats, population: str, shards: int) -> str:
+    """When no device was ever given a task: how long the fleet waited ("within 60 s"), or that
+    its population's jobs ended first; "" otherwise. One shard of several may go unselected by
+    design, so only a whole fleet counts an ended population against itself."""
+    if stats.jobs:
+        return ""
+    if stats.no_task_within_s:
+        return f"within {stats.no_task_within_s:g} s"
+    return f"before the jobs of population {population!r} ended" if stats.jobs_over and shards == 1 else ""
 
 
 def _block(devices: int, shard: int, shards: int) -> tuple[int, int]:
@@ -128,7 +139,8 @@ def _play(args: argparse.Namespace, on_stats: Callable[[FleetStats], None] | Non
                 lambda stop: fleet.run(
                     stop, until, max_tasks_per_device=args.max_tasks_per_device,
                     progress=args.progress, console=console,
-                    connect_timeout=args.connect_timeout or None, on_stats=on_stats,
+                    connect_timeout=args.connect_timeout or None, task_timeout=args.task_timeout or None,
+                    on_stats=on_stats,
                 )
             )
     except CoordinatorUnreachable as exc:

@@ -244,7 +244,7 @@ def job_dict(job: Any) -> dict[str, Any]:
         "created_at": _time(job.created_at), "updated_at": _time(job.updated_at),
         "task_reports": [{"outcome": r.outcome, "reason": r.reason, "count": r.count, "example": r.example}
                          for r in job.task_reports],
-        "warnings": list(job.warnings),
+        "warnings": list(job.warnings), "selection": job.selection,
         "attempts": [{"attempt": a.attempt, "state": a.state, "started_at": _time(a.started_at),
                       "finished_at": _time(a.finished_at), "message": a.message} for a in job.attempts],
     }
@@ -257,6 +257,7 @@ def show(job: dict[str, Any]) -> str:
         where += f" ({job['phase']}{' ' + job['step'] if job['step'] else ''})"
     parts = [job["job_id"], job["state"], job["algorithm"], where, f"committed {job['committed_round']}",
              f"created {job['created_at']}", f"updated {job['updated_at']}"]
+    parts += _selection(job)
     failures = [f"{r['reason']} {r['count']}" + (f" (e.g. {r['example']!r})" if r.get("example") else "")
                 for r in job["task_reports"] if r["outcome"] != "completed"]
     if failures:
@@ -268,6 +269,13 @@ def show(job: dict[str, Any]) -> str:
     if job["message"]:
         parts.append(job["message"])
     return "  ".join(parts)
+
+
+def _selection(job: dict[str, Any]) -> list[str]:
+    """The selection line while a round selects its devices ("selection: 3/26 devices of
+    population 'hospitals' checked in (deadline extended 1 of 3); ..."), composed by the
+    coordinator; none otherwise."""
+    return [job["selection"]] if job.get("selection") else []
 
 
 def _one(job: Any, args: argparse.Namespace) -> int:

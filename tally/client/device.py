@@ -22,7 +22,7 @@ import contextlib
 import logging
 import random
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterable
 from concurrent.futures import Executor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -51,7 +51,7 @@ from tally.client.trust import check_assignment
 from tally.secagg import DevicePolicy, SigningKey
 from tally.security import TLSConfig, bearer_metadata
 from tally.security.files import private_dir
-from tally.security.tls_failures import tls_failure
+from tally.security.tls_failures import specificity, tls_failure
 from tally.version import VERSION as SDK_VERSION
 from tally.wire.fields import WireError
 from tally.wire.tensors import tensors_to_proto
@@ -91,8 +91,13 @@ class DeviceStats:
     jobs: list[str] = field(default_factory=list)
     # Sums refused because their DP noise was below this device's floor (--min-noise-multiplier).
     privacy_refusals: int = 0
-    # The last coordinator call that had to be retried, and why ("CheckIn: UNAVAILABLE").
+    # The most specific reason a coordinator call had to be retried since the last call that
+    # succeeded ("Register: UNAVAILABLE (TLS: ...)" before a bare "CheckIn: UNAVAILABLE"):
+    # ``tally.security.tls_failures.specificity``.
     last_error: str = ""
+    # Tasks that did not end with this device's input summed: job id -> report reason
+    # ("model_mismatch") -> count.
+    failures: dict[str, dict[str, int]] = field(default_factory=dict)
     # Whether a job of the device's population ever ran while it checked in, and whether none
     # runs now (the last check-in's answer).
     saw_running_job: bool = False
@@ -167,6 +172,9 @@ class Device:
         self._stop: asyncio.Event | None = None
         self._running = False
         self.stats = DeviceStats(device_id)
+        # A call succeeded since ``stats.last_error`` was set: the next error replaces it, however
+        # vague (the trouble it named is over).
+        self._error_over = False
         # The long-term key this device enrols with; it signs the device's session keys.
         self.identity = identity or SigningKey.generate()
         # Proof of provisioning for the coordinator's enrolment verifier (``tally enrol``).
@@ -230,6 +238,22 @@ class Device:
 
     async def round_status(self, job_id: str) -> coordinator_pb2.RoundStatusResponse:
         return await self._call("RoundStatus", coordinator_pb2.RoundStatusRequest(job_id=job_id))
+
+    async def job_states(self, job_ids: Iterable[str]) -> dict[str, str]:
+        """Each job's state by name ("FAILED"), asked once each after ``run`` has ended with its
+        stop event set (so a call that fails is not retried): how a device's command knows whether
+        the jobs it served failed. A job the coordinator cannot be asked about is left out."""
+        states: dict[str, str] = {}
+        try:
+            for job_id in job_ids:
+                try:
+                    status = await self.round_status(job_id)
+                except (grpc.aio.AioRpcError, Stopped):
+                    continue
+                states[job_id] = common_pb2.JobState.Name(status.job_state).removeprefix("JOB_STATE_")
+        finally:
+            await self._release_channels()
+        return states
 
     def local_state(self, job_id: str) -> Any:
         """The algorithm's on-device state for ``job_id`` as of the last session this device
@@ -372,10 +396,16 @@ class Device:
             # Local state advances only when this device's input is in the round's sums.
             self._local[task.job_id] = contribution.local_state
             stats.contributed.append((task.job_id, task.round))
+        if outcome.status != COMPLETED:
+            self._count_failure(task.job_id, outcome.label or outcome.status)
         why = f": {outcome.label or outcome.reason}" if outcome.status != COMPLETED else " (input summed)"
         stats.last_task = f"job {task.job_id} round {task.round}: {outcome.status}{why}"
         self._reports.add(task, _REPORTED[outcome.status], outcome.label, outcome.reason,
                           sent_input=outcome.sent_input)
+
+    def _count_failure(self, job_id: str, reason: str) -> None:
+        reasons = self.stats.failures.setdefault(job_id, {})
+        reasons[reason] = reasons.get(reason, 0) + 1
 
     def _computed(self, contribution: Contribution) -> Callable[[str], Awaitable[np.ndarray]]:
         """The contribution's input, ready only after the device's simulated compute time."""
@@ -429,6 +459,7 @@ class Device:
         self.stats.tasks_done += 1
         self.stats.sessions_aborted += 1
         self.stats.last_task = f"job {task.job_id} round {task.round}: refused: {reason}"
+        self._count_failure(task.job_id, label)
         self._reports.add(task, Outcome.REFUSED, label, str(reason),
                           sent_input=label == "already_sent_input")
 
@@ -492,6 +523,7 @@ class Device:
                     timeout=self.retry.call_timeout,
                 )
                 self.metrics.observe_rpc(method, time.perf_counter() - started)
+                self._error_over = True
                 return response
             except grpc.aio.AioRpcError as exc:
                 code = exc.code()
@@ -517,7 +549,10 @@ class Device:
         """A call to be retried; a TLS handshake failure is named as one, not as a dead address."""
         tls = tls_failure(details)
         error = f"{method}: {code.name}" + (f" ({tls})" if tls else "")
-        changed, self.stats.last_error = error != self.stats.last_error, error
+        changed = False
+        if self._error_over or specificity(error) >= specificity(self.stats.last_error):
+            changed, self.stats.last_error = error != self.stats.last_error, error
+        self._error_over = False
         self.stats.retries += 1
         self.metrics.retries.labels(method, code.name).inc()
         logs.event(log, "rpc retry", device_id=self.device_id, method=method, code=code.name,

@@ -141,6 +141,11 @@ class CoordinatorMetrics(DeviceMetrics):
         self.aggregators_up = Gauge(
             "tally_coordinator_aggregators_up", "Aggregators answering SERVING", registry=registry
         )
+        self.aggregator_up = Gauge(
+            "tally_coordinator_aggregator_up",
+            "Per configured aggregator: 1 when its control API answered the last health check, else 0",
+            ["aggregator"], registry=registry,
+        )
         self.current_round = Gauge(
             "tally_coordinator_current_round", "Round in progress per running job", ["job_id"],
             registry=registry,

@@ -200,6 +200,7 @@ class CoordinatorService:
         self._pool = AggregatorPool(
             self.aggregators, self.aggregator_tls, self.max_message_bytes,
             OwnerTokens(token_secret), metrics.aggregators_up.set,
+            lambda aggregator_id, up: metrics.aggregator_up.labels(aggregator=aggregator_id).set(int(up)),
         )
         self.jobs = jobs = ActiveJobs(
             self._store, self._pool, signer, metrics, self.clock, checkin_hold_s=self.checkin_hold_s,

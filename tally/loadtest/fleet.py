@@ -15,9 +15,9 @@ import inspect
 import logging
 import os
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import grpc
@@ -40,6 +40,7 @@ from tally.loadtest.synthetic import SyntheticUpdates
 from tally.secagg import DevicePolicy
 from tally.security import TLSConfig
 from tally.security.enrolment import SharedKeyEnrolment
+from tally.security.tls_failures import specificity
 from tally.wire.v1 import common_pb2
 
 log = logging.getLogger(__name__)
@@ -70,7 +71,7 @@ class FleetStats:
     elapsed_seconds: float
     # Jobs any device was given tasks of, in the order first seen.
     jobs: list[str]
-    # A device's last retried coordinator call and why ("" when none was retried).
+    # The most specific reason any device had to retry a coordinator call ("" when none did).
     last_error: str
     # Some device saw a job of the population running, and every device's last check-in said
     # none runs now.
@@ -82,6 +83,14 @@ class FleetStats:
     # credential, a revoked device), and the first one's reason ("UNAUTHENTICATED: ...").
     refused: int = 0
     refusal: str = ""
+    # Tasks that did not end with the device's input summed, over all devices: job id -> report
+    # reason -> count.
+    failures: dict[str, dict[str, int]] = field(default_factory=dict)
+    # The fleet gave up after this many seconds without a task (``task_timeout``); 0: it did not.
+    no_task_within_s: float = 0.0
+    # The state of each job of ``jobs`` as the coordinator last gave it ("FAILED"; absent when
+    # it could not be asked).
+    job_states: dict[str, str] = field(default_factory=dict)
 
     @classmethod
     def collect(cls, stats: Sequence[DeviceStats], last_model_version: str, elapsed: float) -> FleetStats:
@@ -105,12 +114,13 @@ class FleetStats:
             rounds={job: sorted(r) for job, r in rounds.items()},
             elapsed_seconds=elapsed,
             jobs=list(dict.fromkeys(job for s in stats for job in s.jobs)),
-            last_error=next((s.last_error for s in stats if s.last_error), ""),
+            last_error=_most_specific(s.last_error for s in stats),
             jobs_over=any(s.saw_running_job for s in stats)
             and all(s.population_idle for s in stats if not s.left and not s.refusal),
             left=sum(s.left for s in stats),
             refused=sum(bool(s.refusal) for s in stats),
             refusal=next((s.refusal for s in stats if s.refusal), ""),
+            failures=_add_counts(s.failures for s in stats),
         )
 
     @classmethod
@@ -129,9 +139,12 @@ class FleetStats:
             rounds={job: sorted(r) for job, r in rounds.items()},
             elapsed_seconds=max((s.elapsed_seconds for s in parts), default=0.0),
             jobs=list(dict.fromkeys(job for s in parts for job in s.jobs)),
-            last_error=next((s.last_error for s in parts if s.last_error), ""),
+            last_error=_most_specific(s.last_error for s in parts),
             jobs_over=all(s.jobs_over for s in parts),
             refusal=next((s.refusal for s in parts if s.refusal), ""),
+            failures=_add_counts(s.failures for s in parts),
+            job_states={job: state for s in parts for job, state in s.job_states.items()},
+            no_task_within_s=max((s.no_task_within_s for s in parts), default=0.0),
         )
 
     @property
@@ -156,6 +169,21 @@ class FleetStats:
         """For people, when devices were refused: how many, and why the first was."""
         return (f"{self.refused} of {self.devices} devices stopped: the coordinator refused them "
                 f"({self.refusal}); retrying cannot fix that")
+
+
+def _most_specific(errors: Iterable[str]) -> str:
+    """The error that tells the operator most (a named TLS cause first), the earliest of equals."""
+    return max(errors, key=specificity, default="")
+
+
+def _add_counts(counts: Iterable[dict[str, dict[str, int]]]) -> dict[str, dict[str, int]]:
+    total: dict[str, dict[str, int]] = {}
+    for part in counts:
+        for job, reasons in part.items():
+            into = total.setdefault(job, {})
+            for reason, n in reasons.items():
+                into[reason] = into.get(reason, 0) + n
+    return total
 
 
 def _human_bytes(n: float) -> str:
@@ -294,6 +322,7 @@ class Fleet:
         console: Console | None = None,
         poll_seconds: float = 0.5,
         connect_timeout: float | None = None,
+        task_timeout: float | None = None,
         on_stats: Callable[[FleetStats], None] | None = None,
     ) -> FleetStats:
         """Run every device until ``stop`` is set, ``until`` holds (an int: that many rounds
@@ -301,11 +330,13 @@ class Fleet:
         ``max_tasks_per_device`` tasks. ``progress`` shows a live display; ``on_stats`` gets
         the same snapshots (a fleet of several processes reports them to its parent). With
         ``connect_timeout``, raise ``CoordinatorUnreachable`` when no device has completed a
-        check-in by then, rather than retry in silence forever."""
+        check-in by then, rather than retry in silence forever. With ``task_timeout``, stop when no
+        device has been given a task by then (``FleetStats.no_task_within_s`` says so)."""
         predicate = _rounds_reached(until) if isinstance(until, int) else until
         self._changed = asyncio.Event()
         halt = asyncio.Event()
         start = time.perf_counter()
+        gave_up = 0.0
         runners = [asyncio.ensure_future(self._slot(i, halt, max_tasks_per_device)) for i in range(len(self.devices))]
         everyone = asyncio.gather(*runners)
         total = max_tasks_per_device * len(self.devices) if max_tasks_per_device else None
@@ -322,16 +353,26 @@ class Fleet:
                                                            stats.last_error)
                     if halt.is_set():
                         continue  # devices are finishing their tasks
+                    if task_timeout is not None and not stats.jobs and stats.elapsed_seconds > task_timeout:
+                        gave_up = task_timeout
+                        halt.set()
+                        continue
                     if (stop is not None and stop.is_set()) or (predicate and await _holds(predicate, stats)):
                         halt.set()
                 await everyone
+            halt.set()  # from here a call that fails is not retried
+            # Each job's state as the fleet ends, for its verdict (``tally fleet``'s exit code).
+            asker = next((d for d in self.devices if not d.stats.refusal), None)
+            job_states = await asker.job_states(self.stats().jobs) if asker is not None else {}
         finally:
             halt.set()
             for runner in runners:
                 runner.cancel()
             await asyncio.gather(*runners, return_exceptions=True)
             await self.channels.close()
-        return self.stats(time.perf_counter() - start)
+        stats = self.stats(time.perf_counter() - start)
+        stats.job_states, stats.no_task_within_s = job_states, gave_up
+        return stats
 
     async def _slot(self, i: int, halt: asyncio.Event, max_tasks: int | None) -> None:
         """Run slot i's device; each time one leaves by churn, a new one takes its place. A device

@@ -8,6 +8,8 @@ CA, wrong name, expired) so the operator fixes the certificate instead of the ne
 
 from __future__ import annotations
 
+_NOT_ACCEPTED = "the server's certificate was not accepted"
+_HANDSHAKE_FAILED = "the TLS handshake failed"
 # (text in gRPC's status details, what it means), the first match wins: the specific causes
 # before the generic handshake failure.
 _CAUSES = (
@@ -21,8 +23,8 @@ _CAUSES = (
      "the server's certificate does not name the host dialled (dial a name it has, or add this one: "
      "`tally certs --dns/--ip`)"),
     ("WRONG_VERSION_NUMBER", "the server does not speak TLS (is it started with --insecure?)"),
-    ("CERTIFICATE_VERIFY_FAILED", "the server's certificate was not accepted"),
-    ("handshake failed", "the TLS handshake failed"),
+    ("CERTIFICATE_VERIFY_FAILED", _NOT_ACCEPTED),
+    ("handshake failed", _HANDSHAKE_FAILED),
 )
 
 
@@ -32,3 +34,17 @@ def tls_failure(details: str) -> str | None:
         if needle in details:
             return f"TLS: {meaning}"
     return None
+
+
+def specificity(error: str) -> int:
+    """How much a retried call's error (``"Register: UNAVAILABLE (TLS: ...)"``) tells an operator:
+    a named TLS cause (wrong CA, wrong name, expired) 3, a TLS failure without one 2, anything else
+    1, nothing 0. A device keeps the most specific error it met, not the latest: once a handshake
+    has failed, gRPC's later attempts may end in a bare ``UNAVAILABLE`` that reads like a dead
+    address (issue 39)."""
+    if not error:
+        return 0
+    for _, meaning in _CAUSES:
+        if f"TLS: {meaning}" in error:
+            return 2 if meaning in (_NOT_ACCEPTED, _HANDSHAKE_FAILED) else 3
+    return 1

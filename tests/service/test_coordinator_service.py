@@ -643,7 +643,8 @@ def test_exhausted_retries_fail_the_job_with_the_reason(tmp_path):
 
     events, lonely_events, jobs, metrics = run(main())
     assert [j.state for j in jobs] == [FAILED, FAILED]
-    assert "retry budget 1 spent" in jobs[0].message and "too few survivors: 3 < 5" in jobs[0].message
+    assert "failed after 2 attempt(s) and 0 extension(s)" in jobs[0].message
+    assert "too few survivors: 3 < 5" in jobs[0].message
     assert events[-1].state == FAILED and "too few survivors" in events[-1].message
     assert "only 0 of the 5 devices needed checked in" in jobs[1].message
     assert lonely_events[-1].state == FAILED

@@ -70,6 +70,7 @@ class AdminService(admin_pb2_grpc.AdminServicer):
         )
         if runner is not None:
             out.round, out.phase, out.step = runner.round, round_phase(runner.phase), runner.step
+            out.selection = runner.selection_progress()
         elif record.state in ("FAILED", "CANCELLED") and record.committed_round < out.rounds:
             out.round = record.committed_round + 1  # the round it ended in, and its devices' reports
         out.attempts.extend(

@@ -1,8 +1,11 @@
 """The aggregators a coordinator was given, and the calls it makes to them.
 
-Each is checked with the standard gRPC health protocol before it is handed cohorts; one that
-does not answer SERVING, or whose call fails at the transport level, is marked down and skipped
-until a later health check finds it serving again.
+Each is checked before it is handed cohorts: a call to its control API (a ``CloseSession`` that
+names no session: it closes nothing, and proves the address serves AggregatorControl and admits
+this coordinator), then the standard gRPC health protocol. One that fails either, or whose call
+fails at the transport level, is marked down with the reason and skipped until a later check
+finds it serving again. An aggregator's device port answers health checks too, so a health check
+alone passed it; a job then failed with ``OpenSession failed: UNIMPLEMENTED`` (issue 39).
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from tally import logs
 from tally.security import OwnerTokens, TLSConfig, channel_options, owner_metadata
 from tally.security.tls import file_stamps
 from tally.security.tls import open_aio_channel as aio_channel
+from tally.security.tls_failures import tls_failure
 from tally.wire.v1 import aggregator_pb2, aggregator_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -33,6 +37,7 @@ RECONNECT_OPTIONS = [("grpc.initial_reconnect_backoff_ms", 200), ("grpc.min_reco
 # How long calls in flight on a channel replaced by a certificate renewal may go on.
 RETIRE_GRACE_S = 600.0
 CONTROL_SERVICE = aggregator_pb2.DESCRIPTOR.services_by_name["AggregatorControl"].full_name
+DEVICE_PORT = "this is a device port; give the --control-listen port"
 
 
 class AggregatorCallFailed(Exception):
@@ -40,7 +45,7 @@ class AggregatorCallFailed(Exception):
 
     def __init__(self, aggregator_id: str, message: str) -> None:
         super().__init__(f"aggregator {aggregator_id}: {message}")
-        self.aggregator_id = aggregator_id
+        self.aggregator_id, self.reason = aggregator_id, message
 
 
 # Status codes that say the aggregator (not the request) is the problem: it is marked down.
@@ -66,6 +71,9 @@ class Aggregator:
     control: aggregator_pb2_grpc.AggregatorControlStub
     health: health_pb2_grpc.HealthStub
     up: bool = False
+    # Why it is down ("" while up). Any first check differs from this, so every configured
+    # aggregator's state is logged once at start, up or down.
+    reason: str = "not checked yet"
 
 
 class AggregatorPool:
@@ -76,23 +84,25 @@ class AggregatorPool:
         max_message_bytes: int,
         owner_tokens: OwnerTokens,
         on_change: Callable[[int], None] = lambda up: None,
+        on_member: Callable[[str, bool], None] = lambda aggregator_id, up: None,
     ) -> None:
-        """``owner_tokens``: the coordinator's proof of owning the sessions it opens."""
+        """``owner_tokens``: the coordinator's proof of owning the sessions it opens. ``on_change``
+        gets the number up after each check, ``on_member`` each aggregator's id and whether it is up."""
         ids = [a for a, _ in aggregators]
         if len(set(ids)) != len(ids):
             raise ValueError(f"aggregator ids must be unique, got {ids}")
         self._tls, self._options = tls, channel_options(max_message_bytes) + RECONNECT_OPTIONS
-        self._on_change = on_change
+        self._on_change, self._on_member = on_change, on_member
         self._owner = owner_tokens
         self._stamp = None if tls.insecure else file_stamps(tls)
         self._retired: dict[grpc.aio.Channel, asyncio.Task[None]] = {}
         self.members = {ident: self._connect(ident, address) for ident, address in aggregators}
 
-    def _connect(self, ident: str, address: str, up: bool = False) -> Aggregator:
+    def _connect(self, ident: str, address: str, up: bool = False, reason: str = "not checked yet") -> Aggregator:
         channel = aio_channel(address, self._tls, self._options)
         return Aggregator(
             ident, address, channel,
-            aggregator_pb2_grpc.AggregatorControlStub(channel), health_pb2_grpc.HealthStub(channel), up,
+            aggregator_pb2_grpc.AggregatorControlStub(channel), health_pb2_grpc.HealthStub(channel), up, reason,
         )
 
     def _follow_certificates(self) -> None:
@@ -108,7 +118,7 @@ class AggregatorPool:
             return
         self._stamp = stamp
         old = list(self.members.values())
-        self.members = {a.aggregator_id: self._connect(a.aggregator_id, a.address, a.up) for a in old}
+        self.members = {a.aggregator_id: self._connect(a.aggregator_id, a.address, a.up, a.reason) for a in old}
         logs.event(log, "client certificate changed: reconnecting to the aggregators",
                    aggregators=[a.aggregator_id for a in old])
         for agg in old:
@@ -126,41 +136,51 @@ class AggregatorPool:
     def up_count(self) -> int:
         return sum(a.up for a in self.members.values())
 
+    def unusable(self) -> dict[str, str]:
+        """Each aggregator down at its last check: id -> why."""
+        return {a.aggregator_id: a.reason for a in self.members.values() if not a.up}
+
     async def healthy(self, exclude: Sequence[str] = ()) -> list[str]:
-        """Health-check every aggregator now; the ids of those serving, in configured order.
-        Called before each attempt and periodically, it also picks up a renewed certificate."""
+        """Check every aggregator now; the ids of those serving, in configured order. Called
+        before each attempt and periodically, it also picks up a renewed certificate."""
         self._follow_certificates()
         candidates = [a for a in self.members.values() if a.aggregator_id not in exclude]
-        results = await asyncio.gather(*(self._check(a) for a in candidates))
-        for agg, ok in zip(candidates, results):
-            self._set(agg, ok, "health check" if not ok else "")
-        return [a.aggregator_id for a, ok in zip(candidates, results) if ok]
+        reasons = await asyncio.gather(*(self._check(a) for a in candidates))
+        for agg, reason in zip(candidates, reasons):
+            self._set(agg, not reason, reason)
+        return [a.aggregator_id for a, reason in zip(candidates, reasons) if not reason]
 
-    async def _check(self, agg: Aggregator) -> bool:
-        # The control service's own status when the aggregator reports it, else the server's.
-        for service in (CONTROL_SERVICE, ""):
-            try:
-                reply = await agg.health.Check(
-                    health_pb2.HealthCheckRequest(service=service), timeout=HEALTH_TIMEOUT_S
-                )
-            except grpc.aio.AioRpcError as exc:
-                if exc.code() == grpc.StatusCode.NOT_FOUND and service:
-                    continue
-                return False
-            return reply.status == health_pb2.HealthCheckResponse.SERVING
-        return False
+    async def _check(self, agg: Aggregator) -> str:
+        """Why ``agg`` cannot take cohorts now; "" when it can."""
+        try:
+            await agg.control.CloseSession(aggregator_pb2.CloseSessionRequest(reason="health check"),
+                                           timeout=HEALTH_TIMEOUT_S)
+            # The control service's own status when the aggregator reports it (draining, say).
+            reply = await agg.health.Check(health_pb2.HealthCheckRequest(service=CONTROL_SERVICE),
+                                           timeout=HEALTH_TIMEOUT_S)
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() == grpc.StatusCode.UNIMPLEMENTED:
+                return f"{agg.address} does not serve AggregatorControl: {DEVICE_PORT}"
+            if exc.code() == grpc.StatusCode.NOT_FOUND:
+                return ""  # a control API that does not report its health by name
+            details = exc.details() or ""
+            return f"health check: {exc.code().name}: {tls_failure(details) or details}"
+        if reply.status != health_pb2.HealthCheckResponse.SERVING:
+            return f"health check: {health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)}"
+        return ""
 
     def mark_down(self, aggregator_id: str, reason: str) -> None:
         self._set(self.members[aggregator_id], False, reason)
 
     def _set(self, agg: Aggregator, up: bool, reason: str) -> None:
-        if agg.up != up:
-            agg.up = up
+        if agg.up != up or (not up and reason != agg.reason):
             logs.event(
                 log, "aggregator up" if up else "aggregator down",
                 logging.INFO if up else logging.WARNING,
                 aggregator_id=agg.aggregator_id, address=agg.address, reason=reason,
             )
+        agg.up, agg.reason = up, reason
+        self._on_member(agg.aggregator_id, up)
         self._on_change(self.up_count())
 
     async def open_session(

@@ -95,8 +95,11 @@ class CohortSessions:
             try:
                 plans = planner.form(healthy, self._clock())
             except NoCapacity as exc:
-                why = "".join(f"; {reason}" for reason in excluded.values())
-                raise AttemptFailed(f"cannot form cohorts: {exc}{why}") from None
+                # Every aggregator that could not be used, and why: down at its check, or failed to open.
+                not_used = {**self._pool.unusable(), **excluded}
+                why = "; ".join(f"{ident}: {reason}" for ident, reason in not_used.items())
+                raise AttemptFailed(f"cannot form cohorts: {exc}" + (f"; aggregators not used: {why}" if why else "")
+                                    ) from None
             opened = await asyncio.gather(
                 *(self._open_one(c, plan, round_, steps, planner.deadline) for c, plan in enumerate(plans)),
                 return_exceptions=True,
@@ -108,7 +111,7 @@ class CohortSessions:
             for error in errors:
                 if not isinstance(error, AggregatorCallFailed):
                     raise error  # the attempt's handler closes the sessions that did open
-                excluded[error.aggregator_id] = str(error)
+                excluded[error.aggregator_id] = error.reason
             logs.event(log, "reforming cohorts without failed aggregators", logging.WARNING,
                        job_id=self.job_id, excluded=excluded)
             await self.close("cohorts reformed")

@@ -239,6 +239,14 @@ class Selection:
         if not self.closed:
             self.seated.pop(device_id, None)
 
+    def progress(self, population: str, now: float) -> str:
+        """How far the selection is, for people (``tally job status`` and ``watch``): a job whose
+        population has no devices showed only ``RUNNING (SELECTION)`` for minutes (issue 39)."""
+        allowed = self.extensions_used + self.extensions_left
+        return (f"selection: {len(self.seated)}/{self.target} devices of population {population!r} checked in "
+                f"(deadline extended {self.extensions_used} of {allowed}); at least {self.min_devices} needed, "
+                f"window closes in {max(self.closes_at - now, 0.0):.0f} s")
+
     def due(self, now: float) -> FormCohorts | Extended | Failed | None:
         if self.closed:
             return None

@@ -91,6 +91,8 @@ DURATION_SMOOTHING = 0.5
 # budget being spent in seconds.
 RETRY_BACKOFF_FIRST_S = 1.0
 RETRY_BACKOFF_MAX_S = 30.0
+# How often, at most, a selection's progress is published while devices check in.
+SELECTION_PROGRESS_S = 2.0
 INTERRUPTED = "interrupted: coordinator stopped"  # how a restart closes the attempts it cut short
 
 # Task failures that fail the same way on every retry: the job stops at once with them.
@@ -355,7 +357,7 @@ class JobRunner:
         first = modelio.serialize(self.server.broadcast(state, steps[0].name))
         digest = await asyncio.to_thread(ctx.store.put_blob, first, "broadcast")
         blob = RoundBlob(f"{self.job_id}/v{self.committed}", digest, len(first))
-        failures = 0
+        failures = extensions = 0  # the retry budget spends one on each of both
         while True:
             attempt = ctx.store.start_attempt(self.job_id, round_, ctx.clock())
             try:
@@ -364,6 +366,7 @@ class JobRunner:
                 )
                 break
             except AttemptFailed as exc:
+                extensions += self._extensions_used()
                 failures += self._extensions_used() + 1
                 self._end_attempt(round_, attempt, str(exc))
                 permanent = self._permanent_cause(round_)
@@ -372,8 +375,9 @@ class JobRunner:
                                     "can fix that, so the job stops here") from None
                 if failures > spec.retries:
                     raise JobFailed(
-                        f"round {round_} failed after {attempt} attempt(s), retry budget "
-                        f"{spec.retries} spent: {exc}"
+                        f"round {round_} failed after {attempt} attempt(s) and {extensions} extension(s) of a "
+                        f"selection window (retries: {spec.retries}, each attempt after the first or extension "
+                        f"spends one, none left): {exc}"
                     ) from None
                 ctx.metrics.rounds_retried.inc()
                 await self._back_off(round_, attempt)
@@ -481,8 +485,18 @@ class JobRunner:
             metrics=metrics,
         )
 
+    def selection_progress(self) -> str:
+        """The selection line of ``tally job status`` while a round selects its devices, else ""."""
+        planner = self.planner
+        if planner is None or planner.phase is not Phase.SELECTION:
+            return ""
+        return planner.selection.progress(self.population, self.ctx.clock())
+
     async def _select(self, planner: RoundPlanner) -> None:
+        """Wait for the selection's decision; meanwhile an event says how many devices checked in
+        whenever that changed (at most every ``SELECTION_PROGRESS_S``), for ``tally job watch``."""
         ctx = self.ctx
+        shown: int | None = None
         while True:
             decision = planner.tick(ctx.clock())
             if isinstance(decision, FormCohorts):
@@ -491,10 +505,15 @@ class JobRunner:
                 raise AttemptFailed(decision.reason)
             if isinstance(decision, Extended):
                 ctx.metrics.rounds_retried.inc()
-                self._set_phase("SELECTION", "", f"{decision.reason}; waiting another window (uses a retry)")
+                shown = len(planner.selection.seated)
+                self._set_phase("SELECTION", "", f"{decision.reason}; the window reopens, spending a retry: "
+                                f"{self.selection_progress()}")
+            elif shown != len(planner.selection.seated):
+                shown = len(planner.selection.seated)
+                self._set_phase("SELECTION", "", self.selection_progress())
             self.wake.clear()
             try:
-                timeout = max(planner.next_tick_s(ctx.clock()), 0.01)
+                timeout = min(max(planner.next_tick_s(ctx.clock()), 0.01), SELECTION_PROGRESS_S)
                 await asyncio.wait_for(self.wake.wait(), timeout=timeout)
             except TimeoutError:
                 pass

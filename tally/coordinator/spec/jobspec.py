@@ -175,7 +175,9 @@ class JobSpec(BaseModel):
     deadlines: dict[str, float] = Field(
         default_factory=lambda: dict(DEFAULT_DEADLINES), description="seconds per phase of a round",
     )
-    retries: int = Field(2, ge=0, description="attempts of a round after the first")
+    retries: int = Field(2, ge=0, description="how many times a round may try again: each attempt after the "
+                         "first spends one, and so does each reopening of a selection window that closed with "
+                         "fewer than min_cohort devices; the round fails when none is left")
     reveal: tuple[str, ...] = Field(
         (), strict=False, description="per-device values the job opts in to reveal (only aaggff_s: response)",
     )
