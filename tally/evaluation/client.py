@@ -105,7 +105,7 @@ class RoundEvaluation:
             return cls(plan, recorder, {}, clip)
         model = {k: broadcast[k] for k in plan.model if k in broadcast} if plan.model else dict(broadcast)
         n = held.num_examples
-        w = min(n, plan.example_cap) / plan.example_cap
+        w = plan.weight(n)
         values: dict[str, Any] = {"devices": np.float64(1.0), "examples": np.int64(min(n, plan.example_cap)),
                                   "weight": np.float64(w)}
         loss, accuracy = held.evaluate(model) if n else (0.0, 0.0)
@@ -123,6 +123,9 @@ class RoundEvaluation:
             values["personal_accuracy"] = w * clip(held.evaluate(personal)[1] if n else 0.0, 0.0, 1.0)
         if "domain" in plan.metrics:
             counts, loss_sums, correct = domain_sums(held, model, plan.domains)
+            if counts.shape != (plan.domains,):
+                raise EvaluationError(f"metric 'domain': this device labels {counts.size} domains, the job "
+                                      f"{plan.domains}")
             scale = 1.0 / max(plan.example_cap, n)  # n_k / cap, or n_k / n above the cap: each within 1
             values["domain_weight"] = counts * scale
             values["domain_loss"] = clip(loss_sums / np.maximum(counts, 1), 0.0, plan.loss_bound) * counts * scale
@@ -155,8 +158,7 @@ class RoundEvaluation:
         """The metric fields, with the training loss measured since ``before_training``."""
         values = dict(self._values)
         if "train_loss" in self.plan.metrics:
-            n = self.trainer.num_examples
-            w = min(n, self.plan.example_cap) / self.plan.example_cap if self.trainer.losses else 0.0
+            w = self.plan.weight(self.trainer.num_examples) if self.trainer.losses or self.plan.device_weighted else 0.0
             loss = float(np.mean(self.trainer.losses)) if self.trainer.losses else 0.0
             values["train_loss"] = w * self._clip(loss, 0.0, self.plan.loss_bound)
             values["train_weight"] = np.float64(w)

@@ -6,8 +6,8 @@ no device's own loss or accuracy is ever released (DESIGN.md section 1). Each me
 of the last step's payload, encoded like any other (clipped to its declared bounds, clipped
 values counted, never silent), so it costs no extra round trip and, under DP, is noised and
 accounted with the update. A device weighs its values by ``w = min(n, example_cap) / example_cap``
-(n: its held-out examples), as FedAvg weighs updates: every summed value stays within its clip
-whatever a device holds, and ``Σ w·m / Σ w`` is the example-weighted mean over devices below the
+(n: its held-out examples; 1 under DP, ``device_weighted``), as FedAvg weighs updates: every summed
+value stays within its clip whatever a device holds, and ``Σ w·m / Σ w`` is the example-weighted mean over devices below the
 cap. A distribution is a histogram of one-hot counts, so the spread across devices (and an
 estimate of the worst decile, the fairness algorithms' criterion) is known without any device's
 own value.
@@ -84,6 +84,9 @@ class EvaluationPlan:
     example_cap: int = 1000
     domains: int = 0
     seed: int = 0
+    # Under DP: every device weighs 1, so the means' denominators are the contributor count (exact:
+    # counted, not noised) and the noise falls on the numerators alone.
+    device_weighted: bool = False
     step: str = ""
     model: tuple[str, ...] = field(default=())
 
@@ -132,6 +135,10 @@ class EvaluationPlan:
             else:
                 out.append(Field(name, (c.bins,), kind=Kind.COUNT, clip=1))
         return tuple(out)
+
+    def weight(self, examples: int) -> float:
+        """A device's weight in the means: its examples up to the cap, over the cap (or 1)."""
+        return 1.0 if self.device_weighted else min(examples, self.example_cap) / self.example_cap
 
     @property
     def clip_capacity(self) -> int:

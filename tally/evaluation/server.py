@@ -86,10 +86,12 @@ class EvaluatedServer:
     def privacy_roles(self) -> dict[str, Any]:
         """How DP treats each metric field: a bound (the field enters the joint clip in its units),
         ``"counted"`` (one per device) or ``"withheld"`` (never released under DP)."""
+        counted = ("devices", "weight", "train_weight") if self.plan.device_weighted else ("devices",)
         fields = self.plan.fields()
-        released = [f for f in fields if f.name[len(PREFIX):] not in (*WITHHELD_UNDER_DP, "devices")]
+        released = [f for f in fields if f.name[len(PREFIX):] not in (*WITHHELD_UNDER_DP, *counted)]
         inflate = math.sqrt(len(released)) / DP_METRIC_SHARE
-        roles: dict[str, Any] = {PREFIX + "devices": "counted"}
+        roles: dict[str, Any] = {PREFIX + name: "counted" for name in counted if PREFIX + name in
+                                 {f.name for f in fields}}
         roles.update({PREFIX + name: "withheld" for name in WITHHELD_UNDER_DP})
         for f in released:
             natural = 1.0 if f.kind is Kind.COUNT and f.clip == 1 and f.size > 1 else f.clip * math.sqrt(f.size)

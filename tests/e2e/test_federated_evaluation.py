@@ -10,7 +10,8 @@ import logging
 
 import pytest
 
-from support.stack import in_process, run, scrape_text, spec, trainers
+from support.stack import HIDDEN, in_process, run, scrape_text, spec, trainers
+from tally.models.mlp import mlp
 from tally.training import TorchTrainer
 from tally.wire.v1 import common_pb2
 
@@ -34,7 +35,8 @@ class Confident(TorchTrainer):
 
 def _devices(cls) -> list:
     base, _ = trainers(N)
-    return [cls(lambda: d.model, d.features.numpy(), d.labels.numpy(), seed=i) for i, d in enumerate(base)]
+    return [cls(lambda: mlp(64, 10, hidden=HIDDEN, seed=0), d.features.numpy(), d.labels.numpy(), seed=i)
+            for i, d in enumerate(base)]
 
 
 def test_a_trainer_metric_reaches_the_figures_prometheus_and_mlflow(tmp_path, caplog):
@@ -56,7 +58,7 @@ def test_a_trainer_metric_reaches_the_figures_prometheus_and_mlflow(tmp_path, ca
     assert sorted(figures) == list(range(1, ROUNDS + 1))
     assert all(0.1 <= figures[r]["custom.confidence"] <= 1.0 for r in figures)
     line = f'tally_coordinator_model_quality{{job_id="{job.job_id}",metric="custom.confidence"}}'
-    assert line in scraped and f'metric="eval.accuracy"' in scraped
+    assert line in scraped and 'metric="eval.accuracy"' in scraped
     assert "eval.accuracy_hist" not in scraped  # bins stay out of Prometheus
 
     client = MlflowClient(tracking_uri=uri)

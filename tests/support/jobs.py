@@ -16,6 +16,7 @@ import numpy as np
 
 from support.stack import in_process, run, spec
 from tally import algorithms, modelio
+from tally.evaluation import EvaluatedClient
 from tally.loadtest import DropoutPlan
 from tally.loadtest.behaviour import BehaviourProfile
 from tally.loadtest.fleet import device_ids
@@ -32,6 +33,27 @@ def job_text(name: str, algorithm: str, rounds: int, cohort: int, kind: str, opt
         "secure: {dropout_rate: 0.1, corrupt_rate: 0.05}\n"
         "deadlines: {checkin: 10, download: 10, advertise_keys: 4, share_keys: 4, masked_input: 8, unmask: 4}\n"
     )
+
+
+def reference_halves(algorithm: str, options: Mapping[str, Any], initial: dict | None = None, extra: str = ""):
+    """The server and client halves as the coordinator and each device build them for such a job
+    (its default evaluation around them, from the spec ``extra`` completes), for an in-process
+    reference; ``initial``: the job's model when it is not the default MLP (its heads give FedDAR's
+    domains)."""
+    from tally.coordinator.spec import catalogue
+    from tally.coordinator.spec.evaluation_spec import evaluated_job_server
+    from tally.coordinator.spec.jobspec import parse
+
+    kind = "mlp" if initial is None else "reference-model"
+    if initial is not None:
+        catalogue.register_model(kind, lambda _spec: initial)
+    try:
+        spec = parse(job_text("reference", algorithm, 1, 10, kind, options) + extra)
+        server = evaluated_job_server(catalogue.make_server(spec.algorithm, spec.options), spec)
+    finally:
+        if initial is not None:
+            catalogue.unregister_model(kind)
+    return server, EvaluatedClient(algorithms.make(spec.algorithm, spec.options)[1])
 
 
 def run_job(tmp_path, algorithm: str, options: Mapping[str, Any], kind: str, initial: dict, devices: list,

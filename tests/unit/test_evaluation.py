@@ -45,7 +45,9 @@ def _devices(cls=TorchTrainer) -> list:
 def _run(plan: EvaluationPlan, devices: list, rounds: int = 2, algorithm: str = "fedavg", settings=None,
          evaluate: bool = True):
     """``settings``: DP around the evaluated halves (the coordinator's and the device's order)."""
-    server, client = algorithms.make(algorithm, {"local_epochs": 1})
+    # Under DP, FedAvg's weight is counted (example_cap 1): a noised weight could sum to zero.
+    options = {"local_epochs": 1, **({"example_cap": 1} if settings is not None else {})}
+    server, client = algorithms.make(algorithm, options)
     evaluated = EvaluatedServer(server, plan)
     outer, device_half, sum_fn = (evaluated if evaluate else server), EvaluatedClient(client), plain_sum
     if settings is not None:
@@ -162,7 +164,7 @@ def test_a_personalised_algorithm_reports_the_personal_model_beside_the_global_o
 
 
 def test_under_dp_the_metric_fields_are_clipped_and_noised_with_the_update_and_cost_no_extra_release():
-    plan = EvaluationPlan()
+    plan = EvaluationPlan(device_weighted=True)  # as a private job's plan is: exact denominators
     settings = PrivacySettings("central", clip=1.0, noise_multiplier=1.0, delta=1e-5, cohort_size=N)
     server, state, figures = _run(plan, _devices(), rounds=2, settings=settings)
     broadcast = server.broadcast(state, "update")
@@ -170,7 +172,8 @@ def test_under_dp_the_metric_fields_are_clipped_and_noised_with_the_update_and_c
     assert {"metric.loss", "metric.accuracy", "metric.accuracy_histogram"} <= released
     assert PLAN in broadcast
     roles = EvaluatedServer(algorithms.make("fedavg", {})[0], plan).privacy_roles()
-    assert roles[PREFIX + "devices"] == "counted" and roles[PREFIX + "examples"] == "withheld"
+    assert roles[PREFIX + "devices"] == roles[PREFIX + "weight"] == "counted"
+    assert roles[PREFIX + "examples"] == "withheld"
     assert len(figures) == 2 and all("eval.loss" in f and "eval.examples" not in f for f in figures)
     # Noised: the histogram's counts are no longer whole numbers of devices.
     assert any(not float(figures[0][f"eval.accuracy_hist.{i:02d}"]).is_integer() for i in range(plan.bins))

@@ -11,6 +11,8 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from tally import algorithms
 from tally.algorithms.base import PersonalisedClient
+from tally.algorithms.feddar import HEADS
+from tally.coordinator.spec import catalogue
 from tally.evaluation import BUILT_IN, DEFAULT_METRICS, CustomMetric, EvaluatedServer, EvaluationPlan
 
 STRICT = ConfigDict(extra="forbid", strict=True, frozen=True)
@@ -52,10 +54,16 @@ class EvaluationSpec(BaseModel):
         return round_ % self.every == 0 or round_ == rounds
 
 
+# Algorithms whose model is no classifier to score (FedEvg's is a synthetic dataset): no metric by default.
+UNSCORED_ALGORITHMS = ("fedevg",)
+
+
 def _metrics(spec: Any) -> tuple[str, ...]:
     chosen = spec.evaluation.metrics
     if chosen is not None:
         return tuple(chosen)
+    if spec.algorithm in UNSCORED_ALGORITHMS:
+        return ()
     extra = []
     _, client = algorithms.make(spec.algorithm, spec.options) if spec.algorithm in algorithms.NAMES else (None, None)
     if isinstance(client, PersonalisedClient):
@@ -66,8 +74,13 @@ def _metrics(spec: Any) -> tuple[str, ...]:
 
 
 def domains_of(spec: Any) -> int:
-    """How many domains the job's devices label their examples with."""
-    return max(int(spec.options.get("domains", 0) or 0), int(spec.model.domains))
+    """How many domains the job's devices label their examples with: the algorithm's ``domains``
+    option (AgnosticFedAvg), else the initial model's per-domain heads (FedDAR)."""
+    given = int(spec.options.get("domains", 0) or 0)
+    if given:
+        return given
+    heads = catalogue.initial_model(spec.model).get(HEADS)
+    return int(heads.shape[0]) if heads is not None else int(spec.model.domains)
 
 
 def plan_for(spec: Any) -> EvaluationPlan | None:
@@ -76,10 +89,13 @@ def plan_for(spec: Any) -> EvaluationPlan | None:
     if e is None:
         return None
     metrics = _metrics(spec)
+    if not metrics and not e.custom:
+        return None
     return EvaluationPlan(
         metrics=metrics, custom=tuple(CustomMetric(**c.model_dump()) for c in e.custom), holdout=e.holdout,
         bins=e.bins, loss_bound=e.loss_bound, example_cap=e.example_cap,
         domains=domains_of(spec) if "domain" in metrics else 0,
+        device_weighted=getattr(spec, "privacy", None) is not None,
     )
 
 
