@@ -307,7 +307,7 @@ def _status(stub: Any, args: argparse.Namespace, metadata: tuple) -> int:
     from tally.wire.v1 import admin_pb2
 
     job = job_dict(stub.GetJob(admin_pb2.GetJobRequest(job_id=args.job_id), metadata=metadata, timeout=args.timeout))
-    job["quality"] = quality.summary(_figures(stub, args, metadata))
+    job["quality"] = quality.summary(_figures(stub, args, metadata, optional=True))
     if args.json:
         _print_json(job)
     else:
@@ -386,7 +386,7 @@ def _model(stub: Any, args: argparse.Namespace, metadata: tuple) -> int:
     args.out.write_bytes(data)
     fields = {"job_id": args.job_id, "round": round_, "path": str(args.out), "bytes": len(data), "sha256": digest}
     job = stub.GetJob(admin_pb2.GetJobRequest(job_id=args.job_id), metadata=metadata, timeout=args.timeout)
-    warning = quality.model_warning(job.algorithm, _figures(stub, args, metadata))
+    warning = quality.model_warning(job.algorithm, _figures(stub, args, metadata, optional=True))
     quality.warn(warning)
     if warning:
         fields["warning"] = warning
@@ -394,13 +394,22 @@ def _model(stub: Any, args: argparse.Namespace, metadata: tuple) -> int:
     return 0
 
 
-def _figures(stub: Any, args: argparse.Namespace, metadata: tuple) -> list:
-    """Every committed round's figures (``tally.cli.quality.RoundFigures``), oldest first."""
+def _figures(stub: Any, args: argparse.Namespace, metadata: tuple, optional: bool = False) -> list:
+    """Every committed round's figures (``tally.cli.quality.RoundFigures``), oldest first.
+    ``optional``: none from a coordinator older than GetJobMetrics (status and model still work
+    against it during an upgrade)."""
+    import grpc
+
     from tally.cli.quality import RoundFigures
     from tally.wire.v1 import admin_pb2
 
-    reply = stub.GetJobMetrics(admin_pb2.GetJobMetricsRequest(job_id=args.job_id), metadata=metadata,
-                               timeout=args.timeout)
+    try:
+        reply = stub.GetJobMetrics(admin_pb2.GetJobMetricsRequest(job_id=args.job_id), metadata=metadata,
+                                   timeout=args.timeout)
+    except grpc.RpcError as exc:
+        if optional and exc.code() == grpc.StatusCode.UNIMPLEMENTED:
+            return []
+        raise
     return [RoundFigures(r.round, _time(r.committed_at), dict(sorted(r.metrics.items()))) for r in reply.rounds]
 
 

@@ -4,12 +4,16 @@ models, a job that measured nothing)."""
 
 from __future__ import annotations
 
+import argparse
+import json
 import sys
 
+import grpc
 import pytest
 
 from tally.cli import quality
 from tally.cli.quality import MissingPackage, RoundFigures
+from tally.wire.v1 import admin_pb2, common_pb2
 
 
 def test_spark_scales_to_the_tallest_bin_and_leaves_empty_bins_blank():
@@ -60,3 +64,32 @@ def test_a_missing_optional_package_is_named_with_how_to_install_it(monkeypatch,
     with pytest.raises(MissingPackage, match=r"`tally job plot` needs matplotlib, which is not installed: "
                                              r"pip install matplotlib \(or tally\[all\]\)"):
         quality.plot([RoundFigures(1, "", {"eval.accuracy": 0.5})], tmp_path / "x.png", "x")
+
+
+class _Unimplemented(grpc.RpcError):
+    def code(self) -> grpc.StatusCode:
+        return grpc.StatusCode.UNIMPLEMENTED
+
+    def details(self) -> str:
+        return "Method not found!"
+
+
+class _OlderCoordinator:
+    """An Admin stub of a coordinator from before GetJobMetrics."""
+
+    def GetJob(self, request, metadata, timeout):
+        return admin_pb2.Job(job_id=request.job_id, algorithm="lg_fedavg", state=common_pb2.JOB_STATE_RUNNING)
+
+    def GetJobMetrics(self, request, metadata, timeout):
+        raise _Unimplemented()
+
+
+def test_status_still_works_against_a_coordinator_without_job_metrics(capsys):
+    from tally.cli import job
+
+    args = argparse.Namespace(job_id="j", json=True, timeout=5.0)
+    assert job._status(_OlderCoordinator(), args, ()) == 0
+    shown = json.loads(capsys.readouterr().out)
+    assert shown["job_id"] == "j" and shown["quality"] is None
+    with pytest.raises(grpc.RpcError):  # `tally job metrics` has nothing to show: the error is its answer
+        job._metrics(_OlderCoordinator(), argparse.Namespace(job_id="j", json=True, csv=False, timeout=5.0), ())
