@@ -1,6 +1,7 @@
 """``tally job``: write and check job specs offline (``init``, ``validate``, ``schema``) and operate
 a coordinator's jobs through its Admin API (``submit``, ``status``, ``list``, ``cancel``,
-``watch``, ``model``). Every command takes ``--json`` for scripts."""
+``watch``, ``model``, and the model-quality figures per round: ``metrics``, ``plot``; their
+formatting is ``tally.cli.quality``). Every command takes ``--json`` for scripts."""
 
 from __future__ import annotations
 
@@ -28,7 +29,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     job = sub.add_parser(
         "job", help="write, check, submit, inspect, cancel and watch jobs; fetch trained models",
         description="Job specs offline (init, validate, schema) and a coordinator's jobs through its "
-        "Admin API (submit, status, list, cancel, watch, model).",
+        "Admin API (submit, status, list, cancel, watch, model, metrics, plot).",
     )
     actions = job.add_subparsers(dest="action", required=True, metavar="ACTION")
     output = output_parser()
@@ -70,6 +71,15 @@ def register(sub: argparse._SubParsersAction) -> None:
     model.add_argument("--out", type=Path, required=True, help="file to write the ONNX model to")
     model.add_argument("--round", type=int, help="a committed round, 0 for the initial model (default: the latest)")
     model.set_defaults(run=_job(_model))
+    metrics = actions.add_parser(
+        "metrics", parents=[client], help="each committed round's model quality (the devices' held-out sums)")
+    metrics.add_argument("job_id", help="the job whose figures to show")
+    metrics.add_argument("--csv", action="store_true", help="print CSV: one row per round, one column per figure")
+    metrics.set_defaults(run=_job(_metrics))
+    plot = actions.add_parser("plot", parents=[client], help="plot loss and accuracy per round (needs matplotlib)")
+    plot.add_argument("job_id", help="the job whose curves to plot")
+    plot.add_argument("--out", type=Path, required=True, help="image file to write (PNG, SVG, PDF by suffix)")
+    plot.set_defaults(run=_job(_plot))
 
 
 def _print_json(value: Any) -> None:
@@ -186,6 +196,7 @@ def _job(action: Action, command: str = "job") -> Callable[[argparse.Namespace],
     def run(args: argparse.Namespace) -> int:
         import grpc
 
+        from tally.cli.quality import MissingPackage
         from tally.security import bearer_metadata, channel_options, open_channel
         from tally.security.tls import tls_config_from_args
         from tally.wire.v1 import admin_pb2_grpc
@@ -209,6 +220,8 @@ def _job(action: Action, command: str = "job") -> Callable[[argparse.Namespace],
                 return action(admin_pb2_grpc.AdminStub(channel), args, bearer_metadata(token))
             except OSError as exc:  # a spec that cannot be read, an --out that cannot be written
                 return fail(f"{exc.filename}: {exc.strerror}", 2)
+            except MissingPackage as exc:  # `plot` without matplotlib
+                return fail(str(exc), 2)
             except grpc.RpcError as exc:
                 if args.json:  # the JSON says it all: no second copy on stderr
                     _print_json({"error": exc.code().name, "message": exc.details()})
@@ -298,9 +311,16 @@ def _submit(stub: Any, args: argparse.Namespace, metadata: tuple) -> int:
 
 
 def _status(stub: Any, args: argparse.Namespace, metadata: tuple) -> int:
+    from tally.cli import quality
     from tally.wire.v1 import admin_pb2
 
-    return _one(stub.GetJob(admin_pb2.GetJobRequest(job_id=args.job_id), metadata=metadata, timeout=args.timeout), args)
+    job = job_dict(stub.GetJob(admin_pb2.GetJobRequest(job_id=args.job_id), metadata=metadata, timeout=args.timeout))
+    job["quality"] = quality.summary(_figures(stub, args, metadata, optional=True))
+    if args.json:
+        _print_json(job)
+    else:
+        print("\n".join(filter(None, (show(job), quality.summary_line(job["quality"])))))
+    return 0
 
 
 def _list(stub: Any, args: argparse.Namespace, metadata: tuple) -> int:
@@ -331,6 +351,7 @@ def _cancel(stub: Any, args: argparse.Namespace, metadata: tuple) -> int:
 
 
 def _watch(stub: Any, args: argparse.Namespace, metadata: tuple) -> int:
+    from tally.cli.quality import round_line
     from tally.wire.v1 import admin_pb2, common_pb2
 
     state = common_pb2.JOB_STATE_UNSPECIFIED
@@ -345,14 +366,16 @@ def _watch(stub: Any, args: argparse.Namespace, metadata: tuple) -> int:
         if args.json:
             _print_json(fields)
             continue
-        metrics = " ".join(f"{k}={v:g}" for k, v in fields["metrics"].items())
+        metrics = round_line(fields["metrics"])
         where = " ".join(filter(None, (f"round {event.round}", fields["phase"], event.step)))
         print(f"{fields['time']}  {where}  {fields['state']}  {event.message}  {metrics}".rstrip(), flush=True)
     return 0 if state == common_pb2.JOB_STATE_SUCCEEDED else 1
 
 
 def _model(stub: Any, args: argparse.Namespace, metadata: tuple) -> int:
-    """Write the ONNX file only once every piece arrived and its digest matched."""
+    """Write the ONNX file only once every piece arrived and its digest matched. A personalised
+    job's file is only the shared part of what devices use: a warning says so."""
+    from tally.cli import quality
     from tally.wire.v1 import admin_pb2
 
     request = admin_pb2.GetModelRequest(job_id=args.job_id, round=args.round)  # round=None: absent
@@ -370,5 +393,62 @@ def _model(stub: Any, args: argparse.Namespace, metadata: tuple) -> int:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_bytes(data)
     fields = {"job_id": args.job_id, "round": round_, "path": str(args.out), "bytes": len(data), "sha256": digest}
+    job = stub.GetJob(admin_pb2.GetJobRequest(job_id=args.job_id), metadata=metadata, timeout=args.timeout)
+    warning = quality.model_warning(job.algorithm, _figures(stub, args, metadata, optional=True))
+    quality.warn(warning)
+    if warning:
+        fields["warning"] = warning
     _print_json(fields) if args.json else print(f"{args.out}: {args.job_id} round {round_}, {len(data)} bytes")
+    return 0
+
+
+def _figures(stub: Any, args: argparse.Namespace, metadata: tuple, optional: bool = False) -> list:
+    """Every committed round's figures (``tally.cli.quality.RoundFigures``), oldest first.
+    ``optional``: none from a coordinator older than GetJobMetrics (status and model still work
+    against it during an upgrade)."""
+    import grpc
+
+    from tally.cli.quality import RoundFigures
+    from tally.wire.v1 import admin_pb2
+
+    try:
+        reply = stub.GetJobMetrics(admin_pb2.GetJobMetricsRequest(job_id=args.job_id), metadata=metadata,
+                                   timeout=args.timeout)
+    except grpc.RpcError as exc:
+        if optional and exc.code() == grpc.StatusCode.UNIMPLEMENTED:
+            return []
+        raise
+    return [RoundFigures(r.round, _time(r.committed_at), dict(sorted(r.metrics.items()))) for r in reply.rounds]
+
+
+def _metrics(stub: Any, args: argparse.Namespace, metadata: tuple) -> int:
+    from tally.cli import quality
+
+    if args.json and args.csv:
+        print("tally job metrics: give --json or --csv, not both", file=sys.stderr)
+        return 2
+    rounds = _figures(stub, args, metadata)
+    if args.json:
+        _print_json({"job_id": args.job_id, "rounds": [r.as_dict() for r in rounds]})
+    elif args.csv:
+        sys.stdout.write(quality.csv_text(rounds))
+    else:
+        grid = quality.table(rounds, f"{args.job_id}: model quality per round (the devices' held-out sums)")
+        from tally.cli.console import console
+
+        console().print(grid)
+    return 0
+
+
+def _plot(stub: Any, args: argparse.Namespace, metadata: tuple) -> int:
+    from tally.cli import quality
+
+    rounds = _figures(stub, args, metadata)
+    if quality.summary(rounds) is None:
+        print(f"tally job plot: {args.job_id} has no model-quality figures yet (no committed round measured any; "
+              "see its evaluation: section)", file=sys.stderr)
+        return 1
+    quality.plot(rounds, args.out, f"{args.job_id}: federated evaluation per round")
+    _print_json({"job_id": args.job_id, "path": str(args.out), "rounds": len(rounds)}) if args.json else \
+        print(f"{args.out}: {len(rounds)} rounds of {args.job_id}")
     return 0

@@ -5,6 +5,7 @@ too few devices are refused with the reason. Real processes throughout."""
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -15,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from tally.cli.demo import TOLERANCE_SE
 from tally.coordinator.state.store import Store
 
 REPO = Path(__file__).resolve().parents[2]
@@ -149,3 +151,27 @@ def test_demo_argument_mistakes_are_one_line(tmp_path):
         done = subprocess.run([sys.executable, "-m", "tally.cli", "demo", *argv], cwd=REPO, capture_output=True,
                               text=True, timeout=120)
         assert done.returncode != 0 and needle in done.stderr and "Traceback" not in done.stderr, done.stderr
+
+
+def test_the_demo_shows_federated_evaluation_agreeing_with_its_central_score(tmp_path):
+    """Issue 37, item 7: beside the ONNX score on the bundled test digits, the devices' own
+    held-out figures (sums through secure aggregation, from GetJobMetrics) for each model, and
+    the two agree within the stated tolerance."""
+    out = tmp_path / "demo"
+    demo = _demo("--rounds", "3", "--out", str(out))
+    stdout, stderr = demo.communicate(timeout=240)
+    assert demo.returncode in (0, 1), stderr  # 1: three rounds do not reach 90 % accuracy
+    report = json.loads((out / "report.json").read_text())
+    federated, agreement = report["federated"], report["agreement"]
+    # Round r's devices scored the model of round r - 1: the initial one, then each but the last.
+    assert [f["model"] for f in federated] == [0, 1, 2] and [f["round"] for f in federated] == [1, 2, 3]
+    central = [report["initial_accuracy"], *report["accuracy_per_round"]]
+    for f in federated:
+        assert 0 < f["examples"] and 0 < f["devices"] <= report["devices"]
+        assert abs(f["difference"] - (f["accuracy"] - central[f["model"]])) < 1e-12
+        assert f["standard_errors"] <= TOLERANCE_SE, f
+    assert agreement["models_compared"] == 3 and agreement["within_tolerance"]
+    assert agreement["max_abs_difference"] == max(abs(f["difference"]) for f in federated)
+    assert "federated (devices' held-out)" in stdout
+    assert f"federated evaluation vs the central test score: agree within {TOLERANCE_SE:g} standard errors " \
+           "for all 3 models" in stdout, stdout

@@ -96,6 +96,10 @@ def _summary(cls: type) -> str:
     return " ".join(doc.split("\n\n")[0].split())
 
 
+# Sections with a page of their own in docs/: (title, page), linked from the reference.
+GUIDES = {"evaluation": ("Federated evaluation", "evaluation.md")}
+
+
 def reference() -> str:
     """The field reference in Markdown (``docs/job-spec.md``)."""
     lines = [
@@ -113,7 +117,9 @@ def reference() -> str:
         *_table(jobspec.JobSpec),
     ]
     for section, model in jobspec.SECTIONS.items():
-        lines += ["", f"## `{section}`", "", _summary(model), "", *_table(model, f"{section}.")]
+        title, page = GUIDES.get(section, ("", ""))
+        guide = [f"What it does in full: [{title}]({page}).", ""] if page else []
+        lines += ["", f"## `{section}`", "", _summary(model), "", *guide, *_table(model, f"{section}.")]
     lines += ["", "## `options`: options per algorithm", ""]
     for name in algorithms.NAMES:
         model = jobspec.options_model(name)
