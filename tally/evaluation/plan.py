@@ -7,8 +7,8 @@ of the last step's payload, encoded like any other (clipped to its declared boun
 values counted, never silent), so it costs no extra round trip and, under DP, is noised and
 accounted with the update. A device weighs its values by ``w = min(n, example_cap) / example_cap``
 (n: its held-out examples; 1 under DP, ``device_weighted``), as FedAvg weighs updates: every summed
-value stays within its clip whatever a device holds, and ``Σ w·m / Σ w`` is the example-weighted mean over devices below the
-cap. A distribution is a histogram of one-hot counts, so the spread across devices (and an
+value stays within its clip whatever a device holds, and ``Σ w·m / Σ w`` is the example-weighted
+mean over devices below the cap. A distribution is a histogram of one-hot counts, so the spread across devices (and an
 estimate of the worst decile, the fairness algorithms' criterion) is known without any device's
 own value.
 
