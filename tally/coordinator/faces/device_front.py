@@ -15,10 +15,12 @@ of the running jobs:
 - ``Register``: the enrolment checks, the devices-table write (SQLite in WAL mode: one writer at a
   time across processes, readers never blocked) and the token, from the same secrets;
 - ``CheckIn`` of a device whose population has no pending or running job: the idle come-back time,
-  paced at the front's share of the target rate.
+  paced at the front's share of the target rate. That includes a check-in stating an input
+  ledger, as every SDK device with a state directory does at every check-in: a ledger only
+  releases seats of running jobs (``JobRunner.ledger_says``), and such a population has none.
 
-Everything else (a check-in of a population a job may select from, or carrying task reports or an
-input ledger; ``GetStep``, ``DownloadModel``, ``Reveal``, ``RoundStatus``; the Admin API) is
+Everything else (a check-in of a population a job may select from, or carrying task reports;
+``GetStep``, ``DownloadModel``, ``Reveal``, ``RoundStatus``; the Admin API) is
 forwarded unchanged, as bytes, to the coordinator's internal port, which only fronts can call (a
 key derived from the token secret). Round planning stays in one process, the coordinator: one
 leader, so selection, seating and the round's state need no agreement between processes.
@@ -265,8 +267,7 @@ class DeviceFront:
 
     async def check_in(self, request: coordinator_pb2.CheckInRequest, context: grpc.aio.ServicerContext):
         claims = await self.entry.check_in(request, context)
-        if (claims.population in self.populations_with_jobs or request.reports
-                or request.HasField("input_ledger")):
+        if claims.population in self.populations_with_jobs or request.reports:
             reply = await self.forward(_CHECK_IN, request.SerializeToString(), context)
             return coordinator_pb2.CheckInResponse.FromString(reply)
         return turned_away(idle_retry(claims.population), self.pacer, self.metrics, self.clock())
