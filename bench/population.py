@@ -23,8 +23,9 @@ For each population N (``--populations``, default 10,000 100,000 1,000,000):
 4. **Processes.** Steps 2 and 3 again for each count of ``--processes`` (``tally coordinator
    --device-processes``): the coordinator and its fronts pinned to that many cores, their CPU
    summed, and the share of the idle check-ins the coordinator process answered itself (the
-   kernel spreads connections evenly, so about 1/N when the fronts answer their own). On a machine with no core left for the generator it shares the last one, and the JSON
-   says so: the ratio then understates what the processes give.
+   kernel spreads connections evenly, so about 1/N when the fronts answer their own). On a
+   machine with no core left for the generator it shares the last one, and the JSON says so:
+   the ratio then understates what the processes give.
 
 Before the populations, the **floor**: the same generator against a gRPC server that answers every
 check-in with a constant come-back time and checks nothing, over the same TLS, pinned the same way.
@@ -80,7 +81,9 @@ from tally.security.enrolment import enrolment_credential
 from tally.security.tls import open_aio_channel, server_options
 from tally.wire.v1 import coordinator_pb2, coordinator_pb2_grpc
 
-UNLIMITED = ["--register-limit", "1000000/1000000", "--checkin-limit", "1000000/1000000"]
+# The generator's devices all come from this host: no per-source cap (a deployment's come from many).
+UNLIMITED = ["--register-limit", "1000000/1000000", "--checkin-limit", "1000000/1000000",
+             "--max-connections-per-source", "0"]
 AT_REST, LIVE = "rest", "live"  # the two populations: enrolled in the store, and the generator's devices
 REGISTER_CONCURRENCY = 64  # registrations in flight at once: a burst of devices, not one queue
 
