@@ -39,23 +39,19 @@ class InputLedger:
 
     With a ``path`` the ledger is a file, written (and fsynced) before the masked input leaves the
     device: a device that crashes or restarts mid-round still knows it sent one, so "at most one
-    input per device and round" holds across restarts. A missing file is a new ledger, created
-    at once with a fresh id (see the module docstring). Without a path it lives in memory only (a
-    device without a state directory keeps nothing across restarts anyway) and states nothing. A
-    ledger file that does not parse is refused rather than treated as empty: forgetting would
-    reopen the hole."""
+    input per device and round" holds across restarts. A missing file is a new ledger, given a
+    fresh id and written when it is first stated or written to (not when the device starts: a
+    fleet of simulated devices would pay an fsync each at once). Without a path it lives in
+    memory only (a device without a state directory keeps nothing across restarts anyway) and
+    states nothing. A ledger file that does not parse is refused rather than treated as empty:
+    forgetting would reopen the hole."""
 
     def __init__(self, path: Path | None = None) -> None:
         self.path = path
         self._rounds: dict[str, int] = {}
-        self.ledger_id = ""
-        if path is None:
-            return
-        if path.exists():
+        self.ledger_id = ""  # until written: a new ledger, or one written before ledgers had ids
+        if path is not None and path.exists():
             self.ledger_id, self._rounds = _read_ledger(path)
-        if not self.ledger_id:  # a new ledger, or one written before ledgers had ids: from now on
-            self.ledger_id = secrets.token_hex(LEDGER_ID_BYTES)
-            self._write(self._rounds, replace=path.exists())
 
     def sent(self, job_id: str, round_: int) -> None:
         latest = max(round_, self._rounds.get(job_id, round_))
@@ -64,7 +60,7 @@ class InputLedger:
         # The job just written goes last: the file keeps the order in which jobs were updated.
         rounds = {**{k: v for k, v in self._rounds.items() if k != job_id}, job_id: latest}
         if self.path is not None:
-            self._write(rounds, replace=True)
+            self._write(rounds)
         self._rounds = rounds
 
     def already_sent(self, job_id: str, round_: int) -> bool:
@@ -81,13 +77,18 @@ class InputLedger:
         before."""
         if self.path is None:
             return None
+        if not self.ledger_id:
+            self._write(self._rounds)
         recent = list(self._rounds.items())[-MAX_LEDGER_JOBS:]
         return coordinator_pb2.InputLedger(latest_round=dict(recent), ledger_id=self.ledger_id)
 
-    def _write(self, rounds: dict[str, int], *, replace: bool) -> None:
+    def _write(self, rounds: dict[str, int]) -> None:
+        """Write ``rounds`` (fsynced) under this ledger's id, drawing the id first if it has none."""
         assert self.path is not None
-        record = {"ledger_id": self.ledger_id, "latest_round": rounds}
-        write_new(self.path, json.dumps(record).encode(), 0o600, replace=replace)
+        ledger_id = self.ledger_id or secrets.token_hex(LEDGER_ID_BYTES)
+        record = {"ledger_id": ledger_id, "latest_round": rounds}
+        write_new(self.path, json.dumps(record).encode(), 0o600, replace=True)
+        self.ledger_id = ledger_id
 
 
 def _read_ledger(path: Path) -> tuple[str, dict[str, int]]:

@@ -669,14 +669,17 @@ def test_the_input_ledger_is_durable_and_refuses_to_forget(tmp_path):
 
 
 def test_a_ledger_states_its_id_and_a_lost_one_is_a_new_ledger(tmp_path):
-    """Issue 38, problem 2: a missing ledger file is a new ledger, created on disk at once with a
-    fresh random id that every statement carries, so the coordinator can tell it from the one a
-    device was seated with; the id survives restarts. A file written before ledgers had ids keeps
-    its rounds and gets a new id (it may be younger than any seat, as far as anyone can tell)."""
+    """Issue 38, problem 2: a missing ledger file is a new ledger, written with a fresh random id
+    when first stated, and every statement carries the id, so the coordinator can tell it from
+    the one a device was seated with; the id survives restarts. A file written before ledgers had
+    ids keeps its rounds and gets a new id (it may be younger than any seat, as far as anyone can
+    tell)."""
     path = tmp_path / "dev" / LEDGER_FILE
     path.parent.mkdir()
     ledger = InputLedger(path)
-    assert path.exists() and len(ledger.ledger_id) == 32
+    assert not path.exists()  # nothing written while nothing was stated or sent
+    first = ledger.statement()
+    assert path.exists() and len(ledger.ledger_id) == 32 and first.ledger_id == ledger.ledger_id
     ledger.sent("job-a", 3)
     statement = InputLedger(path).statement()
     assert statement.ledger_id == ledger.ledger_id and dict(statement.latest_round) == {"job-a": 3}
@@ -685,7 +688,7 @@ def test_a_ledger_states_its_id_and_a_lost_one_is_a_new_ledger(tmp_path):
     assert wiped.ledger_id != ledger.ledger_id and dict(wiped.latest_round) == {}
     path.write_text('{"job-b": 2}')  # an older SDK's ledger
     upgraded = InputLedger(path)
-    assert upgraded.already_sent("job-b", 2) and upgraded.ledger_id not in ("", wiped.ledger_id)
+    assert upgraded.already_sent("job-b", 2) and upgraded.statement().ledger_id not in ("", wiped.ledger_id)
     assert json.loads(path.read_text()) == {"ledger_id": upgraded.ledger_id, "latest_round": {"job-b": 2}}
 
 

@@ -218,17 +218,18 @@ def test_a_retry_reseats_the_devices_that_report_they_sent_no_input(tmp_path):
     assert [(c.outcome, c.reason, c.count) for c in job.task_reports] == [("aborted", "session_aborted", 9)]
 
 
-async def _lose_ledgers_after_attempt_1(s, job_id: str, devices, keep: set[str], tmp_path, *, send_first: bool):
+async def _lose_ledgers_after_attempt_1(s, job_id: str, devices, keep: int, tmp_path, *, send_first: bool):
     """Run ``devices``, each with the SDK's durable input ledger, until the job ends. After its
     task of attempt 1 (carried out when ``send_first``, else dropped before any input, its report
-    lost with a restart), every device but those in ``keep`` loses its state directory: it
-    states a new ledger from then on. (attempts: {"r1a1": devices, ...}, every sum the
-    aggregators computed as its set of devices)."""
+    lost with a restart), every device but the first ``keep`` to get there loses its state
+    directory: it states a new ledger from then on. (attempts: {"r1a1": devices, ...}, the
+    devices that kept their ledgers, every sum the aggregators computed as its set of devices)."""
     for device in devices:
         device.ledger = InputLedger(private_dir(tmp_path / "kept" / device.device_id) / LEDGER_FILE)
     contribute = fedavg_contribution(FedAvgOptions())
     members: dict[tuple[str, int], str] = {}  # (session id, device index) -> device
     attempts: dict[str, set[str]] = defaultdict(set)
+    kept: set[str] = set()
 
     async def device_loop(device, done):
         while (task := await device.task(done)) is not None:
@@ -237,7 +238,9 @@ async def _lose_ledgers_after_attempt_1(s, job_id: str, devices, keep: set[str],
             attempts[attempt].add(device.device_id)
             if attempt != "r1a1" or send_first:
                 await device.participate(task, contribute)
-            if attempt == "r1a1" and device.device_id not in keep:
+            if attempt == "r1a1" and len(kept) < keep:
+                kept.add(device.device_id)
+            elif attempt == "r1a1":
                 device.ledger = InputLedger(private_dir(tmp_path / "wiped" / device.device_id) / LEDGER_FILE)
 
     done = asyncio.Event()
@@ -249,33 +252,33 @@ async def _lose_ledgers_after_attempt_1(s, job_id: str, devices, keep: set[str],
         await asyncio.gather(*loops)
     computed = [frozenset(members[session, i] for i in indices)
                 for fake in s.aggregators for session, _, indices in fake.computed]
-    return dict(attempts), computed
+    return dict(attempts), kept, computed
 
 
 def test_lost_ledgers_release_no_seat_so_the_retry_cannot_be_differenced(tmp_path):
-    """Issue 38, problem 2. The aggregator unmasks attempt 1's cohort of ten after every input,
-    keeps the sum and reports an abort. Nine of the ten then lose their state directories; dev0
-    keeps its ledger, which says it sent round 1's input. A lost ledger used to state "no input
-    in any round", so the nine were re-seated and the retry's sum subtracted from the kept one
-    was dev0's input exactly. Their new ledgers are younger than their seats and release
-    nothing: the retry seats the five devices never seated, and every two sums computed in the
-    round are over equal or disjoint devices (no difference isolates anyone)."""
+    """Issue 38, problem 2. The aggregator unmasks attempt 1's cohort of ten (of fifteen devices)
+    after every input, keeps the sum and reports an abort. Nine of the ten then lose their state
+    directories; one keeps its ledger, which says it sent round 1's input. A lost ledger used to
+    state "no input in any round", so the nine were re-seated and the retry's sum subtracted
+    from the kept one was the tenth's input exactly. Their new ledgers are younger than their
+    seats and release nothing: the retry seats the five devices never seated, and every two sums
+    computed in the round are over equal or disjoint devices (no difference isolates anyone)."""
 
     async def main():
         async with in_process().coordinator_with_fakes(tmp_path, aggregators=1) as s:
             devices = await s.devices(15)
             s.aggregators[0].withhold_next = True
-            job_id = await s.submit(spec_yaml("wiped", extra="deadlines: {checkin: 0.5}\n"))
-            attempts, computed = await _lose_ledgers_after_attempt_1(
-                s, job_id, devices, {"dev0"}, tmp_path, send_first=True)
+            job_id = await s.submit(spec_yaml("wiped", extra="deadlines: {checkin: 2}\n"))  # attempt 1 fills at once
+            attempts, _, computed = await _lose_ledgers_after_attempt_1(
+                s, job_id, devices, 1, tmp_path, send_first=True)
             return (await s.job(job_id), s.service.store.rounds(job_id), attempts, computed,
                     scrape_text(s.service.metrics_port))
 
     job, rows, attempts, computed, metrics = run(main())
     assert job.state == SUCCEEDED
     assert [(r.attempt, r.state) for r in rows] == [(1, "failed"), (2, "committed")]
-    assert attempts["r1a1"] == {f"dev{i}" for i in range(10)}
-    assert attempts["r1a2"] == {f"dev{i}" for i in range(10, 15)}
+    assert len(attempts["r1a1"]) == 10
+    assert attempts["r1a2"] == {f"dev{i}" for i in range(15)} - attempts["r1a1"]
     assert 'tally_coordinator_seats_released_total{cause="ledger"} 0.0' in metrics
     assert len(computed) == 2  # the withheld sum and the retry's
     for a, b in itertools.combinations(computed, 2):
@@ -284,21 +287,21 @@ def test_lost_ledgers_release_no_seat_so_the_retry_cannot_be_differenced(tmp_pat
 
 def test_a_ledger_kept_since_its_seat_releases_it_and_a_new_one_does_not(tmp_path):
     """The other side of the rule: attempt 1 aborts before any input and the devices restart
-    without their reports. dev0..dev4 kept their ledgers, which were stated when they were
+    without their reports. Five of them kept their ledgers, which were stated when they were
     seated and say nothing was sent in round 1: their seats are released and the retry seats
-    them. dev5..dev9 start new ledgers, which say the same but know nothing of the seats: they
-    stay out."""
-    kept = {f"dev{i}" for i in range(5)}
+    them. The other five start new ledgers, which say the same but know nothing of the seats:
+    they stay out."""
 
     async def main():
         async with in_process().coordinator_with_fakes(tmp_path, aggregators=1) as s:
             devices = await s.devices(10)
             s.aggregators[0].aborts = ["share_keys: 4 devices sent shares, below t = 6"]
-            job_id = await s.submit(spec_yaml("kept", extra="deadlines: {checkin: 0.5}\n"))
-            attempts, _ = await _lose_ledgers_after_attempt_1(s, job_id, devices, kept, tmp_path, send_first=False)
-            return await s.job(job_id), attempts, scrape_text(s.service.metrics_port)
+            job_id = await s.submit(spec_yaml("kept", extra="deadlines: {checkin: 2}\n"))  # attempt 1 fills at once
+            attempts, kept, _ = await _lose_ledgers_after_attempt_1(s, job_id, devices, 5, tmp_path,
+                                                                     send_first=False)
+            return await s.job(job_id), attempts, kept, scrape_text(s.service.metrics_port)
 
-    job, attempts, metrics = run(main())
+    job, attempts, kept, metrics = run(main())
     assert job.state == SUCCEEDED
     assert attempts["r1a1"] == {f"dev{i}" for i in range(10)} and attempts["r1a2"] == kept
     assert 'tally_coordinator_seats_released_total{cause="ledger"} 5.0' in metrics
