@@ -117,7 +117,7 @@ CREATE TABLE IF NOT EXISTS devices (
 -- Devices seated in an attempt of a round whose sessions opened: a retry of the round seats
 -- none of them again (so no two sums of one round can be differenced), unless the seat is
 -- released: its task was never handed out, or the device reported that it sent no input, or
--- the input ledger it stated when seated (ledger_id; '' for none) says so.
+-- the input ledger it stated when seated (ledger_id, '' for none) says so.
 -- Rows of a committed round are deleted with the commit.
 CREATE TABLE IF NOT EXISTS seated (
     job_id TEXT NOT NULL,
