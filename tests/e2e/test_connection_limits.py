@@ -115,45 +115,64 @@ def test_every_device_port_closes_idle_connections_and_caps_a_source(tmp_path, r
     assert _counter(metrics, f"{name}_connections_over_source_cap_total") == 12 - cap
 
 
-# Runs the coordinator as `tally coordinator` does, under a 1,024-descriptor limit of its own.
+# Runs a role's command under a 1,024-descriptor limit of its own.
 LAUNCH = ("import resource, sys; resource.setrlimit(resource.RLIMIT_NOFILE, (1024, 1024)); "
           "from tally.cli import main; sys.exit(main())")
 
 
+async def _registered_and_checked_in(port: int, certs: Path, device_id: str) -> bool:
+    """A device on its own connection registers and checks in (no job: a come-back time)."""
+    key = read_enrolment_key(certs / "coordinator" / ENROLMENT_KEY_FILE)
+    async with open_aio_channel(f"localhost:{port}", TLSConfig.from_dir(certs / "device", None)) as channel:
+        stub = coordinator_pb2_grpc.CoordinatorStub(channel)
+        request = register_request(simulated_identity(key, device_id), device_id, "default",
+                                   enrolment_credential(key, "default", device_id), time.time())
+        token = (await stub.Register(request, timeout=60)).token
+        reply = await stub.CheckIn(coordinator_pb2.CheckInRequest(), metadata=bearer_metadata(token), timeout=60)
+    return reply.HasField("retry_after")
+
+
+async def _health_checked(port: int, certs: Path, device_id: str) -> bool:
+    """A device on its own connection reaches the aggregator's port (its health service: a
+    session stream needs a cohort)."""
+    async with open_aio_channel(f"localhost:{port}", TLSConfig.from_dir(certs / "device", None)) as channel:
+        reply = await health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=60)
+    return reply.status == health_pb2.HealthCheckResponse.SERVING
+
+
+ROLES = {
+    "coordinator": (lambda tmp: ["coordinator", "--state-dir", str(tmp / "state"), "--tls-dir",
+                                 str(tmp / "certs" / "coordinator")],
+                    r"coordinator on port (\d+)", _registered_and_checked_in),
+    "aggregator": (lambda tmp: ["aggregator", "--id", "agg-1", "--tls-dir", str(tmp / "certs" / "aggregator-1")],
+                   r"\(port (\d+)", _health_checked),
+}
+
+
 @pytest.mark.timeout(300)
-def test_a_thousand_idle_connections_end_within_the_idle_limit_while_devices_are_served(tmp_path):
-    """The finding's attack over TLS against a coordinator limited to 1,024 descriptors, with
-    its default caps (three quarters of the limit in all, an eighth of that per source) and an
-    idle limit of 5 s: 1,000 idle connections from one host, and meanwhile 40 devices register
-    and check in from another. Every device is served, every attacking connection is closed
-    within the idle limit, and the coordinator's descriptors are back near where they started."""
+@pytest.mark.parametrize("role", list(ROLES))
+def test_a_thousand_idle_connections_end_within_the_idle_limit_while_devices_are_served(tmp_path, role):
+    """The finding's attack over TLS against a server limited to 1,024 descriptors, with its
+    default caps (three quarters of the limit in all, an eighth of that per source) and an idle
+    limit of 5 s: 1,000 idle connections from one host, and meanwhile 40 devices, each on its own
+    connection, from another (to the coordinator they register and check in). Every device is
+    served, every attacking connection is closed within the idle limit, and the server's
+    descriptors are back where they started."""
     certs = tmp_path / "certs"
     write_deployment(certs, aggregators=1)
     idle_s = 5.0
-    key = read_enrolment_key(certs / "coordinator" / ENROLMENT_KEY_FILE)
     tls = ssl.create_default_context(cafile=str(certs / "device" / "ca.pem"))
     tls.set_alpn_protocols(["h2"])
-
-    async def device(port: int, device_id: str) -> bool:
-        """A device on its own connection: it registers and checks in (no job: a come-back time)."""
-        async with open_aio_channel(f"localhost:{port}", TLSConfig.from_dir(certs / "device", None)) as channel:
-            stub = coordinator_pb2_grpc.CoordinatorStub(channel)
-            request = register_request(simulated_identity(key, device_id), device_id, "default",
-                                       enrolment_credential(key, "default", device_id), time.time())
-            token = (await stub.Register(request, timeout=60)).token
-            reply = await stub.CheckIn(coordinator_pb2.CheckInRequest(), metadata=bearer_metadata(token),
-                                       timeout=60)
-        return reply.HasField("retry_after")
+    args, ready, device = ROLES[role]
 
     async def main():
         process = await asyncio.create_subprocess_exec(
-            sys.executable, "-c", LAUNCH, "coordinator", "--listen", "127.0.0.1:0", "--state-dir",
-            str(tmp_path / "state"), "--tls-dir", str(certs / "coordinator"), "--metrics-port", "0",
+            sys.executable, "-c", LAUNCH, *args(tmp_path), "--listen", "127.0.0.1:0", "--metrics-port", "0",
             "--connection-idle", str(idle_s), stdout=asyncio.subprocess.PIPE,
-            stderr=(tmp_path / "coordinator.log").open("wb"))
+            stderr=(tmp_path / f"{role}.log").open("wb"))
         try:
             line = (await asyncio.wait_for(process.stdout.readline(), 120)).decode()
-            port = int(re.search(r"coordinator on port (\d+)", line).group(1))
+            port = int(re.search(ready, line).group(1))
             metrics_port = int(re.search(r"metrics on (?:http://\S*:|port )(\d+)", line).group(1))
             server = psutil.Process(process.pid)
             assert server.rlimit(psutil.RLIMIT_NOFILE) == (1024, 1024)
@@ -161,7 +180,7 @@ def test_a_thousand_idle_connections_end_within_the_idle_limit_while_devices_are
             opened = [asyncio.Event() for _ in range(1000)]
             attack = [asyncio.create_task(_idle_connection(port, event, tls)) for event in opened]
             await asyncio.gather(*(event.wait() for event in opened))
-            served = await asyncio.gather(*(device(port, f"dev-{i}") for i in range(40)))
+            served = await asyncio.gather(*(device(port, certs, f"dev-{i}") for i in range(40)))
             closed_after = await asyncio.gather(*attack)
             return served, closed_after, before, server.num_fds(), scrape_text(metrics_port)
         finally:
@@ -171,7 +190,7 @@ def test_a_thousand_idle_connections_end_within_the_idle_limit_while_devices_are
     served, closed_after, before, after, metrics = asyncio.run(asyncio.wait_for(main(), 280))
     assert all(served)
     assert max(closed_after) < idle_s + SWEEP_S + SLACK_S, sorted(closed_after)[-10:]
-    assert after < before + 20, (before, after)
-    # The one source was held to its eighth of 768 connections: the rest were shut by a sweep
-    # (or refused at the total cap before it came).
-    assert _counter(metrics, "tally_coordinator_connections_over_source_cap_total") >= 1000 - 768 // 8 - 768
+    assert after <= before + 5, (before, after)  # a device's connection may not have gone yet
+    # The one source was held to its eighth of 768 connections: the surplus the server accepted
+    # was shut by a sweep (the rest it refused at the total cap).
+    assert _counter(metrics, f"tally_{role}_connections_over_source_cap_total") > 0
