@@ -160,6 +160,17 @@ def test_a_withheld_sum_cannot_be_differenced_with_the_retry(tmp_path):
         assert a == b or not a & b, (sorted(a), sorted(b))
 
 
+async def _loops_until_done(s, job_id: str, devices, device_loop) -> None:
+    """Run ``device_loop(device, done)`` for every device until the job ends."""
+    done = asyncio.Event()
+    loops = [asyncio.create_task(device_loop(d, done)) for d in devices]
+    try:
+        await s.until_done(job_id)
+    finally:
+        done.set()
+        await asyncio.gather(*loops)
+
+
 def test_a_retry_reseats_the_devices_that_report_they_sent_no_input(tmp_path):
     """The retry rule's price was liveness: a population of one selection could not retry a round
     at all once its sessions opened. Ten devices, one cohort of ten; attempt 1 aborts before any
@@ -196,13 +207,7 @@ def test_a_retry_reseats_the_devices_that_report_they_sent_no_input(tmp_path):
                         task_id=first_tasks["dev2" if device.device_id == "dev1" else device.device_id],
                         sent_input=device.device_id == "dev0")]
 
-            done = asyncio.Event()
-            loops = [asyncio.create_task(device_loop(d, done)) for d in devices]
-            try:
-                await s.until_done(job_id)
-            finally:
-                done.set()
-                await asyncio.gather(*loops)
+            await _loops_until_done(s, job_id, devices, device_loop)
             job = await s.job(job_id)
             return (job, s.service.store.rounds(job_id), dict(attempts),
                     scrape_text(s.service.metrics_port))
@@ -243,13 +248,7 @@ async def _lose_ledgers_after_attempt_1(s, job_id: str, devices, keep: int, tmp_
             elif attempt == "r1a1":
                 device.ledger = InputLedger(private_dir(tmp_path / "wiped" / device.device_id) / LEDGER_FILE)
 
-    done = asyncio.Event()
-    loops = [asyncio.create_task(device_loop(d, done)) for d in devices]
-    try:
-        await s.until_done(job_id)
-    finally:
-        done.set()
-        await asyncio.gather(*loops)
+    await _loops_until_done(s, job_id, devices, device_loop)
     computed = [frozenset(members[session, i] for i in indices)
                 for fake in s.aggregators for session, _, indices in fake.computed]
     return dict(attempts), kept, computed
