@@ -29,8 +29,10 @@ Two rules stop a privacy attack on the cohorts themselves:
   rest of the round, unless the seat is released because its device cannot have sent an input:
   its task never reached it (released when the attempt fails), or it reported that it sent none
   (``tally.coordinator.rounds.task_reports``), or the durable input ledger it states at each check-in shows
-  no input in the round (how a restarted device, its reports lost, is seated again). A device
-  can only release its own seat, and lying exposes only itself. The device enforces the rule too:
+  no input in the round (how a restarted device, its reports lost, is seated again), provided it
+  is the ledger the device stated when it was seated: a ledger created since (a wiped state
+  directory) knows nothing of that seat. A device can only release its own seat, and lying
+  exposes only itself. The device enforces the rule too:
   one that sent an input in a round refuses to send another in it, whatever the coordinator asks
   (``tally.client.input_ledger``). So any two sums of a round are over equal or disjoint sets of
   the devices that sent inputs.
