@@ -78,13 +78,12 @@ def add_metrics_arguments(parser: argparse.ArgumentParser, role: str, *, optiona
 
 def add_connection_arguments(parser: argparse.ArgumentParser) -> None:
     """The device port's connection limits (``tally.security.connections``; docs/security.md)."""
-    defaults = DEFAULT_LIMITS
     for flag, field, what in (
         ("--connection-idle", "idle_s", "close a connection with no call in flight after this long"),
         ("--connection-max-age", "max_age_s", "ask every connection to go after this long"),
         ("--connection-age-grace", "age_grace_s", "then close it this much later, calls in flight or not"),
     ):
-        parser.add_argument(flag, type=POSITIVE, default=getattr(defaults, field), metavar="SECONDS",
+        parser.add_argument(flag, type=POSITIVE, default=getattr(DEFAULT_LIMITS, field), metavar="SECONDS",
                             dest=f"connection_{field}", help=f"{what} (default: %(default)s)")
     parser.add_argument("--max-connections", type=integer(1), metavar="N",
                         help="connections of the device port in all, per process (default: three quarters of "
