@@ -14,14 +14,18 @@ For each population N (``--populations``, default 10,000 100,000 1,000,000):
    seconds per registration (psutil) and registrations per second.
 3. **Idle check-ins.** No job runs, so every check-in is answered with a come-back time. The
    registered devices check in with their own tokens over their own channels (kept open, as a
-   device between check-ins keeps its channel), open-loop at each rate of ``--rates`` for
+   device between check-ins keeps its channel), each stating an input ledger of its own as an SDK
+   device with a state directory does at every check-in (``--stateless``: devices without state,
+   whose check-ins state none), open-loop at each rate of ``--rates`` for
    ``--step-seconds``: latency p50/p99, failures, coordinator CPU per check-in; the capacity is the
    highest rate whose p99 stayed under ``--p99-ms`` with no failures. The steps stop after the first
    one that did not (past it, a step only waits out its calls' deadlines). Memory is read again after.
 4. **Processes.** Steps 2 and 3 again for each count of ``--processes`` (``tally coordinator
    --device-processes``): the coordinator and its fronts pinned to that many cores, their CPU
-   summed. On a machine with no core left for the generator it shares the last one, and the JSON
-   says so: the ratio then understates what the processes give.
+   summed, and the share of the idle check-ins the coordinator process answered itself (the
+   kernel spreads connections evenly, so about 1/N when the fronts answer their own). On a
+   machine with no core left for the generator it shares the last one, and the JSON says so:
+   the ratio then understates what the processes give.
 
 Before the populations, the **floor**: the same generator against a gRPC server that answers every
 check-in with a constant come-back time and checks nothing, over the same TLS, pinned the same way.
@@ -59,6 +63,7 @@ from pathlib import Path
 
 import grpc
 import psutil
+from prometheus_client.parser import text_string_to_metric_families
 from rich.console import Console
 from rich.progress import Progress
 
@@ -76,7 +81,9 @@ from tally.security.enrolment import enrolment_credential
 from tally.security.tls import open_aio_channel, server_options
 from tally.wire.v1 import coordinator_pb2, coordinator_pb2_grpc
 
-UNLIMITED = ["--register-limit", "1000000/1000000", "--checkin-limit", "1000000/1000000"]
+# The generator's devices all come from this host: no per-source cap (a deployment's come from many).
+UNLIMITED = ["--register-limit", "1000000/1000000", "--checkin-limit", "1000000/1000000",
+             "--max-connections-per-source", "0"]
 AT_REST, LIVE = "rest", "live"  # the two populations: enrolled in the store, and the generator's devices
 REGISTER_CONCURRENCY = 64  # registrations in flight at once: a burst of devices, not one queue
 
@@ -169,10 +176,11 @@ class Lockstep:
 
 
 async def _live_devices(target: str, tls_dir: str, key: bytes, prefix: str, count: int, calls: list[int],
-                        seconds: float, lockstep: Lockstep) -> dict:
+                        seconds: float, stateful: bool, lockstep: Lockstep) -> dict:
     """One load generator: ``count`` devices register, each on its own channel, then check in
     open-loop, each step sending its number of ``calls`` spread evenly over ``seconds``, in lockstep
-    with the other generators. Wall-clock bounds of each phase, for the CPU sampler."""
+    with the other generators; ``stateful`` devices state an input ledger of their own at each.
+    Wall-clock bounds of each phase, for the CPU sampler."""
     tls = TLSConfig.from_dir(Path(tls_dir), None)
     channels, devices = [], []
     failures = 0
@@ -192,7 +200,8 @@ async def _live_devices(target: str, tls_dir: str, key: bytes, prefix: str, coun
             except Exception:  # noqa: BLE001 - a failed registration is counted, whatever its status
                 failures += 1
                 return
-            devices.append((stub, bearer_metadata(reply.token)))
+            ledger = coordinator_pb2.InputLedger(ledger_id=os.urandom(16).hex()) if stateful else None
+            devices.append((stub, bearer_metadata(reply.token), coordinator_pb2.CheckInRequest(input_ledger=ledger)))
 
     await asyncio.to_thread(lockstep.together)
     began = time.time()
@@ -203,11 +212,11 @@ async def _live_devices(target: str, tls_dir: str, key: bytes, prefix: str, coun
         latencies: list[float] = []
         failed = 0
 
-        async def check_in(stub, metadata, latencies: list[float]) -> None:
+        async def check_in(stub, metadata, request, latencies: list[float]) -> None:
             nonlocal failed
             start = time.perf_counter()
             try:
-                reply = await stub.CheckIn(coordinator_pb2.CheckInRequest(), metadata=metadata, timeout=10)
+                reply = await stub.CheckIn(request, metadata=metadata, timeout=10)
             except Exception:  # noqa: BLE001 - counted, whatever its status
                 failed += 1
                 return
@@ -259,7 +268,7 @@ def _outcomes(workers: list, results: multiprocessing.Queue, barrier, timeout_s:
 
 
 def _generate(target: str, tls_dir: Path, key: bytes, prefix: str, count: int, rates: list[float],
-              seconds: float, cores: list[int], p99_ms: float) -> dict:
+              seconds: float, stateful: bool, cores: list[int], p99_ms: float) -> dict:
     """The load: one generator process per core of ``cores``, each with its share of the devices
     and of every rate, merged into one record as if one generator had sent it all."""
     context = multiprocessing.get_context("spawn")
@@ -272,7 +281,8 @@ def _generate(target: str, tls_dir: Path, key: bytes, prefix: str, count: int, r
 
     calls = list(zip(*(shares(int(rate * seconds)) for rate in rates)))  # per generator, per step
     workers = [context.Process(target=_generator_main, daemon=True, args=(g,
-        (target, str(tls_dir), key, f"{prefix}-g{g}", devices, list(calls[g]), seconds), core, lockstep, results))
+        (target, str(tls_dir), key, f"{prefix}-g{g}", devices, list(calls[g]), seconds, stateful), core, lockstep,
+        results))
         for g, (devices, core) in enumerate(zip(shares(count), cores))]
     for worker in workers:
         worker.start()
@@ -342,8 +352,8 @@ async def _drive(target: str, tls_dir: Path, key: bytes, prefix: str, pid: int, 
     database = CpuSampler(database_pid) if database_pid else None
     try:
         outcome = await asyncio.to_thread(_generate, target, tls_dir, key, prefix, args.register,
-                                          [float(r) for r in args.rates], args.step_seconds, generator_cores,
-                                          args.p99_ms)
+                                          [float(r) for r in args.rates], args.step_seconds, not args.stateless,
+                                          generator_cores, args.p99_ms)
     finally:
         sampler.stop()
         if database:
@@ -434,6 +444,10 @@ async def _measure(args: argparse.Namespace, population: int, workdir: Path, pro
             live = await _drive(cluster.target, cluster.certs / "device", cluster.enrolment_key,
                                 f"{LIVE}-p{processes}", pid, processes, args, database_server_pid(database))
             live_rss = _rss(pid)
+            answered = sum(step["answered"] for step in live["checkin_steps"])
+            by_coordinator = _idle_checkins_answered(cluster.scrape("coordinator"))
+            live |= {"checkins_answered_by_coordinator": by_coordinator,
+                     "share_answered_by_coordinator": by_coordinator / max(answered, 1)}
         finally:
             await cluster.stop()
             cluster.state.rename(state)
@@ -444,6 +458,13 @@ async def _measure(args: argparse.Namespace, population: int, workdir: Path, pro
                     "bytes_per_connected_device": (live_rss - rest_rss) / max(live["registrations"], 1)}
         row["by_processes"].append(live)
     return row
+
+
+def _idle_checkins_answered(exposition: str) -> int:
+    """The check-ins a process answered with a come-back time, from its metrics."""
+    return int(sum(sample.value for family in text_string_to_metric_families(exposition)
+                   for sample in family.samples
+                   if sample.name == "tally_coordinator_checkins_total" and sample.labels.get("outcome") == "retry"))
 
 
 class _Floor(coordinator_pb2_grpc.CoordinatorServicer):
@@ -504,6 +525,7 @@ def run(args: argparse.Namespace) -> dict:
         "step_seconds": args.step_seconds, "p99_limit_ms": args.p99_ms, "processes": args.processes,
         "generators": args.generators,
         "store": "postgresql" if args.database else "sqlite",
+        "devices": "stateless" if args.stateless else "stateful (an input ledger stated at every check-in)",
         "targets": {"bytes_per_registered_device": 2048, "checkins_per_s_per_core": 4000,
                     "registrations_per_s_per_core": 4000, "ready_seconds": 60, "p99_ms": args.p99_ms,
                     "two_process_ratio": 1.7},
@@ -570,6 +592,8 @@ def main() -> None:
                         help="idle check-ins per second, one step each")
     parser.add_argument("--generators", type=int, default=1,
                         help="load-generator processes, each pinned to a core of its own where one is left")
+    parser.add_argument("--stateless", action="store_true",
+                        help="devices without a state directory: their check-ins state no input ledger")
     parser.add_argument("--step-seconds", type=float, default=5.0)
     parser.add_argument("--p99-ms", type=float, default=200.0)
     parser.add_argument("--database", metavar="URL",

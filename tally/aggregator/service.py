@@ -33,6 +33,7 @@ from tally.aggregator.stream import add_to_server as add_device_streams
 from tally.metrics import MetricsServer, watch_certificate
 from tally.security import TicketVerifier, TLSConfig, bind
 from tally.security.certs import COORDINATOR_CN
+from tally.security.connections import DEFAULT_LIMITS, ConnectionLimits, guard
 from tally.security.tls import server_options
 from tally.wire.undecodable import RefuseUndecodable
 from tally.wire.v1 import aggregator_pb2, aggregator_pb2_grpc
@@ -73,7 +74,9 @@ class AggregatorService:
         clock: Callable[[], float] = time.time,
         controller: str = COORDINATOR_CN,
         control_listen: str | None = None,
+        connection_limits: ConnectionLimits = DEFAULT_LIMITS,
     ) -> None:
+        """``connection_limits``: of the device port (``tally.security.connections``)."""
         if not aggregator_id:
             raise ValueError("aggregator_id must be non-empty")
         if tls.require_client_auth and control_listen is None:
@@ -85,7 +88,10 @@ class AggregatorService:
         self._tls = tls
         self._advertised = advertised_address
         self._metrics_request = (metrics_port, metrics_addr)
-        self._options = server_options(max_message_bytes, max_request_bytes)
+        self.connection_limits = connection_limits.resolved()
+        self._options = [*server_options(max_message_bytes, max_request_bytes),
+                         *self.connection_limits.server_options()]
+        self._source_cap: asyncio.Task[None] | None = None
         self._control_listen = control_listen
         self._control_options = server_options(max_message_bytes)
         self._verifier = TicketVerifier(ticket_public_key)
@@ -153,6 +159,7 @@ class AggregatorService:
         for checker, (_, names) in zip(self._health, servers):
             for name in ("", *names):
                 await checker.set(name, health_pb2.HealthCheckResponse.SERVING)
+        self._source_cap = guard(self._port, self.connection_limits, self.metrics.registry, "aggregator")
         self._ready = True  # /readyz: as the gRPC health service says SERVING
         logs.event(log, "aggregator started", aggregator_id=self.id, address=self.address,
                    port=self._port, control_port=self._control_port, metrics_port=self._metrics_port)
@@ -190,6 +197,10 @@ class AggregatorService:
         logs.event(log, "aggregator stopped", aggregator_id=self.id)
 
     async def _stop_servers(self, grace: float | None) -> None:
+        if self._source_cap is not None:
+            self._source_cap.cancel()
+            await asyncio.gather(self._source_cap, return_exceptions=True)
+            self._source_cap = None
         await asyncio.gather(*(server.stop(grace) for server in self._servers))
         self._metrics_server.stop()
         self._servers, self._health = [], []

@@ -12,7 +12,7 @@ from cryptography.hazmat.primitives.asymmetric import ed25519
 from tally import logs
 from tally.aggregator.memory import limit_malloc_arenas
 from tally.aggregator.service import DEFAULT_MAX_REQUEST_BYTES, AggregatorService
-from tally.cli.argtypes import add_metrics_arguments
+from tally.cli.argtypes import add_connection_arguments, add_metrics_arguments, connection_limits
 from tally.security import TLSConfig, load_ticket_public_key
 from tally.security.certs import COORDINATOR_CN
 from tally.security.tls import DEFAULT_MAX_MESSAGE_BYTES, add_tls_arguments, check_listen, tls_config_from_args
@@ -56,6 +56,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-request-bytes", type=int, default=DEFAULT_MAX_REQUEST_BYTES,
                    help="largest gRPC message received (a device stream's only after its Join "
                         "was checked); raise it only for cohorts above ~40,000 devices (default: %(default)s)")
+    add_connection_arguments(p)
     p.add_argument("--result-ttl", type=float, default=600.0, metavar="SECONDS",
                    help="drop a finished session's sums after this long if nobody closes it "
                         "(default: %(default)s)")
@@ -111,6 +112,7 @@ async def _serve(
         result_ttl_s=args.result_ttl,
         controller=args.controller_cn,
         control_listen=args.control_listen,
+        connection_limits=connection_limits(args),
     )
     try:
         await service.start()

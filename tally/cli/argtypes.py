@@ -1,6 +1,7 @@
 """Command-line value types with their bounds, so a bad value is argparse's one-line error naming
 the option (``argument --dropout: must be a number in [0, 1), got '1.5'``), never a traceback from
-deep inside a run; and the arguments every service's command shares (``--metrics-port``)."""
+deep inside a run; and the arguments every service's command shares (``--metrics-port``, the
+connection limits)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import math
 from collections.abc import Callable
 
 from tally.metrics import METRICS_PORTS
+from tally.security.connections import DEFAULT_LIMITS, ConnectionLimits
 
 
 def integer(low: int, high: int | None = None) -> Callable[[str], int]:
@@ -72,3 +74,27 @@ def add_metrics_arguments(parser: argparse.ArgumentParser, role: str, *, optiona
         help="address the metrics server binds (default: %(default)s, this host only; 0.0.0.0 lets "
         "a Prometheus on another host scrape it)",
     )
+
+
+def add_connection_arguments(parser: argparse.ArgumentParser) -> None:
+    """The device port's connection limits (``tally.security.connections``; docs/security.md)."""
+    for flag, field, what in (
+        ("--connection-idle", "idle_s", "close a connection with no call in flight after this long"),
+        ("--connection-max-age", "max_age_s", "ask every connection to go after this long"),
+        ("--connection-age-grace", "age_grace_s", "then close it this much later, calls in flight or not"),
+    ):
+        parser.add_argument(flag, type=POSITIVE, default=getattr(DEFAULT_LIMITS, field), metavar="SECONDS",
+                            dest=f"connection_{field}", help=f"{what} (default: %(default)s)")
+    parser.add_argument("--max-connections", type=integer(1), metavar="N",
+                        help="connections of the device port in all, per process (default: three quarters of "
+                        "the open-file limit)")
+    parser.add_argument("--max-connections-per-source", type=integer(0), metavar="N",
+                        help="connections one source address may hold, over all processes (default: an eighth "
+                        "of --max-connections; 0: no cap). Devices behind one NAT or a gateway that hides "
+                        "their addresses share one source")
+
+
+def connection_limits(args: argparse.Namespace) -> ConnectionLimits:
+    return ConnectionLimits(idle_s=args.connection_idle_s, max_age_s=args.connection_max_age_s,
+                            age_grace_s=args.connection_age_grace_s, total=args.max_connections,
+                            per_source=args.max_connections_per_source)

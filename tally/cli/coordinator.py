@@ -89,6 +89,7 @@ def register(sub: argparse._SubParsersAction) -> None:
             help=f"per-source rate limit of {rpc} calls, per second and burst "
             f"(default: {default.rate_per_s:g}/{default.burst:g})",
         )
+    argtypes.add_connection_arguments(p)
     p.add_argument(
         "--checkin-rate", type=argtypes.POSITIVE, metavar="PER_SECOND",
         help="pace steering: check-ins per second the whole fleet should make; devices turned away "
@@ -266,6 +267,7 @@ def run_coordinator(args: argparse.Namespace) -> int:
             epoch=epoch,
             internal_listen=args.internal_listen if args.database else None,
             tracking_uri=_tracking_uri(args.tracking_uri, args.state_dir),
+            connection_limits=argtypes.connection_limits(args),
         )
     if advertise is not None:
         return asyncio.run(_serve_replica(Replica(make_service, advertise, lambda s: _submit_new(s, specs),

@@ -55,6 +55,7 @@ from tally.security import (
     load_or_create_ticket_key,
     load_or_create_token_secret,
 )
+from tally.security.connections import DEFAULT_LIMITS, ConnectionLimits, guard
 from tally.security.enrolment import EnrolmentVerifier, SharedKeyEnrolment, load_or_create_enrolment_key
 from tally.security.tls import server_options
 from tally.wire.undecodable import RefuseUndecodable
@@ -116,7 +117,10 @@ class CoordinatorService:
         epoch: int | None = None,
         internal_listen: str | None = None,
         tracking_uri: str | None = None,
+        connection_limits: ConnectionLimits = DEFAULT_LIMITS,
     ) -> None:
+        """``connection_limits``: of the device port (this process's and its fronts'),
+        ``tally.security.connections``."""
         if device_processes < 1:
             raise ValueError(f"device_processes must be >= 1, got {device_processes}")
         self.listen, self.tls, self.state_dir = listen, tls, Path(state_dir)
@@ -137,6 +141,8 @@ class CoordinatorService:
         # An MLflow run per job (tally/coordinator/rounds/experiment_tracking.py); None: no tracking.
         self.tracking_uri = tracking_uri
         self._tracker: MlflowTracker | None = None
+        self.connection_limits = connection_limits.resolved(device_processes)
+        self._source_cap: asyncio.Task[None] | None = None
         # Each process serving devices paces the devices connected to it: 1/N of them. The
         # check-ins fronts forward (their devices' of populations with a job) are paced here at
         # the fronts' share, so a population with a job arrives at the whole rate. A leading
@@ -215,7 +221,8 @@ class CoordinatorService:
 
         shared = self.device_processes > 1
         server = grpc.aio.server(
-            options=server_options(self.max_message_bytes, self.max_request_bytes, share_port=shared),
+            options=[*server_options(self.max_message_bytes, self.max_request_bytes, share_port=shared),
+                     *self.connection_limits.server_options()],
             interceptors=(RefuseUndecodable(),))
         if self.enrolment is None:
             self.enrolment_key = load_or_create_enrolment_key(self.secrets_dir)
@@ -248,6 +255,7 @@ class CoordinatorService:
         self.port = bind(server, self.listen, self.tls)
         await server.start()
         self._server = server
+        self._source_cap = guard(self.port, self.connection_limits, metrics.registry, "coordinator")
         if shared or self.internal_listen:
             await self._start_internal(devices(limited=False), admin, front_key(token_secret))
         if shared:
@@ -275,7 +283,7 @@ class CoordinatorService:
             max_request_bytes=self.max_request_bytes,
             metrics_port=self.front_metrics_port + index - 1 if self.front_metrics_port else 0,
             metrics_addr=self.metrics_addr, log_level=self.log_level, coordinator_pid=os.getpid(),
-            enrolment=self.enrolment,
+            enrolment=self.enrolment, connection_limits=self.connection_limits,
         )
 
     async def _start_internal(self, forwarded: DeviceService, admin: AdminService, key: str) -> None:
@@ -349,6 +357,9 @@ class CoordinatorService:
         if self._tracker is not None:  # its last events, before the store they read closes
             await asyncio.to_thread(self._tracker.close)
             self._tracker = None
+        if self._source_cap is not None:
+            self._source_cap.cancel()
+            await asyncio.gather(self._source_cap, return_exceptions=True)
         if self._server is not None:
             await self._server.stop(grace)
         if self._pool is not None:
@@ -358,6 +369,6 @@ class CoordinatorService:
         if self._store is not None:
             self._store.close()
         self._server = self._pool = self._store = self.jobs = self._metrics_server = self._watchdog = None
-        self._internal = self._supervisor = self.internal_target = self.internal_port = None
+        self._internal = self._supervisor = self.internal_target = self.internal_port = self._source_cap = None
         self.fronts = []
         logs.event(log, "coordinator stopped", port=self.port)

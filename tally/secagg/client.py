@@ -380,6 +380,7 @@ class _AwaitShareVerdict(_Phase[JustifyRequest | ShareVerdict]):
     def __init__(self, client: SecAggClient, delivered: frozenset[int]) -> None:
         super().__init__(client)
         self.delivered = delivered
+        self.justified = False  # the server gets justifications once per session
 
     def on(self, message: JustifyRequest | ShareVerdict) -> list[ClientMessage]:
         if isinstance(message, JustifyRequest):
@@ -417,8 +418,18 @@ class _AwaitShareVerdict(_Phase[JustifyRequest | ShareVerdict]):
         return client._move(_AwaitMaskedInputRequest(client, 0), [])
 
     def _justify(self, message: JustifyRequest) -> list[ClientMessage]:
+        """One answered request per session, at most one complaint per share dealt, none twice: checked
+        before any signature, so a server cannot buy the dealer's CPU (or many copies of one
+        key) with a request repeating one complaint."""
         client = self.client
         config = client.config
+        if self.justified:
+            raise MalformedMessage("a second JustifyRequest in this session: complaints are justified once")
+        dealt = sum(len(secrets.dealt) for secrets in client.secrets.values())
+        if len(message.complaints) > dealt:
+            raise MalformedMessage(f"{len(message.complaints)} complaints to justify, but I dealt {dealt} shares")
+        if len({(c.sum_id, c.holder) for c in message.complaints}) < len(message.complaints):
+            raise MalformedMessage("a complaint to justify is repeated")
         keys = []
         for complaint in message.complaints:
             secrets = client.secrets.get(complaint.sum_id)
@@ -438,6 +449,7 @@ class _AwaitShareVerdict(_Phase[JustifyRequest | ShareVerdict]):
             context = config.ref.context(complaint.sum_id)
             keys.append(RevealedShareKey(complaint.sum_id, client.index, holder, crypto.share_key(
                 secrets.cipher_secrets[holder], context, client.index, holder)))
+        self.justified = True
         return [JustifyResponse(config.ref, client.index, tuple(keys))]
 
 

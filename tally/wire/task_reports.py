@@ -12,6 +12,8 @@ REASONS = frozenset({
 MAX_REPORTS = 16
 # The most jobs one check-in's input ledger statement may name (the most recently updated).
 MAX_LEDGER_JOBS = 16
+# The longest input ledger id a check-in may state (the SDK draws 32 hex characters).
+MAX_LEDGER_ID_CHARS = 64
 
 
 def reason_label(reason: str) -> str:

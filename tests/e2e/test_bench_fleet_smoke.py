@@ -77,11 +77,13 @@ def test_population_bench_charges_each_registration_and_check_in_the_coordinator
     """A population at rest; 30 devices register on their own channels and check in at two rates,
     from two generator processes, against the coordinator in one and in two processes and against
     the gRPC floor: every call answered (a come-back time: no job runs), CPU charged to both phases
-    (the fronts' too), a plot."""
+    (the fronts' too), a plot. The devices keep state, so every check-in states an input ledger;
+    with two processes the front answers its share of them (issue 38, problem 4: it forwarded
+    every one)."""
     plot = tmp_path / "population.png"
     result = _bench(tmp_path, "population.py", "--populations", "1000", "--register", "30", "--generators", "2",
                     "--rates", "20", "40", "--step-seconds", "1", "--processes", "1", "2", "--plot", str(plot))
-    assert result["generators"] == 2
+    assert result["generators"] == 2 and result["devices"].startswith("stateful")
     rows = result["populations"]
     assert [r["population"] for r in rows] == [1000]
     assert rows[0]["ready_seconds"] > 0 and rows[0]["bytes_per_registered_device_at_rest"] is not None
@@ -95,6 +97,8 @@ def test_population_bench_charges_each_registration_and_check_in_the_coordinator
                    for s in run["checkin_steps"]), run["checkin_steps"]
         assert run["checkin_capacity_per_s"] == 40.0 and run["cpu_ms_per_checkin"] > 0
         assert run["database_cpu_ms_per_registration"] is None  # SQLite: in the coordinator's own
+    one, two = rows[0]["by_processes"]
+    assert one["share_answered_by_coordinator"] == 1.0 and 0 < two["share_answered_by_coordinator"] < 1, two
     assert plot.read_bytes().startswith(b"\x89PNG")
 
 

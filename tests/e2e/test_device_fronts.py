@@ -86,6 +86,13 @@ def test_a_front_answers_idle_check_ins_and_refuses_bad_ones_itself(tmp_path):
             assert reply.retry_after.population_idle
             assert "no running job" in reply.retry_after.reason
             assert _counter(front.metrics(), "tally_coordinator_checkins_total", outcome="retry") == 1
+            # Issue 38, problem 4: an SDK device states its input ledger at every check-in; with
+            # no job in its population there is no seat to release, and the front answers it too.
+            ledger = coordinator_pb2.InputLedger(latest_round={"job-0": 3}, ledger_id="ab" * 16)
+            reply = await stub.CheckIn(coordinator_pb2.CheckInRequest(input_ledger=ledger), metadata=md, timeout=10)
+            assert reply.retry_after.population_idle
+            assert _counter(front.metrics(), "tally_coordinator_checkins_total", outcome="retry") == 2
+            assert _counter(front.metrics(), "tally_coordinator_forwarded_calls_total", method="CheckIn") == 0
             assert _counter(scrape_text(s.coordinator.metrics_port), "tally_coordinator_checkins_total",
                             outcome="retry") == 0
             assert s.coordinator.store.devices.identities(["dev-1"])  # the front's write, in the store

@@ -41,10 +41,10 @@ def _exercise(store: Store) -> dict:
     again = store.start_attempt("job-0", 1, t + 2)
     store.finish_attempt("job-0", 1, attempt, t + 3, "deadline")
     store.set_attempt_sessions("job-0", 1, again, [{"aggregator_id": "a", "session_id": "s"}])
-    store.add_seated("job-0", 1, [("d1", "t1"), ("d2", "t2"), ("d3", "t3")])
+    store.add_seated("job-0", 1, [("d1", "t1"), ("d2", "t2"), ("d3", "t3")], {"d3": "ledger-3"})
     store.add_seated("job-0", 1, [("d1", "t4")])  # a later attempt's task replaces the seat's
     released = store.release_seats("job-0", 1, [("d2", "t2"), ("d1", "t1")])
-    released_device = store.release_device("job-0", 1, "d3")
+    released_device = store.release_device("job-0", 1, "d3", "ledger-3")
     for detail in ("first", "second"):
         store.count_task_report("job-0", 1, "failed", "oom", detail)
     store.count_task_report("job-0", 1, "done", "", "")

@@ -641,7 +641,7 @@ def test_a_restarted_device_still_sends_one_input_per_round(tmp_path):
     assert second["dev-1"] == second["dev-2"] == ("REFUSED", "already_sent_input")
     assert second["dev-3"] != ("REFUSED", "already_sent_input")  # nothing remembered it
     ledger = json.loads((tmp_path / "dev-1" / LEDGER_FILE).read_text())
-    assert ledger == {JOB: 3}
+    assert ledger["latest_round"] == {JOB: 3}
 
 
 def test_the_input_ledger_is_durable_and_refuses_to_forget(tmp_path):
@@ -652,7 +652,10 @@ def test_the_input_ledger_is_durable_and_refuses_to_forget(tmp_path):
     ledger.sent("job-b", 1)
     again = InputLedger(path)
     assert again.already_sent("job-a", 4) and again.already_sent("job-b", 1)
-    assert not again.already_sent("job-a", 2) and not again.already_sent("job-c", 4)
+    # Issue 38, problem 8: any round up to the latest is refused (an older one may have had an
+    # input too), not only the latest; a later round and another job are not.
+    assert again.already_sent("job-a", 2) and again.already_sent("job-a", 1)
+    assert not again.already_sent("job-a", 5) and not again.already_sent("job-c", 4)
     assert stat.S_IMODE(path.stat().st_mode) == 0o600
     path.write_text("{not json")
     with pytest.raises(ValueError, match="input ledger .* is unreadable"):
@@ -660,6 +663,33 @@ def test_the_input_ledger_is_durable_and_refuses_to_forget(tmp_path):
     path.write_text('{"job-a": "4"}')
     with pytest.raises(ValueError, match="not a mapping of job ids to rounds"):
         InputLedger(path)
+    path.write_text('{"ledger_id": 7, "latest_round": {}}')
+    with pytest.raises(ValueError, match="no valid ledger_id"):
+        InputLedger(path)
+
+
+def test_a_ledger_states_its_id_and_a_lost_one_is_a_new_ledger(tmp_path):
+    """Issue 38, problem 2: a missing ledger file is a new ledger, written with a fresh random id
+    when first stated, and every statement carries the id, so the coordinator can tell it from
+    the one a device was seated with; the id survives restarts. A file written before ledgers had
+    ids keeps its rounds and gets a new id (it may be younger than any seat, as far as anyone can
+    tell)."""
+    path = tmp_path / "dev" / LEDGER_FILE
+    path.parent.mkdir()
+    ledger = InputLedger(path)
+    assert not path.exists()  # nothing written while nothing was stated or sent
+    first = ledger.statement()
+    assert path.exists() and len(ledger.ledger_id) == 32 and first.ledger_id == ledger.ledger_id
+    ledger.sent("job-a", 3)
+    statement = InputLedger(path).statement()
+    assert statement.ledger_id == ledger.ledger_id and dict(statement.latest_round) == {"job-a": 3}
+    path.unlink()  # the state directory wiped under the same identity
+    wiped = InputLedger(path).statement()
+    assert wiped.ledger_id != ledger.ledger_id and dict(wiped.latest_round) == {}
+    path.write_text('{"job-b": 2}')  # an older SDK's ledger
+    upgraded = InputLedger(path)
+    assert upgraded.already_sent("job-b", 2) and upgraded.statement().ledger_id not in ("", wiped.ledger_id)
+    assert json.loads(path.read_text()) == {"ledger_id": upgraded.ledger_id, "latest_round": {"job-b": 2}}
 
 
 @settings(max_examples=40, deadline=None)

@@ -44,6 +44,7 @@ from tally.cli import coordinator as coordinator_cli
 from tally.coordinator.rounds.planner import (
     MIN_RETRY_S,
     Phase,
+    Selection,
 )
 from tally.coordinator.rounds.runner import RETRY_BACKOFF_FIRST_S
 from tally.models.mlp import mlp
@@ -756,13 +757,65 @@ def test_cli_help_and_job_commands(tmp_path, capsys):
     assert missing_code == 1
 
 
-@pytest.mark.parametrize("ledger", [{f"job-{i}": 1 for i in range(17)}, {"job": 0}, {"job": -3}])
-def test_a_check_in_with_a_malformed_input_ledger_is_refused_naming_it(tmp_path, ledger):
+@pytest.mark.parametrize(("ledger", "named"), [
+    *(({"latest_round": rounds}, "input_ledger: at most 16 jobs")
+      for rounds in ({f"job-{i}": 1 for i in range(17)}, {"job": 0}, {"job": -3})),
+    ({"ledger_id": "f" * 65}, "input_ledger.ledger_id: at most 64 characters"),
+])
+def test_a_check_in_with_a_malformed_input_ledger_is_refused_naming_it(tmp_path, ledger, named):
     async def main():
         async with in_process().coordinator_with_fakes(tmp_path, aggregators=1) as s:
             device = (await s.devices(1))[0]
-            request = coordinator_pb2.CheckInRequest(input_ledger=coordinator_pb2.InputLedger(latest_round=ledger))
+            request = coordinator_pb2.CheckInRequest(input_ledger=coordinator_pb2.InputLedger(**ledger))
             return await status_of(device.stub.CheckIn(request, metadata=device.md, timeout=5))
 
     code, details = run(main())
-    assert code == grpc.StatusCode.INVALID_ARGUMENT and details.startswith("input_ledger: at most 16 jobs"), details
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and details.startswith(named), details
+
+
+async def _check_in_until_refused(device: FakeDevice) -> tuple[grpc.StatusCode, str]:
+    """Check in again after every come-back answer until a task or a refusal; its status."""
+    while True:
+        try:
+            reply = await device.check_in_once(timeout=30)
+        except grpc.aio.AioRpcError as exc:
+            return exc.code(), exc.details()
+        if reply.HasField("task"):
+            return grpc.StatusCode.OK, f"task {reply.task.task_id}"
+        await device._pause(reply.retry_after.seconds, None)
+
+
+def test_a_device_revoked_while_its_check_in_is_held_gets_no_task_and_is_in_no_roster(tmp_path, monkeypatch):
+    """Issue 38, problem 6: dev0 is seated and its check-in held while the selection fills; an
+    operator revokes it. The held check-in used to get its task once the selection filled (and
+    the device sent its input); the roster named it. Now the check-in ends at once with
+    PERMISSION_DENIED, its place goes to another device, and no session's roster holds its key."""
+    seated = asyncio.Event()
+    real_offer = Selection.offer
+
+    def offer(self, device_id: str, ledger_id: str = "") -> bool:
+        taken = real_offer(self, device_id, ledger_id)
+        if taken and device_id == "dev0":
+            seated.set()
+        return taken
+
+    monkeypatch.setattr(Selection, "offer", offer)
+
+    async def main():
+        async with in_process().coordinator_with_fakes(tmp_path, aggregators=1) as s:
+            devices = await s.devices(11)
+            job_id = await s.submit(spec_yaml("revoked", extra="deadlines: {checkin: 30}\n"))
+            held = asyncio.create_task(_check_in_until_refused(devices[0]))
+            await seated.wait()
+            await s.admin.RevokeDevice(admin_pb2.RevokeDeviceRequest(device_id="dev0"), metadata=s.admin_md,
+                                       timeout=5)
+            refused = await held
+            key = s.service.store.devices.identities(["dev0"])["dev0"]
+            await run_devices(devices[1:], fedavg_contribution(FedAvgOptions()), s.until_done(job_id))
+            rosters = [session.config.identities for session in s.aggregators[0].sessions.values()]
+            return refused, key, rosters, await s.job(job_id)
+
+    (code, details), key, rosters, job = run(main())
+    assert code == grpc.StatusCode.PERMISSION_DENIED and details == "device 'dev0' is revoked"
+    assert job.state == SUCCEEDED
+    assert rosters and all(len(roster) == 10 and key not in roster for roster in rosters)

@@ -25,7 +25,9 @@ from support.coordinator import (
 )
 from support.stack import in_process, scrape_text
 from tally.algorithms.fedavg import FedAvgOptions
+from tally.client.input_ledger import LEDGER_FILE, InputLedger
 from tally.coordinator.rounds.planner import Failed, FormCohorts, Hold, Phase, Retry, RoundPlanner
+from tally.security.files import private_dir
 from tally.wire.protocol import from_proto
 from tally.wire.v1 import coordinator_pb2
 
@@ -158,6 +160,17 @@ def test_a_withheld_sum_cannot_be_differenced_with_the_retry(tmp_path):
         assert a == b or not a & b, (sorted(a), sorted(b))
 
 
+async def _loops_until_done(s, job_id: str, devices, device_loop) -> None:
+    """Run ``device_loop(device, done)`` for every device until the job ends."""
+    done = asyncio.Event()
+    loops = [asyncio.create_task(device_loop(d, done)) for d in devices]
+    try:
+        await s.until_done(job_id)
+    finally:
+        done.set()
+        await asyncio.gather(*loops)
+
+
 def test_a_retry_reseats_the_devices_that_report_they_sent_no_input(tmp_path):
     """The retry rule's price was liveness: a population of one selection could not retry a round
     at all once its sessions opened. Ten devices, one cohort of ten; attempt 1 aborts before any
@@ -194,13 +207,7 @@ def test_a_retry_reseats_the_devices_that_report_they_sent_no_input(tmp_path):
                         task_id=first_tasks["dev2" if device.device_id == "dev1" else device.device_id],
                         sent_input=device.device_id == "dev0")]
 
-            done = asyncio.Event()
-            loops = [asyncio.create_task(device_loop(d, done)) for d in devices]
-            try:
-                await s.until_done(job_id)
-            finally:
-                done.set()
-                await asyncio.gather(*loops)
+            await _loops_until_done(s, job_id, devices, device_loop)
             job = await s.job(job_id)
             return (job, s.service.store.rounds(job_id), dict(attempts),
                     scrape_text(s.service.metrics_port))
@@ -214,3 +221,86 @@ def test_a_retry_reseats_the_devices_that_report_they_sent_no_input(tmp_path):
     assert 'tally_coordinator_task_reports_total{outcome="aborted",reason="session_aborted"} 9.0' in metrics
     assert 'tally_coordinator_task_reports_total{outcome="unmatched",reason=""} 1.0' in metrics
     assert [(c.outcome, c.reason, c.count) for c in job.task_reports] == [("aborted", "session_aborted", 9)]
+
+
+async def _lose_ledgers_after_attempt_1(s, job_id: str, devices, keep: int, tmp_path, *, send_first: bool):
+    """Run ``devices``, each with the SDK's durable input ledger, until the job ends. After its
+    task of attempt 1 (carried out when ``send_first``, else dropped before any input, its report
+    lost with a restart), every device but the first ``keep`` to get there loses its state
+    directory: it states a new ledger from then on. (attempts: {"r1a1": devices, ...}, the
+    devices that kept their ledgers, every sum the aggregators computed as its set of devices)."""
+    for device in devices:
+        device.ledger = InputLedger(private_dir(tmp_path / "kept" / device.device_id) / LEDGER_FILE)
+    contribute = fedavg_contribution(FedAvgOptions())
+    members: dict[tuple[str, int], str] = {}  # (session id, device index) -> device
+    attempts: dict[str, set[str]] = defaultdict(set)
+    kept: set[str] = set()
+
+    async def device_loop(device, done):
+        while (task := await device.task(done)) is not None:
+            members[from_proto(task.session).ref.session_id, task.device_index] = device.device_id
+            attempt = task.task_id.split("-")[0]
+            attempts[attempt].add(device.device_id)
+            if attempt != "r1a1" or send_first:
+                await device.participate(task, contribute)
+            if attempt == "r1a1" and len(kept) < keep:
+                kept.add(device.device_id)
+            elif attempt == "r1a1":
+                device.ledger = InputLedger(private_dir(tmp_path / "wiped" / device.device_id) / LEDGER_FILE)
+
+    await _loops_until_done(s, job_id, devices, device_loop)
+    computed = [frozenset(members[session, i] for i in indices)
+                for fake in s.aggregators for session, _, indices in fake.computed]
+    return dict(attempts), kept, computed
+
+
+def test_lost_ledgers_release_no_seat_so_the_retry_cannot_be_differenced(tmp_path):
+    """Issue 38, problem 2. The aggregator unmasks attempt 1's cohort of ten (of fifteen devices)
+    after every input, keeps the sum and reports an abort. Nine of the ten then lose their state
+    directories; one keeps its ledger, which says it sent round 1's input. A lost ledger used to
+    state "no input in any round", so the nine were re-seated and the retry's sum subtracted
+    from the kept one was the tenth's input exactly. Their new ledgers are younger than their
+    seats and release nothing: the retry seats the five devices never seated, and every two sums
+    computed in the round are over equal or disjoint devices (no difference isolates anyone)."""
+
+    async def main():
+        async with in_process().coordinator_with_fakes(tmp_path, aggregators=1) as s:
+            devices = await s.devices(15)
+            s.aggregators[0].withhold_next = True
+            job_id = await s.submit(spec_yaml("wiped", extra="deadlines: {checkin: 2}\n"))  # attempt 1 fills at once
+            attempts, _, computed = await _lose_ledgers_after_attempt_1(
+                s, job_id, devices, 1, tmp_path, send_first=True)
+            return (await s.job(job_id), s.service.store.rounds(job_id), attempts, computed,
+                    scrape_text(s.service.metrics_port))
+
+    job, rows, attempts, computed, metrics = run(main())
+    assert job.state == SUCCEEDED
+    assert [(r.attempt, r.state) for r in rows] == [(1, "failed"), (2, "committed")]
+    assert len(attempts["r1a1"]) == 10
+    assert attempts["r1a2"] == {f"dev{i}" for i in range(15)} - attempts["r1a1"]
+    assert 'tally_coordinator_seats_released_total{cause="ledger"} 0.0' in metrics
+    assert len(computed) == 2  # the withheld sum and the retry's
+    for a, b in itertools.combinations(computed, 2):
+        assert a == b or not a & b, (sorted(a), sorted(b))
+
+
+def test_a_ledger_kept_since_its_seat_releases_it_and_a_new_one_does_not(tmp_path):
+    """The other side of the rule: attempt 1 aborts before any input and the devices restart
+    without their reports. Five of them kept their ledgers, which were stated when they were
+    seated and say nothing was sent in round 1: their seats are released and the retry seats
+    them. The other five start new ledgers, which say the same but know nothing of the seats:
+    they stay out."""
+
+    async def main():
+        async with in_process().coordinator_with_fakes(tmp_path, aggregators=1) as s:
+            devices = await s.devices(10)
+            s.aggregators[0].aborts = ["share_keys: 4 devices sent shares, below t = 6"]
+            job_id = await s.submit(spec_yaml("kept", extra="deadlines: {checkin: 2}\n"))  # attempt 1 fills at once
+            attempts, kept, _ = await _lose_ledgers_after_attempt_1(s, job_id, devices, 5, tmp_path,
+                                                                     send_first=False)
+            return await s.job(job_id), attempts, kept, scrape_text(s.service.metrics_port)
+
+    job, attempts, kept, metrics = run(main())
+    assert job.state == SUCCEEDED
+    assert attempts["r1a1"] == {f"dev{i}" for i in range(10)} and attempts["r1a2"] == kept
+    assert 'tally_coordinator_seats_released_total{cause="ledger"} 5.0' in metrics

@@ -33,6 +33,7 @@ from support.stack import PLAINTEXT, InProcess
 from tally import modelio
 from tally.algorithms.base import StepSpec
 from tally.algorithms.fedavg import FedAvgClient, FedAvgOptions, FedAvgServer
+from tally.client.input_ledger import InputLedger
 from tally.codec import Field, Kind, PayloadSchema, ring_dtype, ring_mask, to_ring
 from tally.coordinator.service import CoordinatorService
 from tally.coordinator.spec import jobspec
@@ -308,6 +309,9 @@ class FakeDevice:
         self.stub = stack.device_stub
         self.token = ""
         self.reports: list[coordinator_pb2.TaskReport] = []  # go out with the next check-in
+        # The SDK's durable input ledger, when the test gives the device one: stated at each
+        # check-in, written before an input leaves.
+        self.ledger: InputLedger | None = None
         self.rng = np.random.default_rng(abs(hash(device_id)) % 2**32)
 
     @property
@@ -332,8 +336,10 @@ class FakeDevice:
     async def task(self, done: asyncio.Event | None = None) -> coordinator_pb2.TaskAssignment | None:
         while done is None or not done.is_set():
             try:
-                reply = await self.stub.CheckIn(coordinator_pb2.CheckInRequest(reports=self.reports),
-                                                metadata=self.md, timeout=30)
+                statement = self.ledger.statement() if self.ledger is not None else None
+                reply = await self.stub.CheckIn(
+                    coordinator_pb2.CheckInRequest(reports=self.reports, input_ledger=statement),
+                    metadata=self.md, timeout=30)
             except grpc.aio.AioRpcError as exc:  # the coordinator restarting
                 assert exc.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED), exc
                 await self._pause(0.05, done)
@@ -374,6 +380,8 @@ class FakeDevice:
         bits = next(s.bits for s in task.session.sums if s.sum_id == step.sum_id)
         _, schema = schema_from_proto(step.schema)
         ring = to_ring(schema.encode(values, self.rng).vector, bits)
+        if self.ledger is not None:
+            self.ledger.sent(task.job_id, task.round)
         await aggregator.submit(session, task.device_index, step.sum_id, ring)
 
     async def participate(self, task, contribute: Contribute) -> bool:

@@ -272,10 +272,10 @@ class StandInRunner:
     population: str = "default"
     held: list[str] = field(default_factory=list)
 
-    def offer(self, device_id: str, now: float) -> Retry:
+    def offer(self, device_id: str, now: float, ledger_id: str = "") -> Retry:
         return Retry(MIN_RETRY_S, "next round starting" if self.selecting else "selection closed")
 
-    def hold_for_next(self, device_id: str) -> bool:
+    def hold_for_next(self, device_id: str, ledger_id: str = "") -> bool:
         return self.room
 
     async def hold(self, device_id: str, hold_s: float) -> str:

@@ -94,13 +94,11 @@ def test_a_false_complaint_is_settled_by_the_dealers_key_and_names_the_complaine
     assert result.total.tolist() == cohort.exact("s", result.contributors)
 
 
-def test_an_aggregator_that_alters_a_delivery_or_forges_a_complaint_gets_no_key():
-    """A key would open one honest holder's share of an honest dealer to the aggregator; t of
-    them would rebuild the dealer's secrets. The dealer reveals a key only for a complaint
-    signed by the holder over exactly what the dealer sent it."""
-    config = make_config(6, 5, 3)
+def _dealt(config) -> tuple[dict, dict[int, ShareDelivery]]:
+    """Clients 1..n through ShareKeys with a real server: (clients, each one's ShareDelivery, not
+    yet handed to it)."""
     server = SecAggServer(config)
-    clients = {i: lax_client(config, i) for i in range(1, 7)}
+    clients = {i: lax_client(config, i) for i in range(1, config.n + 1)}
     for i, c in clients.items():
         for sum_id, vector in random_inputs(config, np.random.default_rng(0))[i].items():
             c.provide_input(sum_id, vector)
@@ -116,6 +114,15 @@ def test_an_aggregator_that_alters_a_delivery_or_forges_a_complaint_gets_no_key(
                 deliveries[o.recipient] = o.message
             else:
                 pending += clients[o.recipient].receive(o.message)
+    return clients, deliveries
+
+
+def test_an_aggregator_that_alters_a_delivery_or_forges_a_complaint_gets_no_key():
+    """A key would open one honest holder's share of an honest dealer to the aggregator; t of
+    them would rebuild the dealer's secrets. The dealer reveals a key only for a complaint
+    signed by the holder over exactly what the dealer sent it."""
+    config = make_config(6, 5, 3)
+    clients, deliveries = _dealt(config)
     victim, dealer = 2, 4
     share = next(s for s in deliveries[victim].shares if s.sender == dealer)
     flipped = dataclasses.replace(share, ciphertext=bytes([share.ciphertext[0] ^ 1]) + share.ciphertext[1:])
@@ -140,6 +147,31 @@ def test_an_aggregator_that_alters_a_delivery_or_forges_a_complaint_gets_no_key(
     # go on rather than mask with a dealer whose share it does not hold.
     with pytest.raises(MalformedMessage, match="not settled"):
         clients[victim].receive(ShareVerdict(config.ref, (), revealed.keys))
+
+
+@pytest.mark.parametrize(("complaints", "refusal"), [
+    (20_000, "20000 complaints to justify, but I dealt 5 shares"),
+    (2, "a complaint to justify is repeated"),
+    (None, "a second JustifyRequest in this session"),
+])
+def test_a_justify_request_is_bounded_by_the_shares_dealt_and_comes_once(complaints, refusal):
+    """Issue 38, problem 7: one genuine complaint repeated 20,000 times cost the honest dealer
+    2.9 s of signature checks and 20,000 copies of one key, and it answered every further
+    request. Now a request naming more complaints than shares dealt, or one complaint twice, is
+    refused before any signature is checked, and so is any request after one was answered
+    (None: the genuine request, answered, then sent again)."""
+    config = make_config(6, 5, 3)
+    clients, deliveries = _dealt(config)
+    for i, client in clients.items():
+        client.receive(deliveries[i])
+    dealer, holder = 4, 2
+    genuine = _signed_complaint(config, deliveries[holder], dealer, holder)
+    if complaints is None:
+        [answer] = clients[dealer].receive(JustifyRequest(config.ref, (genuine,)))
+        assert [k.holder for k in answer.keys] == [holder]
+        complaints = 1
+    with pytest.raises(MalformedMessage, match=refusal):
+        clients[dealer].receive(JustifyRequest(config.ref, (genuine,) * complaints))
 
 
 def test_a_verdict_that_leaves_a_complaint_unsettled_or_excludes_a_stranger_is_refused():

@@ -156,6 +156,7 @@ class AdminService(admin_pb2_grpc.AdminServicer):
         await self._authorize(context)
         if not self.store.devices.revoke(request.device_id, self.jobs.clock()):
             await context.abort(grpc.StatusCode.NOT_FOUND, f"no enrolled device {request.device_id!r}")
+        self.jobs.revoked(request.device_id)
         logs.event(log, "device revoked", logging.WARNING, device_id=request.device_id)
         return admin_pb2.RevokedDevice(device_id=request.device_id)
 

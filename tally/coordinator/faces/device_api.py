@@ -52,10 +52,14 @@ class DeviceService(coordinator_pb2_grpc.CoordinatorServicer):
         if request.HasField("input_ledger"):
             self.jobs.record_ledger(claims, request.input_ledger)
         try:
-            result = await self.jobs.check_in(claims, context.time_remaining())
+            result = await self.jobs.check_in(claims, context.time_remaining(), request.input_ledger.ledger_id)
         except asyncio.CancelledError:
             self.metrics.checkins.labels(outcome="cancelled").inc()
             raise
+        if self.entry.devices.is_revoked(claims.device_id):
+            # Revoked while its check-in was held for a selection: no task, no come-back time.
+            await self.entry.refuse(context, "CheckIn", "revoked", grpc.StatusCode.PERMISSION_DENIED,
+                                    f"device {claims.device_id!r} is revoked")
         if isinstance(result, Retry):
             return turned_away(result, self.pacer, self.metrics, self.clock())
         self.metrics.checkins.labels(outcome="task").inc()

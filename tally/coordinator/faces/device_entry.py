@@ -29,7 +29,7 @@ from tally.security.enrolment import (
 )
 from tally.security.peers import source_of
 from tally.security.tokens import MAX_ID_CHARS
-from tally.wire.task_reports import MAX_LEDGER_JOBS, MAX_REPORTS
+from tally.wire.task_reports import MAX_LEDGER_ID_CHARS, MAX_LEDGER_JOBS, MAX_REPORTS
 from tally.wire.v1 import coordinator_pb2
 
 MAX_ATTESTATION_CHARS = 16 << 10
@@ -137,6 +137,9 @@ class DeviceEntry:
         if len(ledger) > MAX_LEDGER_JOBS or any(r < 1 for r in ledger.values()):
             await self.refuse(context, "CheckIn", "malformed", grpc.StatusCode.INVALID_ARGUMENT,
                               f"input_ledger: at most {MAX_LEDGER_JOBS} jobs, each with a round >= 1")
+        if len(request.input_ledger.ledger_id) > MAX_LEDGER_ID_CHARS:
+            await self.refuse(context, "CheckIn", "malformed", grpc.StatusCode.INVALID_ARGUMENT,
+                              f"input_ledger.ledger_id: at most {MAX_LEDGER_ID_CHARS} characters")
         return claims
 
 

@@ -15,10 +15,12 @@ of the running jobs:
 - ``Register``: the enrolment checks, the devices-table write (SQLite in WAL mode: one writer at a
   time across processes, readers never blocked) and the token, from the same secrets;
 - ``CheckIn`` of a device whose population has no pending or running job: the idle come-back time,
-  paced at the front's share of the target rate.
+  paced at the front's share of the target rate. That includes a check-in stating an input
+  ledger, as every SDK device with a state directory does at every check-in: a ledger only
+  releases seats of running jobs (``JobRunner.ledger_says``), and such a population has none.
 
-Everything else (a check-in of a population a job may select from, or carrying task reports or an
-input ledger; ``GetStep``, ``DownloadModel``, ``Reveal``, ``RoundStatus``; the Admin API) is
+Everything else (a check-in of a population a job may select from, or carrying task reports;
+``GetStep``, ``DownloadModel``, ``Reveal``, ``RoundStatus``; the Admin API) is
 forwarded unchanged, as bytes, to the coordinator's internal port, which only fronts can call (a
 key derived from the token secret). Round planning stays in one process, the coordinator: one
 leader, so selection, seating and the round's state need no agreement between processes.
@@ -63,6 +65,7 @@ from tally.coordinator.state.leadership import leader_address
 from tally.metrics import MetricsServer, RoleRegistry
 from tally.security import TLSConfig, TokenIssuer, bind, load_or_create_ticket_key, load_or_create_token_secret
 from tally.security.certs import COORDINATOR_CN
+from tally.security.connections import DEFAULT_LIMITS, ConnectionLimits, guard
 from tally.security.enrolment import EnrolmentVerifier, SharedKeyEnrolment, load_or_create_enrolment_key
 from tally.security.tls import open_aio_channel, server_options
 from tally.shutdown import stop_on_signals
@@ -139,6 +142,8 @@ class FrontConfig:
     enrolment: EnrolmentVerifier | None = None
     database_url: str | None = None  # PostgreSQL: the replicas' shared store, not state_dir's SQLite
     share_port: bool = True  # beside a coordinator on its port; a following replica's front is alone on its own
+    # Resolved for this front's share of the port (``ConnectionLimits.resolved``).
+    connection_limits: ConnectionLimits = DEFAULT_LIMITS.resolved()
 
 
 def internal_tls(tls: TLSConfig) -> TLSConfig:
@@ -160,6 +165,7 @@ class DeviceFront:
         self._database: Database | None = None
         self._metrics: MetricsServer | None = None
         self._refresher: asyncio.Task[None] | None = None
+        self._source_cap: asyncio.Task[None] | None = None
         self.stale = asyncio.Event()
 
     async def start(self) -> int:
@@ -186,7 +192,8 @@ class DeviceFront:
         self._metrics = MetricsServer(self.metrics.registry)
         self.metrics_port = self._metrics.start(c.metrics_port, c.metrics_addr)
         server = grpc.aio.server(
-            options=server_options(c.max_message_bytes, c.max_request_bytes, share_port=c.share_port),
+            options=[*server_options(c.max_message_bytes, c.max_request_bytes, share_port=c.share_port),
+                     *c.connection_limits.server_options()],
             interceptors=(RefuseUndecodable(),))
         server.add_generic_rpc_handlers((_FrontHandlers(self),))
         health_servicer = health.aio.HealthServicer()
@@ -195,6 +202,7 @@ class DeviceFront:
         port = bind(server, c.listen, c.tls)
         await server.start()
         self._server = server
+        self._source_cap = guard(port, c.connection_limits, self.metrics.registry, "coordinator")
         for name in ("", *_SERVED):
             await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
         self._refresher = asyncio.get_running_loop().create_task(self._refresh())
@@ -202,9 +210,10 @@ class DeviceFront:
         return port
 
     async def stop(self, grace: float | None = None) -> None:
-        if self._refresher is not None:
-            self._refresher.cancel()
-            await asyncio.gather(self._refresher, return_exceptions=True)
+        for task in (self._refresher, self._source_cap):
+            if task is not None:
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
         if self._server is not None:
             await self._server.stop(grace)
         for channel in (*self._retired, self._channel):
@@ -215,7 +224,7 @@ class DeviceFront:
             self._metrics.stop()
         if self._database is not None:
             self._database.close()
-        self._server = self._channel = self._metrics = self._database = self._refresher = None
+        self._server = self._channel = self._metrics = self._database = self._refresher = self._source_cap = None
 
     def _refresh_once(self) -> None:
         assert self._database is not None
@@ -265,8 +274,7 @@ class DeviceFront:
 
     async def check_in(self, request: coordinator_pb2.CheckInRequest, context: grpc.aio.ServicerContext):
         claims = await self.entry.check_in(request, context)
-        if (claims.population in self.populations_with_jobs or request.reports
-                or request.HasField("input_ledger")):
+        if claims.population in self.populations_with_jobs or request.reports:
             reply = await self.forward(_CHECK_IN, request.SerializeToString(), context)
             return coordinator_pb2.CheckInResponse.FromString(reply)
         return turned_away(idle_retry(claims.population), self.pacer, self.metrics, self.clock())

@@ -140,18 +140,25 @@ class ActiveJobs:
             reason = reason_label(report.reason) if matched else ""
             self._ctx.metrics.task_reports.labels(outcome, reason).inc()
 
+    def revoked(self, device_id: str) -> None:
+        """An operator revoked ``device_id``: a check-in of it held by any job ends now, giving
+        its place back (``DeviceService`` refuses it), so no task reaches it."""
+        for runner in self.runners.values():
+            runner.holds.revoke(device_id)
+
     def record_ledger(self, claims: DeviceClaims, ledger: coordinator_pb2.InputLedger) -> None:
         """What a device's durable ledger says of its inputs, for each running job of its
         population (``JobRunner.ledger_says``)."""
         for runner in self.runners.values():
             if runner.population == claims.population:
-                runner.ledger_says(claims.device_id, ledger.latest_round.get(runner.job_id))
+                runner.ledger_says(claims.device_id, ledger)
 
     async def check_in(
-        self, claims: DeviceClaims, caller_timeout_s: float | None = None
+        self, claims: DeviceClaims, caller_timeout_s: float | None = None, ledger_id: str = ""
     ) -> CheckInResult:
         """A task from the first job of the device's population that selects it, else the
-        soonest come-back time.
+        soonest come-back time. ``ledger_id``: the input ledger the check-in stated, recorded with
+        a seat it gets (``JobRunner.ledger_says``).
 
         A selected device is held while the selection fills, at most ``checkin_hold_s`` and never
         past the caller's own deadline: a check-in that timed out on the device side would lose
@@ -164,7 +171,7 @@ class ActiveJobs:
         candidates = sorted((r for r in self.runners.values() if r.population == claims.population),
                             key=lambda r: r.seq)
         for runner in candidates:
-            decision = runner.offer(claims.device_id, now)
+            decision = runner.offer(claims.device_id, now, ledger_id)
             if isinstance(decision, Retry):
                 retries.append(decision)
             elif isinstance(decision, Hold):
@@ -177,7 +184,7 @@ class ActiveJobs:
         # another job's selection is open or about to open: that one may take it on its return.
         selecting = [r for r in candidates if r.selecting]
         for runner in candidates:
-            if all(r is runner for r in selecting) and runner.hold_for_next(claims.device_id):
+            if all(r is runner for r in selecting) and runner.hold_for_next(claims.device_id, ledger_id):
                 return await runner.hold(claims.device_id, hold_s)
         return min(retries, key=lambda r: r.seconds)
 

@@ -80,13 +80,19 @@ class CheckInHolds:
         if future is not None and not future.done():
             future.set_result(answer)
 
-    def hold_for_next(self, device_id: str) -> bool:
+    def revoke(self, device_id: str) -> None:
+        """End ``device_id``'s held check-in and free its place (its device was revoked)."""
+        if device_id in self._futures:
+            self._withdraw(device_id)
+            self._answer(device_id, Retry(MIN_RETRY_S, "device revoked"))
+
+    def hold_for_next(self, device_id: str, ledger_id: str = "") -> bool:
         """Whether ``device_id``, turned away while an attempt aggregates, is held for the next
-        attempt's selection instead (then ``hold`` it)."""
+        attempt's selection instead (then ``hold`` it); ``ledger_id`` goes with it to its seat."""
         room, planner = self.waiting, self._planner()
         if room is None or (planner is not None and device_id in planner.seats):
             return False
-        return not self._silos_full(device_id) and room.offer(device_id)
+        return not self._silos_full(device_id) and room.offer(device_id, ledger_id)
 
     def open_waiting_room(self, capacity: int) -> None:
         """From now on, devices turned away may wait for the next attempt's selection."""
@@ -99,7 +105,7 @@ class CheckInHolds:
         room, self.waiting = self.waiting, None
         if room is None:
             return None
-        turned_away = [d for d in room.held if not planner.selection.offer(d)]
+        turned_away = [d for d, ledger_id in room.held.items() if not planner.selection.offer(d, ledger_id)]
         for device_id in turned_away:
             self._answer(device_id, planner.retry(now, "seated in an earlier attempt of this round"))
         return len(room.held) - len(turned_away), len(turned_away)

@@ -29,8 +29,10 @@ Two rules stop a privacy attack on the cohorts themselves:
   rest of the round, unless the seat is released because its device cannot have sent an input:
   its task never reached it (released when the attempt fails), or it reported that it sent none
   (``tally.coordinator.rounds.task_reports``), or the durable input ledger it states at each check-in shows
-  no input in the round (how a restarted device, its reports lost, is seated again). A device
-  can only release its own seat, and lying exposes only itself. The device enforces the rule too:
+  no input in the round (how a restarted device, its reports lost, is seated again), provided it
+  is the ledger the device stated when it was seated: a ledger created since (a wiped state
+  directory) knows nothing of that seat. A device can only release its own seat, and lying
+  exposes only itself. The device enforces the rule too:
   one that sent an input in a round refuses to send another in it, whatever the coordinator asks
   (``tally.client.input_ledger``). So any two sums of a round are over equal or disjoint sets of
   the devices that sent inputs.
@@ -47,7 +49,7 @@ import enum
 import functools
 import math
 import random
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -86,6 +88,9 @@ class Seat:
     cohort: int  # position in the attempt's cohort list
     index: int  # 1-based device index within the cohort
     task_id: str
+    # The id of the input ledger the device stated when it was seated ("" for none): only a
+    # statement of that ledger may release the seat (``tally.client.input_ledger``).
+    ledger_id: str = ""
 
 
 @dataclass(frozen=True)
@@ -214,7 +219,7 @@ class Selection:
         self.extensions_left = extensions
         self.extensions_used = 0
         self.closes_at = now + window_s
-        self.seated: dict[str, None] = {}
+        self.seated: dict[str, str] = {}  # device -> the ledger id it stated when seated
         self.closed = False
         # Excluded devices that checked in anyway: a selection short of devices says how many it
         # turned away, so a round that ran out of devices it may seat explains itself.
@@ -224,7 +229,7 @@ class Selection:
     def full(self) -> bool:
         return len(self.seated) >= self.target
 
-    def offer(self, device_id: str) -> bool:
+    def offer(self, device_id: str, ledger_id: str = "") -> bool:
         if device_id in self.seated:
             return True
         if device_id in self.excluded:
@@ -232,8 +237,14 @@ class Selection:
             return False
         if self.closed or self.full:
             return False
-        self.seated[device_id] = None
+        self.seated[device_id] = ledger_id
         return True
+
+    def leave_out(self, device_ids: Iterable[str]) -> None:
+        """Drop devices from a closed selection before its cohorts are formed (revoked since
+        they were seated: no roster may name them)."""
+        for device_id in device_ids:
+            self.seated.pop(device_id, None)
 
     def withdraw(self, device_id: str) -> None:
         if not self.closed:
@@ -285,13 +296,14 @@ class WaitingRoom:
 
     def __init__(self, capacity: int) -> None:
         self.capacity = capacity
-        self.held: dict[str, None] = {}  # in arrival order: the selection seats them in that order
+        # In arrival order (the selection seats them in that order), with the ledger id each stated.
+        self.held: dict[str, str] = {}
 
-    def offer(self, device_id: str) -> bool:
+    def offer(self, device_id: str, ledger_id: str = "") -> bool:
         if device_id not in self.held:
             if len(self.held) >= self.capacity:
                 return False
-            self.held[device_id] = None
+            self.held[device_id] = ledger_id
         return True
 
     def withdraw(self, device_id: str) -> None:
@@ -395,9 +407,10 @@ class RoundPlanner:
 
     # -- devices -------------------------------------------------------------------------------
 
-    def check_in(self, device_id: str, now: float) -> Hold | Deliver | Retry:
+    def check_in(self, device_id: str, now: float, ledger_id: str = "") -> Hold | Deliver | Retry:
+        """``ledger_id``: the input ledger the check-in stated, recorded with a new seat."""
         if self.phase is Phase.SELECTION:
-            if self.selection.offer(device_id):
+            if self.selection.offer(device_id, ledger_id):
                 return Hold(device_id)
             if device_id in self.selection.excluded:
                 return self.retry(now, "seated in an earlier attempt of this round")
@@ -491,7 +504,7 @@ class RoundPlanner:
             self.fail(str(exc))
             raise
         self.seats = {
-            device: Seat(device, c, i, f"{self.attempt_key}.{c}.{i}")
+            device: Seat(device, c, i, f"{self.attempt_key}.{c}.{i}", self.selection.seated[device])
             for c, plan in enumerate(self.cohorts)
             for i, device in enumerate(plan.devices, start=1)
         }

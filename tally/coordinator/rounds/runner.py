@@ -190,23 +190,31 @@ class JobRunner:
                 self.planner.readmit(device_id)
         return recorded is not Recorded.UNMATCHED
 
-    def ledger_says(self, device_id: str, latest_round: int | None) -> None:
-        """A device's durable ledger names ``latest_round`` as the last round it sent this job an
-        input in (None: never). Before the current round, none of its seats in this round carried
-        one, so they are released like a report's (``tally.coordinator.rounds.task_reports``): this is how a
-        device restarted with its reports lost is seated again in a round it sent nothing to."""
+    def ledger_says(self, device_id: str, ledger: coordinator_pb2.InputLedger) -> None:
+        """A device's durable ledger names the last round it sent this job an input in (absent:
+        never, since the ledger was created). Before the current round, its seat in this round
+        carried none, so it is released like a report's (``tally.coordinator.rounds.task_reports``):
+        this is how a device restarted with its reports lost is seated again in a round it sent
+        nothing to. Only a seat recorded with this ledger's id is released: a ledger created
+        after the seat (a wiped state directory) cannot know what was sent from it."""
         planner = self.planner
         if planner is None or device_id not in planner.selection.excluded:
             return
+        latest_round = ledger.latest_round.get(self.job_id)
         if latest_round is not None and latest_round >= self.round:
             return
-        released = self.ctx.store.release_device(self.job_id, self.round, device_id)
+        released = self.ctx.store.release_device(self.job_id, self.round, device_id, ledger.ledger_id)
+        if not released:
+            return
         self.ctx.metrics.seats_released.labels(cause="ledger").inc(released)
         planner.readmit(device_id)
         logs.event(log, "seat released: the device's ledger shows no input in this round", logging.DEBUG,
                    job_id=self.job_id, round=self.round, device_id=device_id, seats=released)
 
-    def offer(self, device_id: str, now: float) -> Hold | coordinator_pb2.TaskAssignment | Retry:
+    def offer(
+        self, device_id: str, now: float, ledger_id: str = ""
+    ) -> Hold | coordinator_pb2.TaskAssignment | Retry:
+        """``ledger_id``: the input ledger the check-in stated ("" for none), kept with a seat."""
         planner = self.planner
         if now < self.next_attempt_at:
             return Retry(self.next_attempt_at - now, "round attempt failed; the next one backs off")
@@ -214,7 +222,7 @@ class JobRunner:
             return Retry(MIN_RETRY_S, "next round starting")
         if self._silos_full(device_id):
             return planner.retry(now, f"all {self.silo_limit} silos of the job are taken")
-        decision = planner.check_in(device_id, now)
+        decision = planner.check_in(device_id, now, ledger_id)
         if isinstance(decision, Deliver):
             return self.tasks[device_id]
         if isinstance(decision, Hold) and planner.selection.full:
@@ -230,11 +238,11 @@ class JobRunner:
             return True
         return planner.phase is Phase.DONE and self.round < self.spec.rounds
 
-    def hold_for_next(self, device_id: str) -> bool:
+    def hold_for_next(self, device_id: str, ledger_id: str = "") -> bool:
         """Whether ``device_id``, turned away by ``offer`` while an attempt aggregates, is held
         for the next attempt's selection instead (then ``hold`` it). ``ActiveJobs`` asks only after
         every job's ``offer`` declined, so an open selection of another job is served first."""
-        return self.holds.hold_for_next(device_id)
+        return self.holds.hold_for_next(device_id, ledger_id)
 
     def release_waiting(self, reason: str) -> None:
         """Answer the devices held for this job's next selection (another job's selection of
@@ -449,6 +457,9 @@ class JobRunner:
         try:
             with ctx.metrics.phase_duration.labels(phase="selection").time():
                 await self._select(planner)
+                # A device revoked while its check-in was held is named in no roster.
+                planner.selection.leave_out([d for d in planner.selection.seated
+                                             if ctx.store.devices.is_revoked(d)])
                 await self.sessions.open(planner, round_, attempt, steps)
                 ctx.metrics.devices_selected.inc(len(planner.seats))
                 self._deliver(planner, self.answers, round_, blob)
@@ -522,7 +533,8 @@ class JobRunner:
     def _deliver(self, planner: RoundPlanner, answers: StepAnswers, round_: int, blob: RoundBlob) -> None:
         # Before any task goes out: from here on a seat may become an input in a sum.
         self.ctx.store.add_seated(
-            self.job_id, round_, [(s.device_id, s.task_id) for s in planner.seats.values()])
+            self.job_id, round_, [(s.device_id, s.task_id) for s in planner.seats.values()],
+            {s.device_id: s.ledger_id for s in planner.seats.values()})
         self.reports.issue(round_, planner.seats.values())
         by_cohort = {s.cohort: s for s in self.sessions.opened}
         for seat in planner.seats.values():

@@ -116,13 +116,15 @@ CREATE TABLE IF NOT EXISTS devices (
 );
 -- Devices seated in an attempt of a round whose sessions opened: a retry of the round seats
 -- none of them again (so no two sums of one round can be differenced), unless the seat is
--- released: its task was never handed out, or the device reported that it sent no input.
+-- released: its task was never handed out, or the device reported that it sent no input, or
+-- the input ledger it stated when seated (ledger_id, '' for none) says so.
 -- Rows of a committed round are deleted with the commit.
 CREATE TABLE IF NOT EXISTS seated (
     job_id TEXT NOT NULL,
     round INTEGER NOT NULL,
     device_id TEXT NOT NULL,
     task_id TEXT NOT NULL DEFAULT '',
+    ledger_id TEXT NOT NULL DEFAULT '',
     PRIMARY KEY (job_id, round, device_id)
 );
 -- What devices reported about their tasks (TaskReport), counted per round and reason.
@@ -502,14 +504,19 @@ class Store:
             ).fetchall()
         return [RoundRecord(*r[:7], json.loads(r[7]), json.loads(r[8])) for r in rows]
 
-    def add_seated(self, job_id: str, round_: int, seats: Iterable[tuple[str, str]]) -> None:
+    def add_seated(
+        self, job_id: str, round_: int, seats: Iterable[tuple[str, str]], ledger_ids: Mapping[str, str] | None = None
+    ) -> None:
         """Record, before any of them gets its task, the (device id, task id) seats of an
-        attempt's cohorts: a restarted coordinator must keep them out of the round's retries too."""
+        attempt's cohorts: a restarted coordinator must keep them out of the round's retries too.
+        ``ledger_ids``: the input ledger each device stated when it was seated (none: "")."""
+        ledger_ids = ledger_ids or {}
         with self._transaction():  # one fsync for the attempt's seats, not one per seat
             self._db.executemany(
-                "INSERT INTO seated (job_id, round, device_id, task_id) VALUES (?, ?, ?, ?) "
-                "ON CONFLICT (job_id, round, device_id) DO UPDATE SET task_id = excluded.task_id",
-                [(job_id, round_, device, task) for device, task in seats],
+                "INSERT INTO seated (job_id, round, device_id, task_id, ledger_id) VALUES (?, ?, ?, ?, ?) "
+                "ON CONFLICT (job_id, round, device_id) DO UPDATE SET task_id = excluded.task_id, "
+                "ledger_id = excluded.ledger_id",
+                [(job_id, round_, device, task, ledger_ids.get(device, "")) for device, task in seats],
             )
 
     def release_seats(self, job_id: str, round_: int, seats: Iterable[tuple[str, str]]) -> int:
@@ -532,12 +539,17 @@ class Store:
                 (job_id, round_, device_id, task_id),
             ).fetchone() is not None
 
-    def release_device(self, job_id: str, round_: int, device_id: str) -> int:
-        """Let every seat of ``device_id`` in the round be given out again: its own durable ledger
-        says it sent no input in the round (``CheckInRequest.input_ledger``). The count released."""
+    def release_device(self, job_id: str, round_: int, device_id: str, ledger_id: str) -> int:
+        """Let the seat of ``device_id`` in the round be given out again: its own durable ledger
+        says it sent no input in the round (``CheckInRequest.input_ledger``), and it is the ledger
+        the device stated when it was seated (a ledger created since knows nothing of that seat,
+        and no ledger at all, "", releases nothing). The count released."""
+        if not ledger_id:
+            return 0
         with self._transaction(durable=False):
             return self._db.execute(
-                "DELETE FROM seated WHERE job_id = ? AND round = ? AND device_id = ?", (job_id, round_, device_id),
+                "DELETE FROM seated WHERE job_id = ? AND round = ? AND device_id = ? AND ledger_id = ?",
+                (job_id, round_, device_id, ledger_id),
             ).rowcount
 
     def count_task_report(self, job_id: str, round_: int, outcome: str, reason: str, detail: str = "") -> None:
@@ -691,6 +703,7 @@ def create_schema(database: Database) -> None:
     # A state directory of an earlier version: its seats have no task id and so can never be
     # released, which errs on the safe side.
     for table, column in (("seated", "task_id TEXT NOT NULL DEFAULT ''"),
+                          ("seated", "ledger_id TEXT NOT NULL DEFAULT ''"),
                           ("task_reports", "example TEXT NOT NULL DEFAULT ''"),
                           ("devices", "revoked_at REAL")):
         if column.split()[0] not in database.columns(table):

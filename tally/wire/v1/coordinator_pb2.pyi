@@ -90,7 +90,7 @@ class CheckInRequest(_message.Message):
     def __init__(self, capabilities: _Optional[_Union[Capabilities, _Mapping]] = ..., reports: _Optional[_Iterable[_Union[TaskReport, _Mapping]]] = ..., input_ledger: _Optional[_Union[InputLedger, _Mapping]] = ...) -> None: ...
 
 class InputLedger(_message.Message):
-    __slots__ = ("latest_round",)
+    __slots__ = ("latest_round", "ledger_id")
     class LatestRoundEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -99,8 +99,10 @@ class InputLedger(_message.Message):
         value: int
         def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
     LATEST_ROUND_FIELD_NUMBER: _ClassVar[int]
+    LEDGER_ID_FIELD_NUMBER: _ClassVar[int]
     latest_round: _containers.ScalarMap[str, int]
-    def __init__(self, latest_round: _Optional[_Mapping[str, int]] = ...) -> None: ...
+    ledger_id: str
+    def __init__(self, latest_round: _Optional[_Mapping[str, int]] = ..., ledger_id: _Optional[str] = ...) -> None: ...
 
 class RetryAfter(_message.Message):
     __slots__ = ("seconds", "reason", "population_idle")
