@@ -83,13 +83,17 @@ class DeltaTrainer:
         return 0.0, 0.0
 
 
+# mode -> (plain sum, federated evaluation)
+MODES = {"secure": (False, True), "plain": (True, True), "secure_without_evaluation": (False, False)}
+
+
 def model_shape(dim: int) -> tuple[int, int]:
     """(hidden, actual dim) of ``mlp(1, 1, hidden)``, whose 3*hidden+1 parameters cover ``dim``."""
     hidden = max(1, math.ceil((dim - 1) / 3))
     return hidden, 3 * hidden + 1
 
 
-def job_spec(args: argparse.Namespace, name: str, plain: bool) -> str:
+def job_spec(args: argparse.Namespace, name: str, plain: bool, evaluation: bool = True) -> str:
     hidden, _ = model_shape(args.dim)
     d = args.deadline
     threat_dropout = min(0.4, max(0.1, 1.5 * args.dropout))
@@ -107,6 +111,7 @@ def job_spec(args: argparse.Namespace, name: str, plain: bool) -> str:
         f"secure: {{dropout_rate: {threat_dropout}, corrupt_rate: 0.05, plain: {str(plain).lower()}}}",
         f"deadlines: {{checkin: {d}, download: {d}, advertise_keys: {d}, share_keys: {d}, "
         f"masked_input: {d}, unmask: {d}}}",
+        *([] if evaluation else ["evaluation: null"]),
         "",
     ])
 
@@ -135,9 +140,9 @@ def phase_means(before: dict, after: dict) -> dict[str, float]:
 
 
 async def run_mode(args: argparse.Namespace, coordinator: CoordinatorService,
-                   aggregators: list[AggregatorService], plain: bool) -> dict:
-    mode = "plain" if plain else "secure"
-    job_id = coordinator.jobs.submit(parse(job_spec(args, f"bench-{mode}", plain)))
+                   aggregators: list[AggregatorService], mode: str) -> dict:
+    plain, evaluation = MODES[mode]
+    job_id = coordinator.jobs.submit(parse(job_spec(args, f"bench-{mode}", plain, evaluation)))
     trainers = [DeltaTrainer(seed=i) for i in range(args.devices)]
     # The same devices in both modes: same ids, same seeds, same dropout draws.
     fleet = Fleet(f"127.0.0.1:{coordinator.port}", PLAINTEXT, trainers, seed=args.seed,
@@ -183,9 +188,13 @@ async def run_all(args: argparse.Namespace) -> dict:
                                          checkin_hold_s=args.deadline)
         await coordinator.start()
         try:
-            modes = [True] if args.plain else [False, True]
-            return {("plain" if p else "secure"): await run_mode(args, coordinator, aggregators, p)
-                    for p in modes}
+            if args.plain:
+                modes = ["plain"]
+            elif args.evaluation_overhead:
+                modes = ["secure_without_evaluation", "secure"]
+            else:
+                modes = ["secure", "plain"]
+            return {mode: await run_mode(args, coordinator, aggregators, mode) for mode in modes}
         finally:
             await coordinator.stop(grace=0)
             for a in aggregators:
@@ -194,11 +203,18 @@ async def run_all(args: argparse.Namespace) -> dict:
 
 def summarise(args: argparse.Namespace, modes: dict, wall: float) -> dict:
     secure, plain = modes.get("secure"), modes.get("plain")
+    bare = modes.get("secure_without_evaluation")
     _, dim = model_shape(args.dim)
     ratio = None
     if secure and plain and secure["round_s"] and plain["round_s"]:
         ratio = secure["round_s"] / plain["round_s"]
+    evaluation = None
+    if secure and bare and secure["round_s"] and bare["round_s"]:  # issue 37's limits: 1.10x, 1 kB
+        evaluation = {"round_ratio": secure["round_s"] / bare["round_s"], "target_round_ratio": 1.10,
+                      "extra_bytes_up_per_device": secure["bytes_up_per_device"] - bare["bytes_up_per_device"],
+                      "target_extra_bytes_up": 1000}
     return {
+        "evaluation_overhead": evaluation,
         "devices": args.devices,
         "dim": dim,
         "dim_requested": args.dim,
@@ -242,6 +258,11 @@ def print_report(console: Console, s: dict) -> None:
         table.add_row(name, f"{len(m['committed_rounds'])}/{s['rounds']}", round_s,
                       f"{m['bytes_up_per_device']:,.0f}", f"{m['bytes_down_per_device']:,.0f}", phases)
     console.print(table)
+    e = s["evaluation_overhead"]
+    if e is not None:
+        console.print(f"federated evaluation: round time {e['round_ratio']:.3f}x without it (target <= "
+                      f"{e['target_round_ratio']}x), {e['extra_bytes_up_per_device']:+,.0f} B up per device (target "
+                      f"<= {e['target_extra_bytes_up']:,} B)")
     if s["ratio"] is not None:
         verdict = "meets" if s["ratio"] <= s["target_ratio"] else "misses"
         console.print(f"secure/plain round time: {s['ratio']:.2f}x ({verdict} the {s['target_ratio']}x target)")
@@ -257,6 +278,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--aggregators", type=int, default=2, help="aggregator services to start")
     p.add_argument("--rounds", type=int, default=3, help="rounds per mode")
     p.add_argument("--plain", action="store_true", help="run only the plain-sum mode")
+    p.add_argument("--evaluation-overhead", action="store_true",
+                   help="instead of plain vs secure: the secure job without and with its default federated "
+                   "evaluation (what the metric sums add to a round's time and a device's upload)")
     p.add_argument("--deadline", type=float, default=30.0,
                    help="seconds per phase deadline (and check-in hold)")
     p.add_argument("--seed", type=int, default=0)
