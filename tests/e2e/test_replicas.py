@@ -106,13 +106,13 @@ def test_the_store_over_postgres_answers_as_sqlite_does(tmp_path, postgres_url):
 def test_one_replica_leads_and_a_new_leader_fences_the_old_one(tmp_path, postgres_url):
     first, second = Leadership(postgres_url), Leadership(postgres_url)
     assert first.try_lead() == 1
-    assert second.try_lead() is None and not second.holds()
+    assert second.try_lead() is None and not second.renew()
     store = Store(tmp_path / "first", postgres_url, epoch=1)
     digest = store.put_blob(b"round one", "model")
     store.create_job("j", "j", "fedavg", "pop", "spec", 1.0)
     attempt = store.start_attempt("j", 1, 2.0)
     first._db.conn.close()  # its session ends, as a killed process's does, without unlocking
-    assert _lead_within(second, 10.0) == 2 and second.holds()
+    assert _lead_within(second, 10.0) == 2 and second.renew()
     with pytest.raises(LeadershipLost):  # the old leader, unaware, cannot commit
         store.commit_round(ModelVersion("j", 1, digest, None, None, 3.0), attempt, {}, final=False)
     with pytest.raises(LeadershipLost):

@@ -71,7 +71,7 @@ from tally.coordinator.rounds.task_reports import Recorded, TaskReportBook
 from tally.coordinator.spec import catalogue
 from tally.coordinator.spec.jobspec import JobSpec
 from tally.coordinator.state.events import EventHub
-from tally.coordinator.state.store import RoundRecord, Store
+from tally.coordinator.state.store import LeadershipLost, RoundRecord, Store
 from tally.privacy import metrics as privacy_metrics
 from tally.privacy.spec import private_job_server
 from tally.secagg.phases import Phase as SecAggPhase
@@ -289,6 +289,8 @@ class JobRunner:
             if self.cancel_reason is None:
                 raise  # the coordinator is stopping: the job stays RUNNING and resumes later
             self._finish("CANCELLED", self.cancel_reason)
+        except LeadershipLost as exc:  # the job is the new leader's now: nothing here may write its end
+            logs.event(log, "job left to the new leader", logging.WARNING, job_id=self.job_id, reason=str(exc))
         except JobFailed as exc:
             ctx.metrics.rounds_failed.inc()
             self._finish("FAILED", str(exc))
