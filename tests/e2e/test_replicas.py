@@ -129,6 +129,76 @@ def test_one_replica_leads_and_a_new_leader_fences_the_old_one(tmp_path, postgre
         second.close()
 
 
+def test_a_leader_paused_past_its_lease_is_replaced_and_every_write_it_tries_is_refused(tmp_path, postgres_url):
+    """A leader that stops renewing while its connections stay open (a paused process: the kernel
+    keeps its sockets alive) keeps the lock, so only its lease lets another take over; then none of
+    its store's writes goes through, whatever the write, and each refusal tells the replica."""
+    paused, successor = Leadership(postgres_url, lease_s=2.0), Leadership(postgres_url, lease_s=2.0)
+    assert paused.try_lead() == 1 and paused.renew()
+    lost: list[bool] = []
+    store = Store(tmp_path / "paused", postgres_url, epoch=1, on_leadership_lost=lambda: lost.append(True))
+    store.create_job("j", "j", "fedavg", "pop", "spec", 1.0)
+    attempt = store.start_attempt("j", 1, 2.0)
+    store.add_seated("j", 1, [("d", "t")])
+    assert successor.try_lead() is None  # the lease still runs: nobody takes over
+    assert _lead_within(successor, 10.0) == 2  # it ran out unrenewed: the holder's session was ended
+    assert not paused.renew()  # resumed, it finds it lost the lead
+    digest = store.put_blob(b"model", "model")  # content-addressed: not fenced, referenced by nothing
+    writes = {
+        "commit": lambda: store.commit_round(ModelVersion("j", 1, digest, None, None, 3.0), attempt, {}, final=True),
+        "seat": lambda: store.add_seated("j", 1, [("e", "u")]),
+        "sessions": lambda: store.set_attempt_sessions("j", 1, attempt, [{"aggregator_id": "a", "session_id": "s"}]),
+        "attempt": lambda: store.start_attempt("j", 1, 3.0),
+        "fail attempt": lambda: store.finish_attempt("j", 1, attempt, 3.0, "stale"),
+        "job state": lambda: store.set_job_state("j", "FAILED", 3.0, "stale"),
+        "job": lambda: store.create_job("k", "k", "fedavg", "pop", "spec", 3.0),
+        "release": lambda: store.release_seats("j", 1, [("d", "t")]),
+        "release device": lambda: store.release_device("j", 1, "d"),
+        "report": lambda: store.count_task_report("j", 1, "failed", "oom"),
+        "silo": lambda: store.silo("j", "d", 3),
+        "version": lambda: store.add_model_version(ModelVersion("j", 0, digest, None, None, 3.0)),
+        "sum": lambda: store.add_cohort_sum("j", 1, attempt, CohortSumRecord("s", "u", 0, 32, (1,), (1,))),
+    }
+    for what, write in writes.items():
+        with pytest.raises(LeadershipLost):
+            write()
+        assert len(lost) == 1, what
+        lost.clear()
+    store.close()
+    after = Store(tmp_path / "successor", postgres_url, epoch=2)
+    try:  # nothing of the paused leader's changed: its attempt runs, its seat holds, no job k
+        assert [(r.attempt, r.state) for r in after.rounds("j")] == [(attempt, "running")]
+        assert after.seated("j", 1) == {"d"} and after.job("k") is None and after.job("j").state == "PENDING"
+        assert after.start_attempt("j", 1, 4.0) == attempt + 1  # the successor writes
+        epochs = after._db.execute("SELECT attempt, epoch FROM rounds WHERE job_id = 'j' ORDER BY attempt").fetchall()
+        assert [tuple(row) for row in epochs] == [(attempt, 1), (attempt + 1, 2)]
+    finally:
+        after.close()
+        successor.close()
+        paused.close()
+
+
+def test_a_leader_paused_inside_a_write_does_not_hold_up_its_successor(tmp_path, postgres_url):
+    """Its open transaction holds the leader row, which the successor's epoch increment must wait
+    for: the server ends the idle transaction, so the takeover completes and the write is lost."""
+    paused, successor = Leadership(postgres_url, lease_s=2.0), Leadership(postgres_url, lease_s=2.0)
+    assert paused.try_lead() == 1
+    store = Store(tmp_path / "paused", postgres_url, epoch=1)
+    store.create_job("j", "j", "fedavg", "pop", "spec", 1.0)
+    with pytest.raises(store._db.errors):
+        with store._write():  # paused halfway: the fence passed, the write is not yet committed
+            store._db.execute("UPDATE jobs SET state = 'RUNNING' WHERE job_id = 'j'")
+            assert _lead_within(successor, 30.0) == 2
+    store.close()
+    after = Store(tmp_path / "successor", postgres_url, epoch=2)
+    try:
+        assert after.job("j").state == "PENDING"
+    finally:
+        after.close()
+        successor.close()
+        paused.close()
+
+
 def _lead_within(leadership: Leadership, seconds: float) -> int:
     """Try for the lead as a follower does, until the server has released the old session's lock."""
     deadline = time.monotonic() + seconds

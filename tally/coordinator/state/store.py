@@ -69,6 +69,8 @@ CREATE TABLE IF NOT EXISTS rounds (
     message TEXT NOT NULL DEFAULT '',
     metrics TEXT NOT NULL DEFAULT '{}',
     sessions TEXT NOT NULL DEFAULT '[]',
+    -- the leader epoch of the replica that started it (0: a coordinator that leads alone)
+    epoch INTEGER NOT NULL DEFAULT 0,
     PRIMARY KEY (job_id, round, attempt)
 );
 CREATE TABLE IF NOT EXISTS model_versions (
@@ -192,9 +194,13 @@ CREATE TABLE IF NOT EXISTS replicas (
     seen_at REAL NOT NULL
 );
 """
-# What a database of an earlier version's replicas lacks: they led without a lease.
-_LEASE_MIGRATION = ("ALTER TABLE leader ADD COLUMN IF NOT EXISTS pid BIGINT NOT NULL DEFAULT 0",
-                    "ALTER TABLE leader ADD COLUMN IF NOT EXISTS lease_until DOUBLE PRECISION NOT NULL DEFAULT 0")
+# What a database of an earlier version's replicas lacks: they led without a lease, and started
+# attempts without an epoch.
+_FENCING_MIGRATION = (
+    "ALTER TABLE leader ADD COLUMN IF NOT EXISTS pid BIGINT NOT NULL DEFAULT 0",
+    "ALTER TABLE leader ADD COLUMN IF NOT EXISTS lease_until DOUBLE PRECISION NOT NULL DEFAULT 0",
+    "ALTER TABLE rounds ADD COLUMN IF NOT EXISTS epoch BIGINT NOT NULL DEFAULT 0",
+)
 # Serialises replicas creating the schema at once (CREATE TABLE IF NOT EXISTS is not safe
 # against a concurrent one in PostgreSQL); any constant unlikely to collide with an operator's.
 SCHEMA_LOCK_KEY = 0x7A11_5C4E
@@ -480,9 +486,9 @@ class Store:
                 (job_id, round_),
             ).fetchone()
             self._db.execute(
-                "INSERT INTO rounds (job_id, round, attempt, state, started_at) "
-                "VALUES (?, ?, ?, 'running', ?)",
-                (job_id, round_, last + 1, now),
+                "INSERT INTO rounds (job_id, round, attempt, state, started_at, epoch) "
+                "VALUES (?, ?, ?, 'running', ?, ?)",
+                (job_id, round_, last + 1, now, self.epoch or 0),
             )
         return last + 1
 
@@ -702,7 +708,7 @@ def create_schema(database: Database) -> None:
         with database.transaction():
             database.execute("SELECT pg_advisory_xact_lock(?)", (SCHEMA_LOCK_KEY,))
             for statement in (*schema(_SCHEMA + _SHARED_SCHEMA, database.dialect), _REVOKED_INDEX,
-                              *_LEASE_MIGRATION):
+                              *_FENCING_MIGRATION):
                 database.execute(statement)
         return
     assert isinstance(database, SqliteDatabase)
@@ -711,7 +717,8 @@ def create_schema(database: Database) -> None:
     # released, which errs on the safe side.
     for table, column in (("seated", "task_id TEXT NOT NULL DEFAULT ''"),
                           ("task_reports", "example TEXT NOT NULL DEFAULT ''"),
-                          ("devices", "revoked_at REAL")):
+                          ("devices", "revoked_at REAL"),
+                          ("rounds", "epoch INTEGER NOT NULL DEFAULT 0")):
         if column.split()[0] not in database.columns(table):
             database.execute(f"ALTER TABLE {table} ADD COLUMN {column}")
     database.execute(_REVOKED_INDEX)  # after the migration above
