@@ -61,6 +61,8 @@ class Replica:
         self.service: CoordinatorService | None = None
         self.front: DeviceFront | None = None
         self.serving = asyncio.Event()  # set each time it serves devices, as follower or leader
+        self._renewing: asyncio.Task[None] | None = None  # renews the lease while it leads
+        self._lease_lost = asyncio.Event()
 
     async def run(self, stopping: asyncio.Event) -> int:
         """Serve until ``stopping``: 0; or 1 when it lost the lead (its process should exit and
@@ -71,11 +73,27 @@ class Replica:
             while not stopping.is_set():
                 epoch = await asyncio.to_thread(leadership.try_lead)
                 if epoch is not None:
+                    self._keep_lead(leadership)
                     return await self._lead(epoch, leadership, stopping)
                 await self._follow(leadership, stopping)
             return 0
         finally:
+            if self._renewing is not None:
+                self._renewing.cancel()
+                await asyncio.gather(self._renewing, return_exceptions=True)
             leadership.close()
+
+    def _keep_lead(self, leadership: Leadership) -> None:
+        """Renew the lease each ``LEAD_POLL_S`` from the moment the lead is taken until a renewal
+        fails (``_lease_lost``): stopping the front and starting the coordinator take longer than
+        a short lease."""
+        if self._renewing is None:
+            self._renewing = asyncio.create_task(self._renew(leadership))
+
+    async def _renew(self, leadership: Leadership) -> None:
+        while await asyncio.to_thread(leadership.renew):
+            await asyncio.sleep(LEAD_POLL_S)
+        self._lease_lost.set()
 
     @property
     def _address(self) -> str:
@@ -116,6 +134,7 @@ class Replica:
                 if await _stopped(stopping, LEAD_POLL_S):
                     return
                 if await asyncio.to_thread(leadership.try_lead) is not None:
+                    self._keep_lead(leadership)
                     return  # leads: the caller starts the coordinator on the port the front frees
         finally:
             self.serving.clear()
@@ -135,14 +154,11 @@ class Replica:
             self.on_lead(service)
             while True:
                 await asyncio.to_thread(self._pace, leadership, service)
-                if await _stopped(stopping, LEAD_POLL_S, service.lost_lead):
-                    if stopping.is_set():
-                        return 0
-                    why = "a write of its store was refused"
+                if await _stopped(stopping, LEAD_POLL_S, service.lost_lead, self._lease_lost):
                     break
-                if not await asyncio.to_thread(leadership.renew):
-                    why = "its lease was not renewed"
-                    break
+            if stopping.is_set():
+                return 0
+            why = "its lease was not renewed" if self._lease_lost.is_set() else "a write of its store was refused"
             logs.event(log, "replica lost the lead; stopping", level=logging.ERROR, epoch=epoch, why=why)
             return 1
         finally:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import threading
 import time
 
@@ -335,6 +336,114 @@ def test_a_job_survives_its_leader_killed_mid_round(tmp_path, postgres_url):
 
     asyncio.run(asyncio.wait_for(main(), TIMEOUT))
 
+
+LEASE_S = 3.0
+
+
+def test_a_leader_paused_past_its_lease_commits_seats_and_opens_nothing_when_it_resumes(tmp_path, postgres_url):
+    """The leader is SIGSTOPped mid-round (its sessions open, its devices seated, its attempt
+    running; a cohort of 5 of 12 devices, so that the round's retry has devices it may seat) with
+    its connections left open; the follower takes over once the lease runs out,
+    fences the aggregator and commits the round. Then the old leader gets SIGCONT and carries
+    on where it stopped: it writes nothing (its attempts, commits and seats are those of before the
+    pause, and its log shows no commit), the aggregator opens no session of its epoch, and it
+    stops. The job ends with every round committed once and every cohort sum exact."""
+    cluster = ProcessCluster(tmp_path, aggregators=1, replicas=2, database_url=postgres_url,
+                             coordinator_flags=["--leader-lease", str(LEASE_S)])
+    first, second = cluster.processes["coordinator"], cluster.processes["coordinator-2"]
+    aggregator = cluster.processes["aggregator-1"]
+    second_port = cluster.ports["coordinator-2"]
+
+    def rounds_of(epoch: int) -> list[tuple]:
+        with cluster.database() as db:
+            return [tuple(row) for row in db.execute(
+                "SELECT job_id, round, attempt, state, message FROM rounds WHERE epoch = ? "
+                "ORDER BY job_id, round, attempt", (epoch,)).fetchall()]
+
+    def seats_of(attempts: set[tuple]) -> set[tuple]:
+        """The seats of these (job, round, attempt)s: a task id starts with its round and attempt."""
+        with cluster.database() as db:
+            rows = db.execute("SELECT job_id, round, device_id, task_id FROM seated").fetchall()
+        return {tuple(row) for row in rows
+                if (row[0], *map(int, re.match(r"r(\d+)a(\d+)-", row[3]).groups())) in attempts}
+
+    async def main() -> None:
+        try:
+            for name in ("aggregator-1", "coordinator"):
+                await cluster.restart(name)
+            await _until(lambda: _logged(first, "replica leading"), 60, "the first replica leads")
+            await cluster.restart("coordinator-2")
+            await _until(lambda: _logged(second, "replica following"), 60, "the second replica follows")
+            token = (cluster.state / "admin.token").read_text().strip()
+            admin = admin_pb2_grpc.AdminStub(open_channel(f"127.0.0.1:{second_port}", cluster.tls))
+            md = bearer_metadata(token)
+            job_id = (await asyncio.to_thread(admin.SubmitJob, admin_pb2.SubmitJobRequest(
+                spec_yaml=spec("paused", rounds=4, cohort=5)), metadata=md, timeout=10)).job_id
+            devices, _ = trainers(12)
+            fleet = Fleet(f"127.0.0.1:{second_port}", cluster.tls, devices, enrolment_key=cluster.enrolment_key,
+                          seed=3, audit=True)
+
+            def job() -> admin_pb2.Job | None:
+                try:
+                    return admin.GetJob(admin_pb2.GetJobRequest(job_id=job_id), metadata=md, timeout=5)
+                except grpc.RpcError:  # forwarded to a paused leader, or none leads yet
+                    return None
+
+            def aggregating() -> bool:
+                j = job()
+                return j is not None and j.committed_round >= 1 and j.phase == common_pb2.ROUND_PHASE_AGGREGATION
+
+            async def pause_the_leader_then_resume_it() -> dict:
+                await _until(aggregating, TIMEOUT, "the leader aggregates a round after round 1")
+                first.pause()
+                seen: dict = {"rounds": rounds_of(1), "commits": len(_logged(first, "round committed"))}
+                assert any(state == "running" for *_, state, _ in seen["rounds"])  # caught mid-attempt
+                committed = max(r for _, r, _, state, _ in seen["rounds"] if state == "committed")
+                await _until(lambda: _logged(second, "replica leading"), 60, "the follower takes over")
+                await _until(lambda: (j := job()) is not None and j.committed_round > committed, TIMEOUT,
+                             "the new leader commits the paused leader's round")
+                # The paused leader's attempt was ended by its successor, before it resumes.
+                seen["rounds"] = rounds_of(1)
+                assert not any(state == "running" for *_, state, _ in seen["rounds"])
+                assert "tally_aggregator_coordinator_leader_epoch 2.0" in cluster.scrape("aggregator-1").splitlines()
+                seen["seats"] = seats_of({(j, r, a) for j, r, a, *_ in seen["rounds"]})
+                first.resume()
+                await _until(lambda: not first.running, 60, "the resumed leader stops")
+                return seen
+
+            try:
+                seen, _ = await asyncio.gather(pause_the_leader_then_resume_it(), fleet.run(
+                    until=fleet.until_job_done(job_id, every_seconds=0.2)))
+                # It committed nothing, started and ended no attempt, seated nobody.
+                assert first.exit_code() == 1
+                assert [r["why"] for r in _logged(first, "replica lost the lead; stopping")] in (
+                    ["a write of its store was refused"], ["its lease was not renewed"])
+                assert len(_logged(first, "round committed")) == seen["commits"]
+                assert rounds_of(1) == seen["rounds"]
+                assert seats_of({(j, r, a) for j, r, a, *_ in seen["rounds"]}) <= seen["seats"]
+                # The aggregator opened no session of epoch 1 once fenced with epoch 2.
+                records = [r for r in map(json.loads, (line for line in aggregator.log.read_text().splitlines()
+                                                       if line.startswith("{")))
+                           if r.get("event") in ("session opened", "coordinator leader fenced")]
+                fenced = next(i for i, r in enumerate(records)
+                              if r["event"] == "coordinator leader fenced" and r["leader_epoch"] == 2)
+                assert not [r for r in records[fenced:] if r["event"] == "session opened" and r["leader_epoch"] < 2]
+                assert any(r["event"] == "session opened" and r["leader_epoch"] == 1 for r in records[:fenced])
+                final = job()
+                assert final is not None and final.state == common_pb2.JOB_STATE_SUCCEEDED, final
+                with cluster.database() as db:
+                    committed = db.execute("SELECT round, COUNT(*) FROM rounds WHERE job_id = ? AND state = "
+                                           "'committed' GROUP BY round ORDER BY round", (job_id,)).fetchall()
+                assert [tuple(row) for row in committed] == [(1, 1), (2, 1), (3, 1), (4, 1)]
+                checks = await check_committed(admin_pb2_grpc.AdminStub(
+                    open_aio_channel(f"127.0.0.1:{second_port}", cluster.tls)), md, SumAudit.of(fleet.inputs))
+                assert outcome_counts(checks)[EXACT] == len(checks) >= 4
+            finally:
+                fleet.close()
+        finally:
+            await cluster.stop()
+
+    asyncio.run(asyncio.wait_for(main(), TIMEOUT))
 
 
 @pytest.mark.parametrize("argv, named", [
