@@ -1,7 +1,9 @@
 """Coordinator replicas over PostgreSQL (issue 28): the store on a real PostgreSQL server answers
 as the embedded SQLite one does, one replica leads (an advisory lock) and the others follow as
 device fronts, a new leader fences the old one's writes, and a job survives its leader killed
-mid-round: a follower takes over, resumes it from the store, and every cohort sum stays exact."""
+mid-round: a follower takes over, resumes it from the store, and every cohort sum stays exact.
+Issue 38: a leader paused past its lease (SIGSTOP, its connections open) is replaced, and when it
+resumes it commits, seats and opens nothing."""
 
 from __future__ import annotations
 

@@ -69,7 +69,7 @@ class Leadership:
         until ``announce``: to a leader that is gone, so their devices are told to retry, not misled."""
         if self.epoch is not None:
             return self.epoch
-        if not self._lock() and not (self._end_expired_lead() and self._lock()):
+        if not self._take_lock() and not (self._end_expired_lead() and self._take_lock()):
             return None
         with self._db.transaction():
             (epoch,) = self._db.execute(
@@ -82,7 +82,7 @@ class Leadership:
         self.epoch = int(epoch)
         return self.epoch
 
-    def _lock(self) -> bool:
+    def _take_lock(self) -> bool:
         with self._db.lock:
             (taken,) = self._db.execute("SELECT pg_try_advisory_lock(?)", (LEADER_LOCK_KEY,)).fetchone()
         return bool(taken)
