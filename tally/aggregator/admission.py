@@ -35,6 +35,7 @@ class SessionPlan:
     deadlines_proto: secagg_pb2.PhaseDeadlines
     grants: dict[int, bytes]  # device index -> SHA-256 of its session token
     owner_sha256: bytes  # SHA-256 of the coordinator's owner token for this session
+    leader_epoch: int = 0  # of the coordinator leader that signed the ticket (``HeldSessions.fence``)
 
     @property
     def session_id(self) -> str:
@@ -71,6 +72,7 @@ def admit(
         deadlines_proto=request.deadlines,
         grants=_grants(request, config),
         owner_sha256=bytes(request.owner_token_sha256),
+        leader_epoch=ticket.leader_epoch,
     )
 
 

@@ -72,6 +72,7 @@ class ControlServicer(aggregator_pb2_grpc.AggregatorControlServicer):
             self._sessions.add(session)
         except Rejected as rejected:
             await self._refuse(context, rejected, "open session refused")
+        self._metrics.leader_epoch.set(self._sessions.leader_epoch)
         session.start()
         return aggregator_pb2.OpenSessionResponse(
             session_id=session.session_id, address=self._address()
@@ -115,6 +116,23 @@ class ControlServicer(aggregator_pb2_grpc.AggregatorControlServicer):
         )
         logs.event(log, "session closed", session_id=request.session_id, reason=request.reason)
         return aggregator_pb2.CloseSessionResponse()
+
+    async def Fence(
+        self, request: aggregator_pb2.FenceRequest,
+        context: grpc.aio.ServicerContext[aggregator_pb2.FenceRequest, aggregator_pb2.FenceResponse],
+    ) -> aggregator_pb2.FenceResponse:
+        try:
+            self._check_peer(context)
+            epoch = self._verifier.verify_epoch(request.leader_epoch)
+        except AuthError as exc:
+            await self._refuse(context, Rejected.of(exc), "fence refused")
+        except Rejected as rejected:
+            await self._refuse(context, rejected, "fence refused")
+        closed = self._sessions.fence(epoch)
+        self._metrics.leader_epoch.set(self._sessions.leader_epoch)
+        logs.event(log, "coordinator leader fenced", leader_epoch=self._sessions.leader_epoch, told=epoch,
+                   sessions_closed=closed)
+        return aggregator_pb2.FenceResponse(leader_epoch=self._sessions.leader_epoch)
 
     def _check_peer(self, context: grpc.aio.ServicerContext[Any, Any]) -> None:
         peer = peer_identity(context)

@@ -29,6 +29,11 @@ class AggregatorMetrics:
         self.active_sessions = Gauge(
             "tally_aggregator_active_sessions", "Sessions running now", registry=r
         )
+        self.leader_epoch = Gauge(
+            "tally_aggregator_coordinator_leader_epoch",
+            "The newest coordinator leader epoch this aggregator knows of (replicas over PostgreSQL); "
+            "session tickets of older ones are refused", registry=r,
+        )
         self.phase_duration = Histogram(
             "tally_aggregator_phase_duration_seconds", "Wall time of each protocol phase",
             ["phase"], buckets=DURATION_BUCKETS, registry=r,

@@ -124,7 +124,7 @@ class Session:
         self._enter_phase()
         logs.event(log, "session opened", n=self.config.n, k=self.config.params.k,
                    t=self.config.threshold, sums=[s.sum_id for s in self.config.sums],
-                   **self.log_fields)
+                   leader_epoch=self.plan.leader_epoch, **self.log_fields)
 
     # -- devices ----------------------------------------------------------------------------------
 

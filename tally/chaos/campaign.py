@@ -4,7 +4,9 @@ invariants checked after every round.
 Faults: device dropouts in one phase (below the protocol's threshold, and far past it for one
 attempt), an aggregator or the coordinator SIGKILLed at a random moment of the round and
 restarted, misbehaving devices (late, duplicated, replayed or corrupt messages, streams left open
-and unread); with coordinator replicas over PostgreSQL, the leading replica SIGKILLed too.
+and unread); with coordinator replicas over PostgreSQL, the leading replica SIGKILLed too, or
+SIGSTOPped past its lease (its connections left open) and resumed once another leads: it must
+stop on its own, having committed, seated and opened nothing meanwhile (the invariants below).
 Invariants: every committed cohort sum is exactly the sum of its contributors' inputs
 (fingerprints, ``tally.loadtest.sum_audit``); rounds commit in order, each once, none lost (the
 coordinator's own database, read only); every round ends, committed or failed, by its
@@ -44,8 +46,11 @@ FAULTS = ("none", "dropouts", "dropouts_past_threshold", "kill_aggregator", "kil
 # Only with device_processes > 1: a device front SIGKILLed mid-round (the coordinator restarts it).
 FRONT_FAULTS = ("kill_device_front",)
 # Only with replicas > 1: whichever replica leads SIGKILLed mid-round ("kill_coordinator" kills the
-# replica the devices reach, leading or not).
-REPLICA_FAULTS = ("kill_leader",)
+# replica the devices reach, leading or not), or paused past its lease and resumed.
+REPLICA_FAULTS = ("kill_leader", "pause_leader")
+# The replicas' lease (tally coordinator --leader-lease): short, so a paused leader's round still
+# ends by its deadline.
+LEADER_LEASE_S = 4.0
 # What misbehaving devices do (``tally.loadtest.behaviour.Misbehaviour``): one kind per round, in turn.
 MISBEHAVIOURS = ("late", "duplicate", "replay", "corrupt", "stall")
 DEADLINES = {"checkin": 6, "download": 6, "advertise_keys": 4, "share_keys": 4, "masked_input": 6, "unmask": 4}
@@ -91,7 +96,8 @@ class CampaignConfig:
         if self.device_processes == 1 and set(self.faults) & set(FRONT_FAULTS):
             raise ValueError("kill_device_front needs device_processes > 1: there is no front to kill")
         if self.replicas == 1 and set(self.faults) & set(REPLICA_FAULTS):
-            raise ValueError("kill_leader needs replicas > 1: one coordinator is killed by kill_coordinator")
+            raise ValueError(f"{', '.join(sorted(set(self.faults) & set(REPLICA_FAULTS)))} needs replicas > 1: "
+                             "one coordinator is killed by kill_coordinator")
 
     @property
     def round_deadline_s(self) -> float:
@@ -192,8 +198,9 @@ class Campaign:
 
     async def run(self) -> CampaignResult:
         cfg = self.config
+        lease = ["--leader-lease", str(LEADER_LEASE_S)] if cfg.replicas > 1 else []
         cluster = ProcessCluster(self.workdir, aggregators=cfg.aggregators,
-                               coordinator_flags=["--device-processes", str(cfg.device_processes)],
+                               coordinator_flags=["--device-processes", str(cfg.device_processes), *lease],
                                replicas=cfg.replicas, database_url=self.database_url)
         try:
             await cluster.start()
@@ -333,7 +340,7 @@ class Campaign:
             self._misbehaved += 1  # kinds in turn: every fifth misbehaviour round, each kind once
             fleet.behave(BehaviourProfile.model_validate({"misbehaviour": {kind: rate}}))
             return f"{rate:.2f} {kind}"
-        if fault in ("kill_aggregator", "kill_coordinator", "kill_device_front", "kill_leader"):
+        if fault in ("kill_aggregator", "kill_coordinator", "kill_device_front", "kill_leader", "pause_leader"):
             name = ("coordinator" if fault != "kill_aggregator"
                     else f"aggregator-{rng.randint(1, self.config.aggregators)}")
             target = rng.choice((common_pb2.ROUND_PHASE_SELECTION, common_pb2.ROUND_PHASE_AGGREGATION))
@@ -359,11 +366,13 @@ class Campaign:
                 front = rng.choice(cluster.device_fronts())
                 front.kill()  # the coordinator notices and starts it again: nothing to restart here
                 return f"device front {front.pid} killed {where}"
-            if fault == "kill_leader":
+            if fault in ("kill_leader", "pause_leader"):
                 leader = await asyncio.to_thread(cluster.leader)
                 if leader is None:
                     self.result.violations.append(f"no coordinator replica leads {where}")
-                    return f"no leader to kill {where}"
+                    return f"no leader to {fault.partition('_')[0]} {where}"
+                if fault == "pause_leader":
+                    return await self._pause_leader(cluster, leader, where)
                 name = leader
             down = rng.uniform(0.0, 3.0)
             self.killed.add(name)
@@ -373,6 +382,32 @@ class Campaign:
             self.killed.discard(name)
             return f"{name} killed {where}, down {down:.1f} s"
         return ""
+
+    async def _pause_leader(self, cluster: ProcessCluster, leader: str, where: str) -> str:
+        """SIGSTOP the leader, its connections open, until another replica leads (its lease ran
+        out), then SIGCONT: it must find it lost the lead and stop by itself, writing nothing (a
+        stale commit would break the invariants checked after the round); then it is started again,
+        as its supervisor would, and follows."""
+        process = cluster.processes[leader]
+        self.killed.add(leader)  # its exit after the resume is expected
+        process.pause()
+        started = time.monotonic()
+        took_over = await wait_for(lambda: _true(cluster.leader() not in (None, leader)),
+                                   LEADER_LEASE_S + RESTART_ALLOWANCE_S)
+        paused = time.monotonic() - started
+        successor = await asyncio.to_thread(cluster.leader)
+        process.resume()
+        stopped = await wait_for(lambda: _true(not process.running), RESTART_ALLOWANCE_S)
+        if not took_over:
+            self.result.violations.append(f"no replica took over from {leader}, paused {where}, within "
+                                          f"{LEADER_LEASE_S + RESTART_ALLOWANCE_S:g} s")
+        if not stopped:
+            self.result.violations.append(f"{leader}, paused {where} and resumed, did not stop within "
+                                          f"{RESTART_ALLOWANCE_S:g} s")
+            await cluster.kill(leader)
+        await cluster.restart(leader)
+        self.killed.discard(leader)
+        return f"{leader} paused {where} for {paused:.1f} s, {successor} took over, the resumed one stopped"
 
     async def _bring_back(self, cluster: ProcessCluster) -> None:
         for name in list(self.killed):
@@ -398,7 +433,8 @@ class Campaign:
 
     def _check_state(self, cluster: ProcessCluster) -> None:
         """From the coordinator's own database: each committed round of each job committed once,
-        rounds contiguous from 1, and the job's committed round the last of them."""
+        rounds contiguous from 1, and the job's committed round the last of them; and attempts
+        started by leader epochs that never go back (a replica that lost the lead starts none)."""
         with cluster.database() as db:
             jobs = db.execute("SELECT job_id, committed_round FROM jobs").fetchall()
             for job_id, committed_round in jobs:
@@ -410,6 +446,13 @@ class Campaign:
                 twice = [r for r, count in rows if count > 1]
                 if twice:
                     self.result.violations.append(f"{job_id}: rounds committed more than once: {twice}")
+                attempts = db.execute("SELECT round, attempt, epoch FROM rounds WHERE job_id = ? "
+                                      "ORDER BY round, attempt", (job_id,)).fetchall()
+                stale = [(r, a, e) for (r, a, e), (*_, before) in zip(attempts[1:], attempts, strict=False)
+                         if e < before]
+                if stale:
+                    self.result.violations.append(f"{job_id}: attempts (round, attempt, epoch) started by a "
+                                                  f"replica after a newer leader had: {stale}")
 
     def _check_memory(self) -> None:
         for name, samples in self.result.memory.items():

@@ -36,7 +36,8 @@ def register(sub: argparse._SubParsersAction) -> None:
         description="Starts a coordinator and aggregators as processes over TLS on 127.0.0.1 and a synthetic "
         "fleet, runs one FedAvg job, and injects one random fault per round (device dropouts below and past "
         "the threshold, aggregators and the coordinator (or, with --replicas, its leading replica) SIGKILLed "
-        "mid-round and restarted, devices sending late, duplicated, replayed or corrupt messages or leaving "
+        "mid-round and restarted, with --replicas the leading replica paused past its lease and resumed, "
+        "devices sending late, duplicated, replayed or corrupt messages or leaving "
         "their stream open and unread). After every round: "
         "each committed cohort sum equals the sum of its contributors' inputs, rounds commit once and in "
         "order, the round ended by its deadline, no process died unkilled; at the end, no memory growth. "
@@ -57,7 +58,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                    "(default: %(default)s)")
     p.add_argument("--replicas", type=argtypes.integer(1, 8), default=1, metavar="N",
                    help="the coordinator as N replicas over the PostgreSQL database --database names (tally "
-                   "coordinator --database); with N > 1 the faults include the leading replica killed mid-round "
+                   "coordinator --database); with N > 1 the faults include the leading replica killed mid-round, "
+                   "or paused (SIGSTOP) past its lease and resumed once another leads "
                    "(default: %(default)s)")
     p.add_argument("--database", default=os.environ.get("TALLY_DATABASE_URL", ""), metavar="URL",
                    help="postgresql:// URL of the replicas' database (default: $TALLY_DATABASE_URL); use an "

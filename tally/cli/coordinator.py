@@ -26,6 +26,7 @@ from tally.coordinator.faces.ratelimit import (
 from tally.coordinator.rounds.aggregators import parse_aggregator
 from tally.coordinator.rounds.experiment_tracking import default_uri
 from tally.coordinator.state.database import is_postgres_url
+from tally.coordinator.state.leadership import DEFAULT_LEASE_S
 from tally.security.tls import add_tls_arguments, tls_config_from_args
 from tally.shutdown import stop_on_signals
 
@@ -130,6 +131,12 @@ def register(sub: argparse._SubParsersAction) -> None:
         "--internal-listen", default=DEFAULT_INTERNAL_LISTEN, metavar="HOST:PORT",
         help="with --database: where the other replicas' device fronts reach this one while it "
         "leads (TLS, and only callers with the fronts' key) (default: %(default)s)",
+    )
+    p.add_argument(
+        "--leader-lease", type=argtypes.number(2.0), default=DEFAULT_LEASE_S, metavar="SECONDS",
+        help="with --database: how long the lead lasts unrenewed (at least 2: the leader renews it each second); a "
+        "leader stopped without its connection ending (SIGSTOP, a frozen VM) is replaced after this, and "
+        "its writes are refused once another leads (default: %(default)s)",
     )
     p.add_argument(
         "--advertise", metavar="HOST",
@@ -271,7 +278,7 @@ def run_coordinator(args: argparse.Namespace) -> int:
         )
     if advertise is not None:
         return asyncio.run(_serve_replica(Replica(make_service, advertise, lambda s: _submit_new(s, specs),
-                                                  on_serving=_say_serving)))
+                                                  on_serving=_say_serving, lease_s=args.leader_lease)))
     return asyncio.run(_serve(make_service(None), specs))
 
 

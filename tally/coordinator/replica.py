@@ -5,8 +5,10 @@ devices over them). The leader (``tally.coordinator.state.leadership``) runs the
 rounds, the Admin API, and an internal port for the others. The others run a device front in
 their own process, answering registrations and idle check-ins from the shared store and
 forwarding the rest to the leader's internal port, and try for the lead every ``LEAD_POLL_S``:
-when the leader's process or connection ends, one of them takes over, resumes its running jobs
-from the store (a restart, as on one host) and announces its internal port.
+when the leader's process or connection ends, or its lease runs out unrenewed (a paused process),
+one of them takes over, resumes its running jobs from the store (a restart, as on one host) and
+announces its internal port. A leader that finds it lost the lead (its lease not renewed, or a
+write of its store refused) stops at once.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from tally import logs
 from tally.coordinator.faces.admin_token import share_admin_token
 from tally.coordinator.faces.device_front import DeviceFront
 from tally.coordinator.service import CoordinatorService
-from tally.coordinator.state.leadership import Leadership
+from tally.coordinator.state.leadership import DEFAULT_LEASE_S, Leadership
 from tally.coordinator.state.store import Store
 
 log = logging.getLogger(__name__)
@@ -36,7 +38,8 @@ class Replica:
     with ``epoch`` None, the template its front takes its settings from); ``advertise`` is the
     host the other replicas reach its internal port at; ``on_serving`` runs each time it starts
     serving devices, as follower or leader (``role``, ``port`` and ``metrics_port`` say how), and
-    ``on_lead`` once it leads (submitting a jobs directory's specs, say)."""
+    ``on_lead`` once it leads (submitting a jobs directory's specs, say); ``lease_s``: how long
+    its lead lasts unrenewed (``tally.coordinator.state.leadership``)."""
 
     def __init__(
         self,
@@ -44,8 +47,10 @@ class Replica:
         advertise: str,
         on_lead: Callable[[CoordinatorService], None] = lambda service: None,
         on_serving: Callable[[Replica], None] = lambda replica: None,
+        lease_s: float = DEFAULT_LEASE_S,
     ) -> None:
         self.make_service, self.advertise, self.on_lead = make_service, advertise, on_lead
+        self.lease_s = lease_s
         self.on_serving = on_serving
         self.metrics_port: int | None = None
         self.template = make_service(None)
@@ -56,21 +61,39 @@ class Replica:
         self.service: CoordinatorService | None = None
         self.front: DeviceFront | None = None
         self.serving = asyncio.Event()  # set each time it serves devices, as follower or leader
+        self._renewing: asyncio.Task[None] | None = None  # renews the lease while it leads
+        self._lease_lost = asyncio.Event()
 
     async def run(self, stopping: asyncio.Event) -> int:
         """Serve until ``stopping``: 0; or 1 when it lost the lead (its process should exit and
         be started again, as a follower, by its supervisor)."""
         await asyncio.to_thread(self._share_admin_token)
-        leadership = Leadership(self.template.database_url)
+        leadership = Leadership(self.template.database_url, lease_s=self.lease_s)
         try:
             while not stopping.is_set():
                 epoch = await asyncio.to_thread(leadership.try_lead)
                 if epoch is not None:
+                    self._keep_lead(leadership)
                     return await self._lead(epoch, leadership, stopping)
                 await self._follow(leadership, stopping)
             return 0
         finally:
+            if self._renewing is not None:
+                self._renewing.cancel()
+                await asyncio.gather(self._renewing, return_exceptions=True)
             leadership.close()
+
+    def _keep_lead(self, leadership: Leadership) -> None:
+        """Renew the lease each ``LEAD_POLL_S`` from the moment the lead is taken until a renewal
+        fails (``_lease_lost``): stopping the front and starting the coordinator take longer than
+        a short lease."""
+        if self._renewing is None:
+            self._renewing = asyncio.create_task(self._renew(leadership))
+
+    async def _renew(self, leadership: Leadership) -> None:
+        while await asyncio.to_thread(leadership.renew):
+            await asyncio.sleep(LEAD_POLL_S)
+        self._lease_lost.set()
 
     @property
     def _address(self) -> str:
@@ -82,7 +105,7 @@ class Replica:
         try:
             leadership.heartbeat(self._address)
             others = leadership.replicas_alive(ALIVE_WITHIN_S) - {self._address}
-        except leadership.errors:  # a lost connection: ``holds`` finds out next, and it stops
+        except leadership.errors:  # a lost connection: ``renew`` finds out next, and it stops
             return
         service.pace_replicas(len(others))
 
@@ -111,6 +134,7 @@ class Replica:
                 if await _stopped(stopping, LEAD_POLL_S):
                     return
                 if await asyncio.to_thread(leadership.try_lead) is not None:
+                    self._keep_lead(leadership)
                     return  # leads: the caller starts the coordinator on the port the front frees
         finally:
             self.serving.clear()
@@ -130,21 +154,25 @@ class Replica:
             self.on_lead(service)
             while True:
                 await asyncio.to_thread(self._pace, leadership, service)
-                if await _stopped(stopping, LEAD_POLL_S):
-                    return 0
-                if not await asyncio.to_thread(leadership.holds):
-                    logs.event(log, "replica lost the lead; stopping", level=logging.ERROR, epoch=epoch)
-                    return 1
+                if await _stopped(stopping, LEAD_POLL_S, service.lost_lead, self._lease_lost):
+                    break
+            if stopping.is_set():
+                return 0
+            why = "its lease was not renewed" if self._lease_lost.is_set() else "a write of its store was refused"
+            logs.event(log, "replica lost the lead; stopping", level=logging.ERROR, epoch=epoch, why=why)
+            return 1
         finally:
             self.serving.clear()
             await service.stop(STOP_GRACE_S)
             self.service = None
 
 
-async def _stopped(stopping: asyncio.Event, timeout_s: float) -> bool:
-    """Wait up to ``timeout_s`` for ``stopping``; whether it was set."""
+async def _stopped(stopping: asyncio.Event, timeout_s: float, *more: asyncio.Event) -> bool:
+    """Wait up to ``timeout_s`` for ``stopping`` (or any of ``more``); whether one was set."""
+    waits = [asyncio.ensure_future(event.wait()) for event in (stopping, *more)]
     try:
-        await asyncio.wait_for(stopping.wait(), timeout_s)
-    except TimeoutError:
-        return False
-    return True
+        done, _ = await asyncio.wait(waits, timeout=timeout_s, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for wait in waits:
+            wait.cancel()
+    return bool(done)

@@ -85,7 +85,7 @@ class CoordinatorService:
     admits that identity only).
 
     As the leader of replicas over PostgreSQL (``tally.coordinator.replica``): ``database_url``
-    is the shared store, ``epoch`` the leadership its durable writes are fenced on, and
+    is the shared store, ``epoch`` the leadership its writes and session tickets are fenced on, and
     ``internal_listen`` where the other replicas' fronts forward to (with ``tls``, and the same
     front key as a host's own fronts).
     """
@@ -143,6 +143,8 @@ class CoordinatorService:
         self._tracker: MlflowTracker | None = None
         self.connection_limits = connection_limits.resolved(device_processes)
         self._source_cap: asyncio.Task[None] | None = None
+        # Set when a write of its store was refused: another replica took the lead (its replica stops it).
+        self.lost_lead = asyncio.Event()
         # Each process serving devices paces the devices connected to it: 1/N of them. The
         # check-ins fronts forward (their devices' of populations with a job) are paced here at
         # the fronts' share, so a population with a job arrives at the whole rate. A leading
@@ -190,7 +192,9 @@ class CoordinatorService:
 
     async def start(self) -> int:
         """Resume unfinished jobs and start serving; returns the bound port."""
-        self._store = Store(self.state_dir, self.database_url, self.epoch)
+        loop = asyncio.get_running_loop()
+        self._store = Store(self.state_dir, self.database_url, self.epoch,
+                            on_leadership_lost=lambda: loop.call_soon_threadsafe(self.lost_lead.set))
         if self.database_url:  # replicas: one token, whichever leads
             self.admin_token = share_admin_token(self._store, self.state_dir)
         else:
@@ -207,6 +211,8 @@ class CoordinatorService:
             self.aggregators, self.aggregator_tls, self.max_message_bytes,
             OwnerTokens(token_secret), metrics.aggregators_up.set,
             lambda aggregator_id, up: metrics.aggregator_up.labels(aggregator=aggregator_id).set(int(up)),
+            fence=None if self.epoch is None else (self.epoch, signer.sign_epoch(self.epoch)),
+            on_superseded=lambda epoch: self.lost_lead.set(),
         )
         self.jobs = jobs = ActiveJobs(
             self._store, self._pool, signer, metrics, self.clock, checkin_hold_s=self.checkin_hold_s,
@@ -262,6 +268,8 @@ class CoordinatorService:
             await self._start_fronts(metrics)
         for name in ("", *SERVICE_NAMES):
             await self._health.set(name, health_pb2.HealthCheckResponse.SERVING)
+        if self.epoch is not None:  # the aggregators refuse the old leader's sessions before any job resumes
+            await self._pool.healthy()
         await self.jobs.start()
         self._ready = True  # /readyz: serving, with the store open and unfinished jobs resumed
         self._watchdog = asyncio.get_running_loop().create_task(self._watch_aggregators())

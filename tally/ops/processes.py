@@ -64,9 +64,23 @@ class Process:
             self.proc.send_signal(signal.SIGKILL)
             await self.proc.wait()
 
+    def pause(self) -> None:
+        """SIGSTOP, as a frozen VM or a stalled host would: the process holds its connections and
+        does nothing until ``resume``."""
+        if self.running:
+            assert self.proc is not None
+            self.proc.send_signal(signal.SIGSTOP)
+
+    def resume(self) -> None:
+        """SIGCONT: a paused process goes on where it stopped, unaware of the time it lost."""
+        if self.running:
+            assert self.proc is not None
+            self.proc.send_signal(signal.SIGCONT)
+
     async def stop(self) -> None:
         if self.running:
             assert self.proc is not None
+            self.resume()  # a paused process would hold SIGTERM until the kill below
             self.proc.terminate()
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(self.proc.wait(), 15)

@@ -11,16 +11,22 @@ in constant time *before* parsing anything, then checks expiry. Every failure ra
 ``AuthError("UNAUTHENTICATED", ...)``.
 
 **Session tickets** (``TicketSigner``/``TicketVerifier``): the coordinator binds an aggregator
-session to (job, round, session, sum ids, cohort size, config digest, aggregator, expiry) and signs
-it with Ed25519; aggregators hold only the public key, so a compromised aggregator cannot mint
-tickets for others. Binary layout, all integers big-endian::
+session to (job, round, session, sum ids, cohort size, config digest, aggregator, expiry, leader
+epoch) and signs it with Ed25519; aggregators hold only the public key, so a compromised aggregator
+cannot mint tickets for others. Binary layout, all integers big-endian::
 
-    b"TLYT" | version u8 (=1) | job_id str | round u64 | session_id str | n_sums u16 | sum_id str*
-        | cohort_size u32 | config_digest bytes | aggregator_id str | expires_at f64 | signature[64]
+    b"TLYT" | version u8 (=2) | job_id str | round u64 | session_id str | n_sums u16 | sum_id str*
+        | cohort_size u32 | config_digest bytes | aggregator_id str | expires_at f64
+        | leader_epoch u64 | signature[64]
 
 where ``str``/``bytes`` are a u16 length and that many bytes (UTF-8 for str). The signature covers
 ``b"tally-session-ticket\\0"`` followed by everything before it. Every failure raises
 ``AuthError("PERMISSION_DENIED", ...)``.
+
+**Leader epochs** (``TicketSigner.sign_epoch``): coordinator replicas fence aggregators with the
+epoch a new leader took (``tally.coordinator.state.leadership``), signed by the same key under its
+own domain (``b"tally-leader-epoch\\0" | epoch u64``), so no ticket can pass for one and no caller
+without the key can raise an aggregator's floor and lock the real leader out.
 
 Time is always passed in (``now``, Unix seconds as float), never read from a hidden clock.
 """
@@ -159,10 +165,12 @@ def token_from_metadata(metadata: Iterable[tuple[str, str | bytes]] | None) -> s
 # -- session tickets -----------------------------------------------------------------------------
 
 TICKET_MAGIC = b"TLYT"
-TICKET_VERSION = 1
+TICKET_VERSION = 2
 MAX_TICKET_BYTES = 64 * 1024
 SIGNATURE_BYTES = 64
 _TICKET_DOMAIN = b"tally-session-ticket\x00"
+_EPOCH_DOMAIN = b"tally-leader-epoch\x00"
+EPOCH_STATEMENT_BYTES = 8 + SIGNATURE_BYTES
 
 
 @dataclass(frozen=True)
@@ -175,6 +183,8 @@ class SessionTicket:
     config_digest: bytes
     aggregator_id: str
     expires_at: float
+    # The coordinator leader's epoch (replicas over PostgreSQL); 0 for a coordinator that leads alone.
+    leader_epoch: int = 0
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "sum_ids", tuple(self.sum_ids))
@@ -204,6 +214,11 @@ class TicketSigner:
     def sign(self, ticket: SessionTicket) -> bytes:
         body = _encode_ticket(ticket)
         return body + self._key.sign(_TICKET_DOMAIN + body)
+
+    def sign_epoch(self, epoch: int) -> bytes:
+        """A statement that a leader of ``epoch`` exists (``TicketVerifier.verify_epoch``)."""
+        body = struct.pack(">Q", _epoch(epoch))
+        return body + self._key.sign(_EPOCH_DOMAIN + body)
 
 
 class TicketVerifier:
@@ -245,6 +260,19 @@ class TicketVerifier:
         if aggregator_id is not None and parsed.aggregator_id != aggregator_id:
             raise _denied("session ticket is for another aggregator")
         return parsed
+
+    def verify_epoch(self, statement: bytes) -> int:
+        """The epoch of a signed leader-epoch statement. It has no expiry: an old one names an
+        old epoch, which raises no floor."""
+        data = bytes(statement)
+        if len(data) != EPOCH_STATEMENT_BYTES:
+            raise _denied(f"malformed leader epoch: {EPOCH_STATEMENT_BYTES} bytes expected")
+        body, signature = data[:8], data[8:]
+        try:
+            self._key.verify(signature, _EPOCH_DOMAIN + body)
+        except InvalidSignature:
+            raise _denied("leader epoch signature invalid") from None
+        return int(struct.unpack(">Q", body)[0])
 
 
 # -- owner tokens --------------------------------------------------------------------------------
@@ -309,6 +337,7 @@ def _encode_ticket(t: SessionTicket) -> bytes:
     out += _pack_bytes(t.config_digest, "config_digest")
     out += _pack_str(t.aggregator_id, "aggregator_id")
     out += struct.pack(">d", float(t.expires_at))
+    out += struct.pack(">Q", _epoch(t.leader_epoch))
     if len(out) + SIGNATURE_BYTES > MAX_TICKET_BYTES:
         raise ValueError("session ticket too large")
     return bytes(out)
@@ -324,11 +353,13 @@ def _decode_ticket(body: bytes) -> SessionTicket:
     digest = r.blob()
     aggregator_id = r.text()
     expires_at = r.unpack(">d")
+    leader_epoch = r.unpack(">Q")
     if r.pos != len(body):
         raise ValueError("trailing bytes")
     if not sum_ids or len(set(sum_ids)) != len(sum_ids) or cohort_size < 1 or not _finite(expires_at):
         raise ValueError("invalid field")
-    return SessionTicket(job_id, round_, session_id, sum_ids, cohort_size, digest, aggregator_id, expires_at)
+    return SessionTicket(job_id, round_, session_id, sum_ids, cohort_size, digest, aggregator_id, expires_at,
+                         leader_epoch)
 
 
 class _Reader:
@@ -439,6 +470,12 @@ def _b64e(data: bytes) -> str:
 
 def _b64d(text: str) -> bytes:
     return base64.urlsafe_b64decode(text + "=" * (-len(text) % 4))
+
+
+def _epoch(epoch: object) -> int:
+    if not isinstance(epoch, int) or isinstance(epoch, bool) or not 0 <= epoch < 2**64:
+        raise ValueError("leader_epoch must be an integer in [0, 2^64)")
+    return epoch
 
 
 def _finite(x: object) -> bool:

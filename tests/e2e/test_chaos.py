@@ -202,18 +202,23 @@ def test_a_campaign_with_device_fronts_survives_fronts_and_the_coordinator_kille
 
 
 @pytest.mark.full
-def test_a_campaign_over_coordinator_replicas_survives_its_leader_and_the_devices_replica_killed(
+def test_a_campaign_over_coordinator_replicas_survives_its_leader_killed_or_paused_and_the_devices_replica_killed(
         tmp_path, postgres_url):
     """Two coordinator replicas over a real PostgreSQL server: whichever leads SIGKILLed mid-round,
-    and the replica the devices and the Admin API reach (leading or not) SIGKILLed; each comes
-    back as a replica would. Every invariant holds, read from the PostgreSQL database."""
-    faults = ("kill_leader", "kill_coordinator", "none")
+    or SIGSTOPped past its lease and resumed once the other leads (it stops by itself), and the
+    replica the devices and the Admin API reach (leading or not) SIGKILLed; each comes back as a
+    replica would. Every invariant holds, read from the PostgreSQL database (no attempt started by
+    an epoch older than one before it: the resumed leader started none)."""
+    faults = ("kill_leader", "pause_leader", "kill_coordinator", "none")
     config = CampaignConfig(rounds=2 * len(faults), seed=6, faults=faults, replicas=2)
     result = asyncio.run(asyncio.wait_for(Campaign(config, tmp_path, database_url=postgres_url).run(), 900))
     assert result.violations == []
     assert {r.fault for r in result.rounds} == set(faults)
     kills = [r.detail for r in result.rounds if r.fault.startswith("kill_")]
     assert all(re.match(r"coordinator(-2)? killed round \d+ in (SELECTION|AGGREGATION)", d) for d in kills), kills
+    pauses = [r.detail for r in result.rounds if r.fault == "pause_leader"]
+    assert pauses and all(re.match(r"coordinator(-2)? paused round \d+ in (SELECTION|AGGREGATION) for [\d.]+ s, "
+                                   r"coordinator(-2)? took over, the resumed one stopped", d) for d in pauses), pauses
     committed = [r for r in result.rounds if r.outcome == "committed"]
     assert committed and all(r.sums_exact >= 1 and r.sums_wrong == 0 for r in committed)
     assert "postgresql://" not in json.dumps(result.to_dict()), "the record names no password"
@@ -225,8 +230,9 @@ def test_a_campaign_refuses_front_faults_without_fronts():
 
 
 def test_a_campaign_refuses_leader_faults_without_replicas_and_replicas_without_a_database(tmp_path):
-    with pytest.raises(ValueError, match="replicas > 1"):
-        CampaignConfig(faults=("kill_leader",))
+    for fault in ("kill_leader", "pause_leader"):
+        with pytest.raises(ValueError, match=f"{fault} needs replicas > 1"):
+            CampaignConfig(faults=(fault,))
     with pytest.raises(ValueError, match="PostgreSQL"):
         ProcessCluster(tmp_path, replicas=2)
 

@@ -1,12 +1,15 @@
 """Coordinator replicas over PostgreSQL (issue 28): the store on a real PostgreSQL server answers
 as the embedded SQLite one does, one replica leads (an advisory lock) and the others follow as
 device fronts, a new leader fences the old one's writes, and a job survives its leader killed
-mid-round: a follower takes over, resumes it from the store, and every cohort sum stays exact."""
+mid-round: a follower takes over, resumes it from the store, and every cohort sum stays exact.
+Issue 38: a leader paused past its lease (SIGSTOP, its connections open) is replaced, and when it
+resumes it commits, seats and opens nothing."""
 
 from __future__ import annotations
 
 import asyncio
 import json
+import re
 import threading
 import time
 
@@ -106,13 +109,13 @@ def test_the_store_over_postgres_answers_as_sqlite_does(tmp_path, postgres_url):
 def test_one_replica_leads_and_a_new_leader_fences_the_old_one(tmp_path, postgres_url):
     first, second = Leadership(postgres_url), Leadership(postgres_url)
     assert first.try_lead() == 1
-    assert second.try_lead() is None and not second.holds()
+    assert second.try_lead() is None and not second.renew()
     store = Store(tmp_path / "first", postgres_url, epoch=1)
     digest = store.put_blob(b"round one", "model")
     store.create_job("j", "j", "fedavg", "pop", "spec", 1.0)
     attempt = store.start_attempt("j", 1, 2.0)
     first._db.conn.close()  # its session ends, as a killed process's does, without unlocking
-    assert _lead_within(second, 10.0) == 2 and second.holds()
+    assert _lead_within(second, 10.0) == 2 and second.renew()
     with pytest.raises(LeadershipLost):  # the old leader, unaware, cannot commit
         store.commit_round(ModelVersion("j", 1, digest, None, None, 3.0), attempt, {}, final=False)
     with pytest.raises(LeadershipLost):
@@ -127,6 +130,76 @@ def test_one_replica_leads_and_a_new_leader_fences_the_old_one(tmp_path, postgre
     finally:
         successor.close()
         second.close()
+
+
+def test_a_leader_paused_past_its_lease_is_replaced_and_every_write_it_tries_is_refused(tmp_path, postgres_url):
+    """A leader that stops renewing while its connections stay open (a paused process: the kernel
+    keeps its sockets alive) keeps the lock, so only its lease lets another take over; then none of
+    its store's writes goes through, whatever the write, and each refusal tells the replica."""
+    paused, successor = Leadership(postgres_url, lease_s=2.0), Leadership(postgres_url, lease_s=2.0)
+    assert paused.try_lead() == 1 and paused.renew()
+    lost: list[bool] = []
+    store = Store(tmp_path / "paused", postgres_url, epoch=1, on_leadership_lost=lambda: lost.append(True))
+    store.create_job("j", "j", "fedavg", "pop", "spec", 1.0)
+    attempt = store.start_attempt("j", 1, 2.0)
+    store.add_seated("j", 1, [("d", "t")])
+    assert successor.try_lead() is None  # the lease still runs: nobody takes over
+    assert _lead_within(successor, 10.0) == 2  # it ran out unrenewed: the holder's session was ended
+    assert not paused.renew()  # resumed, it finds it lost the lead
+    digest = store.put_blob(b"model", "model")  # content-addressed: not fenced, referenced by nothing
+    writes = {
+        "commit": lambda: store.commit_round(ModelVersion("j", 1, digest, None, None, 3.0), attempt, {}, final=True),
+        "seat": lambda: store.add_seated("j", 1, [("e", "u")]),
+        "sessions": lambda: store.set_attempt_sessions("j", 1, attempt, [{"aggregator_id": "a", "session_id": "s"}]),
+        "attempt": lambda: store.start_attempt("j", 1, 3.0),
+        "fail attempt": lambda: store.finish_attempt("j", 1, attempt, 3.0, "stale"),
+        "job state": lambda: store.set_job_state("j", "FAILED", 3.0, "stale"),
+        "job": lambda: store.create_job("k", "k", "fedavg", "pop", "spec", 3.0),
+        "release": lambda: store.release_seats("j", 1, [("d", "t")]),
+        "release device": lambda: store.release_device("j", 1, "d"),
+        "report": lambda: store.count_task_report("j", 1, "failed", "oom"),
+        "silo": lambda: store.silo("j", "d", 3),
+        "version": lambda: store.add_model_version(ModelVersion("j", 0, digest, None, None, 3.0)),
+        "sum": lambda: store.add_cohort_sum("j", 1, attempt, CohortSumRecord("s", "u", 0, 32, (1,), (1,))),
+    }
+    for what, write in writes.items():
+        with pytest.raises(LeadershipLost):
+            write()
+        assert len(lost) == 1, what
+        lost.clear()
+    store.close()
+    after = Store(tmp_path / "successor", postgres_url, epoch=2)
+    try:  # nothing of the paused leader's changed: its attempt runs, its seat holds, no job k
+        assert [(r.attempt, r.state) for r in after.rounds("j")] == [(attempt, "running")]
+        assert after.seated("j", 1) == {"d"} and after.job("k") is None and after.job("j").state == "PENDING"
+        assert after.start_attempt("j", 1, 4.0) == attempt + 1  # the successor writes
+        epochs = after._db.execute("SELECT attempt, epoch FROM rounds WHERE job_id = 'j' ORDER BY attempt").fetchall()
+        assert [tuple(row) for row in epochs] == [(attempt, 1), (attempt + 1, 2)]
+    finally:
+        after.close()
+        successor.close()
+        paused.close()
+
+
+def test_a_leader_paused_inside_a_write_does_not_hold_up_its_successor(tmp_path, postgres_url):
+    """Its open transaction holds the leader row, which the successor's epoch increment must wait
+    for: the server ends the idle transaction, so the takeover completes and the write is lost."""
+    paused, successor = Leadership(postgres_url, lease_s=2.0), Leadership(postgres_url, lease_s=2.0)
+    assert paused.try_lead() == 1
+    store = Store(tmp_path / "paused", postgres_url, epoch=1)
+    store.create_job("j", "j", "fedavg", "pop", "spec", 1.0)
+    with pytest.raises(store._db.errors):
+        with store._write():  # paused halfway: the fence passed, the write is not yet committed
+            store._db.execute("UPDATE jobs SET state = 'RUNNING' WHERE job_id = 'j'")
+            assert _lead_within(successor, 30.0) == 2
+    store.close()
+    after = Store(tmp_path / "successor", postgres_url, epoch=2)
+    try:
+        assert after.job("j").state == "PENDING"
+    finally:
+        after.close()
+        successor.close()
+        paused.close()
 
 
 def _lead_within(leadership: Leadership, seconds: float) -> int:
@@ -265,6 +338,114 @@ def test_a_job_survives_its_leader_killed_mid_round(tmp_path, postgres_url):
 
     asyncio.run(asyncio.wait_for(main(), TIMEOUT))
 
+
+LEASE_S = 3.0
+
+
+def test_a_leader_paused_past_its_lease_commits_seats_and_opens_nothing_when_it_resumes(tmp_path, postgres_url):
+    """The leader is SIGSTOPped mid-round (its sessions open, its devices seated, its attempt
+    running; a cohort of 5 of 12 devices, so that the round's retry has devices it may seat) with
+    its connections left open; the follower takes over once the lease runs out,
+    fences the aggregator and commits the round. Then the old leader gets SIGCONT and carries
+    on where it stopped: it writes nothing (its attempts, commits and seats are those of before the
+    pause, and its log shows no commit), the aggregator opens no session of its epoch, and it
+    stops. The job ends with every round committed once and every cohort sum exact."""
+    cluster = ProcessCluster(tmp_path, aggregators=1, replicas=2, database_url=postgres_url,
+                             coordinator_flags=["--leader-lease", str(LEASE_S)])
+    first, second = cluster.processes["coordinator"], cluster.processes["coordinator-2"]
+    aggregator = cluster.processes["aggregator-1"]
+    second_port = cluster.ports["coordinator-2"]
+
+    def rounds_of(epoch: int) -> list[tuple]:
+        with cluster.database() as db:
+            return [tuple(row) for row in db.execute(
+                "SELECT job_id, round, attempt, state, message FROM rounds WHERE epoch = ? "
+                "ORDER BY job_id, round, attempt", (epoch,)).fetchall()]
+
+    def seats_of(attempts: set[tuple]) -> set[tuple]:
+        """The seats of these (job, round, attempt)s: a task id starts with its round and attempt."""
+        with cluster.database() as db:
+            rows = db.execute("SELECT job_id, round, device_id, task_id FROM seated").fetchall()
+        return {tuple(row) for row in rows
+                if (row[0], *map(int, re.match(r"r(\d+)a(\d+)-", row[3]).groups())) in attempts}
+
+    async def main() -> None:
+        try:
+            for name in ("aggregator-1", "coordinator"):
+                await cluster.restart(name)
+            await _until(lambda: _logged(first, "replica leading"), 60, "the first replica leads")
+            await cluster.restart("coordinator-2")
+            await _until(lambda: _logged(second, "replica following"), 60, "the second replica follows")
+            token = (cluster.state / "admin.token").read_text().strip()
+            admin = admin_pb2_grpc.AdminStub(open_channel(f"127.0.0.1:{second_port}", cluster.tls))
+            md = bearer_metadata(token)
+            job_id = (await asyncio.to_thread(admin.SubmitJob, admin_pb2.SubmitJobRequest(
+                spec_yaml=spec("paused", rounds=4, cohort=5)), metadata=md, timeout=10)).job_id
+            devices, _ = trainers(12)
+            fleet = Fleet(f"127.0.0.1:{second_port}", cluster.tls, devices, enrolment_key=cluster.enrolment_key,
+                          seed=3, audit=True)
+
+            def job() -> admin_pb2.Job | None:
+                try:
+                    return admin.GetJob(admin_pb2.GetJobRequest(job_id=job_id), metadata=md, timeout=5)
+                except grpc.RpcError:  # forwarded to a paused leader, or none leads yet
+                    return None
+
+            def aggregating() -> bool:
+                j = job()
+                return j is not None and j.committed_round >= 1 and j.phase == common_pb2.ROUND_PHASE_AGGREGATION
+
+            async def pause_the_leader_then_resume_it() -> dict:
+                await _until(aggregating, TIMEOUT, "the leader aggregates a round after round 1")
+                first.pause()
+                seen: dict = {"rounds": rounds_of(1), "commits": len(_logged(first, "round committed"))}
+                assert any(state == "running" for *_, state, _ in seen["rounds"])  # caught mid-attempt
+                committed = max(r for _, r, _, state, _ in seen["rounds"] if state == "committed")
+                await _until(lambda: _logged(second, "replica leading"), 60, "the follower takes over")
+                await _until(lambda: (j := job()) is not None and j.committed_round > committed, TIMEOUT,
+                             "the new leader commits the paused leader's round")
+                # The paused leader's attempt was ended by its successor, before it resumes.
+                seen["rounds"] = rounds_of(1)
+                assert not any(state == "running" for *_, state, _ in seen["rounds"])
+                assert "tally_aggregator_coordinator_leader_epoch 2.0" in cluster.scrape("aggregator-1").splitlines()
+                seen["seats"] = seats_of({(j, r, a) for j, r, a, *_ in seen["rounds"]})
+                first.resume()
+                await _until(lambda: not first.running, 60, "the resumed leader stops")
+                return seen
+
+            try:
+                seen, _ = await asyncio.gather(pause_the_leader_then_resume_it(), fleet.run(
+                    until=fleet.until_job_done(job_id, every_seconds=0.2)))
+                # It committed nothing, started and ended no attempt, seated nobody.
+                assert first.exit_code() == 1
+                assert [r["why"] for r in _logged(first, "replica lost the lead; stopping")] in (
+                    ["a write of its store was refused"], ["its lease was not renewed"])
+                assert len(_logged(first, "round committed")) == seen["commits"]
+                assert rounds_of(1) == seen["rounds"]
+                assert seats_of({(j, r, a) for j, r, a, *_ in seen["rounds"]}) <= seen["seats"]
+                # The aggregator opened no session of epoch 1 once fenced with epoch 2.
+                records = [r for r in map(json.loads, (line for line in aggregator.log.read_text().splitlines()
+                                                       if line.startswith("{")))
+                           if r.get("event") in ("session opened", "coordinator leader fenced")]
+                fenced = next(i for i, r in enumerate(records)
+                              if r["event"] == "coordinator leader fenced" and r["leader_epoch"] == 2)
+                assert not [r for r in records[fenced:] if r["event"] == "session opened" and r["leader_epoch"] < 2]
+                assert any(r["event"] == "session opened" and r["leader_epoch"] == 1 for r in records[:fenced])
+                final = job()
+                assert final is not None and final.state == common_pb2.JOB_STATE_SUCCEEDED, final
+                with cluster.database() as db:
+                    committed = db.execute("SELECT round, COUNT(*) FROM rounds WHERE job_id = ? AND state = "
+                                           "'committed' GROUP BY round ORDER BY round", (job_id,)).fetchall()
+                assert [tuple(row) for row in committed] == [(1, 1), (2, 1), (3, 1), (4, 1)]
+                checks = await check_committed(admin_pb2_grpc.AdminStub(
+                    open_aio_channel(f"127.0.0.1:{second_port}", cluster.tls)), md, SumAudit.of(fleet.inputs))
+                assert outcome_counts(checks)[EXACT] == len(checks) >= 4
+            finally:
+                fleet.close()
+        finally:
+            await cluster.stop()
+
+    asyncio.run(asyncio.wait_for(main(), TIMEOUT))
 
 
 @pytest.mark.parametrize("argv, named", [

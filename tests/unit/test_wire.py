@@ -136,7 +136,7 @@ def test_stubs_import_as_tally_wire_and_keep_the_tally_v1_contract():
         secagg_pb2: ("SecureAggregation", ["Session"]),
         coordinator_pb2: ("Coordinator",
                           ["Register", "CheckIn", "DownloadModel", "GetStep", "RoundStatus", "Reveal"]),
-        aggregator_pb2: ("AggregatorControl", ["OpenSession", "AwaitResult", "CloseSession"]),
+        aggregator_pb2: ("AggregatorControl", ["OpenSession", "AwaitResult", "CloseSession", "Fence"]),
     }
     for module, (name, methods) in services.items():
         service = module.DESCRIPTOR.services_by_name[name]

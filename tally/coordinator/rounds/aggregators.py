@@ -6,6 +6,11 @@ this coordinator), then the standard gRPC health protocol. One that fails either
 fails at the transport level, is marked down with the reason and skipped until a later check
 finds it serving again. An aggregator's device port answers health checks too, so a health check
 alone passed it; a job then failed with ``OpenSession failed: UNIMPLEMENTED`` (issue 39).
+
+The leader of coordinator replicas fences each aggregator with its epoch (``Fence``) whenever the
+aggregator comes up (first seen serving, or back after being down, perhaps restarted and knowing no
+epoch): from then on it refuses the sessions of older leaders. An aggregator that answers with a
+newer epoch than this pool's says this replica no longer leads (``on_superseded``).
 """
 
 from __future__ import annotations
@@ -85,15 +90,20 @@ class AggregatorPool:
         owner_tokens: OwnerTokens,
         on_change: Callable[[int], None] = lambda up: None,
         on_member: Callable[[str, bool], None] = lambda aggregator_id, up: None,
+        fence: tuple[int, bytes] | None = None,
+        on_superseded: Callable[[int], None] = lambda epoch: None,
     ) -> None:
         """``owner_tokens``: the coordinator's proof of owning the sessions it opens. ``on_change``
-        gets the number up after each check, ``on_member`` each aggregator's id and whether it is up."""
+        gets the number up after each check, ``on_member`` each aggregator's id and whether it is up;
+        ``fence``: a leading replica's epoch and its signed statement (``TicketSigner.sign_epoch``);
+        ``on_superseded``: called with the newer epoch an aggregator knows of."""
         ids = [a for a, _ in aggregators]
         if len(set(ids)) != len(ids):
             raise ValueError(f"aggregator ids must be unique, got {ids}")
         self._tls, self._options = tls, channel_options(max_message_bytes) + RECONNECT_OPTIONS
         self._on_change, self._on_member = on_change, on_member
         self._owner = owner_tokens
+        self._fence, self._on_superseded = fence, on_superseded
         self._stamp = None if tls.insecure else file_stamps(tls)
         self._retired: dict[grpc.aio.Channel, asyncio.Task[None]] = {}
         self.members = {ident: self._connect(ident, address) for ident, address in aggregators}
@@ -146,9 +156,28 @@ class AggregatorPool:
         self._follow_certificates()
         candidates = [a for a in self.members.values() if a.aggregator_id not in exclude]
         reasons = await asyncio.gather(*(self._check(a) for a in candidates))
+        came_up = [agg for agg, reason in zip(candidates, reasons) if not reason and not agg.up]
         for agg, reason in zip(candidates, reasons):
             self._set(agg, not reason, reason)
+        if self._fence is not None:
+            await asyncio.gather(*(self._fence_one(agg.aggregator_id) for agg in came_up))
         return [a.aggregator_id for a, reason in zip(candidates, reasons) if not reason]
+
+    async def _fence_one(self, aggregator_id: str) -> None:
+        """Tell an aggregator that came up this leader's epoch. Failing, it is told again when it
+        next comes up; meanwhile the first session this leader opens there raises its floor too."""
+        assert self._fence is not None
+        epoch, statement = self._fence
+        try:
+            reply = await self._call(aggregator_id, "Fence", aggregator_pb2.FenceRequest(leader_epoch=statement),
+                                     HEALTH_TIMEOUT_S)
+        except AggregatorCallFailed as exc:
+            logs.event(log, "fence failed", logging.WARNING, aggregator_id=aggregator_id, error=str(exc))
+            return
+        if reply.leader_epoch > epoch:
+            logs.event(log, "an aggregator knows a newer leader", logging.ERROR, aggregator_id=aggregator_id,
+                       epoch=epoch, newer=reply.leader_epoch)
+            self._on_superseded(reply.leader_epoch)
 
     async def _check(self, agg: Aggregator) -> str:
         """Why ``agg`` cannot take cohorts now; "" when it can."""

@@ -100,8 +100,15 @@ class CohortSessions:
                 why = "; ".join(f"{ident}: {reason}" for ident, reason in not_used.items())
                 raise AttemptFailed(f"cannot form cohorts: {exc}" + (f"; aggregators not used: {why}" if why else "")
                                     ) from None
+            session_ids = [secrets.token_hex(8) for _ in plans]
+            # Recorded before any is opened: a fenced write, so a replica that no longer leads opens
+            # none, and its successor finds (and closes) every session it may have opened.
+            self._store.set_attempt_sessions(self.job_id, round_, attempt, [
+                {"aggregator_id": plan.aggregator_id, "session_id": session_id}
+                for plan, session_id in zip(plans, session_ids, strict=True)])
             opened = await asyncio.gather(
-                *(self._open_one(c, plan, round_, steps, planner.deadline) for c, plan in enumerate(plans)),
+                *(self._open_one(c, plan, session_id, round_, steps, planner.deadline)
+                  for c, (plan, session_id) in enumerate(zip(plans, session_ids, strict=True))),
                 return_exceptions=True,
             )
             self.opened = [s for s in opened if isinstance(s, OpenedSession)]
@@ -135,10 +142,10 @@ class CohortSessions:
         return []
 
     async def _open_one(
-        self, cohort: int, plan: CohortPlan, round_: int, steps: Sequence[StepSpec], deadline: float
+        self, cohort: int, plan: CohortPlan, session_id: str, round_: int, steps: Sequence[StepSpec],
+        deadline: float,
     ) -> OpenedSession:
         spec = self.spec
-        session_id = secrets.token_hex(8)
         summed = [s for s in steps if not s.reveal]  # reveal steps go to the coordinator
         try:
             config = SessionConfig.plan(
@@ -156,6 +163,7 @@ class CohortSessions:
         ticket = self._signer.sign(SessionTicket(
             self.job_id, round_, session_id, tuple(s.name for s in summed), len(plan.devices),
             config_digest(session_config_bytes(config)), plan.aggregator_id, deadline,
+            leader_epoch=self._store.epoch or 0,
         ))
         request = aggregator_pb2.OpenSessionRequest(
             session_ticket=ticket, config=to_proto(config),

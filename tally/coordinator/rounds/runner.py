@@ -72,7 +72,7 @@ from tally.coordinator.spec import catalogue
 from tally.coordinator.spec.evaluation_spec import evaluated_job_server
 from tally.coordinator.spec.jobspec import JobSpec
 from tally.coordinator.state.events import EventHub
-from tally.coordinator.state.store import RoundRecord, Store
+from tally.coordinator.state.store import LeadershipLost, RoundRecord, Store
 from tally.evaluation.plan import PREFIX as METRIC_PREFIX
 from tally.privacy import metrics as privacy_metrics
 from tally.privacy.spec import private_job_server
@@ -303,6 +303,8 @@ class JobRunner:
             if self.cancel_reason is None:
                 raise  # the coordinator is stopping: the job stays RUNNING and resumes later
             self._finish("CANCELLED", self.cancel_reason)
+        except LeadershipLost as exc:  # the job is the new leader's now: nothing here may write its end
+            logs.event(log, "job left to the new leader", logging.WARNING, job_id=self.job_id, reason=str(exc))
         except JobFailed as exc:
             ctx.metrics.rounds_failed.inc()
             self._finish("FAILED", str(exc))

@@ -23,6 +23,10 @@ from typing import Any, Protocol
 # any of the coordinator's transactions, which are a few rows each.
 BUSY_TIMEOUT_S = 10.0
 
+# How long PostgreSQL lets a transaction sit idle: the coordinator's are a few statements, sent
+# back to back.
+IDLE_IN_TRANSACTION_S = BUSY_TIMEOUT_S / 2
+
 POSTGRES_SCHEMES = ("postgresql://", "postgres://")
 
 
@@ -150,6 +154,10 @@ class PostgresDatabase:
                                     tcp_user_timeout=int(BUSY_TIMEOUT_S * 1000))
         # A statement waiting on another session's row lock gives up as SQLite's would.
         self.conn.execute(f"SET lock_timeout = '{int(BUSY_TIMEOUT_S * 1000)}ms'")
+        # A transaction left open by a process that stopped (SIGSTOP, a frozen VM) is ended by the
+        # server well within that: a leader paused inside a fenced write holds the leader row,
+        # which its successor's epoch increment must wait for (tally.coordinator.state.leadership).
+        self.conn.execute(f"SET idle_in_transaction_session_timeout = '{int(IDLE_IN_TRANSACTION_S * 1000)}ms'")
 
     def execute(self, sql: str, args: Sequence[Any] = ()) -> Any:
         return self.conn.execute(sql.replace("?", "%s"), tuple(args))

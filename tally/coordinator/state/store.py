@@ -14,9 +14,13 @@ directory (an exclusive lock on ``coordinator.lock``): two would run every job t
 Over PostgreSQL (coordinator replicas, ``tally.coordinator.state.leadership``) the tables are the same
 and the blobs are stored in the database too (``blob_data``), the state directory keeping a
 cache of them: a replica that becomes the leader reads the models its predecessor committed.
-Every durable transaction of such a store is fenced: it commits only while the leader epoch it
-was opened under is still the newest, so a leader that lost its lock without noticing cannot
-commit a round its successor is running.
+Every write of a leader's store is fenced: its transaction reads the ``leader`` row's epoch
+``FOR SHARE`` and goes on only while it is the epoch the store was opened under, so a leader that
+lost the lead without noticing (its connection cut, its process paused past its lease) cannot
+commit a round, seat a device, record a session, start or fail an attempt or change a job while
+its successor runs them. The shared lock orders each such write before or after the successor's
+epoch increment, never across it. Blobs are not fenced (content-addressed: one written by a stale
+leader is referenced by nothing), nor are enrolments (any replica registers devices).
 """
 
 from __future__ import annotations
@@ -27,7 +31,7 @@ import hashlib
 import json
 import os
 import secrets
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -65,6 +69,8 @@ CREATE TABLE IF NOT EXISTS rounds (
     message TEXT NOT NULL DEFAULT '',
     metrics TEXT NOT NULL DEFAULT '{}',
     sessions TEXT NOT NULL DEFAULT '[]',
+    -- the leader epoch of the replica that started it (0: a coordinator that leads alone)
+    epoch INTEGER NOT NULL DEFAULT 0,
     PRIMARY KEY (job_id, round, attempt)
 );
 CREATE TABLE IF NOT EXISTS model_versions (
@@ -170,13 +176,17 @@ CREATE TABLE IF NOT EXISTS shared_settings (
     name TEXT PRIMARY KEY,
     value TEXT NOT NULL
 );
--- One row: the replica planning rounds, its address for the others' device fronts, and the
--- epoch every durable write of the store is fenced on (incremented by each new leader).
+-- One row: the replica planning rounds, its address for the others' device fronts, the epoch
+-- every write of its store is fenced on (incremented by each new leader), the server process of
+-- its session (ended by a successor once its lease ran out) and when its lease runs out (the
+-- database server's clock).
 CREATE TABLE IF NOT EXISTS leader (
     id INTEGER PRIMARY KEY CHECK (id = 1),
     epoch INTEGER NOT NULL,
     address TEXT NOT NULL,
-    since REAL NOT NULL
+    since REAL NOT NULL,
+    pid INTEGER NOT NULL DEFAULT 0,
+    lease_until REAL NOT NULL DEFAULT 0
 );
 -- Every replica, leading or not, by the address it serves devices at, and when it last said it
 -- was alive (the database server's clock): the leader paces the check-ins the others forward
@@ -186,13 +196,20 @@ CREATE TABLE IF NOT EXISTS replicas (
     seen_at REAL NOT NULL
 );
 """
+# What a database of an earlier version's replicas lacks: they led without a lease, and started
+# attempts without an epoch.
+_FENCING_MIGRATION = (
+    "ALTER TABLE leader ADD COLUMN IF NOT EXISTS pid BIGINT NOT NULL DEFAULT 0",
+    "ALTER TABLE leader ADD COLUMN IF NOT EXISTS lease_until DOUBLE PRECISION NOT NULL DEFAULT 0",
+    "ALTER TABLE rounds ADD COLUMN IF NOT EXISTS epoch BIGINT NOT NULL DEFAULT 0",
+)
 # Serialises replicas creating the schema at once (CREATE TABLE IF NOT EXISTS is not safe
 # against a concurrent one in PostgreSQL); any constant unlikely to collide with an operator's.
 SCHEMA_LOCK_KEY = 0x7A11_5C4E
 
 
 class LeadershipLost(RuntimeError):
-    """A durable write of a replica that is no longer the leader: another one took over."""
+    """A write of a replica that is no longer the leader: another one took over."""
 
 
 @dataclass(frozen=True)
@@ -266,9 +283,12 @@ class Store:
     """SQLite database ``coordinator.db`` and ``blobs/`` under one state directory; or, for
     replicas, a PostgreSQL database, with ``blobs/`` as this replica's cache of its blobs."""
 
-    def __init__(self, directory: Path, database_url: str | None = None, epoch: int | None = None) -> None:
+    def __init__(self, directory: Path, database_url: str | None = None, epoch: int | None = None,
+                 on_leadership_lost: Callable[[], None] = lambda: None) -> None:
         """``database_url``: PostgreSQL (``postgresql://...``) instead of ``coordinator.db``;
-        ``epoch``: the leader epoch its durable writes are fenced on (PostgreSQL only)."""
+        ``epoch``: the leader epoch its writes are fenced on (PostgreSQL only);
+        ``on_leadership_lost``: called (from whichever thread wrote) when a write is refused
+        because a later epoch exists, so the replica steps down whoever found out first."""
         self.directory = Path(directory)
         self.directory.mkdir(parents=True, exist_ok=True, mode=0o700)
         self._owner = open(os.open(self.directory / "coordinator.lock", os.O_WRONLY | os.O_CREAT, 0o600), "a")
@@ -281,6 +301,7 @@ class Store:
         self._blobs.mkdir(exist_ok=True, mode=0o700)
         self._database = self._db = open_database(self.directory, database_url)
         self._lock, self._shared, self.epoch = self._database.lock, database_url is not None, epoch
+        self._on_leadership_lost = on_leadership_lost
         create_schema(self._database)
         self.devices = EnrolledDevices(self._database)
         # Tighten what an older version (or another umask) left behind.
@@ -292,12 +313,15 @@ class Store:
         self._owner.close()  # releases the directory
 
     @contextlib.contextmanager
-    def _transaction(self, durable: bool = True) -> Iterator[None]:
+    def _write(self, durable: bool = True) -> Iterator[None]:
+        """One of the leader's write transactions, fenced on its epoch over PostgreSQL."""
         with self._database.transaction(durable):
-            if durable and self._shared:
+            if self._shared:
                 row = self._db.execute("SELECT epoch FROM leader WHERE id = 1 FOR SHARE").fetchone()
                 if row is None or row[0] != self.epoch:
-                    raise LeadershipLost(f"leader epoch {self.epoch} is over (now {row and row[0]})")
+                    self._on_leadership_lost()
+                    raise LeadershipLost(f"leader epoch {self.epoch} is over (now {row and row[0]}): "
+                                         "another replica leads")
             yield
 
     def shared_setting(self, name: str, proposed: str) -> str:
@@ -388,7 +412,7 @@ class Store:
     def create_job(
         self, job_id: str, name: str, algorithm: str, population: str, spec_yaml: str, now: float
     ) -> JobRecord:
-        with self._lock:
+        with self._write():
             self._db.execute(
                 "INSERT INTO jobs (job_id, name, algorithm, population, spec_yaml, state, "
                 "created_at, updated_at) VALUES (?, ?, ?, ?, ?, 'PENDING', ?, ?)",
@@ -401,7 +425,7 @@ class Store:
     def silo(self, job_id: str, device_id: str, limit: int) -> int | None:
         """The device's silo id in the job, assigning the next free one on first sight; None when
         all ``limit`` ids are taken by other devices."""
-        with self._lock:
+        with self._write():
             row = self._db.execute(
                 "SELECT silo FROM silos WHERE job_id = ? AND device_id = ?", (job_id, device_id)
             ).fetchone()
@@ -448,7 +472,7 @@ class Store:
             return dict(self._db.execute("SELECT state, COUNT(*) FROM jobs GROUP BY state").fetchall())
 
     def set_job_state(self, job_id: str, state: str, now: float, message: str = "") -> None:
-        with self._lock:
+        with self._write():
             self._db.execute(
                 "UPDATE jobs SET state = ?, message = ?, updated_at = ? WHERE job_id = ?",
                 (state, message, now, job_id),
@@ -458,15 +482,15 @@ class Store:
 
     def start_attempt(self, job_id: str, round_: int, now: float) -> int:
         """Record a new attempt of a round; its number (attempts count on across restarts)."""
-        with self._lock:
+        with self._write():
             (last,) = self._db.execute(
                 "SELECT COALESCE(MAX(attempt), 0) FROM rounds WHERE job_id = ? AND round = ?",
                 (job_id, round_),
             ).fetchone()
             self._db.execute(
-                "INSERT INTO rounds (job_id, round, attempt, state, started_at) "
-                "VALUES (?, ?, ?, 'running', ?)",
-                (job_id, round_, last + 1, now),
+                "INSERT INTO rounds (job_id, round, attempt, state, started_at, epoch) "
+                "VALUES (?, ?, ?, 'running', ?, ?)",
+                (job_id, round_, last + 1, now, self.epoch or 0),
             )
         return last + 1
 
@@ -475,7 +499,7 @@ class Store:
     ) -> None:
         """The sessions an attempt opened (aggregator_id and session_id), so a restarted
         coordinator can close them (with owner tokens it derives again: nothing secret is stored)."""
-        with self._lock:
+        with self._write():
             self._db.execute(
                 "UPDATE rounds SET sessions = ? WHERE job_id = ? AND round = ? AND attempt = ?",
                 (json.dumps(sessions), job_id, round_, attempt),
@@ -483,7 +507,7 @@ class Store:
 
     def finish_attempt(self, job_id: str, round_: int, attempt: int, now: float, message: str) -> None:
         """Mark a running attempt failed (its sessions are closed; its sums are discarded)."""
-        with self._lock:
+        with self._write():
             self._db.execute(
                 "UPDATE rounds SET state = 'failed', finished_at = ?, message = ? "
                 "WHERE job_id = ? AND round = ? AND attempt = ? AND state = 'running'",
@@ -511,7 +535,7 @@ class Store:
         attempt's cohorts: a restarted coordinator must keep them out of the round's retries too.
         ``ledger_ids``: the input ledger each device stated when it was seated (none: "")."""
         ledger_ids = ledger_ids or {}
-        with self._transaction():  # one fsync for the attempt's seats, not one per seat
+        with self._write():  # one fsync for the attempt's seats, not one per seat
             self._db.executemany(
                 "INSERT INTO seated (job_id, round, device_id, task_id, ledger_id) VALUES (?, ?, ?, ?, ?) "
                 "ON CONFLICT (job_id, round, device_id) DO UPDATE SET task_id = excluded.task_id, "
@@ -523,7 +547,7 @@ class Store:
         """Let (device id, task id) seats whose device cannot have sent an input be seated again
         in the round's retries; a seat of another task (a later attempt's) stays. The count
         released."""
-        with self._transaction(durable=False):
+        with self._write(durable=False):
             return sum(
                 self._db.execute(
                     "DELETE FROM seated WHERE job_id = ? AND round = ? AND device_id = ? "
@@ -546,14 +570,14 @@ class Store:
         and no ledger at all, "", releases nothing). The count released."""
         if not ledger_id:
             return 0
-        with self._transaction(durable=False):
+        with self._write(durable=False):
             return self._db.execute(
                 "DELETE FROM seated WHERE job_id = ? AND round = ? AND device_id = ? AND ledger_id = ?",
                 (job_id, round_, device_id, ledger_id),
             ).rowcount
 
     def count_task_report(self, job_id: str, round_: int, outcome: str, reason: str, detail: str = "") -> None:
-        with self._transaction(durable=False):
+        with self._write(durable=False):
             self._db.execute(
                 "INSERT INTO task_reports (job_id, round, outcome, reason, count, example) "
                 "VALUES (?, ?, ?, ?, 1, ?) ON CONFLICT (job_id, round, outcome, reason) "
@@ -576,7 +600,7 @@ class Store:
         return {(outcome, reason): (count, example) for outcome, reason, count, example in rows}
 
     def add_cohort_sum(self, job_id: str, round_: int, attempt: int, record: CohortSumRecord) -> None:
-        with self._lock:
+        with self._write():
             self._db.execute(
                 "INSERT INTO cohort_sums (job_id, round, attempt, session_id, sum_id, cohort, bits, "
                 "contributors, fingerprint) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?) "
@@ -614,7 +638,7 @@ class Store:
 
     def add_model_version(self, version: ModelVersion) -> None:
         """The initial model (round 0), written when a job starts."""
-        with self._lock:
+        with self._write():
             self._insert_version(version)
 
     def commit_round(
@@ -628,7 +652,7 @@ class Store:
         """In one transaction: the model version, the attempt committed, the job's committed
         round advanced (and the job SUCCEEDED when ``final``)."""
         now = version.created_at
-        with self._transaction():
+        with self._write():
             self._insert_version(version)
             self._db.execute(
                 "UPDATE rounds SET state = 'committed', finished_at = ?, metrics = ? "
@@ -666,7 +690,7 @@ class Store:
     # -- events --------------------------------------------------------------------------------
 
     def add_event(self, event: EventRecord) -> None:
-        with self._lock:
+        with self._write():
             self._db.execute(
                 "INSERT INTO events (job_id, time, round, phase, step, state, message, metrics) "
                 "VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
@@ -695,7 +719,8 @@ def create_schema(database: Database) -> None:
     if database.dialect == "postgresql":
         with database.transaction():
             database.execute("SELECT pg_advisory_xact_lock(?)", (SCHEMA_LOCK_KEY,))
-            for statement in (*schema(_SCHEMA + _SHARED_SCHEMA, database.dialect), _REVOKED_INDEX):
+            for statement in (*schema(_SCHEMA + _SHARED_SCHEMA, database.dialect), _REVOKED_INDEX,
+                              *_FENCING_MIGRATION):
                 database.execute(statement)
         return
     assert isinstance(database, SqliteDatabase)
@@ -705,7 +730,8 @@ def create_schema(database: Database) -> None:
     for table, column in (("seated", "task_id TEXT NOT NULL DEFAULT ''"),
                           ("seated", "ledger_id TEXT NOT NULL DEFAULT ''"),
                           ("task_reports", "example TEXT NOT NULL DEFAULT ''"),
-                          ("devices", "revoked_at REAL")):
+                          ("devices", "revoked_at REAL"),
+                          ("rounds", "epoch INTEGER NOT NULL DEFAULT 0")):
         if column.split()[0] not in database.columns(table):
             database.execute(f"ALTER TABLE {table} ADD COLUMN {column}")
     database.execute(_REVOKED_INDEX)  # after the migration above

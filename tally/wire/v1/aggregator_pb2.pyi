@@ -120,3 +120,15 @@ class CloseSessionRequest(_message.Message):
 class CloseSessionResponse(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
+
+class FenceRequest(_message.Message):
+    __slots__ = ("leader_epoch",)
+    LEADER_EPOCH_FIELD_NUMBER: _ClassVar[int]
+    leader_epoch: bytes
+    def __init__(self, leader_epoch: _Optional[bytes] = ...) -> None: ...
+
+class FenceResponse(_message.Message):
+    __slots__ = ("leader_epoch",)
+    LEADER_EPOCH_FIELD_NUMBER: _ClassVar[int]
+    leader_epoch: int
+    def __init__(self, leader_epoch: _Optional[int] = ...) -> None: ...

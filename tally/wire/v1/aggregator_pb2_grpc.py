@@ -49,6 +49,11 @@ class AggregatorControlStub:
                 request_serializer=tally_dot_v1_dot_aggregator__pb2.CloseSessionRequest.SerializeToString,
                 response_deserializer=tally_dot_v1_dot_aggregator__pb2.CloseSessionResponse.FromString,
                 _registered_method=True)
+        self.Fence = channel.unary_unary(
+                '/tally.v1.AggregatorControl/Fence',
+                request_serializer=tally_dot_v1_dot_aggregator__pb2.FenceRequest.SerializeToString,
+                response_deserializer=tally_dot_v1_dot_aggregator__pb2.FenceResponse.FromString,
+                _registered_method=True)
 
 
 class AggregatorControlServicer:
@@ -75,6 +80,15 @@ class AggregatorControlServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Fence(self, request, context):
+        """A new coordinator leader (replicas over PostgreSQL) says its epoch: from then on a session
+        ticket of an older epoch is refused, and the sessions opened under one are closed, so a
+        leader that lost the lead without noticing opens and runs no session here. Idempotent.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_AggregatorControlServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -92,6 +106,11 @@ def add_AggregatorControlServicer_to_server(servicer, server):
                     servicer.CloseSession,
                     request_deserializer=tally_dot_v1_dot_aggregator__pb2.CloseSessionRequest.FromString,
                     response_serializer=tally_dot_v1_dot_aggregator__pb2.CloseSessionResponse.SerializeToString,
+            ),
+            'Fence': grpc.unary_unary_rpc_method_handler(
+                    servicer.Fence,
+                    request_deserializer=tally_dot_v1_dot_aggregator__pb2.FenceRequest.FromString,
+                    response_serializer=tally_dot_v1_dot_aggregator__pb2.FenceResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -175,6 +194,33 @@ class AggregatorControl:
             '/tally.v1.AggregatorControl/CloseSession',
             tally_dot_v1_dot_aggregator__pb2.CloseSessionRequest.SerializeToString,
             tally_dot_v1_dot_aggregator__pb2.CloseSessionResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Fence(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tally.v1.AggregatorControl/Fence',
+            tally_dot_v1_dot_aggregator__pb2.FenceRequest.SerializeToString,
+            tally_dot_v1_dot_aggregator__pb2.FenceResponse.FromString,
             options,
             channel_credentials,
             insecure,
