@@ -76,6 +76,11 @@ def domain_sums(trainer: LocalTrainer, params: Mapping[str, np.ndarray], domains
     """Per-domain (example counts, loss sums, correct predictions) from either kind of domain
     trainer (AgnosticFedAvg's takes the number of domains; FedDAR's knows its own)."""
     evaluate = getattr(trainer, "evaluate_domains", None)
+    statistics = getattr(trainer, "domain_statistics", None)
+    if evaluate is None and statistics is not None:  # AgnosticFedAvg's device: counts and loss sums only
+        counts, loss_sums = statistics(params, domains)
+        return (np.asarray(counts, np.float64), np.asarray(loss_sums, np.float64),
+                np.zeros(np.shape(counts), np.float64))
     if evaluate is None:
         raise EvaluationError("metric 'domain': this device's trainer has no evaluate_domains (its examples "
                               "carry no domain ids)")
@@ -103,18 +108,21 @@ class RoundEvaluation:
         clip = _Clipper()
         if not plan.step:
             return cls(plan, recorder, {}, clip)
-        model = {k: broadcast[k] for k in plan.model if k in broadcast} if plan.model else dict(broadcast)
+        model = ({name: broadcast[key] for key, name in zip(plan.model, plan.model_names) if key in broadcast}
+                 if plan.model else dict(broadcast))
         n = held.num_examples
         w = plan.weight(n)
         values: dict[str, Any] = {"devices": np.float64(1.0), "examples": np.int64(min(n, plan.example_cap)),
                                   "weight": np.float64(w)}
-        loss, accuracy = held.evaluate(model) if n else (0.0, 0.0)
+        loss, accuracy = held.evaluate(model) if n else (0.0, float("nan"))
+        scored = not np.isnan(accuracy)  # a regression model has no accuracy
         if "loss" in plan.metrics:
             values["loss"] = w * clip(loss, 0.0, plan.loss_bound)
         if "accuracy" in plan.metrics:
-            values["accuracy"] = w * clip(accuracy, 0.0, 1.0)
+            values["accuracy"] = w * clip(accuracy, 0.0, 1.0) if scored else np.float64(0.0)
+            values["scored"] = np.int64(scored)
         if "accuracy_histogram" in plan.metrics:
-            values["accuracy_histogram"] = (clip.bin(accuracy, 0.0, 1.0, plan.bins) if n
+            values["accuracy_histogram"] = (clip.bin(accuracy, 0.0, 1.0, plan.bins) if scored
                                             else np.zeros(plan.bins, dtype=np.int64))
         if "personal_accuracy" in plan.metrics:
             if not isinstance(inner, PersonalisedClient):

@@ -88,7 +88,10 @@ class EvaluationPlan:
     # counted, not noised) and the noise falls on the numerators alone.
     device_weighted: bool = False
     step: str = ""
+    # The model a device evaluates: the broadcast tensors ``model`` are the parameters ``model_names``
+    # (an algorithm may broadcast its model under other names, AgnosticFedAvg's ``model.*``).
     model: tuple[str, ...] = field(default=())
+    model_names: tuple[str, ...] = field(default=())
 
     def __post_init__(self) -> None:
         unknown = sorted(set(self.metrics) - set(BUILT_IN))
@@ -114,7 +117,8 @@ class EvaluationPlan:
         if "loss" in self.metrics:
             out.append(Field(PREFIX + "loss", (), clip=self.loss_bound))
         if "accuracy" in self.metrics:
-            out.append(Field(PREFIX + "accuracy", (), clip=1.0))
+            # ``scored``: devices whose model has an accuracy (a regression has none: NaN).
+            out += [Field(PREFIX + "accuracy", (), clip=1.0), Field(PREFIX + "scored", (), kind=Kind.COUNT, clip=1)]
         if "train_loss" in self.metrics:
             out += [Field(PREFIX + "train_loss", (), clip=self.loss_bound),
                     Field(PREFIX + "train_weight", (), clip=1.0)]
@@ -167,7 +171,7 @@ class EvaluationPlan:
         raw = dict(raw)
         custom = tuple(CustomMetric(**c) for c in raw.pop("custom", ()))
         return cls(**{**raw, "custom": custom, "metrics": tuple(raw.get("metrics", DEFAULT_METRICS)),
-                      "model": tuple(raw.get("model", ()))})
+                      "model": tuple(raw.get("model", ())), "model_names": tuple(raw.get("model_names", ()))})
 
     def tensor(self) -> np.ndarray:
         return np.frombuffer(json.dumps(self.to_dict(), sort_keys=True).encode(), dtype=np.uint8).copy()

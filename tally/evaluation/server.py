@@ -24,7 +24,23 @@ from tally.evaluation.summary import quality
 # Under DP the metrics share the update's L2 ball: together they may take this share of it (each
 # field's declared bound is inflated so), leaving the update almost all of the clip.
 DP_METRIC_SHARE = 0.25
-WITHHELD_UNDER_DP = ("examples", "clipped")  # reports of exact counts: not released under DP
+WITHHELD_UNDER_DP = ("examples", "clipped", "scored")  # reports of exact counts: not released under DP
+
+
+def broadcast_keys(model: Arrays, broadcast: Arrays) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """(model parameter names, the broadcast keys carrying them): a parameter is found under its own
+    name, else under the one broadcast tensor equal to it (an algorithm that prefixes its model)."""
+    names, keys = [], []
+    for name, value in model.items():
+        if name in broadcast and np.array_equal(broadcast[name], value):
+            key: str | None = name
+        else:
+            key = next((k for k, v in broadcast.items()
+                        if np.shape(v) == np.shape(value) and np.array_equal(v, value)), None)
+        if key is not None:
+            names.append(name)
+            keys.append(key)
+    return tuple(names), tuple(keys)
 
 
 class EvaluatedServer:
@@ -73,8 +89,8 @@ class EvaluatedServer:
         steps = self.inner.steps(state)
         if step != steps[0].name:
             return out
-        plan = replace(self.plan, step=self.carrier(steps) if self.due else "",
-                       model=tuple(self.inner.model(state)))
+        names, keys = broadcast_keys(self.inner.model(state), out)
+        plan = replace(self.plan, step=self.carrier(steps) if self.due else "", model=keys, model_names=names)
         return {**out, PLAN: plan.tensor()}
 
     def apply(self, state: Any, step: str, total: Mapping[str, np.ndarray]) -> Any:

@@ -56,11 +56,11 @@ def quality(plan: EvaluationPlan, totals: Mapping[str, np.ndarray]) -> dict[str,
            **{f"eval.{name}": float(t[name]) for name in ("examples", "clipped") if name in t}}
     if "loss" in t:
         out["eval.loss"] = float(_ratio(t["loss"], weight))
-    if "accuracy" in t:
+    if "accuracy" in t and t.get("scored", 1) > 0:  # none scored: a regression, no accuracy
         out["eval.accuracy"] = float(_ratio(t["accuracy"], weight))
     if "train_loss" in t:
         out["train.loss"] = float(_ratio(t["train_loss"], t["train_weight"]))
-    if "accuracy_histogram" in t:
+    if "accuracy_histogram" in t and t.get("scored", 1) > 0:
         hist = t["accuracy_histogram"]
         out.update({f"{HISTOGRAM}{i:02d}": float(c) for i, c in enumerate(hist)})
         out["eval.accuracy_p10"] = worst_decile(hist)
@@ -69,7 +69,9 @@ def quality(plan: EvaluationPlan, totals: Mapping[str, np.ndarray]) -> dict[str,
     if "domain_loss" in t:
         for k, (loss, acc) in enumerate(zip(_ratio(t["domain_loss"], t["domain_weight"]),
                                             _ratio(t["domain_accuracy"], t["domain_weight"]))):
-            out[f"eval.domain{k}.loss"], out[f"eval.domain{k}.accuracy"] = float(loss), float(acc)
+            out[f"eval.domain{k}.loss"] = float(loss)
+            if t.get("scored", 1) > 0:
+                out[f"eval.domain{k}.accuracy"] = float(acc)
     for c in plan.custom:
         value = t["custom." + c.name]
         if c.kind == "mean":

@@ -11,7 +11,7 @@ import pytest
 import torch
 from scipy import stats
 
-from support.jobs import job_text
+from support.jobs import job_text, reference_halves
 from support.stack import HIDDEN, in_process, run, scrape_text, spec, trainers
 from tally import modelio, models
 from tally.aggregator import session as aggregator_session
@@ -332,10 +332,9 @@ def test_plain_sum_job_runs_through_the_services_without_any_key_exchange(tmp_pa
     assert fleet_stats.sessions_completed == n * rounds
     assert set(received) == {"MaskedInputResponse"}
     assert phases == {"join", "masked_input"}
-    options = FedAvgOptions(local_epochs=1, local_lr=0.1, batch_size=16)
     reference_devices, _ = trainers(n)
-    state, _ = run_rounds(FedAvgServer(options), FedAvgClient(options), reference_devices,
-                          get_params(mlp(64, 10, hidden=HIDDEN, seed=0)), rounds, n, plain_sum)
+    state, _ = run_rounds(*reference_halves("fedavg", {"local_epochs": 1, "local_lr": 0.1, "batch_size": 16}),
+                          reference_devices, get_params(mlp(64, 10, hidden=HIDDEN, seed=0)), rounds, n, plain_sum)
     assert max(float(np.max(np.abs(model[k] - state.params[k]))) for k in model) < 1e-4
 
 
@@ -403,7 +402,7 @@ def test_agnostic_fedavg_through_the_services_with_a_coordinator_restart(tmp_pat
         catalogue.unregister_model("toy-scalar")
     assert job.state == common_pb2.JOB_STATE_SUCCEEDED and job.committed_round == rounds, job.message
     assert fleet_stats.rounds[job.job_id] == list(range(1, rounds + 1))
-    server, client = algorithms.make("agnostic_fedavg", options)
+    server, client = reference_halves("agnostic_fedavg", options, initial)
     reference, _ = run_rounds(server, client, toy.devices(0), initial, rounds, n, plain_sum)
     # Quantisation bound: each round's per-domain loss sums are off by < n·2^-4 (loss_frac_bits 4)
     # over >= 40 examples a domain, so L̄ by < 10/16/40 and log λ by < domain_lr·that = 8e-5 a

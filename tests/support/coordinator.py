@@ -38,6 +38,7 @@ from tally.codec import Field, Kind, PayloadSchema, ring_dtype, ring_mask, to_ri
 from tally.coordinator.service import CoordinatorService
 from tally.coordinator.spec import jobspec
 from tally.coordinator.state.store import Store
+from tally.evaluation import EvaluatedClient
 from tally.secagg import SessionConfig, SumResult
 from tally.security import (
     AuthError,
@@ -407,7 +408,7 @@ class FakeDevice:
 
 
 def fedavg_contribution(options: FedAvgOptions) -> Contribute:
-    client = FedAvgClient(options)
+    client = EvaluatedClient(FedAvgClient(options))  # as a device runs it: the job's evaluation around it
     return lambda device, step, broadcast: client.contribute(step, broadcast, device.trainer, None)[0]
 
 
