@@ -68,9 +68,10 @@ test-full: $(STAMP) postgresql
 
 # One image per role (localhost/tally-{aggregator,coordinator,client}), built offline with podman:
 # a debootstrap base once, a wheelhouse from this machine's pip (docker/build-images.sh). It needs
-# no .venv: any Python with pip builds the wheelhouse.
+# no .venv: any Python with pip builds the wheelhouse. REGISTRY=host[:port]/prefix also pushes them
+# there and pins them by digest in k8s/components/images (TLS_VERIFY=false: a plain-HTTP registry).
 images:
-	PYTHON=$(PYTHON) bash docker/build-images.sh
+	PYTHON=$(PYTHON) REGISTRY=$(REGISTRY) TLS_VERIFY=$(TLS_VERIFY) bash docker/build-images.sh
 
 # The images' contents, and the dev overlay's pods run from them with a real Prometheus.
 test-containers: $(STAMP) images prometheus postgresql gateway-tools

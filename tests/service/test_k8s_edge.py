@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import re
 import runpy
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -18,7 +19,7 @@ import yaml
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from support import tools
-from support.deploy import free_port
+from support.deploy import ROOT, free_port
 from support.gateway import LOG_LINE, HAProxy, edge_overlay, haproxy_config, routes, validate
 from support.manifests import K8S, env_value, find, one, render
 from tally.security import TLSConfig, certs
@@ -68,7 +69,7 @@ def test_the_edge_overlay_is_prod_behind_one_passthrough_gateway_with_a_route_pe
     most = _most_aggregators(edge)
     # The coordinator's device API, and every aggregator pod the autoscaler may run, each by the
     # name it advertises and through a Service that selects that pod only.
-    assert table.pop("tally-coordinator.edge.example.org") == ("tally-coordinator", 7000)
+    assert table.pop("tally-coordinator.edge.example.org") == ("tally-edge-coordinator", 7000)
     for i in range(most):
         host, port = _advertised(edge, i)
         assert port == listener["port"]
@@ -173,7 +174,7 @@ def test_haproxy_configured_from_the_routes_passes_tls_through_by_sni_and_refuse
                    for name, directory, identity in (("coordinator", "coordinator", "coordinator"),
                                                      ("aggregator-0", "aggregator-1", "aggregator"),
                                                      ("aggregator-1", "aggregator-2", "aggregator"))}
-        pods = {"tally-coordinator": "coordinator", "tally-edge-aggregator-0": "aggregator-0",
+        pods = {"tally-edge-coordinator": "coordinator", "tally-edge-aggregator-0": "aggregator-0",
                 "tally-edge-aggregator-1": "aggregator-1"}
 
         def endpoints(service: str, _port: int) -> list[str]:  # pods 2..7 are not running
@@ -213,4 +214,23 @@ def test_haproxy_configured_from_the_routes_passes_tls_through_by_sni_and_refuse
     refused = [line for line in connections if "sni=tally-aggregator-0.tally-aggregator" in line]
     assert refused and all("/<NOSRV> " in line and line.endswith(" PR") for line in refused), refused
     served = {row["pxname"]: int(row["stot"]) for row in stats if row["svname"] == "BACKEND"}
-    assert served["tally_coordinator_7000"] >= 1 and served["tally_edge_aggregator_1_7001"] >= 2
+    assert served["tally_edge_coordinator_7000"] >= 1 and served["tally_edge_aggregator_1_7001"] >= 2
+
+
+def test_the_pages_loadbalancer_alternative_renders_a_load_balancer_per_name_and_no_gateway_api(
+        edge: list[dict[str, Any]], tmp_path: Path) -> None:
+    page = (ROOT / "docs" / "kubernetes.md").read_text()
+    block = re.search(r"^Without Gateway API.*?```yaml\n(.*?)```", page, re.M | re.S)
+    assert block, "the page's LoadBalancer alternative"
+    shutil.copytree(K8S, tmp_path / "k8s")
+    (tmp_path / "wrap").mkdir()
+    (tmp_path / "wrap" / "kustomization.yaml").write_text(block.group(1))
+    objects = render(tmp_path / "wrap")
+    assert not [o for o in objects if o["apiVersion"].startswith("gateway.networking.k8s.io/")]
+    balanced = {o["metadata"]["name"]: o["spec"] for o in find(objects, "Service")
+                if o["spec"].get("type") == "LoadBalancer"}
+    # One per name the Gateway would have routed, each on 443 to the same pods as its route.
+    assert set(balanced) == {service for service, _ in routes(edge, "tally-edge", "tls").values()}
+    assert all([p["port"] for p in spec["ports"]] == [443] for spec in balanced.values())
+    pod_3 = {"statefulset.kubernetes.io/pod-name": "tally-aggregator-3"}
+    assert balanced["tally-edge-aggregator-3"]["selector"] == pod_3

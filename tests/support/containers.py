@@ -1,12 +1,13 @@
 """Pods of rendered manifests run as podman containers, as a kubelet would run them.
 
-``ContainerPod`` turns one pod template into ``podman run`` flags: the manifest's image (never
-pulled), entrypoint and args (``$(VAR)`` expanded), env (``fieldRef`` resolved), user and groups,
-read-only root filesystem, dropped capabilities, no privilege escalation, CPU and memory limits,
-Secrets and ConfigMaps as read-only files with their modes and fsGroup, emptyDirs as tmpfs of their
-size limit, the volume claim as a podman volume, and the Services' DNS names as host entries on a
-network the test creates. Whatever a manifest says that none of this honours is returned by
-``unhonoured()`` with the reason, so a test lists it instead of dropping it.
+``ContainerPod`` turns one pod template into ``podman run`` flags: the manifest's image (``start``
+pulls it first when it names a registry), entrypoint and args (``$(VAR)`` expanded), env
+(``fieldRef`` resolved), user and groups, read-only root filesystem, dropped capabilities, no
+privilege escalation, CPU and memory limits, Secrets and ConfigMaps as read-only files with their
+modes and fsGroup, emptyDirs as tmpfs of their size limit, the volume claim as a podman volume,
+and the Services' DNS names as host entries on a network the test creates. Whatever a manifest
+says that none of this honours is returned by ``unhonoured()`` with the reason, so a test lists it
+instead of dropping it.
 """
 
 from __future__ import annotations
@@ -100,7 +101,9 @@ class ContainerPod:
         return self.local.container
 
     def running(self) -> RunningPod:
-        labels = self.workload["spec"]["template"]["metadata"]["labels"]
+        labels = dict(self.workload["spec"]["template"]["metadata"]["labels"])
+        if self.workload["kind"] == "StatefulSet":  # the label its controller gives each pod
+            labels["statefulset.kubernetes.io/pod-name"] = self.name
         return RunningPod(self.name, labels, self.ip, self.container["name"], self.container.get("ports", []))
 
     def run_args(self, network: str, hosts: dict[str, str]) -> list[str]:
@@ -278,7 +281,16 @@ def remove_everything(prefix: str) -> None:
             podman(*remove, *ours, check=False, timeout=180)
 
 
+def pull(image: str) -> None:
+    """What a kubelet does first with an image it does not have: pull it from its registry (one on
+    loopback speaks plain HTTP)."""
+    plain = image.split("/", 1)[0].rsplit(":", 1)[0] in ("127.0.0.1", "localhost")
+    podman("pull", "--quiet", f"--tls-verify={str(not plain).lower()}", image, timeout=900)
+
+
 def start(pod: ContainerPod, network: str, hosts: dict[str, str]) -> None:
+    if not pod.container["image"].startswith("localhost/"):  # from a registry: pulled, as a kubelet would
+        pull(pod.container["image"])
     args = pod.run_args(network, hosts)  # names the claims' volumes
     pod.create_volumes()
     podman(*args, timeout=180)

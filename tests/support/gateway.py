@@ -137,6 +137,7 @@ def haproxy_config(objects: list[dict[str, Any]], gateway: str, listener: str, b
         f"    maxconn {max_connections}",
         "defaults",
         "    mode tcp",
+        f"    maxconn {max_connections}",
         "    log global",
         f'    log-format "{LOG_FORMAT}"',
         "    timeout connect 5s",

@@ -1,4 +1,5 @@
-"""Writes routes.yaml: one TLSRoute per external hostname and a Service per aggregator pod.
+"""Writes routes.yaml: one TLSRoute per external hostname, each to a Service of the gateway's
+(the coordinator's pods; one aggregator pod each).
 
     python k8s/components/edge-gateway/routes.py > k8s/components/edge-gateway/routes.yaml
 
@@ -31,22 +32,26 @@ def _route(name: str, hostname: str, service: str, port: int) -> dict:
     }
 
 
-def _pod_service(ordinal: int) -> dict:
-    pod = f"tally-aggregator-{ordinal}"
+def _service(name: str, selector: dict[str, str], port: int) -> dict:
     return {
         "apiVersion": "v1",
         "kind": "Service",
-        "metadata": {"name": f"tally-edge-aggregator-{ordinal}",
-                     "labels": {"app.kubernetes.io/name": "tally", "app.kubernetes.io/component": "edge"}},
-        "spec": {"selector": {"statefulset.kubernetes.io/pod-name": pod},
-                 "ports": [{"name": "grpc", "port": 7001, "targetPort": "grpc", "appProtocol": "grpc"}]},
+        "metadata": {"name": name, "labels": {"app.kubernetes.io/name": "tally",
+                                              "app.kubernetes.io/component": "edge"}},
+        "spec": {"selector": selector,
+                 "ports": [{"name": "grpc", "port": port, "targetPort": "grpc", "appProtocol": "grpc"}]},
     }
 
 
 def objects(aggregators: int = AGGREGATORS) -> list[dict]:
-    out = [_route("tally-edge-coordinator", "tally-coordinator.EDGE_DOMAIN", "tally-coordinator", 7000)]
+    """The gateway's Services (its own, so that clusters without Gateway API can make each one a
+    LoadBalancer instead; see docs/kubernetes.md) and the route to each."""
+    coordinator = {"app.kubernetes.io/name": "tally", "app.kubernetes.io/component": "coordinator"}
+    out = [_service("tally-edge-coordinator", coordinator, 7000),
+           _route("tally-edge-coordinator", "tally-coordinator.EDGE_DOMAIN", "tally-edge-coordinator", 7000)]
     for i in range(aggregators):
-        out.append(_pod_service(i))
+        pod = {"statefulset.kubernetes.io/pod-name": f"tally-aggregator-{i}"}
+        out.append(_service(f"tally-edge-aggregator-{i}", pod, 7001))
         out.append(_route(f"tally-edge-aggregator-{i}", f"tally-aggregator-{i}.aggregators.EDGE_DOMAIN",
                           f"tally-edge-aggregator-{i}", 7001))
     return out
