@@ -71,7 +71,7 @@ def can_run_containers() -> str | None:
     return None
 
 
-def _bytes(quantity: str) -> int:
+def quantity_bytes(quantity: str) -> int:
     for suffix, factor in _QUANTITY.items():
         if quantity.endswith(suffix):
             return int(quantity[:-2]) * factor
@@ -131,7 +131,8 @@ class ContainerPod:
             cpu = limits["cpu"]
             args += ["--cpus", str(int(cpu[:-1]) / 1000 if cpu.endswith("m") else float(cpu))]
         if "memory" in limits:  # no swap beyond the limit: a kubelet's pod would be OOM-killed
-            args += ["--memory", str(_bytes(limits["memory"])), "--memory-swap", str(_bytes(limits["memory"]))]
+            memory = str(quantity_bytes(limits["memory"]))
+            args += ["--memory", memory, "--memory-swap", memory]
         for name, value in self.local.env.items():
             args += ["--env", f"{name}={value}"]
         args += self._mounts()
@@ -151,7 +152,7 @@ class ContainerPod:
             elif "emptyDir" in volume:
                 size = volume["emptyDir"].get("sizeLimit")
                 flags += ["--mount", f"type=tmpfs,destination={target},tmpfs-mode=1777"
-                          + (f",tmpfs-size={_bytes(size)}" if size else "")]
+                          + (f",tmpfs-size={quantity_bytes(size)}" if size else "")]
             else:
                 readonly = ",ro=true" if mount.get("readOnly") else ""
                 flags += ["--mount", f"type=bind,source={self.local.mounts[target]},destination={target}{readonly}"]
