@@ -195,7 +195,7 @@ def test_haproxy_configured_from_the_routes_passes_tls_through_by_sni_and_refuse
                 "not routed": await _through(port, "tally-aggregator-0.tally-aggregator", ca, "aggregator-0"),
                 "wrong domain": await _through(port, "tally-coordinator.elsewhere.test", ca, "coordinator"),
             }
-            return seen, gateway.log(), gateway.stats()
+            return seen, gateway.log(connections=len(seen)), gateway.stats()
         finally:
             if gateway is not None:
                 gateway.stop()

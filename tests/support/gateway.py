@@ -22,6 +22,7 @@ import re
 import signal
 import socket
 import subprocess
+import time
 from collections.abc import Callable
 from functools import cache
 from pathlib import Path
@@ -41,7 +42,6 @@ LOG_LINE = re.compile(
     r"[\d.]+:\d+ \[[^]]+\] \w+ [\w<>]+/[\w<>]+ sni=[\w.*-]* up=\d+ down=\d+ -?\d+/-?\d+/\d+ [\w-]{2,4}$")
 
 
-@cache
 def edge_overlay(directory: Path, base: Path, domain: str, port: int, gateway_class: str = "test") -> Path:
     """A kustomization in ``directory`` as an operator composes the edge overlay: ``base`` (an
     overlay), the tally-edge settings (``domain``, ``port``) and components/edge-gateway."""
@@ -59,6 +59,7 @@ def edge_overlay(directory: Path, base: Path, domain: str, port: int, gateway_cl
     return directory
 
 
+@cache
 @cache
 def _schema(kind: str) -> dict[str, Any]:
     schema = json.loads((SCHEMAS / f"{kind.lower()}-v1.json").read_text())
@@ -188,9 +189,15 @@ class HAProxy:
                 data += chunk
         return data.decode()
 
-    def log(self) -> list[str]:
-        """Every log line so far (a line per connection, when it closes)."""
-        return [line for line in self._ask(f"show events {RING}").splitlines() if line.strip()]
+    def log(self, connections: int = 0, deadline_s: float = 30) -> list[str]:
+        """Every log line so far, once it holds at least ``connections`` connection lines (HAProxy
+        writes a connection's line after the connection closes, which the client may see first)."""
+        end = time.monotonic() + deadline_s
+        while True:
+            lines = [line for line in self._ask(f"show events {RING}").splitlines() if line.strip()]
+            if sum(" sni=" in line for line in lines) >= connections or time.monotonic() > end:
+                return lines
+            time.sleep(0.1)  # polling the runtime API: nothing to wait on but HAProxy's next line
 
     def stats(self) -> list[dict[str, str]]:
         """``show stat``: one row per frontend, server and backend (scur, smax, stot, ...)."""
