@@ -73,7 +73,8 @@ test-full: $(STAMP) postgresql
 images:
 	PYTHON=$(PYTHON) REGISTRY=$(REGISTRY) TLS_VERIFY=$(TLS_VERIFY) bash docker/build-images.sh
 
-# The images' contents, and the dev overlay's pods run from them with a real Prometheus.
+# The images' contents; the dev overlay's pods run from them with a real Prometheus, the replicas
+# overlay's over PostgreSQL, and the edge overlay's pulled from a registry behind an SNI gateway.
 test-containers: $(STAMP) images prometheus postgresql gateway-tools
 	TALLY_REQUIRE_CONTAINERS=1 $(PY) -m pytest -q -m containers -p no:cacheprovider tests/e2e/test_containers.py
 
