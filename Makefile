@@ -5,7 +5,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: test lint demo docs bench-smoke clean prometheus postgresql images test-containers test-full
+.PHONY: test lint demo docs bench-smoke clean prometheus postgresql gateway-tools images test-containers test-full
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -32,6 +32,14 @@ postgresql:
 		$$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq \
 			--no-install-recommends postgresql >/dev/null || echo "postgresql not installed: its tests will skip"; }
 
+# The edge gateway's tests run a real SNI router (Debian's haproxy) and the container test pulls the
+# images from a real registry (Debian's docker-registry); installed when missing, as Prometheus is.
+gateway-tools:
+	@command -v haproxy >/dev/null && command -v docker-registry >/dev/null || { \
+		SUDO=$$( [ "$$(id -u)" = 0 ] || echo "sudo -n"); \
+		$$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq \
+			--no-install-recommends haproxy docker-registry >/dev/null || echo "haproxy/docker-registry not installed: their tests will skip"; }
+
 # Tests run in TEST_WORKERS processes (pytest-xdist): most of the suite waits on servers, child
 # processes and deadlines, so three workers on two cores finish sooner than one (docs/contributing.md).
 TEST_WORKERS ?= 3
@@ -44,7 +52,7 @@ lint: $(STAMP)
 	$(PY) -m mypy
 	PYTHONPATH=$(CURDIR) $(VENV)/bin/lint-imports --no-cache
 
-test: $(STAMP) prometheus postgresql lint
+test: $(STAMP) prometheus postgresql gateway-tools lint
 	$(PY) -m pytest -q -m "not containers and not full" -n $(TEST_WORKERS)
 
 # What `make test` runs smaller or leaves out, at full size: the 10,000-device cohort, the attacks at
@@ -60,12 +68,14 @@ test-full: $(STAMP) postgresql
 
 # One image per role (localhost/tally-{aggregator,coordinator,client}), built offline with podman:
 # a debootstrap base once, a wheelhouse from this machine's pip (docker/build-images.sh). It needs
-# no .venv: any Python with pip builds the wheelhouse.
+# no .venv: any Python with pip builds the wheelhouse. REGISTRY=host[:port]/prefix also pushes them
+# there and pins them by digest in k8s/components/images (TLS_VERIFY=false: a plain-HTTP registry).
 images:
-	PYTHON=$(PYTHON) bash docker/build-images.sh
+	PYTHON=$(PYTHON) REGISTRY=$(REGISTRY) TLS_VERIFY=$(TLS_VERIFY) bash docker/build-images.sh
 
-# The images' contents, and the dev overlay's pods run from them with a real Prometheus.
-test-containers: $(STAMP) images prometheus postgresql
+# The images' contents; the dev overlay's pods run from them with a real Prometheus, the replicas
+# overlay's over PostgreSQL, and the edge overlay's pulled from a registry behind an SNI gateway.
+test-containers: $(STAMP) images prometheus postgresql gateway-tools
 	TALLY_REQUIRE_CONTAINERS=1 $(PY) -m pytest -q -m containers -p no:cacheprovider tests/e2e/test_containers.py
 
 demo: $(STAMP)

@@ -4,7 +4,9 @@
 #   1. a base image (Debian bookworm minbase + python3, python3-venv, tini) from debootstrap, once;
 #   2. a wheelhouse on the host (build/wheelhouse): the project's wheel and every dependency, torch
 #      the CPU build pip finds locally, so the image builds install with --no-index;
-#   3. one image per role: localhost/tally-{aggregator,coordinator,client}:VERSION.
+#   3. one image per role: localhost/tally-{aggregator,coordinator,client}:VERSION;
+#   4. with REGISTRY=host[:port]/prefix: pushed there and pinned by digest in the images component
+#      (docker/push-images.sh).
 #
 # Runs as root (debootstrap and rootful podman). At the end it prunes the dangling images its own
 # builds left (build stages, role images a rebuild replaced: both carry the org.tally.built-by
@@ -101,3 +103,6 @@ for label in org.tally.built-by=docker/build-images.sh org.opencontainers.image.
     "${PODMAN[@]}" image prune --force --filter "label=$label" >/dev/null
 done
 "${PODMAN[@]}" images --filter reference='localhost/tally-*' --format '{{.Repository}}:{{.Tag}} {{.Size}}'
+if [ -n "${REGISTRY:-}" ]; then
+    bash docker/push-images.sh
+fi

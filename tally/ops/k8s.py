@@ -26,6 +26,8 @@ ADMIN_TOKEN_PATH = "/var/lib/tally/state/admin.token"
 WORKLOADS = ("tally-coordinator", "tally-aggregator")
 # Applied first: what later objects live in or refer to.
 _FIRST = ("Namespace", "ServiceAccount", "Secret", "ConfigMap", "Role", "RoleBinding")
+# API groups under k8s.io that are custom resources all the same (installed with their controller).
+_CUSTOM_K8S_IO = ("gateway.networking.k8s.io",)
 
 
 class K8sError(RuntimeError):
@@ -57,13 +59,14 @@ def load_manifests(directory: Path) -> list[dict[str, Any]]:
 
 def apply_order(objects: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
     """Namespaces, identities, Secrets and ConfigMaps first, custom resources (cert-manager,
-    Prometheus operator) last, everything else in between, each group in its given order."""
+    Prometheus operator, Gateway API) last, everything else in between, each group in its given
+    order."""
 
     def rank(obj: dict[str, Any]) -> int:
         if obj["kind"] in _FIRST:
             return _FIRST.index(obj["kind"])
         group = obj["apiVersion"].rpartition("/")[0]
-        custom = "." in group and not group.endswith(".k8s.io")
+        custom = "." in group and (not group.endswith(".k8s.io") or group in _CUSTOM_K8S_IO)
         return len(_FIRST) + custom
 
     return sorted(objects, key=rank)

@@ -24,6 +24,10 @@ _CAUSES = (
      "`tally certs --dns/--ip`)"),
     ("WRONG_VERSION_NUMBER", "the server does not speak TLS (is it started with --insecure?)"),
     ("CERTIFICATE_VERIFY_FAILED", _NOT_ACCEPTED),
+    # The peer closed the connection after the ClientHello: what a gateway that routes by SNI
+    # (TLS passthrough) does with a name it has no route for.
+    ("Handshake read failed", "the connection was closed during the handshake: a gateway routing by name "
+     "(SNI) has no route for the name dialled, or nothing serves it (dial a name the gateway routes)"),
     ("handshake failed", _HANDSHAKE_FAILED),
 )
 

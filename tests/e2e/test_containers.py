@@ -24,6 +24,7 @@ from typing import Any
 
 import pytest
 import yaml
+from cryptography import x509
 
 from support import tools
 from support.containers import (
@@ -32,15 +33,19 @@ from support.containers import (
     ContainerPod,
     can_run_containers,
     podman,
+    pull,
+    quantity_bytes,
     remove_everything,
     service_hosts,
     start,
 )
-from support.deploy import ROOT
+from support.deploy import ROOT, free_port
+from support.gateway import LOG_LINE, HAProxy, edge_overlay, haproxy_config
 from support.manifests import K8S, LocalPod, ManifestCluster, find, image_entrypoint, load_secrets, one, render
 from support.operator_scrape import scrape_configs, targets
 from support.postgres import needs_postgres, postgres_server
 from support.prometheus import LivePrometheus, needs_prometheus
+from support.registry import Registry
 from tally.cli import main as tally_main
 
 pytestmark = pytest.mark.containers
@@ -409,12 +414,250 @@ def test_coordinator_replicas_run_in_containers_over_postgresql_and_one_takes_ov
         remove_everything(prefix)
 
 
+# -- the edge overlay: devices outside, through an SNI gateway, images from a registry -------------
+
+EDGE_DOMAIN = "edge.test"
+# A synthetic job (every committed sum checkable exactly), secure, for the outside fleet.
+EDGE_JOB = ("name: outside\nalgorithm: fedavg\nrounds: 2\ncohort_size: 10\nover_selection: 1.2\nmin_cohort: 5\n"
+            "model: {kind: mlp, inputs: 64, classes: 10, hidden: 8, seed: 0}\n"
+            "secure: {dropout_rate: 0.1, corrupt_rate: 0.05}\n"
+            "deadlines: {checkin: 60, download: 60, advertise_keys: 30, share_keys: 30, masked_input: 60, "
+            "unmask: 30}\n")
+OUTSIDE_DEVICES = 20
+HELD_CONNECTIONS = 4000  # held open at once through the gateway by one aggregator pod
+ARRIVING_AT_ONCE = 500  # of them, connecting together
+
+
+def _pushed(tmp_path: Path, registry: Registry) -> Path:
+    """A copy of k8s/ whose images component `make images REGISTRY=...` rewrote after pushing
+    the images to ``registry`` (docker/push-images.sh, the step it runs)."""
+    k8s = tmp_path / "k8s"
+    shutil.copytree(K8S, k8s)
+    env = {**os.environ, "REGISTRY": f"{registry.address}/tally", "TLS_VERIFY": "false",
+           "IMAGES_COMPONENT": str(k8s / "components" / "images")}
+    pushed = subprocess.run(["bash", str(ROOT / "docker" / "push-images.sh")], capture_output=True, text=True,
+                            timeout=1800, env=env)
+    assert pushed.returncode == 0, pushed.stderr[-3000:]
+    return k8s
+
+
+def _endpoints(objects: list[dict[str, Any]], pods: list[ContainerPod]) -> Callable[[str, int], list[str]]:
+    """What a Service port's EndpointSlice would list: ip:containerPort of each running pod it selects."""
+    def endpoints(service: str, port: int) -> list[str]:
+        spec = one(objects, "Service", service)["spec"]
+        target = next(p["targetPort"] for p in spec["ports"] if p["port"] == port)
+        found = []
+        for pod in pods:
+            running = pod.running()
+            if spec["selector"].items() <= running.labels.items() and pod.state() == "running":
+                found += [f"{pod.ip}:{p['containerPort']}" for p in running.ports
+                          if target in (p["name"], p["containerPort"])]
+        return found
+    return endpoints
+
+
+def _hold_connections(gateway: int, name: str, ca: Path, count: int,
+                      while_held: Callable[[], int]) -> tuple[int, float, int]:
+    """``count`` devices' own connections (one channel each) through the gateway to ``name``, each
+    through a TLS handshake with the pod and a health check, ``ARRIVING_AT_ONCE`` at a time, then
+    all held open together: how many answered SERVING, the seconds that took, and
+    ``while_held()`` asked while they are all open."""
+    import asyncio
+
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    from tally.security import TLSConfig
+    from tally.security.tls import open_aio_channel
+
+    async def main() -> tuple[int, float, int]:
+        # A local subchannel pool: each channel its own TCP connection, as separate phones have.
+        channels = [open_aio_channel(f"127.0.0.1:{gateway}", TLSConfig(ca=ca, server_name=name),
+                                     [("grpc.use_local_subchannel_pool", 1)]) for _ in range(count)]
+        started, replies = time.monotonic(), []
+        try:
+            # Devices arrive in waves (a cohort's members at a session's start), not all in one instant.
+            for wave in range(0, count, ARRIVING_AT_ONCE):
+                replies += await asyncio.gather(*(health_pb2_grpc.HealthStub(c).Check(
+                    health_pb2.HealthCheckRequest(), timeout=300) for c in channels[wave:wave + ARRIVING_AT_ONCE]),
+                    return_exceptions=True)
+            took = time.monotonic() - started
+            serving = sum(1 for r in replies if getattr(r, "status", None) == health_pb2.HealthCheckResponse.SERVING)
+            return serving, took, await asyncio.to_thread(while_held)
+        finally:
+            await asyncio.gather(*(c.close() for c in channels))
+
+    return asyncio.run(main())
+
+
+def _memory(pod: ContainerPod) -> int:
+    """The container's memory use in bytes, as its cgroup counts it (what a memory limit caps)."""
+    used = podman("stats", "--no-stream", "--format", "{{.MemUsage}}", pod.container_name).stdout
+    number, unit = re.fullmatch(r"([\d.]+)\s*([kMG]?B)", used.split("/")[0].strip()).groups()
+    return int(float(number) * {"B": 1, "kB": 1000, "MB": 1000 ** 2, "GB": 1000 ** 3}[unit])
+
+
+def _backend_stats(gateway: HAProxy) -> dict[str, dict[str, int]]:
+    return {row["pxname"]: {k: int(row[k] or 0) for k in ("scur", "smax", "stot")}
+            for row in gateway.stats() if row["svname"] == "BACKEND"}
+
+
+def test_devices_outside_reach_the_edge_overlay_only_through_an_sni_gateway_with_images_from_a_registry(
+        images: dict[str, str], tmp_path: Path) -> None:
+    """The images pushed to a real registry (Debian's docker-registry) and pinned by digest in the
+    rendered overlay; prod's servers with the edge gateway component as containers pulled from it;
+    HAProxy configured from the rendered Gateway and TLSRoutes as the only way in, on one port of
+    127.0.0.1; a fleet outside the pods' network (the client image on the host's network, whose
+    DNS answers the external names with the gateway's address) runs a secure job: it commits,
+    every cohort sum exact. A device that dials a pod name with no route is refused at the
+    gateway, one with a wrong SNI gets a named TLS error, and the gateway's log holds routing facts
+    only. Then the measured figure: devices' own connections held at once through the gateway by
+    one aggregator pod."""
+    tools.require("haproxy", "Debian's haproxy: `make gateway-tools` installs it")
+    registry = Registry(tmp_path / "registry")
+    gateway: HAProxy | None = None
+    prefix = f"tally-e2e-{secrets.token_hex(3)}"
+    subnet = f"10.{200 + secrets.randbelow(50)}.{secrets.randbelow(250)}"
+    network = f"{prefix}-net"
+    try:
+        k8s = _pushed(tmp_path, registry)
+        port = free_port()
+        outside = k8s / "overlays" / "outside"
+        outside.mkdir()
+        (outside / "outside.yaml").write_text(EDGE_JOB)
+        (outside / "kustomization.yaml").write_text(yaml.safe_dump({
+            "apiVersion": "kustomize.config.k8s.io/v1beta1", "kind": "Kustomization", "namespace": "tally",
+            "resources": ["../prod"], "configMapGenerator": [{"name": "tally-jobs", "files": ["outside.yaml"]}]}))
+        objects = render(edge_overlay(k8s / "overlays" / "outside-edge", outside, EDGE_DOMAIN, port))
+        pinned = {c["image"] for o in find(objects, "StatefulSet") for c in o["spec"]["template"]["spec"]["containers"]}
+        by_digest = rf"{re.escape(registry.address)}/tally/tally-(coordinator|aggregator)@sha256:[0-9a-f]{{64}}"
+        assert len(pinned) == 2 and all(re.fullmatch(by_digest, image) for image in pinned), pinned
+        component = yaml.safe_load((k8s / "components" / "images" / "kustomization.yaml").read_text())
+        client_image = next(f"{e['newName']}@{e['digest']}" for e in component["images"] if e["name"] == "tally-client")
+        assert tally_main(["certs", "--out", str(tmp_path / "certs"), "--k8s-secrets", str(tmp_path / "k8s-secrets"),
+                           "--dns", f"tally-coordinator.{EDGE_DOMAIN}", "--dns", f"*.aggregators.{EDGE_DOMAIN}"]) == 0
+        cluster = ManifestCluster(objects, load_secrets(tmp_path / "k8s-secrets"), tmp_path / "pods", namespace="tally")
+        coordinator_set = one(objects, "StatefulSet", "tally-coordinator")
+        aggregator_set = one(objects, "StatefulSet", "tally-aggregator")
+        coordinator = ContainerPod(LocalPod(cluster, coordinator_set, "tally-coordinator-0"), coordinator_set,
+                                   f"{subnet}.10", prefix)
+        aggregators = [ContainerPod(LocalPod(cluster, aggregator_set, f"tally-aggregator-{i}"), aggregator_set,
+                                    f"{subnet}.{20 + i}", prefix) for i in range(aggregator_set["spec"]["replicas"])]
+        unhonoured = {f: why for p in [coordinator, *aggregators] for f, why in p.unhonoured().items()}
+        unhonoured |= {kind: "no cert-manager here: `tally certs --dns` writes the same Secrets"
+                       for kind in ("Certificate", "Issuer")}
+        unhonoured |= {"NetworkPolicy": CANNOT_HONOUR["NetworkPolicy"],
+                       "HorizontalPodAutoscaler": "the StatefulSet's three aggregators stay three",
+                       "Gateway": "HAProxy, configured from the Gateway and its TLSRoutes, is the gateway"}
+        print("not honoured here:\n" + "\n".join(f"  {f}: {why}" for f, why in sorted(unhonoured.items())))
+        hosts = service_hosts(cluster, [coordinator, *aggregators])
+        podman("network", "create", "--subnet", f"{subnet}.0/24", network)
+        for pod in [*aggregators, coordinator]:
+            start(pod, network, hosts)  # pulled from the registry by digest first
+            assert pod.container["image"] in json.loads(podman("image", "inspect", pod.container["image"]).stdout)[0][
+                "RepoDigests"]
+        for pod in [*aggregators, coordinator]:
+            pod.until_started()
+        gateway = HAProxy(tmp_path / "gateway", haproxy_config(objects, "tally-edge", "tls", f"127.0.0.1:{port}",
+                                                               _endpoints(objects, [coordinator, *aggregators])))
+
+        # The device outside: the client image on the host's network; its resolver answers every
+        # external name with the gateway's address (a wildcard DNS record would), nothing else.
+        device = tmp_path / "device"
+        (device / "tls").mkdir(parents=True)
+        shutil.copy(tmp_path / "certs" / "device" / "ca.pem", device / "tls" / "ca.pem")
+        shutil.copy(tmp_path / "certs" / "coordinator" / "enrolment.key", device / "enrolment.key")
+        state = podman("volume", "inspect", coordinator.volumes["state"], "--format", "{{.Mountpoint}}").stdout.strip()
+        shutil.copy(Path(state) / "state" / "admin.token", device / "admin.token")
+        (device / "out").mkdir()
+        for path in device.rglob("*"):
+            path.chmod(0o777 if path.is_dir() else 0o644)
+        device.chmod(0o755)
+        names = [f"tally-coordinator.{EDGE_DOMAIN}"] + [f"tally-aggregator-{i}.aggregators.{EDGE_DOMAIN}"
+                                                         for i in range(_most(objects))]
+        pull(client_image)
+        fleet = podman(
+            "run", "--detach", "--name", f"{prefix}-outside", "--network", "host", *RUNTIME, "--pull", "never",
+            "--read-only", "--user", "10001:10001", "--cap-drop", "all", "--tmpfs", "/tmp", "--env", "HOME=/tmp",
+            *(a for name in names for a in ("--add-host", f"{name}:127.0.0.1")),
+            "-v", f"{device}:/device:ro", "-v", f"{device / 'out'}:/out",
+            client_image, "--coordinator", f"tally-coordinator.{EDGE_DOMAIN}:{port}", "--devices", str(OUTSIDE_DEVICES),
+            "--synthetic", "--tls-dir", "/device/tls", "--enrolment-key", "/device/enrolment.key",
+            "--audit-token-file", "/device/admin.token", "--json", "/out/fleet.json", "--no-progress",
+            "--metrics-addr", "127.0.0.1", "--metrics-port", "0", "--cache-dir", "/tmp/models").stdout.strip()
+        code = int(podman("wait", fleet, timeout=600).stdout.strip())
+        logs = podman("logs", fleet, check=False)
+        assert code == 0, logs.stdout[-3000:] + logs.stderr[-3000:] + coordinator.logs()
+        report = json.loads((device / "out" / "fleet.json").read_text())
+        assert report["audit"]["exact"] >= 2 and report["audit"]["mismatch"] == 0, report["audit"]
+        listing = _job_list(coordinator, aggregators[0])
+        assert re.search(r"^outside-\w+\s+SUCCEEDED", listing.stdout, re.M), listing.stdout + listing.stderr
+        served = _backend_stats(gateway)
+        assert served["tally_edge_coordinator_7000"]["stot"] >= 1
+        reached = [i for i in range(len(aggregators)) if served[f"tally_edge_aggregator_{i}_7001"]["stot"] >= 1]
+        assert reached, served
+        for i in reached:
+            assert _metric(aggregators[i], "tally_aggregator_sessions_finished_total") >= 1
+
+        # Refused at the gateway: a pod's in-cluster name (no route); a wrong name, named as TLS.
+        ca = tmp_path / "certs" / "device"
+        probe = subprocess.run([sys.executable, "-m", "tally.ops.probe", f"127.0.0.1:{port}", "--tls-dir", str(ca),
+                                "--server-name", "tally-aggregator-0.tally-aggregator"],
+                               capture_output=True, text=True, timeout=60)
+        assert probe.returncode == 1, probe.stdout + probe.stderr
+        wrong = subprocess.run([sys.executable, "-m", "tally.cli", "client", "--device-id", "d", "--shard", "0",
+                                "--shards", "2", "--hidden", "8", "--connect-timeout", "2",
+                                "--coordinator", f"127.0.0.1:{port}", "--server-name", "tally-coordinator.wrong.test",
+                                "--tls-dir", str(ca), "--state-dir", str(tmp_path / "wrong")],
+                               capture_output=True, text=True, timeout=120)
+        assert wrong.returncode == 1
+        assert "TLS: the connection was closed during the handshake: a gateway" in " ".join(wrong.stderr.split())
+
+        # The measured figure: devices' own connections to one aggregator pod, held at once.
+        target = f"tally-aggregator-0.aggregators.{EDGE_DOMAIN}"
+        idle = _memory(aggregators[0])
+        serving, took, held = _hold_connections(port, target, ca / "ca.pem", HELD_CONNECTIONS,
+                                                lambda: _memory(aggregators[0]))
+        peak = _backend_stats(gateway)["tally_edge_aggregator_0_7001"]["smax"]
+        limit = quantity_bytes(aggregators[0].container["resources"]["limits"]["memory"])
+        per_connection = (held - idle) / HELD_CONNECTIONS
+        print(f"gateway: {serving} of {HELD_CONNECTIONS} connections to one aggregator pod answered in {took:.1f} s, "
+              f"peak {peak} at once through the gateway; the pod's memory {idle / 2**20:.0f} -> "
+              f"{held / 2**20:.0f} MiB, "
+              f"{per_connection / 1024:.1f} KiB per connection ({(limit - idle) / per_connection:,.0f} in its "
+              f"{limit / 2**30:.0f} GiB limit)")
+        assert serving == HELD_CONNECTIONS and peak >= HELD_CONNECTIONS
+        assert aggregators[0].probe("livenessProbe").returncode == 0, aggregators[0].logs()
+
+        log = gateway.log()
+        connections = [line for line in log if " sni=" in line]
+        assert connections and all(LOG_LINE.match(line) for line in connections), [
+            line for line in connections if not LOG_LINE.match(line)][:5]
+        refused = [line for line in connections if "sni=tally-aggregator-0.tally-aggregator " in line]
+        assert refused and all(line.endswith(" PR") for line in refused), refused
+        secrets_seen = [(device / "admin.token").read_text().strip(), (device / "enrolment.key").read_bytes().hex()]
+        assert not any(secret in line for secret in secrets_seen for line in log)
+    finally:
+        try:
+            remove_everything(prefix)
+        finally:
+            if gateway is not None:
+                gateway.stop()
+            registry.stop()
+
+
+def _most(objects: list[dict[str, Any]]) -> int:
+    return one(objects, "HorizontalPodAutoscaler", "tally-aggregator")["spec"]["maxReplicas"]
+
+
 # -- the Kubernetes page, run ------------------------------------------------------------------
 
 PAGE = ROOT / "docs" / "kubernetes.md"
-# Commands of the page that need what this machine has not: a cluster's API server, a registry.
+# Commands of the page that need what this machine has not: a cluster's API server (and the
+# gateway's DNS names, which only a cluster's gateway answers).
 NEEDS_A_CLUSTER = ("tally k8s apply", "tally k8s fleet", "tally k8s status", "kubectl apply", "kubectl port-forward",
-                   "podman push", "docker push")
+                   "kubectl -n", "helm install", "edge.example.org:443")
+# The page's registry; the test runs its blocks against a real one on 127.0.0.1 instead.
+PAGE_REGISTRY = "registry.example.org"
 
 
 def _dangling_image_of_someone_else(directory: Path) -> str:
@@ -448,13 +691,15 @@ def test_the_kubernetes_pages_commands_run_in_order_as_far_as_no_cluster_is_need
     _copy_of_the_repository(clone)
     ran, skipped = [], []
     foreign = _dangling_image_of_someone_else(tmp_path)
+    registry = Registry(tmp_path / "registry")
     try:
         for block in (textwrap.dedent(b) for b in blocks):
             if any(command in block for command in NEEDS_A_CLUSTER):
                 skipped.append(block.strip())
                 continue
-            done = subprocess.run(["bash", "-euo", "pipefail", "-c", block], cwd=clone, capture_output=True,
-                                  text=True, timeout=2000, env={**os.environ, "CI": "true"})
+            done = subprocess.run(["bash", "-euo", "pipefail", "-c", block.replace(PAGE_REGISTRY, registry.address)],
+                                  cwd=clone, capture_output=True, text=True, timeout=2000,
+                                  env={**os.environ, "CI": "true", "TLS_VERIFY": "false"})
             assert done.returncode == 0, f"{block}\n{done.stdout[-2000:]}\n{done.stderr[-3000:]}"
             ran.append((block, done.stdout))
         # `make images` pruned what its own builds left, and nothing of anyone else's.
@@ -462,18 +707,34 @@ def test_the_kubernetes_pages_commands_run_in_order_as_far_as_no_cluster_is_need
         ours = podman("images", "--quiet", "--filter", "dangling=true", "--filter", f"label={BUILT_BY}").stdout.split()
         assert not ours, f"make images left dangling images of its own: {ours}"
     finally:
+        registry.stop()
         podman("rmi", foreign, check=False)
-    print("not run here (a cluster or a registry):\n" + "\n---\n".join(skipped))
-    commands = " ".join(block for block, _ in ran)
-    for step in ("tally certs", "make images", "tally k8s render", "kubectl kustomize"):
-        assert step in commands, f"the page no longer runs {step}"
-    # What the steps made is what the later steps and the manifests use.
+    print("not run here (a cluster):\n" + "\n---\n".join(skipped))
     written = load_secrets(clone / "deploy" / "k8s")
+    commands = " ".join(block for block, _ in ran)
+    for step in ("tally certs", f"make images REGISTRY={PAGE_REGISTRY}/", "tally k8s render", "kubectl kustomize",
+                 "k8s/kube-prometheus-stack", "tally enrol"):
+        assert step in commands, f"the page no longer runs {step}"
+    for step in ("kubectl apply --server-side -k k8s/overlays/edge", "helm install kube-prometheus-stack",
+                 "tally client --coordinator tally-coordinator.edge.example.org:443", "tally job watch",
+                 "port-forward svc/kube-prometheus-stack-grafana"):
+        assert any(step in " ".join(block.split()) for block in skipped), f"the page no longer shows {step}"
+    # The pushed images, pinned by digest: what the rendered overlays run.
+    edge = [d for d in yaml.safe_load_all((clone / "deploy" / "edge.yaml").read_text()) if d]
+    pinned = {c["image"] for o in find(edge, "StatefulSet") for c in o["spec"]["template"]["spec"]["containers"]}
+    assert pinned and all(re.fullmatch(rf"{re.escape(registry.address)}/tally/tally-\w+@sha256:[0-9a-f]{{64}}", image)
+                          for image in pinned), pinned
+    # The certificates cover the names devices outside dial.
+    coordinator_names = x509.load_pem_x509_certificate(written["tally-coordinator-tls"]["tls.crt"]).extensions \
+        .get_extension_for_class(x509.SubjectAlternativeName).value.get_values_for_type(x509.DNSName)
+    assert "tally-coordinator.edge.example.org" in coordinator_names
+    # What the steps made is what the later steps and the manifests use.
     assert {"tally-coordinator-tls", "tally-aggregator-tls", "tally-device-ca", "tally-enrolment"} <= set(written)
     prod = [d for d in yaml.safe_load_all((clone / "deploy" / "prod.yaml").read_text()) if d]
-    counts = dict(re.findall(r"\b(dev|prod|loadtest)\s+(?:has\s+)?(\d+)", page[page.index("3. Render"):]))
+    counts = dict(re.findall(r"\b(dev|prod|loadtest|edge)\s+(?:has\s+)?(\d+)", page[page.index("3. Render"):]))
     assert int(counts["prod"]) == len(prod)
     assert int(counts["dev"]) == int(next(out for block, out in ran if "kubectl kustomize" in block).split()[-1])
     assert int(counts["loadtest"]) == len(render(K8S / "overlays" / "loadtest"))
+    assert int(counts["edge"]) == len(edge)
     for role in ROLES:
         assert podman("image", "exists", images[role], check=False).returncode == 0

@@ -45,7 +45,7 @@ SKIPPED_CHECKS = {
     # and local clusters (kind, minikube) run images loaded without a registry.
     "CKV_K8S_15",
 }
-CRD_GROUPS = ("cert-manager.io/", "monitoring.coreos.com/")
+CRD_GROUPS = ("cert-manager.io/", "monitoring.coreos.com/", "gateway.networking.k8s.io/")
 # Secrets the operator creates, not `tally certs`: the replicas' database URL (its password).
 OPERATOR_SECRETS = ("tally-database",)
 

@@ -62,18 +62,20 @@ def test_fleet_job_refuses_bad_values_naming_the_option(
         k8s.fleet_job(fleet_template, **kwargs)
 
 
-@pytest.mark.parametrize("overlay", ["dev", "prod", "loadtest"])
+CUSTOM = ("cert-manager.io/", "monitoring.coreos.com/", "gateway.networking.k8s.io/")
+
+
+@pytest.mark.parametrize("overlay", ["dev", "prod", "loadtest", "edge"])
 def test_apply_sends_valid_objects_in_dependency_order(overlay: str, tmp_path: Path) -> None:
     assert tally_main(["certs", "--out", str(tmp_path / "certs"), "--k8s-secrets", str(tmp_path / "k8s")]) == 0
     objects = k8s.apply_order(k8s.render(K8S / "overlays" / overlay) + k8s.load_manifests(tmp_path / "k8s"))
     kinds = [o["kind"] for o in objects]
     assert kinds[0] == "Namespace"
-    custom = [i for i, o in enumerate(objects)
-              if o["apiVersion"].startswith(("cert-manager.io/", "monitoring.coreos.com/"))]
+    custom = [i for i, o in enumerate(objects) if o["apiVersion"].startswith(CUSTOM)]
     assert custom == list(range(len(objects) - len(custom), len(objects))), "custom resources go last"
     assert max(i for i, k in enumerate(kinds) if k == "Secret") < kinds.index("StatefulSet")
     for obj in objects:
-        if not obj["apiVersion"].startswith(("cert-manager.io/", "monitoring.coreos.com/")):
+        if not obj["apiVersion"].startswith(CUSTOM):
             for version in versions():
                 kubernetes_validate.validate(obj, version, strict=True)
 

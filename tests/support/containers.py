@@ -1,12 +1,13 @@
 """Pods of rendered manifests run as podman containers, as a kubelet would run them.
 
-``ContainerPod`` turns one pod template into ``podman run`` flags: the manifest's image (never
-pulled), entrypoint and args (``$(VAR)`` expanded), env (``fieldRef`` resolved), user and groups,
-read-only root filesystem, dropped capabilities, no privilege escalation, CPU and memory limits,
-Secrets and ConfigMaps as read-only files with their modes and fsGroup, emptyDirs as tmpfs of their
-size limit, the volume claim as a podman volume, and the Services' DNS names as host entries on a
-network the test creates. Whatever a manifest says that none of this honours is returned by
-``unhonoured()`` with the reason, so a test lists it instead of dropping it.
+``ContainerPod`` turns one pod template into ``podman run`` flags: the manifest's image (``start``
+pulls it first when it names a registry), entrypoint and args (``$(VAR)`` expanded), env
+(``fieldRef`` resolved), user and groups, read-only root filesystem, dropped capabilities, no
+privilege escalation, CPU and memory limits, Secrets and ConfigMaps as read-only files with their
+modes and fsGroup, emptyDirs as tmpfs of their size limit, the volume claim as a podman volume,
+and the Services' DNS names as host entries on a network the test creates. Whatever a manifest
+says that none of this honours is returned by ``unhonoured()`` with the reason, so a test lists it
+instead of dropping it.
 """
 
 from __future__ import annotations
@@ -70,7 +71,7 @@ def can_run_containers() -> str | None:
     return None
 
 
-def _bytes(quantity: str) -> int:
+def quantity_bytes(quantity: str) -> int:
     for suffix, factor in _QUANTITY.items():
         if quantity.endswith(suffix):
             return int(quantity[:-2]) * factor
@@ -100,7 +101,9 @@ class ContainerPod:
         return self.local.container
 
     def running(self) -> RunningPod:
-        labels = self.workload["spec"]["template"]["metadata"]["labels"]
+        labels = dict(self.workload["spec"]["template"]["metadata"]["labels"])
+        if self.workload["kind"] == "StatefulSet":  # the label its controller gives each pod
+            labels["statefulset.kubernetes.io/pod-name"] = self.name
         return RunningPod(self.name, labels, self.ip, self.container["name"], self.container.get("ports", []))
 
     def run_args(self, network: str, hosts: dict[str, str]) -> list[str]:
@@ -128,7 +131,8 @@ class ContainerPod:
             cpu = limits["cpu"]
             args += ["--cpus", str(int(cpu[:-1]) / 1000 if cpu.endswith("m") else float(cpu))]
         if "memory" in limits:  # no swap beyond the limit: a kubelet's pod would be OOM-killed
-            args += ["--memory", str(_bytes(limits["memory"])), "--memory-swap", str(_bytes(limits["memory"]))]
+            memory = str(quantity_bytes(limits["memory"]))
+            args += ["--memory", memory, "--memory-swap", memory]
         for name, value in self.local.env.items():
             args += ["--env", f"{name}={value}"]
         args += self._mounts()
@@ -148,7 +152,7 @@ class ContainerPod:
             elif "emptyDir" in volume:
                 size = volume["emptyDir"].get("sizeLimit")
                 flags += ["--mount", f"type=tmpfs,destination={target},tmpfs-mode=1777"
-                          + (f",tmpfs-size={_bytes(size)}" if size else "")]
+                          + (f",tmpfs-size={quantity_bytes(size)}" if size else "")]
             else:
                 readonly = ",ro=true" if mount.get("readOnly") else ""
                 flags += ["--mount", f"type=bind,source={self.local.mounts[target]},destination={target}{readonly}"]
@@ -278,7 +282,16 @@ def remove_everything(prefix: str) -> None:
             podman(*remove, *ours, check=False, timeout=180)
 
 
+def pull(image: str) -> None:
+    """What a kubelet does first with an image it does not have: pull it from its registry (one on
+    loopback speaks plain HTTP)."""
+    plain = image.split("/", 1)[0].rsplit(":", 1)[0] in ("127.0.0.1", "localhost")
+    podman("pull", "--quiet", f"--tls-verify={str(not plain).lower()}", image, timeout=900)
+
+
 def start(pod: ContainerPod, network: str, hosts: dict[str, str]) -> None:
+    if not pod.container["image"].startswith("localhost/"):  # from a registry: pulled, as a kubelet would
+        pull(pod.container["image"])
     args = pod.run_args(network, hosts)  # names the claims' volumes
     pod.create_volumes()
     podman(*args, timeout=180)

@@ -27,7 +27,7 @@ from support import tools
 from support.deploy import ROOT, free_port
 
 K8S = ROOT / "k8s"
-OVERLAYS = ("dev", "prod", "loadtest", "replicas")
+OVERLAYS = ("dev", "prod", "loadtest", "replicas", "edge")
 FLEET_OVERLAYS = ("dev", "loadtest")  # those with the simulated fleet (components/loadtest)
 kubernetes_validate = tools.require_module("kubernetes_validate.utils", "the test extra installs it")
 
