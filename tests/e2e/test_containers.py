@@ -589,7 +589,7 @@ def test_devices_outside_reach_the_edge_overlay_only_through_an_sni_gateway_with
         assert code == 0, logs.stdout[-3000:] + logs.stderr[-3000:] + coordinator.logs()
         report = json.loads((device / "out" / "fleet.json").read_text())
         assert report["audit"]["exact"] >= 2 and report["audit"]["mismatch"] == 0, report["audit"]
-        listing = _job_list(coordinator, aggregators[0])
+        listing = _job(coordinator, aggregators[0], "list")
         assert re.search(r"^outside-\w+\s+SUCCEEDED", listing.stdout, re.M), listing.stdout + listing.stderr
         served = _backend_stats(gateway)
         assert served["tally_edge_coordinator_7000"]["stot"] >= 1
