@@ -71,7 +71,7 @@ from tally.secagg import (
     enrol,
     run_cohort,
 )
-from tally.secagg.layouts import payload_bytes, seed_commitment
+from tally.secagg.layouts import payload_bytes
 from tally.secagg.phases import TIMED, Phase
 
 SUM_ID = "x"
@@ -313,8 +313,7 @@ def authentication_cost(n: int, k: int, sums: int, survivors: int, repeats: int)
     message = b"x" * 200
     signature = identity.sign(message)
     public = crypto.KeyPair(os.urandom(32)).public
-    ref = SessionRef("bench", 0, "auth")
-    seed = os.urandom(32)
+    seed = crypto.random_scalar()
 
     def per_call(fn: Callable[[], object], calls: int = 200) -> float:
         samples = []
@@ -328,7 +327,7 @@ def authentication_cost(n: int, k: int, sums: int, survivors: int, repeats: int)
     sign = per_call(lambda: identity.sign(message))
     verify = per_call(lambda: crypto.verify_signature(identity.public, signature, message))
     key_check = per_call(lambda: crypto.check_public_key(public))
-    commit = per_call(lambda: seed_commitment(ref, SUM_ID, seed))
+    commit = per_call(lambda: crypto.public_of_scalar(seed))
     client = sign + sums * commit + k * verify
     server = n * (verify + 2 * sums * key_check) + survivors * sums * commit
     return {
