@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Sequence
+from typing import cast
 
 from tally.secagg import crypto, shamir
 from tally.secagg.messages import SessionRef
@@ -96,20 +97,19 @@ def passes(plaintext: bytes, check: bytes, holder: int) -> bool:
     came with it, at the holder's x-coordinate. Scalars outside [0, l) fail."""
     if len(plaintext) != PLAINTEXT_BYTES or len(check) < DIGEST_BYTES + crypto.POINT_BYTES + SCALAR:
         return False
-    shares = [crypto.scalar_from_bytes(plaintext[i : i + SCALAR]) for i in range(0, PLAINTEXT_BYTES, SCALAR)]
     body = check[DIGEST_BYTES + crypto.POINT_BYTES :]
     if len(body) % SCALAR:
         return False
-    coefficients = [crypto.scalar_from_bytes(body[i : i + SCALAR]) for i in range(0, len(body), SCALAR)]
-    if any(v is None for v in shares) or any(v is None for v in coefficients):
+    scalars = [crypto.scalar_from_bytes(raw[i : i + SCALAR])
+               for raw in (plaintext, body) for i in range(0, len(raw), SCALAR)]
+    if None in scalars:
         return False
+    key, seed, blind, *coefficients = cast(list[int], scalars)
     c = challenge(check[:DIGEST_BYTES], check[DIGEST_BYTES : DIGEST_BYTES + crypto.POINT_BYTES])
-    key, seed, blind = shares
     expected = 0
     for coefficient in reversed(coefficients):
-        expected = expected * holder + coefficient  # type: ignore[operator]
-    combined = blind + c[0][0] * key + c[1][0] * seed  # type: ignore[operator]
-    return (combined - expected) % shamir.P == 0
+        expected = expected * holder + coefficient
+    return (blind + c[0][0] * key + c[1][0] * seed - expected) % shamir.P == 0
 
 
 def constant_opens(message: bytes, check_digest: bytes, mask_public: bytes, seed_commitment: bytes) -> bool:
