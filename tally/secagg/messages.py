@@ -276,6 +276,8 @@ class SumResult:
     dropped: tuple[int, ...]
     # Dealers excluded before any masked input (``SecAggServer.excluded``): why, per device.
     excluded: tuple[tuple[int, str], ...] = ()
+    # Those of them whose misbehaviour is proven (``SecAggServer.convicted``), not merely gone.
+    convicted: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)

@@ -103,6 +103,8 @@ class SecAggServer:
         self.misbehaving: dict[int, str] = {}
         # Dealers excluded before any masked input, and why: for every device, they never shared.
         self.excluded: dict[int, str] = {}
+        # The excluded dealers whose misbehaviour is proven (not merely gone before answering).
+        self.convicted: set[int] = set()
         # Complaints no proof has settled yet, (dealer, holder) -> what was claimed: nobody's
         # fault until a justification proves who lied.
         self.disputed: dict[tuple[int, int], str] = {}
@@ -401,6 +403,7 @@ def _deliveries(server: SecAggServer, responses: dict[int, ShareKeysResponse]) -
                 server.excluded[dealer] = (
                     f"its check for sum {sum_id!r} does not open the mask key and seed it committed to "
                     "(h(0) B - G is not +-c_1 S_1 +- c_2 S_2)")
+                server.convicted.add(dealer)
             check = digest + message
             for share in dealt:
                 if share.recipient in inbox:
@@ -498,6 +501,7 @@ class _JustifyPhase(_Phase[JustifyResponse, JustifyResponse]):
             else:
                 server.excluded.setdefault(
                     reveal.dealer, f"its share for device {reveal.holder} fails under the share key it proved")
+                server.convicted.add(reveal.dealer)
 
     def close(self) -> list[Outgoing]:
         server = self.server
@@ -770,7 +774,7 @@ class _UnmaskPhase(_SumPhase[UnmaskResponse, UnmaskResponse]):
                              server.advertised)
         result = SumResult(
             self.sum_id, total, tuple(sorted(self.survivors)), tuple(sorted(self.dropped)),
-            tuple(sorted(server.excluded.items())),
+            tuple(sorted(server.excluded.items())), tuple(sorted(server.convicted & server.excluded.keys())),
         )
         server.results[self.sum_id] = result
         # Stragglers the early close did not wait for are alive: ask every contributor.

@@ -50,6 +50,7 @@ def test_a_corrupt_dealer_is_excluded_before_any_input_and_the_sum_is_exact(adve
         "fails under the share key it proved")
     assert server.excluded.keys() == {dealer} and why in server.excluded[dealer]
     assert server.misbehaving == {} and server.disputed == {}  # no holder framed
+    assert server.convicted == {dealer} and result_convicted(server) == (dealer,)
     assert cohort.refused == {} and cohort.rejected == {}  # the neighbour aimed at stays too
     assert not any(isinstance(m, MaskedInputResponse) and m.sender == dealer for m in cohort.sent)
     result = server.results["s"]
@@ -103,6 +104,12 @@ def test_a_complaint_the_dealer_leaves_unanswered_stays_disputed_and_names_no_ho
     assert server.excluded == {5: "did not answer complaints about its shares"}
     assert server.misbehaving == {}
     assert {dealer for dealer, _ in server.disputed} == {5} and len(server.disputed) == 11
+    assert server.convicted == set() and result_convicted(server) == ()  # gone is not proven
+
+
+def result_convicted(server: SecAggServer) -> tuple[int, ...]:
+    """What the coordinator is told is proven (it bans those devices from the job)."""
+    return server.results["s"].convicted
 
 
 def _signed_complaint(config, delivery: ShareDelivery, dealer: int, holder: int, key=None) -> ShareComplaint:

@@ -374,11 +374,12 @@ def test_cohort_sums_round_trip_at_the_wire_width(data, bits, dim):
     spec = SumSpec("update", dim, bits)
     total = data.draw(hnp.arrays(np.uint64, dim, elements=st.integers(0, ring_mask(bits))))
     total = total.astype(ring_dtype(bits))
-    result = SumResult("update", total, (1, 2, 4), (3,))
+    result = SumResult("update", total, (1, 2, 4), (3,), ((5, "left"), (6, "proven bad")), (6,))
     proto = reparse(cohort_sum_to_proto("sess", spec, result))
     assert len(proto.total) == -(-dim * spec.wire_bits // 8)  # packed, never widened
     back = cohort_sum_from_proto(proto)
     assert back.sum_id == "update" and back.contributors == (1, 2, 4) and back.dropped == (3,)
+    assert back.excluded == result.excluded and back.convicted == (6,)  # only a proven exclusion bans
     assert back.total.dtype == ring_dtype(bits) and np.array_equal(back.total, total)
 
 
