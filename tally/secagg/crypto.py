@@ -236,19 +236,28 @@ def _clamped_key(scalar: int) -> bytes | None:
     return None
 
 
-def scalar_agree(scalar: int, peer_public: bytes) -> bytes:
-    """The X25519 shared secret of the key that ``scalar`` stands for (``mask_scalar``) and a peer:
-    u(scalar * peer). A rebuilt mask key is a scalar; X25519 does the work when the scalar has a
-    clamped form, libsodium on the Edwards curve when a corrupt device chose one that has not."""
-    key = _clamped_key(scalar)
-    if key is not None:
-        return KeyPair(key).agree(peer_public)
-    try:
-        product = sodium.crypto_scalarmult_ed25519_noclamp(
-            scalar_bytes(scalar), edwards_of_montgomery(peer_public))
-    except nacl.exceptions.RuntimeError as exc:
-        raise CryptoError("X25519 key is not a point of the prime-order group") from exc
-    return _montgomery_of_edwards(product)
+class ScalarKey:
+    """A rebuilt mask key: the scalar that stands for an X25519 key (``mask_scalar``), agreeing the
+    same shared secrets, u(scalar * peer). X25519 does the work when the scalar has a clamped form
+    (an honest device's always has: it is its key), libsodium on the Edwards curve when a corrupt
+    device chose one that has not. Parsed once: a dropout's key agrees with every neighbour."""
+
+    __slots__ = ("scalar", "_pair")
+
+    def __init__(self, scalar: int) -> None:
+        self.scalar = scalar % GROUP_ORDER
+        key = _clamped_key(self.scalar)
+        self._pair = None if key is None else KeyPair(key)
+
+    def agree(self, peer_public: bytes) -> bytes:
+        if self._pair is not None:
+            return self._pair.agree(peer_public)
+        try:
+            product = sodium.crypto_scalarmult_ed25519_noclamp(
+                scalar_bytes(self.scalar), edwards_of_montgomery(peer_public))
+        except nacl.exceptions.RuntimeError as exc:
+            raise CryptoError("X25519 key is not a point of the prime-order group") from exc
+        return _montgomery_of_edwards(product)
 
 
 def public_of_scalar(scalar: int) -> bytes:

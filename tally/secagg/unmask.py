@@ -264,12 +264,13 @@ def remove_masks(config: SessionConfig, position: int, masked: np.ndarray, survi
     for seed in seeds.values():
         expander.apply(total, crypto.self_mask_key(seed, context), subtract=True)
     for j, scalar in keys.items():
+        key_of_j = crypto.ScalarKey(scalar)
         for i in config.neighbours(j):
             i = int(i)
             if i not in survivors:
                 continue
             peer = advertised[i].keys[position].mask_public
-            key = crypto.pairwise_mask_key(crypto.scalar_agree(scalar, peer), context)
+            key = crypto.pairwise_mask_key(key_of_j.agree(peer), context)
             # Device i added the mask when i < j and subtracted it otherwise.
             expander.apply(total, key, subtract=i < j)
     np.bitwise_and(total, dtype.type(ring_mask(spec.bits)), out=total)

@@ -206,7 +206,7 @@ class SplitViewServer(SecAggServer):
         expander.apply(vector, crypto.self_mask_key(_rebuild(seed, t), context), subtract=True)
         victim_public = self._advertised[v].keys[0].mask_public
         for j, shares in keys.items():
-            key = crypto.pairwise_mask_key(crypto.scalar_agree(_rebuild(shares, t), victim_public), context)
+            key = crypto.pairwise_mask_key(crypto.ScalarKey(_rebuild(shares, t)).agree(victim_public), context)
             expander.apply(vector, key, subtract=v < j)  # v added the mask when v < j
         np.bitwise_and(vector, vector.dtype.type(ring_mask(spec.bits)), out=vector)
         attempt.recovered = vector

@@ -392,6 +392,19 @@ def test_seed_commitments_bind_the_seed_up_to_sign():
     assert crypto.self_mask_key(seed, context) != crypto.self_mask_key(seed + 1, context)
 
 
+def test_a_rebuilt_mask_key_agrees_as_its_x25519_key_whatever_its_sign_or_form():
+    """The server removes a dropout's pairwise masks with the scalar it rebuilt: an honest key
+    rebuilt as +-scalar agrees exactly as the device's X25519 key did; a key with no clamped form
+    (a corrupt device made its public key as u(r B) for any r) agrees through the Edwards curve
+    as its neighbours' X25519 did with it."""
+    private, peer = os.urandom(32), crypto.KeyPair(os.urandom(32))
+    scalar = crypto.mask_scalar(private)
+    for rebuilt in (scalar, crypto.GROUP_ORDER - scalar):
+        assert crypto.ScalarKey(rebuilt).agree(peer.public) == crypto.KeyPair(private).agree(peer.public)
+    unclamped = 8 * 12345  # +-r / 8 mod l is no j in [2^251, 2^252): no clamped key is +-r mod l
+    assert crypto.ScalarKey(unclamped).agree(peer.public) == peer.agree(crypto.public_of_scalar(unclamped))
+
+
 # ---- 12. survivor split: each device shown its own survivor set (third review, finding 1) -----
 
 
