@@ -46,7 +46,6 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Sequence
-from typing import cast
 
 from tally.secagg import crypto, shamir
 from tally.secagg.messages import SessionRef
@@ -100,11 +99,11 @@ def passes(plaintext: bytes, check: bytes, holder: int) -> bool:
     body = check[DIGEST_BYTES + crypto.POINT_BYTES :]
     if len(body) % SCALAR:
         return False
-    scalars = [crypto.scalar_from_bytes(raw[i : i + SCALAR])
-               for raw in (plaintext, body) for i in range(0, len(raw), SCALAR)]
-    if None in scalars:
+    raw = plaintext + body
+    scalars = [int.from_bytes(raw[i : i + SCALAR], "little") for i in range(0, len(raw), SCALAR)]
+    if max(scalars) >= shamir.P:
         return False
-    key, seed, blind, *coefficients = cast(list[int], scalars)
+    key, seed, blind, *coefficients = scalars
     c = challenge(check[:DIGEST_BYTES], check[DIGEST_BYTES : DIGEST_BYTES + crypto.POINT_BYTES])
     expected = 0
     for coefficient in reversed(coefficients):
