@@ -14,6 +14,7 @@ with the coefficients of a holder set cached (full-graph sums reuse them).
 from __future__ import annotations
 
 import functools
+import math
 import os
 from collections.abc import Callable, Sequence
 
@@ -91,15 +92,9 @@ def lagrange_at_zero(xs: tuple[int, ...]) -> tuple[int, ...]:
     """Coefficients recovering f(0) from f at ``xs``: prod_{j != i} x_j / (x_j - x_i). The products
     are exact integers (the coordinates are small); one modular inversion serves them all."""
     holder_coordinates(xs, len(xs))
-    numerators, denominators = [], []
-    for i, xi in enumerate(xs):
-        num = den = 1
-        for j, xj in enumerate(xs):
-            if j != i:
-                num *= xj
-                den *= xj - xi
-        numerators.append(num % P)
-        denominators.append(den % P)
+    total = math.prod(xs)
+    numerators = [total // xi % P for xi in xs]
+    denominators = [math.prod([xj - xi for xj in xs if xj != xi]) % P for xi in xs]
     # Batch inversion: prefix products, one inverse, then back down.
     prefix = [1]
     for d in denominators:
