@@ -95,11 +95,11 @@ def test_a_total_corrupted_on_an_aggregator_is_caught(tmp_path, monkeypatch):
     original = SumResult.__init__
     corrupted = []
 
-    def corrupt(self, sum_id, total, contributors, dropped, excluded=()):
+    def corrupt(self, sum_id, total, *rest):
         total = total.copy()
         total[3] = total[3] + 1
         corrupted.append(sum_id)
-        original(self, sum_id, total, contributors, dropped, excluded)
+        original(self, sum_id, total, *rest)
 
     monkeypatch.setattr(SumResult, "__init__", corrupt)
     result = run_synthetic_job(tmp_path, n=20, rounds=1, cohort=10, dropout=0.0)
