@@ -169,6 +169,7 @@ def test_a_dealer_of_a_wrong_secret_is_excluded_before_any_input_and_the_rounds_
     assert sorted(m.split()[1] for m in named) == sorted(profile.dealers), named
     assert all("does not open the mask key and seed it committed to" in m for m in named)
     assert all("proven: it sits in no later selection of this job" in m for m in named)
+    assert result.convicted == set(profile.dealers)  # what every later selection of the job turns away
     # Without the constant check the first attempt fails in Unmask after every input was sent
     # ("attempt 1 failed: ... do not rebuild the secrets they committed to"), spending them.
     assert not [m for m in result.events if "failed" in m], result.events
