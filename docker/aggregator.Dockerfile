@@ -1,5 +1,5 @@
 # syntax=docker/dockerfile:1.7
-# The secure aggregator: base dependencies only (numpy, scipy, cryptography, grpc), no torch.
+# The secure aggregator: base dependencies only (numpy, scipy, cryptography, pynacl, grpc), no torch.
 #   make images        (or: podman build --build-arg BASE=... -f docker/aggregator.Dockerfile .)
 # BASE: a Debian bookworm with python3, python3-venv and tini; `make images` builds one offline
 # (debootstrap). Packages come from build/wheelhouse (`make images` fills it on the host), so the

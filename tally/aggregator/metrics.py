@@ -84,12 +84,18 @@ class AggregatorMetrics:
             "tally_aggregator_misbehaving_devices_total",
             "Devices caught sending shares that do not rebuild their owner's committed secret "
             "(decoded around; the sum went on without trusting them), or complaining about a "
-            "good share", registry=r,
+            "share its dealer's proven key shows good", registry=r,
         )
         self.excluded_devices = Counter(
             "tally_aggregator_excluded_devices_total",
             "Dealers excluded for every device before any masked input: their shares were proved "
-            "bad by their own key, or they left complaints about them unanswered", registry=r,
+            "bad under their own proven key, their check does not open their committed secrets, or "
+            "they left complaints about them unanswered", registry=r,
+        )
+        self.disputed_complaints = Counter(
+            "tally_aggregator_disputed_complaints_total",
+            "Share complaints no proof settled (their dealer left first): nobody's fault on record",
+            registry=r,
         )
         self.late_messages = Counter(
             "tally_aggregator_late_messages_total",

@@ -371,6 +371,11 @@ class Session:
             logs.event(log, "devices sent wrong shares", logging.WARNING,
                        devices={str(i): why for i, why in sorted(self.server.misbehaving.items())},
                        **self.log_fields)
+        if self.server.disputed:
+            self._metrics.disputed_complaints.inc(len(self.server.disputed))
+            logs.event(log, "share complaints disputed", logging.INFO,
+                       complaints={f"{dealer}>{holder}": what for (dealer, holder), what in sorted(
+                           self.server.disputed.items())}, **self.log_fields)
         if self.server.excluded:
             self._metrics.excluded_devices.inc(len(self.server.excluded))
             logs.event(log, "devices excluded", logging.WARNING,

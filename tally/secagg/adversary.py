@@ -8,9 +8,7 @@ from __future__ import annotations
 import os
 from typing import ClassVar
 
-import numpy as np
-
-from tally.secagg import shamir
+from tally.secagg import crypto
 from tally.secagg.client import SecAggClient
 
 
@@ -27,10 +25,21 @@ class InconsistentDealer(CorruptDealer):
 
     kind = "inconsistent"
 
-    def dealt_rows(self, rows: np.ndarray) -> np.ndarray:
-        columns = [0, shamir.CHUNKS]  # the first chunk of the key and of the seed
-        rows[:, columns] = (rows[:, columns] + shamir.random_polynomials(len(rows), 2)) % shamir.P
+    def dealt_rows(self, rows: list[list[int]]) -> list[list[int]]:
+        for row in rows:  # the key share and the seed share of every holder, shifted at random
+            row[0] += crypto.random_scalar()
+            row[1] += crypto.random_scalar()
         return rows
+
+
+class WrongSecretDealer(CorruptDealer):
+    """Deals a consistent polynomial whose constant is not its committed seed (issue 38 problem
+    1): every holder's share checks against the polynomial; only the constant term gives it away."""
+
+    kind = "wrong_secret"
+
+    def shared_secrets(self, key: int, seed: int) -> tuple[int, int]:
+        return key, crypto.random_scalar()
 
 
 class GarbageDealer(CorruptDealer):
@@ -42,4 +51,15 @@ class GarbageDealer(CorruptDealer):
         return os.urandom(len(ciphertext)) if holder == 0 else ciphertext
 
 
-CORRUPT_DEALERS: tuple[type[CorruptDealer], ...] = (InconsistentDealer, GarbageDealer)
+class FramingDealer(CorruptDealer):
+    """Seals its lowest neighbour's good share under a key of its own (issue 38 problem 5), hoping
+    the holder's complaint is then judged false: the key it can prove opens nothing."""
+
+    kind = "framing"
+
+    def sealing_key(self, holder: int, key: bytes) -> bytes:
+        return os.urandom(len(key)) if holder == 0 else key
+
+
+CORRUPT_DEALERS: tuple[type[CorruptDealer], ...] = (InconsistentDealer, WrongSecretDealer, GarbageDealer,
+                                                    FramingDealer)

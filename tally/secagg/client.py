@@ -35,7 +35,6 @@ from tally.secagg.layouts import (
     advertise_statement,
     consistency_message,
     device_list,
-    seed_commitment,
     share_associated_data,
 )
 from tally.secagg.messages import (
@@ -68,20 +67,23 @@ from tally.secagg.policy import DevicePolicy
 
 
 class _SumSecrets:
-    """The key pairs and self-mask seed of one sum: never reused by another sum."""
+    """The key pairs and self-mask seed of one sum: never reused by another sum. The seed is a
+    scalar mod l and the mask key shared as the scalar that stands for it (``crypto.mask_scalar``),
+    so both are committed in the group their shares are checked in (``sharecheck``)."""
 
     def __init__(self, entropy: Callable[[int], bytes]) -> None:
         self.cipher = crypto.KeyPair(entropy(32))
         self.mask = crypto.KeyPair(entropy(32))
-        self.seed = entropy(32)
+        self.seed = crypto.random_scalar(entropy)
         self.pair_keys: dict[int, bytes] = {}  # neighbour -> pairwise mask AES key
         self.cipher_secrets: dict[int, bytes] = {}  # neighbour -> X25519 secret for shares
+        self.cipher_publics: dict[int, bytes] = {}  # neighbour -> its signed cipher key
         self.held: dict[int, tuple[bytes, bytes]] = {}  # neighbour -> (key share, seed share)
         # As dealer: the ciphertext sent to each holder and the check published for them, so a
         # complaint can be judged against what was really sent.
         self.dealt: dict[int, bytes] = {}
         self.check_digest = b""
-        self.check_polynomials = np.zeros((0, 0), dtype=np.uint64)
+        self.check_message = b""
         # As holder: the share material each complaint was about, until the verdict settles it.
         self.complained: dict[int, tuple[bytes, bytes]] = {}
 
@@ -138,7 +140,7 @@ class SecAggClient:
         ref = self.config.ref
         keys = tuple(
             SumPublicKeys(
-                spec.sum_id, s.cipher.public, s.mask.public, seed_commitment(ref, spec.sum_id, s.seed)
+                spec.sum_id, s.cipher.public, s.mask.public, crypto.public_of_scalar(s.seed)
             )
             for spec, s in zip(self.config.sums, self.secrets.values())
         )
@@ -173,10 +175,18 @@ class SecAggClient:
             return self._phase.send_masked_input()
         return []
 
-    def dealt_rows(self, rows: np.ndarray) -> np.ndarray:
+    def shared_secrets(self, key: int, seed: int) -> tuple[int, int]:
+        """The mask key and seed (scalars) whose shares this device deals for one sum."""
+        return key, seed
+
+    def dealt_rows(self, rows: list[list[int]]) -> list[list[int]]:
         """The share rows this device deals for one sum, one per holder in ascending order (key
-        share, seed share, blinding values), before they are sealed."""
+        share, seed share, blinding share), before they are sealed."""
         return rows
+
+    def sealing_key(self, holder: int, key: bytes) -> bytes:
+        """The key the share for the ``holder``-th neighbour (ascending) is sealed under."""
+        return key
 
     def sealed_share(self, holder: int, ciphertext: bytes) -> bytes:
         """The sealed share for the ``holder``-th neighbour (ascending), as it is sent."""
@@ -261,27 +271,26 @@ class _AwaitShareKeysRequest(_Phase[ShareKeysRequest]):
         for position, spec in enumerate(config.sums):
             secrets = client.secrets[spec.sum_id]
             shares_out += self._deal(spec.sum_id, position, secrets, xs, by_index)
-            checks.append(ShareCheck(spec.sum_id, secrets.check_polynomials.astype("<u4").tobytes()))
+            checks.append(ShareCheck(spec.sum_id, secrets.check_message))
         response = ShareKeysResponse(config.ref, client.index, tuple(shares_out), tuple(checks))
         return client._move(_AwaitShareDelivery(client, frozenset(indices)), [response])
 
     def _deal(self, sum_id: str, position: int, secrets: _SumSecrets, xs: np.ndarray,
               by_index: dict[int, NeighbourKeys]) -> list[EncryptedShare]:
-        """Shares of this sum's mask key and seed for each neighbour, with the blinding values
-        the check needs, encrypted for it; then the check polynomials over all ciphertexts."""
+        """Shares of this sum's mask key and seed for each neighbour, with its share of the
+        blinding polynomial, encrypted for it; then the check over all ciphertexts."""
         client = self.client
         config = client.config
         context = config.ref.context(sum_id)
         t = config.threshold
-        secret_polynomials = shamir.polynomials([secrets.mask.private, secrets.seed], t)
-        blinding = shamir.random_polynomials(sharecheck.ROWS, t)
-        shares = shamir.evaluate(secret_polynomials, xs)  # (2, holders, chunks)
-        blinds = shamir.evaluate(blinding[:, :, None], xs)[:, :, 0]  # (rows, holders)
-        # One row per holder: its key share, its seed share, its blinding values.
-        rows = np.concatenate([shares.transpose(1, 0, 2).reshape(len(xs), -1), blinds.T], axis=1)
-        rows = np.ascontiguousarray(client.dealt_rows(rows).astype("<u4"))
+        key, seed = client.shared_secrets(crypto.mask_scalar(secrets.mask.private), secrets.seed)
+        *secret_polynomials, blinding = shamir.polynomials([key, seed, crypto.random_scalar()], t)
+        holders = xs.tolist()
+        columns = shamir.evaluate([*secret_polynomials, blinding], holders)
+        # One row per holder: its key share, its seed share, its blinding share.
+        rows = client.dealt_rows([list(row) for row in zip(*columns)])
         out = []
-        for h, j in enumerate(xs.tolist()):
+        for h, j in enumerate(holders):
             keys = by_index[j].keys[position]
             try:
                 cipher_secret = secrets.cipher.agree(keys.cipher_public)
@@ -289,15 +298,16 @@ class _AwaitShareKeysRequest(_Phase[ShareKeysRequest]):
             except crypto.CryptoError as exc:
                 raise MalformedMessage(f"neighbour {j}'s keys for sum {sum_id!r}: {exc}") from None
             secrets.cipher_secrets[j] = cipher_secret
+            secrets.cipher_publics[j] = keys.cipher_public
             secrets.pair_keys[j] = crypto.pairwise_mask_key(mask_secret, context)
-            key = crypto.share_key(cipher_secret, context, client.index, j)
+            sealing = client.sealing_key(h, crypto.share_key(cipher_secret, context, client.index, j))
             ad = share_associated_data(config.ref, sum_id, client.index, j)
-            ciphertext = client.sealed_share(h, crypto.seal(key, rows[h].tobytes(), ad))
+            plaintext = b"".join(crypto.scalar_bytes(v % shamir.P) for v in rows[h])
+            ciphertext = client.sealed_share(h, crypto.seal(sealing, plaintext, ad))
             secrets.dealt[j] = ciphertext
             out.append(EncryptedShare(sum_id, client.index, j, ciphertext))
         secrets.check_digest = sharecheck.digest(config.ref, sum_id, client.index, list(secrets.dealt.values()))
-        c = sharecheck.challenge(secrets.check_digest)
-        secrets.check_polynomials = sharecheck.check_polynomials(secret_polynomials, blinding, c)
+        secrets.check_message = sharecheck.check_message(secret_polynomials, blinding, secrets.check_digest)
         return out
 
 
@@ -323,7 +333,8 @@ class _AwaitShareDelivery(_Phase[ShareDelivery]):
                 raise MalformedMessage(f"share from {share.sender} to {share.recipient} is not for me")
             if share.sum_id not in senders or share.sender in senders[share.sum_id]:
                 raise MalformedMessage(f"unexpected or repeated share for sum {share.sum_id!r}")
-            if len(share.ciphertext) != SHARE_CIPHERTEXT_BYTES or len(share.check) != sharecheck.CHECK_BYTES:
+            if (len(share.ciphertext) != SHARE_CIPHERTEXT_BYTES
+                    or len(share.check) != sharecheck.check_bytes_for(config.threshold)):
                 raise MalformedMessage("share ciphertext or check has the wrong size")
             senders[share.sum_id].add(share.sender)
             secrets = client.secrets[share.sum_id]
@@ -353,10 +364,10 @@ def _open_share(config: SessionConfig, share: EncryptedShare, key: bytes) -> tup
         plaintext = crypto.open_sealed(key, share.ciphertext, ad)
     except crypto.CryptoError:
         return None
-    if not sharecheck.passes(plaintext, share.check):
+    if not sharecheck.passes(plaintext, share.check, share.recipient):
         return None
-    half = shamir.SHARE_BYTES
-    return plaintext[:half], plaintext[half : 2 * half]
+    size = shamir.SHARE_BYTES
+    return plaintext[:size], plaintext[size : 2 * size]
 
 
 def _require_holders(client: SecAggClient, count: int, what: str) -> None:
@@ -400,9 +411,13 @@ class _AwaitShareVerdict(_Phase[JustifyRequest | ShareVerdict]):
             for dealer, (ciphertext, check) in secrets.complained.items():
                 if dealer in excluded:
                     continue
-                key = settled.pop((spec.sum_id, dealer), None)
-                opened = None if key is None else _open_share(
-                    config, EncryptedShare(spec.sum_id, dealer, client.index, ciphertext, check), key)
+                proof = settled.pop((spec.sum_id, dealer), None)
+                shared = None if proof is None else crypto.verified_shared_secret(
+                    proof, secrets.cipher_publics[dealer], secrets.cipher.public,
+                    sharecheck.proof_context(config.ref, spec.sum_id, dealer, client.index))
+                opened = None if shared is None else _open_share(
+                    config, EncryptedShare(spec.sum_id, dealer, client.index, ciphertext, check),
+                    crypto.share_key(shared, config.ref.context(spec.sum_id), dealer, client.index))
                 if opened is None:
                     raise MalformedMessage(f"my complaint about device {dealer}'s share was not settled")
                 secrets.held[dealer] = opened
@@ -436,9 +451,7 @@ class _AwaitShareVerdict(_Phase[JustifyRequest | ShareVerdict]):
             if complaint.dealer != client.index or secrets is None or complaint.holder not in secrets.dealt:
                 raise MalformedMessage("a complaint to justify is not about a share I dealt")
             holder = complaint.holder
-            check = sharecheck.check_bytes(
-                secrets.check_digest,
-                sharecheck.evaluate_rows(secrets.check_polynomials[None], np.array([[holder]]))[0, 0])
+            check = secrets.check_digest + secrets.check_message
             statement = sharecheck.complaint_statement(
                 config.ref, complaint.sum_id, client.index, holder, secrets.dealt[holder], check)
             if not crypto.verify_signature(config.identity(holder), complaint.signature, statement):
@@ -446,9 +459,12 @@ class _AwaitShareVerdict(_Phase[JustifyRequest | ShareVerdict]):
                 # altered the delivery or forged the complaint, and a key would open an honest
                 # holder's share to it.
                 raise MalformedMessage(f"complaint of device {holder} is not about the share I sent it")
-            context = config.ref.context(complaint.sum_id)
-            keys.append(RevealedShareKey(complaint.sum_id, client.index, holder, crypto.share_key(
-                secrets.cipher_secrets[holder], context, client.index, holder)))
+            # The pair's shared secret with a proof that it is the one both keys give: the server
+            # re-derives the share key from it, so a share sealed under any other key names
+            # this device, not the holder.
+            keys.append(RevealedShareKey(complaint.sum_id, client.index, holder, crypto.prove_shared_secret(
+                secrets.cipher.private, secrets.cipher_publics[holder],
+                sharecheck.proof_context(config.ref, complaint.sum_id, client.index, holder))))
         self.justified = True
         return [JustifyResponse(config.ref, client.index, tuple(keys))]
 

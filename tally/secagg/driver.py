@@ -74,6 +74,7 @@ def run_cohort(
     *,
     identities: Mapping[int, SigningKey],
     policy: DevicePolicy | None = None,
+    clock: Callable[[], float] = time.perf_counter,
 ) -> CohortRun:
     """Run devices 1..n with ring-encoded ``inputs``.
 
@@ -81,7 +82,8 @@ def run_cohort(
     half); ``policy`` what every device accepts. ``observe`` sees every message the server
     receives; ``entropy(i, size)``, when given, replaces os.urandom as device i's key source
     (deterministic tests); ``measure_bytes`` fills the per-device byte counts (it walks every
-    message, so it is off by default).
+    message, so it is off by default); ``clock`` times each device's and the server's steps
+    (``time.process_time`` on a machine whose other load would inflate wall time).
     """
     dropouts = dict(dropouts or {})
     first_sum = config.sums[0].sum_id
@@ -123,30 +125,30 @@ def run_cohort(
                 run.download_bytes[i] += payload_bytes(o.message)
             client = clients[i]
             phase = request[0] if request else client.phase
-            start = time.perf_counter()
+            start = clock()
             try:
                 responses = client.receive(o.message)
             except ProtocolError as exc:
                 run.refused[i] = exc
                 dead.add(i)
                 continue
-            run.client_seconds[phase].append(time.perf_counter() - start)
+            run.client_seconds[phase].append(clock() - start)
             send(i, responses)
 
     for i, client in clients.items():
         if drops_at(i, Phase.ADVERTISE_KEYS, first_sum):
             dead.add(i)
         else:
-            start = time.perf_counter()
+            start = clock()
             messages = client.start()
-            run.client_seconds[Phase.ADVERTISE_KEYS].append(time.perf_counter() - start)
+            run.client_seconds[Phase.ADVERTISE_KEYS].append(clock() - start)
             send(i, messages)
 
     def timed_server(call: Callable[[], list[Outgoing]]) -> list[Outgoing]:
         phase = server.phase
-        start = time.perf_counter()
+        start = clock()
         out = call()
-        run.server_seconds[phase] = run.server_seconds.get(phase, 0.0) + time.perf_counter() - start
+        run.server_seconds[phase] = run.server_seconds.get(phase, 0.0) + clock() - start
         return out
 
     deliver(timed_server(server.start))

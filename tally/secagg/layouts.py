@@ -8,14 +8,14 @@ from collections.abc import Iterable
 
 import numpy as np
 
-from tally.secagg import shamir, sharecheck
+from tally.secagg import sharecheck
 from tally.secagg.errors import MalformedMessage
 from tally.secagg.messages import SessionRef, SumPublicKeys
 
 GCM_TAG_BYTES = 16
 # A share message carries the mask-key share and the self-mask-seed share of one sum, and the
-# holder's values of the dealer's blinding polynomials (``sharecheck``).
-SHARE_PLAINTEXT_BYTES = 2 * shamir.SHARE_BYTES + sharecheck.BLIND_BYTES
+# holder's value of the dealer's blinding polynomial (``sharecheck``): three scalars.
+SHARE_PLAINTEXT_BYTES = sharecheck.PLAINTEXT_BYTES
 SHARE_CIPHERTEXT_BYTES = SHARE_PLAINTEXT_BYTES + GCM_TAG_BYTES
 COMMITMENT_BYTES = 32
 
@@ -41,25 +41,6 @@ def advertise_statement(ref: SessionRef, sender: int, keys: Iterable[SumPublicKe
     for k in keys:
         parts += [k.sum_id.encode(), k.cipher_public, k.mask_public, k.seed_commitment]
     return _fields(*parts)
-
-
-def seed_commitment(ref: SessionRef, sum_id: str, seed: bytes) -> bytes:
-    """SHA-256 of a 32-byte uniformly random seed in its context: hiding (the seed has full
-    entropy) and binding (collision resistance), so a rebuilt seed can be checked."""
-    return SeedCommitments(ref, sum_id)(seed)
-
-
-class SeedCommitments:
-    """``seed_commitment`` of one sum's seeds: the server checks thousands, and hashing the
-    context once and copying its state costs a third of hashing it again for each."""
-
-    def __init__(self, ref: SessionRef, sum_id: str) -> None:
-        self._context = hashlib.sha256(_fields(b"tally/seed-commitment", _ref_fields(ref, sum_id)))
-
-    def __call__(self, seed: bytes) -> bytes:
-        h = self._context.copy()
-        h.update(_fields(seed))
-        return h.digest()
 
 
 def consistency_message(ref: SessionRef, sum_id: str, signer: int, view: Iterable[int]) -> bytes:

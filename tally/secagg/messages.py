@@ -47,9 +47,9 @@ class SumSpec:
 class SumPublicKeys:
     sum_id: str
     cipher_public: bytes  # encrypts the shares this device sends and receives
-    mask_public: bytes  # agrees the pairwise mask seeds
-    # Commits to the self-mask seed, so a seed rebuilt from shares can be checked (and a bad
-    # share detected) before it is used.
+    mask_public: bytes  # agrees the pairwise mask seeds; also the commitment to the mask key
+    # u(seed * B), the self-mask seed's commitment in X25519 form: the share check ties the
+    # dealt seed to it before any input is masked, and a rebuilt seed is checked against it.
     seed_commitment: bytes
 
 
@@ -70,14 +70,16 @@ class EncryptedShare:
     sender: int
     recipient: int
     ciphertext: bytes
-    # Empty from the dealer; on delivery, the dealer's ciphertext digest and its check values at
-    # the recipient (``tally.secagg.sharecheck``).
+    # Empty from the dealer; on delivery, the dealer's ciphertext digest and its check (G, then
+    # the check polynomial's t coefficients), which the recipient checks its share against
+    # (``tally.secagg.sharecheck``).
     check: bytes = b""
 
 
 @dataclass(frozen=True)
 class ShareCheck:
-    """A dealer's check polynomials for one sum, ``ROWS`` x t little-endian field elements."""
+    """A dealer's check for one sum: G = g(0) B (32 bytes), then the check polynomial's t
+    coefficients, little-endian scalars mod l, constant first (``tally.secagg.sharecheck``)."""
 
     sum_id: str
     coefficients: bytes
@@ -112,7 +114,9 @@ class ShareComplaints:
 
 @dataclass(frozen=True)
 class RevealedShareKey:
-    """The key of one share's ciphertext, revealed by its dealer against a complaint."""
+    """What settles a complaint about one share: the pair's Diffie-Hellman point and the dealer's
+    proof that it is the one their signed cipher keys give (``crypto.prove_shared_secret``,
+    96 bytes); the share's key is derived from it, so it opens that share only."""
 
     sum_id: str
     dealer: int
@@ -272,6 +276,8 @@ class SumResult:
     dropped: tuple[int, ...]
     # Dealers excluded before any masked input (``SecAggServer.excluded``): why, per device.
     excluded: tuple[tuple[int, str], ...] = ()
+    # Those of them whose misbehaviour is proven (``SecAggServer.convicted``), not merely gone.
+    convicted: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)

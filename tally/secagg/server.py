@@ -7,9 +7,14 @@ its mask key (it dropped), never both.
 
 One misbehaving device must not stop the others' sum: keys of small order and keys not signed
 by the sender's enrolled identity are refused at AdvertiseKeys (the sender is left out, the
-session goes on), and every rebuilt secret is checked against what its owner committed to (the
-seed commitment, the mask public key); a wrong share is decoded around with the extra shares of
-the other holders, and its sender is recorded in ``misbehaving``.
+session goes on). Before any input is masked, every dealer's shares are checked to be shares of
+exactly the secrets it committed to (``tally.secagg.sharecheck``): the holders check their shares
+against the dealer's check polynomial, this server checks its constant term against the signed
+commitments, and a dealer that fails either is excluded. A complaint stays ``disputed`` until the
+dealer's proven share key settles it (``crypto.prove_shared_secret``): then either the dealer is
+excluded or the holder is recorded in ``misbehaving``, never on anyone's word. Every rebuilt
+secret is still checked against its commitment; a wrong share is decoded around with the extra
+shares of the other holders, and its sender is recorded in ``misbehaving``.
 """
 
 from __future__ import annotations
@@ -98,6 +103,11 @@ class SecAggServer:
         self.misbehaving: dict[int, str] = {}
         # Dealers excluded before any masked input, and why: for every device, they never shared.
         self.excluded: dict[int, str] = {}
+        # The excluded dealers whose misbehaviour is proven (not merely gone before answering).
+        self.convicted: set[int] = set()
+        # Complaints no proof has settled yet, (dealer, holder) -> what was claimed: nobody's
+        # fault until a justification proves who lied.
+        self.disputed: dict[tuple[int, int], str] = {}
         # Each holder's delivery, kept until the verdict to judge complaints about it.
         self.deliveries: dict[int, ShareDelivery] = {}
         everyone = frozenset(range(1, config.n + 1))
@@ -294,6 +304,11 @@ class _AdvertiseKeysPhase(_Phase[AdvertiseKeys, AdvertiseKeys]):
                 crypto.check_public_key(keys.mask_public)
             except crypto.CryptoError as exc:
                 raise MalformedMessage(f"device {sender}, sum {keys.sum_id!r}: {exc}") from None
+            # The share check relates the commitments as points of the prime-order group.
+            if not (crypto.in_group(keys.mask_public) and crypto.in_group(keys.seed_commitment)):
+                raise MalformedMessage(
+                    f"device {sender}, sum {keys.sum_id!r}: mask key or seed commitment is not a point "
+                    "of the prime-order group")
         statement = advertise_statement(config.ref, sender, message.keys)
         if not crypto.verify_signature(config.identity(sender), message.signature, statement):
             raise MalformedMessage(f"device {sender}: keys not signed by its enrolled identity key")
@@ -351,13 +366,11 @@ class _ShareKeysPhase(_Phase[ShareKeysResponse, ShareKeysResponse]):
                 raise MalformedMessage(
                     f"share ciphertext must be {SHARE_CIPHERTEXT_BYTES} bytes, with no check"
                 )
-        size = sharecheck.POLYNOMIAL_BYTES_PER_DEGREE * config.threshold
+        size = sharecheck.message_bytes(config.threshold)
         if tuple(c.sum_id for c in message.checks) != tuple(s.sum_id for s in config.sums) or any(
                 len(c.coefficients) != size for c in message.checks):
             raise MalformedMessage(
                 f"device {message.sender} must send one check of {size} bytes per sum, in session order")
-        if any(np.any(np.frombuffer(c.coefficients, "<u4") >= shamir.P) for c in message.checks):
-            raise MalformedMessage(f"device {message.sender}: check coefficients must be below {shamir.P}")
 
     def close(self) -> list[Outgoing]:
         server = self.server
@@ -366,35 +379,36 @@ class _ShareKeysPhase(_Phase[ShareKeysResponse, ShareKeysResponse]):
         if refused is not None:
             return refused
         server.sharers = u2
-        server.deliveries = _deliveries(server.config, {i: self.received[i] for i in sorted(u2)})
+        server.deliveries = _deliveries(server, {i: self.received[i] for i in sorted(u2)})
         out = [Outgoing(j, server.deliveries[j]) for j in sorted(u2)]
         return server._advance(_ComplaintsPhase(server, u2), out)
 
 
-def _deliveries(config: SessionConfig, responses: dict[int, ShareKeysResponse]) -> dict[int, ShareDelivery]:
-    """Each holder's shares, each with its dealer's ciphertext digest and check value at the
-    holder; the check polynomials are evaluated for all dealers of a sum at once."""
+def _deliveries(server: SecAggServer, responses: dict[int, ShareKeysResponse]) -> dict[int, ShareDelivery]:
+    """Each holder's shares, each with its dealer's ciphertext digest and check. A dealer whose
+    check's constant term does not open its signed commitments is excluded here, before any
+    holder sees its shares: what it shares is not what it committed to."""
+    config = server.config
     inbox: dict[int, list[EncryptedShare]] = {j: [] for j in responses}
     for position, spec in enumerate(config.sums):
         sum_id = spec.sum_id
-        # Every share of a dealer, delivered or not, is in its digest (ascending recipient).
-        dealt = {i: sorted((s for s in r.shares if s.sum_id == sum_id), key=_recipient)
-                 for i, r in responses.items()}
-        routed = {i: [s for s in shares if s.recipient in inbox] for i, shares in dealt.items()}
-        polynomials = np.stack([
-            np.frombuffer(r.checks[position].coefficients, "<u4").astype(np.uint64).reshape(sharecheck.ROWS, -1)
-            for r in responses.values()])
-        width = max(len(shares) for shares in routed.values())
-        xs = np.array([[s.recipient for s in shares] + [1] * (width - len(shares)) for shares in routed.values()])
-        values = sharecheck.evaluate_rows(polynomials, xs).astype("<u4").tobytes()
-        size = 4 * sharecheck.ROWS
-        for row, (dealer, shares) in enumerate(routed.items()):
-            digest = sharecheck.digest(config.ref, sum_id, dealer, [s.ciphertext for s in dealt[dealer]])
-            at = row * width * size
-            for share in shares:
-                check = digest + values[at : at + size]
-                at += size
-                inbox[share.recipient].append(EncryptedShare(sum_id, dealer, share.recipient, share.ciphertext, check))
+        for dealer, response in responses.items():
+            # Every share of a dealer, delivered or not, is in its digest (ascending recipient).
+            dealt = sorted((s for s in response.shares if s.sum_id == sum_id), key=_recipient)
+            digest = sharecheck.digest(config.ref, sum_id, dealer, [s.ciphertext for s in dealt])
+            message = response.checks[position].coefficients
+            keys = server.advertised[dealer].keys[position]
+            if dealer not in server.excluded and not sharecheck.constant_opens(
+                    message, digest, keys.mask_public, keys.seed_commitment):
+                server.excluded[dealer] = (
+                    f"its check for sum {sum_id!r} does not open the mask key and seed it committed to "
+                    "(h(0) B - G is not +-c_1 S_1 +- c_2 S_2)")
+                server.convicted.add(dealer)
+            check = digest + message
+            for share in dealt:
+                if share.recipient in inbox:
+                    inbox[share.recipient].append(
+                        EncryptedShare(sum_id, dealer, share.recipient, share.ciphertext, check))
     return {j: ShareDelivery(config.ref, tuple(shares)) for j, shares in inbox.items()}
 
 
@@ -433,6 +447,11 @@ class _ComplaintsPhase(_Phase[ShareComplaints, ShareComplaints]):
         for message in self.received.values():
             for complaint in message.complaints:
                 against.setdefault(complaint.dealer, []).append(complaint)
+        for holders in against.values():
+            for complaint in holders:
+                server.disputed[(complaint.dealer, complaint.holder)] = (
+                    f"device {complaint.holder} complains about device {complaint.dealer}'s share "
+                    f"in sum {complaint.sum_id!r}")
         for dealer in sorted(set(against) - answered):
             server.excluded[dealer] = "left before answering complaints about its shares"
         accused = frozenset(against) & answered
@@ -444,9 +463,11 @@ class _ComplaintsPhase(_Phase[ShareComplaints, ShareComplaints]):
 
 
 class _JustifyPhase(_Phase[JustifyResponse, JustifyResponse]):
-    """Each accused dealer reveals the key of every share complained about; the server opens
-    the share it delivered with it. A dealer that does not, or whose share fails, is excluded;
-    a complaint about a good share names its holder as misbehaving."""
+    """Each accused dealer reveals, for every share complained about, the pair's shared secret with
+    a proof that it is the one both signed keys give; the server derives the share key from it
+    and opens the share it delivered. A dealer that does not answer, cannot prove its secret, or
+    whose share fails is excluded; a complaint about a share that opens and passes under the
+    proven key names its holder as misbehaving. Either way the dispute is settled by proof."""
 
     name = Phase.JUSTIFY
     message_type = JustifyResponse
@@ -461,31 +482,55 @@ class _JustifyPhase(_Phase[JustifyResponse, JustifyResponse]):
     def validate(self, message: JustifyResponse) -> None:
         wanted = [(c.sum_id, c.holder) for c in self.against[message.sender]]
         got = [(k.sum_id, k.holder) for k in message.keys]
-        if got != wanted or any(k.dealer != message.sender or len(k.key) != crypto.KEY_BYTES for k in message.keys):
-            raise MalformedMessage(f"device {message.sender} must reveal one key per complaint, in order")
+        if got != wanted or any(k.dealer != message.sender or len(k.key) != crypto.DH_PROOF_BYTES
+                                for k in message.keys):
+            raise MalformedMessage(f"device {message.sender} must reveal one proven key per complaint, in order")
 
     def record(self, message: JustifyResponse) -> None:
         server = self.server
         for reveal in message.keys:
-            delivered = {(s.sum_id, s.sender): s for s in server.deliveries[reveal.holder].shares}
-            share = delivered[(reveal.sum_id, reveal.dealer)]
-            ad = share_associated_data(server.config.ref, share.sum_id, share.sender, share.recipient)
-            try:
-                good = sharecheck.passes(crypto.open_sealed(reveal.key, share.ciphertext, ad), share.check)
-            except crypto.CryptoError:
-                good = False
-            if not good:
-                server.excluded[reveal.dealer] = f"its share for device {reveal.holder} fails its check"
-                return
-        for reveal in message.keys:
-            server.misbehaving[reveal.holder] = f"complained about a good share from device {reveal.dealer}"
-            self.settled.setdefault(reveal.holder, []).append(reveal)
+            server.disputed.pop((reveal.dealer, reveal.holder), None)
+            fault = _judge(server, reveal)
+            if fault is None:
+                server.misbehaving[reveal.holder] = (
+                    f"complained about a good share from device {reveal.dealer}, proven by its share key")
+                self.settled.setdefault(reveal.holder, []).append(reveal)
+            elif fault == reveal.holder:
+                server.misbehaving[reveal.holder] = (
+                    f"complained about device {reveal.dealer} with a cipher key outside the group")
+            else:
+                server.excluded.setdefault(
+                    reveal.dealer, f"its share for device {reveal.holder} fails under the share key it proved")
+                server.convicted.add(reveal.dealer)
 
     def close(self) -> list[Outgoing]:
         server = self.server
         for dealer in sorted(self.expected - frozenset(self.received)):
             server.excluded[dealer] = "did not answer complaints about its shares"
         return _verdict(server, self.answered, self.settled)
+
+
+def _judge(server: SecAggServer, reveal: RevealedShareKey) -> int | None:
+    """Who a justified complaint proves wrong: None if the share opens and passes under the key
+    derived from the dealer's proven secret (the holder lied), else the device at fault."""
+    config = server.config
+    position = [s.sum_id for s in config.sums].index(reveal.sum_id)
+    dealer_key = server.advertised[reveal.dealer].keys[position].cipher_public
+    holder_key = server.advertised[reveal.holder].keys[position].cipher_public
+    context = sharecheck.proof_context(config.ref, reveal.sum_id, reveal.dealer, reveal.holder)
+    shared = crypto.verified_shared_secret(reveal.key, dealer_key, holder_key, context)
+    if shared is None:
+        # No proof can be made for a holder key off the prime-order group: that is the holder's doing.
+        return reveal.dealer if crypto.in_group(holder_key) else reveal.holder
+    delivered = {(s.sum_id, s.sender): s for s in server.deliveries[reveal.holder].shares}
+    share = delivered[(reveal.sum_id, reveal.dealer)]
+    ad = share_associated_data(config.ref, share.sum_id, share.sender, share.recipient)
+    key = crypto.share_key(shared, config.ref.context(reveal.sum_id), reveal.dealer, reveal.holder)
+    try:
+        good = sharecheck.passes(crypto.open_sealed(key, share.ciphertext, ad), share.check, share.recipient)
+    except crypto.CryptoError:
+        good = False
+    return None if good else reveal.dealer
 
 
 def _verdict(server: SecAggServer, answered: frozenset[int],
@@ -729,7 +774,7 @@ class _UnmaskPhase(_SumPhase[UnmaskResponse, UnmaskResponse]):
                              server.advertised)
         result = SumResult(
             self.sum_id, total, tuple(sorted(self.survivors)), tuple(sorted(self.dropped)),
-            tuple(sorted(server.excluded.items())),
+            tuple(sorted(server.excluded.items())), tuple(sorted(server.convicted & server.excluded.keys())),
         )
         server.results[self.sum_id] = result
         # Stragglers the early close did not wait for are alive: ask every contributor.

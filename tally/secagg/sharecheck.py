@@ -1,28 +1,45 @@
-"""Proof that a dealer's Shamir shares lie on one polynomial, checked before any input is masked.
+"""Proof that a dealer's Shamir shares are shares of exactly the secrets it committed to,
+checked before any input is masked.
 
-A corrupt device could deal shares of its mask key and seed that lie on no polynomial of degree
-below t: each holder's share looks fine alone, and the fault shows only in Unmask, after every
-honest device has sent its masked input and none can be re-seated (finding 2 of issue 23). So
-each dealer also shares ``ROWS`` random blinding polynomials g_r and publishes, for a challenge c
-drawn from a hash of all its ciphertexts (fixed before c is known),
+A corrupt device could deal shares that lie on no polynomial of degree below t, or on one whose
+constant term is not its committed secret (a random seed, a wrong mask key): each holder's share
+looks fine alone, and the fault would show only in Unmask, after every honest device sent its
+masked input (issue 23 finding 2, issue 38 problem 1). The secrets are scalars mod l, the order of
+edwards25519's base point B (``tally.secagg.shamir``), committed in the signed AdvertiseKeys as
+S_1 (the mask key's X25519 public key, which is s_1 * B read on the Montgomery curve) and S_2 =
+s_2 * B (the seed's, in the same form). Each dealer also shares a random blinding polynomial g,
+publishes G = g(0) * B, and for a challenge (c_1, c_2) drawn from a hash of G and all its
+ciphertexts (fixed before the challenge is known) the check polynomial
 
-    h_r = g_r + sum_q c_rq f_q        (f_q: the polynomial of chunk q of the key or the seed)
+    h = g + c_1 f_1 + c_2 f_2        (f_1, f_2: the polynomials of the mask key and the seed)
 
-and holder i checks g_r(x_i) + sum_q c_rq f_q(x_i) = h_r(x_i). Both facts below hold over the
-same field as the sharing, GF(2^31 - 1), so the vectorised Shamir code is kept as it is.
+Holder i checks its shares against it: g(x_i) + c_1 f_1(x_i) + c_2 f_2(x_i) = h(x_i), a few scalar
+products. The aggregator (or anyone: it is public) checks the constant term against the
+commitments: h(0) * B - G = +-c_1 S_1 +- c_2 S_2 (``crypto.combination_opens``: two X25519
+ladders and one fixed-base product per dealer, not Feldman's t per share).
 
-Sound: if the honest holders' f-values are not on one polynomial, then for each r the challenges
-that pass form at most an affine hyperplane, 1/p of them; a dealer passes every honest holder
-with probability p^-ROWS (2^-93) per ciphertext set it tries.
+Sound: let H be the honest holders, |H| >= t. If their shares of f_1, f_2 or g restricted to H are
+not the values of polynomials of degree < t, the challenges that pass every holder in H form a
+line in the plane of (c_1, c_2): one in 2^251 (the challenges are X25519-clamped, about 2^251
+values, distinct mod l). Otherwise the honest shares fix F_1, F_2, Γ and h = Γ + c_1 F_1 + c_2 F_2,
+and with G = γ B (it is, when the relation holds: the rest of it lies in the prime-order group)
+the relation says Γ(0) - γ + c_1 F_1(0) + c_2 F_2(0) = ±c_1 s_1 ± c_2 s_2: for each of the four
+signs a line again, unless F_1(0) = ±s_1 and F_2(0) = ±s_2. A dealer passes with a wrong constant
+with probability below 2^-248 per ciphertext set it tries; a property test keeps it so. The sign
+is no loss: X25519 sees only u, which s_1 and -s_1 give alike, and the seed is used as its
+representative below l / 2 (``crypto.unsigned``).
 
-Hiding: g_r is uniform and independent of f, so h_r is uniform whatever the secrets are; holders
-that know g_r at fewer than t points learn nothing from h_r they could not compute themselves.
+Hiding: g is uniform and independent of the secrets, so h is a uniform polynomial whatever they
+are, and G = g(0) B a uniform point; what fewer than t holders learn of f_1, f_2 from h, G and
+their own shares they could compute themselves. S_1, S_2 hide s_1, s_2 as far as discrete
+logarithms in edwards25519 are hard (S_1 is the X25519 public key that was public anyway).
 
-The server computes c, evaluates h_r at every holder and sends the value with the share. That
-trusts it only for liveness, which a malicious server can break anyway: a holder whose check
-fails signs a complaint about exactly what it received (``complaint_statement``), and a dealer
-reveals its key for that one share only when the complaint is about its genuine material, so
-a server that tampers with deliveries learns nothing but that it was caught.
+The aggregator routes h and G with each share. That trusts it for liveness only, which a malicious
+aggregator can break anyway: a holder whose check fails signs a complaint about exactly what it
+received (``complaint_statement``), and a dealer answers only a complaint about its genuine
+material, with the pair's Diffie-Hellman point and a proof that it is the right one
+(``crypto.prove_shared_secret``): the aggregator re-derives the share key itself, so a dealer that
+sealed a good share under another key is named, not the holder it tried to frame.
 """
 
 from __future__ import annotations
@@ -30,21 +47,24 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Sequence
 
-import numpy as np
-
-from tally.secagg import shamir
+from tally.secagg import crypto, shamir
 from tally.secagg.messages import SessionRef
 
-ROWS = 3
 SECRETS = 2  # the mask key and the self-mask seed of one sum
-TERMS = SECRETS * shamir.CHUNKS
 DIGEST_BYTES = 32
-# What travels with each delivered share: the dealer's ciphertext digest and h_r(x_holder).
-CHECK_BYTES = DIGEST_BYTES + 4 * ROWS
-POLYNOMIAL_BYTES_PER_DEGREE = 4 * ROWS
-BLIND_BYTES = 4 * ROWS
+SCALAR = crypto.SCALAR_BYTES
+# What a holder gets in plaintext: its shares of the mask key, the seed and the blinding polynomial.
+PLAINTEXT_BYTES = (SECRETS + 1) * SCALAR
 
-_P = np.uint64(shamir.P)
+
+def message_bytes(t: int) -> int:
+    """A dealer's published check for one sum: G, then h's t coefficients (constant first)."""
+    return crypto.POINT_BYTES + SCALAR * t
+
+
+def check_bytes_for(t: int) -> int:
+    """What travels with each delivered share: the dealer's ciphertext digest and its check."""
+    return DIGEST_BYTES + message_bytes(t)
 
 
 def digest(ref: SessionRef, sum_id: str, dealer: int, ciphertexts: Sequence[bytes]) -> bytes:
@@ -55,52 +75,51 @@ def digest(ref: SessionRef, sum_id: str, dealer: int, ciphertexts: Sequence[byte
     return h.digest()
 
 
-def challenge(check_digest: bytes) -> np.ndarray:
-    """(ROWS, TERMS) field elements drawn from the digest (SHAKE-256, rejection sampling)."""
-    wanted = ROWS * TERMS
-    stream = hashlib.shake_256(b"tally/share-challenge|" + check_digest).digest(8 * wanted)
-    draws: np.ndarray = np.frombuffer(stream, dtype="<u4").astype(np.uint64) & np.uint64(shamir.P)
-    draws = draws[draws != _P]  # P itself is the only 31-bit value outside the field
-    return draws[:wanted].reshape(ROWS, TERMS)
+def challenge(check_digest: bytes, blind: bytes) -> list[tuple[int, bytes]]:
+    """(c_q as an integer, the bytes X25519 multiplies by) for the SECRETS terms."""
+    stream = hashlib.shake_256(b"tally/share-challenge|" + check_digest + blind).digest(SCALAR * SECRETS)
+    return [crypto.challenge_scalar(stream[q * SCALAR : (q + 1) * SCALAR]) for q in range(SECRETS)]
 
 
-def check_polynomials(secret_polynomials: np.ndarray, blinding: np.ndarray, c: np.ndarray) -> np.ndarray:
-    """(ROWS, t) coefficients of h_r from the (SECRETS, t, CHUNKS) sharing polynomials and the
-    (ROWS, t) blinding ones."""
-    t = secret_polynomials.shape[1]
-    f = secret_polynomials.transpose(1, 0, 2).reshape(t, TERMS)  # degree -> term
-    products = (c[:, None, :] * f[None, :, :]) % _P  # each below p: 18 of them fit in uint64
-    checks: np.ndarray = (blinding + products.sum(axis=2)) % _P
-    return checks
+def check_message(secret_polynomials: Sequence[Sequence[int]], blinding: Sequence[int],
+                  check_digest: bytes) -> bytes:
+    """G = g(0) B and h = g + sum_q c_q f_q, as the dealer publishes them."""
+    blind = crypto.commit(blinding[0])
+    c = [value for value, _ in challenge(check_digest, blind)]
+    h = [(g + sum(cq * f[d] for cq, f in zip(c, secret_polynomials))) % shamir.P
+         for d, g in enumerate(blinding)]
+    return blind + b"".join(crypto.scalar_bytes(v) for v in h)
 
 
-def evaluate_rows(polynomials: np.ndarray, xs: np.ndarray) -> np.ndarray:
-    """h_r at each dealer's holders: (D, ROWS, t) coefficients and (D, L) points -> (D, L, ROWS)."""
-    x = np.asarray(xs, dtype=np.uint64)[:, :, None]
-    acc = np.zeros((*x.shape[:2], polynomials.shape[1]), dtype=np.uint64)
-    for d in range(polynomials.shape[2] - 1, -1, -1):  # in place: thousands of dealers at once
-        np.multiply(acc, x, out=acc)
-        np.add(acc, polynomials[:, None, :, d], out=acc)
-        np.remainder(acc, _P, out=acc)
-    return acc
-
-
-def check_bytes(check_digest: bytes, values: np.ndarray) -> bytes:
-    return check_digest + np.asarray(values, dtype="<u4").tobytes()
-
-
-def passes(plaintext: bytes, check: bytes) -> bool:
-    """Whether a decrypted share (key share, seed share, blinding values) satisfies the check
-    that came with it. Elements outside the field fail."""
-    if len(plaintext) != 2 * shamir.SHARE_BYTES + BLIND_BYTES or len(check) != CHECK_BYTES:
+def passes(plaintext: bytes, check: bytes, holder: int) -> bool:
+    """Whether a decrypted share (key share, seed share, blinding share) satisfies the check that
+    came with it, at the holder's x-coordinate. Scalars outside [0, l) fail."""
+    if len(plaintext) != PLAINTEXT_BYTES or len(check) < DIGEST_BYTES + crypto.POINT_BYTES + SCALAR:
         return False
-    elements = np.frombuffer(plaintext, dtype="<u4").astype(np.uint64)
-    values = np.frombuffer(check, dtype="<u4", offset=DIGEST_BYTES).astype(np.uint64)
-    if np.any(elements >= _P) or np.any(values >= _P):
+    body = check[DIGEST_BYTES + crypto.POINT_BYTES :]
+    if len(body) % SCALAR:
         return False
-    c = challenge(check[:DIGEST_BYTES])
-    combined = (elements[TERMS:] + ((c * elements[None, :TERMS]) % _P).sum(axis=1)) % _P
-    return bool(np.array_equal(combined, values))
+    raw = plaintext + body
+    scalars = [int.from_bytes(raw[i : i + SCALAR], "little") for i in range(0, len(raw), SCALAR)]
+    if max(scalars) >= shamir.P:
+        return False
+    key, seed, blind, *coefficients = scalars
+    c = challenge(check[:DIGEST_BYTES], check[DIGEST_BYTES : DIGEST_BYTES + crypto.POINT_BYTES])
+    expected = 0
+    for coefficient in reversed(coefficients):
+        expected = expected * holder + coefficient
+    return (blind + c[0][0] * key + c[1][0] * seed - expected) % shamir.P == 0
+
+
+def constant_opens(message: bytes, check_digest: bytes, mask_public: bytes, seed_commitment: bytes) -> bool:
+    """The public half of the check: h(0) B - G = +-c_1 S_1 +- c_2 S_2, with S_1, S_2 the dealer's
+    signed commitments. Anyone can run it; the aggregator does, once per dealer and sum."""
+    blind = message[: crypto.POINT_BYTES]
+    h0 = crypto.scalar_from_bytes(message[crypto.POINT_BYTES : crypto.POINT_BYTES + SCALAR])
+    if h0 is None:
+        return False
+    (_, c1), (_, c2) = challenge(check_digest, blind)
+    return crypto.combination_opens(h0, blind, [(c1, mask_public), (c2, seed_commitment)])
 
 
 def complaint_statement(ref: SessionRef, sum_id: str, dealer: int, holder: int,
@@ -110,3 +129,8 @@ def complaint_statement(ref: SessionRef, sum_id: str, dealer: int, holder: int,
     got the genuine material, so it is lying or the dealer is faulty) does it reveal its key."""
     material = hashlib.sha256(len(ciphertext).to_bytes(4, "big") + ciphertext + check).digest()
     return b"tally/share-complaint|" + ref.context(sum_id) + b"|%d>%d|" % (int(dealer), int(holder)) + material
+
+
+def proof_context(ref: SessionRef, sum_id: str, dealer: int, holder: int) -> bytes:
+    """What a dealer's proof of the pair's shared secret is bound to."""
+    return b"tally/share-key-proof|" + ref.context(sum_id) + b"|%d>%d" % (int(dealer), int(holder))

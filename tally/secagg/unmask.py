@@ -18,17 +18,16 @@ import numpy as np
 from tally.codec import ring_mask
 from tally.secagg import crypto, shamir
 from tally.secagg.config import SessionConfig
-from tally.secagg.layouts import SeedCommitments
 from tally.secagg.messages import AdvertiseKeys
 
-SHARE = np.dtype((np.void, shamir.SHARE_BYTES))  # one share's 9 chunks as one element
+SHARE = np.dtype((np.void, shamir.SHARE_BYTES))  # one share, a little-endian scalar, as one element
 
 Secret = tuple[str, int]  # ("seed", survivor) or ("key", dropout)
 
 
-def chunks(shares: np.ndarray) -> np.ndarray:
-    """(m, 9) field elements of m SHARE elements."""
-    return shares.view("<u4").reshape(-1, shamir.CHUNKS)
+def scalars(shares: np.ndarray) -> list[int]:
+    """The scalars of SHARE elements; one out of range makes a secret that fails its check."""
+    return [int.from_bytes(share, "little") for share in shares.tolist()]
 
 
 def indicator(n: int, devices: Iterable[int]) -> np.ndarray:
@@ -165,7 +164,7 @@ class ShareBook:
 
     def first_t(self, pending: np.ndarray, suspects: Iterable[int], rows: np.ndarray, holders: np.ndarray,
                 shares: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """t holders (S, t) and their shares (S, t, 9) for each pending row, each of which has at
+        """t holders (S, t) and their shares (S, t) of SHARE for each pending row, each of which has at
         least t shares: the first t to answer, or, once someone was caught lying (``suspects``),
         holders never caught first. One gather each, from where every chosen share goes."""
         t = self.threshold
@@ -182,13 +181,13 @@ class ShareBook:
         slot = np.cumsum(pending) - 1  # a pending row's place among the pending rows
         source = np.empty(len(keep), dtype=np.intp)
         source[slot[rows[keep]] * t + rank[keep]] = keep
-        return holders[source].reshape(-1, t), chunks(shares[source]).reshape(-1, t, shamir.CHUNKS)
+        return holders[source].reshape(-1, t), shares[source].reshape(-1, t)
 
 
 class SecretRebuilder:
     """Rebuilds one sum's secrets from a ``ShareBook`` and keeps those that match what their
-    owners committed to in their signed keys: a survivor's seed as bytes, a dropout's mask key
-    parsed (the check needs it parsed anyway). Holders caught sending a wrong share go into
+    owners committed to in their signed keys (both scalars, each fixed up to sign: its commitment
+    is the u-coordinate of scalar * B). Holders caught sending a wrong share go into
     ``misbehaving``, whose shares are then used last."""
 
     def __init__(self, config: SessionConfig, sum_id: str, position: int, secrets: list[Secret],
@@ -196,8 +195,7 @@ class SecretRebuilder:
         self.sum_id, self.position, self.secrets = sum_id, position, secrets
         self._threshold = config.threshold
         self._advertised, self._misbehaving = advertised, misbehaving
-        self._commitment = SeedCommitments(config.ref, sum_id)
-        self.rebuilt: dict[int, bytes | crypto.KeyPair] = {}
+        self.rebuilt: dict[int, int] = {}
 
     def rebuild(self, book: ShareBook) -> list[int]:
         """Rebuild every secret not yet rebuilt; the rows that cannot be rebuilt and checked yet.
@@ -209,12 +207,12 @@ class SecretRebuilder:
         pending = np.ones(len(self.secrets), dtype=bool)
         pending[list(self.rebuilt)] = False
         held = book.held()
-        secrets = shamir.reconstruct_block(*book.first_t(pending, self._misbehaving, *held))
+        holders, shares = book.first_t(pending, self._misbehaving, *held)
+        secrets = shamir.reconstruct(holders.tolist(), [scalars(row) for row in shares])
         failed = []
         for row, secret in zip(np.flatnonzero(pending).tolist(), secrets):
-            checked = self._checked(row, secret) if secret is not None else None
-            if checked is not None:
-                self.rebuilt[row] = checked
+            if self._checked(row, secret):
+                self.rebuilt[row] = secret
             elif not self._decode(row, *held):
                 failed.append(row)
         return failed
@@ -223,43 +221,37 @@ class SecretRebuilder:
         mine = np.flatnonzero(rows == row)
         mine = mine[np.argsort(holders[mine])]
         try:
-            secret, wrong = shamir.decode(holders[mine].tolist(), chunks(shares[mine]), self._threshold)
+            secret, wrong = shamir.decode(holders[mine].tolist(), scalars(shares[mine]), self._threshold)
         except ValueError:
             return False
-        checked = self._checked(row, secret)
-        if checked is None:
+        if not self._checked(row, secret):
             return False
-        self.rebuilt[row] = checked
+        self.rebuilt[row] = secret
         kind, owner = self.secrets[row]
         for holder in wrong:
             self._misbehaving[holder] = f"wrong {kind} share of device {owner} in sum {self.sum_id!r}"
         return True
 
-    def _checked(self, row: int, secret: bytes) -> bytes | crypto.KeyPair | None:
-        """The rebuilt secret, ready to use, if it is the one its owner committed to in its
-        signed keys; else None."""
+    def _checked(self, row: int, secret: int) -> bool:
+        """Whether the rebuilt scalar is the one its owner committed to in its signed keys: the
+        mask key's commitment is its X25519 public key, the seed's its ``seed_commitment``."""
         kind, owner = self.secrets[row]
         keys = self._advertised[owner].keys[self.position]
-        if kind == "seed":
-            ok = self._commitment(secret) == keys.seed_commitment
-            return secret if ok else None
-        try:
-            pair = crypto.KeyPair(secret)
-        except crypto.CryptoError:
-            return None
-        return pair if pair.public == keys.mask_public else None
+        committed = keys.seed_commitment if kind == "seed" else keys.mask_public
+        return secret != 0 and crypto.public_of_scalar(secret) == committed
 
-    def by_owner(self) -> tuple[dict[int, bytes], dict[int, crypto.KeyPair]]:
-        """The rebuilt survivors' seeds and dropouts' mask keys, by owner."""
-        rebuilt = {self.secrets[row]: secret for row, secret in self.rebuilt.items()}
-        # ``_checked`` rebuilds a seed as its bytes and a mask key as its KeyPair.
-        seeds = {owner: secret for (_, owner), secret in rebuilt.items() if isinstance(secret, bytes)}
-        keys = {owner: secret for (_, owner), secret in rebuilt.items() if isinstance(secret, crypto.KeyPair)}
+    def by_owner(self) -> tuple[dict[int, int], dict[int, int]]:
+        """The rebuilt survivors' seeds and dropouts' mask keys (scalars), by owner."""
+        seeds: dict[int, int] = {}
+        keys: dict[int, int] = {}
+        for row, secret in self.rebuilt.items():
+            kind, owner = self.secrets[row]
+            (seeds if kind == "seed" else keys)[owner] = secret
         return seeds, keys
 
 
 def remove_masks(config: SessionConfig, position: int, masked: np.ndarray, survivors: frozenset[int],
-                 seeds: Mapping[int, bytes], keys: Mapping[int, crypto.KeyPair],
+                 seeds: Mapping[int, int], keys: Mapping[int, int],
                  advertised: Mapping[int, AdvertiseKeys]) -> np.ndarray:
     """The sum: ``masked`` (the survivors' masked inputs, summed as they arrived; modified in
     place) less each survivor's self mask and each dropout's pairwise masks with survivors."""
@@ -271,13 +263,14 @@ def remove_masks(config: SessionConfig, position: int, masked: np.ndarray, survi
     expander = crypto.MaskExpander(spec.dim, dtype)
     for seed in seeds.values():
         expander.apply(total, crypto.self_mask_key(seed, context), subtract=True)
-    for j, pair in keys.items():
+    for j, scalar in keys.items():
+        key_of_j = crypto.ScalarKey(scalar)
         for i in config.neighbours(j):
             i = int(i)
             if i not in survivors:
                 continue
             peer = advertised[i].keys[position].mask_public
-            key = crypto.pairwise_mask_key(pair.agree(peer), context)
+            key = crypto.pairwise_mask_key(key_of_j.agree(peer), context)
             # Device i added the mask when i < j and subtracted it otherwise.
             expander.apply(total, key, subtract=i < j)
     np.bitwise_and(total, dtype.type(ring_mask(spec.bits)), out=total)

@@ -171,8 +171,10 @@ def _share_to(v: EncryptedShare, out: secagg_pb2.EncryptedShare) -> None:
 
 
 def _share_from(p: secagg_pb2.EncryptedShare) -> EncryptedShare:
-    if len(p.check) not in (0, sharecheck.CHECK_BYTES):
-        raise WireError(f"{message_name(p)}.check must be empty or {sharecheck.CHECK_BYTES} bytes, got {len(p.check)}")
+    if p.check and (len(p.check) <= sharecheck.check_bytes_for(0) or
+                    (len(p.check) - sharecheck.check_bytes_for(0)) % sharecheck.SCALAR):
+        raise WireError(f"{message_name(p)}.check must be empty or a digest, a point and whole scalars, "
+                        f"got {len(p.check)} bytes")
     return EncryptedShare(
         id_text(p, "sum_id"), device_index(p, "sender"), device_index(p, "recipient"),
         fixed_bytes(p, "ciphertext", SHARE_CIPHERTEXT_BYTES), p.check,
@@ -227,7 +229,7 @@ def _revealed_to(v: RevealedShareKey, out: secagg_pb2.RevealedShareKey) -> None:
 
 def _revealed_from(p: secagg_pb2.RevealedShareKey) -> RevealedShareKey:
     return RevealedShareKey(id_text(p, "sum_id"), device_index(p, "dealer"), device_index(p, "holder"),
-                            fixed_bytes(p, "key", crypto.KEY_BYTES))
+                            fixed_bytes(p, "key", crypto.DH_PROOF_BYTES))
 
 
 def _justify_response_to(v: JustifyResponse, out: secagg_pb2.JustifyResponse) -> None:

@@ -71,7 +71,7 @@ def cohort_sum_to_proto(
     out.contributors.extend(result.contributors)
     out.dropped.extend(result.dropped)
     for index, reason in result.excluded:
-        out.excluded.add(index=index, reason=reason)
+        out.excluded.add(index=index, reason=reason, proven=index in result.convicted)
     return out
 
 
@@ -90,4 +90,6 @@ def cohort_sum_from_proto(proto: aggregator_pb2.CohortSum) -> SumResult | Sessio
     if total.size and int(total.max()) > ring_mask(spec.bits):
         raise WireError(f"CohortSum {sum_id!r}: total has values >= 2^{spec.bits}")
     excluded = tuple((device_index(e, "index"), e.reason) for e in proto.excluded)
-    return SumResult(sum_id, total, device_indices(proto, "contributors"), device_indices(proto, "dropped"), excluded)
+    convicted = tuple(device_index(e, "index") for e in proto.excluded if e.proven)
+    return SumResult(sum_id, total, device_indices(proto, "contributors"), device_indices(proto, "dropped"), excluded,
+                     convicted)

@@ -21,7 +21,7 @@ from tally.codec.fingerprint import add_fingerprints, ring_fingerprint
 from tally.loadtest.behaviour import BehaviourProfile
 from tally.loadtest.sum_audit import EXACT, FOREIGN, MISMATCH, SumAudit, outcome_counts
 from tally.loadtest.synthetic import SyntheticUpdates
-from tally.secagg.adversary import GarbageDealer, InconsistentDealer
+from tally.secagg.adversary import CorruptDealer, GarbageDealer, InconsistentDealer, WrongSecretDealer
 from tally.secagg.messages import SumResult
 
 SCHEMA = PayloadSchema((
@@ -95,11 +95,11 @@ def test_a_total_corrupted_on_an_aggregator_is_caught(tmp_path, monkeypatch):
     original = SumResult.__init__
     corrupted = []
 
-    def corrupt(self, sum_id, total, contributors, dropped, excluded=()):
+    def corrupt(self, sum_id, total, *rest):
         total = total.copy()
         total[3] = total[3] + 1
         corrupted.append(sum_id)
-        original(self, sum_id, total, contributors, dropped, excluded)
+        original(self, sum_id, total, *rest)
 
     monkeypatch.setattr(SumResult, "__init__", corrupt)
     result = run_synthetic_job(tmp_path, n=20, rounds=1, cohort=10, dropout=0.0)
@@ -110,12 +110,12 @@ def test_a_total_corrupted_on_an_aggregator_is_caught(tmp_path, monkeypatch):
 
 
 class _CorruptDealers:
-    """A profile whose draws stand, except that the fleet's first ``count`` sessions deal shares
-    on no polynomial and the next ``count`` send one neighbour garbage; it records who did."""
+    """A profile whose draws stand, except that the fleet's first sessions deal as the given
+    adversaries do, one session each; it records who did."""
 
-    def __init__(self, profile: BehaviourProfile, count: int) -> None:
+    def __init__(self, profile: BehaviourProfile, adversaries: list[type[CorruptDealer]]) -> None:
         self._profile = profile
-        self._left = [InconsistentDealer] * count + [GarbageDealer] * count
+        self._left = list(adversaries)
         self.dealers: list[str] = []
 
     def __getattr__(self, name: str) -> Any:
@@ -140,7 +140,7 @@ def test_corrupt_dealers_are_excluded_named_and_every_committed_sum_is_exact(tmp
     """Issue 23, findings 2 and 3 over the real services: devices that deal shares on no
     polynomial, or garbage to one neighbour, are excluded before any masked input; the rounds
     commit, every committed sum is exact, and each dealer is counted and named."""
-    profile = _CorruptDealers(BehaviourProfile(), count=2)
+    profile = _CorruptDealers(BehaviourProfile(), [InconsistentDealer] * 2 + [GarbageDealer] * 2)
     result = run_synthetic_job(tmp_path, n=40, rounds=2, cohort=20, dropout=0.0, profile=profile)
     job, checks = result.job, result.checks
     assert job.committed_round == 2, job.message
@@ -150,4 +150,26 @@ def test_corrupt_dealers_are_excluded_named_and_every_committed_sum_is_exact(tmp
     assert result.excluded == 4
     named = [m for m in result.events if "excluded from cohort" in m]
     assert sorted(m.split()[1] for m in named) == sorted(profile.dealers), named
-    assert all("fails its check" in m for m in named)
+    assert all("fails under the share key it proved" in m for m in named)
+
+
+def test_a_dealer_of_a_wrong_secret_is_excluded_before_any_input_and_the_rounds_commit(tmp_path):
+    """Issue 38 problem 1 over the real services: two devices deal consistent polynomials whose
+    constant is not their committed seed (every holder's share checks). The aggregator's check of
+    the constant term excludes each before any masked input and names it; no session aborts, both
+    rounds commit on their first attempt with every honest input counted, every sum is exact."""
+    profile = _CorruptDealers(BehaviourProfile(), [WrongSecretDealer] * 2)
+    result = run_synthetic_job(tmp_path, n=40, rounds=2, cohort=20, dropout=0.0, profile=profile)
+    job, checks = result.job, result.checks
+    assert job.committed_round == 2, job.message
+    counts = outcome_counts(checks)
+    assert counts[EXACT] >= 2 and counts[MISMATCH] == counts[FOREIGN] == 0
+    assert result.misbehaved.get("wrong_secret") == 2 and result.excluded == 2, (result.misbehaved, result.excluded)
+    named = [m for m in result.events if "excluded from cohort" in m]
+    assert sorted(m.split()[1] for m in named) == sorted(profile.dealers), named
+    assert all("does not open the mask key and seed it committed to" in m for m in named)
+    assert all("proven: it sits in no later selection of this job" in m for m in named)
+    assert result.convicted == set(profile.dealers)  # what every later selection of the job turns away
+    # Without the constant check the first attempt fails in Unmask after every input was sent
+    # ("attempt 1 failed: ... do not rebuild the secrets they committed to"), spending them.
+    assert not [m for m in result.events if "failed" in m], result.events

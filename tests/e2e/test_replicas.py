@@ -48,6 +48,8 @@ def _exercise(store: Store) -> dict:
     store.add_seated("job-0", 1, [("d1", "t4")])  # a later attempt's task replaces the seat's
     released = store.release_seats("job-0", 1, [("d2", "t2"), ("d1", "t1")])
     released_device = store.release_device("job-0", 1, "d3", "ledger-3")
+    for _ in range(2):  # a device convicted in every sum of its session is recorded once
+        store.convict("job-0", "d2", "its share for device 4 fails under the share key it proved")
     for detail in ("first", "second"):
         store.count_task_report("job-0", 1, "failed", "oom", detail)
     store.count_task_report("job-0", 1, "done", "", "")
@@ -75,6 +77,7 @@ def _exercise(store: Store) -> dict:
         "rounds": [(r.round, r.attempt, r.state, r.message, r.metrics, r.sessions) for r in store.rounds("job-0")],
         "released": (released, released_device),
         "seated": sorted(store.seated("job-0", 1)),  # emptied by the commit
+        "convicted": sorted(store.convicted("job-0")),  # kept: for the whole job
         "reports": store.task_report_summary("job-0", 1),
         "sums": store.committed_cohort_sums("job-0", 1),
         "version": store.model_version("job-0"),
@@ -99,7 +102,7 @@ def test_the_store_over_postgres_answers_as_sqlite_does(tmp_path, postgres_url):
     assert got == expected
     # Not two empty answers: what the writes should read back as.
     assert expected["refusals"] == ["replay", "key_taken", "id_taken", "population_mismatch"]
-    assert expected["released"] == (1, 1) and expected["seated"] == []
+    assert expected["released"] == (1, 1) and expected["seated"] == [] and expected["convicted"] == ["d2"]
     assert expected["reports"][("failed", "oom")] == (2, "first")
     assert expected["silos"] == ([0, 1, 0, None], {"x": 0, "y": 1})
     assert expected["sums"][0].fingerprint == (5, 2**61 - 1, 7)

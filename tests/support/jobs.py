@@ -105,6 +105,8 @@ class SyntheticRun:
     # Dealers the aggregators excluded (their metric), and the job's events.
     excluded: float
     events: list[str]
+    # Devices the coordinator keeps out of the job's later selections (proven bad dealers).
+    convicted: frozenset[str] = frozenset()
 
 
 def run_synthetic_job(tmp_path, n: int, rounds: int, cohort: int, dropout: float = 0.2,
@@ -136,6 +138,7 @@ def run_synthetic_job(tmp_path, n: int, rounds: int, cohort: int, dropout: float
             excluded = sum(a.metrics.registry.get_sample_value("tally_aggregator_excluded_devices_total") or 0.0
                            for a in s.aggregators)
             events = [e.message for e in s.coordinator.store.events(job_id)]
-            return SyntheticRun(await s.job(job_id), stats, checks, fleet.inputs, refused, misbehaved, excluded, events)
+            return SyntheticRun(await s.job(job_id), stats, checks, fleet.inputs, refused, misbehaved, excluded, events,
+                                s.coordinator.store.convicted(job_id))
 
     return run(main())

@@ -206,8 +206,7 @@ class SplitViewServer(SecAggServer):
         expander.apply(vector, crypto.self_mask_key(_rebuild(seed, t), context), subtract=True)
         victim_public = self._advertised[v].keys[0].mask_public
         for j, shares in keys.items():
-            pair = crypto.KeyPair(_rebuild(shares, t))
-            key = crypto.pairwise_mask_key(pair.agree(victim_public), context)
+            key = crypto.pairwise_mask_key(crypto.ScalarKey(_rebuild(shares, t)).agree(victim_public), context)
             expander.apply(vector, key, subtract=v < j)  # v added the mask when v < j
         np.bitwise_and(vector, vector.dtype.type(ring_mask(spec.bits)), out=vector)
         attempt.recovered = vector
@@ -259,7 +258,6 @@ def _shares(answers, owner: int, kind: str) -> dict[int, bytes]:
     return out
 
 
-def _rebuild(shares: dict[int, bytes], t: int) -> bytes:
+def _rebuild(shares: dict[int, bytes], t: int) -> int:
     holders = sorted(shares)[:t]
-    block = np.stack([shamir.share_from_bytes(shares[h]) for h in holders])
-    return shamir.reconstruct([tuple(holders)], [block])[0]
+    return shamir.reconstruct([holders], [[shamir.share_from_bytes(shares[h]) for h in holders]])[0]

@@ -62,6 +62,19 @@ def test_selection_takes_the_over_selected_target_then_turns_devices_away():
     assert isinstance(decision, FormCohorts) and len(decision.devices) == 13
 
 
+def test_a_device_proven_to_deal_bad_shares_is_never_seated_again_in_the_job():
+    """Issue 38 problem 1: a dealer an aggregator convicted sits in no later selection of the job,
+    even when its ledger or a report releases its seat (it truly sent no input: it was excluded
+    before any), so it cannot cost a retry's honest inputs either."""
+    planner = RoundPlanner(planner_spec(), [STEP], 0.0, extensions=0, attempt_key="k",
+                           excluded=frozenset({"cheat"}), convicted=frozenset({"cheat"}))
+    refused = planner.check_in("cheat", 0.1)
+    assert isinstance(refused, Retry) and refused.reason == "proven to have dealt bad shares in this job"
+    planner.readmit("cheat")  # what a released seat does for anyone else
+    assert isinstance(planner.check_in("cheat", 0.2), Retry)
+    assert isinstance(planner.check_in("honest", 0.2), Hold)
+
+
 def test_waiting_room_holds_one_selection_in_arrival_order_and_lets_leavers_go():
     room = WaitingRoom(3)
     assert [room.offer(d) for d in ["a", "b", "a", "c", "d"]] == [True, True, True, True, False]

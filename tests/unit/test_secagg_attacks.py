@@ -8,7 +8,6 @@ attack yields nothing: the victim refuses, or the honest devices' sum comes out 
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import os
 from collections.abc import Callable
 
@@ -40,10 +39,8 @@ from tally.secagg import (
     shamir,
 )
 from tally.secagg.layouts import (
-    SeedCommitments,
     advertise_statement,
     consistency_message,
-    seed_commitment,
     share_associated_data,
 )
 from tally.secagg.messages import (
@@ -103,13 +100,12 @@ def _secrets_the_attacker_decrypts(config, cohort, pairs) -> dict[str, tuple[byt
             secret = pairs[share.recipient][0].agree(victim_cipher)
             key = crypto.share_key(secret, context, 1, share.recipient)
             ad = share_associated_data(config.ref, spec.sum_id, 1, share.recipient)
-            plaintext = crypto.open_sealed(key, share.ciphertext, ad)[: 2 * shamir.SHARE_BYTES]
-            rows.append(np.frombuffer(plaintext, "<u4").reshape(2, shamir.CHUNKS))
+            plaintext = crypto.open_sealed(key, share.ciphertext, ad)
+            size = shamir.SHARE_BYTES
+            rows.append([shamir.share_from_bytes(plaintext[i : i + size]) for i in (0, size)])
             holders.append(share.recipient)
         t = config.threshold
-        mask_key, seed = shamir.reconstruct(
-            [tuple(holders[:t])] * 2, [np.stack([r[0] for r in rows[:t]]), np.stack([r[1] for r in rows[:t]])]
-        )
+        mask_key, seed = shamir.reconstruct([holders[:t]] * 2, [[r[0] for r in rows[:t]], [r[1] for r in rows[:t]]])
         out[spec.sum_id] = (mask_key, seed)
     return out
 
@@ -138,8 +134,8 @@ def test_an_aggregator_substituting_keys_gets_nothing_and_the_victim_refuses(
     stolen = _secrets_the_attacker_decrypts(config, unchecked, pairs)
     advert = next(m for m in unchecked.sent if isinstance(m, AdvertiseKeys) and m.sender == 1)
     mask_key, seed = stolen["s"]
-    assert crypto.KeyPair(mask_key).public == advert.keys[0].mask_public
-    assert seed_commitment(config.ref, "s", seed) == advert.keys[0].seed_commitment
+    assert crypto.public_of_scalar(mask_key) == advert.keys[0].mask_public
+    assert crypto.public_of_scalar(seed) == advert.keys[0].seed_commitment
 
 
 def test_keys_are_bound_to_their_sender_index_and_session():
@@ -197,11 +193,8 @@ def _wrong_shares(kind: str) -> Callable[[UnmaskResponse], UnmaskResponse]:
     def corrupt(share: bytes) -> bytes:
         if kind == "zero":
             return bytes(len(share))
-        # A crafted offset: a valid field element one away in the first chunk, so the
-        # reconstructed chunk stays in range and only the commitment check can tell.
-        arr = np.frombuffer(share, "<u4").astype(np.uint64)
-        arr[0] = (arr[0] + 1) % shamir.P
-        return arr.astype("<u4").tobytes()
+        # A crafted offset: a valid scalar one away, so only the commitment check can tell.
+        return shamir.share_to_bytes((shamir.share_from_bytes(share) + 1) % shamir.P)
 
     def rewrite(m: UnmaskResponse) -> UnmaskResponse:
         return with_shares(m, seeds=[(o, corrupt(s)) for o, s in share_pairs(m.seed_owners, m.seed_shares)],
@@ -388,17 +381,28 @@ def test_a_total_no_honest_cohort_can_reach_is_refused():
         schema.decode_sum((total + far) & np.uint64(ring_mask(bits)), bits, contributors=n)
 
 
-def test_seed_commitments_bind_the_seed():
-    config = make_config(4, 3, 3)
-    assert seed_commitment(config.ref, "s", bytes(32)) != seed_commitment(config.ref, "s", b"\1" + bytes(31))
-    assert seed_commitment(config.ref, "s", bytes(32)) != seed_commitment(config.ref, "t", bytes(32))
-    # The server's hasher (the context hashed once, then copied) commits exactly as devices do:
-    # SHA-256 over the length-prefixed label, session fields and seed.
-    seed = os.urandom(32)
-    fields = [b"tally/seed-commitment", b"".join(len(f).to_bytes(4, "big") + f for f in (
-        config.ref.job_id.encode(), str(config.ref.round).encode(), config.ref.session_id.encode(), b"s")), seed]
-    layout = hashlib.sha256(b"".join(len(f).to_bytes(4, "big") + f for f in fields)).digest()
-    assert SeedCommitments(config.ref, "s")(seed) == seed_commitment(config.ref, "s", seed) == layout
+def test_seed_commitments_bind_the_seed_up_to_sign():
+    """The seed's commitment is u(seed * B): different seeds commit differently, a seed and its
+    negative alike, and both give one self mask (the seed is used as its unsigned form)."""
+    seed = crypto.random_scalar()
+    assert crypto.public_of_scalar(seed) != crypto.public_of_scalar(seed + 1)
+    assert crypto.public_of_scalar(seed) == crypto.public_of_scalar(crypto.GROUP_ORDER - seed)
+    context = make_config(4, 3, 3).ref.context("s")
+    assert crypto.self_mask_key(seed, context) == crypto.self_mask_key(crypto.GROUP_ORDER - seed, context)
+    assert crypto.self_mask_key(seed, context) != crypto.self_mask_key(seed + 1, context)
+
+
+def test_a_rebuilt_mask_key_agrees_as_its_x25519_key_whatever_its_sign_or_form():
+    """The server removes a dropout's pairwise masks with the scalar it rebuilt: an honest key
+    rebuilt as +-scalar agrees exactly as the device's X25519 key did; a key with no clamped form
+    (a corrupt device made its public key as u(r B) for any r) agrees through the Edwards curve
+    as its neighbours' X25519 did with it."""
+    private, peer = os.urandom(32), crypto.KeyPair(os.urandom(32))
+    scalar = crypto.mask_scalar(private)
+    for rebuilt in (scalar, crypto.GROUP_ORDER - scalar):
+        assert crypto.ScalarKey(rebuilt).agree(peer.public) == crypto.KeyPair(private).agree(peer.public)
+    unclamped = 8 * 12345  # +-r / 8 mod l is no j in [2^251, 2^252): no clamped key is +-r mod l
+    assert crypto.ScalarKey(unclamped).agree(peer.public) == peer.agree(crypto.public_of_scalar(unclamped))
 
 
 # ---- 12. survivor split: each device shown its own survivor set (third review, finding 1) -----

@@ -1,10 +1,13 @@
-"""No single device can fail a round or push out an honest one (issue 23, findings 2 and 3).
+"""No single device can fail a round or push out an honest one (issue 23, findings 2 and 3;
+issue 38, problems 1 and 5).
 
-A corrupt dealer (shares on no polynomial, or garbage for one neighbour) is convicted by its own
-key and excluded for every device before any masked input; a holder that complains about a good
-share is settled by the dealer's key and named; a server that alters a delivery or forges a
-complaint gets no key; an Unmask request naming a device outside the neighbourhood is refused.
-In process, against the real state machines.
+A corrupt dealer (shares on no polynomial, garbage for one neighbour, a consistent polynomial
+whose constant is not its committed secret, a good share sealed under a key of its own to frame
+its holder) is convicted by its own check or its own proven key and excluded for every device
+before any masked input; a holder that complains about a good share is settled by the dealer's
+proven key and named; a complaint nobody settled is disputed, nobody's fault; a server that alters
+a delivery or forges a complaint gets no key; an Unmask request naming a device outside the
+neighbourhood is refused. In process, against the real state machines.
 """
 
 from __future__ import annotations
@@ -17,8 +20,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from support.secagg import ProtocolCohort, identities, lax_client, make_config, random_inputs
-from tally.secagg import MalformedMessage, SecAggServer, shamir, sharecheck
-from tally.secagg.adversary import CORRUPT_DEALERS, InconsistentDealer
+from tally.secagg import MalformedMessage, SecAggServer, crypto, shamir, sharecheck
+from tally.secagg.adversary import CORRUPT_DEALERS, FramingDealer, InconsistentDealer, WrongSecretDealer
 from tally.secagg.client import _AwaitShareVerdict
 from tally.secagg.messages import (
     JustifyRequest,
@@ -43,7 +46,11 @@ def test_a_corrupt_dealer_is_excluded_before_any_input_and_the_sum_is_exact(adve
     cohort.run()
     server = cohort.server
     assert server.aborted is None, server.aborted
-    assert server.excluded.keys() == {dealer} and "fails its check" in server.excluded[dealer]
+    why = "does not open the mask key and seed it committed to" if adversary is WrongSecretDealer else (
+        "fails under the share key it proved")
+    assert server.excluded.keys() == {dealer} and why in server.excluded[dealer]
+    assert server.misbehaving == {} and server.disputed == {}  # no holder framed
+    assert server.convicted == {dealer} and result_convicted(server) == (dealer,)
     assert cohort.refused == {} and cohort.rejected == {}  # the neighbour aimed at stays too
     assert not any(isinstance(m, MaskedInputResponse) and m.sender == dealer for m in cohort.sent)
     result = server.results["s"]
@@ -51,18 +58,58 @@ def test_a_corrupt_dealer_is_excluded_before_any_input_and_the_sum_is_exact(adve
     assert result.total.tolist() == cohort.exact("s", result.contributors)
     complainers = {m.sender for m in cohort.sent if isinstance(m, ShareComplaints) and m.complaints}
     neighbours = set(cohort.config.neighbours(dealer).tolist())
-    assert complainers == (neighbours if adversary is InconsistentDealer else {min(neighbours)})
+    expected = {InconsistentDealer: neighbours, WrongSecretDealer: set()}.get(adversary, {min(neighbours)})
+    assert complainers == expected
 
 
-def test_without_the_check_shares_on_no_polynomial_fail_the_round_after_every_input(monkeypatch):
-    """The control: what finding 2 was. Every holder accepts its share, every device sends its
-    masked input, and Unmask cannot rebuild the dealer's seed."""
-    monkeypatch.setattr(sharecheck, "passes", lambda plaintext, check: True)
-    cohort = ProtocolCohort(make_config(12, 11, 7), dealers={5: InconsistentDealer})
+@pytest.mark.parametrize("check, adversary", [("passes", InconsistentDealer), ("constant_opens", WrongSecretDealer)],
+                         ids=["no share check", "no constant check"])
+def test_without_the_check_a_corrupt_dealer_fails_the_round_after_every_input(monkeypatch, check, adversary):
+    """The controls: what issue 23 finding 2 and issue 38 problem 1 were. Every holder accepts
+    its share, every device sends its masked input, and Unmask cannot rebuild the dealer's seed."""
+    monkeypatch.setattr(sharecheck, check, lambda *args: True)
+    cohort = ProtocolCohort(make_config(12, 11, 7), dealers={5: adversary})
     cohort.run()
     assert cohort.server.excluded == {}
     assert sum(isinstance(m, MaskedInputResponse) for m in cohort.sent) == 12
     assert cohort.server.aborted is not None and cohort.server.results == {}
+    assert "do not rebuild the secrets they committed to" in cohort.server.aborted.reason
+
+
+def test_the_framing_dealer_of_problem_5_is_named_and_its_holder_is_not():
+    """Issue 38 problem 5: the dealer seals its lowest neighbour's good share under a key of its
+    own. The holder complains; the dealer can prove only the pair's real shared secret, under
+    which the ciphertext does not open: the dealer is excluded, the holder is nobody's suspect."""
+    config = make_config(12, 11, 7, consistency=True)
+    cohort = ProtocolCohort(config, dealers={5: FramingDealer})
+    cohort.run()
+    server = cohort.server
+    framed = min(config.neighbours(5).tolist())
+    assert server.excluded == {5: f"its share for device {framed} fails under the share key it proved"}
+    assert framed not in server.misbehaving and server.misbehaving == {}
+    assert framed in server.results["s"].contributors
+
+
+def test_a_complaint_the_dealer_leaves_unanswered_stays_disputed_and_names_no_holder():
+    config = make_config(12, 11, 7)
+    cohort = ProtocolCohort(config, dealers={5: InconsistentDealer})
+
+    def leave(outgoing):  # the accused dealer is gone before it can answer
+        if isinstance(outgoing.message, JustifyRequest):
+            cohort.refused[outgoing.recipient] = ConnectionError("gone")
+        return outgoing
+
+    cohort.run(tamper_server=leave)
+    server = cohort.server
+    assert server.excluded == {5: "did not answer complaints about its shares"}
+    assert server.misbehaving == {}
+    assert {dealer for dealer, _ in server.disputed} == {5} and len(server.disputed) == 11
+    assert server.convicted == set() and result_convicted(server) == ()  # gone is not proven
+
+
+def result_convicted(server: SecAggServer) -> tuple[int, ...]:
+    """What the coordinator is told is proven (it bans those devices from the job)."""
+    return server.results["s"].convicted
 
 
 def _signed_complaint(config, delivery: ShareDelivery, dealer: int, holder: int, key=None) -> ShareComplaint:
@@ -85,7 +132,8 @@ def test_a_false_complaint_is_settled_by_the_dealers_key_and_names_the_complaine
     cohort.run(tamper_client=complain)
     server = cohort.server
     assert server.aborted is None and server.excluded == {}
-    assert server.misbehaving == {liar: f"complained about a good share from device {dealer}"}
+    assert server.misbehaving == {liar: f"complained about a good share from device {dealer}, proven by its share key"}
+    assert server.disputed == {}
     assert any(isinstance(m, JustifyResponse) and m.sender == dealer for m in cohort.sent)
     result = server.results["s"]
     # The liar's own device sees a settlement of a complaint it never made, and leaves.
@@ -177,7 +225,7 @@ def test_a_justify_request_is_bounded_by_the_shares_dealt_and_comes_once(complai
 def test_a_verdict_that_leaves_a_complaint_unsettled_or_excludes_a_stranger_is_refused():
     config = make_config(6, 5, 3)
     holder = lax_client(config, 1)
-    holder.secrets["s"].complained[4] = (b"x" * 10, b"y" * sharecheck.CHECK_BYTES)
+    holder.secrets["s"].complained[4] = (b"x" * 10, b"y" * sharecheck.check_bytes_for(3))
     holder._phase = _AwaitShareVerdict(holder, frozenset({2, 3, 4, 5, 6}))
     with pytest.raises(MalformedMessage, match="not settled"):
         holder.receive(ShareVerdict(config.ref, (), ()))
@@ -187,55 +235,86 @@ def test_a_verdict_that_leaves_a_complaint_unsettled_or_excludes_a_stranger_is_r
         holder.receive(ShareVerdict(config.ref, (4, 4), ()))
 
 
-@settings(max_examples=60, deadline=None)
+def _dealt(t: int, holders: int, key: int, seed: int, offsets: tuple[int, int] = (0, 0)):
+    """A dealer's polynomials for secrets (key, seed) + offsets, its blinding, its shares' rows
+    and a digest over them."""
+    *secret_polynomials, blinding = shamir.polynomials([key + offsets[0], seed + offsets[1], crypto.random_scalar()], t)
+    xs = list(range(1, holders + 1))
+    rows = [list(row) for row in zip(*shamir.evaluate([*secret_polynomials, blinding], xs))]
+    digest = sharecheck.digest(SessionRef("j", 1, "s"), "s", 1, [crypto.scalar_bytes(r[0]) for r in rows])
+    return secret_polynomials, blinding, rows, digest
+
+
+def _plaintext(row: list[int]) -> bytes:
+    return b"".join(crypto.scalar_bytes(v % shamir.P) for v in row)
+
+
+@settings(max_examples=40, deadline=None)
 @given(t=st.integers(2, 12), extra=st.integers(1, 8), data=st.data())
 def test_shares_on_no_polynomial_fail_some_holder_whatever_check_the_dealer_publishes(t, extra, data):
-    """Soundness of the check: the dealer fits h to the first t holders as best it can (any h
-    must agree with t of them); once a share lies off the polynomial, a holder fails."""
+    """Soundness of the holders' half: the dealer fits h to the first t holders as best it can
+    (any h must agree with t of them); once a share lies off the polynomial, a holder fails."""
     holders = t + extra
-    xs = np.arange(1, holders + 1)
-    secrets = [bytes(data.draw(st.binary(min_size=32, max_size=32))) for _ in range(2)]
-    polynomials = shamir.polynomials(secrets, t)
-    blinding = shamir.random_polynomials(sharecheck.ROWS, t)
-    shares = shamir.evaluate(polynomials, xs).transpose(1, 0, 2).reshape(holders, -1)
-    blinds = shamir.evaluate(blinding[:, :, None], xs)[:, :, 0].T
+    secret_polynomials, blinding, rows, digest = _dealt(t, holders, crypto.random_scalar(), crypto.random_scalar())
     off = data.draw(st.lists(st.integers(0, holders - 1), min_size=1, unique=True))
     delta = data.draw(st.integers(1, shamir.P - 1))
-    term = data.draw(st.integers(0, sharecheck.TERMS - 1))
-    shares[off, term] = (shares[off, term] + delta) % shamir.P
-    rows = np.concatenate([shares, blinds], axis=1).astype("<u4")
-    digest = sharecheck.digest(SessionRef("j", 1, "s"), "s", 1, [r.tobytes() for r in rows])
-    c = sharecheck.challenge(digest)
-    # What each holder's values combine to; the dealer's h must be one polynomial of degree < t.
-    products = (c[None, :, :] * rows[:, None, :sharecheck.TERMS].astype(np.uint64)) % shamir.P
-    combined = (rows[:, sharecheck.TERMS:].astype(np.uint64) + products.sum(axis=2)) % shamir.P
-    fitted = np.stack([_interpolate(xs[:t], combined[:t, r], xs) for r in range(sharecheck.ROWS)], axis=1)
-    verdicts = [sharecheck.passes(rows[i].tobytes(), sharecheck.check_bytes(digest, fitted[i])) for i in range(holders)]
-    error = np.zeros(holders, dtype=np.uint64)
-    error[off] = delta
-    on_polynomial = np.array_equal(_interpolate(xs[:t], error[:t], xs), error)  # e.g. every share moved alike
+    term = data.draw(st.integers(0, 2))
+    for i in off:
+        rows[i][term] = (rows[i][term] + delta) % shamir.P
+    blind = crypto.commit(blinding[0])
+    c = [value for value, _ in sharecheck.challenge(digest, blind)]
+    combined = [(r[2] + c[0] * r[0] + c[1] * r[1]) % shamir.P for r in rows]
+    fitted = _interpolate(list(range(1, t + 1)), combined[:t], t)
+    message = blind + b"".join(crypto.scalar_bytes(v) for v in fitted)
+    verdicts = [sharecheck.passes(_plaintext(rows[i]), digest + message, i + 1) for i in range(holders)]
     assert all(verdicts[:t])  # fitted through them
+    errors = [delta if i in off else 0 for i in range(holders)]
+    on_polynomial = _interpolate(list(range(1, t + 1)), errors[:t], t) == [errors[0]] + [0] * (t - 1) and len(
+        set(errors)) == 1  # every share moved alike: still a polynomial
     assert on_polynomial or not all(verdicts)
-    honest_h = sharecheck.check_polynomials(polynomials, blinding, c)
-    honest_values = sharecheck.evaluate_rows(honest_h[None], xs[None])[0]
+    honest = sharecheck.check_message(secret_polynomials, blinding, digest)
     clean = set(range(holders)) - set(off)
-    assert all(sharecheck.passes(rows[i].tobytes(), sharecheck.check_bytes(digest, honest_values[i])) for i in clean)
+    assert all(sharecheck.passes(_plaintext(rows[i]), digest + honest, i + 1) for i in clean)
 
 
-def _interpolate(xs: np.ndarray, ys: np.ndarray, at: np.ndarray) -> np.ndarray:
-    """Lagrange interpolation over GF(p), in Python integers (an independent oracle)."""
+@settings(max_examples=25, deadline=None)
+@given(t=st.integers(1, 8), which=st.sampled_from([(1, 0), (0, 1), (1, 1)]), offset=st.integers(1, shamir.P - 1),
+       blind_offset=st.integers(0, 3), private=st.binary(min_size=32, max_size=32))
+def test_a_consistent_sharing_of_a_wrong_constant_never_opens_the_commitments(t, which, offset, blind_offset, private):
+    """Soundness of the constant-term half (issue 38 problem 1): a dealer whose polynomials are
+    consistent (every holder passes) but whose constant is not its committed mask key or seed,
+    up to sign, is caught whatever it publishes as G; the honest dealing and the negated
+    secrets (which rebuild the same X25519 secret and self mask) open."""
+    key, seed = crypto.mask_scalar(private), crypto.random_scalar()
+    mask_public, seed_commitment = crypto.KeyPair(private).public, crypto.public_of_scalar(seed)
+    offsets = (which[0] * offset, which[1] * offset)
+    wrong = (offsets[0] + key) % shamir.P in (key, shamir.P - key) and (offsets[1] + seed) % shamir.P in (
+        seed, shamir.P - seed)
+    for dealt_offsets, should_open in ((offsets, wrong), ((0, 0), True), ((-2 * key, -2 * seed), True)):
+        polynomials, blinding, rows, digest = _dealt(t, t + 2, key, seed, dealt_offsets)
+        message = sharecheck.check_message(polynomials, blinding, digest)
+        assert all(sharecheck.passes(_plaintext(r), digest + message, i + 1) for i, r in enumerate(rows))
+        if blind_offset and not should_open:  # a G moved by a known amount, fixed before the challenge
+            moved = crypto.commit(blinding[0] + blind_offset)
+            message = sharecheck.check_message(polynomials, [blinding[0] + blind_offset, *blinding[1:]], digest)
+            assert message[:32] == moved
+        assert sharecheck.constant_opens(message, digest, mask_public, seed_commitment) is should_open
+
+
+def _interpolate(xs: list[int], ys: list[int], t: int) -> list[int]:
+    """Coefficients (constant first) of the polynomial of degree < t through (xs, ys) mod l, by
+    Lagrange in Python integers (an oracle independent of ``shamir``)."""
     p = shamir.P
-    out = []
-    for x in at.tolist():
-        total = 0
-        for i, (xi, yi) in enumerate(zip(xs.tolist(), ys.tolist())):
-            num, den = 1, 1
-            for j, xj in enumerate(xs.tolist()):
-                if j != i:
-                    num, den = num * (x - xj) % p, den * (xi - xj) % p
-            total = (total + yi * num * pow(den, -1, p)) % p
-        out.append(total)
-    return np.array(out, dtype=np.uint64)
+    coefficients = [0] * t
+    for i, (xi, yi) in enumerate(zip(xs, ys)):
+        basis, den = [1], 1
+        for j, xj in enumerate(xs):
+            if j != i:
+                basis = [(a - xj * b) % p for a, b in zip([0, *basis], [*basis, 0])]
+                den = den * (xi - xj) % p
+        scale = yi * pow(den, -1, p) % p
+        coefficients = [(c + scale * b) % p for c, b in zip(coefficients, basis)]
+    return coefficients
 
 
 @pytest.mark.parametrize("consistency, refusal", [(True, "more than two hops from me"),

@@ -155,7 +155,7 @@ def test_unmask_answers_must_name_each_expected_owner_once_with_whole_shares():
     (a, share_a), (b, share_b) = seeds[0], seeds[1]
     refused = {
         "seed shares": [seeds[1:], seeds[:1] + seeds[:-1], seeds + seeds[:1]],
-        "36 bytes": [[(a, share_a[:-1]), (b, share_b)] + seeds[2:], [(a, share_a + b"\x00")] + seeds[1:],
+        "32 bytes": [[(a, share_a[:-1]), (b, share_b)] + seeds[2:], [(a, share_a + b"\x00")] + seeds[1:],
                      [(a, b"")] + seeds[1:]],
         "device indices": [[("one", share_a)] + seeds[1:], [(None, share_a)] + seeds[1:]],
     }
@@ -171,7 +171,7 @@ def test_unmask_answers_must_name_each_expected_owner_once_with_whole_shares():
                                        {"seed_owners": tuple(map(str, owners))},
                                        {"seed_owners": np.array(owners)[::-1].astype(float)}],
                     "seed shares": [{"seed_owners": np.array(owners[1:])}, {"seed_owners": list(owners[1:])}],
-                    "36 bytes": [{"seed_shares": list(unmask.seed_shares)}, {"key_shares": None}]}
+                    "32 bytes": [{"seed_shares": list(unmask.seed_shares)}, {"key_shares": None}]}
     for reason, variants in shaped_wrong.items():
         for fields in variants:
             with pytest.raises(MalformedMessage, match=reason):

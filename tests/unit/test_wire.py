@@ -17,7 +17,7 @@ from hypothesis.extra import numpy as hnp
 
 from support.secagg import lax_client, roster
 from tally.codec import Field, Kind, PayloadSchema, ring_dtype, ring_mask
-from tally.secagg import OutOfPhase, SecAggServer, SessionConfig, shamir, sharecheck
+from tally.secagg import OutOfPhase, SecAggServer, SessionConfig, crypto, shamir, sharecheck
 from tally.secagg.layouts import SHARE_CIPHERTEXT_BYTES
 from tally.secagg.messages import (
     Abort,
@@ -164,10 +164,10 @@ signature = fixed(64)
 refs = st.builds(SessionRef, ids, st.integers(0, 2**63 - 1), ids)
 sum_keys = st.builds(SumPublicKeys, ids, key, key, key)
 shares = st.builds(EncryptedShare, ids, index, index, fixed(SHARE_CIPHERTEXT_BYTES),
-                   st.one_of(st.just(b""), fixed(sharecheck.CHECK_BYTES)))
+                   st.one_of(st.just(b""), fixed(sharecheck.check_bytes_for(3))))
 checks = st.builds(ShareCheck, ids, blob)
 complaints = st.builds(ShareComplaint, ids, index, index, signature)
-revealed = st.builds(RevealedShareKey, ids, index, index, key)
+revealed = st.builds(RevealedShareKey, ids, index, index, fixed(crypto.DH_PROOF_BYTES))
 # Owners and one share per owner, as one block.
 owned = st.integers(0, 5).flatmap(lambda m: st.tuples(st.lists(index, min_size=m, max_size=m).map(tuple),
                                                        fixed(m * shamir.SHARE_BYTES)))
@@ -374,11 +374,12 @@ def test_cohort_sums_round_trip_at_the_wire_width(data, bits, dim):
     spec = SumSpec("update", dim, bits)
     total = data.draw(hnp.arrays(np.uint64, dim, elements=st.integers(0, ring_mask(bits))))
     total = total.astype(ring_dtype(bits))
-    result = SumResult("update", total, (1, 2, 4), (3,))
+    result = SumResult("update", total, (1, 2, 4), (3,), ((5, "left"), (6, "proven bad")), (6,))
     proto = reparse(cohort_sum_to_proto("sess", spec, result))
     assert len(proto.total) == -(-dim * spec.wire_bits // 8)  # packed, never widened
     back = cohort_sum_from_proto(proto)
     assert back.sum_id == "update" and back.contributors == (1, 2, 4) and back.dropped == (3,)
+    assert back.excluded == result.excluded and back.convicted == (6,)  # only a proven exclusion bans
     assert back.total.dtype == ring_dtype(bits) and np.array_equal(back.total, total)
 
 
@@ -462,12 +463,12 @@ REF = secagg_pb2.SessionRef(job_id="j", round=1, session_id="s")
     (secagg_pb2.ConsistencyCheckResponse(ref=REF, sum_id="a", sender=1, signature=bytes(65)),
      r"ConsistencyCheckResponse\.signature must be 64 bytes"),
     (secagg_pb2.UnmaskResponse(ref=REF, sum_id="a", sender=1, seed_owners=[2], seed_shares=bytes(1000)),
-     r"UnmaskResponse\.seed_shares must be 36 bytes per owner in seed_owners \(1\), got 1000"),
-    (secagg_pb2.UnmaskResponse(ref=REF, sum_id="a", sender=1, key_owners=[2, 3], key_shares=bytes(36)),
-     r"UnmaskResponse\.key_shares must be 36 bytes per owner in key_owners \(2\), got 36"),
+     r"UnmaskResponse\.seed_shares must be 32 bytes per owner in seed_owners \(1\), got 1000"),
+    (secagg_pb2.UnmaskResponse(ref=REF, sum_id="a", sender=1, key_owners=[2, 3], key_shares=bytes(32)),
+     r"UnmaskResponse\.key_shares must be 32 bytes per owner in key_owners \(2\), got 32"),
     (secagg_pb2.ShareKeysResponse(ref=REF, sender=1, shares=[
         secagg_pb2.EncryptedShare(sum_id="a", sender=1, recipient=2, ciphertext=bytes(10))]),
-     r"EncryptedShare\.ciphertext must be 100 bytes"),
+     r"EncryptedShare\.ciphertext must be 112 bytes"),
     (secagg_pb2.MaskedInputRequest(ref=REF, sum_id="x" * 257), r"sum_id: at most 256 characters"),
     (secagg_pb2.DeviceToAggregator(), r"DeviceToAggregator carries no message"),
     (secagg_pb2.AggregatorToDevice(), r"AggregatorToDevice carries no message"),

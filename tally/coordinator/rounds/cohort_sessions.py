@@ -262,6 +262,9 @@ class CohortSessions:
         for index, reason in result.excluded:
             device = session.devices[index - 1] if 0 < index <= len(session.devices) else f"index {index}"
             message = f"device {device} excluded from cohort {session.cohort}'s session {session.session_id}: {reason}"
+            if index in result.convicted and 0 < index <= len(session.devices):
+                self._store.convict(self.job_id, device, reason)
+                message += " (proven: it sits in no later selection of this job)"
             self._metrics.devices_excluded.inc()
             self._events.publish(self.job_id, round=round_, state="RUNNING", phase="AGGREGATION",
                                  step=step.name, message=message)

@@ -380,11 +380,14 @@ class RoundPlanner:
         expected_round_s: float = FIRST_ROUND_GUESS_S,
         rng: random.Random | None = None,
         excluded: frozenset[str] = frozenset(),
+        convicted: frozenset[str] = frozenset(),
         cohort_rng: random.Random | None = None,
     ) -> None:
         """``rng`` jitters pace steering; ``cohort_rng`` draws the cohorts (the OS CSPRNG unless a
         test fixes it); ``excluded``: devices seated in an earlier attempt of this round, which
-        this attempt never selects (see the module docstring)."""
+        this attempt never selects (see the module docstring); ``convicted``: devices proven to
+        have dealt bad shares in this job, never selected again and never readmitted."""
+        self.convicted = convicted
         self.spec, self.steps = spec, list(steps)
         self.attempt_key = attempt_key
         self.started_at = now
@@ -392,7 +395,7 @@ class RoundPlanner:
         self.phase = Phase.SELECTION
         self.selection = Selection(
             spec.selection_target, spec.min_cohort, spec.deadlines["checkin"], extensions, now,
-            frozenset() if spec.secure.plain else excluded,
+            (frozenset() if spec.secure.plain else excluded) | convicted,
         )
         self.cohorts: list[CohortPlan] = []
         self.seats: dict[str, Seat] = {}
@@ -412,6 +415,8 @@ class RoundPlanner:
         if self.phase is Phase.SELECTION:
             if self.selection.offer(device_id, ledger_id):
                 return Hold(device_id)
+            if device_id in self.convicted:
+                return self.retry(now, "proven to have dealt bad shares in this job")
             if device_id in self.selection.excluded:
                 return self.retry(now, "seated in an earlier attempt of this round")
             return self.retry(now, "cohort full")
@@ -428,7 +433,10 @@ class RoundPlanner:
         return Deliver(seat)
 
     def readmit(self, device_id: str) -> None:
-        """``device_id``'s earlier seat in the round was released: it may be selected again."""
+        """``device_id``'s earlier seat in the round was released: it may be selected again,
+        unless it is convicted."""
+        if device_id in self.convicted:
+            return
         self.selection.excluded.discard(device_id)
         self.selection.turned_away.discard(device_id)
 

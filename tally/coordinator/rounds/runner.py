@@ -445,7 +445,7 @@ class JobRunner:
             self.spec, steps, ctx.clock(), extensions=budget,
             attempt_key=f"r{round_}a{attempt}-{secrets.token_hex(4)}",
             expected_round_s=self.expected_round_s, rng=ctx.rng,
-            excluded=ctx.store.seated(self.job_id, round_),
+            excluded=ctx.store.seated(self.job_id, round_), convicted=ctx.store.convicted(self.job_id),
         )
         self.planner, self.tasks = planner, {}
         self.answers = StepAnswers(self.job_id, round_, self.spec, self.server, planner, ctx.store, ctx.metrics,

@@ -158,6 +158,14 @@ CREATE TABLE IF NOT EXISTS cohort_sums (
     fingerprint TEXT NOT NULL,
     PRIMARY KEY (job_id, round, attempt, session_id, sum_id)
 );
+-- Devices an aggregator proved to have dealt bad shares (SumResult.convicted): never seated in
+-- the job again, whatever their ledger or reports say.
+CREATE TABLE IF NOT EXISTS convicted (
+    job_id TEXT NOT NULL,
+    device_id TEXT NOT NULL,
+    reason TEXT NOT NULL,
+    PRIMARY KEY (job_id, device_id)
+);
 CREATE INDEX IF NOT EXISTS events_by_job ON events (job_id, id);
 """
 
@@ -628,6 +636,19 @@ class Store:
         return [CohortSumRecord(session, sum_id, cohort, bits, tuple(json.loads(contributors)),
                                 tuple(int(f) for f in json.loads(fingerprint)))
                 for session, sum_id, cohort, bits, contributors, fingerprint in rows]
+
+    def convict(self, job_id: str, device_id: str, reason: str) -> None:
+        """Keep ``device_id`` out of every later selection of the job: its misbehaviour is proven."""
+        with self._transaction():
+            self._db.execute(
+                "INSERT INTO convicted (job_id, device_id, reason) VALUES (?, ?, ?) "
+                "ON CONFLICT (job_id, device_id) DO NOTHING", (job_id, device_id, reason),
+            )
+
+    def convicted(self, job_id: str) -> frozenset[str]:
+        with self._lock:
+            rows = self._db.execute("SELECT device_id FROM convicted WHERE job_id = ?", (job_id,)).fetchall()
+        return frozenset(d for (d,) in rows)
 
     def seated(self, job_id: str, round_: int) -> frozenset[str]:
         with self._lock:

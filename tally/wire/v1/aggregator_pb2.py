@@ -25,15 +25,15 @@ _sym_db = _symbol_database.Default()
 from tally.wire.v1 import secagg_pb2 as tally_dot_v1_dot_secagg__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19tally/v1/aggregator.proto\x12\x08tally.v1\x1a\x15tally/v1/secagg.proto\"l\n\tFieldSpec\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05shape\x18\x02 \x03(\x03\x12!\n\x04kind\x18\x03 \x01(\x0e\x32\x13.tally.v1.FieldKind\x12\x0c\n\x04\x63lip\x18\x04 \x01(\x01\x12\x11\n\tfrac_bits\x18\x05 \x01(\x05\"H\n\x11PayloadSchemaSpec\x12\x0e\n\x06sum_id\x18\x01 \x01(\t\x12#\n\x06\x66ields\x18\x02 \x03(\x0b\x32\x13.tally.v1.FieldSpec\"9\n\x0b\x44\x65viceGrant\x12\x14\n\x0c\x64\x65vice_index\x18\x01 \x01(\x05\x12\x14\n\x0ctoken_sha256\x18\x02 \x01(\x0c\"\xf4\x01\n\x12OpenSessionRequest\x12\x16\n\x0esession_ticket\x18\x01 \x01(\x0c\x12\'\n\x06\x63onfig\x18\x02 \x01(\x0b\x32\x17.tally.v1.SessionConfig\x12,\n\x07schemas\x18\x03 \x03(\x0b\x32\x1b.tally.v1.PayloadSchemaSpec\x12+\n\tdeadlines\x18\x04 \x01(\x0b\x32\x18.tally.v1.PhaseDeadlines\x12&\n\x07\x64\x65vices\x18\x05 \x03(\x0b\x32\x15.tally.v1.DeviceGrant\x12\x1a\n\x12owner_token_sha256\x18\x06 \x01(\x0c\":\n\x13OpenSessionResponse\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\"8\n\x12\x41waitResultRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x0e\n\x06sum_id\x18\x02 \x01(\t\"\xc4\x01\n\tCohortSum\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x0e\n\x06sum_id\x18\x02 \x01(\t\x12\r\n\x05total\x18\x03 \x01(\x0c\x12\x0c\n\x04\x62its\x18\x04 \x01(\x05\x12\x0b\n\x03\x64im\x18\x05 \x01(\x03\x12\x14\n\x0c\x63ontributors\x18\x06 \x03(\x05\x12\x0f\n\x07\x64ropped\x18\x07 \x03(\x05\x12\x16\n\x0e\x61\x62orted_reason\x18\x08 \x01(\t\x12*\n\x08\x65xcluded\x18\t \x03(\x0b\x32\x18.tally.v1.ExcludedDevice\"/\n\x0e\x45xcludedDevice\x12\r\n\x05index\x18\x01 \x01(\x05\x12\x0e\n\x06reason\x18\x02 \x01(\t\"9\n\x13\x43loseSessionRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x0e\n\x06reason\x18\x02 \x01(\t\"\x16\n\x14\x43loseSessionResponse\"$\n\x0c\x46\x65nceRequest\x12\x14\n\x0cleader_epoch\x18\x01 \x01(\x0c\"%\n\rFenceResponse\x12\x14\n\x0cleader_epoch\x18\x01 \x01(\x04*R\n\tFieldKind\x12\x1a\n\x16\x46IELD_KIND_UNSPECIFIED\x10\x00\x12\x13\n\x0f\x46IELD_KIND_REAL\x10\x01\x12\x14\n\x10\x46IELD_KIND_COUNT\x10\x02\x32\xaa\x02\n\x11\x41ggregatorControl\x12J\n\x0bOpenSession\x12\x1c.tally.v1.OpenSessionRequest\x1a\x1d.tally.v1.OpenSessionResponse\x12@\n\x0b\x41waitResult\x12\x1c.tally.v1.AwaitResultRequest\x1a\x13.tally.v1.CohortSum\x12M\n\x0c\x43loseSession\x12\x1d.tally.v1.CloseSessionRequest\x1a\x1e.tally.v1.CloseSessionResponse\x12\x38\n\x05\x46\x65nce\x12\x16.tally.v1.FenceRequest\x1a\x17.tally.v1.FenceResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19tally/v1/aggregator.proto\x12\x08tally.v1\x1a\x15tally/v1/secagg.proto\"l\n\tFieldSpec\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05shape\x18\x02 \x03(\x03\x12!\n\x04kind\x18\x03 \x01(\x0e\x32\x13.tally.v1.FieldKind\x12\x0c\n\x04\x63lip\x18\x04 \x01(\x01\x12\x11\n\tfrac_bits\x18\x05 \x01(\x05\"H\n\x11PayloadSchemaSpec\x12\x0e\n\x06sum_id\x18\x01 \x01(\t\x12#\n\x06\x66ields\x18\x02 \x03(\x0b\x32\x13.tally.v1.FieldSpec\"9\n\x0b\x44\x65viceGrant\x12\x14\n\x0c\x64\x65vice_index\x18\x01 \x01(\x05\x12\x14\n\x0ctoken_sha256\x18\x02 \x01(\x0c\"\xf4\x01\n\x12OpenSessionRequest\x12\x16\n\x0esession_ticket\x18\x01 \x01(\x0c\x12\'\n\x06\x63onfig\x18\x02 \x01(\x0b\x32\x17.tally.v1.SessionConfig\x12,\n\x07schemas\x18\x03 \x03(\x0b\x32\x1b.tally.v1.PayloadSchemaSpec\x12+\n\tdeadlines\x18\x04 \x01(\x0b\x32\x18.tally.v1.PhaseDeadlines\x12&\n\x07\x64\x65vices\x18\x05 \x03(\x0b\x32\x15.tally.v1.DeviceGrant\x12\x1a\n\x12owner_token_sha256\x18\x06 \x01(\x0c\":\n\x13OpenSessionResponse\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\"8\n\x12\x41waitResultRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x0e\n\x06sum_id\x18\x02 \x01(\t\"\xc4\x01\n\tCohortSum\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x0e\n\x06sum_id\x18\x02 \x01(\t\x12\r\n\x05total\x18\x03 \x01(\x0c\x12\x0c\n\x04\x62its\x18\x04 \x01(\x05\x12\x0b\n\x03\x64im\x18\x05 \x01(\x03\x12\x14\n\x0c\x63ontributors\x18\x06 \x03(\x05\x12\x0f\n\x07\x64ropped\x18\x07 \x03(\x05\x12\x16\n\x0e\x61\x62orted_reason\x18\x08 \x01(\t\x12*\n\x08\x65xcluded\x18\t \x03(\x0b\x32\x18.tally.v1.ExcludedDevice\"?\n\x0e\x45xcludedDevice\x12\r\n\x05index\x18\x01 \x01(\x05\x12\x0e\n\x06reason\x18\x02 \x01(\t\x12\x0e\n\x06proven\x18\x03 \x01(\x08\"9\n\x13\x43loseSessionRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x0e\n\x06reason\x18\x02 \x01(\t\"\x16\n\x14\x43loseSessionResponse\"$\n\x0c\x46\x65nceRequest\x12\x14\n\x0cleader_epoch\x18\x01 \x01(\x0c\"%\n\rFenceResponse\x12\x14\n\x0cleader_epoch\x18\x01 \x01(\x04*R\n\tFieldKind\x12\x1a\n\x16\x46IELD_KIND_UNSPECIFIED\x10\x00\x12\x13\n\x0f\x46IELD_KIND_REAL\x10\x01\x12\x14\n\x10\x46IELD_KIND_COUNT\x10\x02\x32\xaa\x02\n\x11\x41ggregatorControl\x12J\n\x0bOpenSession\x12\x1c.tally.v1.OpenSessionRequest\x1a\x1d.tally.v1.OpenSessionResponse\x12@\n\x0b\x41waitResult\x12\x1c.tally.v1.AwaitResultRequest\x1a\x13.tally.v1.CohortSum\x12M\n\x0c\x43loseSession\x12\x1d.tally.v1.CloseSessionRequest\x1a\x1e.tally.v1.CloseSessionResponse\x12\x38\n\x05\x46\x65nce\x12\x16.tally.v1.FenceRequest\x1a\x17.tally.v1.FenceResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'tally.wire.v1.aggregator_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_FIELDKIND']._serialized_start=1078
-  _globals['_FIELDKIND']._serialized_end=1160
+  _globals['_FIELDKIND']._serialized_start=1094
+  _globals['_FIELDKIND']._serialized_end=1176
   _globals['_FIELDSPEC']._serialized_start=62
   _globals['_FIELDSPEC']._serialized_end=170
   _globals['_PAYLOADSCHEMASPEC']._serialized_start=172
@@ -49,15 +49,15 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_COHORTSUM']._serialized_start=671
   _globals['_COHORTSUM']._serialized_end=867
   _globals['_EXCLUDEDDEVICE']._serialized_start=869
-  _globals['_EXCLUDEDDEVICE']._serialized_end=916
-  _globals['_CLOSESESSIONREQUEST']._serialized_start=918
-  _globals['_CLOSESESSIONREQUEST']._serialized_end=975
-  _globals['_CLOSESESSIONRESPONSE']._serialized_start=977
-  _globals['_CLOSESESSIONRESPONSE']._serialized_end=999
-  _globals['_FENCEREQUEST']._serialized_start=1001
-  _globals['_FENCEREQUEST']._serialized_end=1037
-  _globals['_FENCERESPONSE']._serialized_start=1039
-  _globals['_FENCERESPONSE']._serialized_end=1076
-  _globals['_AGGREGATORCONTROL']._serialized_start=1163
-  _globals['_AGGREGATORCONTROL']._serialized_end=1461
+  _globals['_EXCLUDEDDEVICE']._serialized_end=932
+  _globals['_CLOSESESSIONREQUEST']._serialized_start=934
+  _globals['_CLOSESESSIONREQUEST']._serialized_end=991
+  _globals['_CLOSESESSIONRESPONSE']._serialized_start=993
+  _globals['_CLOSESESSIONRESPONSE']._serialized_end=1015
+  _globals['_FENCEREQUEST']._serialized_start=1017
+  _globals['_FENCEREQUEST']._serialized_end=1053
+  _globals['_FENCERESPONSE']._serialized_start=1055
+  _globals['_FENCERESPONSE']._serialized_end=1092
+  _globals['_AGGREGATORCONTROL']._serialized_start=1179
+  _globals['_AGGREGATORCONTROL']._serialized_end=1477
 # @@protoc_insertion_point(module_scope)

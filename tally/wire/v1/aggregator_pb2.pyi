@@ -102,12 +102,14 @@ class CohortSum(_message.Message):
     def __init__(self, session_id: _Optional[str] = ..., sum_id: _Optional[str] = ..., total: _Optional[bytes] = ..., bits: _Optional[int] = ..., dim: _Optional[int] = ..., contributors: _Optional[_Iterable[int]] = ..., dropped: _Optional[_Iterable[int]] = ..., aborted_reason: _Optional[str] = ..., excluded: _Optional[_Iterable[_Union[ExcludedDevice, _Mapping]]] = ...) -> None: ...
 
 class ExcludedDevice(_message.Message):
-    __slots__ = ("index", "reason")
+    __slots__ = ("index", "reason", "proven")
     INDEX_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
+    PROVEN_FIELD_NUMBER: _ClassVar[int]
     index: int
     reason: str
-    def __init__(self, index: _Optional[int] = ..., reason: _Optional[str] = ...) -> None: ...
+    proven: bool
+    def __init__(self, index: _Optional[int] = ..., reason: _Optional[str] = ..., proven: _Optional[bool] = ...) -> None: ...
 
 class CloseSessionRequest(_message.Message):
     __slots__ = ("session_id", "reason")
