@@ -5,7 +5,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: test lint demo docs bench-smoke clean prometheus postgresql images test-containers test-full
+.PHONY: test lint demo docs docs-serve bench-smoke clean prometheus postgresql images test-containers test-full
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -74,6 +74,10 @@ demo: $(STAMP)
 # The documentation site, into site/; warnings (a broken link, a page outside the navigation) fail it.
 docs: $(STAMP)
 	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict
+
+# The site at http://127.0.0.1:8000/, rebuilt on every edit (search works only when served).
+docs-serve: $(STAMP)
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs serve --dev-addr 127.0.0.1:8000
 
 bench-smoke: $(STAMP)
 	$(PY) bench/secagg_engine.py --clients 20 --dim 1000 --dropout 0.1 --repeat 1 --json $(VENV)/bench-smoke.json
