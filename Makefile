@@ -4,6 +4,9 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
+# What `make demo` needs and no more (tally[demo]: the services, the SDK, the simulated fleet and the
+# report's plot): no test tools, no docs, no checkov. `make test` installs the rest into the same venv.
+DEMO_STAMP := $(VENV)/.installed-demo
 
 .PHONY: test lint demo docs docs-serve bench-smoke clean prometheus postgresql images test-containers test-full
 
@@ -68,7 +71,13 @@ images:
 test-containers: $(STAMP) images prometheus postgresql
 	TALLY_REQUIRE_CONTAINERS=1 $(PY) -m pytest -q -m containers -p no:cacheprovider tests/e2e/test_containers.py
 
-demo: $(STAMP)
+$(DEMO_STAMP): pyproject.toml constraints.txt
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet -c constraints.txt -e '.[demo]'
+	touch $(DEMO_STAMP)
+
+demo: $(DEMO_STAMP)
 	$(VENV)/bin/tally demo
 
 # The documentation site, into site/; warnings (a broken link, a page outside the navigation) fail it.
