@@ -296,3 +296,22 @@ def test_a_device_command_with_a_missing_ca_names_the_flag(tmp_path, capsys, arg
     assert args.run(args) == 2
     err = capsys.readouterr().err
     assert f"--ca: no such file {tmp_path / 'nope.pem'}" in err and "Traceback" not in err
+
+
+def test_job_validate_and_init_import_neither_torch_nor_scipy():
+    """Issue 39, item 9: offline spec commands took 4-6 s (torch, scipy and dp-accounting imported to
+    check a spec); a spec's check reads the model's layout, not a built model. Timed in
+    bench/cli_offline.py; here: what they import."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    examples = sorted(str(p) for p in (root / "examples").glob("*.yaml"))
+    code = ("import sys\nfrom tally import algorithms\nfrom tally.cli import main\n"
+            "assert all(main(['job', 'validate', f]) == 0 for f in sys.argv[1:])\n"
+            "for name in algorithms.NAMES: main(['job', 'init', name])\n"
+            "print('HEAVY', [m for m in ('torch', 'scipy', 'dp_accounting', 'sklearn') if m in sys.modules], "
+            "file=sys.stderr)")
+    done = subprocess.run([sys.executable, "-c", code, *examples], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and "HEAVY []" in done.stderr, done.stderr[-3000:]

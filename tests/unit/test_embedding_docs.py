@@ -40,7 +40,8 @@ def test_every_field_of_device_stats_is_in_its_table():
 
 
 def test_the_guide_answers_what_an_application_asks():
-    for heading in ("### What `device.run()` does when there is no job", "### How an application learns that a job ended",
+    for heading in ("### What `device.run()` does when there is no job",
+                    "### How an application learns that a job ended",
                     "### Device credentials from Python", "### A lost identity key"):
         assert heading in GUIDE, heading
     assert "round_status(" in GUIDE and "job_state" in GUIDE

@@ -35,6 +35,7 @@ from tally.algorithms.adaptation_options import (
 )
 from tally.algorithms.options import OPTIONS
 from tally.coordinator.spec import catalogue
+from tally.models.layouts import layout
 from tally.privacy import spec as privacy_spec
 from tally.secagg import ThreatModel, UnsafeParameters, choose_params
 
@@ -452,7 +453,7 @@ def _check_relations(raw: Mapping[str, Any], valid: dict[str, Any], errors: list
             privacy, algorithm=algorithm,
             make_server=lambda: catalogue.make_server(
                 algorithm, {**options, "reveal": list(reveal)} if reveal else options),
-            initial=lambda: catalogue.initial_model(model), secure=secure, rounds=valid["rounds"],
+            initial=lambda: catalogue.model_layout(model), secure=secure, rounds=valid["rounds"],
             cohort_size=cohort, min_cohort=min_cohort,
         )
 
@@ -469,9 +470,12 @@ def _check_adaptation(raw: Mapping[str, Any], adaptation: AdaptationSpec, model:
         errors.append(f"adaptation: the {model.kind} model has no torch module for devices to adapt and serve "
                       f"as ONNX; adaptation needs one of {list(models.kinds())}")
         return
-    net = models.build(model.kind, model.inputs, model.classes, model.hidden, model.seed)
+    known = layout(model.kind, model.inputs, model.classes, model.hidden, model.domains)
+    names = (list(known.trainable) if known is not None else  # a plug-in's model: only its module knows
+             [name for name, _ in models.build(model.kind, model.inputs, model.classes, model.hidden,
+                                               model.seed).named_parameters()])
     try:
-        trainable_names([name for name, _ in net.named_parameters()], adaptation.option().options)
+        trainable_names(names, adaptation.option().options)
     except ValueError as exc:
         errors.append(f"adaptation.trainable: {exc}")
 
@@ -540,6 +544,6 @@ def _check_options(
     if model is None:
         return
     try:  # what the first round does: options that do not fit the model fail here, not at start
-        server.steps(server.init(catalogue.initial_model(model)))
+        server.steps(server.init(catalogue.model_layout(model)))
     except (TypeError, ValueError, KeyError) as exc:
         errors.append(f"model: the {model.kind} model does not fit {algorithm}'s options: {exc}")
