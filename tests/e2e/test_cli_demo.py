@@ -77,7 +77,9 @@ def _interrupt_once_the_job_runs(out: Path, rounds: int, logged: str | None = No
         demo.send_signal(signal.SIGTERM)
         code = demo.wait(timeout=60)
         assert code == 128 + signal.SIGTERM
-        assert "stopped by SIGTERM; its coordinator and aggregators were stopped" in demo.stderr.read()
+        err = demo.stderr.read()
+        assert "stopped by SIGTERM; its coordinator and aggregators were stopped" in err
+        assert "Traceback" not in err and "never retrieved" not in err, err  # the message, and nothing after it
     finally:
         if demo.poll() is None:
             demo.kill()

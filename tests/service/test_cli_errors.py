@@ -315,3 +315,23 @@ def test_job_validate_and_init_import_neither_torch_nor_scipy():
             "file=sys.stderr)")
     done = subprocess.run([sys.executable, "-c", code, *examples], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0 and "HEAVY []" in done.stderr, done.stderr[-3000:]
+
+
+@pytest.mark.parametrize("command", [
+    ["fleet", "--devices", "3", "--no-progress", "--synthetic"],
+    ["client", "--device-id", "d", "--shard", "0", "--shards", "2", "--hidden", "8", "--no-progress"],
+])
+def test_a_connect_timeout_ends_with_its_message_and_no_traceback(tmp_path, command):
+    """Issue 39, item 7: after the clean message a fleet printed ~25 lines of `_GatheringFuture
+    exception was never retrieved ... CancelledError` (its cancelled devices' gather, never awaited)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    done = subprocess.run(
+        [sys.executable, "-m", "tally.cli", *command, "--coordinator", "127.0.0.1:1", "--insecure",
+         "--connect-timeout", "1", "--state-dir", str(tmp_path / "state")],
+        capture_output=True, text=True, timeout=120, cwd=Path(__file__).resolve().parents[2])
+    assert done.returncode == 1, done.stderr
+    assert "reach" in done.stderr and "127.0.0.1:1" in done.stderr, done.stderr
+    assert "Traceback" not in done.stderr and "never retrieved" not in done.stderr, done.stderr
