@@ -139,3 +139,18 @@ def test_the_cnn_layout_refuses_what_the_cnn_refuses():
 
     with pytest.raises(ValueError, match="square images"):
         layout("cnn", 60, 10, 8)
+
+
+@pytest.mark.parametrize("kind", ["mlp", "cnn", "energy_mlp", "domain_mlp"])
+def test_a_bundled_device_reads_the_jobs_model_off_its_parameters(kind):
+    """`tally client`/`tally fleet` learn the job's model from what they download, flags only
+    overriding it (tally.training.bundled)."""
+    from tally.coordinator.spec import catalogue
+    from tally.training.bundled import ModelShape, model_shape
+
+    shape = ModelShape(kind, 64, 10, 12, 3 if kind == "domain_mlp" else 1)
+    params = catalogue.initial_model(type("Spec", (), {**shape.__dict__, "seed": 0}))
+    assert model_shape(params, 64) == shape
+    assert model_shape({"model/" + k: v for k, v in params.items()} | {"alpha": np.ones(3)}, 64) == shape
+    assert model_shape(params, 16) is None  # a model for other data
+    assert model_shape({"w": np.zeros(3)}, 64) is None
