@@ -12,12 +12,10 @@ scipy; a test asserts the imports, this measures the time.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
-import subprocess
-import sys
-import time
 from pathlib import Path
+
+from cli_help import emit, timed  # bench/, beside this script
 
 ROOT = Path(__file__).resolve().parents[1]
 LIMIT_S = 1.0
@@ -26,20 +24,9 @@ ALGORITHMS = ("fedavg", "agnostic_fedavg", "aaggff_d", "aaggff_s", "feddar_wa", 
               "superfed", "fedevg")
 
 
-def _time(argv: list[str], repeats: int) -> dict[str, float]:
-    seconds = []
-    for _ in range(repeats):
-        began = time.perf_counter()
-        subprocess.run([sys.executable, "-m", "tally.cli", *argv], check=True, stdout=subprocess.DEVNULL,
-                       stderr=subprocess.DEVNULL, cwd=ROOT)
-        seconds.append(time.perf_counter() - began)
-    median = statistics.median(seconds)
-    return {"median_s": median, "min_s": min(seconds), "max_s": max(seconds), "ratio_to_limit": median / LIMIT_S}
-
-
 def measure(repeats: int, examples: list[Path], algorithms: list[str]) -> dict:
-    rows = {f"validate {p.name}": _time(["job", "validate", str(p)], repeats) for p in examples}
-    rows |= {f"init {name}": _time(["job", "init", name], repeats) for name in algorithms}
+    rows = {f"validate {p.name}": timed(["job", "validate", str(p)], repeats, LIMIT_S) for p in examples}
+    rows |= {f"init {name}": timed(["job", "init", name], repeats, LIMIT_S) for name in algorithms}
     medians = [r["median_s"] for r in rows.values()]
     return {"bench": "cli_offline", "limit_s": LIMIT_S, "repeats": repeats, "commands": rows,
             "median_of_medians_s": statistics.median(medians), "slowest_median_s": max(medians),
@@ -54,11 +41,7 @@ def main() -> None:
     p.add_argument("--algorithms", nargs="*", default=list(ALGORITHMS), help="algorithms to init (default: all)")
     p.add_argument("--json", type=Path, help="write the result here as JSON")
     args = p.parse_args()
-    result = measure(args.repeats, args.examples, args.algorithms)
-    text = json.dumps(result, indent=2)
-    if args.json:
-        args.json.write_text(text + "\n")
-    print(text)
+    emit(measure(args.repeats, args.examples, args.algorithms), args.json)
 
 
 if __name__ == "__main__":

@@ -8,8 +8,6 @@ import argparse
 import math
 from collections.abc import Callable
 
-from tally.metrics import METRICS_PORTS
-
 
 def integer(low: int, high: int | None = None) -> Callable[[str], int]:
     """An integer in [low, high] (no upper bound when ``high`` is None)."""
@@ -54,6 +52,8 @@ POSITIVE = number(0.0, open_low=True)
 def add_metrics_arguments(parser: argparse.ArgumentParser, role: str, *, optional: bool = False) -> None:
     """``--metrics-port`` and ``--metrics-addr`` for ``role``. ``optional``: serve nothing unless
     ``--metrics-port`` is given (a device is no server); alone, it means the role's default port."""
+    from tally.metrics import METRICS_PORTS  # prometheus_client: only for the commands that serve metrics
+
     port, kind = METRICS_PORTS[role], integer(0, 65535)
     served = f"/metrics (tally_{role}_*), /healthz and /readyz"
     if optional:
