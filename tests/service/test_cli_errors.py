@@ -335,3 +335,13 @@ def test_a_connect_timeout_ends_with_its_message_and_no_traceback(tmp_path, comm
     assert done.returncode == 1, done.stderr
     assert "reach" in done.stderr and "127.0.0.1:1" in done.stderr, done.stderr
     assert "Traceback" not in done.stderr and "never retrieved" not in done.stderr, done.stderr
+
+
+def test_a_cohort_too_small_for_its_rates_is_one_line_naming_the_smallest_that_is(capsys):
+    """Issue 39, item 9: `tally sum --clients 4` ended in an UnsafeParameters traceback."""
+    from tally.cli import main
+
+    assert main(["sum", "--clients", "4", "--dropout", "0.1", "--dim", "10"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("tally sum: --clients 4: cohort too small") and "the smallest that is: --clients 5" in err
+    assert "Traceback" not in err

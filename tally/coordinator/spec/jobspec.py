@@ -37,7 +37,7 @@ from tally.algorithms.options import OPTIONS
 from tally.coordinator.spec import catalogue
 from tally.models.layouts import layout
 from tally.privacy import spec as privacy_spec
-from tally.secagg import ThreatModel, UnsafeParameters, choose_params
+from tally.secagg import ThreatModel, UnsafeParameters, choose_params, smallest_secure_cohort
 
 REVEALABLE = {"aaggff_s": ("response",)}
 DEFAULT_DEADLINES = {
@@ -505,22 +505,6 @@ def _check_secure(secure: SecureSpec, min_cohort: int | None, errors: list[str])
                     else "; no cohort size is: lower secure.dropout_rate or secure.corrupt_rate")
             errors.append(f"min_cohort: {min_cohort} is too small for the secure settings: {exc}{hint}")
 
-
-# Cohort sizes tried for a suggestion; beyond the full graph's sizes (below MIN_HARARY_N) the
-# Harary search answers for any n, so a suggestion is never far above.
-_LARGEST_SUGGESTED_COHORT = 1000
-
-
-def smallest_secure_cohort(above: int, threat: ThreatModel) -> int | None:
-    """The smallest cohort size above ``above`` that ``threat`` admits a threshold for, so an error
-    names the value to write instead of leaving the operator to bisect (None: none up to 1000)."""
-    for n in range(max(above + 1, 2), _LARGEST_SUGGESTED_COHORT + 1):
-        try:
-            choose_params(n, threat)
-        except UnsafeParameters:
-            continue
-        return n
-    return None
 
 
 def _check_options(
