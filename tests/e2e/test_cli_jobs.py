@@ -238,3 +238,28 @@ def test_job_init_help_names_every_algorithm(capsys):
         tally(["job", "init", "--help"])
     text = " ".join(capsys.readouterr().out.split())
     assert all(name in text for name in NAMES) and "..." not in text
+
+
+def test_ctrl_c_of_job_watch_is_one_line(tmp_path):
+    """Issue 39, item 7: Ctrl-C of `tally job watch` (any command without a stop of its own) printed
+    a KeyboardInterrupt traceback from inside gRPC."""
+    import signal
+
+    good = tmp_path / "job.yaml"
+    good.write_text(spec("watched", 2, cohort=10))
+
+    async def main():
+        async with in_process().whole_system(tmp_path) as s:
+            common = ("--coordinator", s.target, "--state-dir", str(s.state_dir), "--insecure")
+            job_id = await s.submit(good.read_text())
+            proc = await asyncio.create_subprocess_exec(
+                sys.executable, "-m", "tally.cli", "job", "watch", job_id, *common, stdout=asyncio.subprocess.PIPE,
+                stderr=asyncio.subprocess.PIPE, cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)})
+            first = await asyncio.wait_for(proc.stdout.readline(), 120)  # watching: no devices, it waits
+            proc.send_signal(signal.SIGINT)
+            _, err = await asyncio.wait_for(proc.communicate(), 60)
+            return first.decode(), proc.returncode, err.decode()
+
+    first, code, err = run(main())
+    assert "RUNNING" in first or "PENDING" in first, first
+    assert code == 128 + signal.SIGINT and err.strip() == "tally job: interrupted", err
