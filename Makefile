@@ -4,8 +4,11 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
+# What `make demo` needs and no more (tally[demo]: the services, the SDK, the simulated fleet and the
+# report's plot): no test tools, no docs, no checkov. `make test` installs the rest into the same venv.
+DEMO_STAMP := $(VENV)/.installed-demo
 
-.PHONY: test lint demo docs bench-smoke clean prometheus postgresql gateway-tools images test-containers test-full
+.PHONY: test lint demo docs docs-serve bench-smoke clean prometheus postgresql gateway-tools images test-containers test-full
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -78,12 +81,22 @@ images:
 test-containers: $(STAMP) images prometheus postgresql gateway-tools
 	TALLY_REQUIRE_CONTAINERS=1 $(PY) -m pytest -q -m containers -p no:cacheprovider tests/e2e/test_containers.py
 
-demo: $(STAMP)
+$(DEMO_STAMP): pyproject.toml constraints.txt
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet -c constraints.txt -e '.[demo]'
+	touch $(DEMO_STAMP)
+
+demo: $(DEMO_STAMP)
 	$(VENV)/bin/tally demo
 
 # The documentation site, into site/; warnings (a broken link, a page outside the navigation) fail it.
 docs: $(STAMP)
 	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict
+
+# The site at http://127.0.0.1:8000/, rebuilt on every edit (search works only when served).
+docs-serve: $(STAMP)
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs serve --dev-addr 127.0.0.1:8000
 
 bench-smoke: $(STAMP)
 	$(PY) bench/secagg_engine.py --clients 20 --dim 1000 --dropout 0.1 --repeat 1 --json $(VENV)/bench-smoke.json

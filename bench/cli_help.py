@@ -22,18 +22,29 @@ from tally.cli import COMMANDS
 LIMIT_S = 0.5
 
 
+def timed(argv: list[str], repeats: int, limit_s: float) -> dict[str, float]:
+    """``tally ARGV`` run ``repeats`` times, each as its own process: median, min, max and the
+    median's ratio to ``limit_s`` (bench/cli_offline.py times its commands with this too)."""
+    seconds = []
+    for _ in range(repeats):
+        began = time.perf_counter()
+        subprocess.run([sys.executable, "-m", "tally.cli", *argv], check=True, stdout=subprocess.DEVNULL,
+                       stderr=subprocess.DEVNULL)
+        seconds.append(time.perf_counter() - began)
+    median = statistics.median(seconds)
+    return {"median_s": median, "min_s": min(seconds), "max_s": max(seconds), "ratio_to_limit": median / limit_s}
+
+
+def emit(result: dict, path: Path | None) -> None:
+    """Print ``result`` as JSON, and write it to ``path`` when given."""
+    text = json.dumps(result, indent=2)
+    if path:
+        path.write_text(text + "\n")
+    print(text)
+
+
 def measure(commands: list[str], repeats: int) -> dict:
-    rows = {}
-    for command in commands:
-        seconds = []
-        for _ in range(repeats):
-            began = time.perf_counter()
-            subprocess.run([sys.executable, "-m", "tally.cli", command, "--help"], check=True,
-                           stdout=subprocess.DEVNULL)
-            seconds.append(time.perf_counter() - began)
-        median = statistics.median(seconds)
-        rows[command] = {"median_s": median, "min_s": min(seconds), "max_s": max(seconds),
-                         "ratio_to_limit": median / LIMIT_S}
+    rows = {command: timed([command, "--help"], repeats, LIMIT_S) for command in commands}
     return {"bench": "cli_help", "limit_s": LIMIT_S, "repeats": repeats, "commands": rows,
             "all_within_limit": all(r["median_s"] <= LIMIT_S for r in rows.values())}
 
@@ -45,11 +56,7 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=5, help="runs per command; the median is reported (default: 5)")
     p.add_argument("--json", type=Path, help="write the result here as JSON")
     args = p.parse_args()
-    result = measure(args.commands, args.repeats)
-    text = json.dumps(result, indent=2)
-    if args.json:
-        args.json.write_text(text + "\n")
-    print(text)
+    emit(measure(args.commands, args.repeats), args.json)
 
 
 if __name__ == "__main__":

@@ -45,6 +45,13 @@ log = logging.getLogger(__name__)
 
 
 SERVICE = secagg_pb2.DESCRIPTOR.services_by_name["SecureAggregation"].full_name
+# How long a stream stays open after its session's last message (SessionDone or Abort), for the
+# device to close its side. A device may still be writing: an unmask answer the session no longer
+# needed (it closes Unmask at t shares of every secret, and over-selection seats more devices than
+# that). A write to a call the server already ended fails on the device as gRPC core's bare
+# "INTERNAL: Internal error from Core", with the SessionDone unread behind it: a device whose input
+# is in the sum would report an aborted session. The device's own wait is FINISH_SECONDS (5 s).
+CLOSE_GRACE_SECONDS = 5.0
 R = TypeVar("R")
 # The stream's requests and responses travel as bytes: ``add_to_server`` registers it so. (A
 # string: grpc's classes are generic in its stubs only.)
@@ -120,6 +127,7 @@ class DeviceStreams(secagg_pb2_grpc.SecureAggregationServicer):
         reader = asyncio.create_task(self._relay(context, session, index, queue))
         try:
             await self._send(context, queue)
+            await asyncio.wait({reader}, timeout=CLOSE_GRACE_SECONDS)  # the device half-closes
         finally:
             reader.cancel()
             session.leave(index)

@@ -12,7 +12,6 @@ import math
 from dataclasses import dataclass
 
 import numpy as np
-from scipy import special
 
 CDFS = ("weibull", "frechet", "gumbel", "exponential", "logistic", "normal")
 
@@ -34,6 +33,8 @@ def cdf(name: str, x: np.ndarray, code_normal: bool = False) -> np.ndarray:
         return np.exp(-np.exp(-(x - 1.0)))
     if name == "exponential":
         return -np.expm1(-x)
+    from scipy import special  # here, not at import: naming the algorithms (a job spec's check) needs no scipy
+
     if name == "logistic":
         return special.expit(x - 1.0)
     if name == "normal":
@@ -91,6 +92,8 @@ def entropic_decision(gradient_sum: np.ndarray, zeta: float, prior: np.ndarray |
     logits = -np.asarray(gradient_sum, dtype=np.float64) / zeta
     if prior is not None:
         logits = logits + np.log(np.asarray(prior, dtype=np.float64))
+    from scipy import special
+
     return special.softmax(logits)
 
 

@@ -56,6 +56,7 @@ POSITIVE = number(0.0, open_low=True)
 def add_metrics_arguments(parser: argparse.ArgumentParser, role: str, *, optional: bool = False) -> None:
     """``--metrics-port`` and ``--metrics-addr`` for ``role``. ``optional``: serve nothing unless
     ``--metrics-port`` is given (a device is no server); alone, it means the role's default port."""
+
     port, kind = METRICS_PORTS[role], integer(0, 65535)
     served = f"/metrics (tally_{role}_*), /healthz and /readyz"
     if optional:

@@ -154,13 +154,13 @@ def _add_common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dataset", choices=DATASETS, default="digits", help="bundled dataset to train on")
     p.add_argument("--alpha", type=float, default=0.5, help="Dirichlet label skew of the split (smaller: more skew)")
     p.add_argument("--seed", type=int, default=0, help="seed of the split, the training order and the encoding")
-    p.add_argument("--model", default="mlp", metavar="KIND",
-                   help="model kind the devices train (must match the job's model.kind): mlp, cnn, or "
-                   "one of a --model-plugin's (default: %(default)s)")
+    p.add_argument("--model", metavar="KIND",
+                   help="model kind the devices train: mlp, cnn, energy_mlp, or one of a --model-plugin's "
+                   "(default: the job's, read from its model; a plug-in's model needs this and --hidden)")
     p.add_argument("--model-plugin", action="append", default=[], metavar="MODULE",
                    help="import this module's TALLY_MODELS, as the coordinator does (repeatable)")
-    p.add_argument("--hidden", type=int, default=64,
-                   help="hidden units of the mlp, channels of the cnn (must match the job's model)")
+    p.add_argument("--hidden", type=int,
+                   help="hidden units of the mlp, channels of the cnn (default: the job's, read from its model)")
     p.add_argument(
         "--min-noise-multiplier", type=_non_negative, default=0.0, metavar="Z",
         help="refuse any sum whose differential-privacy noise is below multiplier Z: it must be "

@@ -11,12 +11,11 @@ import time
 from collections.abc import Awaitable, Callable
 from dataclasses import asdict
 from pathlib import Path
-from typing import TypeVar
+from typing import TYPE_CHECKING, TypeVar
 
 import grpc
 
 from tally import logs
-from tally.algorithms.base import LocalTrainer
 from tally.cli import exit_codes
 from tally.client.device import Device, DeviceStats
 from tally.client.device_progress import DeviceProgress, summary
@@ -28,6 +27,9 @@ from tally.secagg import DevicePolicy, ThreatModel
 from tally.security import load_ticket_public_key
 from tally.security.tls import tls_config_from_args
 from tally.shutdown import stop_on_signals
+
+if TYPE_CHECKING:  # torch: imported when the devices are built
+    from tally.training.bundled import BundledDevice
 
 T = TypeVar("T")
 
@@ -57,20 +59,23 @@ def _load(flag: str, load: Callable[[Path], T], path: Path) -> T:
         raise ValueError(f"{flag} {path}: {getattr(exc, 'strerror', None) or exc}") from None
 
 
-def _trainers(args: argparse.Namespace, shards: int) -> list[LocalTrainer]:
-    """Raises ValueError naming --model or --model-plugin when the model cannot be built.
-    Torch is imported here, not at start: a synthetic fleet never loads it."""
+def _trainers(args: argparse.Namespace, shards: int) -> list[BundledDevice]:
+    """Each shard's device; each builds the trainer a job needs from the job (its model and
+    algorithm), ``--model``/``--hidden`` overriding the model read. Raises ValueError naming
+    --model or --model-plugin when they name no model. Torch is imported here, not at start: a
+    synthetic fleet never loads it."""
     from tally import models
     from tally.datasets.digits import digits
-    from tally.training import TorchTrainer, single_threaded
+    from tally.training import single_threaded
+    from tally.training.bundled import BundledDevice
 
     single_threaded()  # many small models: one torch thread each beats thread handoffs
     models.load_plugins(args.model_plugin)
-    if args.model not in models.kinds():
+    if args.model is not None and args.model not in models.kinds():
         raise ValueError(f"--model: {args.model!r} is not one of {list(models.kinds())}")
     fed = digits(shards, alpha=args.alpha, seed=args.seed)
-    factory = lambda: models.build(args.model, fed.num_features, fed.num_classes, args.hidden, args.seed)  # noqa: E731
-    return [TorchTrainer(factory, X, y, seed=args.seed + i) for i, (X, y) in enumerate(fed.clients)]
+    return [BundledDevice(X, y, i, args.seed + i, classes=fed.num_classes, kind=args.model, hidden=args.hidden)
+            for i, (X, y) in enumerate(fed.clients)]
 
 
 async def _run_device(

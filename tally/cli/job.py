@@ -21,7 +21,9 @@ from tally.coordinator.faces.admin_token import ADMIN_TOKEN_FILE
 # `--help` need not import them.
 ALGORITHMS = ("fedavg", "agnostic_fedavg", "aaggff_d", "aaggff_s", "feddar_wa", "feddar_sa", "lg_fedavg",
               "superfed", "fedevg")
-DEFAULT_ADDRESS = "127.0.0.1:50051"  # where `tally coordinator` listens unless told otherwise
+DEFAULT_ADDRESS = "127.0.0.1:7000"  # where `tally coordinator` listens unless told otherwise (k8s: 7000 too)
+# Where an operator's shell says the coordinator is, so that no command repeats it; a flag overrides.
+COORDINATOR_ENV, STATE_DIR_ENV, TLS_DIR_ENV = "TALLY_COORDINATOR", "TALLY_STATE_DIR", "TALLY_TLS_DIR"
 STATES = ["PENDING", "RUNNING", "SUCCEEDED", "FAILED", "CANCELLED"]
 
 
@@ -119,7 +121,6 @@ def _init(args: argparse.Namespace) -> int:
 
 
 def _validate(args: argparse.Namespace) -> int:
-    from tally.coordinator.rounds.cohort_risk import cohort_warnings
     from tally.coordinator.spec import jobspec
 
     if args.aggregators < 0:
@@ -137,7 +138,11 @@ def _validate(args: argparse.Namespace) -> int:
             for line in problems:
                 print(f"  {line}", file=sys.stderr)
         return 1
-    warnings = renamed + cohort_warnings(spec, args.aggregators)
+    if args.aggregators:  # the cohort planner and scipy's binomial tails: only when asked
+        from tally.coordinator.rounds.cohort_risk import cohort_warnings
+
+        renamed += cohort_warnings(spec, args.aggregators)
+    warnings = renamed
     if args.json:
         _print_json({"valid": True, "errors": [], "warnings": warnings, "spec": spec.to_dict()})
     else:
@@ -173,21 +178,39 @@ def admin_client_parser(output: argparse.ArgumentParser) -> argparse.ArgumentPar
     """The flags every command that calls the coordinator's Admin API takes."""
     client = argparse.ArgumentParser(add_help=False, parents=[output])
     client.add_argument(
-        "--coordinator", default=DEFAULT_ADDRESS, metavar="HOST:PORT",
-        help="the coordinator's address (default: %(default)s, where `tally coordinator` listens by default)",
+        "--coordinator", metavar="HOST:PORT",
+        help=f"the coordinator's address (default: ${COORDINATOR_ENV}, else {DEFAULT_ADDRESS}, where "
+        "`tally coordinator` listens by default)",
     )
     client.add_argument(
         "--admin-token-file", type=Path,
         help=f"file with the admin token (default: <state-dir>/{ADMIN_TOKEN_FILE})",
     )
     client.add_argument(
-        "--state-dir", type=Path, help="the coordinator's state directory, to find admin.token"
+        "--state-dir", type=Path,
+        help=f"the coordinator's state directory, to find admin.token (default: ${STATE_DIR_ENV})",
     )
     client.add_argument("--timeout", type=POSITIVE, default=30.0, help="seconds per call (watch: none)")
     from tally.security.tls import add_tls_arguments
 
     add_tls_arguments(client, None)
+    tls_dir = next(a for a in client._actions if a.dest == "tls_dir")
+    tls_dir.help = f"{tls_dir.help} (default: ${TLS_DIR_ENV}, unless another TLS flag is given)"
     return client
+
+
+def apply_environment(args: argparse.Namespace) -> None:
+    """Fill the flags not given from the operator's environment. Read when a command runs, not when
+    the parser is built, and a TLS directory only when no other TLS flag says how to connect
+    (``--insecure`` or ``--ca`` given on the command line win over ``$TALLY_TLS_DIR``)."""
+    import os
+
+    args.coordinator = args.coordinator or os.environ.get(COORDINATOR_ENV) or DEFAULT_ADDRESS
+    if args.state_dir is None and os.environ.get(STATE_DIR_ENV):
+        args.state_dir = Path(os.environ[STATE_DIR_ENV])
+    tls_given = args.tls_dir or args.ca or args.cert or args.key or args.insecure
+    if not tls_given and os.environ.get(TLS_DIR_ENV):
+        args.tls_dir = Path(os.environ[TLS_DIR_ENV])
 
 
 def _job(action: Action, command: str = "job") -> Callable[[argparse.Namespace], int]:
@@ -205,9 +228,11 @@ def _job(action: Action, command: str = "job") -> Callable[[argparse.Namespace],
             print(f"tally {command} {args.action}: {message}", file=sys.stderr)
             return code
 
+        apply_environment(args)
         token_file = args.admin_token_file or (args.state_dir / ADMIN_TOKEN_FILE if args.state_dir else None)
         if token_file is None:
-            return fail("give --admin-token-file or --state-dir (the coordinator's, holding admin.token)", 2)
+            return fail(f"give --admin-token-file or --state-dir (the coordinator's, holding admin.token; "
+                        f"or set ${STATE_DIR_ENV})", 2)
         try:
             token = token_file.read_text().strip()
             channel = open_channel(args.coordinator, tls_config_from_args(args), channel_options())

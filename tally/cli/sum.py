@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import sys
 import time
 from pathlib import Path
 
@@ -17,7 +18,17 @@ from rich.table import Table
 from tally.cli import argtypes
 from tally.cli.console import console as cli_console
 from tally.codec import Field, PayloadSchema, to_ring
-from tally.secagg import DevicePolicy, Dropout, SessionConfig, SessionRef, ThreatModel, enrol, run_cohort
+from tally.secagg import (
+    DevicePolicy,
+    Dropout,
+    SessionConfig,
+    SessionRef,
+    ThreatModel,
+    UnsafeParameters,
+    enrol,
+    run_cohort,
+    smallest_secure_cohort,
+)
 from tally.secagg.messages import (
     AdvertiseKeys,
     MaskedInputResponse,
@@ -173,7 +184,15 @@ def _plot(report: dict, path: Path) -> None:
 
 def run_sum(args: argparse.Namespace) -> int:
     console = cli_console()
-    report = simulate(args, console)
+    try:
+        report = simulate(args, console)
+    except UnsafeParameters as exc:  # a cohort too small for its dropout and corrupt rates
+        threat = ThreatModel(dropout_rate=max(args.dropout, 0.0), corrupt_rate=args.corrupt)
+        smallest = smallest_secure_cohort(args.clients, threat)
+        hint = (f"; the smallest that is: --clients {smallest}" if smallest is not None
+                else "; lower --dropout or --corrupt")
+        print(f"tally sum: --clients {args.clients}: {exc}{hint}", file=sys.stderr)
+        return 2
     console.print(_table(report))
     console.print(_summary(report))
     if args.json:

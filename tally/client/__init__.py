@@ -15,6 +15,7 @@ _EXPORTS = {
     "DeviceHooks": "tally.client.hooks", "SessionHooks": "tally.client.hooks",
     "DownloadError": "tally.client.download", "ModelCache": "tally.client.download",
     "ClientMetrics": "tally.client.metrics", "OnnxModel": "tally.client.onnx_model",
+    "JobTrainers": "tally.client.contribution",
     "RetryPolicy": "tally.client.retry",
 }
 
@@ -32,6 +33,7 @@ __all__ = [
     "DeviceHooks",
     "DeviceStats",
     "DownloadError",
+    "JobTrainers",
     "ModelCache",
     "OnnxModel",
     "RetryPolicy",

@@ -12,10 +12,10 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from concurrent.futures import Executor
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
@@ -31,6 +31,20 @@ from tally.wire.protocol import from_proto
 from tally.wire.sums import schema_from_proto
 from tally.wire.tensors import tensors_from_proto
 from tally.wire.v1 import coordinator_pb2
+
+
+@runtime_checkable
+class JobTrainers(Protocol):
+    """A device whose training depends on the job: given in place of a ``LocalTrainer``, it is
+    asked for each job's trainer once the job's model is downloaded (``tally.training.bundled``:
+    the bundled devices of ``tally client`` and ``tally fleet``, which learn the model and the
+    algorithm from the job rather than from flags)."""
+
+    def for_job(self, job_id: str, algorithm: str | None, options: Mapping[str, Any],
+                model: Mapping[str, np.ndarray]) -> LocalTrainer:
+        """The trainer for ``job_id``, whose ``algorithm`` (None: any, e.g. to adapt its final
+        model) runs with ``options`` from the initial ``model``; ``ModelMismatch`` refuses it."""
+        ...
 
 
 class TaskError(ValueError):
@@ -77,7 +91,7 @@ class Contribution:
     def __init__(
         self,
         plan: TaskPlan,
-        trainer: LocalTrainer,
+        trainer: LocalTrainer | JobTrainers,
         local_state: Any,
         rng: np.random.Generator,
         load_model: Callable[[], Awaitable[Arrays]],
@@ -88,7 +102,7 @@ class Contribution:
         hooks: DeviceHooks | None = None,
     ) -> None:
         self.plan = plan
-        self.trainer = trainer
+        self._trainer = trainer
         self.local_state = local_state
         self.rng = rng
         self.clipped = 0
@@ -130,9 +144,22 @@ class Contribution:
             raise TaskError(f"asked for the step of sum {sum_id!r}, got {step.sum_id!r}")
         return await self._compute(step, tensors_from_proto(step.broadcast))
 
+    @property
+    def trainer(self) -> LocalTrainer:
+        """The trainer of this task; a ``JobTrainers``'s is known once the model is downloaded."""
+        if isinstance(self._trainer, JobTrainers):
+            raise TaskError("the job's trainer is built from its model, which is not downloaded yet")
+        return self._trainer
+
     async def _first_input(self) -> np.ndarray:
         step = self.plan.task.step
-        broadcast = dict(await self._load_model())
+        model = await self._load_model()
+        if isinstance(self._trainer, JobTrainers):  # the job's trainer, built from the job (torch: off the loop)
+            task = self.plan.task
+            self._trainer = await asyncio.get_running_loop().run_in_executor(
+                self._executor, self._trainer.for_job, task.job_id, task.algorithm,
+                json.loads(task.algorithm_options or "{}"), model)
+        broadcast = dict(model)
         broadcast.update(tensors_from_proto(step.broadcast))  # the step's tensors override
         return await self._compute(step, broadcast)
 

@@ -36,7 +36,7 @@ from tally.algorithms.adaptation_options import JobAdaptation
 from tally.algorithms.base import Arrays, LocalTrainer
 from tally.client.adapted_models import AdaptedModels
 from tally.client.channels import Channels, reconnect_options
-from tally.client.contribution import Contribution, TaskError, plan_task
+from tally.client.contribution import Contribution, JobTrainers, TaskError, plan_task
 from tally.client.download import Downloader, ModelCache
 from tally.client.enrolment import register_request
 from tally.client.hooks import DeviceHooks
@@ -112,7 +112,8 @@ class DeviceStats:
 
 class Device:
     """One device. ``trainer`` is the application's data and training (``tally.training.
-    TorchTrainer``: cuda when present, else CPU). ``channels``, ``metrics`` and ``executor``
+    TorchTrainer``: cuda when present, else CPU), or a ``JobTrainers`` that builds each job's
+    trainer from the job (``tally.training.bundled``). ``channels``, ``metrics`` and ``executor``
     (where local training runs) may be shared by many devices in one process (the fleet)."""
 
     def __init__(
@@ -120,7 +121,7 @@ class Device:
         coordinator: str,
         tls: TLSConfig,
         device_id: str,
-        trainer: LocalTrainer,
+        trainer: LocalTrainer | JobTrainers,
         *,
         population: str = "default",
         cache_dir: Path | None = None,
@@ -292,7 +293,9 @@ class Device:
         )
 
         def work():
-            module, features, labels = trainer_data(self.trainer)
+            trainer = (self.trainer.for_job(job_id, None, {}, modelio.deserialize(blob))
+                       if isinstance(self.trainer, JobTrainers) else self.trainer)
+            module, features, labels = trainer_data(trainer)
             return adapt_for_job(module, modelio.deserialize(blob), features, labels, option)
 
         result = await asyncio.get_running_loop().run_in_executor(self.executor, work)

@@ -339,6 +339,9 @@ class Fleet:
         gave_up = 0.0
         runners = [asyncio.ensure_future(self._slot(i, halt, max_tasks_per_device)) for i in range(len(self.devices))]
         everyone = asyncio.gather(*runners)
+        # Ended early (a stop, a connect timeout), the runners are cancelled and `everyone` holds a
+        # CancelledError nobody awaits: retrieved here, or asyncio prints it as a traceback at exit.
+        everyone.add_done_callback(lambda done: done.cancelled() or done.exception())
         total = max_tasks_per_device * len(self.devices) if max_tasks_per_device else None
         try:
             with progress_display(progress, console, total) as show:

@@ -14,7 +14,7 @@ from tally.secagg.errors import (
     UnknownSender,
 )
 from tally.secagg.messages import SessionRef, SumResult, SumSpec
-from tally.secagg.params import GraphParams, ThreatModel, UnsafeParameters, choose_params
+from tally.secagg.params import GraphParams, ThreatModel, UnsafeParameters, choose_params, smallest_secure_cohort
 from tally.secagg.policy import DevicePolicy, UnsafeSession
 from tally.secagg.server import SecAggServer
 
@@ -41,6 +41,7 @@ __all__ = [
     "UnsafeParameters",
     "UnsafeSession",
     "choose_params",
+    "smallest_secure_cohort",
     "enrol",
     "run_cohort",
     "secure_sum",

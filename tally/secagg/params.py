@@ -214,6 +214,24 @@ def choose_params(n: int, threat: ThreatModel) -> GraphParams:
     return GraphParams(n=n, k=n - 1, t=t_min)
 
 
+# Cohort sizes tried for a suggestion; from MIN_HARARY_N on the Harary search answers for almost
+# any n, so a suggestion is never far above.
+_LARGEST_SUGGESTED_COHORT = 1000
+
+
+def smallest_secure_cohort(above: int, threat: ThreatModel) -> int | None:
+    """The smallest cohort size above ``above`` that ``threat`` admits a threshold for, so that an
+    error can name the value to use instead of leaving the operator to bisect (None: none up to
+    1000, and only a lower dropout or corrupt rate helps)."""
+    for n in range(max(above + 1, 2), _LARGEST_SUGGESTED_COHORT + 1):
+        try:
+            choose_params(n, threat)
+        except UnsafeParameters:
+            continue
+        return n
+    return None
+
+
 def validate_params(params: GraphParams, threat: ThreatModel) -> None:
     """Refuse a user-supplied (k, t) unless it carries the same guarantees as ``choose_params``."""
     t_min, t_max = _threshold_range(params, threat)

@@ -79,7 +79,9 @@ def _interrupt_once_the_job_runs(out: Path, rounds: int, logged: str | None = No
         demo.send_signal(signal.SIGTERM)
         code = demo.wait(timeout=60)
         assert code == 128 + signal.SIGTERM
-        assert "stopped by SIGTERM; its coordinator and aggregators were stopped" in demo.stderr.read()
+        err = demo.stderr.read()
+        assert "stopped by SIGTERM; its coordinator and aggregators were stopped" in err
+        assert "Traceback" not in err and "never retrieved" not in err, err  # the message, and nothing after it
     finally:
         if demo.poll() is None:
             demo.kill()
@@ -107,6 +109,9 @@ def test_sigterm_stops_the_children_and_a_rerun_starts_fresh(tmp_path):
     rerun = _demo("--rounds", "1", "--out", str(out))
     stdout, stderr = rerun.communicate(timeout=240)
     assert rerun.returncode in (0, 1), stderr  # 1: one round may not reach 90 % accuracy
+    # The last line says whether the run reached 90 % (the quickstart promises it), and why not.
+    last = (stdout if rerun.returncode == 0 else stderr).strip().splitlines()[-1]
+    assert ("reached 90 %" in last) if rerun.returncode == 0 else ("below 0.9" in last or "job " in last), last
     assert "fresh state: removed the previous run's" in stdout
     jobs = _jobs(out / "state")
     assert len(jobs) == 1 and jobs[0].job_id != old_job and jobs[0].state == "SUCCEEDED"

@@ -101,11 +101,11 @@ def test_the_field_reference_is_generated_from_the_schema_and_up_to_date(capsys)
     assert set(schema["required"]) == {"name", "algorithm", "rounds", "cohort_size"}
 
 
-async def _tally(*argv: str) -> tuple[int, str, str]:
-    """``tally ARGV`` as its own process: exit code, stdout, stderr."""
+async def _tally(*argv: str, env: dict[str, str] | None = None) -> tuple[int, str, str]:
+    """``tally ARGV`` as its own process, with ``env`` added to this one's: exit code, stdout, stderr."""
     proc = await asyncio.create_subprocess_exec(
         sys.executable, "-m", "tally.cli", *argv, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
-        cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)},
+        cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO), **(env or {})},
     )
     out, err = await proc.communicate()
     return proc.returncode, out.decode(), err.decode()
@@ -189,6 +189,35 @@ def test_job_commands_as_processes_against_the_services(tmp_path, caplog):
     assert not (tmp_path / "out" / "v9.onnx").exists()
 
 
+def test_the_environment_says_where_the_coordinator_is_and_flags_override_it(tmp_path):
+    """Issue 39, item 9: $TALLY_COORDINATOR, $TALLY_STATE_DIR and $TALLY_TLS_DIR stand for the flags
+    every ``tally job`` and ``tally device`` call would repeat, over TLS as deployed; a flag wins."""
+    async def main():
+        async with in_process().whole_system(tmp_path, tls=True) as s:
+            env = {"TALLY_COORDINATOR": s.target, "TALLY_STATE_DIR": str(s.state_dir),
+                   "TALLY_TLS_DIR": str(tmp_path / "pki" / "device")}
+            return (await _tally("job", "list", "--json", env=env),
+                    await _tally("device", "revoke", "nobody", env=env),
+                    await _tally("job", "list", "--coordinator", "127.0.0.1:1", "--timeout", "2", env=env),
+                    await _tally("job", "list", "--insecure", "--timeout", "2", env=env))
+
+    listed, revoked, elsewhere, plaintext = run(main())
+    assert listed[0] == 0 and json.loads(listed[1]) == [], listed[2]
+    assert revoked[0] == 1 and "NOT_FOUND" in revoked[2], revoked  # reached the coordinator, authenticated
+    assert elsewhere[0] == 1 and "UNAVAILABLE" in elsewhere[2] and "127.0.0.1:1" in elsewhere[2], elsewhere
+    assert plaintext[0] == 1 and "UNAVAILABLE" in plaintext[2], plaintext  # --insecure beats $TALLY_TLS_DIR
+
+
+def test_the_default_coordinator_address_is_the_port_every_manifest_uses():
+    """Issue 39, item 9: `tally coordinator` listens where `tally job` looks, on the docs' and k8s' 7000."""
+    from tally.cli import build_parser
+    from tally.cli.job import DEFAULT_ADDRESS
+
+    assert build_parser("coordinator").parse_args(["coordinator", "--state-dir", "s"]).listen == DEFAULT_ADDRESS
+    assert DEFAULT_ADDRESS.endswith(":7000")
+    assert ":7000" in (REPO / "k8s" / "base" / "coordinator.yaml").read_text()
+
+
 def test_a_yaml_syntax_error_is_one_problem_naming_its_line(tmp_path, capsys):
     """Issue 25, item 7: PyYAML's message used to count as "8 problem(s)" (one per line) and
     named "<unicode string>" instead of the file."""
@@ -209,3 +238,28 @@ def test_job_init_help_names_every_algorithm(capsys):
         tally(["job", "init", "--help"])
     text = " ".join(capsys.readouterr().out.split())
     assert all(name in text for name in NAMES) and "..." not in text
+
+
+def test_ctrl_c_of_job_watch_is_one_line(tmp_path):
+    """Issue 39, item 7: Ctrl-C of `tally job watch` (any command without a stop of its own) printed
+    a KeyboardInterrupt traceback from inside gRPC."""
+    import signal
+
+    good = tmp_path / "job.yaml"
+    good.write_text(spec("watched", 2, cohort=10))
+
+    async def main():
+        async with in_process().whole_system(tmp_path) as s:
+            common = ("--coordinator", s.target, "--state-dir", str(s.state_dir), "--insecure")
+            job_id = await s.submit(good.read_text())
+            proc = await asyncio.create_subprocess_exec(
+                sys.executable, "-m", "tally.cli", "job", "watch", job_id, *common, stdout=asyncio.subprocess.PIPE,
+                stderr=asyncio.subprocess.PIPE, cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)})
+            first = await asyncio.wait_for(proc.stdout.readline(), 120)  # watching: no devices, it waits
+            proc.send_signal(signal.SIGINT)
+            _, err = await asyncio.wait_for(proc.communicate(), 60)
+            return first.decode(), proc.returncode, err.decode()
+
+    first, code, err = run(main())
+    assert "RUNNING" in first or "PENDING" in first, first
+    assert code == 128 + signal.SIGINT and err.strip() == "tally job: interrupted", err

@@ -200,3 +200,21 @@ def test_a_negative_ramp_is_refused():
 
     with pytest.raises(ValueError, match="ramp_s"):
         Fleet("127.0.0.1:1", TLSConfig.plaintext(), [object()], ramp_s=-1.0)
+
+
+def test_devices_whose_unmask_answer_came_after_the_sum_was_complete_report_it_completed(tmp_path):
+    """Over-selection seats more devices than the sum needs, and the aggregator closes Unmask at t
+    shares of every secret: slower devices' answers arrive after the session ended. Each of them
+    sent its masked input, which is in the sum; it must report a completed session with its input
+    summed, not an aborted one (a healthy run used to count them as aborts, the job listing
+    `session_aborted (e.g. 'stream ended: INTERNAL: Internal error from Core')`: gRPC's words for
+    a write to a call the server had already ended, with the SessionDone unread behind it)."""
+    # Up to 0.6 s of one-way latency per device: answers spread well past the t-th one.
+    profile = _profile(tmp_path, "network: {latency_ms: [0, 600]}\n")
+    result = run_synthetic_job(tmp_path, n=24, rounds=2, cohort=20, dropout=0.0, profile=profile)
+    job, stats = result.job, result.stats
+    assert job.committed_round == 2, job.message
+    reports = {(r.outcome, r.reason): r.count for r in job.task_reports}
+    assert set(reports) == {("completed", "")}, [(r.outcome, r.reason, r.example) for r in job.task_reports]
+    assert stats.sessions_aborted == stats.dropouts == 0, stats.summary()
+    assert stats.sessions_completed == 2 * 24, stats.summary()  # every seat of both rounds: input summed

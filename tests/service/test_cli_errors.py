@@ -296,3 +296,52 @@ def test_a_device_command_with_a_missing_ca_names_the_flag(tmp_path, capsys, arg
     assert args.run(args) == 2
     err = capsys.readouterr().err
     assert f"--ca: no such file {tmp_path / 'nope.pem'}" in err and "Traceback" not in err
+
+
+def test_job_validate_and_init_import_neither_torch_nor_scipy():
+    """Issue 39, item 9: offline spec commands took 4-6 s (torch, scipy and dp-accounting imported to
+    check a spec); a spec's check reads the model's layout, not a built model. Timed in
+    bench/cli_offline.py; here: what they import."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    examples = sorted(str(p) for p in (root / "examples").glob("*.yaml"))
+    code = ("import sys\nfrom tally import algorithms\nfrom tally.cli import main\n"
+            "assert all(main(['job', 'validate', f]) == 0 for f in sys.argv[1:])\n"
+            "for name in algorithms.NAMES: main(['job', 'init', name])\n"
+            "print('HEAVY', [m for m in ('torch', 'scipy', 'dp_accounting', 'sklearn') if m in sys.modules], "
+            "file=sys.stderr)")
+    done = subprocess.run([sys.executable, "-c", code, *examples], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and "HEAVY []" in done.stderr, done.stderr[-3000:]
+
+
+@pytest.mark.parametrize("command", [
+    ["fleet", "--devices", "3", "--no-progress", "--synthetic"],
+    ["client", "--device-id", "d", "--shard", "0", "--shards", "2", "--hidden", "8", "--no-progress"],
+])
+def test_a_connect_timeout_ends_with_its_message_and_no_traceback(tmp_path, command):
+    """Issue 39, item 7: after the clean message a fleet printed ~25 lines of `_GatheringFuture
+    exception was never retrieved ... CancelledError` (its cancelled devices' gather, never awaited)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    done = subprocess.run(
+        [sys.executable, "-m", "tally.cli", *command, "--coordinator", "127.0.0.1:1", "--insecure",
+         "--connect-timeout", "1", "--state-dir", str(tmp_path / "state")],
+        capture_output=True, text=True, timeout=120, cwd=Path(__file__).resolve().parents[2])
+    assert done.returncode == 1, done.stderr
+    assert "reach" in done.stderr and "127.0.0.1:1" in done.stderr, done.stderr
+    assert "Traceback" not in done.stderr and "never retrieved" not in done.stderr, done.stderr
+
+
+def test_a_cohort_too_small_for_its_rates_is_one_line_naming_the_smallest_that_is(capsys):
+    """Issue 39, item 9: `tally sum --clients 4` ended in an UnsafeParameters traceback."""
+    from tally.cli import main
+
+    assert main(["sum", "--clients", "4", "--dropout", "0.1", "--dim", "10"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("tally sum: --clients 4: cohort too small") and "the smallest that is: --clients 5" in err
+    assert "Traceback" not in err

@@ -23,12 +23,21 @@ def test_the_site_builds_with_warnings_as_errors(tmp_path):
     for page in ("quickstart", "concepts", "running", "job-spec", "kubernetes", "operating", "embedding",
                  "sdk-api", "algorithms", "adding-an-algorithm", "privacy", "security", "load-testing", "benchmarks",
                  "contributing"):
-        assert (site / page / "index.html").exists(), page
-    api = (site / "sdk-api" / "index.html").read_text()
+        assert (site / f"{page}.html").exists(), page
+    api = (site / "sdk-api.html").read_text()
     assert 'id="tally.client.device.Device.run"' in api and 'id="tally.algorithms.base.LocalTrainer"' in api
-    recipe = (site / "adding-an-algorithm" / "index.html").read_text()  # the contract, from its docstrings
+    recipe = (site / "adding-an-algorithm.html").read_text()  # the contract, from its docstrings
     assert all(f'id="tally.algorithms.base.{name}"' in recipe for name in ("StepSpec", "ServerAlgorithm.init",
                                                                           "Options"))
+
+
+    # Opened from disk (file://) every link must name a file, not a directory whose index.html only
+    # a web server would serve; and the header links the repository.
+    home = (site / "index.html").read_text()
+    links = set(re.findall(r'href="([^"#:?]+)"', home))
+    assert "quickstart.html" in links and "running.html" in links, sorted(links)
+    assert not [link for link in links if link.endswith("/") and link not in (".", "./")], sorted(links)
+    assert 'href="https://github.com/' in home
 
 
 def test_no_page_refers_to_issue_numbers():

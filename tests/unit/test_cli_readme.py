@@ -60,3 +60,15 @@ def test_every_tally_command_in_the_readme_parses():
         assert callable(args.run)
     submitted = [a for argv in commands if argv[:2] == ["job", "submit"] for a in argv[2:3]]
     assert submitted and all((REPO / path).exists() for path in submitted), submitted
+
+
+def test_running_the_pieces_goes_step_by_step():
+    """docs/running.md started with one block of 13 commands; each step is now its own, numbered
+    and explained, and none repeats the coordinator flags the environment holds."""
+    text = (REPO / "docs" / "running.md").read_text()
+    steps = re.findall(r"(?m)^### (\d+)\. ", text)
+    assert [int(n) for n in steps] == list(range(1, len(steps) + 1)) and len(steps) >= 6, steps
+    for block in re.findall(r"```bash\n(.*?)```", text, flags=re.S):
+        commands = [line for line in block.replace("\\\n", " ").splitlines() if "tally " in line]
+        assert len(commands) <= 2, commands
+    assert "TALLY_COORDINATOR" in text

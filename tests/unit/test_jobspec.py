@@ -173,3 +173,11 @@ def test_the_old_name_config_is_read_as_options_with_a_warning_naming_it():
 def test_options_and_config_together_are_refused_naming_both():
     lines = _errors(options={"local_epochs": 2}, config={"local_epochs": 3})
     assert lines == ["options: given twice, as options: and as its deprecated name config:; keep options: only"]
+
+
+def test_a_min_cohort_too_small_for_the_secure_settings_names_the_smallest_that_is():
+    """Issue 39, item 9: the error suggests the value to write, and that value parses."""
+    secure = {"dropout_rate": 0.1, "corrupt_rate": 0.05}
+    (line,) = [e for e in _errors(min_cohort=4, secure=secure) if e.startswith("min_cohort")]
+    assert line.endswith("the smallest that is: min_cohort: 5"), line
+    jobspec.parse(yaml.safe_dump({**BASE, "min_cohort": 5, "secure": secure}))

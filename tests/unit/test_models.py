@@ -112,3 +112,45 @@ def test_the_coordinator_command_names_a_plug_in_it_cannot_load(tmp_path, capsys
     assert args.run(args) == 2
     assert "model plug-in 'no_such_module' cannot be imported" in capsys.readouterr().err
     assert not (tmp_path / "state").exists()
+
+
+@pytest.mark.parametrize("kind", ["mlp", "cnn", "energy_mlp", "domain_mlp"])
+def test_each_built_in_layout_is_the_built_models_own(kind):
+    """tally.models.layouts answers a job spec's check without torch; it must say what the module is."""
+    from tally.coordinator.spec import catalogue
+    from tally.models.layouts import layout
+
+    for inputs, classes, hidden, domains in ((64, 10, 8, 3), (16, 3, 5, 1)):
+        spec = type("Spec", (), {"kind": kind, "inputs": inputs, "classes": classes, "hidden": hidden,
+                                 "domains": domains, "seed": 0})
+        found = layout(kind, inputs, classes, hidden, domains)
+        built = catalogue.initial_model(spec)
+        assert {n: (v.shape, v.dtype.str) for n, v in built.items()} == {
+            n: (tuple(shape), dtype) for n, (shape, dtype) in found.state.items()}
+        assert list(built) == list(found.state)  # the order algorithms flatten them in
+        if kind != "domain_mlp":
+            net = models.build(kind, inputs, classes, hidden, 0)
+            assert [n for n, _ in net.named_parameters()] == list(found.trainable)
+    assert layout("no_such_kind", 64, 10, 8) is None
+
+
+def test_the_cnn_layout_refuses_what_the_cnn_refuses():
+    from tally.models.layouts import layout
+
+    with pytest.raises(ValueError, match="square images"):
+        layout("cnn", 60, 10, 8)
+
+
+@pytest.mark.parametrize("kind", ["mlp", "cnn", "energy_mlp", "domain_mlp"])
+def test_a_bundled_device_reads_the_jobs_model_off_its_parameters(kind):
+    """`tally client`/`tally fleet` learn the job's model from what they download, flags only
+    overriding it (tally.training.bundled)."""
+    from tally.coordinator.spec import catalogue
+    from tally.training.bundled import ModelShape, model_shape
+
+    shape = ModelShape(kind, 64, 10, 12, 3 if kind == "domain_mlp" else 1)
+    params = catalogue.initial_model(type("Spec", (), {**shape.__dict__, "seed": 0}))
+    assert model_shape(params, 64) == shape
+    assert model_shape({"model/" + k: v for k, v in params.items()} | {"alpha": np.ones(3)}, 64) == shape
+    assert model_shape(params, 16) is None  # a model for other data
+    assert model_shape({"w": np.zeros(3)}, 64) is None

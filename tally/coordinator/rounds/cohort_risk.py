@@ -8,8 +8,6 @@ depends on how many aggregators there are), so the coordinator warns at submissi
 
 from __future__ import annotations
 
-from scipy.stats import binom
-
 from tally.coordinator.rounds.planner import NoCapacity, split_cohorts
 from tally.coordinator.spec.jobspec import JobSpec
 from tally.secagg import UnsafeParameters, choose_params
@@ -28,6 +26,8 @@ def attempt_failure_probability(spec: JobSpec, aggregators: int) -> tuple[float,
     sizes = [len(plan.devices) for plan in plans]
     needs = [spec.min_cohort if spec.secure.plain else max(choose_params(n, spec.secure.threat()).t, spec.min_cohort)
              for n in sizes]
+    from scipy.stats import binom  # only with aggregators to split over: `job validate` alone needs no scipy
+
     keep = 1.0 - spec.secure.dropout_rate
     success = 1.0
     for size, need in zip(sizes, needs):

@@ -17,9 +17,7 @@ from typing import Any, Protocol
 
 from tally import algorithms, models
 from tally.algorithms.base import Arrays, ServerAlgorithm
-from tally.models.domain import mlp_encoder
-from tally.models.params import get_params
-from tally.training.domain import initial_params
+from tally.models.layouts import layout
 
 
 class ModelSpec(Protocol):
@@ -83,6 +81,9 @@ def unregister_model(kind: str) -> None:
 
 def _domain_mlp(spec: ModelSpec) -> Arrays:
     """FedDAR's model: a one-hidden-layer encoder and one linear head per domain."""
+    from tally.models.domain import mlp_encoder  # torch: only when a model is built
+    from tally.training.domain import initial_params
+
     encoder = mlp_encoder(spec.inputs, spec.hidden, seed=spec.seed)
     return initial_params(encoder, heads=spec.domains, outputs=spec.classes, seed=spec.seed)
 
@@ -97,8 +98,22 @@ def model_kinds() -> tuple[str, ...]:
 def initial_model(spec: ModelSpec) -> Arrays:
     """The parameters a job's first round starts from."""
     if spec.kind in models.kinds():
+        from tally.models.params import get_params  # torch: only when a model is built
+
         return get_params(models.build(spec.kind, spec.inputs, spec.classes, spec.hidden, spec.seed))
     factory = _MODELS.get(spec.kind)
     if factory is None:
         raise ValueError(f"model kind {spec.kind!r} is not registered in this coordinator")
     return dict(factory(spec))
+
+
+def model_layout(spec: ModelSpec) -> Arrays:
+    """A stand-in for ``initial_model(spec)`` with the same names, shapes and dtypes, all zero, for
+    the checks that read no values (a job spec's): no torch for the built-in kinds; any other kind
+    is built, as only its builder knows its layout. ValueError as ``initial_model`` for a kind or
+    shape that does not exist."""
+    if spec.kind not in _MODELS or spec.kind == "domain_mlp":
+        found = layout(spec.kind, spec.inputs, spec.classes, spec.hidden, spec.domains)
+        if found is not None:
+            return found.zeros()
+    return initial_model(spec)

@@ -79,7 +79,7 @@ def domains_of(spec: Any) -> int:
     given = int(spec.options.get("domains", 0) or 0)
     if given:
         return given
-    heads = catalogue.initial_model(spec.model).get(HEADS)
+    heads = catalogue.model_layout(spec.model).get(HEADS)  # shapes only: no torch for a built-in kind
     return int(heads.shape[0]) if heads is not None else int(spec.model.domains)
 
 

@@ -37,8 +37,9 @@ from tally.algorithms.base import PersonalisedClient
 from tally.algorithms.options import OPTIONS
 from tally.coordinator.spec import catalogue
 from tally.coordinator.spec.evaluation_spec import EvaluationSpec, evaluated_job_server, plan_for
+from tally.models.layouts import layout
 from tally.privacy import spec as privacy_spec
-from tally.secagg import ThreatModel, UnsafeParameters, choose_params
+from tally.secagg import ThreatModel, UnsafeParameters, choose_params, smallest_secure_cohort
 
 REVEALABLE = {"aaggff_s": ("response",)}
 DEFAULT_DEADLINES = {
@@ -465,7 +466,7 @@ def _check_relations(raw: Mapping[str, Any], valid: dict[str, Any], errors: list
             privacy, algorithm=algorithm,
             make_server=lambda: evaluated_job_server(catalogue.make_server(
                 algorithm, {**options, "reveal": list(reveal)} if reveal else options), job),
-            initial=lambda: catalogue.initial_model(model), secure=secure, rounds=valid["rounds"],
+            initial=lambda: catalogue.model_layout(model), secure=secure, rounds=valid["rounds"],
             cohort_size=cohort, min_cohort=min_cohort,
         )
 
@@ -506,9 +507,12 @@ def _check_adaptation(raw: Mapping[str, Any], adaptation: AdaptationSpec, model:
         errors.append(f"adaptation: the {model.kind} model has no torch module for devices to adapt and serve "
                       f"as ONNX; adaptation needs one of {list(models.kinds())}")
         return
-    net = models.build(model.kind, model.inputs, model.classes, model.hidden, model.seed)
+    known = layout(model.kind, model.inputs, model.classes, model.hidden, model.domains)
+    names = (list(known.trainable) if known is not None else  # a plug-in's model: only its module knows
+             [name for name, _ in models.build(model.kind, model.inputs, model.classes, model.hidden,
+                                               model.seed).named_parameters()])
     try:
-        trainable_names([name for name, _ in net.named_parameters()], adaptation.option().options)
+        trainable_names(names, adaptation.option().options)
     except ValueError as exc:
         errors.append(f"adaptation.trainable: {exc}")
 
@@ -533,7 +537,11 @@ def _check_secure(secure: SecureSpec, min_cohort: int | None, errors: list[str])
         try:
             choose_params(min_cohort, threat)
         except UnsafeParameters as exc:
-            errors.append(f"min_cohort: {min_cohort} is too small for the secure settings: {exc}")
+            smallest = smallest_secure_cohort(min_cohort, threat)
+            hint = (f"; the smallest that is: min_cohort: {smallest}" if smallest is not None
+                    else "; no cohort size is: lower secure.dropout_rate or secure.corrupt_rate")
+            errors.append(f"min_cohort: {min_cohort} is too small for the secure settings: {exc}{hint}")
+
 
 
 def _check_options(
@@ -557,6 +565,6 @@ def _check_options(
     if model is None:
         return
     try:  # what the first round does: options that do not fit the model fail here, not at start
-        server.steps(server.init(catalogue.initial_model(model)))
+        server.steps(server.init(catalogue.model_layout(model)))
     except (TypeError, ValueError, KeyError) as exc:
         errors.append(f"model: the {model.kind} model does not fit {algorithm}'s options: {exc}")
