@@ -111,7 +111,7 @@ def job_spec(args: argparse.Namespace, name: str, plain: bool, evaluation: bool 
         f"secure: {{dropout_rate: {threat_dropout}, corrupt_rate: 0.05, plain: {str(plain).lower()}}}",
         f"deadlines: {{checkin: {d}, download: {d}, advertise_keys: {d}, share_keys: {d}, "
         f"masked_input: {d}, unmask: {d}}}",
-        *([] if evaluation else ["evaluation: null"]),
+        *([] if evaluation else ["evaluation: {enabled: false}"]),
         "",
     ])
 

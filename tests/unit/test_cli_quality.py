@@ -47,7 +47,7 @@ def test_status_summary_names_the_best_round_earliest_on_ties_and_nothing_withou
     assert found == {"round": 3, "latest": {"eval.accuracy": 0.7, "eval.loss": 1.5},
                      "best": {"eval.accuracy": {"value": 0.7, "round": 2}, "eval.loss": {"value": 1.0, "round": 2}}}
     assert quality.summary_line(found).endswith("; best: acc 0.700 (round 2), eval loss 1.000 (round 2)")
-    assert quality.summary([RoundFigures(1, "", {"selected": 9.0})]) is None  # evaluation: null
+    assert quality.summary([RoundFigures(1, "", {"selected": 9.0})]) is None  # evaluation: {enabled: false}
     assert quality.summary_line(None) == ""
 
 

@@ -15,7 +15,8 @@ from tally.cli import COMMANDS, build_parser
 REPO = Path(__file__).resolve().parents[2]
 README = (REPO / "README.md").read_text()
 PAGES = sorted((REPO / "docs").glob("*.md"))
-PLACEHOLDERS = {"<hex>": "00ff", "$(JOB_COMPLETION_INDEX)": "0"}  # what a reader substitutes
+# What a reader (or the shell) substitutes.
+PLACEHOLDERS = {"<hex>": "00ff", "$(JOB_COMPLETION_INDEX)": "0", "$(jq -r .credential deploy/phone-0001.json)": "00ff"}
 
 
 def test_readme_is_a_landing_page_whose_links_resolve_inside_the_repository():

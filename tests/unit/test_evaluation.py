@@ -192,3 +192,14 @@ def test_metrics_never_widen_the_ring_of_a_sum():
     assert extended.required_bits(1000) == schema.required_bits(1000)
     metric_fields = [f for f in extended.fields if f.name.startswith(PREFIX)]
     assert all(f.kind is Kind.COUNT or f.frac_bits >= 8 for f in metric_fields)
+
+
+def test_a_job_evaluates_by_default_and_enabled_false_turns_it_off():
+    from tally.coordinator.spec.evaluation_spec import plan_for
+    from tally.coordinator.spec.jobspec import parse
+
+    base = "name: e\nalgorithm: lg_fedavg\nrounds: 1\ncohort_size: 10\n"
+    plan = plan_for(parse(base))
+    assert plan is not None and "personal_accuracy" in plan.metrics  # a personalised algorithm's default
+    assert plan_for(parse(base + "evaluation: null\n")) == plan  # null is the default, as for every section
+    assert plan_for(parse(base + "evaluation: {enabled: false}\n")) is None

@@ -144,7 +144,7 @@ class JobRunner:
         self._on_done = on_done
         self.resumed = resumed
         # A job with a privacy: section releases noisy sums only (tally/privacy).
-        # It measures model quality on the devices (tally/evaluation) unless its evaluation: is null.
+        # It measures model quality on the devices (tally/evaluation) unless its evaluation is off.
         self.server = private_job_server(
             evaluated_job_server(catalogue.make_server(spec.algorithm, spec.options), spec), spec)
         self.ledger = getattr(self.server, "ledger", None)

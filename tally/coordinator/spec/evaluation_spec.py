@@ -1,7 +1,8 @@
 """The job spec's ``evaluation:`` section: what each round measures on the devices' held-out
 examples, as secure sums (``tally.evaluation``). On by default with the metrics that fit the
 algorithm: a personalised one adds the personal model's accuracy, a domain one per-domain loss
-and accuracy. ``evaluation: null`` turns it off."""
+and accuracy. ``evaluation: {enabled: false}`` turns it off (a null key means the default, as
+for every section)."""
 
 from __future__ import annotations
 
@@ -39,6 +40,7 @@ class EvaluationSpec(BaseModel):
     examples before training and reports its training loss after; only sums leave it."""
 
     model_config = STRICT
+    enabled: bool = Field(True, description="false: no evaluation (no metric fields in the sums)")
     metrics: tuple[Literal[BUILT_IN], ...] | None = Field(  # type: ignore[valid-type]
         None, strict=False, description="built-in metrics: " + ", ".join(BUILT_IN) + " (default: "
         + ", ".join(DEFAULT_METRICS) + ", with personal_accuracy for a personalised algorithm and "
@@ -84,9 +86,9 @@ def domains_of(spec: Any) -> int:
 
 
 def plan_for(spec: Any) -> EvaluationPlan | None:
-    """The job's evaluation plan (None when ``evaluation: null``); ``ValueError`` when it cannot be."""
+    """The job's evaluation plan (None when it is off); ``ValueError`` when it cannot be."""
     e = spec.evaluation
-    if e is None:
+    if e is None or not e.enabled:
         return None
     metrics = _metrics(spec)
     if not metrics and not e.custom:

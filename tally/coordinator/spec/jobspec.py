@@ -186,7 +186,7 @@ class JobSpec(BaseModel):
     adaptation: AdaptationSpec | None = Field(None, description="local adaptation of the final model on each device")
     evaluation: EvaluationSpec | None = Field(
         default_factory=EvaluationSpec, description="federated evaluation on the devices' held-out examples, as "
-        "secure sums (null: none)")
+        "secure sums (enabled: false: none)")
 
     @property
     def selection_target(self) -> int:
