@@ -315,7 +315,8 @@ def test_two_step_rounds_broadcast_the_first_sum_of_every_cohort(tmp_path, twost
             devices = await s.devices(10, trainers=False)
             job_id = await s.submit(
                 "name: two\nalgorithm: twostep\nrounds: 1\ncohort_size: 10\nover_selection: 1.0\nmin_cohort: 5\n"
-                "model: {inputs: 64, classes: 10, hidden: 4}\nevaluation: {enabled: false}\n"  # scripted payloads: no metrics
+                # Scripted payloads: no metric fields.
+                "model: {inputs: 64, classes: 10, hidden: 4}\nevaluation: {enabled: false}\n"
             )
             tasks = await asyncio.gather(*(d.task() for d in devices))
             assert all([s.sum_id for s in t.session.sums] == ["stats", "update"] for t in tasks)
