@@ -17,10 +17,6 @@ from typing import Any
 from tally.cli.argtypes import POSITIVE
 from tally.coordinator.faces.admin_token import ADMIN_TOKEN_FILE
 
-# The built-in algorithms (tally.algorithms; a test keeps the two lists equal), named here so that
-# `--help` need not import them.
-ALGORITHMS = ("fedavg", "agnostic_fedavg", "aaggff_d", "aaggff_s", "feddar_wa", "feddar_sa", "lg_fedavg",
-              "superfed", "fedevg")
 DEFAULT_ADDRESS = "127.0.0.1:50051"  # where `tally coordinator` listens unless told otherwise
 STATES = ["PENDING", "RUNNING", "SUCCEEDED", "FAILED", "CANCELLED"]
 
@@ -36,7 +32,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     client = admin_client_parser(output)
 
     init = actions.add_parser("init", parents=[output], help="print a commented, valid spec for an algorithm")
-    init.add_argument("algorithm", help=", ".join(ALGORITHMS))
+    init.add_argument("algorithm", help="an installed algorithm, built in or a package's (`tally algorithms list`)")
     init.set_defaults(run=_offline(_init))
     validate = actions.add_parser("validate", parents=[output], help="check a spec offline (no coordinator)")
     validate.add_argument("spec", type=Path, help="job spec YAML file")

@@ -198,14 +198,3 @@ def test_a_yaml_syntax_error_is_one_problem_naming_its_line(tmp_path, capsys):
     err = capsys.readouterr().err
     assert err.startswith(f"{path}: 1 problem(s)\n") and "line 3, column 9" in err, err
     assert "<unicode string>" not in err
-
-
-def test_job_init_help_names_every_algorithm(capsys):
-    from tally.algorithms import NAMES
-    from tally.cli.job import ALGORITHMS
-
-    assert set(ALGORITHMS) == set(NAMES)
-    with pytest.raises(SystemExit):
-        tally(["job", "init", "--help"])
-    text = " ".join(capsys.readouterr().out.split())
-    assert all(name in text for name in NAMES) and "..." not in text

@@ -28,7 +28,7 @@ import time
 from collections import Counter, defaultdict
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 import grpc
 import numpy as np
@@ -42,6 +42,9 @@ from rich.console import Console
 
 from support.secagg import LAX, identities, roster
 from tally import algorithms, modelio
+from tally.algorithms import packages
+from tally.algorithms.base import Options
+from tally.algorithms.packages import Algorithm
 from tally.cli import client as client_cli
 from tally.cli import client_run
 from tally.client import ClientMetrics, Device, ModelCache, OnnxModel, RetryPolicy
@@ -729,10 +732,9 @@ def test_directories_the_sdk_creates_are_private_whatever_the_umask(tmp_path):
         str(d.relative_to(tmp_path)): "0o700" for d in made}
 
 
-class TwoStepOptions:
-    @classmethod
-    def from_dict(cls, raw):
-        return cls()
+@dataclasses.dataclass(frozen=True)
+class TwoStepOptions(Options):
+    options_of: ClassVar[str] = "twostep"
 
 
 class TwoStepClient:
@@ -749,8 +751,14 @@ class TwoStepClient:
         return {"centred": np.float64(device.value - float(broadcast["mean"]))}, count
 
 
-def test_multi_sum_session_fetches_later_steps_with_get_step(monkeypatch):
-    monkeypatch.setitem(algorithms._BUILT_IN, "twostep", (TwoStepOptions, lambda options: None, TwoStepClient))
+def test_multi_sum_session_fetches_later_steps_with_get_step():
+    twostep = Algorithm("twostep", "1", TwoStepOptions, lambda options: None, TwoStepClient,
+                        ("value", "n", "centred"), dict.fromkeys(("value", "n", "centred"), "clipped"))
+    with packages.installed(twostep):
+        _multi_sum_session_fetches_later_steps_with_get_step()
+
+
+def _multi_sum_session_fetches_later_steps_with_get_step():
     stats_schema = PayloadSchema((Field("value", (), clip=10.0, frac_bits=12),
                                   Field("n", (), kind=Kind.COUNT, clip=10)))
     centred_schema = PayloadSchema((Field("centred", (), clip=10.0, frac_bits=12),))
