@@ -254,6 +254,8 @@ def job_dict(job: Any) -> dict[str, Any]:
         "task_reports": [{"outcome": r.outcome, "reason": r.reason, "count": r.count, "example": r.example}
                          for r in job.task_reports],
         "warnings": list(job.warnings), "selection": job.selection,
+        "algorithm_version": job.algorithm_version, "able_devices": job.able_devices,
+        "declared_devices": job.declared_devices,
         "attempts": [{"attempt": a.attempt, "state": a.state, "started_at": _time(a.started_at),
                       "finished_at": _time(a.finished_at), "message": a.message} for a in job.attempts],
     }
@@ -267,6 +269,9 @@ def show(job: dict[str, Any]) -> str:
     parts = [job["job_id"], job["state"], job["algorithm"], where, f"committed {job['committed_round']}",
              f"created {job['created_at']}", f"updated {job['updated_at']}"]
     parts += _selection(job)
+    if job.get("algorithm_version"):
+        parts.append(f"devices able to run {job['algorithm']} {job['algorithm_version']}: "
+                     f"{job['able_devices']} of {job['declared_devices']} checked in")
     failures = [f"{r['reason']} {r['count']}" + (f" (e.g. {r['example']!r})" if r.get("example") else "")
                 for r in job["task_reports"] if r["outcome"] != "completed"]
     if failures:

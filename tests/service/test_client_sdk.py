@@ -243,8 +243,11 @@ class FakeCoordinator(coordinator_pb2_grpc.CoordinatorServicer):
         cancel_checkins: bool = False,
         reassign: str | None = None,
         idle_from_checkin: int | None = None,
+        algorithm_version: str = "",
     ) -> None:
         self.plan = plan
+        self.algorithm_version = algorithm_version
+        self.declared: dict[str, dict[str, str]] = {}
         self.cohort = dict(cohort or {})
         self.aggregator = aggregator
         self.chunk_size = chunk_size
@@ -290,6 +293,7 @@ class FakeCoordinator(coordinator_pb2_grpc.CoordinatorServicer):
         device = await self._device(context)
         assert request.capabilities.accelerator in ("cpu", "cuda") and request.capabilities.sdk_version
         self.checkins[device] += 1
+        self.declared[device] = {a.name: a.version for a in request.capabilities.algorithms}
         self.reports[device].extend(request.reports)
         self.checked_in.set()
         if self.cancel_checkins:  # what a coordinator shutting down does to held check-ins
@@ -314,6 +318,7 @@ class FakeCoordinator(coordinator_pb2_grpc.CoordinatorServicer):
             model_digest=plan.digest, model_size=len(plan.blob), chunk_size=self.chunk_size,
             aggregator_address=self.aggregator, session_ticket=plan.ticket, device_index=index,
             session_token=plan.tokens[index], session=to_proto(plan.config), deadlines=DEADLINES,
+            algorithm_version=self.algorithm_version,
         )
 
     async def DownloadModel(self, request, context):
@@ -604,6 +609,30 @@ def test_a_device_sends_one_input_per_round_whatever_it_is_asked_and_reports_eve
     assert first == ("DROPPED", "dropped", False, 3)
     assert second == ("ABORTED", "session_aborted", False, 3)  # it took the task; no input left
     assert all(r.task_id == f"task-{d[-1]}" for d, rs in coordinator.reports.items() for r in rs)
+
+
+def test_a_device_declares_its_algorithms_and_refuses_another_version_by_name():
+    """Issue 41: every check-in declares the algorithms installed (name and version); a task of a
+    version other than the device's own is refused, reported as "algorithm_version" with both
+    versions named, before anything is downloaded or joined."""
+    plan = fedavg_plan(3, t=2, min_survivors=3)
+    coordinator = FakeCoordinator(plan, {"dev-1": 1}, reassign="127.0.0.1:1", algorithm_version="0.0.1-other")
+
+    async def scenario():
+        server, port = await serve(coordinator, FakeSessionStreams(plan))
+        try:
+            await device(f"127.0.0.1:{port}", "dev-1", ShiftTrainer(0.01, examples=5), seed=101,
+                         identity=identities(3)[1], policy=LAX).run(max_tasks=2)
+        finally:
+            await server.stop(None)
+
+    run(scenario())
+    assert coordinator.declared["dev-1"] == packages.versions() and "fedavg" in coordinator.declared["dev-1"]
+    [report] = coordinator.reports["dev-1"]
+    assert coordinator_pb2.TaskReport.Outcome.Name(report.outcome) == "REFUSED"
+    assert report.reason == "algorithm_version" and not report.sent_input
+    assert f"version '0.0.1-other'; this device has version '{packages.versions()['fedavg']}'" in report.detail
+    assert coordinator.downloads == []
 
 
 def test_a_restarted_device_still_sends_one_input_per_round(tmp_path):
