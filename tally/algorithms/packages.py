@@ -229,6 +229,11 @@ def names() -> tuple[str, ...]:
     return tuple(catalogue().installed)
 
 
+def names_of(package: str) -> tuple[str, ...]:
+    """The algorithms installed from distribution ``package``."""
+    return tuple(name for name, found in catalogue().installed.items() if found.package == package)
+
+
 def get(name: str) -> Algorithm:
     """Algorithm ``name``; ``ValueError`` naming what is installed (and why a refused one is not)."""
     found = catalogue().installed.get(name)

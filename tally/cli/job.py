@@ -42,6 +42,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     validate.set_defaults(run=_offline(_validate))
     schema = actions.add_parser("schema", parents=[output], help="print the job-spec field reference")
+    schema.add_argument("--package", metavar="DIST", default=None,
+                        help="only the options of this installed algorithm package's algorithms")
     schema.set_defaults(run=_offline(_schema))
 
     submit = actions.add_parser("submit", parents=[client], help="submit a job spec (YAML)")
@@ -144,10 +146,17 @@ def _validate(args: argparse.Namespace) -> int:
 
 
 def _schema(args: argparse.Namespace) -> int:
+    from tally.algorithms import packages
     from tally.coordinator.spec import jobspec
-    from tally.coordinator.spec.jobspec_docs import reference
+    from tally.coordinator.spec.jobspec_docs import package_reference, reference
 
-    if args.json:
+    if args.package is not None:
+        if args.json:
+            _print_json({name: model.model_json_schema() for name in packages.names_of(args.package)
+                         if (model := jobspec.options_model(name)) is not None})
+        else:
+            sys.stdout.write(package_reference(args.package))
+    elif args.json:
         _print_json(jobspec.JobSpec.model_json_schema())
     else:
         sys.stdout.write(reference())

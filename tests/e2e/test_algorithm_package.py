@@ -1,0 +1,74 @@
+"""Issue 41, proven end to end: `tally new algorithm` writes a package whose tests pass as written,
+and the example package (examples/algorithm-package, that command's output for `fedavgm`),
+installed into a fresh virtual environment with pip, is what that environment's coordinator and
+devices run. Its tests (tally.testing) then run there: rounds through the real secure sum with
+dropouts; a secure job through real services with a fleet that has the package, every committed
+sum exact; a fleet without it and a fleet with another version checked in but never seated."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import sysconfig
+from pathlib import Path
+
+from tally.cli.new import write_algorithm_package
+
+REPO = Path(__file__).resolve().parents[2]
+EXAMPLE = REPO / "examples" / "algorithm-package"
+
+
+def _files(root: Path) -> dict[str, str]:
+    return {str(p.relative_to(root)): p.read_text() for p in sorted(root.rglob("*"))
+            if p.is_file() and "__pycache__" not in p.parts and ".egg-info" not in str(p)}
+
+
+def test_the_example_package_is_what_the_scaffold_writes(tmp_path):
+    write_algorithm_package("fedavgm", tmp_path / "fedavgm")
+    assert _files(tmp_path / "fedavgm") == _files(EXAMPLE)
+
+
+def fresh_environment(where: Path) -> Path:
+    """A new virtual environment whose own site-packages is empty but for what is installed into
+    it; the shared one's (numpy, torch, grpc) is reachable through a .pth file, and tally itself
+    comes from this checkout (PYTHONPATH), as the other tests take it."""
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(where)], check=True)
+    python = where / "bin" / "python"
+    own = subprocess.run([str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                         check=True, capture_output=True, text=True).stdout.strip()
+    Path(own, "shared.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
+    return python
+
+
+def pip_install(python: Path, package: Path) -> None:
+    subprocess.run([sys.executable, "-m", "pip", "--python", str(python), "install", "--quiet", "--no-deps",
+                    "--no-build-isolation", "--no-index", str(package)], check=True)
+
+
+def test_packages_installed_in_a_fresh_environment_pass_their_generated_tests_there(tmp_path):
+    python = fresh_environment(tmp_path / "venv")
+    second = tmp_path / "tally-my-algo"
+    write_algorithm_package("my_algo", second)
+    for package in (EXAMPLE, second):
+        pip_install(python, package)
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+
+    listed = subprocess.run([str(python), "-m", "tally.cli", "algorithms", "list", "--json"], env=env, check=True,
+                            capture_output=True, text=True, cwd=tmp_path)
+    installed = {row["name"]: (row["package"], row["version"]) for row in json.loads(listed.stdout)["algorithms"]}
+    assert installed["fedavgm"] == ("tally-fedavgm", "0.1.0") and installed["my_algo"] == ("tally-my-algo", "0.1.0")
+    assert installed["fedavg"][0] == "tally" and json.loads(listed.stdout)["refused"] == []
+
+    tests = subprocess.run([str(python), "-m", "pytest", "-q", "-p", "no:cacheprovider", str(EXAMPLE / "tests"),
+                            str(second / "tests")], env=env, capture_output=True, text=True, cwd=tmp_path,
+                           timeout=600)
+    assert tests.returncode == 0, tests.stdout[-4000:] + tests.stderr[-2000:]
+    assert "6 passed" in tests.stdout, tests.stdout[-2000:]
+
+
+def test_the_shared_environment_has_no_fedavgm():
+    from tally.algorithms import packages
+
+    assert "fedavgm" not in packages.names()
