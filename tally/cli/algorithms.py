@@ -1,6 +1,7 @@
 """``tally algorithms list``: the algorithms installed in this environment, with versions and the
-packages they come from, and every entry refused at load with why. Run on a coordinator's host it
-says what jobs may name; on a device's, what that device declares at check-in."""
+packages they come from, the model kinds packages add, and every entry refused at load with why.
+Run on a coordinator's host it says what jobs may name; on a device's, what that device declares
+at check-in."""
 
 from __future__ import annotations
 
@@ -24,14 +25,22 @@ def _list(args: argparse.Namespace) -> int:
     rows = [{"name": name, "version": found.algorithm.version, "package": found.package,
              "needs": list(found.algorithm.needs), "summary": found.algorithm.summary}
             for name, found in catalogue.installed.items()]
-    refused = [{"package": r.package, "entry": r.entry, "reason": r.reason} for r in catalogue.refused]
+    from tally import models
+
+    modelled = models.packages()
+    model_rows = [{"kind": kind, "version": version, "package": package}
+                  for kind, (package, version, _) in modelled.installed.items()]
+    problems = [*catalogue.refused, *modelled.refused]
+    refused = [{"package": r.package, "entry": r.entry, "reason": r.reason} for r in problems]
     if args.json:
-        _print_json({"algorithms": rows, "refused": refused})
+        _print_json({"algorithms": rows, "models": model_rows, "refused": refused})
         return 0
     width = max((len(row["name"]) for row in rows), default=0)
     for row in rows:
         needs = f"  needs {', '.join(row['needs'])}" if row["needs"] else ""
         print(f"{row['name']:<{width}}  {row['version']:<10}  {row['package']:<16}{needs}  {row['summary']}".rstrip())
-    for problem in catalogue.refused:
+    for row in model_rows:
+        print(f"model kind {row['kind']}  {row['version']}  {row['package']}")
+    for problem in problems:
         print(f"refused: {problem}")
     return 0

@@ -51,6 +51,12 @@ NO_ROLE = Algorithm("no_role", "1", GoodOptions, FedAvgServer, FedAvgClient, FIE
                     {"weighted_delta": "clipped", "examples": "withheld"}, options_meanings=MEANINGS)
 FEDAVG = Algorithm("fedavg", "9", GoodOptions, FedAvgServer, FedAvgClient, FIELDS, ROLES, options_meanings=MEANINGS)
 NOT_AN_ALGORITHM = object()
+
+
+def tiny_model(inputs, classes, hidden, seed):
+    import torch
+
+    return torch.nn.Linear(inputs, classes)
 '''
 
 
@@ -129,3 +135,25 @@ def test_algorithms_list_shows_versions_packages_and_refusals(capsys):
     listed = json.loads(capsys.readouterr().out)
     assert {row["name"]: row["package"] for row in listed["algorithms"]}["fedavg"] == "tally"
     assert listed["refused"] == []
+
+
+def test_model_kinds_from_packages_are_served_and_bad_ones_refused_by_package_and_entry(module):
+    from tally import models
+
+    loaded = models.ModelPackages([
+        ("acme-models", "1.2", entry("tiny", f"{module}:tiny_model")),
+        ("acme-broken", "1", entry("broken", "no_such_module_anywhere:tiny_model")),
+        ("acme-odd", "1", entry("odd", f"{module}:NOT_AN_ALGORITHM")),
+        ("acme-fork", "1", entry("mlp", f"{module}:tiny_model")),
+        ("acme-one", "1", entry("twice", f"{module}:tiny_model")),
+        ("acme-two", "1", entry("twice", f"{module}:tiny_model")),
+    ])
+    package, version, make = loaded.installed["tiny"]
+    assert list(loaded.installed) == ["tiny"] and (package, version) == ("acme-models", "1.2")
+    assert make(4, 3, 8, 0).out_features == 3
+    refused = {(r.package, r.entry): r.reason for r in loaded.refused}
+    assert refused[("acme-broken", "broken")].startswith("cannot be loaded (no_such_module_anywhere:tiny_model)")
+    assert refused[("acme-odd", "odd")] == "is a object, not a model builder"
+    assert refused[("acme-fork", "mlp")] == "model kind 'mlp' is built in"
+    assert refused[("acme-one", "twice")] == refused[("acme-two", "twice")] == (
+        "model kind 'twice' is claimed by packages ['acme-one', 'acme-two']")
