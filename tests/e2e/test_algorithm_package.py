@@ -7,14 +7,18 @@ sum exact; a fleet without it and a fleet with another version checked in but ne
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
+import shutil
 import subprocess
 import sys
 import sysconfig
 from pathlib import Path
 
 from tally.cli.new import write_algorithm_package
+from tally.ops.cluster import ProcessCluster
+from tally.wire.v1 import common_pb2
 
 REPO = Path(__file__).resolve().parents[2]
 EXAMPLE = REPO / "examples" / "algorithm-package"
@@ -72,3 +76,51 @@ def test_the_shared_environment_has_no_fedavgm():
     from tally.algorithms import packages
 
     assert "fedavgm" not in packages.names()
+
+
+def test_across_environments_only_devices_with_the_coordinators_version_are_seated(tmp_path, monkeypatch):
+    """The coordinator and aggregators run in an environment with the example at 0.1.0; three
+    fleets, each a process of its own environment: with the package (seated, every committed sum
+    exact), with 0.2.0 of it and without it (both checked in, neither seated). A job only the 0.2.0
+    fleet could take fails at its first selection deadline, naming the algorithm and both versions."""
+    monkeypatch.setenv("PYTHONPATH", str(REPO))
+    with_it = fresh_environment(tmp_path / "with")
+    pip_install(with_it, EXAMPLE)
+    newer_source = tmp_path / "newer-source"
+    shutil.copytree(EXAMPLE, newer_source)
+    pyproject = newer_source / "pyproject.toml"
+    pyproject.write_text(pyproject.read_text().replace('version = "0.1.0"', 'version = "0.2.0"'))
+    newer = fresh_environment(tmp_path / "newer")
+    pip_install(newer, newer_source)
+    job = (EXAMPLE / "job.yaml").read_text()
+
+    async def fleet(python: Path, prefix: str, cluster: ProcessCluster, job_id: str, population: str = "default"):
+        argv = [str(python), "-m", "tally.cli", "fleet", "--coordinator", cluster.target, "--population", population,
+                "--tls-dir", str(cluster.certs / "device"), "--devices", "6", "--hidden", "16", "--no-progress",
+                "--enrolment-key", str(cluster.certs / "coordinator" / "enrolment.key"), "--id-prefix", prefix,
+                "--until-job-done", job_id, "--json", str(tmp_path / f"{prefix}.json"), "--metrics-port", "0",
+                "--audit-token-file", str(cluster.state / "admin.token")]
+        done = await asyncio.to_thread(subprocess.run, argv, capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, done.stderr[-3000:]
+        return json.loads((tmp_path / f"{prefix}.json").read_text())
+
+    async def main():
+        async with ProcessCluster(tmp_path / "cluster", python=str(with_it)) as cluster:
+            job_id = await cluster.submit(job)
+            reports = await asyncio.gather(fleet(with_it, "with", cluster, job_id),
+                                           fleet(newer, "newer", cluster, job_id),
+                                           fleet(Path(sys.executable), "without", cluster, job_id))
+            first = await cluster.job(job_id)
+            lonely = await cluster.submit(job.replace("name: fedavgm-digits", "name: fedavgm-newer-only")
+                                          + "population: newer-only\n")
+            await fleet(newer, "newer-only", cluster, lonely, population="newer-only")
+            return first, reports, await cluster.job(lonely)
+
+    first, (seated, newer_report, without_report), lonely = asyncio.run(main())
+    assert first.state == common_pb2.JOB_STATE_SUCCEEDED and first.committed_round == 2, first.message
+    assert seated["audit"]["exact"] >= 2 and seated["audit"]["mismatch"] == 0 and seated["audit"]["foreign"] == 0
+    for report in (newer_report, without_report):
+        assert report["tasks_done"] == 0 and report["checkins"] > 0  # checked in, never seated
+    assert lonely.state == common_pb2.JOB_STATE_FAILED
+    assert ("no device of population 'newer-only' can run algorithm 'fedavgm' version '0.1.0': 6 device(s) "
+            "checked in (version '0.2.0' on 6)") in lonely.message, lonely.message
