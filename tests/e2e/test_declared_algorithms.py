@@ -8,10 +8,13 @@ from __future__ import annotations
 
 import asyncio
 
+import grpc
+
 from support.stack import in_process, run, trainers
 from tally.algorithms import packages
 from tally.cli.job import job_dict, show
-from tally.wire.v1 import common_pb2
+from tally.wire.v1 import common_pb2, coordinator_pb2
+from tally.wire.v1.coordinator_pb2 import InstalledAlgorithm
 
 SPEC = (
     "name: declared\nalgorithm: fedavg\nrounds: 1\ncohort_size: 5\nmin_cohort: 5\nretries: 3\n"
@@ -76,3 +79,23 @@ def test_a_job_no_device_can_run_fails_fast_naming_algorithm_and_versions(tmp_pa
     [running] = seen
     assert (running.algorithm_version, running.able_devices, running.declared_devices) == (version, 0, 6)
     assert f"devices able to run fedavg {version}: 0 of 6 checked in" in show(job_dict(running))
+
+
+def test_a_check_in_declaring_too_much_or_a_nameless_algorithm_is_refused_by_field(tmp_path):
+    async def main():
+        async with in_process().coordinator_with_fakes(tmp_path) as s:
+            [device] = await s.devices(1)
+            answers = []
+            for declared in ([InstalledAlgorithm(name="", version="1")],
+                             [InstalledAlgorithm(name=f"a{i}", version="1") for i in range(65)]):
+                request = coordinator_pb2.CheckInRequest(capabilities=coordinator_pb2.Capabilities(algorithms=declared))
+                try:
+                    await device.stub.CheckIn(request, metadata=device.md, timeout=5)
+                except grpc.aio.AioRpcError as exc:
+                    answers.append((exc.code(), exc.details()))
+            return answers
+
+    (empty, many) = run(main())
+    assert empty[0] == many[0] == grpc.StatusCode.INVALID_ARGUMENT
+    assert empty[1].startswith("capabilities.algorithms: '' version '1' needs a name and a version")
+    assert many[1] == "capabilities.algorithms: 65 declared, at most 64"

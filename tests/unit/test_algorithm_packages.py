@@ -157,3 +157,27 @@ def test_model_kinds_from_packages_are_served_and_bad_ones_refused_by_package_an
     assert refused[("acme-fork", "mlp")] == "model kind 'mlp' is built in"
     assert refused[("acme-one", "twice")] == refused[("acme-two", "twice")] == (
         "model kind 'twice' is claimed by packages ['acme-one', 'acme-two']")
+
+
+def test_declarations_count_present_devices_and_name_the_versions_they_have():
+    from tally.coordinator.rounds.declared_algorithms import PRESENT_S, DeclaredAlgorithms, problem
+    from tally.wire.v1.coordinator_pb2 import InstalledAlgorithm
+
+    now = [0.0]
+    declared = DeclaredAlgorithms(lambda: now[0])
+    declared.record("a", "p", [InstalledAlgorithm(name="fedavgm", version="0.1.0")])
+    declared.record("b", "p", [InstalledAlgorithm(name="fedavgm", version="0.2.0")])
+    legacy = declared.record("c", "p", [])  # an older SDK: tally's own, at this coordinator's versions
+    assert ("fedavg", packages.versions()["fedavg"]) in legacy
+    assert declared.count("p", "fedavgm", "0.1.0") == (1, 3)
+    assert declared.none_can_run("p", "fedavgm", "0.1.0") is None
+    now[0] = PRESENT_S / 2
+    declared.record("b", "p", [InstalledAlgorithm(name="fedavgm", version="0.2.0")])
+    now[0] = PRESENT_S + 1  # a and c are gone; b checked in since
+    assert declared.count("p", "fedavgm", "0.1.0") == (0, 1)
+    assert declared.none_can_run("p", "fedavgm", "0.1.0") == (
+        "no device of population 'p' can run algorithm 'fedavgm' version '0.1.0': 1 device(s) checked in "
+        "(version '0.2.0' on 1)")
+    assert declared.none_can_run("elsewhere", "fedavgm", "0.1.0") is None  # nobody checked in: no verdict
+    assert problem([InstalledAlgorithm(name="", version="1")]) is not None
+    assert "at most 64" in problem([InstalledAlgorithm(name=f"a{i}", version="1") for i in range(65)])

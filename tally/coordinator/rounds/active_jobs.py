@@ -14,7 +14,7 @@ from tally.coordinator.metrics import CoordinatorMetrics
 from tally.coordinator.rounds.aggregators import AggregatorPool
 from tally.coordinator.rounds.checkin_holds import CheckInResult
 from tally.coordinator.rounds.come_back import Retry, idle_retry
-from tally.coordinator.rounds.declared_algorithms import Installed
+from tally.coordinator.rounds.declared_algorithms import DeclaredAlgorithms, Installed
 from tally.coordinator.rounds.planner import Hold
 from tally.coordinator.rounds.runner import JobRunner, RunnerContext
 from tally.coordinator.rounds.task_reports import outcome_name
@@ -50,7 +50,7 @@ class ActiveJobs:
         self.events = EventHub(store, clock)
         self.checkin_hold_s, self.checkin_rate = checkin_hold_s, checkin_rate
         self._ctx = RunnerContext(store, pool, signer, metrics, self.events, clock, rng or random.Random(),
-                                  self._selection_opened)
+                                  self._selection_opened, DeclaredAlgorithms(clock))
         self.runners: dict[str, JobRunner] = {}
 
     async def start(self) -> None:

@@ -6,8 +6,9 @@ its operator installed, so a job can only wait for a device that has its algorit
 
 from __future__ import annotations
 
+import time
 from collections import Counter
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 from tally.algorithms import packages
 from tally.wire.v1 import coordinator_pb2
@@ -17,6 +18,9 @@ Installed = frozenset[tuple[str, str]]
 # The most algorithms one check-in may declare, and the longest name or version: bounded input.
 MAX_DECLARED = 64
 MAX_NAME_CHARS = 64
+# A device counts as present for a population's counts while its last check-in is this recent: a
+# device gone for good must not keep a job alive that no present device can run.
+PRESENT_S = 600.0
 
 
 def problem(declared: Iterable[coordinator_pb2.InstalledAlgorithm]) -> str | None:
@@ -42,11 +46,13 @@ def can_run(installed: Installed, algorithm: str, version: str) -> bool:
 
 
 class DeclaredAlgorithms:
-    """Each device's latest declaration, with its population. Declarations are few distinct sets
-    (a fleet runs a handful of images), so each set is kept once and devices share it."""
+    """Each device's latest declaration, with its population and when it checked in. Declarations
+    are few distinct sets (a fleet runs a handful of images), so each set is kept once and devices
+    share it. Counts cover the devices present: checked in within ``PRESENT_S``."""
 
-    def __init__(self) -> None:
-        self._by_device: dict[str, tuple[str, Installed]] = {}
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self.clock = clock
+        self._by_device: dict[str, tuple[str, Installed, float]] = {}
         self._sets: dict[Installed, Installed] = {}
 
     def record(self, device_id: str, population: str,
@@ -55,19 +61,22 @@ class DeclaredAlgorithms:
         algorithm packages), tally's own at this coordinator's versions."""
         installed = frozenset((a.name, a.version) for a in declared) or _tally_own()
         installed = self._sets.setdefault(installed, installed)
-        self._by_device[device_id] = (population, installed)
+        self._by_device[device_id] = (population, installed, self.clock())
         return installed
 
+    def _present(self, population: str) -> list[Installed]:
+        since = self.clock() - PRESENT_S
+        return [installed for p, installed, seen in self._by_device.values() if p == population and seen >= since]
+
     def count(self, population: str, algorithm: str, version: str) -> tuple[int, int]:
-        """(devices of ``population`` that can run ``algorithm`` at ``version``, devices of it that
-        declared anything) since this coordinator started."""
-        sets = [installed for p, installed in self._by_device.values() if p == population]
+        """(present devices of ``population`` that can run ``algorithm`` at ``version``, present
+        devices of it)."""
+        sets = self._present(population)
         return sum(1 for installed in sets if can_run(installed, algorithm, version)), len(sets)
 
     def versions_seen(self, population: str, algorithm: str) -> Counter[str]:
-        """How many devices of ``population`` have each version of ``algorithm``."""
-        return Counter(v for p, installed in self._by_device.values() if p == population
-                       for name, v in installed if name == algorithm)
+        """How many present devices of ``population`` have each version of ``algorithm``."""
+        return Counter(v for installed in self._present(population) for name, v in installed if name == algorithm)
 
     def none_can_run(self, population: str, algorithm: str, version: str) -> str | None:
         """Why no device of ``population`` can run the job, when devices of it checked in and
