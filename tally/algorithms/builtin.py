@@ -16,12 +16,9 @@ from tally.algorithms.fedavg import FedAvgClient, FedAvgOptions, FedAvgServer
 from tally.algorithms.feddar import FedDARClient, FedDAROptions, FedDARSAOptions, FedDARSAServer, FedDARWAServer
 from tally.algorithms.fedevg import FedEvgClient, FedEvgOptions, FedEvgServer
 from tally.algorithms.lg_fedavg import LGFedAvgClient, LGFedAvgOptions, LGFedAvgServer
-from tally.algorithms.packages import Algorithm, PrivacyRole
+from tally.algorithms.packages import DOMAIN_STATISTICS, Algorithm, PrivacyRole
 from tally.algorithms.superfed import SuPerFedClient, SuPerFedOptions, SuPerFedServer
 from tally.version import VERSION
-
-# A trainer that labels its examples with domains and reports per-domain statistics.
-DOMAIN_STATISTICS = "domain_statistics"
 
 
 def _fedavg_weight(options: Any) -> str:

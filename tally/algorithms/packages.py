@@ -47,6 +47,10 @@ TALLY = "tally"  # the distribution whose entries are the built-in algorithms
 RoleValue = str | float
 PrivacyRole = RoleValue | Callable[[Any], RoleValue]
 ROLES = ("clipped", "bounded", "withheld", "counted")
+# What an algorithm may need of a device's trainer (``Algorithm.needs``): examples labelled with
+# domains and per-domain statistics (AgnosticFedAvg, FedDAR); a job's evaluation then reports per
+# domain too.
+DOMAIN_STATISTICS = "domain_statistics"
 
 
 @dataclass(frozen=True)
