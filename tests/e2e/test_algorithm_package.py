@@ -124,3 +124,26 @@ def test_across_environments_only_devices_with_the_coordinators_version_are_seat
     assert lonely.state == common_pb2.JOB_STATE_FAILED
     assert ("no device of population 'newer-only' can run algorithm 'fedavgm' version '0.1.0': 6 device(s) "
             "checked in (version '0.2.0' on 6)") in lonely.message, lonely.message
+
+
+def test_an_installed_tally_serves_its_own_algorithms_from_its_wheels_entry_points(tmp_path):
+    """Without a source checkout beside the package, tally's own algorithms come from the installed
+    distribution's entry points, the route every package takes (and the scaffold's templates ship)."""
+    source = tmp_path / "source"
+    shutil.copytree(REPO / "tally", source / "tally", ignore=shutil.ignore_patterns("__pycache__"))
+    for name in ("pyproject.toml", "README.md", "LICENSE"):
+        shutil.copy2(REPO / name, source / name)
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "--quiet", "--no-deps", "--no-build-isolation",
+                    "-w", str(tmp_path / "wheel"), str(source)], check=True)
+    python = fresh_environment(tmp_path / "venv")
+    pip_install(python, next((tmp_path / "wheel").glob("tally-*.whl")))
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    listed = subprocess.run([str(python), "-m", "tally.cli", "algorithms", "list", "--json"], env=env, check=True,
+                            capture_output=True, text=True, cwd=tmp_path)
+    rows = json.loads(listed.stdout)["algorithms"]
+    from tally.algorithms import packages
+
+    assert {row["name"] for row in rows if row["package"] == "tally"} == set(packages.names_of("tally"))
+    written = subprocess.run([str(python), "-m", "tally.cli", "new", "algorithm", "x", "--dir", str(tmp_path / "x")],
+                             env=env, capture_output=True, text=True, cwd=tmp_path)
+    assert written.returncode == 0 and (tmp_path / "x" / "tally_x" / "algorithm.py").is_file(), written.stderr
