@@ -47,6 +47,11 @@ def fresh_environment(where: Path) -> Path:
 
 
 def pip_install(python: Path, package: Path) -> None:
+    """Install ``package`` (a wheel, or a source directory, built from a copy: setuptools builds
+    in the tree, and the checkout must stay clean)."""
+    if package.is_dir():
+        package = Path(shutil.copytree(package, python.parents[1] / "sources" / package.name,
+                                       ignore=shutil.ignore_patterns("__pycache__", "build", "*.egg-info")))
     subprocess.run([sys.executable, "-m", "pip", "--python", str(python), "install", "--quiet", "--no-deps",
                     "--no-build-isolation", "--no-index", str(package)], check=True)
 
