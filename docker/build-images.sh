@@ -12,7 +12,9 @@
 # builds left (build stages, role images a rebuild replaced: both carry the org.tally.built-by
 # label), and no other image on the host.
 # Environment: BASE (an existing image to build on instead of the debootstrap one), PYTHON (the
-# interpreter whose pip builds the wheelhouse; python3 by default), DEBIAN_MIRROR.
+# interpreter whose pip builds the wheelhouse; python3 by default), DEBIAN_MIRROR, PACKAGES (the
+# source directories of algorithm packages to install in the coordinator and client images, e.g.
+# PACKAGES=examples/algorithm-package: their wheels join the wheelhouse, their names the builds).
 # Podman runs with cgroupfs and runc and explicit ulimits: crun fails on this machine's hybrid
 # cgroups, and without limits setrlimit(RLIMIT_NOFILE) is refused.
 set -euo pipefail
@@ -22,6 +24,7 @@ VERSION=$(sed -n 's/^version = "\(.*\)"/\1/p' pyproject.toml | head -1)
 BASE=${BASE:-localhost/tally-base:bookworm}
 PYTHON=${PYTHON:-python3}
 DEBIAN_MIRROR=${DEBIAN_MIRROR:-http://deb.debian.org/debian}
+PACKAGES=${PACKAGES:-}
 PODMAN=(podman --cgroup-manager=cgroupfs)
 RUNTIME=(--runtime /usr/sbin/runc --ulimit nofile=20000:20000 --ulimit nproc=4096:4096)
 
@@ -78,6 +81,20 @@ build_wheelhouse() {
     # (pip's complaints about this machine's configured local indexes are noise here)
     "$PYTHON" -m pip wheel --quiet --disable-pip-version-check -c constraints.txt \
         --wheel-dir build/wheelhouse '.[coordinator,loadtest]' 2> >(grep -v 'is ignored: it is neither' >&2)
+    local package
+    for package in $PACKAGES; do  # their dependencies beyond tally's must be in the wheelhouse too
+        "$PYTHON" -m pip wheel --quiet --disable-pip-version-check --no-deps --no-build-isolation \
+            --wheel-dir build/wheelhouse "$package"
+    done
+}
+
+# The distribution names of $PACKAGES, as the images' pip install takes them.
+package_names() {
+    local package names=()
+    for package in $PACKAGES; do
+        names+=("$(sed -n 's/^name = "\(.*\)"/\1/p' "$package/pyproject.toml" | head -1)")
+    done
+    echo "${names[*]}"
 }
 
 build_role() {
@@ -85,7 +102,7 @@ build_role() {
     say "image $image"
     "${PODMAN[@]}" build --quiet --format docker "${RUNTIME[@]}" --pull=never \
         --ignorefile "docker/$role.Dockerfile.dockerignore" \
-        --build-arg BASE="$BASE" --build-arg VERSION="$VERSION" \
+        --build-arg BASE="$BASE" --build-arg VERSION="$VERSION" --build-arg PACKAGES="$(package_names)" \
         --build-arg REVISION="$(git rev-parse HEAD 2>/dev/null || echo unknown)" \
         -f "docker/$role.Dockerfile" -t "$image" . >/dev/null
 }

@@ -11,8 +11,13 @@ FROM ${BASE} AS build
 # Marks what `make images` may prune once this stage is no longer needed, and nothing else.
 LABEL org.tally.built-by="docker/build-images.sh"
 COPY build/wheelhouse /wheels
+# PACKAGES: the algorithm packages (distribution names, space-separated) to install beside tally,
+# from wheels `make images` put in the wheelhouse (PACKAGES=path/to/package ...): what a coordinator
+# and its devices can run. Devices never download code, so an image runs only what it was built with.
+ARG PACKAGES=""
+# hadolint ignore=SC2086
 RUN python3 -m venv /opt/tally \
-    && /opt/tally/bin/pip install --no-cache-dir --no-index --find-links /wheels "tally[coordinator]" \
+    && /opt/tally/bin/pip install --no-cache-dir --no-index --find-links /wheels "tally[coordinator]" $PACKAGES \
     && /opt/tally/bin/pip uninstall --yes pip setuptools
 
 FROM ${BASE}

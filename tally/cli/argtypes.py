@@ -13,6 +13,16 @@ from tally.metrics import METRICS_PORTS
 from tally.security.connections import DEFAULT_LIMITS, ConnectionLimits
 
 
+def installed_algorithm(text: str) -> str:
+    """The name of an algorithm installed in this environment (``tally algorithms list``): read from
+    the catalogue only when a name is given, so ``--help`` loads no algorithm package."""
+    from tally.algorithms import packages
+
+    if text not in packages.names():
+        raise argparse.ArgumentTypeError(f"{text!r} is not an installed algorithm: {', '.join(packages.names())}")
+    return text
+
+
 def integer(low: int, high: int | None = None) -> Callable[[str], int]:
     """An integer in [low, high] (no upper bound when ``high`` is None)."""
     span = f">= {low}" if high is None else f"in [{low}, {high}]"

@@ -17,10 +17,6 @@ from typing import Any
 from tally.cli.argtypes import POSITIVE
 from tally.coordinator.faces.admin_token import ADMIN_TOKEN_FILE
 
-# The built-in algorithms (tally.algorithms; a test keeps the two lists equal), named here so that
-# `--help` need not import them.
-ALGORITHMS = ("fedavg", "agnostic_fedavg", "aaggff_d", "aaggff_s", "feddar_wa", "feddar_sa", "lg_fedavg",
-              "superfed", "fedevg")
 DEFAULT_ADDRESS = "127.0.0.1:7000"  # where `tally coordinator` listens unless told otherwise (k8s: 7000 too)
 # Where an operator's shell says the coordinator is, so that no command repeats it; a flag overrides.
 COORDINATOR_ENV, STATE_DIR_ENV, TLS_DIR_ENV = "TALLY_COORDINATOR", "TALLY_STATE_DIR", "TALLY_TLS_DIR"
@@ -38,7 +34,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     client = admin_client_parser(output)
 
     init = actions.add_parser("init", parents=[output], help="print a commented, valid spec for an algorithm")
-    init.add_argument("algorithm", help=", ".join(ALGORITHMS))
+    init.add_argument("algorithm", help="an installed algorithm, built in or a package's (`tally algorithms list`)")
     init.set_defaults(run=_offline(_init))
     validate = actions.add_parser("validate", parents=[output], help="check a spec offline (no coordinator)")
     validate.add_argument("spec", type=Path, help="job spec YAML file")
@@ -48,6 +44,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     validate.set_defaults(run=_offline(_validate))
     schema = actions.add_parser("schema", parents=[output], help="print the job-spec field reference")
+    schema.add_argument("--package", metavar="DIST", default=None,
+                        help="only the options of this installed algorithm package's algorithms")
     schema.set_defaults(run=_offline(_schema))
 
     submit = actions.add_parser("submit", parents=[client], help="submit a job spec (YAML)")
@@ -153,10 +151,17 @@ def _validate(args: argparse.Namespace) -> int:
 
 
 def _schema(args: argparse.Namespace) -> int:
+    from tally.algorithms import packages
     from tally.coordinator.spec import jobspec
-    from tally.coordinator.spec.jobspec_docs import reference
+    from tally.coordinator.spec.jobspec_docs import package_reference, reference
 
-    if args.json:
+    if args.package is not None:
+        if args.json:
+            _print_json({name: model.model_json_schema() for name in packages.names_of(args.package)
+                         if (model := jobspec.options_model(name)) is not None})
+        else:
+            sys.stdout.write(package_reference(args.package))
+    elif args.json:
         _print_json(jobspec.JobSpec.model_json_schema())
     else:
         sys.stdout.write(reference())
@@ -283,6 +288,8 @@ def job_dict(job: Any) -> dict[str, Any]:
         "task_reports": [{"outcome": r.outcome, "reason": r.reason, "count": r.count, "example": r.example}
                          for r in job.task_reports],
         "warnings": list(job.warnings), "selection": job.selection,
+        "algorithm_version": job.algorithm_version, "able_devices": job.able_devices,
+        "declared_devices": job.declared_devices,
         "attempts": [{"attempt": a.attempt, "state": a.state, "started_at": _time(a.started_at),
                       "finished_at": _time(a.finished_at), "message": a.message} for a in job.attempts],
     }
@@ -296,6 +303,9 @@ def show(job: dict[str, Any]) -> str:
     parts = [job["job_id"], job["state"], job["algorithm"], where, f"committed {job['committed_round']}",
              f"created {job['created_at']}", f"updated {job['updated_at']}"]
     parts += _selection(job)
+    if job.get("algorithm_version"):
+        parts.append(f"devices able to run {job['algorithm']} {job['algorithm_version']}: "
+                     f"{job['able_devices']} of {job['declared_devices']} checked in")
     failures = [f"{r['reason']} {r['count']}" + (f" (e.g. {r['example']!r})" if r.get("example") else "")
                 for r in job["task_reports"] if r["outcome"] != "completed"]
     if failures:

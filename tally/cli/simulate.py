@@ -6,8 +6,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from tally.cli.argtypes import FRACTION, POSITIVE, integer, number
-from tally.cli.job import ALGORITHMS
+from tally.cli.argtypes import FRACTION, POSITIVE, installed_algorithm, integer, number
 
 ADAPTATIONS = ("finetune", "freeze_base", "ewc", "distill")
 # The datasets of tally.sim.scenarios.BUILDERS (a test keeps the two equal).
@@ -17,7 +16,8 @@ DATASETS = ("digits", "toy-regression", "domain-digits", "heterogeneous-digits",
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("simulate", help="run an algorithm in process (no network) and write metrics as JSON")
-    p.add_argument("--algorithm", choices=ALGORITHMS, default="fedavg", help="algorithm to run")
+    p.add_argument("--algorithm", type=installed_algorithm, default="fedavg",
+                   help="an installed algorithm to run (`tally algorithms list`)")
     p.add_argument("--dataset", choices=DATASETS, default="digits", help="bundled or generated data")
     p.add_argument("--clients", type=integer(2), default=50, help="devices in the population")
     p.add_argument("--cohort", type=integer(2), default=None, help="devices per round (default: all)")
@@ -38,8 +38,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="opt in to revealing a per-device value (only aaggff_s: response)")
     p.add_argument("--json", type=Path, required=True, help="where to write the metrics")
     p.add_argument("--report", type=Path, default=None, help="also write per-round JSON and PNG plots here")
-    p.add_argument("--baseline", default="fedavg", choices=(*ALGORITHMS, "none"),
-                   help="algorithm the report compares against ('none': no baseline)")
+    p.add_argument("--baseline", default="fedavg",
+                   type=lambda text: text if text == "none" else installed_algorithm(text),
+                   help="installed algorithm the report compares against ('none': no baseline)")
     p.add_argument("--classes-per-device", type=integer(1), default=2,
                    help="classes each device holds (pathological-digits, rotated-digits)")
     p.add_argument("--adapt", action="append", default=[], choices=ADAPTATIONS, metavar="METHOD",

@@ -61,6 +61,20 @@ class TaskPlan:
     client_half: PrivateClient
 
 
+def version_mismatch(task: coordinator_pb2.TaskAssignment, installed: Mapping[str, str]) -> str | None:
+    """Why this device will not run ``task``'s algorithm: it has none of that name, or another
+    version than the coordinator's (a payload computed by another version may mean something else
+    to the server half). None when they agree, or the coordinator names no version (an older one)."""
+    if not task.algorithm_version:
+        return None
+    own = installed.get(task.algorithm)
+    if own == task.algorithm_version:
+        return None
+    has = f"has version {own!r}" if own is not None else "does not have it installed"
+    return (f"the job runs algorithm {task.algorithm!r} version {task.algorithm_version!r}; this device {has} "
+            "(devices run only what their operator installed)")
+
+
 def plan_task(task: coordinator_pb2.TaskAssignment, min_noise_multiplier: float = 0.0) -> TaskPlan:
     """Validate an assignment; ``TaskError``/``WireError`` name what is wrong. A step whose DP
     noise is below ``min_noise_multiplier`` is refused when its broadcast arrives."""

@@ -22,7 +22,7 @@ import contextlib
 import logging
 import random
 import time
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import Awaitable, Callable, Iterable, Mapping
 from concurrent.futures import Executor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -32,11 +32,12 @@ import grpc
 import numpy as np
 
 from tally import logs, modelio
+from tally.algorithms import packages
 from tally.algorithms.adaptation_options import JobAdaptation
 from tally.algorithms.base import Arrays, LocalTrainer
 from tally.client.adapted_models import AdaptedModels
 from tally.client.channels import Channels, reconnect_options
-from tally.client.contribution import Contribution, JobTrainers, TaskError, plan_task
+from tally.client.contribution import Contribution, JobTrainers, TaskError, plan_task, version_mismatch
 from tally.client.download import Downloader, ModelCache
 from tally.client.enrolment import register_request
 from tally.client.hooks import DeviceHooks
@@ -138,14 +139,19 @@ class Device:
         enrolment_credential: bytes = b"",
         coordinator_key: bytes | None = None,
         hooks: DeviceHooks | None = None,
+        algorithms: Mapping[str, str] | None = None,
     ) -> None:
         """``hooks``: a simulated device's behaviour (``tally.loadtest.hooks``: availability,
         check-in period, compute and network speed, lifetime, dropouts and misbehaviour in
-        sessions, synthetic inputs, the sum audit); None on a real device."""
+        sessions, synthetic inputs, the sum audit); None on a real device. ``algorithms``: name ->
+        version of the algorithms the device declares and runs; None: those installed in its
+        environment (``tally algorithms list``), which is what a real device declares. A simulated
+        fleet may declare fewer, or other versions, to play a population of mixed installs."""
         self.coordinator = coordinator
         self.device_id = device_id
         self.trainer = trainer
         self.population = population
+        self.algorithms = dict(packages.versions() if algorithms is None else algorithms)
         self.attestation = attestation
         self.retry = retry or RetryPolicy()
         self.metrics = metrics or ClientMetrics()
@@ -315,7 +321,10 @@ class Device:
     async def _check_in_once(self) -> None:
         reports = self._reports.pending()
         request = coordinator_pb2.CheckInRequest(
-            capabilities=coordinator_pb2.Capabilities(accelerator=self._accelerator(), sdk_version=SDK_VERSION),
+            capabilities=coordinator_pb2.Capabilities(
+                accelerator=self._accelerator(), sdk_version=SDK_VERSION,
+                algorithms=[coordinator_pb2.InstalledAlgorithm(name=name, version=version)
+                            for name, version in self.algorithms.items()]),
             reports=reports,
             input_ledger=self._inputs.statement(),
         )
@@ -348,6 +357,9 @@ class Device:
             return self._refuse(task, "already_sent_input",
                                 f"this device already sent an input in round {task.round} of job "
                                 f"{task.job_id}", fields)
+        mismatch = version_mismatch(task, self.algorithms)
+        if mismatch is not None:
+            return self._refuse(task, "algorithm_version", mismatch, fields)
         try:
             plan = plan_task(task, self.policy.min_noise_multiplier)
         except (TaskError, WireError) as exc:

@@ -15,7 +15,7 @@ import inspect
 import logging
 import os
 import time
-from collections.abc import Awaitable, Callable, Iterable, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -226,6 +226,7 @@ class Fleet:
         first_index: int = 0,
         profile: BehaviourProfile | None = None,
         ramp_s: float = 0.0,
+        algorithms: Mapping[str, str] | None = None,
     ) -> None:
         """``state_dir``: each device keeps its per-job local state (LG-FedAvg's local layers,
         SuPerFed's personal model) in ``state_dir/<device id>``, across restarts. ``audit``:
@@ -236,7 +237,8 @@ class Fleet:
         (``tally.loadtest.behaviour``); a device that leaves by churn is replaced by a new one.
         ``ramp_s``: devices come online over this many seconds, each at its own time (uniform,
         from the seed and its index), as a real population does: 100,000 devices registering in
-        one instant swamp the machine playing them before any round can run."""
+        one instant swamp the machine playing them before any round can run. ``algorithms``: what
+        every device declares it has installed (``Device``; None: this environment's)."""
         if ramp_s < 0:
             raise ValueError(f"ramp_s must be >= 0, got {ramp_s}")
         self.ramp_s = ramp_s
@@ -262,7 +264,8 @@ class Fleet:
         self._dropout = dropout
         self._device_options = dict(
             population=population, cache_dir=cache_dir, retry=policy, channels=self.channels,
-            metrics=self.metrics, executor=self.executor, on_update=self._updated, policy=device_policy)
+            metrics=self.metrics, executor=self.executor, on_update=self._updated, policy=device_policy,
+            algorithms=algorithms)
         self._enrolment_key = enrolment_key
         self._state_dir = state_dir
         self.devices = [self._device(i, 0) for i in range(len(trainers))]

@@ -3,17 +3,23 @@
 parameters and the ONNX export of every committed round, and devices use to train.
 
 Built in: ``mlp``, ``cnn`` (a small convolutional network for 8x8 digit images) and
-``energy_mlp`` (FedEvg's energy model). Any other
-comes from a plug-in module that an operator names on a command line (``--model-plugin``), never
-from a job spec: a spec that could name a module would let whoever submits a job run code in the
-coordinator. A plug-in module defines ``TALLY_MODELS``, a mapping of kind to builder.
+``energy_mlp`` (FedEvg's energy model). Any other comes from what an operator installed, never
+from a job spec (a spec that could name a module would let whoever submits a job run code in the
+coordinator): a package's entry points of the group ``tally.models`` (the entry's name is the
+kind, its object the builder; checked like algorithm packages, ``tally.algorithms.packages``), or
+a plug-in module named on a command line (``--model-plugin``) that defines ``TALLY_MODELS``, a
+mapping of kind to builder.
 """
 
 from __future__ import annotations
 
 import importlib
-from collections.abc import Callable, Mapping
+import logging
+from collections.abc import Callable, Iterable, Mapping
+from importlib import metadata
 from typing import TYPE_CHECKING
+
+from tally.algorithms.packages import Refused
 
 if TYPE_CHECKING:
     from torch import nn
@@ -27,6 +33,54 @@ BUILTIN: Mapping[str, tuple[str, str]] = {
     "energy_mlp": ("tally.models.energy", "energy_mlp"),
 }
 _PLUGGED: dict[str, ModuleBuilder] = {}
+GROUP = "tally.models"
+log = logging.getLogger(__name__)
+
+
+class ModelPackages:
+    """The model kinds installed packages declare (kind -> (package, version, builder)), and the
+    entries refused: one that fails to import or is no builder, a kind two packages claim (neither
+    is served) or a built-in kind."""
+
+    def __init__(self, entries: Iterable[tuple[str, str, metadata.EntryPoint]]) -> None:
+        self.installed: dict[str, tuple[str, str, ModuleBuilder]] = {}
+        self.refused: list[Refused] = []
+        claims: dict[str, list[tuple[str, str, ModuleBuilder]]] = {}
+        for package, version, entry in entries:
+            try:
+                make = entry.load()
+            except Exception as exc:  # noqa: BLE001 - no package's import error may take the others down
+                self._refuse(package, entry.name, f"cannot be loaded ({entry.value}): {type(exc).__name__}: {exc}")
+                continue
+            if not callable(make):
+                self._refuse(package, entry.name, f"is a {type(make).__name__}, not a model builder")
+            elif entry.name in BUILTIN:
+                self._refuse(package, entry.name, f"model kind {entry.name!r} is built in")
+            else:
+                claims.setdefault(entry.name, []).append((package, version, make))
+        for kind, claimed in claims.items():
+            if len(claimed) == 1:
+                self.installed[kind] = claimed[0]
+                continue
+            names = sorted(package for package, _, _ in claimed)
+            for package, _, _ in claimed:
+                self._refuse(package, kind, f"model kind {kind!r} is claimed by packages {names}")
+
+    def _refuse(self, package: str, entry: str, reason: str) -> None:
+        log.error("model package refused", extra={"package": package, "entry": entry, "reason": reason})
+        self.refused.append(Refused(package, entry, reason))
+
+
+_packages: ModelPackages | None = None
+
+
+def packages() -> ModelPackages:
+    """The installed model packages, loaded on first use."""
+    global _packages
+    if _packages is None:
+        _packages = ModelPackages((e.dist.name if e.dist else "?", e.dist.version if e.dist else "?", e)
+                                  for e in metadata.entry_points(group=GROUP))
+    return _packages
 
 
 class PluginError(ValueError):
@@ -34,17 +88,19 @@ class PluginError(ValueError):
 
 
 def kinds() -> tuple[str, ...]:
-    return (*BUILTIN, *_PLUGGED)
+    return (*BUILTIN, *packages().installed, *_PLUGGED)
 
 
 def builder(kind: str) -> ModuleBuilder:
     if kind in BUILTIN:
         module, name = BUILTIN[kind]
-        found: ModuleBuilder = getattr(importlib.import_module(module), name)
-        return found
-    if kind not in _PLUGGED:
+        built_in: ModuleBuilder = getattr(importlib.import_module(module), name)
+        return built_in
+    packaged = packages().installed.get(kind)
+    found = packaged[2] if packaged is not None else _PLUGGED.get(kind)
+    if found is None:
         raise KeyError(f"model kind {kind!r} is not one of {list(kinds())}")
-    return _PLUGGED[kind]
+    return found
 
 
 def build(kind: str, inputs: int, classes: int, hidden: int, seed: int) -> nn.Module:

@@ -12,6 +12,7 @@ import contextlib
 import re
 import socket
 import sqlite3
+import sys
 import urllib.request
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -60,11 +61,13 @@ class ProcessCluster:
     ``database_url`` (``coordinator``, ``coordinator-2``, ...), each with its own state directory
     and fixed internal port; devices and the Admin API reach ``coordinator``, whichever leads.
     With ``replicas`` 0 there is no coordinator: aggregators alone, for what is measured or
-    tested of them from outside. ``ports`` names where each process serves devices."""
+    tested of them from outside. ``ports`` names where each process serves devices. ``python``: the
+    interpreter every process runs with (an environment with algorithm packages installed)."""
 
     def __init__(self, workdir: Path, aggregators: int = 2, checkin_hold_s: float | None = 2.0,
                  coordinator_flags: Sequence[str] = (), replicas: int = 1,
-                 database_url: str | None = None, new_certificates: bool = True) -> None:
+                 database_url: str | None = None, new_certificates: bool = True,
+                 python: str = sys.executable) -> None:
         if replicas > 1 and not database_url:
             raise ValueError("coordinator replicas need a PostgreSQL database (database_url)")
         self.workdir = workdir
@@ -83,7 +86,7 @@ class ProcessCluster:
                 ["aggregator", "--listen", f"127.0.0.1:{port}", "--control-listen", f"127.0.0.1:{control}",
                  "--id", f"agg-{i}", "--metrics-port", "0",
                  "--tls-dir", str(self.certs / f"aggregator-{i}"), "--require-client-cert"],
-                logs / f"aggregator-{i}.log")
+                logs / f"aggregator-{i}.log", python)
             for i, (port, control) in enumerate(zip(agg_ports, control_ports), start=1)
         }
         self.database_url = database_url if replicas > 1 else None
@@ -112,7 +115,7 @@ class ProcessCluster:
                  "--tls-dir", str(self.certs / "coordinator"), "--metrics-port", "0", *flags,
                  *[a for i, control in enumerate(control_ports, start=1)
                    for a in ("--aggregator", f"agg-{i}=localhost:{control}")]],
-                logs / f"{name}.log")
+                logs / f"{name}.log", python)
         self.target = f"localhost:{self.port}" if replicas else ""
         self.metrics_ports: dict[str, int] = {}
         self._channel = None

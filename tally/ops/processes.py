@@ -15,8 +15,9 @@ class Process:
     """A ``tally`` subcommand in its own process; its first stdout line says where it listens.
     ``start`` again after ``kill`` is a restart with the same arguments (same ports, same state)."""
 
-    def __init__(self, name: str, args: list[str], log: Path) -> None:
-        self.name, self.args, self.log = name, args, log
+    def __init__(self, name: str, args: list[str], log: Path, python: str = sys.executable) -> None:
+        """``python``: the interpreter to run it with (another environment's, with other packages)."""
+        self.name, self.args, self.log, self.python = name, args, log, python
         self.proc: asyncio.subprocess.Process | None = None
         self.starts = 0
 
@@ -24,7 +25,7 @@ class Process:
         self.log.parent.mkdir(parents=True, exist_ok=True)
         stderr = self.log.open("ab")
         self.proc = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "tally.cli", *self.args, stdout=asyncio.subprocess.PIPE, stderr=stderr
+            self.python, "-m", "tally.cli", *self.args, stdout=asyncio.subprocess.PIPE, stderr=stderr
         )
         stderr.close()
         self.starts += 1

@@ -17,21 +17,20 @@ per-device weight (McMahan et al. 2018): the noise budget goes to the update, no
 denominator. A field that is none of these (an exact count the algorithm needs, say) cannot be
 made private by clipping without changing the algorithm, so DP is refused for it, by name.
 
-An algorithm declares its fields with a ``privacy_fields`` mapping on its server half; the
-built-in ones are declared here so that their files need not know about DP.
+An algorithm declares each field's role in its package entry (``tally.algorithms.packages.Algorithm``
+``privacy``; the built-in ones in ``tally.algorithms.builtin``), or with a ``privacy_fields`` mapping
+on a server half registered in one coordinator process only.
 """
 
 from __future__ import annotations
 
 import enum
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import TypeVar
 
-from tally.algorithms.aaggff import AAggFFDOptions, AAggFFSOptions
-from tally.algorithms.base import Options, StepSpec
-from tally.algorithms.fedavg import FedAvgOptions
+from tally.algorithms import packages
+from tally.algorithms.base import StepSpec
 from tally.codec import Field, Kind, PayloadSchema
 from tally.privacy.errors import PrivacyRefused
 
@@ -47,71 +46,6 @@ class Role(enum.Enum):
 
 # A field's role, or the L2 bound of a BOUNDED field whose codec clip is not its bound.
 Declared = Role | float
-
-AlgorithmOptions = TypeVar("AlgorithmOptions", bound=Options)
-
-
-def _options(server: object, *kinds: type[AlgorithmOptions]) -> AlgorithmOptions:
-    """The server half's ``options``, of one of ``kinds``. A declaration reads its bounds from them, so
-    a server half that keeps none (an attribute renamed, a half wrapped) is an error here: a default
-    would quietly clip FedAvg's weight instead of counting it, or bound AAggFF's scale by 1."""
-    options = getattr(server, "options", None)
-    if not isinstance(options, kinds):
-        raise TypeError(f"{type(server).__name__}.options is {type(options).__name__}, not "
-                        + " or ".join(k.__name__ for k in kinds))
-    return options
-
-
-def _fedavg(server: object) -> Mapping[str, Role]:
-    """FedAvg sums w*delta and w. With ``example_cap: 1`` every device's w is 1, so the weight is
-    counted; otherwise (w*delta, w) are clipped jointly, which scales both by one factor and
-    keeps each device's mean update (a clipped-weight FedAvg, its denominator noised too)."""
-    counted = _options(server, FedAvgOptions).example_cap == 1
-    return {"weighted_delta": Role.CLIPPED, "weight": Role.COUNTED if counted else Role.CLIPPED,
-            "examples": Role.WITHHELD}
-
-
-def _agnostic_fedavg(server: object) -> Mapping[str, Role]:
-    """AgnosticFedAvg sums beta*update, beta, per-domain loss sums and example counts: the
-    update is clipped at C, the rest are bounded by their codec clips (beta <= 1, loss sums <=
-    ``loss_clip``, counts <= ``count_clip``: a DP job lowers the latter two to what its devices
-    hold, since the noise on them is z times those bounds)."""
-    return {"weighted_update": Role.CLIPPED, "beta": Role.BOUNDED, "domain_loss": Role.BOUNDED,
-            "domain_count": Role.BOUNDED}
-
-
-def _aaggff(server: object) -> Mapping[str, Declared]:
-    """AAggFF-D and separable AAggFF-S: the losses, responses, weights and counts of their sums
-    are bounded by their codec clips (a count is 0 or 1, bound 1); the weighted update is
-    clipped at C. ``scale`` is the device weight the update step bounds by ``weight_clip``, but
-    its codec clip is 2^16 (room for fixed point, not a bound on the weight): its bound is
-    ``weight_clip``, and a larger weight is scaled down by the joint clip, never released. AAggFF-S's
-    ONS solver reveals responses and personalises the update step, which ``layout`` refuses."""
-    bounded = ("loss", "count", "response", "weighted_response", "weight")
-    weight_clip = float(_options(server, AAggFFDOptions, AAggFFSOptions).weight_clip)
-    return {"weighted_update": Role.CLIPPED, "scale": weight_clip, **{name: Role.BOUNDED for name in bounded}}
-
-
-def _feddar(server: object) -> Mapping[str, Role]:
-    """FedDAR-WA/-SA: the weighted heads and encoder update are model values, clipped at C;
-    per-domain counts and weights, and SA's Hessians and Hessian-weighted heads, are bounded
-    by their codec clips (``max_examples``, 1, ``hessian_clip``, size * hessian_clip * head_clip)."""
-    return {"weighted_heads": Role.CLIPPED, "weighted_delta": Role.CLIPPED,
-            **{name: Role.BOUNDED for name in ("counts", "weights", "weight", "hessians", "hessian_heads")}}
-
-
-def _fedevg(server: object) -> Mapping[str, Role]:
-    """FedEvg's energy signals: the weighted energy gradients at the synthetic samples are
-    clipped at C, their weights (n * s <= the codec clip) bounded."""
-    return {"weighted_gradient": Role.CLIPPED, "weight": Role.BOUNDED}
-
-
-# LG-FedAvg and SuPerFed sum FedAvg's payload over the shared part of the model (their personal
-# layers never leave the device), with FedAvg's options: FedAvg's declaration holds for them.
-DECLARED: dict[str, Callable[[object], Mapping[str, Declared]]] = {
-    "fedavg": _fedavg, "lg_fedavg": _fedavg, "superfed": _fedavg, "agnostic_fedavg": _agnostic_fedavg,
-    "aaggff_d": _aaggff, "aaggff_s": _aaggff, "feddar_wa": _feddar, "feddar_sa": _feddar, "fedevg": _fedevg,
-}
 
 
 @dataclass(frozen=True)
@@ -142,17 +76,31 @@ class Layout:
 
 
 def declared_roles(algorithm: str, server: object) -> Mapping[str, Declared] | None:
-    """The algorithm's declaration (its own ``privacy_fields`` or the built-in table), with the
-    metric fields of a server half that evaluates (``tally.evaluation``: ``privacy_roles``)."""
+    """The algorithm's declaration (a server half's own ``privacy_fields``, else its package entry's
+    roles under the half's options), with the metric fields of a server half that evaluates
+    (``tally.evaluation``: ``privacy_roles``)."""
     own: Mapping[str, Declared] | None = getattr(server, "privacy_fields", None)
-    if own is None:
-        declared = DECLARED.get(algorithm)
-        own = declared(server) if declared is not None else None
+    if own is None and algorithm in packages.names():
+        entry = packages.get(algorithm)
+        own = {name: _role(role) for name, role in entry.roles(_options(server, entry.options)).items()}
     metric_roles = getattr(server, "privacy_roles", None)
     if own is None or metric_roles is None:
         return own
-    return {**own, **{name: Role(role) if isinstance(role, str) else float(role)
-                      for name, role in metric_roles().items()}}
+    return {**own, **{name: _role(role) for name, role in metric_roles().items()}}
+
+
+def _options(server: object, kind: type) -> object:
+    """The server half's ``options``: a declaration that reads its bounds from them must fail on a
+    half that keeps none (an attribute renamed, a half wrapped) rather than default, which would
+    quietly clip FedAvg's weight instead of counting it, or bound AAggFF's scale by 1."""
+    options = getattr(server, "options", None)
+    if not isinstance(options, kind):
+        raise TypeError(f"{type(server).__name__}.options is {type(options).__name__}, not {kind.__name__}")
+    return options
+
+
+def _role(role: str | float) -> Declared:
+    return Role(role) if isinstance(role, str) else float(role)
 
 
 def layout(algorithm: str, server: object, step: StepSpec) -> Layout:

@@ -7,6 +7,8 @@ from __future__ import annotations
 REASONS = frozenset({
     "", "invalid_task", "policy", "already_sent_input", "model_mismatch", "training_error",
     "download_failed", "session_aborted", "dropped", "privacy_floor", "metric_unavailable",
+    # The task names an algorithm the device does not have at the coordinator's version.
+    "algorithm_version",
 })
 # The most reports one check-in may carry.
 MAX_REPORTS = 16

@@ -229,17 +229,6 @@ def test_a_yaml_syntax_error_is_one_problem_naming_its_line(tmp_path, capsys):
     assert "<unicode string>" not in err
 
 
-def test_job_init_help_names_every_algorithm(capsys):
-    from tally.algorithms import NAMES
-    from tally.cli.job import ALGORITHMS
-
-    assert set(ALGORITHMS) == set(NAMES)
-    with pytest.raises(SystemExit):
-        tally(["job", "init", "--help"])
-    text = " ".join(capsys.readouterr().out.split())
-    assert all(name in text for name in NAMES) and "..." not in text
-
-
 def test_ctrl_c_of_job_watch_is_one_line(tmp_path):
     """Issue 39, item 7: Ctrl-C of `tally job watch` (any command without a stop of its own) printed
     a KeyboardInterrupt traceback from inside gRPC."""

@@ -28,7 +28,7 @@ import time
 from collections import Counter, defaultdict
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 import grpc
 import numpy as np
@@ -42,6 +42,9 @@ from rich.console import Console
 
 from support.secagg import LAX, identities, roster
 from tally import algorithms, modelio
+from tally.algorithms import packages
+from tally.algorithms.base import Options
+from tally.algorithms.packages import Algorithm
 from tally.cli import client as client_cli
 from tally.cli import client_run
 from tally.client import ClientMetrics, Device, ModelCache, OnnxModel, RetryPolicy
@@ -240,8 +243,11 @@ class FakeCoordinator(coordinator_pb2_grpc.CoordinatorServicer):
         cancel_checkins: bool = False,
         reassign: str | None = None,
         idle_from_checkin: int | None = None,
+        algorithm_version: str = "",
     ) -> None:
         self.plan = plan
+        self.algorithm_version = algorithm_version
+        self.declared: dict[str, dict[str, str]] = {}
         self.cohort = dict(cohort or {})
         self.aggregator = aggregator
         self.chunk_size = chunk_size
@@ -287,6 +293,7 @@ class FakeCoordinator(coordinator_pb2_grpc.CoordinatorServicer):
         device = await self._device(context)
         assert request.capabilities.accelerator in ("cpu", "cuda") and request.capabilities.sdk_version
         self.checkins[device] += 1
+        self.declared[device] = {a.name: a.version for a in request.capabilities.algorithms}
         self.reports[device].extend(request.reports)
         self.checked_in.set()
         if self.cancel_checkins:  # what a coordinator shutting down does to held check-ins
@@ -311,6 +318,7 @@ class FakeCoordinator(coordinator_pb2_grpc.CoordinatorServicer):
             model_digest=plan.digest, model_size=len(plan.blob), chunk_size=self.chunk_size,
             aggregator_address=self.aggregator, session_ticket=plan.ticket, device_index=index,
             session_token=plan.tokens[index], session=to_proto(plan.config), deadlines=DEADLINES,
+            algorithm_version=self.algorithm_version,
         )
 
     async def DownloadModel(self, request, context):
@@ -603,6 +611,30 @@ def test_a_device_sends_one_input_per_round_whatever_it_is_asked_and_reports_eve
     assert all(r.task_id == f"task-{d[-1]}" for d, rs in coordinator.reports.items() for r in rs)
 
 
+def test_a_device_declares_its_algorithms_and_refuses_another_version_by_name():
+    """Issue 41: every check-in declares the algorithms installed (name and version); a task of a
+    version other than the device's own is refused, reported as "algorithm_version" with both
+    versions named, before anything is downloaded or joined."""
+    plan = fedavg_plan(3, t=2, min_survivors=3)
+    coordinator = FakeCoordinator(plan, {"dev-1": 1}, reassign="127.0.0.1:1", algorithm_version="0.0.1-other")
+
+    async def scenario():
+        server, port = await serve(coordinator, FakeSessionStreams(plan))
+        try:
+            await device(f"127.0.0.1:{port}", "dev-1", ShiftTrainer(0.01, examples=5), seed=101,
+                         identity=identities(3)[1], policy=LAX).run(max_tasks=2)
+        finally:
+            await server.stop(None)
+
+    run(scenario())
+    assert coordinator.declared["dev-1"] == packages.versions() and "fedavg" in coordinator.declared["dev-1"]
+    [report] = coordinator.reports["dev-1"]
+    assert coordinator_pb2.TaskReport.Outcome.Name(report.outcome) == "REFUSED"
+    assert report.reason == "algorithm_version" and not report.sent_input
+    assert f"version '0.0.1-other'; this device has version '{packages.versions()['fedavg']}'" in report.detail
+    assert coordinator.downloads == []
+
+
 def test_a_restarted_device_still_sends_one_input_per_round(tmp_path):
     """Third security review, finding 6: the ledger is written to the state directory before the
     input leaves, so a device restarted after the round (a new process: a new ``Device`` on the
@@ -729,10 +761,9 @@ def test_directories_the_sdk_creates_are_private_whatever_the_umask(tmp_path):
         str(d.relative_to(tmp_path)): "0o700" for d in made}
 
 
-class TwoStepOptions:
-    @classmethod
-    def from_dict(cls, raw):
-        return cls()
+@dataclasses.dataclass(frozen=True)
+class TwoStepOptions(Options):
+    options_of: ClassVar[str] = "twostep"
 
 
 class TwoStepClient:
@@ -749,8 +780,14 @@ class TwoStepClient:
         return {"centred": np.float64(device.value - float(broadcast["mean"]))}, count
 
 
-def test_multi_sum_session_fetches_later_steps_with_get_step(monkeypatch):
-    monkeypatch.setitem(algorithms._BUILT_IN, "twostep", (TwoStepOptions, lambda options: None, TwoStepClient))
+def test_multi_sum_session_fetches_later_steps_with_get_step():
+    twostep = Algorithm("twostep", "1", TwoStepOptions, lambda options: None, TwoStepClient,
+                        ("value", "n", "centred"), dict.fromkeys(("value", "n", "centred"), "clipped"))
+    with packages.installed(twostep):
+        _multi_sum_session_fetches_later_steps_with_get_step()
+
+
+def _multi_sum_session_fetches_later_steps_with_get_step():
     stats_schema = PayloadSchema((Field("value", (), clip=10.0, frac_bits=12),
                                   Field("n", (), kind=Kind.COUNT, clip=10)))
     centred_schema = PayloadSchema((Field("centred", (), clip=10.0, frac_bits=12),))

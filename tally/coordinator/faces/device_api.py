@@ -17,6 +17,7 @@ import grpc
 
 from tally.coordinator.faces.device_entry import DeviceEntry, retry_proto, turned_away
 from tally.coordinator.metrics import CoordinatorMetrics
+from tally.coordinator.rounds import declared_algorithms
 from tally.coordinator.rounds.active_jobs import ActiveJobs
 from tally.coordinator.rounds.come_back import Retry
 from tally.coordinator.rounds.pacing import CheckinPacer
@@ -47,12 +48,19 @@ class DeviceService(coordinator_pb2_grpc.CoordinatorServicer):
 
     async def CheckIn(self, request: coordinator_pb2.CheckInRequest, context: grpc.aio.ServicerContext):
         claims = await self.entry.check_in(request, context)
+        declared = request.capabilities.algorithms
+        refused = declared_algorithms.problem(declared)
+        if refused is not None:
+            await self.entry.refuse(context, "CheckIn", "invalid_capabilities", grpc.StatusCode.INVALID_ARGUMENT,
+                                    refused)
+        installed = self.jobs.record_declared(claims, declared)
         if request.reports:
             self.jobs.record_reports(claims, request.reports)
         if request.HasField("input_ledger"):
             self.jobs.record_ledger(claims, request.input_ledger)
         try:
-            result = await self.jobs.check_in(claims, context.time_remaining(), request.input_ledger.ledger_id)
+            result = await self.jobs.check_in(claims, context.time_remaining(), request.input_ledger.ledger_id,
+                                              installed)
         except asyncio.CancelledError:
             self.metrics.checkins.labels(outcome="cancelled").inc()
             raise

@@ -14,6 +14,7 @@ from tally.coordinator.metrics import CoordinatorMetrics
 from tally.coordinator.rounds.aggregators import AggregatorPool
 from tally.coordinator.rounds.checkin_holds import CheckInResult
 from tally.coordinator.rounds.come_back import Retry, idle_retry
+from tally.coordinator.rounds.declared_algorithms import DeclaredAlgorithms, Installed
 from tally.coordinator.rounds.planner import Hold
 from tally.coordinator.rounds.runner import JobRunner, RunnerContext
 from tally.coordinator.rounds.task_reports import outcome_name
@@ -49,7 +50,7 @@ class ActiveJobs:
         self.events = EventHub(store, clock)
         self.checkin_hold_s, self.checkin_rate = checkin_hold_s, checkin_rate
         self._ctx = RunnerContext(store, pool, signer, metrics, self.events, clock, rng or random.Random(),
-                                  self._selection_opened)
+                                  self._selection_opened, DeclaredAlgorithms(clock))
         self.runners: dict[str, JobRunner] = {}
 
     async def start(self) -> None:
@@ -153,12 +154,24 @@ class ActiveJobs:
             if runner.population == claims.population:
                 runner.ledger_says(claims.device_id, ledger)
 
+    def record_declared(self, claims: DeviceClaims,
+                        declared: Iterable[coordinator_pb2.InstalledAlgorithm]) -> Installed:
+        """What the device says it can run (``declared_algorithms``), for this check-in's seating
+        and the jobs' counts of able devices."""
+        return self._ctx.declared.record(claims.device_id, claims.population, declared)
+
+    def able_devices(self, runner: JobRunner) -> tuple[int, int]:
+        """(devices of the job's population able to run it, devices of it that checked in)."""
+        return self._ctx.declared.count(runner.population, runner.spec.algorithm, runner.algorithm_version)
+
     async def check_in(
-        self, claims: DeviceClaims, caller_timeout_s: float | None = None, ledger_id: str = ""
+        self, claims: DeviceClaims, caller_timeout_s: float | None = None, ledger_id: str = "",
+        installed: Installed | None = None,
     ) -> CheckInResult:
-        """A task from the first job of the device's population that selects it, else the
-        soonest come-back time. ``ledger_id``: the input ledger the check-in stated, recorded with
-        a seat it gets (``JobRunner.ledger_says``).
+        """A task from the first job of the device's population that selects it and that it can
+        run, else the soonest come-back time. ``ledger_id``: the input ledger the check-in stated,
+        recorded with a seat it gets (``JobRunner.ledger_says``); ``installed``: the algorithms the
+        device declared (None: not checked, for callers inside the coordinator).
 
         A selected device is held while the selection fills, at most ``checkin_hold_s`` and never
         past the caller's own deadline: a check-in that timed out on the device side would lose
@@ -168,8 +181,8 @@ class ActiveJobs:
             hold_s = max(0.0, min(hold_s, caller_timeout_s - HOLD_MARGIN_S))
         now = self.clock()
         retries: list[Retry] = []
-        candidates = sorted((r for r in self.runners.values() if r.population == claims.population),
-                            key=lambda r: r.seq)
+        candidates = sorted((r for r in self.runners.values() if r.population == claims.population
+                             and (installed is None or r.runs_on(installed))), key=lambda r: r.seq)
         for runner in candidates:
             decision = runner.offer(claims.device_id, now, ledger_id)
             if isinstance(decision, Retry):

@@ -39,7 +39,7 @@ import logging
 import random
 import secrets
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -51,6 +51,7 @@ from tally.coordinator.rounds.aggregators import AggregatorPool
 from tally.coordinator.rounds.checkin_holds import CheckInHolds, CheckInResult
 from tally.coordinator.rounds.checkpoints import Checkpoints
 from tally.coordinator.rounds.cohort_sessions import CohortSessions
+from tally.coordinator.rounds.declared_algorithms import DeclaredAlgorithms, Installed, can_run, required_version
 from tally.coordinator.rounds.failures import AttemptFailed, JobFailed
 from tally.coordinator.rounds.planner import (
     FIRST_ROUND_GUESS_S,
@@ -96,7 +97,8 @@ SELECTION_PROGRESS_S = 2.0
 INTERRUPTED = "interrupted: coordinator stopped"  # how a restart closes the attempts it cut short
 
 # Task failures that fail the same way on every retry: the job stops at once with them.
-PERMANENT_REASONS = frozenset({"model_mismatch", "training_error", "invalid_task", "metric_unavailable"})
+PERMANENT_REASONS = frozenset({"model_mismatch", "training_error", "invalid_task", "metric_unavailable",
+                               "algorithm_version"})
 
 
 @dataclass
@@ -122,6 +124,8 @@ class RunnerContext:
     # Called as a job's selection opens: ``ActiveJobs`` lets the devices other jobs of the population
     # hold for their next rounds go to it.
     selection_opened: Callable[[JobRunner], None] = lambda runner: None
+    # What the devices that checked in declared they can run (``declared_algorithms``).
+    declared: DeclaredAlgorithms = field(default_factory=DeclaredAlgorithms)
 
 
 class JobRunner:
@@ -147,6 +151,7 @@ class JobRunner:
         # It measures model quality on the devices (tally/evaluation) unless its evaluation is off.
         self.server = private_job_server(
             evaluated_job_server(catalogue.make_server(spec.algorithm, spec.options), spec), spec)
+        self.algorithm_version = required_version(spec.algorithm)
         self.ledger = getattr(self.server, "ledger", None)
         if self.ledger is not None:
             privacy_metrics.publish(job_id, self.ledger)
@@ -178,6 +183,11 @@ class JobRunner:
     @property
     def population(self) -> str:
         return self.spec.population
+
+    def runs_on(self, installed: Installed) -> bool:
+        """Whether a device with ``installed`` can be seated: it has the job's algorithm at the
+        version this coordinator runs."""
+        return can_run(installed, self.spec.algorithm, self.algorithm_version)
 
     # -- device-facing ------------------------------------------------------------------------
 
@@ -411,7 +421,11 @@ class JobRunner:
     def _permanent_cause(self, round_: int) -> str | None:
         """What the devices' reports say when a retry cannot help: no device completed its task
         and at least a cohort's worth failed for a reason no retry changes (its model does not
-        match the job's, its training raises, the task is invalid). None otherwise."""
+        match the job's, its training raises, the task is invalid), or no device that checked in
+        has the job's algorithm at its version. None otherwise."""
+        none_can = self._none_can_run()
+        if none_can is not None:
+            return none_can
         summary = self.ctx.store.task_report_summary(self.job_id, round_)
         if any(outcome == "completed" for outcome, _ in summary):
             return None
@@ -422,6 +436,9 @@ class JobRunner:
         return "devices report " + ", ".join(
             f"{reason} x{count}" + (f" (e.g. {example!r})" if example else "")
             for reason, (count, example) in sorted(failed.items()))
+
+    def _none_can_run(self) -> str | None:
+        return self.ctx.declared.none_can_run(self.population, self.spec.algorithm, self.algorithm_version)
 
     def _extensions_used(self) -> int:
         return self.planner.selection.extensions_used if self.planner is not None else 0
@@ -518,6 +535,10 @@ class JobRunner:
             if isinstance(decision, Failed):
                 raise AttemptFailed(decision.reason)
             if isinstance(decision, Extended):
+                none_can = self._none_can_run()
+                if none_can is not None:  # a longer window cannot help: fail now, not after every retry
+                    raise JobFailed(f"round {self.round}: {decision.reason}; {none_can}: no retry can fix that, "
+                                    "so the job stops here")
                 ctx.metrics.rounds_retried.inc()
                 shown = len(planner.selection.seated)
                 self._set_phase("SELECTION", "", f"{decision.reason}; the window reopens, spending a retry: "
@@ -548,6 +569,7 @@ class JobRunner:
                 session_ticket=session.ticket, device_index=seat.index,
                 session_token=session.tokens[seat.index], session=to_proto(session.config),
                 deadlines=self.sessions.deadlines, algorithm_options=self._options, adaptation=self._adaptation,
+                algorithm_version=self.algorithm_version,
             )
         self.holds.deliver(planner, self.tasks)
 

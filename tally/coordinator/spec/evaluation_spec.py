@@ -11,14 +11,13 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from tally import algorithms
+from tally.algorithms import packages
 from tally.algorithms.base import PersonalisedClient
 from tally.algorithms.feddar import HEADS
 from tally.coordinator.spec import catalogue
 from tally.evaluation import BUILT_IN, DEFAULT_METRICS, CustomMetric, EvaluatedServer, EvaluationPlan
 
 STRICT = ConfigDict(extra="forbid", strict=True, frozen=True)
-# Algorithms whose devices hold examples labelled with domains (their trainers evaluate per domain).
-DOMAIN_ALGORITHMS = ("agnostic_fedavg", "feddar_wa", "feddar_sa")
 
 
 class CustomMetricSpec(BaseModel):
@@ -70,7 +69,9 @@ def _metrics(spec: Any) -> tuple[str, ...]:
     _, client = algorithms.make(spec.algorithm, spec.options) if spec.algorithm in algorithms.NAMES else (None, None)
     if isinstance(client, PersonalisedClient):
         extra.append("personal_accuracy")
-    if spec.algorithm in DOMAIN_ALGORITHMS:
+    # Devices of an algorithm that needs domain statistics label their examples with domains, so
+    # their trainers evaluate per domain too.
+    if spec.algorithm in algorithms.NAMES and packages.DOMAIN_STATISTICS in packages.get(spec.algorithm).needs:
         extra.append("domain")
     return (*DEFAULT_METRICS, *extra)
 

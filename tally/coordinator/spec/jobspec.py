@@ -25,6 +25,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, create_model
 
 from tally import algorithms, models
+from tally.algorithms import packages
 from tally.algorithms.adaptation_options import (
     KD_FORMS,
     METHOD_OPTIONS,
@@ -34,7 +35,7 @@ from tally.algorithms.adaptation_options import (
     trainable_names,
 )
 from tally.algorithms.base import PersonalisedClient
-from tally.algorithms.options import OPTIONS
+from tally.algorithms.options import Option
 from tally.coordinator.spec import catalogue
 from tally.coordinator.spec.evaluation_spec import EvaluationSpec, evaluated_job_server, plan_for
 from tally.models.layouts import layout
@@ -230,22 +231,22 @@ def _strict_type(hint: Any) -> Any:
 
 @functools.cache
 def options_model(algorithm: str) -> type[BaseModel] | None:
-    """The typed options of a built-in algorithm, from its options dataclass; ``None`` for one
-    registered at run time (its factory checks its own options)."""
+    """The typed options of an installed algorithm (built in or a package's), from its options
+    dataclass; ``None`` for one registered at run time (its factory checks its own options)."""
     if algorithm not in algorithms.NAMES:
         return None
-    options_class = algorithms.options_type(algorithm)
+    entry = packages.get(algorithm)
+    options_class = entry.options
     hints = typing.get_type_hints(options_class)
     fields = {
-        f.name: (_strict_type(hints[f.name]), _option_field(f.name, f.default))
+        f.name: (_strict_type(hints[f.name]), _option_field(entry.meaning(f.name), f.default))
         for f in dataclasses.fields(options_class) if f.init and f.name != "reveal"  # reveal: top level
     }
     return create_model(f"{algorithm}_options", __config__=STRICT, __doc__=options_class.__doc__, **fields)
 
 
-def _option_field(name: str, default: Any) -> Any:
-    """The option's default, meaning and range (``tally.algorithms.options``)."""
-    option = OPTIONS[name]
+def _option_field(option: Option, default: Any) -> Any:
+    """The option's default, meaning and range (``tally.algorithms.options`` or its package's own)."""
     return Field(default, description=option.meaning, **option.bounds())
 
 
