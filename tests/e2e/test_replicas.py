@@ -159,7 +159,7 @@ def test_a_leader_paused_past_its_lease_is_replaced_and_every_write_it_tries_is_
         "job state": lambda: store.set_job_state("j", "FAILED", 3.0, "stale"),
         "job": lambda: store.create_job("k", "k", "fedavg", "pop", "spec", 3.0),
         "release": lambda: store.release_seats("j", 1, [("d", "t")]),
-        "release device": lambda: store.release_device("j", 1, "d"),
+        "release device": lambda: store.release_device("j", 1, "d", "ledger"),
         "report": lambda: store.count_task_report("j", 1, "failed", "oom"),
         "silo": lambda: store.silo("j", "d", 3),
         "version": lambda: store.add_model_version(ModelVersion("j", 0, digest, None, None, 3.0)),

@@ -84,7 +84,7 @@ def _tally(argv: list[str]) -> int:
         (["--alpha", "-1"], "argument --alpha: must be a number in (0, ∞), got '-1'"),
         (["--reveal", "response"], "--reveal: fedavg reveals nothing"),
         (["--algorithm", "aaggff_d", "--option", "num_clients=3"], "option num_clients=3 contradicts the dataset"),
-        (["--baseline", "nope"], "argument --baseline: invalid choice: 'nope'"),
+        (["--baseline", "nope"], "argument --baseline: 'nope' is not an installed algorithm"),
     ],
 )
 def test_simulate_mistakes_are_one_line_naming_the_option(tmp_path, capsys, argv, message):

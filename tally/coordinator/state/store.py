@@ -639,7 +639,7 @@ class Store:
 
     def convict(self, job_id: str, device_id: str, reason: str) -> None:
         """Keep ``device_id`` out of every later selection of the job: its misbehaviour is proven."""
-        with self._transaction():
+        with self._write():
             self._db.execute(
                 "INSERT INTO convicted (job_id, device_id, reason) VALUES (?, ?, ?) "
                 "ON CONFLICT (job_id, device_id) DO NOTHING", (job_id, device_id, reason),
