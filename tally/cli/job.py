@@ -258,6 +258,7 @@ def job_dict(job: Any) -> dict[str, Any]:
         "task_reports": [{"outcome": r.outcome, "reason": r.reason, "count": r.count, "example": r.example}
                          for r in job.task_reports],
         "warnings": list(job.warnings), "selection": job.selection,
+        "devices_out_of_budget": job.devices_out_of_budget,
         "attempts": [{"attempt": a.attempt, "state": a.state, "started_at": _time(a.started_at),
                       "finished_at": _time(a.finished_at), "message": a.message} for a in job.attempts],
     }
@@ -271,6 +272,8 @@ def show(job: dict[str, Any]) -> str:
     parts = [job["job_id"], job["state"], job["algorithm"], where, f"committed {job['committed_round']}",
              f"created {job['created_at']}", f"updated {job['updated_at']}"]
     parts += _selection(job)
+    if job.get("devices_out_of_budget"):
+        parts.append(f"{job['devices_out_of_budget']} devices out of privacy budget (no longer selected)")
     failures = [f"{r['reason']} {r['count']}" + (f" (e.g. {r['example']!r})" if r.get("example") else "")
                 for r in job["task_reports"] if r["outcome"] != "completed"]
     if failures:

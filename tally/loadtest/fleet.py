@@ -31,6 +31,7 @@ from tally.client.channels import Channels, reconnect_options
 from tally.client.device import Device, DeviceStats
 from tally.client.enrolment import simulated_identity
 from tally.client.metrics import ClientMetrics
+from tally.client.privacy_ledger import PrivacyBudget
 from tally.client.retry import CoordinatorUnreachable, RetryPolicy, Stopped, pause
 from tally.loadtest.behaviour import BehaviourProfile, DeviceTraits
 from tally.loadtest.dropout import DropoutPlan
@@ -226,6 +227,7 @@ class Fleet:
         first_index: int = 0,
         profile: BehaviourProfile | None = None,
         ramp_s: float = 0.0,
+        privacy_budget: PrivacyBudget | None = None,
     ) -> None:
         """``state_dir``: each device keeps its per-job local state (LG-FedAvg's local layers,
         SuPerFed's personal model) in ``state_dir/<device id>``, across restarts. ``audit``:
@@ -236,7 +238,8 @@ class Fleet:
         (``tally.loadtest.behaviour``); a device that leaves by churn is replaced by a new one.
         ``ramp_s``: devices come online over this many seconds, each at its own time (uniform,
         from the seed and its index), as a real population does: 100,000 devices registering in
-        one instant swamp the machine playing them before any round can run."""
+        one instant swamp the machine playing them before any round can run. ``privacy_budget``:
+        each device's own (``tally.client.privacy_ledger``), its ledger under ``state_dir``."""
         if ramp_s < 0:
             raise ValueError(f"ramp_s must be >= 0, got {ramp_s}")
         self.ramp_s = ramp_s
@@ -262,7 +265,8 @@ class Fleet:
         self._dropout = dropout
         self._device_options = dict(
             population=population, cache_dir=cache_dir, retry=policy, channels=self.channels,
-            metrics=self.metrics, executor=self.executor, on_update=self._updated, policy=device_policy)
+            metrics=self.metrics, executor=self.executor, on_update=self._updated, policy=device_policy,
+            privacy_budget=privacy_budget)
         self._enrolment_key = enrolment_key
         self._state_dir = state_dir
         self.devices = [self._device(i, 0) for i in range(len(trainers))]

@@ -71,6 +71,7 @@ class AdminService(admin_pb2_grpc.AdminServicer):
         if runner is not None:
             out.round, out.phase, out.step = runner.round, round_phase(runner.phase), runner.step
             out.selection = runner.selection_progress()
+            out.devices_out_of_budget = len(runner.out_of_budget)
         elif record.state in ("FAILED", "CANCELLED") and record.committed_round < out.rounds:
             out.round = record.committed_round + 1  # the round it ended in, and its devices' reports
         out.attempts.extend(
