@@ -1,0 +1,159 @@
+"""Device-held privacy budgets through the real services (coordinator, two aggregators, SDK
+devices with masking and distributed DP), against the coordinators they exist for: one that
+selects the same devices every round, one that runs the differencing attack (the same update
+summed over S and over S minus a target device), and one that lies about the noise in its
+session configuration. The budget is the device's own (``tally.client.privacy_ledger``)."""
+
+from __future__ import annotations
+
+import re
+
+import numpy as np
+import pytest
+
+from support.jobs import job_text
+from support.stack import in_process, run
+from tally import modelio
+from tally.client.privacy_ledger import PrivacyBudget, epsilon_of
+from tally.coordinator.rounds.come_back import Retry
+from tally.coordinator.rounds.runner import JobRunner
+from tally.coordinator.spec import catalogue
+from tally.wire.v1 import common_pb2
+
+PRIVACY = "privacy: {mechanism: distributed, clip: 1.0, noise_multiplier: 1.0}\n"
+DIM = 63  # and FedAvg's weight: 64 values in the rotation
+DELTA = 1e-5
+
+
+class ConstantUpdate:
+    """Training moves the model by a fixed ``shift`` whatever it was: the update the server may
+    try to isolate is known, and a sum over the same devices is the same whatever the model."""
+
+    def __init__(self, shift: np.ndarray) -> None:
+        self.shift = shift
+
+    @property
+    def num_examples(self) -> int:
+        return 1
+
+    def train(self, params, epochs, lr, batch_size):
+        return {k: np.asarray(v) + self.shift for k, v in params.items()}, 0.0
+
+    def evaluate(self, params):
+        return 0.0, 0.0
+
+
+def _spec(name: str, rounds: int, cohort: int, extra: str = "") -> str:
+    # min_cohort 6: ten devices make one cohort (two aggregators could not both get six), so each
+    # device's session counts every honest device it verifies.
+    return (job_text(name, "fedavg", rounds, cohort, name, {"example_cap": 1, "local_epochs": 1})
+            .replace("min_cohort: 5", "min_cohort: 6").replace("checkin: 10", "checkin: 3") + extra)
+
+
+def _updates(n: int) -> list[ConstantUpdate]:
+    rng = np.random.default_rng(7)
+    return [ConstantUpdate(rng.uniform(-0.02, 0.02, DIM)) for _ in range(n)]
+
+
+def _budget_for(releases: int) -> PrivacyBudget:
+    """Room for ``releases`` releases of noise multiplier 1 (what the job's plan verifies, to
+    the KLS bound's 1e-3) and not one more."""
+    return PrivacyBudget(epsilon_of([1.0] * releases, DELTA) * 1.02, DELTA)
+
+
+@pytest.fixture
+def model_kind(request):
+    name = re.sub(r"[^a-z0-9]+", "-", request.node.name)[-40:].strip("-")
+    catalogue.register_model(name, lambda _spec: {"w": np.zeros(DIM)})
+    yield name
+    catalogue.unregister_model(name)
+
+
+def test_a_coordinator_selecting_the_same_devices_every_round_is_stopped_by_their_budgets(tmp_path, model_kind):
+    """Cohort = population, every round: each device admits three releases, refuses the fourth
+    before training (privacy_budget_spent), states so at check-in, and the job, left without
+    min_cohort eligible devices, fails saying so. No ledger passes its budget."""
+    n, budget = 10, _budget_for(3)
+
+    async def main():
+        async with in_process().whole_system(tmp_path) as s:
+            job_id = await s.submit(_spec(model_kind, 8, n, PRIVACY))
+            fleet = s.fleet(_updates(n), seed=1, privacy_budget=budget, state_dir=tmp_path / "devices")
+            try:
+                await fleet.run(until=fleet.until_job_done(job_id, every_seconds=0.2))
+            finally:
+                fleet.close()
+            return await s.job(job_id), fleet
+
+    job, fleet = run(main())
+    assert job.state == common_pb2.JOB_STATE_FAILED, job.message
+    # Failed as soon as fewer than min_cohort 6 of the 10 remained eligible, not at its deadlines.
+    assert re.fullmatch(rf"out of eligible devices: \d+ of the {n} devices .* fewer than min_cohort 6", job.message)
+    assert job.committed_round == 3
+    for device in fleet.devices:
+        ledger = device.privacy
+        assert [r.round for r in ledger.releases] == [1, 2, 3]
+        assert ledger.epsilon() <= budget.epsilon < ledger.epsilon(extra=[ledger.releases[-1].noise_multiplier])
+        assert device.stats.failures[job.job_id]["privacy_budget_spent"] >= 1
+        assert ledger.statement() == [job.job_id]
+        # Durable: a device restarted on its state directory has the same account.
+        assert type(ledger)(ledger.path, budget).releases == ledger.releases
+
+
+def _attack(target: str):
+    """A patched runner: the even rounds are selected without ``target`` (S minus the target)."""
+    honest_offer = JobRunner.offer
+
+    def offer(self, device_id, now, ledger_id=""):
+        if self.round % 2 == 0 and device_id == target:
+            return Retry(0.2, "differencing attack")
+        return honest_offer(self, device_id, now, ledger_id)
+
+    return offer
+
+
+def _sums(store, job_id: str, rounds: int) -> tuple[list[np.ndarray], list[int]]:
+    """Each committed round's released sum of updates, rebuilt from the models (the first is
+    zeros): FedAvg with one example per device moves the model by the sum over the count."""
+    models = [np.zeros(DIM)] + [
+        np.asarray(modelio.deserialize(store.read_blob(store.model_version(job_id, r).model_digest))["w"])
+        for r in range(1, rounds + 1)]
+    committed = sorted((r for r in store.rounds(job_id) if r.state == "committed"), key=lambda r: r.round)
+    contributors = [int(r.metrics["update.contributors"]) for r in committed]
+    return [c * (b - a) for a, b, c in zip(models[:-1], models[1:], contributors, strict=True)], contributors
+
+
+@pytest.mark.parametrize("dp", [False, True], ids=["control-without-dp", "device-enforced-dp"])
+def test_the_differencing_attack(tmp_path, model_kind, monkeypatch, dp):
+    """The same update summed over S (odd rounds) and S minus the target (even rounds). Without
+    DP the difference of two committed sums is the target's update. With distributed DP and a
+    budget of two releases on the target, its ledger shows the two releases it joined (rounds 1
+    and 3) and it refuses the third (round 5), which commits without it."""
+    n, rounds, target = 10, 5 if dp else 2, 3
+    updates = _updates(n)
+
+    async def main():
+        async with in_process().whole_system(tmp_path) as s:
+            fleet = s.fleet(updates, seed=1)
+            victim = fleet.devices[target]
+            monkeypatch.setattr(JobRunner, "offer", _attack(victim.device_id))
+            if dp:
+                victim.privacy.budget = _budget_for(2)  # the target's own policy; the others have none
+            job_id = await s.submit(_spec(model_kind, rounds, n, PRIVACY if dp else ""))
+            try:
+                await fleet.run(until=fleet.until_job_done(job_id, every_seconds=0.2))
+            finally:
+                fleet.close()
+            return await s.job(job_id), victim, *_sums(s.coordinator.store, job_id, rounds)
+
+    job, victim, sums, contributors = run(main())
+    assert job.state == common_pb2.JOB_STATE_SUCCEEDED, job.message
+    assert contributors[:2] == [n, n - 1]
+    difference, truth = sums[0] - sums[1], updates[target].shift
+    if not dp:
+        np.testing.assert_allclose(difference, truth, atol=1e-3)  # the target's update, isolated
+        return
+    assert np.linalg.norm(difference - truth) > 10 * np.linalg.norm(truth)  # buried in the noise
+    assert [r.round for r in victim.privacy.releases] == [1, 3]
+    assert victim.stats.failures[job.job_id]["privacy_budget_spent"] == 1
+    assert contributors[4] == n - 1  # round 5 went on without it
