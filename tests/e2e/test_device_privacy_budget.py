@@ -6,6 +6,7 @@ session configuration. The budget is the device's own (``tally.client.privacy_le
 
 from __future__ import annotations
 
+import asyncio
 import re
 
 import numpy as np
@@ -14,10 +15,14 @@ import pytest
 from support.jobs import job_text
 from support.stack import in_process, run
 from tally import modelio
+from tally.client.metrics import ClientMetrics
 from tally.client.privacy_ledger import PrivacyBudget, epsilon_of
 from tally.coordinator.rounds.come_back import Retry
 from tally.coordinator.rounds.runner import JobRunner
 from tally.coordinator.spec import catalogue
+from tally.privacy.payload import PARAMS
+from tally.privacy.server import PrivateServer
+from tally.secagg import DevicePolicy
 from tally.wire.v1 import common_pb2
 
 PRIVACY = "privacy: {mechanism: distributed, clip: 1.0, noise_multiplier: 1.0}\n"
@@ -157,3 +162,66 @@ def test_the_differencing_attack(tmp_path, model_kind, monkeypatch, dp):
     assert [r.round for r in victim.privacy.releases] == [1, 3]
     assert victim.stats.failures[job.job_id]["privacy_budget_spent"] == 1
     assert contributors[4] == n - 1  # round 5 went on without it
+
+
+def _lying(scale_share: float, claim_devices: float | None):
+    """A patched server: each device's noise share scaled by ``scale_share`` while the declared
+    multiplier stays, and the honest devices claimed ``claim_devices`` (None: the field left out)."""
+    honest_public = PrivateServer._public
+
+    def public(self, step):
+        out = honest_public(self, step)
+        params = out[PARAMS].copy()
+        params[4] *= scale_share
+        if claim_devices is None:
+            params = params[:6]
+        else:
+            params[6] = claim_devices
+        return {**out, PARAMS: params}
+
+    return public
+
+
+@pytest.mark.parametrize("lie", ["cohort_and_noise", "missing_field"])
+def test_a_coordinator_lying_about_cohort_or_noise_is_refused_and_never_charged(tmp_path, model_kind,
+                                                                                 monkeypatch, lie):
+    """The server claims 100 times the cohort's honest devices and hands each a tenth of the
+    share (the declared multiplier unchanged), or leaves out the field a device needs to account
+    the step. Devices with a floor refuse before training (the floor: share_mismatch), devices
+    with a budget alone charge only the noise they verified (a tenth, over at most the cohort),
+    never what was declared; a step that cannot be accounted is refused by every device, and
+    nothing of it is sent or charged."""
+    n, wary = 10, 3
+    if lie == "cohort_and_noise":
+        monkeypatch.setattr(PrivateServer, "_public", _lying(0.1, 1000.0))
+    else:
+        monkeypatch.setattr(PrivateServer, "_public", _lying(1.0, None))
+    budget = PrivacyBudget(1e6, DELTA)
+
+    async def main():
+        async with in_process().whole_system(tmp_path) as s:
+            job_id = await s.submit(_spec(model_kind, 1, n + wary, PRIVACY).replace("retries: 3", "retries: 0"))
+            metrics = ClientMetrics()
+            fleets = [s.fleet(_updates(n), seed=1, privacy_budget=budget),
+                      s.fleet(_updates(wary), seed=2, id_prefix="wary", metrics=metrics, privacy_budget=budget,
+                              device_policy=DevicePolicy(min_noise_multiplier=0.5))]
+            try:
+                await asyncio.gather(*(f.run(until=f.until_job_done(job_id, every_seconds=0.2)) for f in fleets))
+            finally:
+                for fleet in fleets:
+                    fleet.close()
+            return await s.job(job_id), fleets, metrics
+
+    job, (trusting, wary_fleet), metrics = run(main())
+    for device in wary_fleet.devices:
+        assert device.privacy.releases == []
+        assert device.stats.contributed == []
+    if lie == "missing_field":
+        for device in trusting.devices:  # (the wary ones refuse it at their floor first)
+            assert device.privacy.releases == [] and device.stats.contributed == []
+            assert "invalid_task" in device.stats.failures[job.job_id]
+        assert job.state == common_pb2.JOB_STATE_FAILED
+        return
+    assert metrics.registry.get_sample_value("tally_client_privacy_checks_total", {"outcome": "share_mismatch"}) >= 1
+    charged = [r for d in trusting.devices for r in d.privacy.releases]
+    assert charged and all(r.noise_multiplier < 0.15 for r in charged)  # about 0.1 * sqrt(10 / 10), not 1.0
