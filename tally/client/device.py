@@ -181,7 +181,7 @@ class Device:
         self._register_lock = asyncio.Lock()
         self._stop: asyncio.Event | None = None
         self._running = False
-        self.stats = DeviceStats(device_id)
+        self.stats = DeviceStats(device_id, epsilon=self.privacy.epsilon())  # a restarted ledger's
         # A call succeeded since ``stats.last_error`` was set: the next error replaces it, however
         # vague (the trouble it named is over).
         self._error_over = False
@@ -365,6 +365,7 @@ class Device:
         except (TaskError, WireError) as exc:
             return self._refuse(task, "policy", exc, fields)
         if task.job_id in self.privacy.spent_jobs:  # stated at check-in; a coordinator may ignore it
+            self.metrics.privacy_budget_refusals.inc()
             return self._refuse(task, "privacy_budget_spent",
                                 f"this device's privacy budget is spent for job {task.job_id}", fields)
         self._expect_adaptation(task)
@@ -407,6 +408,8 @@ class Device:
             stats.sessions_aborted += 1
         if outcome.label == "privacy_floor":
             stats.privacy_refusals += 1
+        elif outcome.label == "privacy_budget_spent":
+            self.metrics.privacy_budget_refusals.inc()
         stats.epsilon = self.privacy.epsilon()
         if outcome.contributed:
             # Local state advances only when this device's input is in the round's sums.

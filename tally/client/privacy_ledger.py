@@ -109,14 +109,15 @@ def event(noise_multiplier: float, sampling_rate: float = 1.0) -> dp_accounting.
 @functools.lru_cache(maxsize=4096)  # devices of a fleet share histories: each is composed once
 def _epsilon(multipliers: tuple[tuple[float, int], ...], delta: float, accountant: str,
              sampling_rate: float) -> float:
+    if not multipliers:
+        return 0.0
     if any(z <= NO_NOISE for z, _ in multipliers):
         return math.inf
     relation = dp_accounting.NeighboringRelation.REPLACE_SPECIAL
     account = (pld_privacy_accountant.PLDAccountant(relation, value_discretization_interval=PLD_DISCRETIZATION)
                if accountant == "pld" else rdp_privacy_accountant.RdpAccountant(RDP_ORDERS, relation))
-    if multipliers:
-        account.compose(dp_accounting.ComposedDpEvent(
-            [dp_accounting.SelfComposedDpEvent(event(z, sampling_rate), count) for z, count in multipliers]))
+    account.compose(dp_accounting.ComposedDpEvent(
+        [dp_accounting.SelfComposedDpEvent(event(z, sampling_rate), count) for z, count in multipliers]))
     return float(account.get_epsilon(delta))
 
 

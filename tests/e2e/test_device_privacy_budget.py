@@ -103,6 +103,13 @@ def test_a_coordinator_selecting_the_same_devices_every_round_is_stopped_by_thei
         assert ledger.statement() == [job.job_id]
         # Durable: a device restarted on its state directory has the same account.
         assert type(ledger)(ledger.path, budget).releases == ledger.releases
+    # What the fleet exports to Prometheus: the devices' own epsilon, and their refusals.
+    registry = fleet.metrics.registry
+    spent = [d.privacy.epsilon() for d in fleet.devices]
+    assert registry.get_sample_value("tally_client_device_epsilon", {"quantile": "1"}) == max(spent)
+    assert registry.get_sample_value("tally_client_device_epsilon", {"quantile": "0.5"}) == pytest.approx(
+        float(np.median(spent)))
+    assert registry.get_sample_value("tally_client_privacy_budget_refusals_total") >= n
 
 
 def _attack(target: str):
