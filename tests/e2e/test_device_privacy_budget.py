@@ -12,7 +12,7 @@ import re
 import numpy as np
 import pytest
 
-from support.jobs import job_text
+from support.jobs import ShiftDevice, job_text
 from support.stack import in_process, run
 from tally import modelio
 from tally.client.metrics import ClientMetrics
@@ -30,24 +30,6 @@ DIM = 63  # and FedAvg's weight: 64 values in the rotation
 DELTA = 1e-5
 
 
-class ConstantUpdate:
-    """Training moves the model by a fixed ``shift`` whatever it was: the update the server may
-    try to isolate is known, and a sum over the same devices is the same whatever the model."""
-
-    def __init__(self, shift: np.ndarray) -> None:
-        self.shift = shift
-
-    @property
-    def num_examples(self) -> int:
-        return 1
-
-    def train(self, params, epochs, lr, batch_size):
-        return {k: np.asarray(v) + self.shift for k, v in params.items()}, 0.0
-
-    def evaluate(self, params):
-        return 0.0, 0.0
-
-
 def _spec(name: str, rounds: int, cohort: int, extra: str = "") -> str:
     # min_cohort 6: ten devices make one cohort (two aggregators could not both get six), so each
     # device's session counts every honest device it verifies.
@@ -55,9 +37,9 @@ def _spec(name: str, rounds: int, cohort: int, extra: str = "") -> str:
             .replace("min_cohort: 5", "min_cohort: 6").replace("checkin: 10", "checkin: 3") + extra)
 
 
-def _updates(n: int) -> list[ConstantUpdate]:
+def _updates(n: int) -> list[ShiftDevice]:
     rng = np.random.default_rng(7)
-    return [ConstantUpdate(rng.uniform(-0.02, 0.02, DIM)) for _ in range(n)]
+    return [ShiftDevice(rng.uniform(-0.02, 0.02, DIM)) for _ in range(n)]
 
 
 def _budget_for(releases: int) -> PrivacyBudget:
