@@ -93,16 +93,18 @@ class Budgets:
     def __call__(self, rng: np.random.Generator, size: int) -> list[int]:
         drawn = poisson(self.q)(rng, size)
         noise, honest = verified_noise(self.public, len(drawn), self.dim)
+        self.round += 1
+        release = Release("bench", self.round, STEP, f"r{self.round}", noise, honest)
         refused = {d for d in drawn if self.budget is not None
-                   and self.ledgers[d].epsilon(extra=[noise]) > self.budget.epsilon}
+                   and self.ledgers[d].epsilon(extra=[release]) > self.budget.epsilon}
         self.refusals += len(refused)
         self.out_of_budget |= refused
         seated = [d for d in drawn if d not in refused]
         if len(seated) < self.min_cohort:
+            self.round -= 1
             raise OutOfEligibleDevices(f"round {self.round + 1}: {len(seated)} devices admit it")
         for d in seated:
-            self.ledgers[d].record(Release("bench", self.round, STEP, f"r{self.round}", noise, honest))
-        self.round += 1
+            self.ledgers[d].record(release)
         return seated
 
 

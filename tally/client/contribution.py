@@ -148,13 +148,13 @@ class Contribution:
 
     async def _reveal_step(self, step: coordinator_pb2.Step) -> None:
         ref = self.plan.config.ref
-        self._privacy.admit(ref.job_id, NO_NOISE)  # a payload in the clear is an unbounded release
+        release = Release(ref.job_id, ref.round, step.name, ref.session_id, NO_NOISE, 0)
+        self._privacy.admit(release)  # a payload in the clear is an unbounded release
         loop = asyncio.get_running_loop()
         values, state = await loop.run_in_executor(
             self._executor, self.plan.client_half.contribute, step.name, tensors_from_proto(step.broadcast),
             self.trainer, self.local_state,
         )
-        release = Release(ref.job_id, ref.round, step.name, ref.session_id, NO_NOISE, 0)
         await asyncio.to_thread(self._privacy.record, release)
         await self._reveal(step.name, values)
         self.local_state = state
@@ -212,6 +212,6 @@ class Contribution:
             noise, honest = verified_noise({k: v for k, v in broadcast.items() if k.startswith("dp.")}, config.n, dim)
         except CodecError as exc:
             raise TaskError(str(exc)) from None
-        self._privacy.admit(config.ref.job_id, noise)
-        self._releases[sum_id] = Release(config.ref.job_id, config.ref.round, sum_id, config.ref.session_id,
-                                         noise, honest)
+        release = Release(config.ref.job_id, config.ref.round, sum_id, config.ref.session_id, noise, honest)
+        self._privacy.admit(release)
+        self._releases[sum_id] = release

@@ -15,8 +15,8 @@ Composition is Google's ``dp-accounting`` (the PLD accountant by default, RDP se
 never by hand; neighbouring ledgers differ by this device's contribution replaced by nothing
 (REPLACE_SPECIAL, as the server's). No sampling amplification is assumed: the server chooses
 who is selected, so an adversarial server selects the device every time (q = 1). A policy may
-opt in with its own ``sampling_rate`` when the device itself decides to take part at random
-with that probability; that is the device's claim, not the server's.
+opt in to a ``sampling_rate`` (``PrivacyBudget``): a claim the device cannot check, charged over
+every round of a job up to the latest it joined, not only the rounds it joined.
 
 The file (``privacy-ledger.json``, beside the input ledger, 0600 in a 0700 directory) is written
 and fsynced before the masked input leaves: a device that restarts mid-job still counts the
@@ -61,8 +61,12 @@ class PrivacyBudget:
 
     ``scope``: "device" composes every job's releases (the whole budget of this device, its
     population's jobs included), "job" each job's on its own (a budget per job). ``accountant``:
-    "pld" (tighter) or "rdp". ``sampling_rate``: 1 (no amplification) unless the device itself
-    samples its participation with that probability."""
+    "pld" (tighter) or "rdp". ``sampling_rate``: 1 (no amplification) unless the policy opts in
+    to the claim that each round of a job selects this device independently with at most that
+    probability, by a coin the server neither controls nor sees; every round of a job up to the
+    latest it joined is then charged as a Poisson-sampled event, joined or not. Nothing on the
+    device can check that claim (the server picks the cohort and learns its roster), which is
+    why it is off by default."""
 
     epsilon: float
     delta: float
@@ -140,21 +144,25 @@ class PrivacyLedger:
         if path is not None and path.exists():
             self.releases, self.spent_jobs = _read(path)
 
-    def epsilon(self, job_id: str | None = None, extra: Iterable[float] = ()) -> float:
+    def epsilon(self, job_id: str | None = None, extra: Iterable[Release] = ()) -> float:
         """Epsilon spent at the budget's delta (1e-5 without a budget), of ``job_id``'s releases
         or all of them, with ``extra`` releases added."""
         budget = self.budget or PrivacyBudget(1.0, 1e-5)
-        mine = [r.noise_multiplier for r in self.releases if job_id is None or r.job_id == job_id]
-        return epsilon_of([*mine, *extra], budget.delta, budget.accountant, budget.sampling_rate)
+        mine = [r for r in [*self.releases, *extra] if job_id is None or r.job_id == job_id]
+        multipliers = [r.noise_multiplier for r in mine]
+        if budget.sampling_rate < 1:
+            multipliers += _rounds_sat_out(mine)
+        return epsilon_of(multipliers, budget.delta, budget.accountant, budget.sampling_rate)
 
-    def admit(self, job_id: str, noise_multiplier: float) -> None:
-        """``BudgetSpent`` when one more release of this noise would exceed the budget: before
+    def admit(self, release: Release) -> None:
+        """``BudgetSpent`` when ``release`` would take the ledger past the budget: before
         training, so nothing of a refused release is computed or sent."""
         budget = self.budget
         if budget is None:
             return
+        job_id, noise_multiplier = release.job_id, release.noise_multiplier
         scope = job_id if budget.scope == "job" else None
-        after = self.epsilon(scope, [noise_multiplier])
+        after = self.epsilon(scope, [release])
         if after <= budget.epsilon:
             return
         if job_id not in self.spent_jobs:
@@ -182,6 +190,19 @@ class PrivacyLedger:
         record = {"releases": [asdict(r) for r in self.releases],
                   "budget_spent_jobs": self.spent_jobs}
         write_new(self.path, json.dumps(record).encode(), 0o600, replace=True)
+
+
+def _rounds_sat_out(releases: list[Release]) -> list[float]:
+    """Under opted-in amplification, the rounds of each job the device did not join: Poisson
+    amplification holds only over every round the device could have been sampled in, so rounds
+    1 to the latest it joined all count (each at the least noise it verified in that job; the
+    job's noise is fixed by its spec). Counting only the joined rounds would understate it."""
+    out: list[float] = []
+    for job_id in dict.fromkeys(r.job_id for r in releases):
+        mine = [r for r in releases if r.job_id == job_id]
+        missing = max(r.round for r in mine) - len({r.round for r in mine})
+        out += [min(r.noise_multiplier for r in mine)] * max(missing, 0)
+    return out
 
 
 def _read(path: Path) -> tuple[list[Release], list[str]]:

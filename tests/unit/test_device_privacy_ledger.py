@@ -42,23 +42,23 @@ def test_a_release_without_noise_is_unbounded():
     assert epsilon_of([1.0, NO_NOISE], 1e-5) == math.inf
     ledger = PrivacyLedger(budget=PrivacyBudget(100.0, 1e-5))
     with pytest.raises(BudgetSpent, match="unbounded"):
-        ledger.admit("j", NO_NOISE)
+        ledger.admit(release(z=NO_NOISE))
 
 
 def test_the_budget_admits_until_the_next_release_would_pass_it(tmp_path):
     budget = PrivacyBudget(epsilon_of([1.0] * 3, 1e-5) + 1e-6, 1e-5)
     ledger = PrivacyLedger(tmp_path / "p.json", budget)
     for r in (1, 2, 3):
-        ledger.admit("j", 1.0)
+        ledger.admit(release(round_=r))
         ledger.record(release(round_=r))
     with pytest.raises(BudgetSpent, match="past its budget"):
-        ledger.admit("j", 1.0)
+        ledger.admit(release(round_=4))
     assert ledger.statement() == ["j"]
     assert ledger.epsilon() <= budget.epsilon
     # Device scope: another job draws on the same budget; job scope: it has its own.
     with pytest.raises(BudgetSpent):
-        ledger.admit("k", 1.0)
-    PrivacyLedger(budget=PrivacyBudget(budget.epsilon, 1e-5, scope="job"), path=tmp_path / "p.json").admit("k", 1.0)
+        ledger.admit(release("k"))
+    PrivacyLedger(budget=PrivacyBudget(budget.epsilon, 1e-5, scope="job"), path=tmp_path / "p.json").admit(release("k"))
 
 
 def test_the_ledger_survives_a_restart_and_is_private(tmp_path):
@@ -67,10 +67,22 @@ def test_the_ledger_survives_a_restart_and_is_private(tmp_path):
     ledger = PrivacyLedger(path, PrivacyBudget(5.0, 1e-5))
     ledger.record(release())
     with pytest.raises(BudgetSpent):
-        ledger.admit("j", 0.1)
+        ledger.admit(release(round_=2, z=0.1))
     again = PrivacyLedger(path, PrivacyBudget(5.0, 1e-5))
     assert again.releases == [release()] and again.statement() == ["j"]
     assert stat.S_IMODE(path.stat().st_mode) == 0o600
+
+
+def test_opted_in_amplification_charges_every_round_up_to_the_latest_joined():
+    """Poisson amplification is a claim over every round the device could have been sampled in:
+    joining rounds 1 and 10 of a job costs ten sampled rounds, not two."""
+    q = 0.1
+    ledger = PrivacyLedger(budget=PrivacyBudget(100.0, 1e-5, sampling_rate=q))
+    ledger.record(release(round_=1))
+    ledger.record(release(round_=10))
+    assert ledger.epsilon() == epsilon_of([1.0] * 10, 1e-5, sampling_rate=q) > epsilon_of([1.0] * 2, 1e-5,
+                                                                                          sampling_rate=q)
+    assert ledger.epsilon() < PrivacyLedger(budget=PrivacyBudget(100.0, 1e-5)).epsilon(extra=ledger.releases)
 
 
 @pytest.mark.parametrize("text", ["{not json", json.dumps({"releases": [{"job_id": "j"}]}),
