@@ -143,15 +143,15 @@ def test_the_differencing_attack(tmp_path, model_kind, monkeypatch, dp):
 
     job, victim, sums, contributors = run(main())
     assert job.state == common_pb2.JOB_STATE_SUCCEEDED, job.message
-    assert contributors[:2] == [n, n - 1]
+    assert contributors[:2] == [n, n - 1], contributors
     difference, truth = sums[0] - sums[1], updates[target].shift
     if not dp:
         np.testing.assert_allclose(difference, truth, atol=1e-3)  # the target's update, isolated
         return
     assert np.linalg.norm(difference - truth) > 10 * np.linalg.norm(truth)  # buried in the noise
-    assert [r.round for r in victim.privacy.releases] == [1, 3]
-    assert victim.stats.failures[job.job_id]["privacy_budget_spent"] == 1
-    assert contributors[4] == n - 1  # round 5 went on without it
+    assert [r.round for r in victim.privacy.releases] == [1, 3], (victim.privacy.releases, victim.stats.failures)
+    assert victim.stats.failures[job.job_id]["privacy_budget_spent"] == 1, victim.stats.failures
+    assert contributors[4] == n - 1, contributors  # round 5 went on without it
 
 
 def _lying(scale_share: float, claim_devices: float | None):
