@@ -166,6 +166,17 @@ def _add_common(p: argparse.ArgumentParser) -> None:
         help="refuse any sum whose differential-privacy noise is below multiplier Z: it must be "
         "distributed noise that the device adds its own share of (default: 0, no floor)")
     p.add_argument(
+        "--max-epsilon", type=float, metavar="E",
+        help="the device's own privacy budget: refuse, before training, any sum whose release would take "
+        "its privacy ledger (PLD accounting of the noise it verified, no sampling amplification) past "
+        "epsilon E at --delta; a sum without verifiable noise is never admitted (default: no budget)")
+    p.add_argument("--delta", type=float, default=1e-5, metavar="D",
+                   help="the delta of --max-epsilon (default: %(default)g)")
+    p.add_argument("--budget-scope", choices=("device", "job"), default="device",
+                   help="compose every job's releases into one budget (device) or each job's alone (job)")
+    p.add_argument("--budget-accountant", choices=("pld", "rdp"), default="pld",
+                   help="dp-accounting's PLD (tighter, default) or RDP accountant for the budget")
+    p.add_argument(
         "--semi-honest-server", action="store_true",
         help="trust the aggregator not to lie about who survived: also join sessions without the "
         "consistency check (benchmarks, trusted deployments; a lying aggregator could then read one "

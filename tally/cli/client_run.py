@@ -21,6 +21,7 @@ from tally.client.device import Device, DeviceStats
 from tally.client.device_progress import DeviceProgress, summary
 from tally.client.enrolment import load_or_create_identity
 from tally.client.metrics import ClientMetrics
+from tally.client.privacy_ledger import PrivacyBudget, PrivacyLedgerError
 from tally.client.retry import CoordinatorUnreachable
 from tally.metrics import MetricsServer
 from tally.secagg import DevicePolicy, ThreatModel
@@ -49,6 +50,16 @@ def _policy(args: argparse.Namespace, allow_plain: bool = False) -> DevicePolicy
     check required), ``--semi-honest-server`` a trusted one."""
     threat = ThreatModel(dropout_rate=0.0, malicious_server=not args.semi_honest_server)
     return DevicePolicy(threat=threat, allow_plain=allow_plain, min_noise_multiplier=args.min_noise_multiplier)
+
+
+def privacy_budget(args: argparse.Namespace) -> PrivacyBudget | None:
+    """The budget of --max-epsilon and --delta (None without one); ValueError naming the flag."""
+    if args.max_epsilon is None:
+        return None
+    try:
+        return PrivacyBudget(args.max_epsilon, args.delta, args.budget_scope, args.budget_accountant)
+    except ValueError as exc:
+        raise ValueError(f"--max-epsilon/--delta: {exc}") from None
 
 
 def _load(flag: str, load: Callable[[Path], T], path: Path) -> T:
@@ -131,27 +142,34 @@ def run_client(args: argparse.Namespace) -> int:
         )
         tls = tls_config_from_args(args)
         trainer = _trainers(args, args.shards)[args.shard]
+        budget = privacy_budget(args)
     except ValueError as exc:
         print(exc, file=sys.stderr)
         return 2
     logs.configure(args.log_level)
     metrics = ClientMetrics()
-    device = Device(
-        args.coordinator,
-        tls,
-        args.device_id,
-        trainer,
-        population=args.population,
-        cache_dir=args.cache_dir,
-        state_dir=args.state_dir,
-        rng_seed=args.seed,
-        metrics=metrics,
-        identity=identity,
-        enrolment_credential=args.credential,
-        coordinator_key=coordinator_key,
-        policy=_policy(args),
-        on_update=DeviceProgress(args.device_id, args.coordinator) if args.progress else None,
-    )
+    try:
+        device = Device(
+            args.coordinator,
+            tls,
+            args.device_id,
+            trainer,
+            population=args.population,
+            cache_dir=args.cache_dir,
+            state_dir=args.state_dir,
+            rng_seed=args.seed,
+            metrics=metrics,
+            identity=identity,
+            enrolment_credential=args.credential,
+            coordinator_key=coordinator_key,
+            policy=_policy(args),
+            on_update=DeviceProgress(args.device_id, args.coordinator) if args.progress else None,
+            privacy_budget=budget,
+        )
+    except PrivacyLedgerError as exc:  # never reset: the operator decides
+        print(f"tally client: {exc}", file=sys.stderr)
+        return 2
+    metrics.export_epsilon(lambda: [device.stats.epsilon])
     try:
         with _metrics_server(args, metrics):
             stats, job_states = _run_until_signal(

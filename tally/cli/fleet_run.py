@@ -11,8 +11,9 @@ from collections.abc import Callable
 from pathlib import Path
 
 from tally import logs
-from tally.cli.client_run import _load, _metrics_server, _policy, _run_until_signal, _trainers, verdict
+from tally.cli.client_run import _load, _metrics_server, _policy, _run_until_signal, _trainers, privacy_budget, verdict
 from tally.cli.console import console as cli_console
+from tally.client.privacy_ledger import PrivacyLedgerError
 from tally.client.retry import CoordinatorUnreachable
 from tally.loadtest.behaviour import BehaviourProfile
 from tally.loadtest.dropout import DEFAULT_PHASES, DropoutPlan
@@ -98,6 +99,7 @@ def _play(args: argparse.Namespace, on_stats: Callable[[FleetStats], None] | Non
     try:
         enrolment_key = _load("--enrolment-key", read_enrolment_key, args.enrolment_key) if args.enrolment_key else None
         profile = _load("--profile", BehaviourProfile.load, args.profile) if args.profile else None
+        budget = privacy_budget(args)
         trainers = (
             [SyntheticUpdates(i, args.seed) for i in device_ids(args.id_prefix, end - first, first)]
             if args.synthetic else _trainers(args, args.devices)[first:end]
@@ -111,24 +113,29 @@ def _play(args: argparse.Namespace, on_stats: Callable[[FleetStats], None] | Non
     plan = DropoutPlan(args.dropout, phases, seed=args.seed) if args.dropout > 0 else None
     console = cli_console(stderr=True)
     timeline = FleetTimeline(args.seed) if args.report is not None else None
-    fleet = Fleet(
-        args.coordinator,
-        tls_config_from_args(args),
-        trainers,
-        dropout=plan,
-        population=args.population,
-        seed=args.seed,
-        cache_dir=args.cache_dir,
-        state_dir=args.state_dir,
-        id_prefix=args.id_prefix,
-        first_index=first,
-        audit=args.synthetic or args.audit_token_file is not None or args.audit_out is not None,
-        device_policy=_policy(args, allow_plain=args.allow_plain),
-        enrolment_key=enrolment_key,
-        profile=profile,
-        ramp_s=args.ramp,
-        metrics=TimelineMetrics(timeline) if timeline is not None else None,
-    )
+    try:
+        fleet = Fleet(
+            args.coordinator,
+            tls_config_from_args(args),
+            trainers,
+            dropout=plan,
+            population=args.population,
+            seed=args.seed,
+            cache_dir=args.cache_dir,
+            state_dir=args.state_dir,
+            id_prefix=args.id_prefix,
+            first_index=first,
+            audit=args.synthetic or args.audit_token_file is not None or args.audit_out is not None,
+            device_policy=_policy(args, allow_plain=args.allow_plain),
+            enrolment_key=enrolment_key,
+            profile=profile,
+            ramp_s=args.ramp,
+            metrics=TimelineMetrics(timeline) if timeline is not None else None,
+            privacy_budget=budget,
+        )
+    except PrivacyLedgerError as exc:  # a device's ledger that does not parse: never reset, the operator decides
+        print(f"tally fleet: {exc}", file=sys.stderr)
+        return Played(2)
     if args.until_job_done:
         until = fleet.until_job_done(args.until_job_done)
     else:

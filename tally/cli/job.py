@@ -290,6 +290,7 @@ def job_dict(job: Any) -> dict[str, Any]:
         "warnings": list(job.warnings), "selection": job.selection,
         "algorithm_version": job.algorithm_version, "able_devices": job.able_devices,
         "declared_devices": job.declared_devices,
+        "devices_out_of_budget": job.devices_out_of_budget,
         "attempts": [{"attempt": a.attempt, "state": a.state, "started_at": _time(a.started_at),
                       "finished_at": _time(a.finished_at), "message": a.message} for a in job.attempts],
     }
@@ -306,6 +307,8 @@ def show(job: dict[str, Any]) -> str:
     if job.get("algorithm_version"):
         parts.append(f"devices able to run {job['algorithm']} {job['algorithm_version']}: "
                      f"{job['able_devices']} of {job['declared_devices']} checked in")
+    if job.get("devices_out_of_budget"):
+        parts.append(f"{job['devices_out_of_budget']} devices out of privacy budget (no longer selected)")
     failures = [f"{r['reason']} {r['count']}" + (f" (e.g. {r['example']!r})" if r.get("example") else "")
                 for r in job["task_reports"] if r["outcome"] != "completed"]
     if failures:

@@ -23,9 +23,10 @@ from tally import algorithms
 from tally.algorithms.base import Arrays, LocalTrainer
 from tally.client.hooks import DeviceHooks
 from tally.client.metrics import ClientMetrics
-from tally.codec import PayloadSchema
+from tally.client.privacy_ledger import NO_NOISE, PrivacyLedger, Release
+from tally.codec import CodecError, PayloadSchema
 from tally.evaluation import EvaluatedClient
-from tally.privacy.payload import NoiseBelowFloor, PrivateClient, ring_encode
+from tally.privacy.payload import NoiseBelowFloor, PrivateClient, ring_encode, verified_noise
 from tally.secagg import SessionConfig
 from tally.wire.protocol import from_proto
 from tally.wire.sums import schema_from_proto
@@ -100,7 +101,9 @@ def plan_task(task: coordinator_pb2.TaskAssignment, min_noise_multiplier: float 
 class Contribution:
     """``load_model`` returns the first step's base broadcast (the downloaded model);
     ``fetch_step`` returns the Step of a later sum once the coordinator has it. ``hooks``: a
-    simulated device's (``tally.client.hooks``), which may supply the values and sees each input."""
+    simulated device's (``tally.client.hooks``), which may supply the values and sees each input.
+    ``privacy``: the device's privacy ledger; each step's release is admitted against its budget
+    before training and charged when its input is handed to the session."""
 
     def __init__(
         self,
@@ -114,6 +117,7 @@ class Contribution:
         executor: Executor | None,
         metrics: ClientMetrics,
         hooks: DeviceHooks | None = None,
+        privacy: PrivacyLedger | None = None,
     ) -> None:
         self.plan = plan
         self._trainer = trainer
@@ -126,6 +130,8 @@ class Contribution:
         self._executor = executor
         self._metrics = metrics
         self._hooks = hooks
+        self._privacy = privacy or PrivacyLedger()
+        self._releases: dict[str, Release] = {}  # admitted, charged when handed to the session
         self._first: asyncio.Future[np.ndarray] | None = None
 
     def start(self) -> None:
@@ -147,16 +153,20 @@ class Contribution:
         if sum_id == self.plan.first_sum:
             self.start()
             assert self._first is not None
-            return await self._first
-        step = await self._fetch_step(sum_id)
-        while step.reveal:
-            # A reveal step the job opted in to precedes this sum: its payload goes to the
-            # coordinator in the clear, then the sum's own step follows.
-            await self._reveal_step(step)
+            vector = await self._first
+        else:
             step = await self._fetch_step(sum_id)
-        if (step.sum_id or step.schema.sum_id) != sum_id:
-            raise TaskError(f"asked for the step of sum {sum_id!r}, got {step.sum_id!r}")
-        return await self._compute(step, tensors_from_proto(step.broadcast))
+            while step.reveal:
+                # A reveal step the job opted in to precedes this sum: its payload goes to the
+                # coordinator in the clear, then the sum's own step follows.
+                await self._reveal_step(step)
+                step = await self._fetch_step(sum_id)
+            if (step.sum_id or step.schema.sum_id) != sum_id:
+                raise TaskError(f"asked for the step of sum {sum_id!r}, got {step.sum_id!r}")
+            vector = await self._compute(step, tensors_from_proto(step.broadcast))
+        # Charged (fsynced) before the session masks and sends it: a restart cannot forget it.
+        await asyncio.to_thread(self._privacy.record, self._releases.pop(sum_id))
+        return vector
 
     @property
     def trainer(self) -> LocalTrainer:
@@ -178,11 +188,15 @@ class Contribution:
         return await self._compute(step, broadcast)
 
     async def _reveal_step(self, step: coordinator_pb2.Step) -> None:
+        ref = self.plan.config.ref
+        release = Release(ref.job_id, ref.round, step.name, ref.session_id, NO_NOISE, 0)
+        self._privacy.admit(release)  # a payload in the clear is an unbounded release
         loop = asyncio.get_running_loop()
         values, state = await loop.run_in_executor(
             self._executor, self.plan.client_half.contribute, step.name, tensors_from_proto(step.broadcast),
             self.trainer, self.local_state,
         )
+        await asyncio.to_thread(self._privacy.record, release)
         await self._reveal(step.name, values)
         self.local_state = state
 
@@ -219,6 +233,7 @@ class Contribution:
     ) -> tuple[np.ndarray, Any, int]:
         task = self.plan.task
         self.plan.client_half.check(broadcast)  # synthetic updates too: the floor is the device's
+        self._admit(sum_id, broadcast, schema.dim)
         values = self._hooks.inputs(task, step, schema) if self._hooks is not None else None
         if values is not None:
             state = self.local_state
@@ -228,3 +243,16 @@ class Contribution:
         if self._hooks is not None:
             self._hooks.input_encoded(task, self.plan.config.ref.session_id, sum_id, bits, vector)
         return vector, state, clipped
+
+    def _admit(self, sum_id: str, broadcast: Arrays, dim: int) -> None:
+        """Account the release this step asks for before any training: ``BudgetSpent`` when it
+        would take the ledger past the device's budget, ``TaskError`` when its DP parameters
+        lack what the device needs to account it."""
+        config = self.plan.config
+        try:
+            noise, honest = verified_noise({k: v for k, v in broadcast.items() if k.startswith("dp.")}, config.n, dim)
+        except CodecError as exc:
+            raise TaskError(str(exc)) from None
+        release = Release(config.ref.job_id, config.ref.round, sum_id, config.ref.session_id, noise, honest)
+        self._privacy.admit(release)
+        self._releases[sum_id] = release

@@ -45,6 +45,7 @@ from tally.client.input_ledger import LEDGER_FILE, InputLedger
 from tally.client.local_state import LocalStateStore
 from tally.client.metrics import ClientMetrics
 from tally.client.onnx_model import OnnxModel
+from tally.client.privacy_ledger import PRIVACY_LEDGER_FILE, PrivacyBudget, PrivacyLedger
 from tally.client.reports import Outcome, TaskReports
 from tally.client.retry import RETRYABLE, RetryPolicy, Stopped, pause
 from tally.client.session import ABORTED, COMPLETED, DROPPED, SecAggSession
@@ -92,6 +93,9 @@ class DeviceStats:
     jobs: list[str] = field(default_factory=list)
     # Sums refused because their DP noise was below this device's floor (--min-noise-multiplier).
     privacy_refusals: int = 0
+    # The epsilon this device's own privacy ledger has spent over every job (at its budget's
+    # delta, 1e-5 without one): ``tally.client.privacy_ledger``.
+    epsilon: float = 0.0
     # The most specific reason a coordinator call had to be retried since the last call that
     # succeeded ("Register: UNAVAILABLE (TLS: ...)" before a bare "CheckIn: UNAVAILABLE"):
     # ``tally.security.tls_failures.specificity``.
@@ -140,8 +144,11 @@ class Device:
         coordinator_key: bytes | None = None,
         hooks: DeviceHooks | None = None,
         algorithms: Mapping[str, str] | None = None,
+        privacy_budget: PrivacyBudget | None = None,
     ) -> None:
-        """``hooks``: a simulated device's behaviour (``tally.loadtest.hooks``: availability,
+        """``privacy_budget``: the (epsilon, delta) this device lets the releases it joins cost
+        it, by its own account (``tally.client.privacy_ledger``); None accounts without refusing.
+        ``hooks``: a simulated device's behaviour (``tally.loadtest.hooks``: availability,
         check-in period, compute and network speed, lifetime, dropouts and misbehaviour in
         sessions, synthetic inputs, the sum audit); None on a real device. ``algorithms``: name ->
         version of the algorithms the device declares and runs; None: those installed in its
@@ -173,12 +180,15 @@ class Device:
         # Which round of each job this device sent an input in: on disk with a state directory,
         # written before the input leaves, so a restart cannot make it send a second one.
         self._inputs = InputLedger(private_dir(state_dir) / LEDGER_FILE if state_dir is not None else None)
+        # What each release this device joined cost it, and the budget it enforces: beside it.
+        self.privacy = PrivacyLedger(private_dir(state_dir) / PRIVACY_LEDGER_FILE if state_dir is not None else None,
+                                     privacy_budget)
         self._token: str | None = None
         self._token_renew_at = 0.0
         self._register_lock = asyncio.Lock()
         self._stop: asyncio.Event | None = None
         self._running = False
-        self.stats = DeviceStats(device_id)
+        self.stats = DeviceStats(device_id, epsilon=self.privacy.epsilon())  # a restarted ledger's
         # A call succeeded since ``stats.last_error`` was set: the next error replaces it, however
         # vague (the trouble it named is over).
         self._error_over = False
@@ -327,6 +337,7 @@ class Device:
                             for name, version in self.algorithms.items()]),
             reports=reports,
             input_ledger=self._inputs.statement(),
+            privacy_budget_spent=self.privacy.statement(),
         )
         response = await self._call("CheckIn", request)
         self._reports.delivered(reports)
@@ -368,6 +379,10 @@ class Device:
             check_assignment(task, plan.config, self.identity, self.policy, self.coordinator_key, time.time())
         except (TaskError, WireError) as exc:
             return self._refuse(task, "policy", exc, fields)
+        if task.job_id in self.privacy.spent_jobs:  # stated at check-in; a coordinator may ignore it
+            self.metrics.privacy_budget_refusals.inc()
+            return self._refuse(task, "privacy_budget_spent",
+                                f"this device's privacy budget is spent for job {task.job_id}", fields)
         self._expect_adaptation(task)
         contribution = Contribution(
             plan,
@@ -380,6 +395,7 @@ class Device:
             self.executor,
             self.metrics,
             self.hooks,
+            self.privacy,
         )
         contribution.start()
         session = SecAggSession(
@@ -407,6 +423,9 @@ class Device:
             stats.sessions_aborted += 1
         if outcome.label == "privacy_floor":
             stats.privacy_refusals += 1
+        elif outcome.label == "privacy_budget_spent":
+            self.metrics.privacy_budget_refusals.inc()
+        stats.epsilon = self.privacy.epsilon()
         if outcome.contributed:
             # Local state advances only when this device's input is in the round's sums.
             self._local[task.job_id] = contribution.local_state

@@ -7,10 +7,15 @@ docs/metrics.md lists every series.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
+
+import numpy as np
 from prometheus_client import Counter, Gauge, Histogram
 
 from tally.metrics import DURATION_BUCKETS, RoleRegistry
 
+# Quantiles of the devices' own epsilon a process exports (no device label: bounded series).
+EPSILON_QUANTILES = {"0.5": 50.0, "0.99": 99.0, "1": 100.0}
 # accuracy differences: fine around 0, where kept_federated and adapted part
 ADAPTATION_GAIN_BUCKETS = (-0.5, -0.2, -0.1, -0.05, -0.02, 0.0, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0)
 
@@ -85,6 +90,17 @@ class ClientMetrics:
             "Steps a device with a noise floor (--min-noise-multiplier) checked, by outcome: accepted, or "
             "refused as no_noise, central, below_floor or share_mismatch", ["outcome"], registry=r,
         )
+        self.privacy_budget_refusals = Counter(
+            "tally_client_privacy_budget_refusals_total",
+            "Tasks refused because their release would take the device's own privacy ledger past its budget "
+            "(--max-epsilon; report reason privacy_budget_spent)", registry=r,
+        )
+        self.device_epsilon = Gauge(
+            "tally_client_device_epsilon",
+            "Epsilon each device of this process has spent by its own privacy ledger (at its budget's delta, "
+            "1e-5 without one), as quantiles over the devices (0.5, 0.99, 1 = max); +Inf after a release "
+            "without verifiable noise", ["quantile"], registry=r,
+        )
         self.misbehaviours = Counter(
             "tally_client_misbehaviours_total",
             "Misbehaviour a simulated device's behaviour profile made it commit, by kind (late, duplicate, "
@@ -108,6 +124,12 @@ class ClientMetrics:
             "Adapted minus federated accuracy on the device's held-out examples, by method (adaptations "
             "with held-out examples only)", ["method"], buckets=ADAPTATION_GAIN_BUCKETS, registry=r,
         )
+
+    def export_epsilon(self, epsilons: Callable[[], Sequence[float]]) -> None:
+        """Export the quantiles of ``epsilons()`` (each device's spent epsilon) at every scrape."""
+        for label, q in EPSILON_QUANTILES.items():
+            self.device_epsilon.labels(quantile=label).set_function(
+                lambda q=q: float(np.percentile(values, q)) if len(values := epsilons()) else 0.0)
 
     def observe_rpc(self, method: str, seconds: float) -> None:
         self.rpc_seconds.labels(method=method).observe(seconds)

@@ -28,6 +28,7 @@ from tally.client.contribution import TaskError
 from tally.client.download import DownloadError
 from tally.client.hooks import SessionHooks
 from tally.client.metrics import ClientMetrics
+from tally.client.privacy_ledger import BudgetSpent
 from tally.evaluation import EvaluationError
 from tally.privacy.payload import NoiseBelowFloor
 from tally.secagg import (
@@ -133,6 +134,8 @@ def input_failure_label(error: BaseException) -> str:
         return "model_mismatch"
     if isinstance(error, NoiseBelowFloor):
         return "privacy_floor"
+    if isinstance(error, BudgetSpent):
+        return "privacy_budget_spent"
     if isinstance(error, EvaluationError):
         return EvaluationError.reason
     if isinstance(error, (grpc.RpcError, DownloadError)):

@@ -146,6 +146,11 @@ class CoordinatorMetrics(DeviceMetrics):
             "Per configured aggregator: 1 when its control API answered the last health check, else 0",
             ["aggregator"], registry=registry,
         )
+        self.devices_out_of_budget = Gauge(
+            "tally_coordinator_devices_out_of_budget",
+            "Devices that stated their own privacy budget is spent for a running job (no longer selected)",
+            ["job_id"], registry=registry,
+        )
         self.current_round = Gauge(
             "tally_coordinator_current_round", "Round in progress per running job", ["job_id"],
             registry=registry,

@@ -31,6 +31,7 @@ from tally.client.channels import Channels, reconnect_options
 from tally.client.device import Device, DeviceStats
 from tally.client.enrolment import simulated_identity
 from tally.client.metrics import ClientMetrics
+from tally.client.privacy_ledger import PrivacyBudget
 from tally.client.retry import CoordinatorUnreachable, RetryPolicy, Stopped, pause
 from tally.loadtest.behaviour import BehaviourProfile, DeviceTraits
 from tally.loadtest.dropout import DropoutPlan
@@ -227,6 +228,7 @@ class Fleet:
         profile: BehaviourProfile | None = None,
         ramp_s: float = 0.0,
         algorithms: Mapping[str, str] | None = None,
+        privacy_budget: PrivacyBudget | None = None,
     ) -> None:
         """``state_dir``: each device keeps its per-job local state (LG-FedAvg's local layers,
         SuPerFed's personal model) in ``state_dir/<device id>``, across restarts. ``audit``:
@@ -238,7 +240,9 @@ class Fleet:
         ``ramp_s``: devices come online over this many seconds, each at its own time (uniform,
         from the seed and its index), as a real population does: 100,000 devices registering in
         one instant swamp the machine playing them before any round can run. ``algorithms``: what
-        every device declares it has installed (``Device``; None: this environment's)."""
+        every device declares it has installed (``Device``; None: this environment's).
+        ``privacy_budget``: each device's own (``tally.client.privacy_ledger``), its ledger under
+        ``state_dir``."""
         if ramp_s < 0:
             raise ValueError(f"ramp_s must be >= 0, got {ramp_s}")
         self.ramp_s = ramp_s
@@ -265,10 +269,12 @@ class Fleet:
         self._device_options = dict(
             population=population, cache_dir=cache_dir, retry=policy, channels=self.channels,
             metrics=self.metrics, executor=self.executor, on_update=self._updated, policy=device_policy,
-            algorithms=algorithms)
+            algorithms=algorithms,
+            privacy_budget=privacy_budget)
         self._enrolment_key = enrolment_key
         self._state_dir = state_dir
         self.devices = [self._device(i, 0) for i in range(len(trainers))]
+        self.metrics.export_epsilon(lambda: [d.stats.epsilon for d in self.devices])
         # Devices that left the population for good (churn); each slot's replacement is in ``devices``.
         self.departed: list[Device] = []
 

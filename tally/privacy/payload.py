@@ -18,7 +18,7 @@ import numpy as np
 from tally.algorithms.base import Arrays, ClientAlgorithm, LocalTrainer
 from tally.codec import CodecError, PayloadSchema, to_ring
 from tally.privacy import mechanisms
-from tally.privacy.planning import DP_FIELD
+from tally.privacy.planning import DP_FIELD, kls_epsilon
 
 SEED = "dp.seed"
 PARAMS = "dp.params"
@@ -77,6 +77,37 @@ def check_noise_floor(public: Mapping[str, np.ndarray], floor: float, cohort: in
         raise NoiseBelowFloor("share_mismatch", f"the noise share this device is asked to add (std {sigma:g} ring "
                               f"units over {counted:g} honest devices of a cohort of {cohort}) carries noise "
                               f"multiplier {carried:.4g}, below this device's floor {floor:g}")
+
+
+# dp.params: mechanism, clip, scale, squared bound, share std, declared multiplier, honest devices.
+PARAMS_FIELDS = ("mechanism", "clip", "scale", "bound_sq", "share_std", "noise_multiplier", "noise_devices")
+
+
+def verified_noise(public: Mapping[str, np.ndarray], cohort: int, dim: int) -> tuple[float, int]:
+    """(noise multiplier, honest devices) of the release this step asks for, as far as this device
+    can verify it: its own share of std sigma (ring units) over at most the ``cohort``'s planned
+    honest survivors, against its discretised sensitivity, as the KLS zCDP bound of the sum of
+    their discrete Gaussians over ``dim`` values gives it (the server's accountant's formula).
+    (0.0, 0) for a step without noise this device can see (none, or central: the server's to
+    add), an unbounded release. ``CodecError`` naming the field when ``dp.params`` declares
+    distributed DP without what the device needs to account it."""
+    if PARAMS not in public:
+        return 0.0, 0
+    params = [float(x) for x in np.ravel(public[PARAMS])]
+    if not params or params[0] != MECHANISM_CODES[DISTRIBUTED]:
+        return 0.0, 0
+    if len(params) < len(PARAMS_FIELDS) or not all(math.isfinite(x) for x in params):
+        raise CodecError(f"{PARAMS}: distributed DP needs {len(PARAMS_FIELDS)} finite values "
+                         f"({', '.join(PARAMS_FIELDS)}), got {params}")
+    bad = [name for name, value in zip(PARAMS_FIELDS[3:], params[3:7], strict=True) if value <= 0]
+    if bad:
+        raise CodecError(f"{PARAMS}: distributed DP with {' and '.join(bad)} <= 0 cannot be accounted")
+    if dim < 1:
+        raise CodecError(f"{PARAMS}: distributed DP over a payload of {dim} values")
+    honest = int(min(params[6], float(cohort)))
+    if honest < 1:
+        return 0.0, 0
+    return 1.0 / kls_epsilon(math.sqrt(params[3]), params[4], honest, dim), honest
 
 
 class PrivateClient:

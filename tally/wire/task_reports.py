@@ -9,6 +9,7 @@ REASONS = frozenset({
     "download_failed", "session_aborted", "dropped", "privacy_floor", "metric_unavailable",
     # The task names an algorithm the device does not have at the coordinator's version.
     "algorithm_version",
+    "privacy_budget_spent",
 })
 # The most reports one check-in may carry.
 MAX_REPORTS = 16
@@ -16,6 +17,8 @@ MAX_REPORTS = 16
 MAX_LEDGER_JOBS = 16
 # The longest input ledger id a check-in may state (the SDK draws 32 hex characters).
 MAX_LEDGER_ID_CHARS = 64
+# The longest job id a check-in's privacy_budget_spent may name.
+MAX_JOB_ID_CHARS = 256
 
 
 def reason_label(reason: str) -> str:

@@ -10,7 +10,7 @@ import re
 
 import numpy as np
 
-from support.jobs import job_text, run_job
+from support.jobs import ShiftDevice, job_text, run_job
 from support.stack import in_process, run, scrape_text
 from tally.coordinator.spec import catalogue
 from tally.privacy.accounting import PrivacyLedger
@@ -19,31 +19,14 @@ from tally.wire.v1 import common_pb2
 PRIVACY = "privacy: {mechanism: distributed, clip: 1.0, noise_multiplier: 0.5}\n"
 
 
-class ShiftDevice:
-    """Training moves every parameter by ``shift``: the noiseless FedAvg result is known."""
-
-    def __init__(self, shift: float) -> None:
-        self.shift = shift
-
-    @property
-    def num_examples(self) -> int:
-        return 1
-
-    def train(self, params, epochs, lr, batch_size):
-        return {k: np.asarray(v) + self.shift for k, v in params.items()}, 0.0
-
-    def evaluate(self, params):
-        return 0.0, 0.0
-
-
 def test_distributed_dp_fedavg_through_the_services(tmp_path):
     n, rounds, shift = 10, 2, 0.01
     initial = {"w": np.zeros(63)}  # 63 values and FedAvg's weight: 64 in the rotation
 
     async def probe(stack, job_id):
-        return scrape_text(stack.coordinator.metrics_port), stack.coordinator.store.rounds(job_id)
+        return scrape_text(stack.coordinator.metrics_port), stack.coordinator.store.rounds(job_id), job_id
 
-    state, (metrics_text, records) = run_job(
+    state, (metrics_text, records, job_id) = run_job(
         tmp_path, "fedavg", {"example_cap": 1, "local_epochs": 1}, "dp-shift", initial,
         [ShiftDevice(shift) for _ in range(n)], rounds,
         extra=PRIVACY, probe=probe,
@@ -62,7 +45,8 @@ def test_distributed_dp_fedavg_through_the_services(tmp_path):
         assert record.metrics["privacy.noise_devices"] == record.metrics["update.contributors"] - 1
     final = committed[-1].metrics["privacy.epsilon"]
     assert final == replayed > committed[0].metrics["privacy.epsilon"] > 0
-    gauge = re.search(r'tally_privacy_epsilon\{job_id="[^"]+"\} (\S+)', metrics_text)
+    # This job's gauge: the registry is the process's, other tests' jobs may be on it too.
+    gauge = re.search(rf'tally_privacy_epsilon\{{job_id="{re.escape(job_id)}"\}} (\S+)', metrics_text)
     assert gauge is not None and float(gauge.group(1)) == final
 
 

@@ -345,3 +345,25 @@ def test_a_cohort_too_small_for_its_rates_is_one_line_naming_the_smallest_that_i
     err = capsys.readouterr().err
     assert err.startswith("tally sum: --clients 4: cohort too small") and "the smallest that is: --clients 5" in err
     assert "Traceback" not in err
+@pytest.mark.parametrize(("argv", "message"), [
+    (["--max-epsilon", "0"], "--max-epsilon/--delta: privacy budget: max epsilon must be a finite number > 0, got 0"),
+    (["--max-epsilon", "1", "--delta=-1e-5"], "--max-epsilon/--delta: privacy budget: delta must be in (0, 1)"),
+    (["--max-epsilon", "1", "--state-dir", "{tmp}/state"], "privacy ledger {tmp}/state/privacy-ledger.json is "
+     "unreadable"),
+])
+def test_a_bad_privacy_budget_or_ledger_is_a_message_before_the_device_runs(tmp_path, capsys, argv, message):
+    """Issue 42: refused before the device checks in (exit 2); a corrupted ledger is never reset."""
+    from tally.cli import client as client_cli
+
+    state = tmp_path / "state"
+    state.mkdir(mode=0o700)
+    (state / "privacy-ledger.json").write_text("{broken")
+    parser = argparse.ArgumentParser(prog="tally")
+    client_cli.register(parser.add_subparsers())
+    args = parser.parse_args(["client", "--coordinator", "127.0.0.1:1", "--device-id", "d1", "--insecure",
+                              "--shard", "0", "--shards", "2", "--no-progress",
+                              *[a.format(tmp=tmp_path) for a in argv]])
+    assert args.run(args) == 2
+    err = capsys.readouterr().err
+    assert message.format(tmp=tmp_path) in err and "Traceback" not in err
+    assert (state / "privacy-ledger.json").read_text() == "{broken"

@@ -25,6 +25,24 @@ from tally.loadtest.synthetic import SyntheticUpdates
 from tally.wire.v1 import admin_pb2_grpc, common_pb2
 
 
+class ShiftDevice:
+    """Training moves every parameter by ``shift`` (a number or an array of the model's shape),
+    whatever the model was: the noiseless FedAvg result, and each device's update, are known."""
+
+    def __init__(self, shift: float | np.ndarray) -> None:
+        self.shift = shift
+
+    @property
+    def num_examples(self) -> int:
+        return 1
+
+    def train(self, params, epochs, lr, batch_size):
+        return {k: np.asarray(v) + self.shift for k, v in params.items()}, 0.0
+
+    def evaluate(self, params):
+        return 0.0, 0.0
+
+
 def job_text(name: str, algorithm: str, rounds: int, cohort: int, kind: str, options: Mapping[str, Any]) -> str:
     return (
         f"name: {name}\nalgorithm: {algorithm}\nrounds: {rounds}\ncohort_size: {cohort}\n"

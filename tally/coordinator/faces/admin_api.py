@@ -73,6 +73,7 @@ class AdminService(admin_pb2_grpc.AdminServicer):
             out.selection = runner.selection_progress()
             out.algorithm_version = runner.algorithm_version
             out.able_devices, out.declared_devices = self.jobs.able_devices(runner)
+            out.devices_out_of_budget = len(runner.out_of_budget)
         elif record.state in ("FAILED", "CANCELLED") and record.committed_round < out.rounds:
             out.round = record.committed_round + 1  # the round it ended in, and its devices' reports
         out.attempts.extend(

@@ -58,6 +58,8 @@ class DeviceService(coordinator_pb2_grpc.CoordinatorServicer):
             self.jobs.record_reports(claims, request.reports)
         if request.HasField("input_ledger"):
             self.jobs.record_ledger(claims, request.input_ledger)
+        if request.privacy_budget_spent:
+            self.jobs.record_budget_spent(claims, request.privacy_budget_spent)
         try:
             result = await self.jobs.check_in(claims, context.time_remaining(), request.input_ledger.ledger_id,
                                               installed)

@@ -29,7 +29,7 @@ from tally.security.enrolment import (
 )
 from tally.security.peers import source_of
 from tally.security.tokens import MAX_ID_CHARS
-from tally.wire.task_reports import MAX_LEDGER_ID_CHARS, MAX_LEDGER_JOBS, MAX_REPORTS
+from tally.wire.task_reports import MAX_JOB_ID_CHARS, MAX_LEDGER_ID_CHARS, MAX_LEDGER_JOBS, MAX_REPORTS
 from tally.wire.v1 import coordinator_pb2
 
 MAX_ATTESTATION_CHARS = 16 << 10
@@ -140,6 +140,11 @@ class DeviceEntry:
         if len(request.input_ledger.ledger_id) > MAX_LEDGER_ID_CHARS:
             await self.refuse(context, "CheckIn", "malformed", grpc.StatusCode.INVALID_ARGUMENT,
                               f"input_ledger.ledger_id: at most {MAX_LEDGER_ID_CHARS} characters")
+        spent = request.privacy_budget_spent
+        if len(spent) > MAX_LEDGER_JOBS or any(not 0 < len(job) <= MAX_JOB_ID_CHARS for job in spent):
+            await self.refuse(context, "CheckIn", "malformed", grpc.StatusCode.INVALID_ARGUMENT,
+                              f"privacy_budget_spent: at most {MAX_LEDGER_JOBS} job ids of 1 to "
+                              f"{MAX_JOB_ID_CHARS} characters")
         return claims
 
 

@@ -164,6 +164,14 @@ class ActiveJobs:
         """(devices of the job's population able to run it, devices of it that checked in)."""
         return self._ctx.declared.count(runner.population, runner.spec.algorithm, runner.algorithm_version)
 
+    def record_budget_spent(self, claims: DeviceClaims, job_ids: Iterable[str]) -> None:
+        """The device's own privacy budget is spent for these jobs (``JobRunner.budget_spent``);
+        jobs of other populations, or not running here, are ignored."""
+        for job_id in job_ids:
+            runner = self.runners.get(job_id)
+            if runner is not None and runner.population == claims.population:
+                runner.budget_spent(claims.device_id)
+
     async def check_in(
         self, claims: DeviceClaims, caller_timeout_s: float | None = None, ledger_id: str = "",
         installed: Installed | None = None,

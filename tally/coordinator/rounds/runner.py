@@ -175,6 +175,10 @@ class JobRunner:
         self.timed_rounds = 0
         self.round_started_at = ctx.clock()
         self.cancel_reason: str | None = None
+        # Devices that stated their own privacy budget is spent for this job: never selected again
+        # (``tally.client.privacy_ledger``); too many, and the job fails saying so.
+        self.out_of_budget: set[str] = set()
+        self.fail_reason: str | None = None
         self.next_attempt_at = 0.0  # while a failed attempt's retry backs off (clock time)
         self.task: asyncio.Task[None] | None = None
         self._options = json.dumps(dict(spec.options), sort_keys=True)
@@ -221,11 +225,32 @@ class JobRunner:
         logs.event(log, "seat released: the device's ledger shows no input in this round", logging.DEBUG,
                    job_id=self.job_id, round=self.round, device_id=device_id, seats=released)
 
+    def budget_spent(self, device_id: str) -> None:
+        """``device_id`` refuses this job's releases: its own privacy budget is spent. When fewer
+        of the population's devices than ``min_cohort`` remain eligible no round can be private
+        to anyone any more, so the job fails now rather than at its deadlines."""
+        if device_id in self.out_of_budget:
+            return
+        self.out_of_budget.add(device_id)
+        self.ctx.metrics.devices_out_of_budget.labels(self.job_id).set(len(self.out_of_budget))
+        population = self.ctx.store.devices.population_size(self.population)
+        eligible = population - len(self.out_of_budget)
+        logs.event(log, "device out of privacy budget", job_id=self.job_id, device_id=device_id,
+                   out_of_budget=len(self.out_of_budget), eligible=eligible)
+        if eligible < self.spec.min_cohort and self.fail_reason is None and self.task is not None:
+            self.fail_reason = (
+                f"out of eligible devices: {len(self.out_of_budget)} of the {population} devices of population "
+                f"{self.population!r} have spent their own privacy budget for this job, {eligible} remain, "
+                f"fewer than min_cohort {self.spec.min_cohort}")
+            self.task.cancel()
+
     def offer(
         self, device_id: str, now: float, ledger_id: str = ""
     ) -> Hold | coordinator_pb2.TaskAssignment | Retry:
         """``ledger_id``: the input ledger the check-in stated ("" for none), kept with a seat."""
         planner = self.planner
+        if device_id in self.out_of_budget:
+            return Retry(self.next_check_in_s(now), "the device's privacy budget is spent for this job")
         if now < self.next_attempt_at:
             return Retry(self.next_attempt_at - now, "round attempt failed; the next one backs off")
         if planner is None:  # between rounds: the next selection opens as soon as the commit is done
@@ -310,9 +335,13 @@ class JobRunner:
                 state = await self._round(state)
             logs.event(log, "job succeeded", job_id=self.job_id, rounds=self.committed)
         except asyncio.CancelledError:
-            if self.cancel_reason is None:
+            if self.fail_reason is not None:
+                ctx.metrics.rounds_failed.inc()
+                self._finish("FAILED", self.fail_reason)
+            elif self.cancel_reason is None:
                 raise  # the coordinator is stopping: the job stays RUNNING and resumes later
-            self._finish("CANCELLED", self.cancel_reason)
+            else:
+                self._finish("CANCELLED", self.cancel_reason)
         except LeadershipLost as exc:  # the job is the new leader's now: nothing here may write its end
             logs.event(log, "job left to the new leader", logging.WARNING, job_id=self.job_id, reason=str(exc))
         except JobFailed as exc:
@@ -326,6 +355,8 @@ class JobRunner:
             await self.sessions.close("job stopped")
             with contextlib.suppress(KeyError):  # no gauge when the job ended before a round
                 ctx.metrics.current_round.remove(self.job_id)
+            with contextlib.suppress(KeyError):  # none when no device ran out of budget
+                ctx.metrics.devices_out_of_budget.remove(self.job_id)
             self._on_done(self)
 
     def _finish(self, state: str, message: str) -> None:

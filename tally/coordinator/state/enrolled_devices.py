@@ -94,6 +94,13 @@ class EnrolledDevices:
             self._revoked.add(device_id)
         return bool(updated)
 
+    def population_size(self, population: str) -> int:
+        """How many devices enrolled in ``population`` and are not revoked."""
+        with self._database.lock:
+            return int(self._database.execute(
+                "SELECT COUNT(*) FROM devices WHERE population = ? AND revoked_at IS NULL", (population,)
+            ).fetchone()[0])
+
     def is_revoked(self, device_id: str) -> bool:
         return device_id in self._revoked
 

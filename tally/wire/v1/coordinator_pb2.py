@@ -28,7 +28,7 @@ from tally.wire.v1 import common_pb2 as tally_dot_v1_dot_common__pb2
 from tally.wire.v1 import secagg_pb2 as tally_dot_v1_dot_secagg__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1atally/v1/coordinator.proto\x12\x08tally.v1\x1a\x1fgoogle/protobuf/timestamp.proto\x1a\x19tally/v1/aggregator.proto\x1a\x15tally/v1/common.proto\x1a\x15tally/v1/secagg.proto\"\xaa\x01\n\x0fRegisterRequest\x12\x11\n\tdevice_id\x18\x01 \x01(\t\x12\x12\n\npopulation\x18\x02 \x01(\t\x12\x13\n\x0b\x61ttestation\x18\x03 \x01(\t\x12\x17\n\x0fidentity_public\x18\x04 \x01(\x0c\x12\x1c\n\x14\x65nrolment_credential\x18\x05 \x01(\x0c\x12\x11\n\ttimestamp\x18\x06 \x01(\x01\x12\x11\n\tsignature\x18\x07 \x01(\x0c\"j\n\x10RegisterResponse\x12\r\n\x05token\x18\x01 \x01(\t\x12.\n\nexpires_at\x18\x02 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x17\n\x0f\x63oordinator_key\x18\x03 \x01(\x0c\"j\n\x0c\x43\x61pabilities\x12\x13\n\x0b\x61\x63\x63\x65lerator\x18\x01 \x01(\t\x12\x13\n\x0bsdk_version\x18\x02 \x01(\t\x12\x30\n\nalgorithms\x18\x03 \x03(\x0b\x32\x1c.tally.v1.InstalledAlgorithm\"3\n\x12InstalledAlgorithm\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\t\"\xf9\x01\n\nTaskReport\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\r\n\x05round\x18\x02 \x01(\x03\x12\x0f\n\x07task_id\x18\x03 \x01(\t\x12-\n\x07outcome\x18\x04 \x01(\x0e\x32\x1c.tally.v1.TaskReport.Outcome\x12\x0e\n\x06reason\x18\x05 \x01(\t\x12\x0e\n\x06\x64\x65tail\x18\x06 \x01(\t\x12\x12\n\nsent_input\x18\x07 \x01(\x08\"X\n\x07Outcome\x12\x17\n\x13OUTCOME_UNSPECIFIED\x10\x00\x12\r\n\tCOMPLETED\x10\x01\x12\x0b\n\x07\x44ROPPED\x10\x02\x12\x0b\n\x07\x41\x42ORTED\x10\x03\x12\x0b\n\x07REFUSED\x10\x04\"\x92\x01\n\x0e\x43heckInRequest\x12,\n\x0c\x63\x61pabilities\x18\x01 \x01(\x0b\x32\x16.tally.v1.Capabilities\x12%\n\x07reports\x18\x02 \x03(\x0b\x32\x14.tally.v1.TaskReport\x12+\n\x0cinput_ledger\x18\x03 \x01(\x0b\x32\x15.tally.v1.InputLedger\"\x92\x01\n\x0bInputLedger\x12<\n\x0clatest_round\x18\x01 \x03(\x0b\x32&.tally.v1.InputLedger.LatestRoundEntry\x12\x11\n\tledger_id\x18\x02 \x01(\t\x1a\x32\n\x10LatestRoundEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x03:\x02\x38\x01\"F\n\nRetryAfter\x12\x0f\n\x07seconds\x18\x01 \x01(\x01\x12\x0e\n\x06reason\x18\x02 \x01(\t\x12\x17\n\x0fpopulation_idle\x18\x03 \x01(\x08\"\x98\x01\n\x04Step\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0e\n\x06sum_id\x18\x02 \x01(\t\x12#\n\tbroadcast\x18\x03 \x03(\x0b\x32\x10.tally.v1.Tensor\x12+\n\x06schema\x18\x04 \x01(\x0b\x32\x1b.tally.v1.PayloadSchemaSpec\x12\x0e\n\x06reveal\x18\x05 \x01(\x08\x12\x10\n\x08personal\x18\x06 \x01(\x08\"\xc8\x03\n\x0eTaskAssignment\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\r\n\x05round\x18\x02 \x01(\x03\x12\x0f\n\x07task_id\x18\x03 \x01(\t\x12\x11\n\talgorithm\x18\x04 \x01(\t\x12\x1c\n\x04step\x18\x05 \x01(\x0b\x32\x0e.tally.v1.Step\x12\x15\n\rmodel_version\x18\x06 \x01(\t\x12\x14\n\x0cmodel_digest\x18\x07 \x01(\t\x12\x12\n\nmodel_size\x18\x08 \x01(\x03\x12\x12\n\nchunk_size\x18\t \x01(\x05\x12\x1a\n\x12\x61ggregator_address\x18\n \x01(\t\x12\x16\n\x0esession_ticket\x18\x0b \x01(\x0c\x12\x14\n\x0c\x64\x65vice_index\x18\x0c \x01(\x05\x12\x15\n\rsession_token\x18\r \x01(\t\x12(\n\x07session\x18\x0e \x01(\x0b\x32\x17.tally.v1.SessionConfig\x12+\n\tdeadlines\x18\x0f \x01(\x0b\x32\x18.tally.v1.PhaseDeadlines\x12\x19\n\x11\x61lgorithm_options\x18\x10 \x01(\t\x12\x12\n\nadaptation\x18\x11 \x01(\t\x12\x19\n\x11\x61lgorithm_version\x18\x12 \x01(\t\"r\n\x0f\x43heckInResponse\x12+\n\x0bretry_after\x18\x01 \x01(\x0b\x32\x14.tally.v1.RetryAfterH\x00\x12(\n\x04task\x18\x02 \x01(\x0b\x32\x18.tally.v1.TaskAssignmentH\x00\x42\x08\n\x06result\"M\n\x14\x44ownloadModelRequest\x12\x15\n\rmodel_version\x18\x01 \x01(\t\x12\x0e\n\x06\x64igest\x18\x02 \x01(\t\x12\x0e\n\x06offset\x18\x03 \x01(\x03\"N\n\nModelChunk\x12\x0e\n\x06offset\x18\x01 \x01(\x03\x12\x0c\n\x04\x64\x61ta\x18\x02 \x01(\x0c\x12\x12\n\ntotal_size\x18\x03 \x01(\x03\x12\x0e\n\x06\x64igest\x18\x04 \x01(\t\"P\n\x0eGetStepRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\r\n\x05round\x18\x02 \x01(\x03\x12\x0f\n\x07task_id\x18\x03 \x01(\t\x12\x0e\n\x06sum_id\x18\x04 \x01(\t\"h\n\x0fGetStepResponse\x12+\n\x0bretry_after\x18\x01 \x01(\x0b\x32\x14.tally.v1.RetryAfterH\x00\x12\x1e\n\x04step\x18\x02 \x01(\x0b\x32\x0e.tally.v1.StepH\x00\x42\x08\n\x06result\"$\n\x12RoundStatusRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\"\xe3\x01\n\x13RoundStatusResponse\x12%\n\tjob_state\x18\x01 \x01(\x0e\x32\x12.tally.v1.JobState\x12\r\n\x05round\x18\x02 \x01(\x03\x12#\n\x05phase\x18\x03 \x01(\x0e\x32\x14.tally.v1.RoundPhase\x12\x0c\n\x04step\x18\x04 \x01(\t\x12\x17\n\x0f\x63ommitted_round\x18\x05 \x01(\x03\x12\x1d\n\x15next_check_in_seconds\x18\x06 \x01(\x01\x12\x15\n\rmodel_version\x18\x07 \x01(\t\x12\x14\n\x0cmodel_digest\x18\x08 \x01(\t\"o\n\rRevealRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\r\n\x05round\x18\x02 \x01(\x03\x12\x0f\n\x07task_id\x18\x03 \x01(\t\x12\x0c\n\x04step\x18\x04 \x01(\t\x12 \n\x06values\x18\x05 \x03(\x0b\x32\x10.tally.v1.Tensor\"\x10\n\x0eRevealResponse2\xa2\x03\n\x0b\x43oordinator\x12\x41\n\x08Register\x12\x19.tally.v1.RegisterRequest\x1a\x1a.tally.v1.RegisterResponse\x12>\n\x07\x43heckIn\x12\x18.tally.v1.CheckInRequest\x1a\x19.tally.v1.CheckInResponse\x12G\n\rDownloadModel\x12\x1e.tally.v1.DownloadModelRequest\x1a\x14.tally.v1.ModelChunk0\x01\x12>\n\x07GetStep\x12\x18.tally.v1.GetStepRequest\x1a\x19.tally.v1.GetStepResponse\x12J\n\x0bRoundStatus\x12\x1c.tally.v1.RoundStatusRequest\x1a\x1d.tally.v1.RoundStatusResponse\x12;\n\x06Reveal\x12\x17.tally.v1.RevealRequest\x1a\x18.tally.v1.RevealResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1atally/v1/coordinator.proto\x12\x08tally.v1\x1a\x1fgoogle/protobuf/timestamp.proto\x1a\x19tally/v1/aggregator.proto\x1a\x15tally/v1/common.proto\x1a\x15tally/v1/secagg.proto\"\xaa\x01\n\x0fRegisterRequest\x12\x11\n\tdevice_id\x18\x01 \x01(\t\x12\x12\n\npopulation\x18\x02 \x01(\t\x12\x13\n\x0b\x61ttestation\x18\x03 \x01(\t\x12\x17\n\x0fidentity_public\x18\x04 \x01(\x0c\x12\x1c\n\x14\x65nrolment_credential\x18\x05 \x01(\x0c\x12\x11\n\ttimestamp\x18\x06 \x01(\x01\x12\x11\n\tsignature\x18\x07 \x01(\x0c\"j\n\x10RegisterResponse\x12\r\n\x05token\x18\x01 \x01(\t\x12.\n\nexpires_at\x18\x02 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x17\n\x0f\x63oordinator_key\x18\x03 \x01(\x0c\"j\n\x0c\x43\x61pabilities\x12\x13\n\x0b\x61\x63\x63\x65lerator\x18\x01 \x01(\t\x12\x13\n\x0bsdk_version\x18\x02 \x01(\t\x12\x30\n\nalgorithms\x18\x03 \x03(\x0b\x32\x1c.tally.v1.InstalledAlgorithm\"3\n\x12InstalledAlgorithm\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\t\"\xf9\x01\n\nTaskReport\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\r\n\x05round\x18\x02 \x01(\x03\x12\x0f\n\x07task_id\x18\x03 \x01(\t\x12-\n\x07outcome\x18\x04 \x01(\x0e\x32\x1c.tally.v1.TaskReport.Outcome\x12\x0e\n\x06reason\x18\x05 \x01(\t\x12\x0e\n\x06\x64\x65tail\x18\x06 \x01(\t\x12\x12\n\nsent_input\x18\x07 \x01(\x08\"X\n\x07Outcome\x12\x17\n\x13OUTCOME_UNSPECIFIED\x10\x00\x12\r\n\tCOMPLETED\x10\x01\x12\x0b\n\x07\x44ROPPED\x10\x02\x12\x0b\n\x07\x41\x42ORTED\x10\x03\x12\x0b\n\x07REFUSED\x10\x04\"\xb0\x01\n\x0e\x43heckInRequest\x12,\n\x0c\x63\x61pabilities\x18\x01 \x01(\x0b\x32\x16.tally.v1.Capabilities\x12%\n\x07reports\x18\x02 \x03(\x0b\x32\x14.tally.v1.TaskReport\x12+\n\x0cinput_ledger\x18\x03 \x01(\x0b\x32\x15.tally.v1.InputLedger\x12\x1c\n\x14privacy_budget_spent\x18\x04 \x03(\t\"\x92\x01\n\x0bInputLedger\x12<\n\x0clatest_round\x18\x01 \x03(\x0b\x32&.tally.v1.InputLedger.LatestRoundEntry\x12\x11\n\tledger_id\x18\x02 \x01(\t\x1a\x32\n\x10LatestRoundEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x03:\x02\x38\x01\"F\n\nRetryAfter\x12\x0f\n\x07seconds\x18\x01 \x01(\x01\x12\x0e\n\x06reason\x18\x02 \x01(\t\x12\x17\n\x0fpopulation_idle\x18\x03 \x01(\x08\"\x98\x01\n\x04Step\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0e\n\x06sum_id\x18\x02 \x01(\t\x12#\n\tbroadcast\x18\x03 \x03(\x0b\x32\x10.tally.v1.Tensor\x12+\n\x06schema\x18\x04 \x01(\x0b\x32\x1b.tally.v1.PayloadSchemaSpec\x12\x0e\n\x06reveal\x18\x05 \x01(\x08\x12\x10\n\x08personal\x18\x06 \x01(\x08\"\xc8\x03\n\x0eTaskAssignment\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\r\n\x05round\x18\x02 \x01(\x03\x12\x0f\n\x07task_id\x18\x03 \x01(\t\x12\x11\n\talgorithm\x18\x04 \x01(\t\x12\x1c\n\x04step\x18\x05 \x01(\x0b\x32\x0e.tally.v1.Step\x12\x15\n\rmodel_version\x18\x06 \x01(\t\x12\x14\n\x0cmodel_digest\x18\x07 \x01(\t\x12\x12\n\nmodel_size\x18\x08 \x01(\x03\x12\x12\n\nchunk_size\x18\t \x01(\x05\x12\x1a\n\x12\x61ggregator_address\x18\n \x01(\t\x12\x16\n\x0esession_ticket\x18\x0b \x01(\x0c\x12\x14\n\x0c\x64\x65vice_index\x18\x0c \x01(\x05\x12\x15\n\rsession_token\x18\r \x01(\t\x12(\n\x07session\x18\x0e \x01(\x0b\x32\x17.tally.v1.SessionConfig\x12+\n\tdeadlines\x18\x0f \x01(\x0b\x32\x18.tally.v1.PhaseDeadlines\x12\x19\n\x11\x61lgorithm_options\x18\x10 \x01(\t\x12\x12\n\nadaptation\x18\x11 \x01(\t\x12\x19\n\x11\x61lgorithm_version\x18\x12 \x01(\t\"r\n\x0f\x43heckInResponse\x12+\n\x0bretry_after\x18\x01 \x01(\x0b\x32\x14.tally.v1.RetryAfterH\x00\x12(\n\x04task\x18\x02 \x01(\x0b\x32\x18.tally.v1.TaskAssignmentH\x00\x42\x08\n\x06result\"M\n\x14\x44ownloadModelRequest\x12\x15\n\rmodel_version\x18\x01 \x01(\t\x12\x0e\n\x06\x64igest\x18\x02 \x01(\t\x12\x0e\n\x06offset\x18\x03 \x01(\x03\"N\n\nModelChunk\x12\x0e\n\x06offset\x18\x01 \x01(\x03\x12\x0c\n\x04\x64\x61ta\x18\x02 \x01(\x0c\x12\x12\n\ntotal_size\x18\x03 \x01(\x03\x12\x0e\n\x06\x64igest\x18\x04 \x01(\t\"P\n\x0eGetStepRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\r\n\x05round\x18\x02 \x01(\x03\x12\x0f\n\x07task_id\x18\x03 \x01(\t\x12\x0e\n\x06sum_id\x18\x04 \x01(\t\"h\n\x0fGetStepResponse\x12+\n\x0bretry_after\x18\x01 \x01(\x0b\x32\x14.tally.v1.RetryAfterH\x00\x12\x1e\n\x04step\x18\x02 \x01(\x0b\x32\x0e.tally.v1.StepH\x00\x42\x08\n\x06result\"$\n\x12RoundStatusRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\"\xe3\x01\n\x13RoundStatusResponse\x12%\n\tjob_state\x18\x01 \x01(\x0e\x32\x12.tally.v1.JobState\x12\r\n\x05round\x18\x02 \x01(\x03\x12#\n\x05phase\x18\x03 \x01(\x0e\x32\x14.tally.v1.RoundPhase\x12\x0c\n\x04step\x18\x04 \x01(\t\x12\x17\n\x0f\x63ommitted_round\x18\x05 \x01(\x03\x12\x1d\n\x15next_check_in_seconds\x18\x06 \x01(\x01\x12\x15\n\rmodel_version\x18\x07 \x01(\t\x12\x14\n\x0cmodel_digest\x18\x08 \x01(\t\"o\n\rRevealRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\r\n\x05round\x18\x02 \x01(\x03\x12\x0f\n\x07task_id\x18\x03 \x01(\t\x12\x0c\n\x04step\x18\x04 \x01(\t\x12 \n\x06values\x18\x05 \x03(\x0b\x32\x10.tally.v1.Tensor\"\x10\n\x0eRevealResponse2\xa2\x03\n\x0b\x43oordinator\x12\x41\n\x08Register\x12\x19.tally.v1.RegisterRequest\x1a\x1a.tally.v1.RegisterResponse\x12>\n\x07\x43heckIn\x12\x18.tally.v1.CheckInRequest\x1a\x19.tally.v1.CheckInResponse\x12G\n\rDownloadModel\x12\x1e.tally.v1.DownloadModelRequest\x1a\x14.tally.v1.ModelChunk0\x01\x12>\n\x07GetStep\x12\x18.tally.v1.GetStepRequest\x1a\x19.tally.v1.GetStepResponse\x12J\n\x0bRoundStatus\x12\x1c.tally.v1.RoundStatusRequest\x1a\x1d.tally.v1.RoundStatusResponse\x12;\n\x06Reveal\x12\x17.tally.v1.RevealRequest\x1a\x18.tally.v1.RevealResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -50,35 +50,35 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_TASKREPORT_OUTCOME']._serialized_start=750
   _globals['_TASKREPORT_OUTCOME']._serialized_end=838
   _globals['_CHECKINREQUEST']._serialized_start=841
-  _globals['_CHECKINREQUEST']._serialized_end=987
-  _globals['_INPUTLEDGER']._serialized_start=990
-  _globals['_INPUTLEDGER']._serialized_end=1136
-  _globals['_INPUTLEDGER_LATESTROUNDENTRY']._serialized_start=1086
-  _globals['_INPUTLEDGER_LATESTROUNDENTRY']._serialized_end=1136
-  _globals['_RETRYAFTER']._serialized_start=1138
-  _globals['_RETRYAFTER']._serialized_end=1208
-  _globals['_STEP']._serialized_start=1211
-  _globals['_STEP']._serialized_end=1363
-  _globals['_TASKASSIGNMENT']._serialized_start=1366
-  _globals['_TASKASSIGNMENT']._serialized_end=1822
-  _globals['_CHECKINRESPONSE']._serialized_start=1824
-  _globals['_CHECKINRESPONSE']._serialized_end=1938
-  _globals['_DOWNLOADMODELREQUEST']._serialized_start=1940
-  _globals['_DOWNLOADMODELREQUEST']._serialized_end=2017
-  _globals['_MODELCHUNK']._serialized_start=2019
-  _globals['_MODELCHUNK']._serialized_end=2097
-  _globals['_GETSTEPREQUEST']._serialized_start=2099
-  _globals['_GETSTEPREQUEST']._serialized_end=2179
-  _globals['_GETSTEPRESPONSE']._serialized_start=2181
-  _globals['_GETSTEPRESPONSE']._serialized_end=2285
-  _globals['_ROUNDSTATUSREQUEST']._serialized_start=2287
-  _globals['_ROUNDSTATUSREQUEST']._serialized_end=2323
-  _globals['_ROUNDSTATUSRESPONSE']._serialized_start=2326
-  _globals['_ROUNDSTATUSRESPONSE']._serialized_end=2553
-  _globals['_REVEALREQUEST']._serialized_start=2555
-  _globals['_REVEALREQUEST']._serialized_end=2666
-  _globals['_REVEALRESPONSE']._serialized_start=2668
-  _globals['_REVEALRESPONSE']._serialized_end=2684
-  _globals['_COORDINATOR']._serialized_start=2687
-  _globals['_COORDINATOR']._serialized_end=3105
+  _globals['_CHECKINREQUEST']._serialized_end=1017
+  _globals['_INPUTLEDGER']._serialized_start=1020
+  _globals['_INPUTLEDGER']._serialized_end=1166
+  _globals['_INPUTLEDGER_LATESTROUNDENTRY']._serialized_start=1116
+  _globals['_INPUTLEDGER_LATESTROUNDENTRY']._serialized_end=1166
+  _globals['_RETRYAFTER']._serialized_start=1168
+  _globals['_RETRYAFTER']._serialized_end=1238
+  _globals['_STEP']._serialized_start=1241
+  _globals['_STEP']._serialized_end=1393
+  _globals['_TASKASSIGNMENT']._serialized_start=1396
+  _globals['_TASKASSIGNMENT']._serialized_end=1852
+  _globals['_CHECKINRESPONSE']._serialized_start=1854
+  _globals['_CHECKINRESPONSE']._serialized_end=1968
+  _globals['_DOWNLOADMODELREQUEST']._serialized_start=1970
+  _globals['_DOWNLOADMODELREQUEST']._serialized_end=2047
+  _globals['_MODELCHUNK']._serialized_start=2049
+  _globals['_MODELCHUNK']._serialized_end=2127
+  _globals['_GETSTEPREQUEST']._serialized_start=2129
+  _globals['_GETSTEPREQUEST']._serialized_end=2209
+  _globals['_GETSTEPRESPONSE']._serialized_start=2211
+  _globals['_GETSTEPRESPONSE']._serialized_end=2315
+  _globals['_ROUNDSTATUSREQUEST']._serialized_start=2317
+  _globals['_ROUNDSTATUSREQUEST']._serialized_end=2353
+  _globals['_ROUNDSTATUSRESPONSE']._serialized_start=2356
+  _globals['_ROUNDSTATUSRESPONSE']._serialized_end=2583
+  _globals['_REVEALREQUEST']._serialized_start=2585
+  _globals['_REVEALREQUEST']._serialized_end=2696
+  _globals['_REVEALRESPONSE']._serialized_start=2698
+  _globals['_REVEALRESPONSE']._serialized_end=2714
+  _globals['_COORDINATOR']._serialized_start=2717
+  _globals['_COORDINATOR']._serialized_end=3135
 # @@protoc_insertion_point(module_scope)

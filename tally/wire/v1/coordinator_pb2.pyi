@@ -90,14 +90,16 @@ class TaskReport(_message.Message):
     def __init__(self, job_id: _Optional[str] = ..., round: _Optional[int] = ..., task_id: _Optional[str] = ..., outcome: _Optional[_Union[TaskReport.Outcome, str]] = ..., reason: _Optional[str] = ..., detail: _Optional[str] = ..., sent_input: _Optional[bool] = ...) -> None: ...
 
 class CheckInRequest(_message.Message):
-    __slots__ = ("capabilities", "reports", "input_ledger")
+    __slots__ = ("capabilities", "reports", "input_ledger", "privacy_budget_spent")
     CAPABILITIES_FIELD_NUMBER: _ClassVar[int]
     REPORTS_FIELD_NUMBER: _ClassVar[int]
     INPUT_LEDGER_FIELD_NUMBER: _ClassVar[int]
+    PRIVACY_BUDGET_SPENT_FIELD_NUMBER: _ClassVar[int]
     capabilities: Capabilities
     reports: _containers.RepeatedCompositeFieldContainer[TaskReport]
     input_ledger: InputLedger
-    def __init__(self, capabilities: _Optional[_Union[Capabilities, _Mapping]] = ..., reports: _Optional[_Iterable[_Union[TaskReport, _Mapping]]] = ..., input_ledger: _Optional[_Union[InputLedger, _Mapping]] = ...) -> None: ...
+    privacy_budget_spent: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, capabilities: _Optional[_Union[Capabilities, _Mapping]] = ..., reports: _Optional[_Iterable[_Union[TaskReport, _Mapping]]] = ..., input_ledger: _Optional[_Union[InputLedger, _Mapping]] = ..., privacy_budget_spent: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class InputLedger(_message.Message):
     __slots__ = ("latest_round", "ledger_id")

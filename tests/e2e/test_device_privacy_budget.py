@@ -1,0 +1,217 @@
+"""Device-held privacy budgets through the real services (coordinator, two aggregators, SDK
+devices with masking and distributed DP), against the coordinators they exist for: one that
+selects the same devices every round, one that runs the differencing attack (the same update
+summed over S and over S minus a target device), and one that lies about the noise in its
+session configuration. The budget is the device's own (``tally.client.privacy_ledger``)."""
+
+from __future__ import annotations
+
+import asyncio
+import re
+from dataclasses import replace
+
+import numpy as np
+import pytest
+
+from support.jobs import ShiftDevice, job_text
+from support.stack import in_process, run
+from tally import modelio
+from tally.client.metrics import ClientMetrics
+from tally.client.privacy_ledger import PrivacyBudget, epsilon_of
+from tally.coordinator.rounds.come_back import Retry
+from tally.coordinator.rounds.runner import JobRunner
+from tally.coordinator.spec import catalogue
+from tally.privacy.payload import PARAMS
+from tally.privacy.server import PrivateServer
+from tally.secagg import DevicePolicy
+from tally.wire.v1 import common_pb2
+
+PRIVACY = "privacy: {mechanism: distributed, clip: 1.0, noise_multiplier: 1.0}\n"
+DIM = 63  # and FedAvg's weight: 64 values in the rotation
+DELTA = 1e-5
+
+
+def _spec(name: str, rounds: int, cohort: int, extra: str = "") -> str:
+    # min_cohort 6: ten devices make one cohort (two aggregators could not both get six), so each
+    # device's session counts every honest device it verifies.
+    return (job_text(name, "fedavg", rounds, cohort, name, {"example_cap": 1, "local_epochs": 1})
+            .replace("min_cohort: 5", "min_cohort: 6").replace("checkin: 10", "checkin: 3") + extra)
+
+
+def _updates(n: int) -> list[ShiftDevice]:
+    rng = np.random.default_rng(7)
+    return [ShiftDevice(rng.uniform(-0.02, 0.02, DIM)) for _ in range(n)]
+
+
+def _budget_for(releases: int) -> PrivacyBudget:
+    """Room for ``releases`` releases of noise multiplier 1 (what the job's plan verifies, to
+    the KLS bound's 1e-3) and not one more."""
+    return PrivacyBudget(epsilon_of([1.0] * releases, DELTA) * 1.02, DELTA)
+
+
+@pytest.fixture
+def model_kind(request):
+    name = re.sub(r"[^a-z0-9]+", "-", request.node.name)[-40:].strip("-")
+    catalogue.register_model(name, lambda _spec: {"w": np.zeros(DIM)})
+    yield name
+    catalogue.unregister_model(name)
+
+
+def test_a_coordinator_selecting_the_same_devices_every_round_is_stopped_by_their_budgets(tmp_path, model_kind):
+    """Cohort = population, every round: each device admits three releases, refuses the fourth
+    before training (privacy_budget_spent), states so at check-in, and the job, left without
+    min_cohort eligible devices, fails saying so. No ledger passes its budget."""
+    n, budget = 10, _budget_for(3)
+
+    async def main():
+        async with in_process().whole_system(tmp_path) as s:
+            job_id = await s.submit(_spec(model_kind, 8, n, PRIVACY))
+            fleet = s.fleet(_updates(n), seed=1, privacy_budget=budget, state_dir=tmp_path / "devices")
+            try:
+                await fleet.run(until=fleet.until_job_done(job_id, every_seconds=0.2))
+            finally:
+                fleet.close()
+            return await s.job(job_id), fleet
+
+    job, fleet = run(main())
+    assert job.state == common_pb2.JOB_STATE_FAILED, job.message
+    # Failed as soon as fewer than min_cohort 6 of the 10 remained eligible, not at its deadlines.
+    assert re.fullmatch(rf"out of eligible devices: \d+ of the {n} devices .* fewer than min_cohort 6", job.message)
+    assert job.committed_round == 3
+    for device in fleet.devices:
+        ledger = device.privacy
+        assert [r.round for r in ledger.releases] == [1, 2, 3]
+        assert ledger.epsilon() <= budget.epsilon < ledger.epsilon(extra=[replace(ledger.releases[-1], round=4)])
+        assert device.stats.failures[job.job_id]["privacy_budget_spent"] >= 1
+        assert ledger.statement() == [job.job_id]
+        # Durable: a device restarted on its state directory has the same account.
+        assert type(ledger)(ledger.path, budget).releases == ledger.releases
+    # What the fleet exports to Prometheus: the devices' own epsilon, and their refusals.
+    registry = fleet.metrics.registry
+    spent = [d.privacy.epsilon() for d in fleet.devices]
+    assert registry.get_sample_value("tally_client_device_epsilon", {"quantile": "1"}) == max(spent)
+    assert registry.get_sample_value("tally_client_device_epsilon", {"quantile": "0.5"}) == pytest.approx(
+        float(np.median(spent)))
+    assert registry.get_sample_value("tally_client_privacy_budget_refusals_total") >= n
+
+
+def _attack(target: str):
+    """A patched runner: the even rounds are selected without ``target`` (S minus the target)."""
+    honest_offer = JobRunner.offer
+
+    def offer(self, device_id, now, ledger_id=""):
+        if self.round % 2 == 0 and device_id == target:
+            return Retry(0.2, "differencing attack")
+        return honest_offer(self, device_id, now, ledger_id)
+
+    return offer
+
+
+def _sums(store, job_id: str, rounds: int) -> tuple[list[np.ndarray], list[int]]:
+    """Each committed round's released sum of updates, rebuilt from the models (the first is
+    zeros): FedAvg with one example per device moves the model by the sum over the count."""
+    models = [np.zeros(DIM)] + [
+        np.asarray(modelio.deserialize(store.read_blob(store.model_version(job_id, r).model_digest))["w"])
+        for r in range(1, rounds + 1)]
+    committed = sorted((r for r in store.rounds(job_id) if r.state == "committed"), key=lambda r: r.round)
+    contributors = [int(r.metrics["update.contributors"]) for r in committed]
+    return [c * (b - a) for a, b, c in zip(models[:-1], models[1:], contributors, strict=True)], contributors
+
+
+@pytest.mark.parametrize("dp", [False, True], ids=["control-without-dp", "device-enforced-dp"])
+def test_the_differencing_attack(tmp_path, model_kind, monkeypatch, dp):
+    """The same update summed over S (odd rounds) and S minus the target (even rounds). Without
+    DP the difference of two committed sums is the target's update. With distributed DP and a
+    budget of two releases on the target, its ledger shows the two releases it joined (rounds 1
+    and 3) and it refuses the third (round 5), which commits without it."""
+    n, rounds, target = 10, 5 if dp else 2, 3
+    updates = _updates(n)
+
+    async def main():
+        async with in_process().whole_system(tmp_path) as s:
+            fleet = s.fleet(updates, seed=1)
+            victim = fleet.devices[target]
+            monkeypatch.setattr(JobRunner, "offer", _attack(victim.device_id))
+            if dp:
+                victim.privacy.budget = _budget_for(2)  # the target's own policy; the others have none
+            job_id = await s.submit(_spec(model_kind, rounds, n, PRIVACY if dp else ""))
+            try:
+                await fleet.run(until=fleet.until_job_done(job_id, every_seconds=0.2))
+            finally:
+                fleet.close()
+            return await s.job(job_id), victim, *_sums(s.coordinator.store, job_id, rounds)
+
+    job, victim, sums, contributors = run(main())
+    assert job.state == common_pb2.JOB_STATE_SUCCEEDED, job.message
+    assert contributors[:2] == [n, n - 1], contributors
+    difference, truth = sums[0] - sums[1], updates[target].shift
+    if not dp:
+        np.testing.assert_allclose(difference, truth, atol=1e-3)  # the target's update, isolated
+        return
+    assert np.linalg.norm(difference - truth) > 10 * np.linalg.norm(truth)  # buried in the noise
+    assert [r.round for r in victim.privacy.releases] == [1, 3], (victim.privacy.releases, victim.stats.failures)
+    assert victim.stats.failures[job.job_id]["privacy_budget_spent"] == 1, victim.stats.failures
+    assert contributors[4] == n - 1, contributors  # round 5 went on without it
+
+
+def _lying(scale_share: float, claim_devices: float | None):
+    """A patched server: each device's noise share scaled by ``scale_share`` while the declared
+    multiplier stays, and the honest devices claimed ``claim_devices`` (None: the field left out)."""
+    honest_public = PrivateServer._public
+
+    def public(self, step):
+        out = honest_public(self, step)
+        params = out[PARAMS].copy()
+        params[4] *= scale_share
+        if claim_devices is None:
+            params = params[:6]
+        else:
+            params[6] = claim_devices
+        return {**out, PARAMS: params}
+
+    return public
+
+
+@pytest.mark.parametrize("lie", ["cohort_and_noise", "missing_field"])
+def test_a_coordinator_lying_about_cohort_or_noise_is_refused_and_never_charged(tmp_path, model_kind,
+                                                                                 monkeypatch, lie):
+    """The server claims 100 times the cohort's honest devices and hands each a tenth of the
+    share (the declared multiplier unchanged), or leaves out the field a device needs to account
+    the step. Devices with a floor refuse before training (the floor: share_mismatch), devices
+    with a budget alone charge only the noise they verified (a tenth, over at most the cohort),
+    never what was declared; a step that cannot be accounted is refused by every device, and
+    nothing of it is sent or charged."""
+    n, wary = 10, 3
+    if lie == "cohort_and_noise":
+        monkeypatch.setattr(PrivateServer, "_public", _lying(0.1, 1000.0))
+    else:
+        monkeypatch.setattr(PrivateServer, "_public", _lying(1.0, None))
+    budget = PrivacyBudget(1e6, DELTA)
+
+    async def main():
+        async with in_process().whole_system(tmp_path) as s:
+            job_id = await s.submit(_spec(model_kind, 1, n + wary, PRIVACY).replace("retries: 3", "retries: 0"))
+            metrics = ClientMetrics()
+            fleets = [s.fleet(_updates(n), seed=1, privacy_budget=budget),
+                      s.fleet(_updates(wary), seed=2, id_prefix="wary", metrics=metrics, privacy_budget=budget,
+                              device_policy=DevicePolicy(min_noise_multiplier=0.5))]
+            try:
+                await asyncio.gather(*(f.run(until=f.until_job_done(job_id, every_seconds=0.2)) for f in fleets))
+            finally:
+                for fleet in fleets:
+                    fleet.close()
+            return await s.job(job_id), fleets, metrics
+
+    job, (trusting, wary_fleet), metrics = run(main())
+    for device in wary_fleet.devices:
+        assert device.privacy.releases == []
+        assert device.stats.contributed == []
+    if lie == "missing_field":
+        for device in trusting.devices:  # (the wary ones refuse it at their floor first)
+            assert device.privacy.releases == [] and device.stats.contributed == []
+            assert "invalid_task" in device.stats.failures[job.job_id]
+        assert job.state == common_pb2.JOB_STATE_FAILED
+        return
+    assert metrics.registry.get_sample_value("tally_client_privacy_checks_total", {"outcome": "share_mismatch"}) >= 1
+    charged = [r for d in trusting.devices for r in d.privacy.releases]
+    assert charged and all(r.noise_multiplier < 0.15 for r in charged)  # about 0.1 * sqrt(10 / 10), not 1.0
