@@ -583,7 +583,7 @@ def test_devices_outside_reach_the_edge_overlay_only_through_an_sni_gateway_with
             client_image, "--coordinator", f"tally-coordinator.{EDGE_DOMAIN}:{port}", "--devices", str(OUTSIDE_DEVICES),
             "--synthetic", "--tls-dir", "/device/tls", "--enrolment-key", "/device/enrolment.key",
             "--audit-token-file", "/device/admin.token", "--json", "/out/fleet.json", "--no-progress",
-            "--metrics-addr", "127.0.0.1", "--metrics-port", "0", "--cache-dir", "/tmp/models").stdout.strip()
+            "--metrics-addr", "127.0.0.1", "--metrics-port", "0").stdout.strip()  # models cached in memory
         code = int(podman("wait", fleet, timeout=600).stdout.strip())
         logs = podman("logs", fleet, check=False)
         assert code == 0, logs.stdout[-3000:] + logs.stderr[-3000:] + coordinator.logs()
