@@ -4,7 +4,9 @@ best, ``metrics``' table (or JSON, CSV) and ``plot``'s curves.
 Every figure here is what the coordinator computed from the devices' metric *sums*
 (``tally.evaluation.summary``; docs/evaluation.md): the mean over devices, a histogram of how
 many devices fall in each accuracy bin, never one device's value. The figures of round r score
-the model the devices *received* in round r (v{r-1}), measured before they trained on it.
+the model the devices *received* in round r (v{r-1}), measured before they trained on it; those
+of a round that only evaluates (``evaluation.final``/``separate``) score the model committed just
+before it.
 
 Kept apart from ``tally.cli.job`` so the job commands' other lines and this one change
 independently.
@@ -21,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from tally.evaluation.summary import HISTOGRAM, histogram, is_quality
+from tally.evaluation.summary import EVALUATION_ONLY, HISTOGRAM, histogram, is_quality
 
 SPARK = "▁▂▃▄▅▆▇█"
 PERSONAL = "personal.accuracy"
@@ -210,9 +212,15 @@ def table(rounds: Sequence[RoundFigures], title: str) -> Any:
     grid.add_column("devices (counts)")
     for r in rounds:
         spreads = histograms(r.metrics)
-        grid.add_row(str(r.round), *(_number(k, r.metrics[k]) if k in r.metrics else "" for k in keys),
+        grid.add_row(round_label(r), *(_number(k, r.metrics[k]) if k in r.metrics else "" for k in keys),
                      *(spark(spreads.get(name, [])) for name in names), counts_line(r.metrics))
     return grid
+
+
+def round_label(r: RoundFigures) -> str:
+    """A round's number, and for a round that only evaluated, the training round it scored."""
+    scored = r.metrics.get(EVALUATION_ONLY)
+    return str(r.round) if scored is None else f"{r.round} (eval of {int(scored)})"
 
 
 # -- tally job plot ------------------------------------------------------------------------------

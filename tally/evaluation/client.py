@@ -176,7 +176,8 @@ class RoundEvaluation:
 
 class EvaluatedClient:
     """``inner`` with federated evaluation: strips the plan from the broadcast, evaluates before the
-    first step, trains on the training view, and adds the metrics to the plan's step."""
+    first step, trains on the training view, and adds the metrics to the plan's step. In a round
+    that only evaluates, the metrics are the whole input and the algorithm's half is not asked."""
 
     def __init__(self, inner: ClientAlgorithm) -> None:
         self.inner = inner
@@ -196,6 +197,9 @@ class EvaluatedClient:
             plan = EvaluationPlan.from_tensor(broadcast[PLAN])
             self._rounds[key] = RoundEvaluation.before_training(plan, plain, device, self.inner, local_state)
         current = self._rounds.get(key)
+        if current is not None and current.plan.only:  # nothing to train: the scores are the input
+            del self._rounds[key]
+            return current.payload(), local_state
         trainer = current.trainer if current is not None else device
         values, state = self.inner.contribute(step, plain, trainer, local_state)
         if current is not None and step == current.plan.step:

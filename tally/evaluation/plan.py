@@ -31,6 +31,7 @@ from tally.codec import Field, Kind, PayloadSchema
 
 PLAN = "eval.plan"  # the broadcast tensor carrying the plan (JSON bytes)
 PREFIX = "metric."  # every metric field of a payload
+EVALUATION_STEP = "evaluation"  # the one step of a round that only evaluates
 BUILT_IN = ("loss", "accuracy", "train_loss", "accuracy_histogram", "personal_accuracy", "domain")
 DEFAULT_METRICS = ("loss", "accuracy", "train_loss", "accuracy_histogram")
 MetricKind = Literal["mean", "count", "histogram"]
@@ -88,6 +89,8 @@ class EvaluationPlan:
     # counted, not noised) and the noise falls on the numerators alone.
     device_weighted: bool = False
     step: str = ""
+    # An evaluation-only round (``EVALUATION_STEP``): the device scores the model and trains nothing.
+    only: bool = False
     # The model a device evaluates: the broadcast tensors ``model`` are the parameters ``model_names``
     # (an algorithm may broadcast its model under other names, AgnosticFedAvg's ``model.*``).
     model: tuple[str, ...] = field(default=())
@@ -148,6 +151,15 @@ class EvaluationPlan:
     def clip_capacity(self) -> int:
         """The most metric values one device can have clipped (one per scalar it reports)."""
         return 4 + 3 * max(self.domains, 1) + len(self.custom) + 4
+
+    def evaluation_only(self) -> EvaluationPlan:
+        """The plan of a round that only evaluates: no training, so no training loss."""
+        return replace(self, only=True, step=EVALUATION_STEP,
+                       metrics=tuple(m for m in self.metrics if m != "train_loss"))
+
+    def schema(self) -> PayloadSchema:
+        """The metric fields alone, as a round that only evaluates sums them."""
+        return PayloadSchema(self.fields())
 
     def extend(self, schema: PayloadSchema) -> PayloadSchema:
         """``schema`` with the metric fields after its own, their fixed point no wider than the

@@ -18,7 +18,7 @@ import numpy as np
 
 from tally.algorithms.base import Arrays, ServerAlgorithm, StepSpec
 from tally.codec import Kind
-from tally.evaluation.plan import PLAN, PREFIX, EvaluationPlan, split_total
+from tally.evaluation.plan import EVALUATION_STEP, PLAN, PREFIX, EvaluationPlan, split_total
 from tally.evaluation.summary import quality
 
 # Under DP the metrics share the update's L2 ball: together they may take this share of it (each
@@ -45,11 +45,14 @@ def broadcast_keys(model: Arrays, broadcast: Arrays) -> tuple[tuple[str, ...], t
 
 class EvaluatedServer:
     """``inner`` with a round's federated evaluation. ``due``: whether this round evaluates (the
-    runner sets it from ``evaluate_every``); devices hold out their examples in every round."""
+    runner sets it from ``evaluate_every``); devices hold out their examples in every round.
+    ``only``: the round only evaluates (one step, ``EVALUATION_STEP``, summing the metric fields
+    alone; the algorithm's state is left as it is)."""
 
     def __init__(self, inner: ServerAlgorithm, plan: EvaluationPlan) -> None:
         self.inner, self.plan = inner, plan
         self.due = True
+        self.only = False
         self.round_quality: dict[str, float] = {}
 
     def __getattr__(self, attr: str) -> Any:  # options, num_clients, broadcast_to ... of the algorithm
@@ -61,10 +64,10 @@ class EvaluatedServer:
     def name(self) -> str:
         return self.inner.name
 
-    def evaluate_round(self, due: bool) -> None:
-        """Whether the coming round carries the metrics (a method, so it reaches this wrapper
-        through DP's, which forwards what it does not have)."""
-        self.due = due
+    def evaluate_round(self, due: bool, only: bool = False) -> None:
+        """Whether the coming round carries the metrics, and whether it does nothing else (a
+        method, so it reaches this wrapper through DP's, which forwards what it does not have)."""
+        self.due, self.only = due or only, only
         self.round_quality = {}
 
     def init(self, params: Arrays) -> Any:
@@ -78,6 +81,8 @@ class EvaluatedServer:
         return next(s.name for s in reversed(steps) if not s.reveal)
 
     def steps(self, state: Any) -> list[StepSpec]:
+        if self.only:
+            return [StepSpec(EVALUATION_STEP, self.plan.evaluation_only().schema())]
         steps = self.inner.steps(state)
         if not self.due:
             return steps
@@ -85,19 +90,23 @@ class EvaluatedServer:
         return [replace(s, schema=self.plan.extend(s.schema)) if s.name == target else s for s in steps]
 
     def broadcast(self, state: Any, step: str) -> Arrays:
-        out = self.inner.broadcast(state, step)
         steps = self.inner.steps(state)
-        if step != steps[0].name:
-            return out
+        if self.only:  # what a training round's devices would receive: the model to score
+            out = self.inner.broadcast(state, steps[0].name)
+            plan = self.plan.evaluation_only()
+        else:
+            out = self.inner.broadcast(state, step)
+            if step != steps[0].name:
+                return out
+            plan = replace(self.plan, step=self.carrier(steps) if self.due else "")
         names, keys = broadcast_keys(self.inner.model(state), out)
-        plan = replace(self.plan, step=self.carrier(steps) if self.due else "", model=keys, model_names=names)
-        return {**out, PLAN: plan.tensor()}
+        return {**out, PLAN: replace(plan, model=keys, model_names=names).tensor()}
 
     def apply(self, state: Any, step: str, total: Mapping[str, np.ndarray]) -> Any:
         own, metrics = split_total(total)
         if metrics:
             self.round_quality = quality(self.plan, metrics)
-        return self.inner.apply(state, step, own)
+        return state if self.only else self.inner.apply(state, step, own)
 
     def privacy_roles(self) -> dict[str, Any]:
         """How DP treats each metric field: a bound (the field enters the joint clip in its units),

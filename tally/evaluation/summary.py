@@ -16,6 +16,8 @@ from tally.evaluation.plan import EvaluationPlan
 
 KEY_PREFIXES = ("eval.", "train.", "personal.", "custom.")
 HISTOGRAM = "eval.accuracy_hist."
+# In the figures of a round that only evaluates: the training round whose model it scored.
+EVALUATION_ONLY = "evaluation_only.of_round"
 
 
 def is_quality(key: str) -> bool:

@@ -63,11 +63,13 @@ def _job(secure: Any, rounds: int, cohort_size: int, min_cohort: int) -> dict[st
             "dropout_rate": secure.dropout_rate, "corrupt_rate": secure.corrupt_rate}
 
 
-def private_job_server(server: Any, spec: Any) -> Any:
-    """A job's server half, wrapped with its ``privacy:`` section when it has one."""
+def private_job_server(server: Any, spec: Any, rounds: int | None = None) -> Any:
+    """A job's server half, wrapped with its ``privacy:`` section when it has one. ``rounds``: all
+    the job's rounds when some only evaluate (each then counts as a training round's sums when a
+    target epsilon is calibrated: never fewer releases than it makes, so the target holds)."""
     if spec.privacy is None:
         return server
-    job = _job(spec.secure, spec.rounds, spec.cohort_size, spec.min_cohort)
+    job = _job(spec.secure, spec.rounds if rounds is None else rounds, spec.cohort_size, spec.min_cohort)
     return PrivateServer(server, spec.algorithm, settings_for(spec.privacy, **job))
 
 

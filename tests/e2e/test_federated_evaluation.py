@@ -8,9 +8,11 @@ from __future__ import annotations
 
 import logging
 
+import numpy as np
 import pytest
 
 from support.stack import HIDDEN, in_process, run, scrape_text, spec, trainers
+from tally.evaluation.summary import EVALUATION_ONLY
 from tally.models.mlp import mlp
 from tally.training import TorchTrainer
 from tally.wire.v1 import common_pb2
@@ -88,3 +90,65 @@ def test_a_job_asking_a_metric_its_devices_cannot_compute_fails_at_once_naming_i
     job = run(main())
     assert job.state == common_pb2.JOB_STATE_FAILED and job.committed_round == 0
     assert "metric_unavailable" in job.message and "confidence" in job.message
+
+
+class CountsTraining(TorchTrainer):
+    """Records the model each ``train`` call starts from (views share the list)."""
+
+    def __init__(self, *args, seen: list, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.seen = seen
+
+    def train(self, params, epochs, lr, batch_size):
+        self.seen.append(sum(float(np.asarray(v, np.float64).sum()) for v in params.values()))
+        return super().train(params, epochs, lr, batch_size)
+
+
+def test_a_final_evaluation_round_scores_the_final_model_with_no_training(tmp_path):
+    """``evaluation: {final: true}``: after the last training round one more round is selected,
+    summed and committed in which the devices only score the final model. Its figures are the
+    in-process evaluation of that model over the same devices, the model is unchanged, and no
+    device trains."""
+    from support.jobs import reference_halves
+    from tally import modelio
+
+    seen: list[float] = []
+    base, _ = trainers(N)
+    devices = [CountsTraining(lambda: mlp(64, 10, hidden=HIDDEN, seed=0), d.features.numpy(), d.labels.numpy(),
+                              seed=i, seen=seen) for i, d in enumerate(base)]
+    final = "evaluation: {final: true}\n"
+
+    async def main():
+        async with in_process().whole_system(tmp_path) as s:
+            job_id, _ = await s.run_job(spec("final", ROUNDS, cohort=N) + final, devices)
+            store = s.coordinator.store
+            models = [modelio.deserialize(store.read_blob(store.model_version(job_id, r).model_digest))
+                      for r in (ROUNDS, ROUNDS + 1)]
+            return await s.job(job_id), await s.round_metrics(job_id), models
+
+    job, figures, (trained, scored) = run(main())
+    assert job.state == common_pb2.JOB_STATE_SUCCEEDED, job.message
+    assert job.committed_round == ROUNDS + 1 and job.rounds == ROUNDS + 1
+    assert sorted(figures) == list(range(1, ROUNDS + 2))
+    last = figures[ROUNDS + 1]
+    assert last[EVALUATION_ONLY] == ROUNDS and all(EVALUATION_ONLY not in figures[r] for r in range(1, ROUNDS + 1))
+    assert "train.loss" not in last and "train.loss" in figures[ROUNDS]
+    assert all(np.array_equal(trained[k], scored[k]) for k in trained)  # the model is the final one, unchanged
+    # Every device trained once per training round (all N are each round's cohort), never on the final model.
+    final_sum = sum(float(np.asarray(v, np.float64).sum()) for v in scored.values())
+    assert len(seen) == N * ROUNDS and final_sum not in seen
+
+    # The same devices scoring the same model in process, through the same halves.
+    server, client = reference_halves("fedavg", {"local_epochs": 1, "local_lr": 0.1, "batch_size": 16}, extra=final)
+    state = server.init(scored)
+    server.evaluate_round(True, only=True)
+    [step] = server.steps(state)
+    broadcast = server.broadcast(state, step.name)
+    inputs = [client.contribute(step.name, broadcast, d, None)[0] for d in devices]
+    server.apply(state, step.name, {k: sum(i[k] for i in inputs) for k in inputs[0]})
+    expected = server.round_quality
+    assert last["eval.devices"] == N and last["eval.examples"] == expected["eval.examples"]
+    for key in ("eval.loss", "eval.accuracy"):
+        assert abs(last[key] - expected[key]) < 1e-3, key
+    hist = sorted(k for k in expected if k.startswith("eval.accuracy_hist."))
+    assert hist and [last[k] for k in hist] == [expected[k] for k in hist]

@@ -93,3 +93,17 @@ def test_status_still_works_against_a_coordinator_without_job_metrics(capsys):
     assert shown["job_id"] == "j" and shown["quality"] is None
     with pytest.raises(grpc.RpcError):  # `tally job metrics` has nothing to show: the error is its answer
         job._metrics(_OlderCoordinator(), argparse.Namespace(job_id="j", json=True, csv=False, timeout=5.0), ())
+
+
+def test_a_round_that_only_evaluated_is_labelled_with_the_round_it_scored(capsys):
+    from rich.console import Console
+
+    from tally.evaluation.summary import EVALUATION_ONLY
+
+    rounds = [RoundFigures(2, "", {"train.loss": 0.4, "eval.accuracy": 0.7}),
+              RoundFigures(3, "", {"eval.accuracy": 0.8, EVALUATION_ONLY: 2.0})]
+    assert [quality.round_label(r) for r in rounds] == ["2", "3 (eval of 2)"]
+    Console(width=120).print(quality.table(rounds, "t"))
+    out = capsys.readouterr().out
+    assert "3 (eval of 2)" in out and EVALUATION_ONLY not in out
+    assert quality.summary(rounds)["best"]["eval.accuracy"] == {"value": 0.8, "round": 3}

@@ -203,3 +203,65 @@ def test_a_job_evaluates_by_default_and_enabled_false_turns_it_off():
     assert plan is not None and "personal_accuracy" in plan.metrics  # a personalised algorithm's default
     assert plan_for(parse(base + "evaluation: null\n")) == plan  # null is the default, as for every section
     assert plan_for(parse(base + "evaluation: {enabled: false}\n")) is None
+
+
+def _evaluate_only(outer, evaluated: EvaluatedServer, device_half, devices: list, state, sum_fn=plain_sum):
+    """One round that only evaluates, as the coordinator runs it: its one step, summed."""
+    evaluated.evaluate_round(True, only=True)
+    [step] = outer.steps(state)
+    broadcast = outer.broadcast(state, step.name)
+    inputs = {d: device_half.contribute(step.name, broadcast, device, None)[0] for d, device in enumerate(devices)}
+    total, _ = sum_fn(99, step, inputs)
+    return outer.apply(state, step.name, total), dict(evaluated.round_quality), step
+
+
+def test_a_round_that_only_evaluates_scores_the_model_it_is_given_and_trains_nothing():
+    plan = EvaluationPlan(holdout=0.25)
+    trained: list[int] = []
+
+    class Counting(TorchTrainer):
+        def train(self, params, epochs, lr, batch_size):
+            trained.append(1)
+            return super().train(params, epochs, lr, batch_size)
+
+    server, client = algorithms.make("fedavg", {"local_epochs": 1})
+    evaluated = EvaluatedServer(server, plan)
+    devices = _devices(Counting)
+    state, _ = run_rounds(evaluated, EvaluatedClient(client), devices, get_params(_factory()), 1, N, plain_sum)
+    model = evaluated.model(state)
+    trained.clear()
+    after, figures, step = _evaluate_only(evaluated, evaluated, EvaluatedClient(client), devices, state)
+    assert not trained  # no device trained
+    assert after is state  # the algorithm's state is left as it was
+    assert {f.name for f in step.schema.fields} == {f.name for f in plan.evaluation_only().fields()}
+    assert PREFIX + "train_loss" not in {f.name for f in step.schema.fields} and "train.loss" not in figures
+    # Oracle: each device's held-out view scoring the model directly.
+    own = []
+    for d in devices:
+        _, held = d.held_out(plan.holdout, plan.seed)
+        loss, accuracy = held.evaluate(model)
+        own.append((min(held.num_examples, plan.example_cap) / plan.example_cap, loss, accuracy))
+    w = np.array([o[0] for o in own])
+    assert figures["eval.devices"] == N
+    assert abs(figures["eval.loss"] - np.dot(w, [o[1] for o in own]) / w.sum()) < 1e-9
+    assert abs(figures["eval.accuracy"] - np.dot(w, [o[2] for o in own]) / w.sum()) < 1e-9
+
+
+def test_under_dp_a_round_that_only_evaluates_is_one_more_release_of_the_metrics_alone():
+    plan = EvaluationPlan(device_weighted=True)
+    settings = PrivacySettings("central", clip=1.0, noise_multiplier=1.0, delta=1e-5, cohort_size=N)
+    outer, state, _ = _run(plan, _devices(), rounds=2, settings=settings)
+    evaluated = outer.inner
+    device_half = PrivateClient(EvaluatedClient(algorithms.make("fedavg", {"example_cap": 1})[1]), 0.0, N)
+    sum_fn = RingSum(outer)
+    outer.evaluate_round(True, only=True)  # reaches the evaluation through DP's wrapper
+    [step] = outer.steps(state)
+    broadcast = outer.broadcast(state, step.name)
+    assert {k[len(FIELD_PREFIX):] for k in broadcast if k.startswith(FIELD_PREFIX)} >= {"metric.loss",
+                                                                                        "metric.accuracy"}
+    inputs = {d: device_half.contribute(step.name, broadcast, device, None)[0] for d, device in enumerate(_devices())}
+    total, _ = sum_fn(2, step, inputs)  # accounted as it is decoded
+    assert outer.apply(state, step.name, total) is state
+    assert "eval.loss" in evaluated.round_quality and "eval.examples" not in evaluated.round_quality
+    # Two training releases and this one, as the accountant computes three at this noise.
+    assert outer.ledger.epsilon == pytest.approx(epsilon_of(1.0, 3, 1e-5))

@@ -7,6 +7,7 @@ state directory can operate it and nobody else (devices' tokens are refused).
 
 from __future__ import annotations
 
+import functools
 import hmac
 import logging
 from collections.abc import AsyncIterator, Mapping
@@ -21,6 +22,7 @@ from tally.coordinator.faces.admin_token import ADMIN_TOKEN_FILE, load_or_create
 from tally.coordinator.rounds.active_jobs import ActiveJobs
 from tally.coordinator.rounds.cohort_risk import cohort_warnings
 from tally.coordinator.spec import jobspec
+from tally.coordinator.spec.evaluation_spec import schedule_of
 from tally.coordinator.state.events import TERMINAL_STATES, event_to_proto, job_state, round_phase, timestamp
 from tally.coordinator.state.store import JobRecord, Store
 from tally.security import AuthError, token_from_metadata
@@ -46,6 +48,16 @@ def integral(value: Any) -> Any:
     return value
 
 
+
+@functools.lru_cache(maxsize=256)
+def rounds_of(spec_yaml: str) -> int:
+    """A job's rounds in all, its evaluation-only ones counted (a stored spec was valid when
+    submitted; one this coordinator no longer reads shows its training rounds)."""
+    try:
+        return schedule_of(jobspec.parse(spec_yaml)).total
+    except ValueError:
+        return int(yaml.safe_load(spec_yaml)["rounds"])
+
 class AdminService(admin_pb2_grpc.AdminServicer):
     def __init__(self, jobs: ActiveJobs, store: Store, admin_token: str) -> None:
         self.jobs, self.store = jobs, store
@@ -66,7 +78,7 @@ class AdminService(admin_pb2_grpc.AdminServicer):
             state=job_state(record.state), committed_round=record.committed_round,
             round=record.committed_round, spec_yaml=record.spec_yaml, message=record.message,
             created_at=timestamp(record.created_at), updated_at=timestamp(record.updated_at),
-            rounds=int(yaml.safe_load(record.spec_yaml)["rounds"]),
+            rounds=runner.schedule.total if runner is not None else rounds_of(record.spec_yaml),
         )
         if runner is not None:
             out.round, out.phase, out.step = runner.round, round_phase(runner.phase), runner.step

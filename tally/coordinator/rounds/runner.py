@@ -70,11 +70,12 @@ from tally.coordinator.rounds.reveals import RevealOutOfPhase
 from tally.coordinator.rounds.step_answers import StepAnswers
 from tally.coordinator.rounds.task_reports import Recorded, TaskReportBook
 from tally.coordinator.spec import catalogue
-from tally.coordinator.spec.evaluation_spec import evaluated_job_server
+from tally.coordinator.spec.evaluation_spec import evaluated_job_server, schedule_of
 from tally.coordinator.spec.jobspec import JobSpec
 from tally.coordinator.state.events import EventHub
 from tally.coordinator.state.store import LeadershipLost, RoundRecord, Store
 from tally.evaluation.plan import PREFIX as METRIC_PREFIX
+from tally.evaluation.summary import EVALUATION_ONLY
 from tally.privacy import metrics as privacy_metrics
 from tally.privacy.spec import private_job_server
 from tally.secagg.phases import Phase as SecAggPhase
@@ -147,10 +148,13 @@ class JobRunner:
         self.ctx, self.seq, self.job_id, self.spec = ctx, seq, job_id, spec
         self._on_done = on_done
         self.resumed = resumed
+        # Its rounds: the training ones, and those that only evaluate (``evaluation.final/separate``).
+        self.schedule = schedule_of(spec)
         # A job with a privacy: section releases noisy sums only (tally/privacy).
         # It measures model quality on the devices (tally/evaluation) unless its evaluation is off.
         self.server = private_job_server(
-            evaluated_job_server(catalogue.make_server(spec.algorithm, spec.options), spec), spec)
+            evaluated_job_server(catalogue.make_server(spec.algorithm, spec.options), spec), spec,
+            rounds=self.schedule.total)
         self.algorithm_version = required_version(spec.algorithm)
         self.ledger = getattr(self.server, "ledger", None)
         if self.ledger is not None:
@@ -271,7 +275,7 @@ class JobRunner:
         planner = self.planner
         if planner is None or planner.phase in (Phase.SELECTION, Phase.FAILED):
             return True
-        return planner.phase is Phase.DONE and self.round < self.spec.rounds
+        return planner.phase is Phase.DONE and self.round < self.schedule.total
 
     def hold_for_next(self, device_id: str, ledger_id: str = "") -> bool:
         """Whether ``device_id``, turned away by ``offer`` while an attempt aggregates, is held
@@ -331,7 +335,7 @@ class JobRunner:
             ctx.store.set_job_state(self.job_id, "RUNNING", ctx.clock())
             ctx.events.publish(self.job_id, round=self.committed, state="RUNNING",
                                message=self._resumed(interrupted) if self.resumed else "running")
-            while self.committed < self.spec.rounds:  # the last commit marks the job SUCCEEDED
+            while self.committed < self.schedule.total:  # the last commit marks the job SUCCEEDED
                 state = await self._round(state)
             logs.event(log, "job succeeded", job_id=self.job_id, rounds=self.committed)
         except asyncio.CancelledError:
@@ -402,7 +406,9 @@ class JobRunner:
         ctx.metrics.current_round.labels(job_id=self.job_id).set(round_)
         evaluate_round = getattr(self.server, "evaluate_round", None)  # a job without evaluation has none
         if evaluate_round is not None and spec.evaluation is not None:
-            evaluate_round(spec.evaluation.due(round_, spec.rounds))
+            schedule = self.schedule
+            evaluate_round(spec.evaluation.due(schedule.training_round(round_), spec.rounds),
+                           only=schedule.only_evaluates(round_))
         steps = self.server.steps(state)
         if any(s.personal or s.reveal for s in steps):
             self.silo_limit = int(self.server.options.num_clients)
@@ -490,7 +496,7 @@ class JobRunner:
         ctx = self.ctx
         self.attempt = attempt
         planner = RoundPlanner(
-            self.spec, steps, ctx.clock(), extensions=budget,
+            self._round_spec(round_), steps, ctx.clock(), extensions=budget,
             attempt_key=f"r{round_}a{attempt}-{secrets.token_hex(4)}",
             expected_round_s=self.expected_round_s, rng=ctx.rng,
             excluded=ctx.store.seated(self.job_id, round_), convicted=ctx.store.convicted(self.job_id),
@@ -513,7 +519,7 @@ class JobRunner:
                 await self.sessions.open(planner, round_, attempt, steps)
                 ctx.metrics.devices_selected.inc(len(planner.seats))
                 self._deliver(planner, self.answers, round_, blob)
-            if round_ < self.spec.rounds:  # the next round's selection can start filling now
+            if round_ < self.schedule.total:  # the next round's selection can start filling now
                 self.holds.open_waiting_room(self.spec.selection_target)
             metrics = {
                 "selected": float(len(planner.seats)),
@@ -524,6 +530,8 @@ class JobRunner:
                 state = await self._run_step(planner, self.answers, k, step, state, metrics)
             # The metric sums of the round's last step, as tally/evaluation read them.
             metrics.update(getattr(self.server, "round_quality", {}))
+            if self.schedule.only_evaluates(round_):
+                metrics[EVALUATION_ONLY] = float(self.schedule.training_round(round_))
             await self.sessions.close("round complete")
             return state, metrics
         except AttemptFailed as exc:
@@ -537,6 +545,13 @@ class JobRunner:
             self.holds.release_selection(f"round attempt failed: {exc}")
             await self.sessions.close(f"round attempt failed: {exc}")
             raise
+
+    def _round_spec(self, round_: int) -> JobSpec:
+        """The spec a round selects by: an evaluation-only round's cohort may be sized apart."""
+        e = self.spec.evaluation
+        if not self.schedule.only_evaluates(round_) or e is None or e.cohort_size is None:
+            return self.spec
+        return self.spec.model_copy(update={"cohort_size": e.cohort_size})
 
     def _set_phase(
         self, phase: str, step: str, message: str = "", metrics: Mapping[str, float] | None = None
@@ -647,7 +662,7 @@ class JobRunner:
         metrics["duration_seconds"] = duration
         if self.ledger is not None:
             metrics.update(self.ledger.commit())
-        final = round_ == self.spec.rounds
+        final = round_ == self.schedule.total
         with ctx.metrics.commit_lag.time():
             version = await self.checkpoints.write(round_, state)
             ctx.store.commit_round(version, attempt, metrics, final=final)
@@ -663,7 +678,7 @@ class JobRunner:
         self.phase, self.step = "COMMITTED", ""
         ctx.events.publish(
             self.job_id, round=round_, phase="COMMITTED", state="SUCCEEDED" if final else "RUNNING",
-            message=f"round {round_} of {self.spec.rounds} committed", metrics=metrics,
+            message=f"{self.schedule.describe(round_)} committed", metrics=metrics,
         )
         logs.event(log, "round committed", job_id=self.job_id, round=round_, attempt=attempt, metrics=metrics)
 

@@ -2,10 +2,19 @@
 examples, as secure sums (``tally.evaluation``). On by default with the metrics that fit the
 algorithm: a personalised one adds the personal model's accuracy, a domain one per-domain loss
 and accuracy. ``evaluation: {enabled: false}`` turns it off (a null key means the default, as
-for every section)."""
+for every section).
+
+Besides the training rounds' own evaluation (of the model each device receives, before it
+trains), a job may ask for rounds that only evaluate: ``final`` scores the final model after the
+last training round, ``separate`` scores the model just committed after every ``every``-th one
+(Flower's ``fraction_evaluate``). Such a round is a round like any other for the coordinator
+(its own selection, seats, ledgers, sum and commit, with the model unchanged), so it is numbered
+in the job's sequence; ``RoundSchedule`` says which numbers train and which only evaluate.
+"""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -51,8 +60,54 @@ class EvaluationSpec(BaseModel):
     loss_bound: float = Field(10.0, gt=0, description="a device's mean loss is clipped to [0, loss_bound]")
     example_cap: int = Field(1000, ge=1, description="held-out examples at which a device's weight stops growing")
 
+    final: bool = Field(False, description="after the last training round, one more round in which a cohort of "
+                        "devices only scores the final model on its held-out examples (no training)")
+    separate: bool = Field(False, description="after every `every`-th training round (and the last), a round in "
+                           "which a cohort of devices only scores the model just committed (Flower's "
+                           "fraction_evaluate); implies final")
+    cohort_size: int | None = Field(None, ge=2, description="devices of an evaluation-only round (default: the "
+                                    "job's cohort_size; at least its min_cohort; under DP, equal to cohort_size)")
+
     def due(self, round_: int, rounds: int) -> bool:
         return round_ % self.every == 0 or round_ == rounds
+
+
+@dataclass(frozen=True)
+class RoundSchedule:
+    """A job's rounds in order: ``training`` training rounds, and after some of them a round that
+    only evaluates (numbered in the same sequence: ``evaluation_only``)."""
+
+    training: int
+    evaluation_only: frozenset[int] = frozenset()
+
+    @property
+    def total(self) -> int:
+        return self.training + len(self.evaluation_only)
+
+    def only_evaluates(self, round_: int) -> bool:
+        return round_ in self.evaluation_only
+
+    def training_round(self, round_: int) -> int:
+        """The training rounds done by the end of ``round_`` (an evaluation-only round's is the
+        round whose model it scores)."""
+        return round_ - sum(1 for r in self.evaluation_only if r <= round_)
+
+    def describe(self, round_: int) -> str:
+        """``round_`` as the coordinator's events name it."""
+        if self.only_evaluates(round_):
+            return f"round {round_} of {self.total} (evaluation only: the model of training round " \
+                   f"{self.training_round(round_)})"
+        return f"round {round_} of {self.total}"
+
+
+def schedule_of(spec: Any) -> RoundSchedule:
+    """The job's rounds: its ``rounds`` training rounds and the evaluation-only rounds its
+    ``evaluation`` section asks for (none when it evaluates nothing)."""
+    e = spec.evaluation
+    if e is None or not (e.final or e.separate) or plan_for(spec) is None:
+        return RoundSchedule(spec.rounds)
+    after = [t for t in range(1, spec.rounds + 1) if t == spec.rounds or (e.separate and t % e.every == 0)]
+    return RoundSchedule(spec.rounds, frozenset(t + k + 1 for k, t in enumerate(after)))
 
 
 # Algorithms whose model is no classifier to score (FedEvg's is a synthetic dataset): no metric by default.

@@ -460,6 +460,9 @@ def _check_relations(raw: Mapping[str, Any], valid: dict[str, Any], errors: list
     evaluation = valid.get("evaluation")
     if evaluation is not None and None not in (algorithm, options, model):
         _check_evaluation(algorithm, options, model, evaluation, errors)
+    if evaluation is not None:
+        _check_evaluation_rounds(evaluation, cohort, min_cohort, "privacy" in raw and raw["privacy"] is not None,
+                                 errors)
     privacy = valid.get("privacy")
     if privacy is not None and None not in (algorithm, options, model, secure, min_cohort) and "rounds" in valid:
         job = _Evaluated(algorithm, options, model, evaluation)
@@ -489,11 +492,35 @@ def _check_evaluation(algorithm: str, options: Mapping[str, Any], model: ModelSp
     except ValueError as exc:
         errors.append(f"evaluation: {exc}")
         return
+    if plan is None and evaluation.enabled and (evaluation.final or evaluation.separate):
+        errors.append(f"evaluation.{'final' if evaluation.final else 'separate'}: {algorithm} measures no metric by "
+                      "default, so an evaluation-only round would sum nothing (name its metrics or custom ones)")
     if plan is not None and "personal_accuracy" in plan.metrics and algorithm in algorithms.NAMES:
         _, client = algorithms.make(algorithm, options)
         if not isinstance(client, PersonalisedClient):
             errors.append(f"evaluation.metrics: personal_accuracy needs a personalised algorithm (lg_fedavg, "
                           f"superfed); {algorithm} keeps no personal model")
+
+
+def _check_evaluation_rounds(evaluation: EvaluationSpec, cohort: int | None, min_cohort: int | None,
+                             private: bool, errors: list[str]) -> None:
+    """The evaluation-only rounds' settings against the job's: a round that evaluates nothing, a
+    cohort it never selects, or one the job's secure or DP settings were not planned for."""
+    rounds = evaluation.final or evaluation.separate
+    if rounds and not evaluation.enabled:
+        which = "final" if evaluation.final else "separate"
+        errors.append(f"evaluation.{which}: evaluation-only rounds need evaluation enabled (enabled: false)")
+    size = evaluation.cohort_size
+    if size is None:
+        return
+    if not rounds:
+        errors.append("evaluation.cohort_size: sizes the evaluation-only rounds, and neither final nor separate "
+                      "asks for any")
+    if min_cohort is not None and size < min_cohort:
+        errors.append(f"evaluation.cohort_size: {size} is below min_cohort {min_cohort}")
+    if private and cohort is not None and size != cohort:
+        errors.append(f"evaluation.cohort_size: {size} differs from cohort_size {cohort}; a private job's noise is "
+                      "planned over cohort_size devices, so its evaluation-only rounds select as many")
 
 
 def _check_adaptation(raw: Mapping[str, Any], adaptation: AdaptationSpec, model: ModelSpec | None,
