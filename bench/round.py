@@ -46,6 +46,7 @@ from secagg_engine import machine_info
 
 from tally.aggregator import AggregatorService
 from tally.coordinator.service import CoordinatorService
+from tally.coordinator.spec.evaluation_spec import schedule_of
 from tally.coordinator.spec.jobspec import parse
 from tally.loadtest import DropoutPlan, Fleet
 from tally.secagg import DevicePolicy
@@ -67,12 +68,14 @@ class DeltaTrainer:
     def __init__(self, seed: int, examples: int = 32) -> None:
         self._rng = np.random.default_rng(seed)
         self._examples = examples
+        self.trained_at: list[float] = []  # wall-clock time of each train call (the store's clock)
 
     @property
     def num_examples(self) -> int:
         return self._examples
 
     def train(self, params: Mapping[str, np.ndarray], epochs: int, lr: float, batch_size: int):
+        self.trained_at.append(time.time())
         updated = {
             k: (v + lr * self._rng.standard_normal(v.shape, dtype=np.float32) * 1e-2).astype(np.float32)
             for k, v in params.items()
@@ -83,8 +86,10 @@ class DeltaTrainer:
         return 0.0, 0.0
 
 
-# mode -> (plain sum, federated evaluation)
-MODES = {"secure": (False, True), "plain": (True, True), "secure_without_evaluation": (False, False)}
+# mode -> (plain sum, the job's evaluation section)
+MODES = {"secure": (False, ""), "plain": (True, ""), "secure_without_evaluation": (False, "{enabled: false}"),
+         # after each training round, a round whose cohort only evaluates the model just committed
+         "secure_evaluation_rounds": (False, "{separate: true}")}
 
 
 def model_shape(dim: int) -> tuple[int, int]:
@@ -93,7 +98,7 @@ def model_shape(dim: int) -> tuple[int, int]:
     return hidden, 3 * hidden + 1
 
 
-def job_spec(args: argparse.Namespace, name: str, plain: bool, evaluation: bool = True) -> str:
+def job_spec(args: argparse.Namespace, name: str, plain: bool, evaluation: str = "") -> str:
     hidden, _ = model_shape(args.dim)
     d = args.deadline
     threat_dropout = min(0.4, max(0.1, 1.5 * args.dropout))
@@ -111,7 +116,7 @@ def job_spec(args: argparse.Namespace, name: str, plain: bool, evaluation: bool 
         f"secure: {{dropout_rate: {threat_dropout}, corrupt_rate: 0.05, plain: {str(plain).lower()}}}",
         f"deadlines: {{checkin: {d}, download: {d}, advertise_keys: {d}, share_keys: {d}, "
         f"masked_input: {d}, unmask: {d}}}",
-        *([] if evaluation else ["evaluation: {enabled: false}"]),
+        *([f"evaluation: {evaluation}"] if evaluation else []),
         "",
     ])
 
@@ -142,7 +147,8 @@ def phase_means(before: dict, after: dict) -> dict[str, float]:
 async def run_mode(args: argparse.Namespace, coordinator: CoordinatorService,
                    aggregators: list[AggregatorService], mode: str) -> dict:
     plain, evaluation = MODES[mode]
-    job_id = coordinator.jobs.submit(parse(job_spec(args, f"bench-{mode}", plain, evaluation)))
+    spec = parse(job_spec(args, f"bench-{mode}", plain, evaluation))
+    job_id = coordinator.jobs.submit(spec)
     trainers = [DeltaTrainer(seed=i) for i in range(args.devices)]
     # The same devices in both modes: same ids, same seeds, same dropout draws.
     fleet = Fleet(f"127.0.0.1:{coordinator.port}", PLAINTEXT, trainers, seed=args.seed,
@@ -157,8 +163,12 @@ async def run_mode(args: argparse.Namespace, coordinator: CoordinatorService,
     fleet.close()
     rows = [r for r in coordinator.store.rounds(job_id) if r.state == "committed"]
     record = coordinator.store.job(job_id)
-    per_round = [r.finished_at - r.started_at for r in sorted(rows, key=lambda r: r.round)]
-    device_rounds = args.devices * args.rounds
+    only = schedule_of(spec).evaluation_only
+    training = sorted((r for r in rows if r.round not in only), key=lambda r: r.round)
+    per_round = [r.finished_at - r.started_at for r in training]
+    device_rounds = args.devices * len(rows)
+    trained = [t for d in trainers for t in d.trained_at]
+    evaluation_rows = [r for r in rows if r.round in only]
     return {
         "mode": mode,
         "job_id": job_id,
@@ -172,6 +182,11 @@ async def run_mode(args: argparse.Namespace, coordinator: CoordinatorService,
         "sessions_completed": stats.sessions_completed,
         "dropouts": stats.dropouts,
         "wall_s": wall,
+        # Rounds that only evaluate: their time, and the training done while they ran (none is due).
+        "evaluation_rounds_s": [r.finished_at - r.started_at for r in sorted(evaluation_rows, key=lambda r: r.round)],
+        "train_calls": len(trained),
+        "train_calls_in_evaluation_rounds": sum(1 for t in trained for r in evaluation_rows
+                                                if r.started_at <= t <= r.finished_at),
     }
 
 
@@ -192,6 +207,8 @@ async def run_all(args: argparse.Namespace) -> dict:
                 modes = ["plain"]
             elif args.evaluation_overhead:
                 modes = ["secure_without_evaluation", "secure"]
+            elif args.evaluation_rounds:
+                modes = ["secure", "secure_evaluation_rounds"]
             else:
                 modes = ["secure", "plain"]
             return {mode: await run_mode(args, coordinator, aggregators, mode) for mode in modes}
@@ -213,8 +230,18 @@ def summarise(args: argparse.Namespace, modes: dict, wall: float) -> dict:
         evaluation = {"round_ratio": secure["round_s"] / bare["round_s"], "target_round_ratio": 1.10,
                       "extra_bytes_up_per_device": secure["bytes_up_per_device"] - bare["bytes_up_per_device"],
                       "target_extra_bytes_up": 1000}
+    separate = modes.get("secure_evaluation_rounds")
+    evaluation_rounds = None
+    if separate and separate["evaluation_rounds_s"] and separate["round_s"]:
+        evaluation_s = statistics.median(separate["evaluation_rounds_s"])
+        evaluation_rounds = {"evaluation_round_s": evaluation_s, "training_round_s": separate["round_s"],
+                             "round_ratio": evaluation_s / separate["round_s"],
+                             "train_calls": separate["train_calls"],
+                             "train_calls_in_evaluation_rounds": separate["train_calls_in_evaluation_rounds"],
+                             "target_train_calls_in_evaluation_rounds": 0}
     return {
         "evaluation_overhead": evaluation,
+        "evaluation_rounds": evaluation_rounds,
         "devices": args.devices,
         "dim": dim,
         "dim_requested": args.dim,
@@ -263,6 +290,11 @@ def print_report(console: Console, s: dict) -> None:
         console.print(f"federated evaluation: round time {e['round_ratio']:.3f}x without it (target <= "
                       f"{e['target_round_ratio']}x), {e['extra_bytes_up_per_device']:+,.0f} B up per device (target "
                       f"<= {e['target_extra_bytes_up']:,} B)")
+    r = s["evaluation_rounds"]
+    if r is not None:
+        console.print(f"evaluation-only rounds: {r['evaluation_round_s']:.3f} s median, {r['round_ratio']:.2f}x a "
+                      f"training round's {r['training_round_s']:.3f} s; {r['train_calls_in_evaluation_rounds']} of "
+                      f"{r['train_calls']} train calls fell in them (target 0)")
     if s["ratio"] is not None:
         verdict = "meets" if s["ratio"] <= s["target_ratio"] else "misses"
         console.print(f"secure/plain round time: {s['ratio']:.2f}x ({verdict} the {s['target_ratio']}x target)")
@@ -281,6 +313,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--evaluation-overhead", action="store_true",
                    help="instead of plain vs secure: the secure job without and with its default federated "
                    "evaluation (what the metric sums add to a round's time and a device's upload)")
+    p.add_argument("--evaluation-rounds", action="store_true",
+                   help="instead of plain vs secure: the secure job alone and with an evaluation-only round "
+                   "after each training round (evaluation: {separate: true}): what such a round costs, and "
+                   "that its devices train nothing")
     p.add_argument("--deadline", type=float, default=30.0,
                    help="seconds per phase deadline (and check-in hold)")
     p.add_argument("--seed", type=int, default=0)
@@ -307,7 +343,8 @@ def main(argv: list[str] | None = None) -> int:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(summary, indent=2))
         console.print(f"JSON written to {args.json}")
-    done = all(len(m["committed_rounds"]) == args.rounds for m in modes.values())
+    done = all(len(m["committed_rounds"]) == args.rounds * (2 if name == "secure_evaluation_rounds" else 1)
+               for name, m in modes.items())
     return 0 if done else 1
 
 

@@ -32,6 +32,7 @@ from rich.table import Table
 
 from tally.cli.argtypes import FRACTION, POSITIVE, integer
 from tally.cli.console import console as cli_console
+from tally.evaluation.summary import EVALUATION_ONLY
 from tally.ops.cluster import ProcessCluster
 from tally.security.enrolment import SharedKeyEnrolment
 from tally.shutdown import Signalled, cancelled_by_signals
@@ -50,6 +51,7 @@ model: {{kind: mlp, inputs: 64, classes: 10, hidden: 64, seed: 0}}
 options: {{local_epochs: 5, local_lr: 0.1, batch_size: 16}}
 secure: {{dropout_rate: {dropout_rate}, corrupt_rate: 0.05}}
 deadlines: {{checkin: 20, download: 20, advertise_keys: 10, share_keys: 10, masked_input: 30, unmask: 10}}
+evaluation: {{final: true}}
 """
 
 
@@ -174,7 +176,7 @@ async def _demo(args: argparse.Namespace, console: Console) -> dict:
         evaluator = Device(cluster.target, cluster.tls, "demo-evaluator", trainers[0], enrolment_credential=credential)
         test_x, test_y = fed.test
         central = []  # of the initial model and each committed one
-        for r in range(0, job.committed_round + 1):
+        for r in range(0, args.rounds + 1):  # the final evaluation's round commits the same model again
             model = OnnxModel.from_bytes(await evaluator.fetch_onnx(f"{job_id}/v{r}"))
             central.append(float(model.evaluate(test_x, test_y)[1]))
         figures = await stub.GetJobMetrics(admin_pb2.GetJobMetricsRequest(job_id=job_id), metadata=md, timeout=30)
@@ -203,8 +205,10 @@ async def _demo(args: argparse.Namespace, console: Console) -> dict:
 
 def _federated(figures: admin_pb2.JobMetrics) -> list[dict]:
     """Per committed round, what its devices measured on their held-out examples. Round r's
-    devices score the model they received, the one after round r - 1, before training on it."""
-    return [{"round": r.round, "model": r.round - 1, "accuracy": r.metrics["eval.accuracy"],
+    devices score the model they received, the one after round r - 1, before training on it; the
+    final evaluation's devices score the final model (``evaluation: {final: true}``)."""
+    return [{"round": r.round, "model": int(r.metrics.get(EVALUATION_ONLY, r.round - 1)),
+             "accuracy": r.metrics["eval.accuracy"],
              "loss": r.metrics["eval.loss"], "examples": int(r.metrics["eval.examples"]),
              "devices": int(r.metrics["eval.devices"]), "worst_decile": r.metrics["eval.accuracy_p10"]}
             for r in figures.rounds if "eval.accuracy" in r.metrics]
@@ -255,8 +259,8 @@ def _plot(report: dict, path: Path) -> None:
 
 
 def _table(report: dict) -> Table:
-    """Each model's central score beside what the devices measured of it (the last model was never
-    sent to devices, so it has no federated figure)."""
+    """Each model's central score beside what the devices measured of it (the last one in the
+    final evaluation's round)."""
     table = Table(title="demo: accuracy of each model")
     for name in ("model after round", "central (ONNX, test digits)", "federated (devices' held-out)",
                  "held-out examples", "difference (std errors)"):

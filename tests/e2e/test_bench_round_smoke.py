@@ -35,3 +35,18 @@ def test_round_bench_commits_every_round_in_both_modes(tmp_path):
     assert summary["ratio"] > 0
     # Secure aggregation costs key exchange bytes on top of the same packed input.
     assert summary["bytes_up_per_device"] > summary["plain_bytes_up_per_device"] > 0
+
+
+def test_round_bench_times_evaluation_only_rounds_and_finds_no_training_in_them(tmp_path):
+    out = tmp_path / "evaluation_rounds.json"
+    subprocess.run(
+        [sys.executable, str(ROOT / "bench" / "round.py"), "--devices", "12", "--dim", "100", "--rounds", "2",
+         "--dropout", "0", "--deadline", "10", "--evaluation-rounds", "--json", str(out)],
+        cwd=tmp_path, check=True, timeout=120, capture_output=True,
+    )
+    summary = json.loads(out.read_text())
+    separate = summary["modes"]["secure_evaluation_rounds"]
+    assert separate["committed_rounds"] == [1, 2, 3, 4] and len(separate["evaluation_rounds_s"]) == 2
+    rounds = summary["evaluation_rounds"]
+    assert rounds["train_calls"] == 12 * 2 and rounds["train_calls_in_evaluation_rounds"] == 0
+    assert rounds["evaluation_round_s"] > 0 and rounds["round_ratio"] > 0

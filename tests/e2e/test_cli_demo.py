@@ -168,15 +168,17 @@ def test_the_demo_shows_federated_evaluation_agreeing_with_its_central_score(tmp
     assert demo.returncode in (0, 1), stderr  # 1: three rounds do not reach 90 % accuracy
     report = json.loads((out / "report.json").read_text())
     federated, agreement = report["federated"], report["agreement"]
-    # Round r's devices scored the model of round r - 1: the initial one, then each but the last.
-    assert [f["model"] for f in federated] == [0, 1, 2] and [f["round"] for f in federated] == [1, 2, 3]
+    # Round r's devices scored the model of round r - 1: the initial one, then each but the last,
+    # which the final evaluation's round 4 scored (evaluation: {final: true}).
+    assert [f["model"] for f in federated] == [0, 1, 2, 3] and [f["round"] for f in federated] == [1, 2, 3, 4]
+    assert report["rounds"] == 3
     central = [report["initial_accuracy"], *report["accuracy_per_round"]]
     for f in federated:
         assert 0 < f["examples"] and 0 < f["devices"] <= report["devices"]
         assert abs(f["difference"] - (f["accuracy"] - central[f["model"]])) < 1e-12
         assert f["standard_errors"] <= TOLERANCE_SE, f
-    assert agreement["models_compared"] == 3 and agreement["within_tolerance"]
+    assert agreement["models_compared"] == 4 and agreement["within_tolerance"]
     assert agreement["max_abs_difference"] == max(abs(f["difference"]) for f in federated)
     assert "federated (devices' held-out)" in stdout
     assert f"federated evaluation vs the central test score: agree within {TOLERANCE_SE:g} standard errors " \
-           "for all 3 models" in stdout, stdout
+           "for all 4 models" in stdout, stdout

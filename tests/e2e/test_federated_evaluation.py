@@ -152,3 +152,32 @@ def test_a_final_evaluation_round_scores_the_final_model_with_no_training(tmp_pa
         assert abs(last[key] - expected[key]) < 1e-3, key
     hist = sorted(k for k in expected if k.startswith("eval.accuracy_hist."))
     assert hist and [last[k] for k in hist] == [expected[k] for k in hist]
+
+
+def test_separate_evaluation_rounds_follow_every_other_training_round_with_their_own_cohort(tmp_path):
+    """``separate: true, every: 2, cohort_size: 6`` over 3 training rounds: rounds 1, 2, 4 train;
+    3 and 5 select 6 devices that score the models of training rounds 2 and 3."""
+    from tally import modelio
+
+    text = spec("separate", 3, cohort=N) + "evaluation: {separate: true, every: 2, cohort_size: 6}\n"
+
+    async def main():
+        async with in_process().whole_system(tmp_path) as s:
+            job_id, _ = await s.run_job(text, trainers(N)[0])
+            store = s.coordinator.store
+            digests = {r: store.model_version(job_id, r).model_digest for r in range(1, 6)}
+            models = {r: modelio.deserialize(store.read_blob(d)) for r, d in digests.items()}
+            return await s.job(job_id), await s.round_metrics(job_id), models
+
+    job, figures, models = run(main())
+    assert job.state == common_pb2.JOB_STATE_SUCCEEDED, job.message
+    assert sorted(figures) == [1, 2, 3, 4, 5] and job.rounds == 5
+    assert {r: figures[r].get(EVALUATION_ONLY) for r in figures} == {1: None, 2: None, 3: 2.0, 4: None, 5: 3.0}
+    for r in (3, 5):
+        assert figures[r]["selected"] == figures[r]["eval.devices"] == 6
+        assert "train.loss" not in figures[r] and "eval.accuracy" in figures[r]
+        assert all(np.array_equal(models[r][k], models[r - 1][k]) for k in models[r])  # scored, not changed
+    assert all(figures[r]["selected"] == N for r in (1, 2, 4))
+    # every: 2 evaluates training rounds 2 and 3 (the last), which are rounds 2 and 4.
+    assert "train.loss" not in figures[1] and all("train.loss" in figures[r] for r in (2, 4))
+    assert not all(np.array_equal(models[4][k], models[3][k]) for k in models[4])  # round 4 trained

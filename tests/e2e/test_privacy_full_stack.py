@@ -50,6 +50,28 @@ def test_distributed_dp_fedavg_through_the_services(tmp_path):
     assert gauge is not None and float(gauge.group(1)) == final
 
 
+def test_a_final_evaluation_round_is_one_more_release_in_the_epsilon(tmp_path):
+    """``evaluation: {final: true}`` under distributed DP: the round that only scores the final
+    model releases its noisy metric sums, and the accountant counts it like any sum."""
+    n, rounds = 10, 2
+    initial = {"w": np.zeros(63)}
+
+    async def probe(stack, job_id):
+        return stack.coordinator.store.rounds(job_id)
+
+    _, records = run_job(
+        tmp_path, "fedavg", {"example_cap": 1, "local_epochs": 1}, "dp-final", initial,
+        [ShiftDevice(0.01) for _ in range(n)], rounds, extra=PRIVACY + "evaluation: {final: true}\n", probe=probe,
+    )
+    replayed, committed = replayed_epsilon(records)
+    assert [r.round for r in committed] == [1, 2, 3]
+    last = committed[-1].metrics
+    assert last["evaluation_only.of_round"] == rounds and "update.contributors" not in last
+    assert last["eval.devices"] == last["evaluation.contributors"]  # counted exactly, not noised
+    assert "eval.examples" not in last  # an exact count: withheld under DP
+    assert last["privacy.epsilon"] == replayed > committed[1].metrics["privacy.epsilon"]
+
+
 def replayed_epsilon(records) -> tuple[float, list]:
     committed = sorted((r for r in records if r.state == "committed"), key=lambda r: r.round)
     ledger = PrivacyLedger(1e-5)
