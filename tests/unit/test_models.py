@@ -31,8 +31,8 @@ model: {{kind: {kind}, inputs: 64, classes: 10, hidden: 8}}
 
 @pytest.fixture
 def plugins(tmp_path, monkeypatch):
-    """A fresh plug-in table and an importable directory for plug-in modules."""
-    monkeypatch.setattr(models, "_PLUGGED", {})
+    """A fresh model catalogue and an importable directory for plug-in modules."""
+    monkeypatch.setattr(models, "_catalogue", None)
     monkeypatch.syspath_prepend(str(tmp_path))
 
     def write(name: str, body: str) -> str:
@@ -82,6 +82,9 @@ def test_a_plug_in_model_is_available_only_once_the_operator_loads_it(plugins):
     assert str(refused.value).startswith("model.kind: 'tiny' is not one of [")
     assert all(repr(kind) in str(refused.value) for kind in built_in)
     assert models.load_plugins([name]) == ["tiny"]
+    # Served by the same catalogue as packages' kinds, so a device declares it at check-in.
+    assert models.versions()["tiny"] == models.UNVERSIONED
+    assert models.catalogue().installed["tiny"].package == f"plug-in {name}"
     spec = jobspec.parse(SPEC.format(kind="tiny"))
     params = initial_model(spec.model)
     assert {k: v.shape for k, v in params.items()} == {"weight": (10, 64), "bias": (10,)}
