@@ -74,7 +74,8 @@ test-full: $(STAMP) postgresql
 # no .venv: any Python with pip builds the wheelhouse. REGISTRY=host[:port]/prefix also pushes them
 # there and pins them by digest in k8s/components/images (TLS_VERIFY=false: a plain-HTTP registry).
 images:
-	PYTHON=$(PYTHON) REGISTRY=$(REGISTRY) TLS_VERIFY=$(TLS_VERIFY) bash docker/build-images.sh
+	PYTHON=$(PYTHON) REGISTRY=$(REGISTRY) TLS_VERIFY=$(TLS_VERIFY) PACKAGES="$(PACKAGES)" TAG=$(TAG) \
+		bash docker/build-images.sh
 
 # The images' contents; the dev overlay's pods run from them with a real Prometheus, the replicas
 # overlay's over PostgreSQL, and the edge overlay's pulled from a registry behind an SNI gateway.
