@@ -73,8 +73,11 @@ test-full: $(STAMP) postgresql
 # a debootstrap base once, a wheelhouse from this machine's pip (docker/build-images.sh). It needs
 # no .venv: any Python with pip builds the wheelhouse. REGISTRY=host[:port]/prefix also pushes them
 # there and pins them by digest in k8s/components/images (TLS_VERIFY=false: a plain-HTTP registry).
+# PACKAGES="dir ..." installs algorithm and model packages in the coordinator and client images;
+# TAG (default: the version) names the images, e.g. TAG=0.1.0-fedavgm beside the plain ones.
 images:
-	PYTHON=$(PYTHON) REGISTRY=$(REGISTRY) TLS_VERIFY=$(TLS_VERIFY) bash docker/build-images.sh
+	PYTHON=$(PYTHON) REGISTRY=$(REGISTRY) TLS_VERIFY=$(TLS_VERIFY) PACKAGES="$(PACKAGES)" TAG=$(TAG) \
+		bash docker/build-images.sh
 
 # The images' contents; the dev overlay's pods run from them with a real Prometheus, the replicas
 # overlay's over PostgreSQL, and the edge overlay's pulled from a registry behind an SNI gateway.

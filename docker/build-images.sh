@@ -14,7 +14,9 @@
 # Environment: BASE (an existing image to build on instead of the debootstrap one), PYTHON (the
 # interpreter whose pip builds the wheelhouse; python3 by default), DEBIAN_MIRROR, PACKAGES (the
 # source directories of algorithm packages to install in the coordinator and client images, e.g.
-# PACKAGES=examples/algorithm-package: their wheels join the wheelhouse, their names the builds).
+# PACKAGES=examples/algorithm-package: their wheels join the wheelhouse, their names the builds),
+# TAG (the role images' tag; default: the version, so that images with packages can sit beside
+# the plain ones: PACKAGES=... TAG=0.1.0-fedavgm).
 # Podman runs with cgroupfs and runc and explicit ulimits: crun fails on this machine's hybrid
 # cgroups, and without limits setrlimit(RLIMIT_NOFILE) is refused.
 set -euo pipefail
@@ -25,6 +27,7 @@ BASE=${BASE:-localhost/tally-base:bookworm}
 PYTHON=${PYTHON:-python3}
 DEBIAN_MIRROR=${DEBIAN_MIRROR:-http://deb.debian.org/debian}
 PACKAGES=${PACKAGES:-}
+TAG=${TAG:-$VERSION}
 PODMAN=(podman --cgroup-manager=cgroupfs)
 RUNTIME=(--runtime /usr/sbin/runc --ulimit nofile=20000:20000 --ulimit nproc=4096:4096)
 
@@ -81,10 +84,15 @@ build_wheelhouse() {
     # (pip's complaints about this machine's configured local indexes are noise here)
     "$PYTHON" -m pip wheel --quiet --disable-pip-version-check -c constraints.txt \
         --wheel-dir build/wheelhouse '.[coordinator,loadtest]' 2> >(grep -v 'is ignored: it is neither' >&2)
-    local package
+    local package copy
     for package in $PACKAGES; do  # their dependencies beyond tally's must be in the wheelhouse too
-        "$PYTHON" -m pip wheel --quiet --disable-pip-version-check --no-deps --no-build-isolation \
-            --wheel-dir build/wheelhouse "$package"
+        # From a copy: setuptools builds in the source tree and would leave build/ there.
+        copy=build/packages/$(basename "$package")
+        rm -rf "$copy"
+        mkdir -p build/packages
+        cp -r "$package" "$copy"
+        "$PYTHON" -m pip wheel --quiet --disable-pip-version-check --no-deps \
+            --wheel-dir build/wheelhouse "$copy"
     done
 }
 
@@ -98,7 +106,7 @@ package_names() {
 }
 
 build_role() {
-    local role=$1 image=localhost/tally-$1:$VERSION
+    local role=$1 image=localhost/tally-$1:$TAG
     say "image $image"
     "${PODMAN[@]}" build --quiet --format docker "${RUNTIME[@]}" --pull=never \
         --ignorefile "docker/$role.Dockerfile.dockerignore" \
@@ -121,5 +129,5 @@ for label in org.tally.built-by=docker/build-images.sh org.opencontainers.image.
 done
 "${PODMAN[@]}" images --filter reference='localhost/tally-*' --format '{{.Repository}}:{{.Tag}} {{.Size}}'
 if [ -n "${REGISTRY:-}" ]; then
-    bash docker/push-images.sh
+    TAG=$TAG bash docker/push-images.sh
 fi

@@ -51,6 +51,16 @@ ROLES = ("clipped", "bounded", "withheld", "counted")
 # domains and per-domain statistics (AgnosticFedAvg, FedDAR); a job's evaluation then reports per
 # domain too.
 DOMAIN_STATISTICS = "domain_statistics"
+# Every capability tally's own trainers offer: what a device that declares no algorithm (an SDK
+# older than algorithm packages) is taken to have.
+TRAINER_CAPABILITIES = (DOMAIN_STATISTICS,)
+
+
+def trainer_capabilities(trainer: object) -> tuple[str, ...]:
+    """What ``trainer`` offers algorithms' client halves, which its device declares at check-in:
+    its ``capabilities`` attribute (``tally.training.domain.DomainTrainer`` says it answers domain
+    statistics); none without one, so a trainer is never seated for what it cannot answer."""
+    return tuple(getattr(trainer, "capabilities", ()))
 
 
 @dataclass(frozen=True)
@@ -85,70 +95,6 @@ class Algorithm:
     def roles(self, options: Any) -> dict[str, RoleValue]:
         """Each payload field's role under the job's parsed ``options``."""
         return {name: role(options) if callable(role) else role for name, role in self.privacy.items()}
-
-
-@dataclass(frozen=True)
-class Installed:
-    """An accepted entry and the distribution it came from."""
-
-    algorithm: Algorithm
-    package: str
-    entry: str
-
-
-@dataclass(frozen=True)
-class Refused:
-    """An entry refused at load, and why (its package and entry named)."""
-
-    package: str
-    entry: str
-    reason: str
-
-    def __str__(self) -> str:
-        return f"package {self.package!r} entry {self.entry!r}: {self.reason}"
-
-
-class Catalogue:
-    """The accepted algorithms by name, and the refusals."""
-
-    def __init__(self, entries: Iterable[tuple[str, metadata.EntryPoint]]) -> None:
-        self.installed: dict[str, Installed] = {}
-        self.refused: list[Refused] = []
-        claims: dict[str, list[Installed]] = {}
-        for package, entry in entries:
-            algorithm = self._load(package, entry)
-            if algorithm is not None:
-                claims.setdefault(algorithm.name, []).append(Installed(algorithm, package, entry.name))
-        for name, claimed in claims.items():
-            own = [c for c in claimed if c.package == TALLY]
-            if len(claimed) == 1 or len(own) == 1:
-                # A built-in name stays tally's; otherwise neither claimant is served, so what a
-                # job runs never depends on the order in which packages happen to be found.
-                keep = own[0] if own else claimed[0]
-                self.installed[name] = keep
-                claimed = [c for c in claimed if c is not keep]
-            packages = sorted({c.package for c in (*claimed, *own)})
-            for c in claimed:
-                self._refuse(c.package, c.entry, f"algorithm {name!r} is claimed by packages {packages}")
-
-    def _load(self, package: str, entry: metadata.EntryPoint) -> Algorithm | None:
-        try:
-            algorithm = entry.load()
-        except Exception as exc:  # noqa: BLE001 - no package's import error may take the catalogue down
-            self._refuse(package, entry.name, f"cannot be loaded ({entry.value}): {type(exc).__name__}: {exc}")
-            return None
-        reason = check(algorithm)
-        if reason is None and algorithm.name != entry.name:
-            reason = f"entry {entry.name!r} names algorithm {algorithm.name!r}; they must be the same"
-        if reason is not None:
-            self._refuse(package, entry.name, reason)
-            return None
-        return typing.cast(Algorithm, algorithm)
-
-    def _refuse(self, package: str, entry: str, reason: str) -> None:
-        refused = Refused(package, entry, reason)
-        log.error("algorithm package refused", extra={"package": package, "entry": entry, "reason": reason})
-        self.refused.append(refused)
 
 
 def check(algorithm: object) -> str | None:
@@ -187,34 +133,108 @@ def check(algorithm: object) -> str | None:
     return None
 
 
-def tally_entries() -> list[metadata.EntryPoint]:
-    """Tally's own entries: from the ``pyproject.toml`` beside this package when it runs from a
-    source checkout, else from the installed distribution's metadata."""
+T = typing.TypeVar("T")
+
+
+@dataclass(frozen=True)
+class Installed(typing.Generic[T]):
+    """An accepted entry's object (an ``Algorithm``, a ``tally.models.Model``) and the distribution
+    it came from."""
+
+    item: T
+    package: str
+    entry: str
+
+
+@dataclass(frozen=True)
+class Refused:
+    """An entry refused at load, and why (its package and entry named)."""
+
+    package: str
+    entry: str
+    reason: str
+
+    def __str__(self) -> str:
+        return f"package {self.package!r} entry {self.entry!r}: {self.reason}"
+
+
+class Catalogue(typing.Generic[T]):
+    """The accepted entries of one group by name, and the refusals: algorithms here, model kinds in
+    ``tally.models`` (``noun`` names which in a refusal). ``checker`` says why an entry's object cannot
+    be served (None: it can); an accepted object's ``name`` must be its entry's."""
+
+    def __init__(self, entries: Iterable[tuple[str, metadata.EntryPoint]],
+                 checker: Callable[[object], str | None] = check, noun: str = "algorithm") -> None:
+        self.installed: dict[str, Installed[T]] = {}
+        self.refused: list[Refused] = []
+        self._check = checker
+        self._noun = noun
+        claims: dict[str, list[Installed[T]]] = {}
+        for package, entry in entries:
+            item = self._load(package, entry)
+            if item is not None:
+                claims.setdefault(entry.name, []).append(Installed(item, package, entry.name))
+        for name, claimed in claims.items():
+            own = [c for c in claimed if c.package == TALLY]
+            if len(claimed) == 1 or len(own) == 1:
+                # A built-in name stays tally's; otherwise neither claimant is served, so what a
+                # job runs never depends on the order in which packages happen to be found.
+                keep = own[0] if own else claimed[0]
+                self.installed[name] = keep
+                claimed = [c for c in claimed if c is not keep]
+            packages = sorted({c.package for c in (*claimed, *own)})
+            for c in claimed:
+                self._refuse(c.package, c.entry, f"{noun} {name!r} is claimed by packages {packages}")
+
+    def _load(self, package: str, entry: metadata.EntryPoint) -> T | None:
+        try:
+            item = entry.load()
+        except Exception as exc:  # noqa: BLE001 - no package's import error may take the catalogue down
+            self._refuse(package, entry.name, f"cannot be loaded ({entry.value}): {type(exc).__name__}: {exc}")
+            return None
+        reason = self._check(item)
+        if reason is None and item.name != entry.name:
+            reason = f"entry {entry.name!r} names {self._noun} {item.name!r}; they must be the same"
+        if reason is not None:
+            self._refuse(package, entry.name, reason)
+            return None
+        return typing.cast(T, item)
+
+    def _refuse(self, package: str, entry: str, reason: str) -> None:
+        refused = Refused(package, entry, reason)
+        log.error("package entry refused", extra={"group": self._noun, "package": package, "entry": entry,
+                                                  "reason": reason})
+        self.refused.append(refused)
+
+
+def tally_entries(group: str = GROUP) -> list[metadata.EntryPoint]:
+    """Tally's own entries of ``group``: from the ``pyproject.toml`` beside this package when it
+    runs from a source checkout, else from the installed distribution's metadata."""
     pyproject = Path(__file__).resolve().parents[2] / "pyproject.toml"
     if pyproject.is_file():
-        declared = tomllib.loads(pyproject.read_text()).get("project", {}).get("entry-points", {}).get(GROUP, {})
+        declared = tomllib.loads(pyproject.read_text()).get("project", {}).get("entry-points", {}).get(group, {})
         if declared:
-            return [metadata.EntryPoint(name, value, GROUP) for name, value in declared.items()]
+            return [metadata.EntryPoint(name, value, group) for name, value in declared.items()]
     try:
-        return list(metadata.distribution(TALLY).entry_points.select(group=GROUP))
+        return list(metadata.distribution(TALLY).entry_points.select(group=group))
     except metadata.PackageNotFoundError:
         return []
 
 
-def discover() -> list[tuple[str, metadata.EntryPoint]]:
-    """(package, entry) of every installed entry, tally's own first."""
-    found = [(TALLY, entry) for entry in tally_entries()]
-    for entry in metadata.entry_points(group=GROUP):
+def discover(group: str = GROUP) -> list[tuple[str, metadata.EntryPoint]]:
+    """(package, entry) of every installed entry of ``group``, tally's own first."""
+    found = [(TALLY, entry) for entry in tally_entries(group)]
+    for entry in metadata.entry_points(group=group):
         package = entry.dist.name if entry.dist is not None else "?"
         if package != TALLY:
             found.append((package, entry))
     return found
 
 
-_catalogue: Catalogue | None = None
+_catalogue: Catalogue[Algorithm] | None = None
 
 
-def catalogue() -> Catalogue:
+def catalogue() -> Catalogue[Algorithm]:
     """The process's catalogue, loaded on first use."""
     global _catalogue
     if _catalogue is None:
@@ -222,7 +242,7 @@ def catalogue() -> Catalogue:
     return _catalogue
 
 
-def reload() -> Catalogue:
+def reload() -> Catalogue[Algorithm]:
     """Load the catalogue again (a package installed into this process's environment since)."""
     global _catalogue
     _catalogue = None
@@ -242,7 +262,7 @@ def get(name: str) -> Algorithm:
     """Algorithm ``name``; ``ValueError`` naming what is installed (and why a refused one is not)."""
     found = catalogue().installed.get(name)
     if found is not None:
-        return found.algorithm
+        return found.item
     refused = [str(r) for r in catalogue().refused if r.entry == name]
     why = f" ({'; '.join(refused)})" if refused else ""
     raise ValueError(f"unknown algorithm {name!r}{why}; available: {', '.join(names())}")
@@ -250,7 +270,7 @@ def get(name: str) -> Algorithm:
 
 def versions() -> dict[str, str]:
     """name -> version of every installed algorithm: what a device declares at check-in."""
-    return {name: found.algorithm.version for name, found in catalogue().installed.items()}
+    return {name: found.item.version for name, found in catalogue().installed.items()}
 
 
 def problems() -> list[Refused]:

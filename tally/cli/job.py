@@ -289,7 +289,8 @@ def job_dict(job: Any) -> dict[str, Any]:
                          for r in job.task_reports],
         "warnings": list(job.warnings), "selection": job.selection,
         "algorithm_version": job.algorithm_version, "able_devices": job.able_devices,
-        "declared_devices": job.declared_devices,
+        "declared_devices": job.declared_devices, "model_kind": job.model_kind,
+        "model_kind_version": job.model_kind_version, "needs": list(job.needs),
         "devices_out_of_budget": job.devices_out_of_budget,
         "attempts": [{"attempt": a.attempt, "state": a.state, "started_at": _time(a.started_at),
                       "finished_at": _time(a.finished_at), "message": a.message} for a in job.attempts],
@@ -305,7 +306,9 @@ def show(job: dict[str, Any]) -> str:
              f"created {job['created_at']}", f"updated {job['updated_at']}"]
     parts += _selection(job)
     if job.get("algorithm_version"):
-        parts.append(f"devices able to run {job['algorithm']} {job['algorithm_version']}: "
+        model = f" on model {job['model_kind']} {job['model_kind_version']}" if job.get("model_kind_version") else ""
+        needs = f" with trainer capability {', '.join(job['needs'])}" if job.get("needs") else ""
+        parts.append(f"devices able to run {job['algorithm']} {job['algorithm_version']}{model}{needs}: "
                      f"{job['able_devices']} of {job['declared_devices']} checked in")
     if job.get("devices_out_of_budget"):
         parts.append(f"{job['devices_out_of_budget']} devices out of privacy budget (no longer selected)")

@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Iterable, Mapping
 from concurrent.futures import Executor
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
@@ -20,6 +20,7 @@ from typing import Any, Protocol, runtime_checkable
 import numpy as np
 
 from tally import algorithms
+from tally.algorithms import packages
 from tally.algorithms.base import Arrays, LocalTrainer
 from tally.client.hooks import DeviceHooks
 from tally.client.metrics import ClientMetrics
@@ -66,14 +67,36 @@ def version_mismatch(task: coordinator_pb2.TaskAssignment, installed: Mapping[st
     """Why this device will not run ``task``'s algorithm: it has none of that name, or another
     version than the coordinator's (a payload computed by another version may mean something else
     to the server half). None when they agree, or the coordinator names no version (an older one)."""
-    if not task.algorithm_version:
+    return _not_installed("algorithm", task.algorithm, task.algorithm_version, installed)
+
+
+def model_mismatch(task: coordinator_pb2.TaskAssignment, installed: Mapping[str, str]) -> str | None:
+    """Why this device will not train ``task``'s model kind: it has none of that name, or another
+    version than the coordinator built the job's model with. None when they agree, or the
+    coordinator names no version (a kind registered in its process only, or an older coordinator)."""
+    return _not_installed("model kind", task.model_kind, task.model_kind_version, installed)
+
+
+def _not_installed(what: str, name: str, version: str, installed: Mapping[str, str]) -> str | None:
+    if not version:
         return None
-    own = installed.get(task.algorithm)
-    if own == task.algorithm_version:
+    own = installed.get(name)
+    if own == version:
         return None
     has = f"has version {own!r}" if own is not None else "does not have it installed"
-    return (f"the job runs algorithm {task.algorithm!r} version {task.algorithm_version!r}; this device {has} "
+    return (f"the job runs {what} {name!r} version {version!r}; this device {has} "
             "(devices run only what their operator installed)")
+
+
+def capability_missing(task: coordinator_pb2.TaskAssignment, offered: Iterable[str]) -> str | None:
+    """Why this device's trainer cannot answer ``task``'s algorithm: it needs a capability the
+    trainer does not offer (the algorithm as installed here says what it needs)."""
+    found = packages.catalogue().installed.get(task.algorithm)
+    missing = [need for need in (found.item.needs if found is not None else ()) if need not in set(offered)]
+    if not missing:
+        return None
+    return (f"algorithm {task.algorithm!r} needs trainer capability {', '.join(map(repr, missing))}, "
+            "which this device's trainer does not offer")
 
 
 def plan_task(task: coordinator_pb2.TaskAssignment, min_noise_multiplier: float = 0.0) -> TaskPlan:

@@ -31,13 +31,21 @@ from typing import Any
 import grpc
 import numpy as np
 
-from tally import logs, modelio
+from tally import logs, modelio, models
 from tally.algorithms import packages
 from tally.algorithms.adaptation_options import JobAdaptation
 from tally.algorithms.base import Arrays, LocalTrainer
 from tally.client.adapted_models import AdaptedModels
 from tally.client.channels import Channels, reconnect_options
-from tally.client.contribution import Contribution, JobTrainers, TaskError, plan_task, version_mismatch
+from tally.client.contribution import (
+    Contribution,
+    JobTrainers,
+    TaskError,
+    capability_missing,
+    model_mismatch,
+    plan_task,
+    version_mismatch,
+)
 from tally.client.download import Downloader, ModelCache
 from tally.client.enrolment import register_request
 from tally.client.hooks import DeviceHooks
@@ -145,6 +153,8 @@ class Device:
         hooks: DeviceHooks | None = None,
         algorithms: Mapping[str, str] | None = None,
         privacy_budget: PrivacyBudget | None = None,
+        model_kinds: Mapping[str, str] | None = None,
+        trainer_capabilities: Iterable[str] | None = None,
     ) -> None:
         """``privacy_budget``: the (epsilon, delta) this device lets the releases it joins cost
         it, by its own account (``tally.client.privacy_ledger``); None accounts without refusing.
@@ -153,12 +163,18 @@ class Device:
         sessions, synthetic inputs, the sum audit); None on a real device. ``algorithms``: name ->
         version of the algorithms the device declares and runs; None: those installed in its
         environment (``tally algorithms list``), which is what a real device declares. A simulated
-        fleet may declare fewer, or other versions, to play a population of mixed installs."""
+        fleet may declare fewer, or other versions, to play a population of mixed installs.
+        ``model_kinds``: likewise for the model kinds (None: ``tally.models.versions()``).
+        ``trainer_capabilities``: what the trainer offers algorithms (``Algorithm.needs``); None: what
+        it says of itself (``tally.algorithms.packages.trainer_capabilities``)."""
         self.coordinator = coordinator
         self.device_id = device_id
         self.trainer = trainer
         self.population = population
         self.algorithms = dict(packages.versions() if algorithms is None else algorithms)
+        self.model_kinds = dict(models.versions() if model_kinds is None else model_kinds)
+        self.trainer_capabilities = tuple(packages.trainer_capabilities(trainer) if trainer_capabilities is None
+                                          else trainer_capabilities)
         self.attestation = attestation
         self.retry = retry or RetryPolicy()
         self.metrics = metrics or ClientMetrics()
@@ -334,7 +350,10 @@ class Device:
             capabilities=coordinator_pb2.Capabilities(
                 accelerator=self._accelerator(), sdk_version=SDK_VERSION,
                 algorithms=[coordinator_pb2.InstalledAlgorithm(name=name, version=version)
-                            for name, version in self.algorithms.items()]),
+                            for name, version in self.algorithms.items()],
+                models=[coordinator_pb2.InstalledModel(name=name, version=version)
+                        for name, version in self.model_kinds.items()],
+                trainer_capabilities=self.trainer_capabilities),
             reports=reports,
             input_ledger=self._inputs.statement(),
             privacy_budget_spent=self.privacy.statement(),
@@ -371,6 +390,12 @@ class Device:
         mismatch = version_mismatch(task, self.algorithms)
         if mismatch is not None:
             return self._refuse(task, "algorithm_version", mismatch, fields)
+        mismatch = model_mismatch(task, self.model_kinds)
+        if mismatch is not None:
+            return self._refuse(task, "model_version", mismatch, fields)
+        mismatch = capability_missing(task, self.trainer_capabilities)
+        if mismatch is not None:
+            return self._refuse(task, "trainer_capability", mismatch, fields)
         try:
             plan = plan_task(task, self.policy.min_noise_multiplier)
         except (TaskError, WireError) as exc:

@@ -19,6 +19,8 @@ from itertools import combinations
 
 import numpy as np
 
+from tally.algorithms.packages import DOMAIN_STATISTICS
+
 Arrays = dict[str, np.ndarray]
 PARTITIONS = ("client", "data")
 
@@ -29,6 +31,8 @@ class ScalarRegressionDevice:
     Offers both ``LocalTrainer`` (batch-mean SGD, so plain FedAvg runs on it) and AgnosticFedAvg's
     ``DomainDevice``. The gradient is analytic, so a thousand devices train in milliseconds.
     """
+
+    capabilities = (DOMAIN_STATISTICS,)  # declared at check-in: AgnosticFedAvg may seat it
 
     def __init__(self, targets: np.ndarray, domains: np.ndarray, seed: int = 0) -> None:
         self.targets = np.asarray(targets, dtype=np.float64)

@@ -229,6 +229,8 @@ class Fleet:
         ramp_s: float = 0.0,
         algorithms: Mapping[str, str] | None = None,
         privacy_budget: PrivacyBudget | None = None,
+        model_kinds: Mapping[str, str] | None = None,
+        trainer_capabilities: Sequence[str] | None = None,
     ) -> None:
         """``state_dir``: each device keeps its per-job local state (LG-FedAvg's local layers,
         SuPerFed's personal model) in ``state_dir/<device id>``, across restarts. ``audit``:
@@ -240,7 +242,9 @@ class Fleet:
         ``ramp_s``: devices come online over this many seconds, each at its own time (uniform,
         from the seed and its index), as a real population does: 100,000 devices registering in
         one instant swamp the machine playing them before any round can run. ``algorithms``: what
-        every device declares it has installed (``Device``; None: this environment's).
+        every device declares it has installed (``Device``; None: this environment's), and
+        ``model_kinds`` the model kinds; ``trainer_capabilities``: what every device's trainer offers
+        (None: what each trainer says of itself).
         ``privacy_budget``: each device's own (``tally.client.privacy_ledger``), its ledger under
         ``state_dir``."""
         if ramp_s < 0:
@@ -269,7 +273,7 @@ class Fleet:
         self._device_options = dict(
             population=population, cache_dir=cache_dir, retry=policy, channels=self.channels,
             metrics=self.metrics, executor=self.executor, on_update=self._updated, policy=device_policy,
-            algorithms=algorithms,
+            algorithms=algorithms, model_kinds=model_kinds, trainer_capabilities=trainer_capabilities,
             privacy_budget=privacy_budget)
         self._enrolment_key = enrolment_key
         self._state_dir = state_dir

@@ -16,6 +16,7 @@ from collections.abc import Mapping
 import numpy as np
 
 from tally.algorithms.base import Arrays
+from tally.algorithms.packages import TRAINER_CAPABILITIES
 from tally.codec import Kind, PayloadSchema
 
 # Counts are drawn from 1..COUNT_CEILING (or the field's own maximum when lower).
@@ -24,6 +25,9 @@ COUNT_CEILING = 1000
 
 class SyntheticUpdates:
     """Stands in for a device's data and training (``Device(trainer=SyntheticUpdates(...))``)."""
+
+    # Its inputs are drawn for any payload schema, so it answers any algorithm's needs.
+    capabilities = TRAINER_CAPABILITIES
 
     def __init__(self, device_id: str, seed: int = 0) -> None:
         self.device_id, self.seed = device_id, seed

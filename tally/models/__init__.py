@@ -2,85 +2,78 @@
 ``(inputs, classes, hidden, seed) -> nn.Module`` that the coordinator uses for the initial
 parameters and the ONNX export of every committed round, and devices use to train.
 
-Built in: ``mlp``, ``cnn`` (a small convolutional network for 8x8 digit images) and
-``energy_mlp`` (FedEvg's energy model). Any other comes from what an operator installed, never
-from a job spec (a spec that could name a module would let whoever submits a job run code in the
-coordinator): a package's entry points of the group ``tally.models`` (the entry's name is the
-kind, its object the builder; checked like algorithm packages, ``tally.algorithms.packages``), or
-a plug-in module named on a command line (``--model-plugin``) that defines ``TALLY_MODELS``, a
-mapping of kind to builder.
+A kind comes from what an operator installed, never from a job spec (a spec that could name a
+module would let whoever submits a job run code in the coordinator): an entry of the entry-point
+group ``tally.models`` whose object is a :class:`Model` (name, version, builder), loaded and checked
+by ``tally.algorithms.packages.Catalogue`` as algorithm entries are, so a bad entry is refused with
+its package and entry named while the other kinds are still served. Tally's own kinds (``mlp``,
+``cnn``, ``energy_mlp``: ``tally.models.builtin``) are entries of the same group in its
+``pyproject.toml``. A plug-in module named on a command line (``--model-plugin``) that defines
+``TALLY_MODELS`` (kind -> ``Model`` or builder) adds its kinds to the same catalogue, so devices
+declare them at check-in like any other.
 """
 
 from __future__ import annotations
 
 import importlib
-import logging
-from collections.abc import Callable, Iterable, Mapping
-from importlib import metadata
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from tally.algorithms.packages import Refused
+from tally.algorithms.packages import Catalogue, Installed, discover
 
 if TYPE_CHECKING:
     from torch import nn
 
 ModuleBuilder = Callable[[int, int, int, int], "nn.Module"]
-
-# Kind -> (module, builder), imported when a model is built: naming the kinds (a job spec's check)
-# needs no torch.
-BUILTIN: Mapping[str, tuple[str, str]] = {
-    "mlp": ("tally.models.mlp", "mlp"), "cnn": ("tally.models.cnn", "digits_cnn"),
-    "energy_mlp": ("tally.models.energy", "energy_mlp"),
-}
-_PLUGGED: dict[str, ModuleBuilder] = {}
 GROUP = "tally.models"
-log = logging.getLogger(__name__)
+# The version of a plug-in module's bare builder when the module states no ``__version__``.
+UNVERSIONED = "0"
 
 
-class ModelPackages:
-    """The model kinds installed packages declare (kind -> (package, version, builder)), and the
-    entries refused: one that fails to import or is no builder, a kind two packages claim (neither
-    is served) or a built-in kind."""
+@dataclass(frozen=True)
+class Model:
+    """One installable model kind. ``version`` is what devices declare at check-in and what the
+    coordinator requires of them: two builds of a kind with different layouts or initialisations
+    must carry different versions."""
 
-    def __init__(self, entries: Iterable[tuple[str, str, metadata.EntryPoint]]) -> None:
-        self.installed: dict[str, tuple[str, str, ModuleBuilder]] = {}
-        self.refused: list[Refused] = []
-        claims: dict[str, list[tuple[str, str, ModuleBuilder]]] = {}
-        for package, version, entry in entries:
-            try:
-                make = entry.load()
-            except Exception as exc:  # noqa: BLE001 - no package's import error may take the others down
-                self._refuse(package, entry.name, f"cannot be loaded ({entry.value}): {type(exc).__name__}: {exc}")
-                continue
-            if not callable(make):
-                self._refuse(package, entry.name, f"is a {type(make).__name__}, not a model builder")
-            elif entry.name in BUILTIN:
-                self._refuse(package, entry.name, f"model kind {entry.name!r} is built in")
-            else:
-                claims.setdefault(entry.name, []).append((package, version, make))
-        for kind, claimed in claims.items():
-            if len(claimed) == 1:
-                self.installed[kind] = claimed[0]
-                continue
-            names = sorted(package for package, _, _ in claimed)
-            for package, _, _ in claimed:
-                self._refuse(package, kind, f"model kind {kind!r} is claimed by packages {names}")
-
-    def _refuse(self, package: str, entry: str, reason: str) -> None:
-        log.error("model package refused", extra={"package": package, "entry": entry, "reason": reason})
-        self.refused.append(Refused(package, entry, reason))
+    name: str
+    version: str
+    builder: ModuleBuilder
+    summary: str = ""
 
 
-_packages: ModelPackages | None = None
+def imported(module: str, name: str) -> ModuleBuilder:
+    """A builder that imports ``module`` when it is called: naming and checking the kinds (a job
+    spec's check, ``tally models list``) needs no torch."""
+
+    def build(inputs: int, classes: int, hidden: int, seed: int) -> nn.Module:
+        made: nn.Module = getattr(importlib.import_module(module), name)(inputs, classes, hidden, seed)
+        return made
+
+    return build
 
 
-def packages() -> ModelPackages:
-    """The installed model packages, loaded on first use."""
-    global _packages
-    if _packages is None:
-        _packages = ModelPackages((e.dist.name if e.dist else "?", e.dist.version if e.dist else "?", e)
-                                  for e in metadata.entry_points(group=GROUP))
-    return _packages
+def check(model: object) -> str | None:
+    """Why ``model`` cannot be served as a model kind, or ``None``."""
+    if not isinstance(model, Model):
+        return f"is a {type(model).__name__}, not a tally.models.Model"
+    if not model.name or not model.version:
+        return "has no name or no version"
+    if not callable(model.builder):
+        return f"builder is a {type(model.builder).__name__}, not a callable (inputs, classes, hidden, seed)"
+    return None
+
+
+_catalogue: Catalogue[Model] | None = None
+
+
+def catalogue() -> Catalogue[Model]:
+    """The process's model kinds, loaded on first use."""
+    global _catalogue
+    if _catalogue is None:
+        _catalogue = Catalogue(discover(GROUP), check, noun="model kind")
+    return _catalogue
 
 
 class PluginError(ValueError):
@@ -88,19 +81,19 @@ class PluginError(ValueError):
 
 
 def kinds() -> tuple[str, ...]:
-    return (*BUILTIN, *packages().installed, *_PLUGGED)
+    return tuple(catalogue().installed)
+
+
+def versions() -> dict[str, str]:
+    """kind -> version of every installed model kind: what a device declares at check-in."""
+    return {kind: found.item.version for kind, found in catalogue().installed.items()}
 
 
 def builder(kind: str) -> ModuleBuilder:
-    if kind in BUILTIN:
-        module, name = BUILTIN[kind]
-        built_in: ModuleBuilder = getattr(importlib.import_module(module), name)
-        return built_in
-    packaged = packages().installed.get(kind)
-    found = packaged[2] if packaged is not None else _PLUGGED.get(kind)
+    found = catalogue().installed.get(kind)
     if found is None:
         raise KeyError(f"model kind {kind!r} is not one of {list(kinds())}")
-    return found
+    return found.item.builder
 
 
 def build(kind: str, inputs: int, classes: int, hidden: int, seed: int) -> nn.Module:
@@ -108,21 +101,28 @@ def build(kind: str, inputs: int, classes: int, hidden: int, seed: int) -> nn.Mo
 
 
 def load_plugins(modules: list[str]) -> list[str]:
-    """Import each module and register its ``TALLY_MODELS``; the kinds added."""
+    """Import each module and serve its ``TALLY_MODELS`` (kind -> ``Model``, or a bare builder at
+    the module's ``__version__``); the kinds added. A module is taken whole or not at all."""
     added = []
+    served = catalogue().installed
     for name in modules:
         try:
             module = importlib.import_module(name)
         except ImportError as exc:
             raise PluginError(f"model plug-in {name!r} cannot be imported: {exc}") from None
-        models = getattr(module, "TALLY_MODELS", None)
-        if not isinstance(models, Mapping) or not models:
+        declared = getattr(module, "TALLY_MODELS", None)
+        if not isinstance(declared, Mapping) or not declared:
             raise PluginError(f"model plug-in {name!r} defines no TALLY_MODELS mapping of kind to builder")
-        for kind, make in models.items():
-            if not isinstance(kind, str) or not kind or not callable(make):
-                raise PluginError(f"model plug-in {name!r}: {kind!r} is not a kind name with a builder")
-            if kind in kinds() and builder(kind) is not make:
+        version = str(getattr(module, "__version__", UNVERSIONED))
+        taken: dict[str, Installed[Model]] = {}
+        for kind, make in declared.items():
+            model = make if isinstance(make, Model) else Model(kind, version, make)
+            reason = check(model) if isinstance(kind, str) and kind == model.name else "is not a kind name with a Model"
+            if reason is not None:
+                raise PluginError(f"model plug-in {name!r}: {kind!r} {reason}")
+            if kind in served and served[kind].item != model:
                 raise PluginError(f"model plug-in {name!r}: model kind {kind!r} is already taken")
-            _PLUGGED[kind] = make
-            added.append(kind)
+            taken[kind] = Installed(model, f"plug-in {name}", kind)
+        served.update(taken)
+        added.extend(taken)
     return added

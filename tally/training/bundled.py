@@ -27,6 +27,7 @@ from torch import nn
 
 from tally import algorithms, models
 from tally.algorithms.base import LocalTrainer, ModelMismatch
+from tally.algorithms.packages import DOMAIN_STATISTICS
 from tally.models.layouts import layout
 from tally.training import TorchTrainer, default_device
 
@@ -84,6 +85,9 @@ class BundledDevice:
 
     ``kind``/``hidden``: the command line's ``--model``/``--hidden``, overriding what the job's
     parameters say (None: read them). ``seed``: the trainer's (batch order, personal model)."""
+
+    # It builds the domain trainers AgnosticFedAvg and FedDAR need (one domain per device).
+    capabilities = (DOMAIN_STATISTICS,)
 
     def __init__(self, features: np.ndarray, labels: np.ndarray, index: int, seed: int, *,
                  classes: int, kind: str | None = None, hidden: int | None = None) -> None:

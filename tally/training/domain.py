@@ -28,6 +28,7 @@ from torch import nn
 
 from tally.algorithms.base import check_fits
 from tally.algorithms.feddar import HEADS, encoder_part
+from tally.algorithms.packages import DOMAIN_STATISTICS
 from tally.training import default_device, held_out_indices
 from tally.training.sgd import mean_loss, minibatches
 
@@ -52,6 +53,8 @@ class DomainTrainer:
     ``loss``: ``squared`` (per example ½||h(φ(x)) - y||², N = outputs regression targets),
     ``logistic`` (binary, N = 1, targets in {0, 1}) or ``softmax`` (N = outputs classes).
     """
+
+    capabilities = (DOMAIN_STATISTICS,)  # declared at check-in: FedDAR may seat it
 
     def __init__(
         self,

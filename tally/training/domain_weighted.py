@@ -10,6 +10,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from tally.algorithms.packages import DOMAIN_STATISTICS
 from tally.models.params import get_params, set_params
 from tally.training import TorchTrainer
 from tally.training.sgd import sgd_epochs
@@ -22,6 +23,8 @@ class TorchDomainTrainer(TorchTrainer):
     AgnosticFedAvg's ``DomainDevice``: per-domain counts and cross-entropy sums, and training on the
     domain-weighted loss; ``evaluate_domains`` adds per-domain correct counts for reports.
     """
+
+    capabilities = (DOMAIN_STATISTICS,)  # declared at check-in: AgnosticFedAvg may seat it
 
     per_example = ("features", "labels", "domains")
 

@@ -9,6 +9,9 @@ REASONS = frozenset({
     "download_failed", "session_aborted", "dropped", "privacy_floor", "metric_unavailable",
     # The task names an algorithm the device does not have at the coordinator's version.
     "algorithm_version",
+    # The task names a model kind the device does not have at the coordinator's version, or an
+    # algorithm that needs a trainer capability the device does not offer.
+    "model_version", "trainer_capability",
     "privacy_budget_spent",
 })
 # The most reports one check-in may carry.

@@ -132,8 +132,9 @@ def test_across_environments_only_devices_with_the_coordinators_version_are_seat
 
 
 def test_an_installed_tally_serves_its_own_algorithms_from_its_wheels_entry_points(tmp_path):
-    """Without a source checkout beside the package, tally's own algorithms come from the installed
-    distribution's entry points, the route every package takes (and the scaffold's templates ship)."""
+    """Without a source checkout beside the package, tally's own algorithms and model kinds come from
+    the installed distribution's entry points, the route every package takes (and the scaffold's
+    templates ship)."""
     source = tmp_path / "source"
     shutil.copytree(REPO / "tally", source / "tally", ignore=shutil.ignore_patterns("__pycache__"))
     for name in ("pyproject.toml", "README.md", "LICENSE"):
@@ -146,9 +147,13 @@ def test_an_installed_tally_serves_its_own_algorithms_from_its_wheels_entry_poin
     listed = subprocess.run([str(python), "-m", "tally.cli", "algorithms", "list", "--json"], env=env, check=True,
                             capture_output=True, text=True, cwd=tmp_path)
     rows = json.loads(listed.stdout)["algorithms"]
+    from tally import models
     from tally.algorithms import packages
 
     assert {row["name"] for row in rows if row["package"] == "tally"} == set(packages.names_of("tally"))
+    kinds = json.loads(listed.stdout)["models"]
+    assert {(row["kind"], row["version"]) for row in kinds if row["package"] == "tally"} == set(
+        models.versions().items())
     written = subprocess.run([str(python), "-m", "tally.cli", "new", "algorithm", "x", "--dir", str(tmp_path / "x")],
                              env=env, capture_output=True, text=True, cwd=tmp_path)
     assert written.returncode == 0 and (tmp_path / "x" / "tally_x" / "algorithm.py").is_file(), written.stderr

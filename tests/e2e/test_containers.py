@@ -649,6 +649,111 @@ def _most(objects: list[dict[str, Any]]) -> int:
     return one(objects, "HorizontalPodAutoscaler", "tally-aggregator")["spec"]["maxReplicas"]
 
 
+# -- an algorithm package's job, in images that include it -----------------------------------------
+
+PACKAGE = ROOT / "examples" / "algorithm-package"
+# The package's example job, bounded: one cohort of digits devices training a small mlp, two rounds.
+PACKAGE_ROUNDS = 2
+PACKAGE_DEVICES = 8
+
+
+def _package_job() -> str:
+    job = yaml.safe_load((PACKAGE / "job.yaml").read_text())
+    job.update(rounds=PACKAGE_ROUNDS, cohort_size=6, min_cohort=5, over_selection=1.0,
+               model={**job["model"], "hidden": 8}, secure={"dropout_rate": 0.1, "corrupt_rate": 0.05},
+               deadlines={"checkin": 60, "download": 60, "advertise_keys": 30, "share_keys": 30,
+                          "masked_input": 60, "unmask": 30})
+    return yaml.safe_dump(job)
+
+
+def _with_packages(image: str, wheels: Path, tag: str) -> str:
+    """``image`` with the wheels in ``wheels`` installed: one layer, as docs/adding-an-algorithm.md
+    shows (docker/packages.Dockerfile)."""
+    podman("build", "--quiet", "--format", "docker", *RUNTIME, "--pull=never", "--build-arg", f"IMAGE={image}",
+           "-f", str(ROOT / "docker" / "packages.Dockerfile"), "-t", tag, str(wheels), timeout=600)
+    return tag
+
+
+def _owned_by_the_images_user(directory: Path) -> Path:
+    for path in [directory, *directory.rglob("*")]:
+        os.chown(path, 10001, 10001)
+    return directory
+
+
+def test_a_secure_job_of_an_algorithm_package_commits_in_images_that_include_it(
+        images: dict[str, str], tmp_path: Path) -> None:
+    """The example package's wheel added to the coordinator and client images (the aggregator sums
+    whatever it is given and needs none); the coordinator's image lists it, and an aggregator, that
+    coordinator and a fleet of digits devices, each a container of its image, run the package's
+    job through the secure sum: every round commits, every committed sum exact."""
+    prefix = f"tally-e2e-{secrets.token_hex(3)}"
+    wheels = tmp_path / "wheels"
+    source = shutil.copytree(PACKAGE, tmp_path / "package", ignore=shutil.ignore_patterns("build", "*.egg-info"))
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "--quiet", "--no-deps", "--no-build-isolation", "--no-index",
+                    "-w", str(wheels), str(source)], check=True, timeout=300)
+    built: dict[str, str] = {}
+    try:
+        for role in ("coordinator", "client"):
+            built[role] = _with_packages(images[role], wheels, f"localhost/tally-{role}:{VERSION}-{prefix}")
+        listed = podman("run", "--rm", "--pull", "never", *RUNTIME, "--read-only", "--entrypoint", "python3",
+                        built["coordinator"], "-m", "tally.cli", "algorithms", "list", "--json")
+        rows = {row["name"]: row for row in json.loads(listed.stdout)["algorithms"]}
+        assert rows["fedavgm"]["package"] == "tally-fedavgm", rows
+
+        assert tally_main(["certs", "--out", str(tmp_path / "certs")]) == 0  # they name 127.0.0.1
+        certs = _owned_by_the_images_user(tmp_path / "certs")
+        for name in ("state", "jobs", "out"):
+            (tmp_path / name).mkdir()
+        (tmp_path / "jobs" / "fedavgm.yaml").write_text(_package_job())
+        _owned_by_the_images_user(tmp_path)
+        device, control, coordinator = free_port(), free_port(), free_port()
+        container = ("run", "--detach", "--network", "host", *RUNTIME, "--pull", "never", "--read-only",
+                     "--user", "10001:10001", "--cap-drop", "all", "--tmpfs", "/tmp", "--env", "HOME=/tmp")
+        podman(*container, "--name", f"{prefix}-aggregator", "-v", f"{certs / 'aggregator-1'}:/etc/tally/tls:ro",
+               images["aggregator"], "--listen", f"127.0.0.1:{device}", "--control-listen", f"127.0.0.1:{control}",
+               "--id", "aggregator-1", "--tls-dir", "/etc/tally/tls", "--metrics-port", "0")
+        podman(*container, "--name", f"{prefix}-coordinator", "-v", f"{certs / 'coordinator'}:/etc/tally/tls:ro",
+               "-v", f"{tmp_path / 'state'}:/var/lib/tally", "-v", f"{tmp_path / 'jobs'}:/jobs:ro",
+               built["coordinator"], "--listen", f"127.0.0.1:{coordinator}", "--state-dir", "/var/lib/tally",
+               "--tls-dir", "/etc/tally/tls", "--aggregator", f"aggregator-1=127.0.0.1:{control}",
+               "--jobs-dir", "/jobs", "--metrics-port", "0")
+
+        def serving() -> bool:
+            """The coordinator wrote its admin token (it checked the job first): the fleet reads it."""
+            if (tmp_path / "state" / "admin.token").exists():
+                return True
+            state = podman("inspect", "--format", "{{.State.Status}}", f"{prefix}-coordinator").stdout.strip()
+            assert state == "running", podman("logs", f"{prefix}-coordinator", check=False).stderr[-3000:]
+            return False
+
+        _until("the coordinator wrote its admin token", serving, deadline_s=120)
+        fleet = podman(*container, "--name", f"{prefix}-fleet", "-v", f"{certs / 'device'}:/etc/tally/tls:ro",
+                       "-v", f"{certs / 'coordinator' / 'enrolment.key'}:/device/enrolment.key:ro",
+                       "-v", f"{tmp_path / 'state'}:/device/state:ro", "-v", f"{tmp_path / 'out'}:/out",
+                       built["client"], "--coordinator", f"127.0.0.1:{coordinator}", "--devices",
+                       str(PACKAGE_DEVICES), "--tls-dir", "/etc/tally/tls", "--enrolment-key", "/device/enrolment.key",
+                       "--audit-token-file", "/device/state/admin.token", "--json", "/out/fleet.json",
+                       "--no-progress", "--metrics-addr", "127.0.0.1", "--metrics-port", "0").stdout.strip()
+        code = int(podman("wait", fleet, timeout=600).stdout.strip())
+        logs = podman("logs", fleet, check=False)
+        served = podman("logs", f"{prefix}-coordinator", check=False)
+        assert code == 0, logs.stdout[-3000:] + logs.stderr[-3000:] + served.stderr[-3000:]
+        report = json.loads((tmp_path / "out" / "fleet.json").read_text())
+        assert report["audit"]["exact"] >= PACKAGE_ROUNDS and report["audit"]["mismatch"] == 0, report["audit"]
+        listing = subprocess.run(
+            [sys.executable, "-m", "tally.cli", "job", "list", "--coordinator", f"127.0.0.1:{coordinator}",
+             "--state-dir", str(tmp_path / "state"), "--tls-dir", str(certs / "device")],
+            capture_output=True, text=True, timeout=60)
+        assert re.search(r"^fedavgm-digits-\w+\s+SUCCEEDED\s+fedavgm\b", listing.stdout, re.M), (
+            listing.stdout + listing.stderr)
+    finally:
+        try:
+            remove_everything(prefix)
+        finally:
+            if built:
+                podman("rmi", "--force", *built.values(), check=False)
+
+
 # -- the Kubernetes page, run ------------------------------------------------------------------
 
 PAGE = ROOT / "docs" / "kubernetes.md"

@@ -243,11 +243,15 @@ class FakeCoordinator(coordinator_pb2_grpc.CoordinatorServicer):
         cancel_checkins: bool = False,
         reassign: str | None = None,
         idle_from_checkin: int | None = None,
-        algorithm_version: str = "",
+        installs: Mapping[str, str] | None = None,
     ) -> None:
+        """``installs``: the TaskAssignment's algorithm_version, model_kind and model_kind_version
+        (what the device is asked to have installed); unset, none is named."""
         self.plan = plan
-        self.algorithm_version = algorithm_version
+        self.installs = dict(installs or {})
         self.declared: dict[str, dict[str, str]] = {}
+        self.declared_models: dict[str, dict[str, str]] = {}
+        self.declared_capabilities: dict[str, list[str]] = {}
         self.cohort = dict(cohort or {})
         self.aggregator = aggregator
         self.chunk_size = chunk_size
@@ -294,6 +298,8 @@ class FakeCoordinator(coordinator_pb2_grpc.CoordinatorServicer):
         assert request.capabilities.accelerator in ("cpu", "cuda") and request.capabilities.sdk_version
         self.checkins[device] += 1
         self.declared[device] = {a.name: a.version for a in request.capabilities.algorithms}
+        self.declared_models[device] = {m.name: m.version for m in request.capabilities.models}
+        self.declared_capabilities[device] = list(request.capabilities.trainer_capabilities)
         self.reports[device].extend(request.reports)
         self.checked_in.set()
         if self.cancel_checkins:  # what a coordinator shutting down does to held check-ins
@@ -318,7 +324,7 @@ class FakeCoordinator(coordinator_pb2_grpc.CoordinatorServicer):
             model_digest=plan.digest, model_size=len(plan.blob), chunk_size=self.chunk_size,
             aggregator_address=self.aggregator, session_ticket=plan.ticket, device_index=index,
             session_token=plan.tokens[index], session=to_proto(plan.config), deadlines=DEADLINES,
-            algorithm_version=self.algorithm_version,
+            **self.installs,
         )
 
     async def DownloadModel(self, request, context):
@@ -616,7 +622,8 @@ def test_a_device_declares_its_algorithms_and_refuses_another_version_by_name():
     version other than the device's own is refused, reported as "algorithm_version" with both
     versions named, before anything is downloaded or joined."""
     plan = fedavg_plan(3, t=2, min_survivors=3)
-    coordinator = FakeCoordinator(plan, {"dev-1": 1}, reassign="127.0.0.1:1", algorithm_version="0.0.1-other")
+    coordinator = FakeCoordinator(plan, {"dev-1": 1}, reassign="127.0.0.1:1",
+                                  installs={"algorithm_version": "0.0.1-other"})
 
     async def scenario():
         server, port = await serve(coordinator, FakeSessionStreams(plan))
@@ -632,6 +639,40 @@ def test_a_device_declares_its_algorithms_and_refuses_another_version_by_name():
     assert coordinator_pb2.TaskReport.Outcome.Name(report.outcome) == "REFUSED"
     assert report.reason == "algorithm_version" and not report.sent_input
     assert f"version '0.0.1-other'; this device has version '{packages.versions()['fedavg']}'" in report.detail
+    assert coordinator.downloads == []
+
+
+@pytest.mark.parametrize("installs,reason,detail", [
+    ({"model_kind": "mlp", "model_kind_version": "0.0.1-other"}, "model_version",
+     "the job runs model kind 'mlp' version '0.0.1-other'; this device has version '{mlp}'"),
+    ({"model_kind": "tiny", "model_kind_version": "1"}, "model_version",
+     "the job runs model kind 'tiny' version '1'; this device does not have it installed"),
+], ids=["other-version", "not-installed"])
+def test_a_device_declares_its_model_kinds_and_refuses_one_it_lacks_by_name(installs, reason, detail):
+    """Every check-in declares the model kinds installed (name and version) and the trainer's
+    capabilities; a task whose model kind the device lacks at the coordinator's version is refused,
+    reported as "model_version" naming both, before anything is downloaded or joined."""
+    from tally import models
+
+    plan = fedavg_plan(3, t=2, min_survivors=3)
+    coordinator = FakeCoordinator(plan, {"dev-1": 1}, reassign="127.0.0.1:1",
+                                  installs={"algorithm_version": packages.versions()["fedavg"], **installs})
+
+    async def scenario():
+        server, port = await serve(coordinator, FakeSessionStreams(plan))
+        try:
+            await device(f"127.0.0.1:{port}", "dev-1", ShiftTrainer(0.01, examples=5), seed=101,
+                         identity=identities(3)[1], policy=LAX).run(max_tasks=2)
+        finally:
+            await server.stop(None)
+
+    run(scenario())
+    assert coordinator.declared_models["dev-1"] == models.versions() and "mlp" in coordinator.declared_models["dev-1"]
+    assert coordinator.declared_capabilities["dev-1"] == []  # a plain trainer offers none
+    [report] = coordinator.reports["dev-1"]
+    assert coordinator_pb2.TaskReport.Outcome.Name(report.outcome) == "REFUSED"
+    assert report.reason == reason and not report.sent_input
+    assert detail.format(mlp=models.versions()["mlp"]) in report.detail
     assert coordinator.downloads == []
 
 

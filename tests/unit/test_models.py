@@ -31,8 +31,8 @@ model: {{kind: {kind}, inputs: 64, classes: 10, hidden: 8}}
 
 @pytest.fixture
 def plugins(tmp_path, monkeypatch):
-    """A fresh plug-in table and an importable directory for plug-in modules."""
-    monkeypatch.setattr(models, "_PLUGGED", {})
+    """A fresh model catalogue and an importable directory for plug-in modules."""
+    monkeypatch.setattr(models, "_catalogue", None)
     monkeypatch.syspath_prepend(str(tmp_path))
 
     def write(name: str, body: str) -> str:
@@ -82,10 +82,37 @@ def test_a_plug_in_model_is_available_only_once_the_operator_loads_it(plugins):
     assert str(refused.value).startswith("model.kind: 'tiny' is not one of [")
     assert all(repr(kind) in str(refused.value) for kind in built_in)
     assert models.load_plugins([name]) == ["tiny"]
+    # Served by the same catalogue as packages' kinds, so a device declares it at check-in.
+    assert models.versions()["tiny"] == models.UNVERSIONED
+    assert models.catalogue().installed["tiny"].package == f"plug-in {name}"
     spec = jobspec.parse(SPEC.format(kind="tiny"))
     params = initial_model(spec.model)
     assert {k: v.shape for k, v in params.items()} == {"weight": (10, 64), "bias": (10,)}
     assert OnnxModel.from_bytes(export_model(params, spec.model)).logits(np.zeros((2, 64), np.float32)).shape == (2, 10)
+
+
+def test_algorithms_list_shows_model_kinds_with_versions_a_plug_in_included(plugins, capsys):
+    """What a device with ``--model-plugin`` declares at check-in is what ``tally algorithms list
+    --model-plugin`` shows: tally's own kinds and the plug-in's, each with its version and source."""
+    import json
+
+    from tally.cli import main
+
+    name = plugins("versioned_models", """
+        from torch import nn
+        from tally.models import Model
+
+        def tiny(inputs, classes, hidden, seed):
+            return nn.Linear(inputs, classes)
+
+        TALLY_MODELS = {"tiny": Model("tiny", "2.0", tiny, summary="one linear layer")}
+    """)
+    assert main(["algorithms", "list", "--json", "--model-plugin", name]) == 0
+    rows = {row["kind"]: row for row in json.loads(capsys.readouterr().out)["models"]}
+    assert (rows["tiny"]["version"], rows["tiny"]["package"]) == ("2.0", f"plug-in {name}")
+    assert (rows["mlp"]["version"], rows["mlp"]["package"]) == (models.versions()["mlp"], "tally")
+    assert main(["algorithms", "list", "--model-plugin", "no_such_module"]) == 2
+    assert "model plug-in 'no_such_module' cannot be imported" in capsys.readouterr().err
 
 
 def test_bad_plug_ins_are_refused_with_the_reason(plugins):

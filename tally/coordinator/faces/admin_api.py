@@ -84,6 +84,8 @@ class AdminService(admin_pb2_grpc.AdminServicer):
             out.round, out.phase, out.step = runner.round, round_phase(runner.phase), runner.step
             out.selection = runner.selection_progress()
             out.algorithm_version = runner.algorithm_version
+            out.model_kind, out.model_kind_version = runner.spec.model.kind, runner.requirement.model_version
+            out.needs.extend(runner.requirement.needs)
             out.able_devices, out.declared_devices = self.jobs.able_devices(runner)
             out.devices_out_of_budget = len(runner.out_of_budget)
         elif record.state in ("FAILED", "CANCELLED") and record.committed_round < out.rounds:

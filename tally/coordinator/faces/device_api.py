@@ -48,7 +48,7 @@ class DeviceService(coordinator_pb2_grpc.CoordinatorServicer):
 
     async def CheckIn(self, request: coordinator_pb2.CheckInRequest, context: grpc.aio.ServicerContext):
         claims = await self.entry.check_in(request, context)
-        declared = request.capabilities.algorithms
+        declared = request.capabilities
         refused = declared_algorithms.problem(declared)
         if refused is not None:
             await self.entry.refuse(context, "CheckIn", "invalid_capabilities", grpc.StatusCode.INVALID_ARGUMENT,

@@ -154,15 +154,14 @@ class ActiveJobs:
             if runner.population == claims.population:
                 runner.ledger_says(claims.device_id, ledger)
 
-    def record_declared(self, claims: DeviceClaims,
-                        declared: Iterable[coordinator_pb2.InstalledAlgorithm]) -> Installed:
+    def record_declared(self, claims: DeviceClaims, declared: coordinator_pb2.Capabilities) -> Installed:
         """What the device says it can run (``declared_algorithms``), for this check-in's seating
         and the jobs' counts of able devices."""
         return self._ctx.declared.record(claims.device_id, claims.population, declared)
 
     def able_devices(self, runner: JobRunner) -> tuple[int, int]:
         """(devices of the job's population able to run it, devices of it that checked in)."""
-        return self._ctx.declared.count(runner.population, runner.spec.algorithm, runner.algorithm_version)
+        return self._ctx.declared.count(runner.population, runner.requirement)
 
     def record_budget_spent(self, claims: DeviceClaims, job_ids: Iterable[str]) -> None:
         """The device's own privacy budget is spent for these jobs (``JobRunner.budget_spent``);
@@ -178,8 +177,8 @@ class ActiveJobs:
     ) -> CheckInResult:
         """A task from the first job of the device's population that selects it and that it can
         run, else the soonest come-back time. ``ledger_id``: the input ledger the check-in stated,
-        recorded with a seat it gets (``JobRunner.ledger_says``); ``installed``: the algorithms the
-        device declared (None: not checked, for callers inside the coordinator).
+        recorded with a seat it gets (``JobRunner.ledger_says``); ``installed``: what the device
+        declared (None: not checked, for callers inside the coordinator).
 
         A selected device is held while the selection fills, at most ``checkin_hold_s`` and never
         past the caller's own deadline: a check-in that timed out on the device side would lose

@@ -51,7 +51,7 @@ from tally.coordinator.rounds.aggregators import AggregatorPool
 from tally.coordinator.rounds.checkin_holds import CheckInHolds, CheckInResult
 from tally.coordinator.rounds.checkpoints import Checkpoints
 from tally.coordinator.rounds.cohort_sessions import CohortSessions
-from tally.coordinator.rounds.declared_algorithms import DeclaredAlgorithms, Installed, can_run, required_version
+from tally.coordinator.rounds.declared_algorithms import DeclaredAlgorithms, Installed, required
 from tally.coordinator.rounds.failures import AttemptFailed, JobFailed
 from tally.coordinator.rounds.planner import (
     FIRST_ROUND_GUESS_S,
@@ -99,7 +99,7 @@ INTERRUPTED = "interrupted: coordinator stopped"  # how a restart closes the att
 
 # Task failures that fail the same way on every retry: the job stops at once with them.
 PERMANENT_REASONS = frozenset({"model_mismatch", "training_error", "invalid_task", "metric_unavailable",
-                               "algorithm_version"})
+                               "algorithm_version", "model_version", "trainer_capability"})
 
 
 @dataclass
@@ -155,7 +155,8 @@ class JobRunner:
         self.server = private_job_server(
             evaluated_job_server(catalogue.make_server(spec.algorithm, spec.options), spec), spec,
             rounds=self.schedule.total)
-        self.algorithm_version = required_version(spec.algorithm)
+        # What a device must have installed to be seated (``declared_algorithms``).
+        self.requirement = required(spec.algorithm, spec.model.kind)
         self.ledger = getattr(self.server, "ledger", None)
         if self.ledger is not None:
             privacy_metrics.publish(job_id, self.ledger)
@@ -192,10 +193,14 @@ class JobRunner:
     def population(self) -> str:
         return self.spec.population
 
+    @property
+    def algorithm_version(self) -> str:
+        return self.requirement.algorithm_version
+
     def runs_on(self, installed: Installed) -> bool:
-        """Whether a device with ``installed`` can be seated: it has the job's algorithm at the
-        version this coordinator runs."""
-        return can_run(installed, self.spec.algorithm, self.algorithm_version)
+        """Whether a device with ``installed`` can be seated: it has the job's algorithm and model
+        kind at the versions this coordinator runs, and its trainer offers what the algorithm needs."""
+        return self.requirement.met_by(installed)
 
     # -- device-facing ------------------------------------------------------------------------
 
@@ -459,7 +464,8 @@ class JobRunner:
         """What the devices' reports say when a retry cannot help: no device completed its task
         and at least a cohort's worth failed for a reason no retry changes (its model does not
         match the job's, its training raises, the task is invalid), or no device that checked in
-        has the job's algorithm at its version. None otherwise."""
+        has the job's algorithm and model kind at their versions and the capabilities the algorithm
+        needs. None otherwise."""
         none_can = self._none_can_run()
         if none_can is not None:
             return none_can
@@ -475,7 +481,7 @@ class JobRunner:
             for reason, (count, example) in sorted(failed.items()))
 
     def _none_can_run(self) -> str | None:
-        return self.ctx.declared.none_can_run(self.population, self.spec.algorithm, self.algorithm_version)
+        return self.ctx.declared.none_can_run(self.population, self.requirement)
 
     def _extensions_used(self) -> int:
         return self.planner.selection.extensions_used if self.planner is not None else 0
@@ -615,7 +621,8 @@ class JobRunner:
                 session_ticket=session.ticket, device_index=seat.index,
                 session_token=session.tokens[seat.index], session=to_proto(session.config),
                 deadlines=self.sessions.deadlines, algorithm_options=self._options, adaptation=self._adaptation,
-                algorithm_version=self.algorithm_version,
+                algorithm_version=self.algorithm_version, model_kind=self.spec.model.kind,
+                model_kind_version=self.requirement.model_version,
             )
         self.holds.deliver(planner, self.tasks)
 

@@ -1,6 +1,7 @@
 """The coordinator's catalogue: which server halves it can run, and which models a job may start
-from: the algorithms of ``tally.algorithms`` and the torch models of ``tally.models`` (built in or
-plugged in with ``--model-plugin``), plus any registered here.
+from: the algorithms of ``tally.algorithms`` and the torch models of ``tally.models`` (built in,
+from installed model packages or plugged in with ``--model-plugin``), plus any registered here
+(which have no version, so no device is asked to declare them).
 
 The hooks exist so an algorithm or a model can be plugged into the coordinator's rounds (and job-spec
 validation) without editing ``tally/algorithms`` or the job-spec format: tests register tiny

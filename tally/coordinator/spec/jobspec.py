@@ -66,7 +66,8 @@ class ModelSpec(BaseModel):
 
     model_config = STRICT
     kind: str = Field(
-        "mlp", description="model kind: built in (mlp, cnn; domain_mlp for FedDAR) or plugged in with --model-plugin")
+        "mlp", description="model kind: built in (mlp, cnn; domain_mlp for FedDAR), from an installed "
+        "model package (tally.models entry point) or plugged in with --model-plugin")
     inputs: int = Field(64, ge=1, description="input features")
     classes: int = Field(10, ge=1, description="output classes")
     hidden: int = Field(64, ge=1, description="hidden width (mlp, domain_mlp) or channels (cnn)")

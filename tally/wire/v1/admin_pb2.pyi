@@ -20,7 +20,7 @@ class SubmitJobRequest(_message.Message):
     def __init__(self, spec_yaml: _Optional[str] = ..., spec_struct: _Optional[_Union[_struct_pb2.Struct, _Mapping]] = ...) -> None: ...
 
 class Job(_message.Message):
-    __slots__ = ("job_id", "name", "algorithm", "state", "round", "phase", "step", "committed_round", "spec_yaml", "created_at", "updated_at", "message", "task_reports", "rounds", "warnings", "attempts", "selection", "algorithm_version", "able_devices", "declared_devices", "devices_out_of_budget")
+    __slots__ = ("job_id", "name", "algorithm", "state", "round", "phase", "step", "committed_round", "spec_yaml", "created_at", "updated_at", "message", "task_reports", "rounds", "warnings", "attempts", "selection", "algorithm_version", "able_devices", "declared_devices", "devices_out_of_budget", "model_kind", "model_kind_version", "needs")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     NAME_FIELD_NUMBER: _ClassVar[int]
     ALGORITHM_FIELD_NUMBER: _ClassVar[int]
@@ -42,6 +42,9 @@ class Job(_message.Message):
     ABLE_DEVICES_FIELD_NUMBER: _ClassVar[int]
     DECLARED_DEVICES_FIELD_NUMBER: _ClassVar[int]
     DEVICES_OUT_OF_BUDGET_FIELD_NUMBER: _ClassVar[int]
+    MODEL_KIND_FIELD_NUMBER: _ClassVar[int]
+    MODEL_KIND_VERSION_FIELD_NUMBER: _ClassVar[int]
+    NEEDS_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     name: str
     algorithm: str
@@ -63,7 +66,10 @@ class Job(_message.Message):
     able_devices: int
     declared_devices: int
     devices_out_of_budget: int
-    def __init__(self, job_id: _Optional[str] = ..., name: _Optional[str] = ..., algorithm: _Optional[str] = ..., state: _Optional[_Union[_common_pb2.JobState, str]] = ..., round: _Optional[int] = ..., phase: _Optional[_Union[_common_pb2.RoundPhase, str]] = ..., step: _Optional[str] = ..., committed_round: _Optional[int] = ..., spec_yaml: _Optional[str] = ..., created_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., updated_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., message: _Optional[str] = ..., task_reports: _Optional[_Iterable[_Union[TaskReportCount, _Mapping]]] = ..., rounds: _Optional[int] = ..., warnings: _Optional[_Iterable[str]] = ..., attempts: _Optional[_Iterable[_Union[RoundAttempt, _Mapping]]] = ..., selection: _Optional[str] = ..., algorithm_version: _Optional[str] = ..., able_devices: _Optional[int] = ..., declared_devices: _Optional[int] = ..., devices_out_of_budget: _Optional[int] = ...) -> None: ...
+    model_kind: str
+    model_kind_version: str
+    needs: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, job_id: _Optional[str] = ..., name: _Optional[str] = ..., algorithm: _Optional[str] = ..., state: _Optional[_Union[_common_pb2.JobState, str]] = ..., round: _Optional[int] = ..., phase: _Optional[_Union[_common_pb2.RoundPhase, str]] = ..., step: _Optional[str] = ..., committed_round: _Optional[int] = ..., spec_yaml: _Optional[str] = ..., created_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., updated_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., message: _Optional[str] = ..., task_reports: _Optional[_Iterable[_Union[TaskReportCount, _Mapping]]] = ..., rounds: _Optional[int] = ..., warnings: _Optional[_Iterable[str]] = ..., attempts: _Optional[_Iterable[_Union[RoundAttempt, _Mapping]]] = ..., selection: _Optional[str] = ..., algorithm_version: _Optional[str] = ..., able_devices: _Optional[int] = ..., declared_devices: _Optional[int] = ..., devices_out_of_budget: _Optional[int] = ..., model_kind: _Optional[str] = ..., model_kind_version: _Optional[str] = ..., needs: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class RoundAttempt(_message.Message):
     __slots__ = ("attempt", "state", "started_at", "finished_at", "message")

@@ -42,16 +42,28 @@ class RegisterResponse(_message.Message):
     def __init__(self, token: _Optional[str] = ..., expires_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., coordinator_key: _Optional[bytes] = ...) -> None: ...
 
 class Capabilities(_message.Message):
-    __slots__ = ("accelerator", "sdk_version", "algorithms")
+    __slots__ = ("accelerator", "sdk_version", "algorithms", "models", "trainer_capabilities")
     ACCELERATOR_FIELD_NUMBER: _ClassVar[int]
     SDK_VERSION_FIELD_NUMBER: _ClassVar[int]
     ALGORITHMS_FIELD_NUMBER: _ClassVar[int]
+    MODELS_FIELD_NUMBER: _ClassVar[int]
+    TRAINER_CAPABILITIES_FIELD_NUMBER: _ClassVar[int]
     accelerator: str
     sdk_version: str
     algorithms: _containers.RepeatedCompositeFieldContainer[InstalledAlgorithm]
-    def __init__(self, accelerator: _Optional[str] = ..., sdk_version: _Optional[str] = ..., algorithms: _Optional[_Iterable[_Union[InstalledAlgorithm, _Mapping]]] = ...) -> None: ...
+    models: _containers.RepeatedCompositeFieldContainer[InstalledModel]
+    trainer_capabilities: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, accelerator: _Optional[str] = ..., sdk_version: _Optional[str] = ..., algorithms: _Optional[_Iterable[_Union[InstalledAlgorithm, _Mapping]]] = ..., models: _Optional[_Iterable[_Union[InstalledModel, _Mapping]]] = ..., trainer_capabilities: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class InstalledAlgorithm(_message.Message):
+    __slots__ = ("name", "version")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    version: str
+    def __init__(self, name: _Optional[str] = ..., version: _Optional[str] = ...) -> None: ...
+
+class InstalledModel(_message.Message):
     __slots__ = ("name", "version")
     NAME_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
@@ -143,7 +155,7 @@ class Step(_message.Message):
     def __init__(self, name: _Optional[str] = ..., sum_id: _Optional[str] = ..., broadcast: _Optional[_Iterable[_Union[_common_pb2.Tensor, _Mapping]]] = ..., schema: _Optional[_Union[_aggregator_pb2.PayloadSchemaSpec, _Mapping]] = ..., reveal: _Optional[bool] = ..., personal: _Optional[bool] = ...) -> None: ...
 
 class TaskAssignment(_message.Message):
-    __slots__ = ("job_id", "round", "task_id", "algorithm", "step", "model_version", "model_digest", "model_size", "chunk_size", "aggregator_address", "session_ticket", "device_index", "session_token", "session", "deadlines", "algorithm_options", "adaptation", "algorithm_version")
+    __slots__ = ("job_id", "round", "task_id", "algorithm", "step", "model_version", "model_digest", "model_size", "chunk_size", "aggregator_address", "session_ticket", "device_index", "session_token", "session", "deadlines", "algorithm_options", "adaptation", "algorithm_version", "model_kind", "model_kind_version")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     ROUND_FIELD_NUMBER: _ClassVar[int]
     TASK_ID_FIELD_NUMBER: _ClassVar[int]
@@ -162,6 +174,8 @@ class TaskAssignment(_message.Message):
     ALGORITHM_OPTIONS_FIELD_NUMBER: _ClassVar[int]
     ADAPTATION_FIELD_NUMBER: _ClassVar[int]
     ALGORITHM_VERSION_FIELD_NUMBER: _ClassVar[int]
+    MODEL_KIND_FIELD_NUMBER: _ClassVar[int]
+    MODEL_KIND_VERSION_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     round: int
     task_id: str
@@ -180,7 +194,9 @@ class TaskAssignment(_message.Message):
     algorithm_options: str
     adaptation: str
     algorithm_version: str
-    def __init__(self, job_id: _Optional[str] = ..., round: _Optional[int] = ..., task_id: _Optional[str] = ..., algorithm: _Optional[str] = ..., step: _Optional[_Union[Step, _Mapping]] = ..., model_version: _Optional[str] = ..., model_digest: _Optional[str] = ..., model_size: _Optional[int] = ..., chunk_size: _Optional[int] = ..., aggregator_address: _Optional[str] = ..., session_ticket: _Optional[bytes] = ..., device_index: _Optional[int] = ..., session_token: _Optional[str] = ..., session: _Optional[_Union[_secagg_pb2.SessionConfig, _Mapping]] = ..., deadlines: _Optional[_Union[_secagg_pb2.PhaseDeadlines, _Mapping]] = ..., algorithm_options: _Optional[str] = ..., adaptation: _Optional[str] = ..., algorithm_version: _Optional[str] = ...) -> None: ...
+    model_kind: str
+    model_kind_version: str
+    def __init__(self, job_id: _Optional[str] = ..., round: _Optional[int] = ..., task_id: _Optional[str] = ..., algorithm: _Optional[str] = ..., step: _Optional[_Union[Step, _Mapping]] = ..., model_version: _Optional[str] = ..., model_digest: _Optional[str] = ..., model_size: _Optional[int] = ..., chunk_size: _Optional[int] = ..., aggregator_address: _Optional[str] = ..., session_ticket: _Optional[bytes] = ..., device_index: _Optional[int] = ..., session_token: _Optional[str] = ..., session: _Optional[_Union[_secagg_pb2.SessionConfig, _Mapping]] = ..., deadlines: _Optional[_Union[_secagg_pb2.PhaseDeadlines, _Mapping]] = ..., algorithm_options: _Optional[str] = ..., adaptation: _Optional[str] = ..., algorithm_version: _Optional[str] = ..., model_kind: _Optional[str] = ..., model_kind_version: _Optional[str] = ...) -> None: ...
 
 class CheckInResponse(_message.Message):
     __slots__ = ("retry_after", "task")
