@@ -18,7 +18,6 @@ from support.stack import in_process, run
 from tally import modelio
 from tally.client.metrics import ClientMetrics
 from tally.client.privacy_ledger import PrivacyBudget, epsilon_of
-from tally.coordinator.rounds.come_back import Retry
 from tally.coordinator.rounds.runner import JobRunner
 from tally.coordinator.spec import catalogue
 from tally.privacy.payload import PARAMS
@@ -95,16 +94,26 @@ def test_a_coordinator_selecting_the_same_devices_every_round_is_stopped_by_thei
     assert registry.get_sample_value("tally_client_privacy_budget_refusals_total") >= n
 
 
-def _attack(target: str):
-    """A patched runner: the even rounds are selected without ``target`` (S minus the target)."""
-    honest_offer = JobRunner.offer
+# The attack's job waits for whom it selects, however loaded the machine: a selection closes when
+# its devices are seated (S: all n, S minus the target: n - 1), never at a window's end, and no
+# phase deadline drops a slow device (either would change who is in a sum, which is what the
+# test asserts).
+UNHURRIED = ("deadlines: {checkin: 300, download: 120, advertise_keys: 120, share_keys: 120, masked_input: 120, "
+             "consistency_check: 120, unmask: 120}")
 
-    def offer(self, device_id, now, ledger_id=""):
-        if self.round % 2 == 0 and device_id == target:
-            return Retry(0.2, "differencing attack")
-        return honest_offer(self, device_id, now, ledger_id)
 
-    return offer
+def _attack(target: str, n: int):
+    """A patched runner: the even rounds select S minus ``target`` (their selection is full at
+    n - 1 devices, and turns the target away as seated in an earlier attempt would be)."""
+    honest_seat_waiting = JobRunner._seat_waiting
+
+    def seat_waiting(self, planner):  # called on each attempt's planner before any device is seated
+        if self.round % 2 == 0:
+            planner.selection.target = n - 1
+            planner.selection.excluded.add(target)
+        honest_seat_waiting(self, planner)
+
+    return seat_waiting
 
 
 def _sums(store, job_id: str, rounds: int) -> tuple[list[np.ndarray], list[int]]:
@@ -131,10 +140,11 @@ def test_the_differencing_attack(tmp_path, model_kind, monkeypatch, dp):
         async with in_process().whole_system(tmp_path) as s:
             fleet = s.fleet(updates, seed=1)
             victim = fleet.devices[target]
-            monkeypatch.setattr(JobRunner, "offer", _attack(victim.device_id))
+            monkeypatch.setattr(JobRunner, "_seat_waiting", _attack(victim.device_id, n))
             if dp:
                 victim.privacy.budget = _budget_for(2)  # the target's own policy; the others have none
-            job_id = await s.submit(_spec(model_kind, rounds, n, PRIVACY if dp else ""))
+            spec = re.sub(r"deadlines: \{.*\}", UNHURRIED, _spec(model_kind, rounds, n, PRIVACY if dp else ""))
+            job_id = await s.submit(spec)
             try:
                 await fleet.run(until=fleet.until_job_done(job_id, every_seconds=0.2))
             finally:
