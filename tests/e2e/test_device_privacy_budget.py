@@ -8,18 +8,23 @@ from __future__ import annotations
 
 import asyncio
 import re
+import time
 from dataclasses import replace
 
 import numpy as np
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from support.jobs import ShiftDevice, job_text
-from support.stack import in_process, run
+from support.stack import in_process, run, scrape_text
 from tally import modelio
 from tally.client.metrics import ClientMetrics
 from tally.client.privacy_ledger import PrivacyBudget, epsilon_of
+from tally.coordinator.rounds.come_back import Retry
 from tally.coordinator.rounds.runner import JobRunner
 from tally.coordinator.spec import catalogue
+from tally.coordinator.state.store import Store
+from tally.loadtest.fleet import device_ids
 from tally.privacy.payload import PARAMS
 from tally.privacy.server import PrivateServer
 from tally.secagg import DevicePolicy
@@ -104,7 +109,10 @@ UNHURRIED = ("deadlines: {checkin: 300, download: 120, advertise_keys: 120, shar
 
 def _attack(target: str, n: int):
     """A patched runner: the even rounds select S minus ``target`` (their selection is full at
-    n - 1 devices, and turns the target away as seated in an earlier attempt would be)."""
+    n - 1 devices, and turns the target away as seated in an earlier attempt would be). It acts
+    where each attempt's selection opens, not in ``JobRunner.offer``: a device that checks in
+    between a commit and the next selection is held in the waiting room and seated without
+    passing ``offer`` (an attack patched there let the target into round 2 under load)."""
     honest_seat_waiting = JobRunner._seat_waiting
 
     def seat_waiting(self, planner):  # called on each attempt's planner before any device is seated
@@ -225,3 +233,78 @@ def test_a_coordinator_lying_about_cohort_or_noise_is_refused_and_never_charged(
     assert metrics.registry.get_sample_value("tally_client_privacy_checks_total", {"outcome": "share_mismatch"}) >= 1
     charged = [r for d in trusting.devices for r in d.privacy.releases]
     assert charged and all(r.noise_multiplier < 0.15 for r in charged)  # about 0.1 * sqrt(10 / 10), not 1.0
+
+
+def _devices_out_of_budget(s, job_id: str) -> float | None:
+    """The coordinator's gauge, as Prometheus scrapes it."""
+    return next((sample.value for family in text_string_to_metric_families(scrape_text(s.coordinator.metrics_port))
+                 for sample in family.samples
+                 if sample.name == "tally_coordinator_devices_out_of_budget" and sample.labels["job_id"] == job_id),
+                None)
+
+
+async def _state_spent(s, job_id: str, prefix: str, count: int) -> None:
+    """Run devices ``<prefix>-00000``.. whose ledgers refused the job (what they state at each
+    check-in) until the coordinator counts them, or the job ends."""
+    before = (await s.job(job_id)).devices_out_of_budget
+    fleet = s.fleet(_updates(count), seed=1, id_prefix=prefix)
+    for device in fleet.devices:
+        device.privacy.spent_jobs = [job_id]
+
+    async def counted(_stats) -> bool:
+        job = await s.job(job_id)
+        return job.state != common_pb2.JOB_STATE_RUNNING or job.devices_out_of_budget >= before + count
+
+    try:
+        await fleet.run(until=counted)
+    finally:
+        fleet.close()
+
+
+@pytest.mark.parametrize("then", ["a_fifth_device_states_it", "recorded_before_a_crash"])
+def test_devices_out_of_budget_outlive_a_coordinator_restart(tmp_path, model_kind, then):
+    """Four of ten devices state that their budget is spent for a job of min_cohort 6; the
+    coordinator restarts. From its store alone (no device has said it again) it still counts the
+    four and turns them away. Then the job is left without enough eligible devices: a fifth
+    device says so after the restart, or its statement was recorded just before a crash (the
+    coordinator stopped between recording it and failing the job); either way the job fails at
+    once, naming the five, rather than waiting out its selection."""
+    spent, eligible = 4, 6
+
+    async def main():
+        async with in_process().whole_system(tmp_path) as s:
+            # A selection of 7 that never closes by itself: what happens below is the devices'
+            # statements, never a round.
+            job_id = await s.submit(re.sub(r"deadlines: \{.*\}", UNHURRIED, _spec(model_kind, 2, eligible + 1)))
+            population = s.coordinator.store.devices.population_size
+            enrolled = s.fleet(_updates(eligible), seed=1, id_prefix="ok")  # first: the population is all 10
+            try:
+                await enrolled.run(until=lambda _stats: population("default") >= eligible)
+            finally:
+                enrolled.close()
+            await _state_spent(s, job_id, "spent", spent)
+            await s.restart_coordinator()
+            resumed = await s.job(job_id)
+            assert resumed.state == common_pb2.JOB_STATE_RUNNING and resumed.devices_out_of_budget == spent
+            assert _devices_out_of_budget(s, job_id) == spent
+            runner = s.coordinator.jobs.runner(job_id)
+            turned_away = [runner.offer(d, time.monotonic()) for d in device_ids("spent", spent)]
+            assert all(isinstance(r, Retry) and "privacy budget is spent" in r.reason for r in turned_away), \
+                turned_away
+            if then == "a_fifth_device_states_it":
+                await _state_spent(s, job_id, "ok", 1)
+            else:
+                def crashed_after_recording_a_fifth() -> None:
+                    store = Store(s.state_dir)
+                    store.add_out_of_budget(job_id, device_ids("ok", 1)[0])
+                    store.close()
+
+                await s.restart_coordinator(crashed_after_recording_a_fifth)
+            await s.until_done(job_id)
+            return await s.job(job_id)
+
+    job = run(main())
+    assert job.state == common_pb2.JOB_STATE_FAILED, job.message
+    assert job.message == ("out of eligible devices: 5 of the 10 devices of population 'default' have spent their "
+                           "own privacy budget for this job, 5 remain, fewer than min_cohort 6"), job.message
+    assert job.committed_round == 0
