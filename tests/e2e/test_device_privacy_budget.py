@@ -7,10 +7,12 @@ session configuration. The budget is the device's own (``tally.client.privacy_le
 from __future__ import annotations
 
 import asyncio
+import json
 import re
 import time
 from dataclasses import replace
 
+import matplotlib.pyplot as plt
 import numpy as np
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
@@ -18,13 +20,15 @@ from prometheus_client.parser import text_string_to_metric_families
 from support.jobs import ShiftDevice, job_text
 from support.stack import in_process, run, scrape_text
 from tally import modelio
-from tally.client.metrics import ClientMetrics
+from tally.client.metrics import EPSILON_QUANTILES, ClientMetrics
 from tally.client.privacy_ledger import PrivacyBudget, epsilon_of
 from tally.coordinator.rounds.come_back import Retry
 from tally.coordinator.rounds.runner import JobRunner
 from tally.coordinator.spec import catalogue
 from tally.coordinator.state.store import Store
 from tally.loadtest.fleet import device_ids
+from tally.loadtest.report import write_report
+from tally.loadtest.timeline import EPSILON_SERIES, FleetTimeline, TimelineMetrics
 from tally.privacy.payload import PARAMS
 from tally.privacy.server import PrivateServer
 from tally.secagg import DevicePolicy
@@ -61,23 +65,29 @@ def model_kind(request):
     catalogue.unregister_model(name)
 
 
-def test_a_coordinator_selecting_the_same_devices_every_round_is_stopped_by_their_budgets(tmp_path, model_kind):
+def test_a_coordinator_selecting_the_same_devices_every_round_is_stopped_by_their_budgets(tmp_path, model_kind,
+                                                                                          monkeypatch):
     """Cohort = population, every round: each device admits three releases, refuses the fourth
     before training (privacy_budget_spent), states so at check-in, and the job, left without
-    min_cohort eligible devices, fails saying so. No ledger passes its budget."""
+    min_cohort eligible devices, fails saying so. No ledger passes its budget. What the fleet
+    exports and what its report (``tally fleet --report``) plots are the devices' ledgers."""
     n, budget = 10, _budget_for(3)
+    timeline = FleetTimeline()
+    figures = []
+    monkeypatch.setattr(plt, "close", figures.append)  # keep the report's figure to read its panels
 
     async def main():
         async with in_process().whole_system(tmp_path) as s:
             job_id = await s.submit(_spec(model_kind, 8, n, PRIVACY))
-            fleet = s.fleet(_updates(n), seed=1, privacy_budget=budget, state_dir=tmp_path / "devices")
+            fleet = s.fleet(_updates(n), seed=1, privacy_budget=budget, state_dir=tmp_path / "devices",
+                            metrics=TimelineMetrics(timeline))
             try:
-                await fleet.run(until=fleet.until_job_done(job_id, every_seconds=0.2))
+                stats = await fleet.run(until=fleet.until_job_done(job_id, every_seconds=0.2))
             finally:
                 fleet.close()
-            return await s.job(job_id), fleet
+            return await s.job(job_id), fleet, stats
 
-    job, fleet = run(main())
+    job, fleet, stats = run(main())
     assert job.state == common_pb2.JOB_STATE_FAILED, job.message
     # Failed as soon as fewer than min_cohort 6 of the 10 remained eligible, not at its deadlines.
     assert re.fullmatch(rf"out of eligible devices: \d+ of the {n} devices .* fewer than min_cohort 6", job.message)
@@ -93,10 +103,38 @@ def test_a_coordinator_selecting_the_same_devices_every_round_is_stopped_by_thei
     # What the fleet exports to Prometheus: the devices' own epsilon, and their refusals.
     registry = fleet.metrics.registry
     spent = [d.privacy.epsilon() for d in fleet.devices]
-    assert registry.get_sample_value("tally_client_device_epsilon", {"quantile": "1"}) == max(spent)
-    assert registry.get_sample_value("tally_client_device_epsilon", {"quantile": "0.5"}) == pytest.approx(
-        float(np.median(spent)))
-    assert registry.get_sample_value("tally_client_privacy_budget_refusals_total") >= n
+    quantiles = {name: float(np.percentile(spent, q, method="inverted_cdf")) for name, q in EPSILON_SERIES.items()}
+    assert quantiles["max"] == max(spent)
+    for label, name in zip(EPSILON_QUANTILES, EPSILON_SERIES, strict=True):
+        assert registry.get_sample_value("tally_client_device_epsilon", {"quantile": label}) == quantiles[name]
+    refusals = sum(d.stats.failures[job.job_id]["privacy_budget_spent"] for d in fleet.devices)
+    assert refusals >= n
+    assert registry.get_sample_value("tally_client_task_refusals_total", {"reason": "privacy_budget_spent"}) == refusals
+
+    # The report: its JSON and its picture's panels hold the devices' ledgers over the run.
+    written = write_report(timeline, stats, tmp_path / "report")
+    assert [p.name for p in written] == ["report.json", "timeline.json", "report.png"]
+    summary = json.loads((tmp_path / "report" / "report.json").read_text())
+    over_time = summary["device_epsilon"]
+    assert over_time["devices"][-1] == n and {name: over_time[name][-1] for name in EPSILON_SERIES} == quantiles
+    # Every device joined rounds 1 to 3: each figure plotted is what a ledger held after 0 to 3 of them.
+    ledger = fleet.devices[0].privacy
+    held = [type(ledger)(None, budget) for _ in range(4)]
+    for k, prefix in enumerate(held):
+        prefix.releases = ledger.releases[:k]
+    possible = {prefix.epsilon() for prefix in held}
+    assert {e for name in EPSILON_SERIES for e in over_time[name]} <= possible
+    assert sorted(set(over_time["max"])) == sorted(possible)  # 0, then each release's step
+    assert summary["refusals"]["privacy_budget_spent"][-1][1] == refusals
+    (figure,) = figures
+    panels = {ax.get_title(): ax for ax in figure.axes}
+    epsilon_panel = panels["epsilon each device's own ledger has spent (over the devices)"]
+    plotted = {line.get_label(): list(line.get_ydata()) for line in epsilon_panel.get_lines()}
+    assert plotted == {name: over_time[name] for name in EPSILON_SERIES}
+    refusal_panel = panels["tasks the devices refused, by reason (so far)"]
+    plotted = {line.get_label(): list(line.get_ydata()) for line in refusal_panel.get_lines()}
+    assert plotted == {reason: [k for _, k in series] for reason, series in summary["refusals"].items()}
+    assert plotted["privacy_budget_spent"][-1] == refusals
 
 
 # The attack's job waits for whom it selects, however loaded the machine: a selection closes when
