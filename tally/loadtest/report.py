@@ -91,6 +91,7 @@ def _plot_privacy(epsilon: Any, refused: Any, report: dict[str, Any]) -> None:
     epsilon.set(title="epsilon each device's own ledger has spent (over the devices)",
                 xlabel="seconds since the first check-in", ylabel="epsilon")
     epsilon.legend(fontsize=7)
+    refused.sharex(epsilon)  # one clock: a refusal lines up with the epsilon that caused it
     for reason, series in report["refusals"].items():
         refused.step([s for s, _ in series], [n for _, n in series], where="post", label=reason)
     if report["refusals"]:
