@@ -84,7 +84,7 @@ def _plot(timeline: FleetTimeline, report: dict[str, Any], path: Path) -> Path:
 
 def _plot_privacy(epsilon: Any, refused: Any, report: dict[str, Any]) -> None:
     """The devices' own epsilon quantiles and their refusals by reason, on the run's clock (steps:
-    a figure holds until the second it changes)."""
+    a figure holds until it changes)."""
     spent = report["device_epsilon"]
     for name in EPSILON_SERIES:
         epsilon.step(spent["seconds"], spent[name], where="post", label=name)
