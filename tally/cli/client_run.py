@@ -169,7 +169,6 @@ def run_client(args: argparse.Namespace) -> int:
     except PrivacyLedgerError as exc:  # never reset: the operator decides
         print(f"tally client: {exc}", file=sys.stderr)
         return 2
-    metrics.export_epsilon(lambda: [device.stats.epsilon])
     try:
         with _metrics_server(args, metrics):
             stats, job_states = _run_until_signal(

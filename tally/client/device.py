@@ -64,6 +64,7 @@ from tally.security.files import private_dir
 from tally.security.tls_failures import specificity, tls_failure
 from tally.version import VERSION as SDK_VERSION
 from tally.wire.fields import WireError
+from tally.wire.task_reports import REFUSALS
 from tally.wire.tensors import tensors_to_proto
 from tally.wire.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc
 
@@ -205,6 +206,7 @@ class Device:
         self._stop: asyncio.Event | None = None
         self._running = False
         self.stats = DeviceStats(device_id, epsilon=self.privacy.epsilon())  # a restarted ledger's
+        self.metrics.observe_epsilon(device_id, self.stats.epsilon)
         # A call succeeded since ``stats.last_error`` was set: the next error replaces it, however
         # vague (the trouble it named is over).
         self._error_over = False
@@ -405,7 +407,6 @@ class Device:
         except (TaskError, WireError) as exc:
             return self._refuse(task, "policy", exc, fields)
         if task.job_id in self.privacy.spent_jobs:  # stated at check-in; a coordinator may ignore it
-            self.metrics.privacy_budget_refusals.inc()
             return self._refuse(task, "privacy_budget_spent",
                                 f"this device's privacy budget is spent for job {task.job_id}", fields)
         self._expect_adaptation(task)
@@ -448,9 +449,8 @@ class Device:
             stats.sessions_aborted += 1
         if outcome.label == "privacy_floor":
             stats.privacy_refusals += 1
-        elif outcome.label == "privacy_budget_spent":
-            self.metrics.privacy_budget_refusals.inc()
         stats.epsilon = self.privacy.epsilon()
+        self.metrics.observe_epsilon(self.device_id, stats.epsilon)
         if outcome.contributed:
             # Local state advances only when this device's input is in the round's sums.
             self._local[task.job_id] = contribution.local_state
@@ -465,6 +465,8 @@ class Device:
     def _count_failure(self, job_id: str, reason: str) -> None:
         reasons = self.stats.failures.setdefault(job_id, {})
         reasons[reason] = reasons.get(reason, 0) + 1
+        if reason in REFUSALS:
+            self.metrics.observe_refusal(reason)
 
     def _computed(self, contribution: Contribution) -> Callable[[str], Awaitable[np.ndarray]]:
         """The contribution's input, ready only after the device's simulated compute time."""

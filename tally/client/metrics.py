@@ -7,9 +7,10 @@ docs/metrics.md lists every series.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import collections
+import math
+from collections.abc import Mapping
 
-import numpy as np
 from prometheus_client import Counter, Gauge, Histogram
 
 from tally.metrics import DURATION_BUCKETS, RoleRegistry
@@ -18,6 +19,22 @@ from tally.metrics import DURATION_BUCKETS, RoleRegistry
 EPSILON_QUANTILES = {"0.5": 50.0, "0.99": 99.0, "1": 100.0}
 # accuracy differences: fine around 0, where kept_federated and adapted part
 ADAPTATION_GAIN_BUCKETS = (-0.5, -0.2, -0.1, -0.05, -0.02, 0.0, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0)
+
+
+def epsilon_quantile(devices_at: Mapping[float, int], q: float) -> float:
+    """The ``q``-th percentile of the devices' epsilons, given as epsilon -> devices at it (0
+    with none): the smallest epsilon that at least q % of the devices do not exceed (Hyndman and
+    Fan's definition 1, numpy's "inverted_cdf"). So it is always one device's own figure, never
+    one interpolated between two (+Inf beside a finite epsilon would give NaN)."""
+    total = sum(devices_at.values())
+    if total == 0:
+        return 0.0
+    rank, seen = max(math.ceil(q / 100 * total), 1), 0
+    for epsilon in sorted(devices_at):
+        seen += devices_at[epsilon]
+        if seen >= rank:
+            return epsilon
+    raise AssertionError("unreachable: the ranks add up to the total")
 
 
 class ClientMetrics:
@@ -90,17 +107,23 @@ class ClientMetrics:
             "Steps a device with a noise floor (--min-noise-multiplier) checked, by outcome: accepted, or "
             "refused as no_noise, central, below_floor or share_mismatch", ["outcome"], registry=r,
         )
-        self.privacy_budget_refusals = Counter(
-            "tally_client_privacy_budget_refusals_total",
-            "Tasks refused because their release would take the device's own privacy ledger past its budget "
-            "(--max-epsilon; report reason privacy_budget_spent)", registry=r,
+        self.task_refusals = Counter(
+            "tally_client_task_refusals_total",
+            "Tasks a device refused by its own rules, by report reason: privacy_budget_spent (the release "
+            "would take its own privacy ledger past its budget, --max-epsilon), privacy_floor, policy, "
+            "invalid_task, already_sent_input, algorithm_version", ["reason"], registry=r,
         )
         self.device_epsilon = Gauge(
             "tally_client_device_epsilon",
             "Epsilon each device of this process has spent by its own privacy ledger (at its budget's delta, "
-            "1e-5 without one), as quantiles over the devices (0.5, 0.99, 1 = max); +Inf after a release "
-            "without verifiable noise", ["quantile"], registry=r,
+            "1e-5 without one), as quantiles over the devices (0.5, 0.99, 1 = max; each one device's own "
+            "figure); +Inf after a release without verifiable noise", ["quantile"], registry=r,
         )
+        # Each device's latest epsilon (``observe_epsilon``), which the quantiles are taken over.
+        self.epsilons: dict[str, float] = {}
+        for label, q in EPSILON_QUANTILES.items():
+            self.device_epsilon.labels(quantile=label).set_function(
+                lambda q=q: epsilon_quantile(collections.Counter(self.epsilons.values()), q))
         self.misbehaviours = Counter(
             "tally_client_misbehaviours_total",
             "Misbehaviour a simulated device's behaviour profile made it commit, by kind (late, duplicate, "
@@ -125,11 +148,14 @@ class ClientMetrics:
             "with held-out examples only)", ["method"], buckets=ADAPTATION_GAIN_BUCKETS, registry=r,
         )
 
-    def export_epsilon(self, epsilons: Callable[[], Sequence[float]]) -> None:
-        """Export the quantiles of ``epsilons()`` (each device's spent epsilon) at every scrape."""
-        for label, q in EPSILON_QUANTILES.items():
-            self.device_epsilon.labels(quantile=label).set_function(
-                lambda q=q: float(np.percentile(values, q)) if len(values := epsilons()) else 0.0)
+    def observe_epsilon(self, device_id: str, epsilon: float) -> None:
+        """``device_id``'s own ledger has spent ``epsilon`` (when the device starts, and after
+        each task)."""
+        self.epsilons[device_id] = epsilon
+
+    def observe_refusal(self, reason: str) -> None:
+        """A device refused a task (``tally.wire.task_reports.REFUSALS``)."""
+        self.task_refusals.labels(reason=reason).inc()
 
     def observe_rpc(self, method: str, seconds: float) -> None:
         self.rpc_seconds.labels(method=method).observe(seconds)

@@ -278,7 +278,6 @@ class Fleet:
         self._enrolment_key = enrolment_key
         self._state_dir = state_dir
         self.devices = [self._device(i, 0) for i in range(len(trainers))]
-        self.metrics.export_epsilon(lambda: [d.stats.epsilon for d in self.devices])
         # Devices that left the population for good (churn); each slot's replacement is in ``devices``.
         self.departed: list[Device] = []
 

@@ -1,8 +1,11 @@
 """``tally fleet --report DIR``: the load test's report, as JSON and one PNG a person reads.
 
-The PNG has four panels: check-ins per second over the run, each round's phases as bars on the
+The PNG has six panels: check-ins per second over the run, each round's phases as bars on the
 same clock, latency percentiles of every coordinator call and phase as the devices measured
-them, and where sessions ended early. matplotlib is only needed for the picture.
+them, where sessions ended early, the epsilon the devices' own privacy ledgers have spent (p50,
+p99 and max over the devices, as the fleet exports them to Prometheus) and the tasks they refused,
+by reason, over the run. The JSON holds every plotted series. matplotlib is only needed for the
+picture.
 """
 
 from __future__ import annotations
@@ -12,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from tally.loadtest.fleet import FleetStats
-from tally.loadtest.timeline import FleetTimeline
+from tally.loadtest.timeline import EPSILON_SERIES, FleetTimeline
 from tally.secagg.phases import DEADLINED
 
 
@@ -38,7 +41,7 @@ def _plot(timeline: FleetTimeline, report: dict[str, Any], path: Path) -> Path:
     import matplotlib.pyplot as plt
 
     start = min(timeline.checkins, default=0)
-    fig, ((checkins, rounds), (latency, ended)) = plt.subplots(2, 2, figsize=(13, 8))
+    fig, ((checkins, rounds), (latency, ended), (epsilon, refused)) = plt.subplots(3, 2, figsize=(13, 12))
     seconds = sorted(timeline.checkins)
     checkins.plot([s - start for s in seconds], [timeline.checkins[s] for s in seconds], lw=1)
     checkins.set(title="check-ins per second", xlabel="seconds since the first check-in", ylabel="check-ins")
@@ -70,9 +73,30 @@ def _plot(timeline: FleetTimeline, report: dict[str, Any], path: Path) -> Path:
     ended.bar(range(len(early)), list(early.values()))
     ended.set_xticks(range(len(early)), list(early), rotation=30, ha="right", fontsize=7)
     ended.set(title="sessions that ended early, by phase / outcome", ylabel="sessions")
+    _plot_privacy(epsilon, refused, report)
     fig.suptitle(f"fleet of {report['fleet']['devices']}: {report['fleet']['tasks_done']} tasks, "
                  f"{report['fleet']['checkins']} check-ins")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
+
+
+def _plot_privacy(epsilon: Any, refused: Any, report: dict[str, Any]) -> None:
+    """The devices' own epsilon quantiles and their refusals by reason, on the run's clock (steps:
+    a figure holds until it changes)."""
+    spent = report["device_epsilon"]
+    for name in EPSILON_SERIES:
+        epsilon.step(spent["seconds"], spent[name], where="post", label=name)
+    epsilon.set(title="epsilon each device's own ledger has spent (over the devices)",
+                xlabel="seconds since the first check-in", ylabel="epsilon")
+    epsilon.legend(fontsize=7)
+    refused.sharex(epsilon)  # one clock: a refusal lines up with the epsilon that caused it
+    for reason, series in report["refusals"].items():
+        refused.step([s for s, _ in series], [n for _, n in series], where="post", label=reason)
+    if report["refusals"]:
+        refused.legend(fontsize=7)
+    else:
+        refused.text(0.5, 0.5, "no device refused a task", ha="center", va="center", transform=refused.transAxes)
+    refused.set(title="tasks the devices refused, by reason (so far)", xlabel="seconds since the first check-in",
+                ylabel="tasks")

@@ -14,6 +14,11 @@ REASONS = frozenset({
     "model_version", "trainer_capability",
     "privacy_budget_spent",
 })
+# The reasons of tasks a device declined by its own rules, before or instead of sending an input
+# (the others are failures: a download, training or session that went wrong).
+REFUSALS = frozenset({
+    "invalid_task", "policy", "already_sent_input", "algorithm_version", "privacy_floor", "privacy_budget_spent",
+})
 # The most reports one check-in may carry.
 MAX_REPORTS = 16
 # The most jobs one check-in's input ledger statement may name (the most recently updated).

@@ -7,20 +7,28 @@ session configuration. The budget is the device's own (``tally.client.privacy_le
 from __future__ import annotations
 
 import asyncio
+import json
 import re
+import time
 from dataclasses import replace
 
+import matplotlib.pyplot as plt
 import numpy as np
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from support.jobs import ShiftDevice, job_text
-from support.stack import in_process, run
+from support.stack import in_process, run, scrape_text
 from tally import modelio
-from tally.client.metrics import ClientMetrics
+from tally.client.metrics import EPSILON_QUANTILES, ClientMetrics
 from tally.client.privacy_ledger import PrivacyBudget, epsilon_of
 from tally.coordinator.rounds.come_back import Retry
 from tally.coordinator.rounds.runner import JobRunner
 from tally.coordinator.spec import catalogue
+from tally.coordinator.state.store import Store
+from tally.loadtest.fleet import device_ids
+from tally.loadtest.report import write_report
+from tally.loadtest.timeline import EPSILON_SERIES, FleetTimeline, TimelineMetrics
 from tally.privacy.payload import PARAMS
 from tally.privacy.server import PrivateServer
 from tally.secagg import DevicePolicy
@@ -57,23 +65,29 @@ def model_kind(request):
     catalogue.unregister_model(name)
 
 
-def test_a_coordinator_selecting_the_same_devices_every_round_is_stopped_by_their_budgets(tmp_path, model_kind):
+def test_a_coordinator_selecting_the_same_devices_every_round_is_stopped_by_their_budgets(tmp_path, model_kind,
+                                                                                          monkeypatch):
     """Cohort = population, every round: each device admits three releases, refuses the fourth
     before training (privacy_budget_spent), states so at check-in, and the job, left without
-    min_cohort eligible devices, fails saying so. No ledger passes its budget."""
+    min_cohort eligible devices, fails saying so. No ledger passes its budget. What the fleet
+    exports and what its report (``tally fleet --report``) plots are the devices' ledgers."""
     n, budget = 10, _budget_for(3)
+    timeline = FleetTimeline()
+    figures = []
+    monkeypatch.setattr(plt, "close", figures.append)  # keep the report's figure to read its panels
 
     async def main():
         async with in_process().whole_system(tmp_path) as s:
             job_id = await s.submit(_spec(model_kind, 8, n, PRIVACY))
-            fleet = s.fleet(_updates(n), seed=1, privacy_budget=budget, state_dir=tmp_path / "devices")
+            fleet = s.fleet(_updates(n), seed=1, privacy_budget=budget, state_dir=tmp_path / "devices",
+                            metrics=TimelineMetrics(timeline))
             try:
-                await fleet.run(until=fleet.until_job_done(job_id, every_seconds=0.2))
+                stats = await fleet.run(until=fleet.until_job_done(job_id, every_seconds=0.2))
             finally:
                 fleet.close()
-            return await s.job(job_id), fleet
+            return await s.job(job_id), fleet, stats
 
-    job, fleet = run(main())
+    job, fleet, stats = run(main())
     assert job.state == common_pb2.JOB_STATE_FAILED, job.message
     # Failed as soon as fewer than min_cohort 6 of the 10 remained eligible, not at its deadlines.
     assert re.fullmatch(rf"out of eligible devices: \d+ of the {n} devices .* fewer than min_cohort 6", job.message)
@@ -89,22 +103,63 @@ def test_a_coordinator_selecting_the_same_devices_every_round_is_stopped_by_thei
     # What the fleet exports to Prometheus: the devices' own epsilon, and their refusals.
     registry = fleet.metrics.registry
     spent = [d.privacy.epsilon() for d in fleet.devices]
-    assert registry.get_sample_value("tally_client_device_epsilon", {"quantile": "1"}) == max(spent)
-    assert registry.get_sample_value("tally_client_device_epsilon", {"quantile": "0.5"}) == pytest.approx(
-        float(np.median(spent)))
-    assert registry.get_sample_value("tally_client_privacy_budget_refusals_total") >= n
+    quantiles = {name: float(np.percentile(spent, q, method="inverted_cdf")) for name, q in EPSILON_SERIES.items()}
+    assert quantiles["max"] == max(spent)
+    for label, name in zip(EPSILON_QUANTILES, EPSILON_SERIES, strict=True):
+        assert registry.get_sample_value("tally_client_device_epsilon", {"quantile": label}) == quantiles[name]
+    refusals = sum(d.stats.failures[job.job_id]["privacy_budget_spent"] for d in fleet.devices)
+    assert refusals >= n
+    assert registry.get_sample_value("tally_client_task_refusals_total", {"reason": "privacy_budget_spent"}) == refusals
+
+    # The report: its JSON and its picture's panels hold the devices' ledgers over the run.
+    written = write_report(timeline, stats, tmp_path / "report")
+    assert [p.name for p in written] == ["report.json", "timeline.json", "report.png"]
+    summary = json.loads((tmp_path / "report" / "report.json").read_text())
+    over_time = summary["device_epsilon"]
+    assert over_time["devices"][-1] == n and {name: over_time[name][-1] for name in EPSILON_SERIES} == quantiles
+    # Every device joined rounds 1 to 3: each figure plotted is what a ledger held after 0 to 3 of them.
+    ledger = fleet.devices[0].privacy
+    held = [type(ledger)(None, budget) for _ in range(4)]
+    for k, prefix in enumerate(held):
+        prefix.releases = ledger.releases[:k]
+    possible = {prefix.epsilon() for prefix in held}
+    assert {e for name in EPSILON_SERIES for e in over_time[name]} <= possible
+    assert sorted(set(over_time["max"])) == sorted(possible)  # 0, then each release's step
+    assert summary["refusals"]["privacy_budget_spent"][-1][1] == refusals
+    (figure,) = figures
+    panels = {ax.get_title(): ax for ax in figure.axes}
+    epsilon_panel = panels["epsilon each device's own ledger has spent (over the devices)"]
+    plotted = {line.get_label(): list(line.get_ydata()) for line in epsilon_panel.get_lines()}
+    assert plotted == {name: over_time[name] for name in EPSILON_SERIES}
+    refusal_panel = panels["tasks the devices refused, by reason (so far)"]
+    plotted = {line.get_label(): list(line.get_ydata()) for line in refusal_panel.get_lines()}
+    assert plotted == {reason: [k for _, k in series] for reason, series in summary["refusals"].items()}
+    assert plotted["privacy_budget_spent"][-1] == refusals
 
 
-def _attack(target: str):
-    """A patched runner: the even rounds are selected without ``target`` (S minus the target)."""
-    honest_offer = JobRunner.offer
+# The attack's job waits for whom it selects, however loaded the machine: a selection closes when
+# its devices are seated (S: all n, S minus the target: n - 1), never at a window's end, and no
+# phase deadline drops a slow device (either would change who is in a sum, which is what the
+# test asserts).
+UNHURRIED = ("deadlines: {checkin: 300, download: 120, advertise_keys: 120, share_keys: 120, masked_input: 120, "
+             "consistency_check: 120, unmask: 120}")
 
-    def offer(self, device_id, now, ledger_id=""):
-        if self.round % 2 == 0 and device_id == target:
-            return Retry(0.2, "differencing attack")
-        return honest_offer(self, device_id, now, ledger_id)
 
-    return offer
+def _attack(target: str, n: int):
+    """A patched runner: the even rounds select S minus ``target`` (their selection is full at
+    n - 1 devices, and turns the target away as seated in an earlier attempt would be). It acts
+    where each attempt's selection opens, not in ``JobRunner.offer``: a device that checks in
+    between a commit and the next selection is held in the waiting room and seated without
+    passing ``offer`` (an attack patched there let the target into round 2 under load)."""
+    honest_seat_waiting = JobRunner._seat_waiting
+
+    def seat_waiting(self, planner):  # called on each attempt's planner before any device is seated
+        if self.round % 2 == 0:
+            planner.selection.target = n - 1
+            planner.selection.excluded.add(target)
+        honest_seat_waiting(self, planner)
+
+    return seat_waiting
 
 
 def _sums(store, job_id: str, rounds: int) -> tuple[list[np.ndarray], list[int]]:
@@ -131,10 +186,11 @@ def test_the_differencing_attack(tmp_path, model_kind, monkeypatch, dp):
         async with in_process().whole_system(tmp_path) as s:
             fleet = s.fleet(updates, seed=1)
             victim = fleet.devices[target]
-            monkeypatch.setattr(JobRunner, "offer", _attack(victim.device_id))
+            monkeypatch.setattr(JobRunner, "_seat_waiting", _attack(victim.device_id, n))
             if dp:
                 victim.privacy.budget = _budget_for(2)  # the target's own policy; the others have none
-            job_id = await s.submit(_spec(model_kind, rounds, n, PRIVACY if dp else ""))
+            spec = re.sub(r"deadlines: \{.*\}", UNHURRIED, _spec(model_kind, rounds, n, PRIVACY if dp else ""))
+            job_id = await s.submit(spec)
             try:
                 await fleet.run(until=fleet.until_job_done(job_id, every_seconds=0.2))
             finally:
@@ -215,3 +271,78 @@ def test_a_coordinator_lying_about_cohort_or_noise_is_refused_and_never_charged(
     assert metrics.registry.get_sample_value("tally_client_privacy_checks_total", {"outcome": "share_mismatch"}) >= 1
     charged = [r for d in trusting.devices for r in d.privacy.releases]
     assert charged and all(r.noise_multiplier < 0.15 for r in charged)  # about 0.1 * sqrt(10 / 10), not 1.0
+
+
+def _devices_out_of_budget(s, job_id: str) -> float | None:
+    """The coordinator's gauge, as Prometheus scrapes it."""
+    return next((sample.value for family in text_string_to_metric_families(scrape_text(s.coordinator.metrics_port))
+                 for sample in family.samples
+                 if sample.name == "tally_coordinator_devices_out_of_budget" and sample.labels["job_id"] == job_id),
+                None)
+
+
+async def _state_spent(s, job_id: str, prefix: str, count: int) -> None:
+    """Run devices ``<prefix>-00000``.. whose ledgers refused the job (what they state at each
+    check-in) until the coordinator counts them, or the job ends."""
+    before = (await s.job(job_id)).devices_out_of_budget
+    fleet = s.fleet(_updates(count), seed=1, id_prefix=prefix)
+    for device in fleet.devices:
+        device.privacy.spent_jobs = [job_id]
+
+    async def counted(_stats) -> bool:
+        job = await s.job(job_id)
+        return job.state != common_pb2.JOB_STATE_RUNNING or job.devices_out_of_budget >= before + count
+
+    try:
+        await fleet.run(until=counted)
+    finally:
+        fleet.close()
+
+
+@pytest.mark.parametrize("then", ["a_fifth_device_states_it", "recorded_before_a_crash"])
+def test_devices_out_of_budget_outlive_a_coordinator_restart(tmp_path, model_kind, then):
+    """Four of ten devices state that their budget is spent for a job of min_cohort 6; the
+    coordinator restarts. From its store alone (no device has said it again) it still counts the
+    four and turns them away. Then the job is left without enough eligible devices: a fifth
+    device says so after the restart, or its statement was recorded just before a crash (the
+    coordinator stopped between recording it and failing the job); either way the job fails at
+    once, naming the five, rather than waiting out its selection."""
+    spent, eligible = 4, 6
+
+    async def main():
+        async with in_process().whole_system(tmp_path) as s:
+            # A selection of 7 that never closes by itself: what happens below is the devices'
+            # statements, never a round.
+            job_id = await s.submit(re.sub(r"deadlines: \{.*\}", UNHURRIED, _spec(model_kind, 2, eligible + 1)))
+            population = s.coordinator.store.devices.population_size
+            enrolled = s.fleet(_updates(eligible), seed=1, id_prefix="ok")  # first: the population is all 10
+            try:
+                await enrolled.run(until=lambda _stats: population("default") >= eligible)
+            finally:
+                enrolled.close()
+            await _state_spent(s, job_id, "spent", spent)
+            await s.restart_coordinator()
+            resumed = await s.job(job_id)
+            assert resumed.state == common_pb2.JOB_STATE_RUNNING and resumed.devices_out_of_budget == spent
+            assert _devices_out_of_budget(s, job_id) == spent
+            runner = s.coordinator.jobs.runner(job_id)
+            turned_away = [runner.offer(d, time.monotonic()) for d in device_ids("spent", spent)]
+            assert all(isinstance(r, Retry) and "privacy budget is spent" in r.reason for r in turned_away), \
+                turned_away
+            if then == "a_fifth_device_states_it":
+                await _state_spent(s, job_id, "ok", 1)
+            else:
+                def crashed_after_recording_a_fifth() -> None:
+                    store = Store(s.state_dir)
+                    store.add_out_of_budget(job_id, device_ids("ok", 1)[0])
+                    store.close()
+
+                await s.restart_coordinator(crashed_after_recording_a_fifth)
+            await s.until_done(job_id)
+            return await s.job(job_id)
+
+    job = run(main())
+    assert job.state == common_pb2.JOB_STATE_FAILED, job.message
+    assert job.message == ("out of eligible devices: 5 of the 10 devices of population 'default' have spent their "
+                           "own privacy budget for this job, 5 remain, fewer than min_cohort 6"), job.message
+    assert job.committed_round == 0

@@ -105,6 +105,17 @@ def test_servers_behind_the_gateway_cap_no_source_since_every_device_comes_from_
         assert "--max-connections-per-source=0" in server["spec"]["template"]["spec"]["containers"][0]["args"]
 
 
+def test_prod_keeps_the_source_cap_since_its_services_keep_the_devices_addresses() -> None:
+    """Without the gateway, devices reach prod's pods through a ClusterIP Service (kube-proxy
+    rewrites the destination only) and a headless one (they dial the pods): no LoadBalancer or
+    NodePort SNATs them to a node's address, so each arrives as itself and the cap stays on."""
+    prod = render(K8S / "overlays" / "prod")
+    assert {s["spec"].get("type", "ClusterIP") for s in find(prod, "Service")} == {"ClusterIP"}
+    for server in find(prod, "StatefulSet"):
+        (container,) = server["spec"]["template"]["spec"]["containers"]
+        assert not [a for a in container["args"] if a.startswith("--max-connections-per-source")]
+
+
 def test_routes_yaml_is_the_generators_output_for_prods_autoscaler_maximum(edge: list[dict[str, Any]]) -> None:
     generator = runpy.run_path(str(COMPONENT / "routes.py"), run_name="tally_edge_routes")
     assert generator["AGGREGATORS"] == _most_aggregators(edge), "routes.py's AGGREGATORS is the HPA's maxReplicas"
@@ -241,5 +252,7 @@ def test_the_pages_loadbalancer_alternative_renders_a_load_balancer_per_name_and
     # One per name the Gateway would have routed, each on 443 to the same pods as its route.
     assert set(balanced) == {service for service, _ in routes(edge, "tally-edge", "tls").values()}
     assert all([p["port"] for p in spec["ports"]] == [443] for spec in balanced.values())
+    # No SNAT to a node's address: the servers' per-source limits still see each device.
+    assert all(spec.get("externalTrafficPolicy") == "Local" for spec in balanced.values())
     pod_3 = {"statefulset.kubernetes.io/pod-name": "tally-aggregator-3"}
     assert balanced["tally-edge-aggregator-3"]["selector"] == pod_3

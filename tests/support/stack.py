@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import urllib.request
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -118,10 +118,13 @@ class InProcess:
         self._running.append(front)
         return front, port
 
-    async def restart(self, coordinator: CoordinatorService) -> CoordinatorService:
+    async def restart(self, coordinator: CoordinatorService,
+                      while_stopped: Callable[[], None] = lambda: None) -> CoordinatorService:
         """A new coordinator where ``coordinator`` served, on its state and aggregators, as a
-        supervisor would start one after a crash (its other options are the defaults)."""
+        supervisor would start one after a crash (its other options are the defaults).
+        ``while_stopped``: what happens between the two (to the state directory, say)."""
         await self.stop(coordinator)
+        while_stopped()
         return await self.coordinator(coordinator.tls, coordinator.state_dir, coordinator.aggregators,
                                       listen=f"127.0.0.1:{coordinator.port}")
 
@@ -271,8 +274,14 @@ class Stack:
         version = self.coordinator.store.model_version(job_id)
         return modelio.deserialize(self.coordinator.store.read_blob(version.model_digest))
 
-    async def restart_coordinator(self) -> None:
-        self.coordinator = await self.services.restart(self.coordinator)
+    async def until_done(self, job_id: str) -> None:
+        """Until the job ends (WatchJob ends its stream then)."""
+        stub, md = self.admin()
+        await asyncio.to_thread(lambda: list(stub.WatchJob(admin_pb2.WatchJobRequest(job_id=job_id), metadata=md,
+                                                            timeout=TIMEOUT)))
+
+    async def restart_coordinator(self, while_stopped: Callable[[], None] = lambda: None) -> None:
+        self.coordinator = await self.services.restart(self.coordinator, while_stopped)
 
 
 def run(coro, timeout: float = TIMEOUT):

@@ -181,8 +181,9 @@ class JobRunner:
         self.round_started_at = ctx.clock()
         self.cancel_reason: str | None = None
         # Devices that stated their own privacy budget is spent for this job: never selected again
-        # (``tally.client.privacy_ledger``); too many, and the job fails saying so.
-        self.out_of_budget: set[str] = set()
+        # (``tally.client.privacy_ledger``); too many, and the job fails saying so. Kept in the
+        # store: a device states it at its check-ins, not once per coordinator.
+        self.out_of_budget: set[str] = set(ctx.store.out_of_budget(job_id))
         self.fail_reason: str | None = None
         self.next_attempt_at = 0.0  # while a failed attempt's retry backs off (clock time)
         self.task: asyncio.Task[None] | None = None
@@ -240,18 +241,26 @@ class JobRunner:
         to anyone any more, so the job fails now rather than at its deadlines."""
         if device_id in self.out_of_budget:
             return
+        self.ctx.store.add_out_of_budget(self.job_id, device_id)
         self.out_of_budget.add(device_id)
         self.ctx.metrics.devices_out_of_budget.labels(self.job_id).set(len(self.out_of_budget))
+        logs.event(log, "device out of privacy budget", job_id=self.job_id, device_id=device_id,
+                   out_of_budget=len(self.out_of_budget))
+        reason = self._out_of_eligible_devices()
+        if reason is not None and self.fail_reason is None and self.task is not None:
+            self.fail_reason = reason
+            self.task.cancel()
+
+    def _out_of_eligible_devices(self) -> str | None:
+        """Why the job cannot go on (fewer than ``min_cohort`` devices of its population have
+        budget left for it), or None while enough have."""
         population = self.ctx.store.devices.population_size(self.population)
         eligible = population - len(self.out_of_budget)
-        logs.event(log, "device out of privacy budget", job_id=self.job_id, device_id=device_id,
-                   out_of_budget=len(self.out_of_budget), eligible=eligible)
-        if eligible < self.spec.min_cohort and self.fail_reason is None and self.task is not None:
-            self.fail_reason = (
-                f"out of eligible devices: {len(self.out_of_budget)} of the {population} devices of population "
+        if eligible >= self.spec.min_cohort:
+            return None
+        return (f"out of eligible devices: {len(self.out_of_budget)} of the {population} devices of population "
                 f"{self.population!r} have spent their own privacy budget for this job, {eligible} remain, "
                 f"fewer than min_cohort {self.spec.min_cohort}")
-            self.task.cancel()
 
     def offer(
         self, device_id: str, now: float, ledger_id: str = ""
@@ -336,6 +345,10 @@ class JobRunner:
     async def run(self) -> None:
         ctx = self.ctx
         try:
+            if self.out_of_budget:  # counted before a restart
+                ctx.metrics.devices_out_of_budget.labels(self.job_id).set(len(self.out_of_budget))
+                if (reason := self._out_of_eligible_devices()) is not None:
+                    raise JobFailed(reason)
             state, interrupted = await self._restore()
             ctx.store.set_job_state(self.job_id, "RUNNING", ctx.clock())
             ctx.events.publish(self.job_id, round=self.committed, state="RUNNING",

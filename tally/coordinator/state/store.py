@@ -166,6 +166,13 @@ CREATE TABLE IF NOT EXISTS convicted (
     reason TEXT NOT NULL,
     PRIMARY KEY (job_id, device_id)
 );
+-- Devices that stated at check-in that their own privacy budget is spent for a job: never
+-- selected for it again, counted, and the job fails once too few remain eligible, across restarts.
+CREATE TABLE IF NOT EXISTS out_of_budget (
+    job_id TEXT NOT NULL,
+    device_id TEXT NOT NULL,
+    PRIMARY KEY (job_id, device_id)
+);
 CREATE INDEX IF NOT EXISTS events_by_job ON events (job_id, id);
 """
 
@@ -648,6 +655,20 @@ class Store:
     def convicted(self, job_id: str) -> frozenset[str]:
         with self._lock:
             rows = self._db.execute("SELECT device_id FROM convicted WHERE job_id = ?", (job_id,)).fetchall()
+        return frozenset(d for (d,) in rows)
+
+    def add_out_of_budget(self, job_id: str, device_id: str) -> None:
+        """``device_id`` stated that its own privacy budget is spent for ``job_id``: a restarted
+        coordinator still skips and counts it, though the device may not say so again."""
+        with self._write():
+            self._db.execute(
+                "INSERT INTO out_of_budget (job_id, device_id) VALUES (?, ?) "
+                "ON CONFLICT (job_id, device_id) DO NOTHING", (job_id, device_id),
+            )
+
+    def out_of_budget(self, job_id: str) -> frozenset[str]:
+        with self._lock:
+            rows = self._db.execute("SELECT device_id FROM out_of_budget WHERE job_id = ?", (job_id,)).fetchall()
         return frozenset(d for (d,) in rows)
 
     def seated(self, job_id: str, round_: int) -> frozenset[str]:
