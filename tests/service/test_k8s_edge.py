@@ -105,6 +105,22 @@ def test_servers_behind_the_gateway_cap_no_source_since_every_device_comes_from_
         assert "--max-connections-per-source=0" in server["spec"]["template"]["spec"]["containers"][0]["args"]
 
 
+def test_the_coordinator_behind_the_gateway_rate_limits_its_one_source_as_a_fleet(
+        edge: list[dict[str, Any]]) -> None:
+    """The per-source rate limits see the gateway as the only source: at their defaults the
+    whole outside fleet would share one device's allowance of check-ins and registrations. The
+    coordinator's own parser reads the raised limits."""
+    from tally.cli import build_parser
+    from tally.coordinator.faces.ratelimit import DEFAULT_CHECKIN_LIMIT, DEFAULT_REGISTER_LIMIT
+
+    [server] = [s for s in find(edge, "StatefulSet") if s["metadata"]["name"] == "tally-coordinator"]
+    given = server["spec"]["template"]["spec"]["containers"][0]["args"]
+    # Kubernetes expands $(VAR) from the pod's environment; a count stands in for it here.
+    args = build_parser().parse_args(["coordinator", *(a.replace("$(AGGREGATOR_COUNT)", "2") for a in given)])
+    assert args.checkin_limit.rate_per_s >= 10 * DEFAULT_CHECKIN_LIMIT.rate_per_s >= args.checkin_rate
+    assert args.register_limit.rate_per_s >= 10 * DEFAULT_REGISTER_LIMIT.rate_per_s
+
+
 def test_prod_keeps_the_source_cap_since_its_services_keep_the_devices_addresses() -> None:
     """Without the gateway, devices reach prod's pods through a ClusterIP Service (kube-proxy
     rewrites the destination only) and a headless one (they dial the pods): no LoadBalancer or
