@@ -23,11 +23,19 @@ def _thread_ids(pid: int) -> Iterator[int]:
             continue
 
 
-def pin(pid: int, cores: list[int]) -> None:
-    """Pin every thread of process ``pid`` and of its descendants to ``cores``."""
-    for tid in _thread_ids(pid):
-        with contextlib.suppress(ProcessLookupError):  # a thread that ended meanwhile
-            os.sched_setaffinity(tid, cores)
+def pin(pid: int, cores: list[int], passes: int = 5) -> bool:
+    """Pin every thread of process ``pid`` and of its descendants to ``cores``; whether every
+    thread read back is. A thread started while the others are pinned takes its creator's cores,
+    which may not be pinned yet (a gRPC server starts threads as calls come): each pass pins those
+    too, until a read-back finds none left or ``passes`` run out."""
+    want = set(cores)
+    for _ in range(passes):
+        for tid in _thread_ids(pid):
+            with contextlib.suppress(ProcessLookupError):  # a thread that ended meanwhile
+                os.sched_setaffinity(tid, cores)
+        if pinned_cores(pid) == want:
+            return True
+    return False
 
 
 def pinned_cores(pid: int) -> set[int]:

@@ -69,7 +69,7 @@ from rich.progress import Progress
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from cores import pin, pinned_cores
+from cores import pin
 from secagg_engine import machine_info
 
 from tally.client.enrolment import register_request, simulated_identity
@@ -345,8 +345,7 @@ async def _drive(target: str, tls_dir: Path, key: bytes, prefix: str, pid: int, 
     each phase its server CPU (and, with ``database_pid``, the database server's, reported apart:
     it is not pinned, and a deployment's database runs on a machine of its own)."""
     server_cores, generator_cores = _cores(processes, args.generators)
-    pin(pid, server_cores)
-    if pinned_cores(pid) != set(server_cores):  # checked, not asserted: python -O must not skip it
+    if not pin(pid, server_cores):  # checked, not asserted: python -O must not skip it
         raise RuntimeError(f"a server thread escaped its cores {server_cores}")
     sampler = CpuSampler(pid)
     database = CpuSampler(database_pid) if database_pid else None

@@ -27,7 +27,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "fleet": ("tally.cli.client", "run N simulated devices (load tests, demos)"),
     "coordinator": ("tally.cli.coordinator", "run the coordinator service"),
     "job": ("tally.cli.job", "write, check, submit, inspect, cancel and watch jobs; fetch trained models"),
-    "algorithms": ("tally.cli.algorithms", "list the algorithm packages installed here, with versions"),
+    "algorithms": ("tally.cli.algorithms", "list the algorithms and model kinds installed here, with versions"),
     "new": ("tally.cli.new", "write a new algorithm package: halves, options, privacy, example job, tests"),
     "device": ("tally.cli.device", "revoke an enrolled device"),
     "enrol": ("tally.cli.enrol",

@@ -51,17 +51,15 @@ def toy_scalar():
         catalogue.unregister_model("toy-scalar")
 
 
-@pytest.mark.parametrize("lacking", [{"algorithms": OLD}, {"model_kinds": OLD_MLP}, {"model_kinds": {}}],
-                         ids=["algorithm-version", "model-version", "no-model"])
-def test_only_devices_with_the_jobs_algorithm_and_model_versions_are_seated(tmp_path, lacking):
-    able, _ = trainers(6)
-    other, _ = trainers(6, seed=50)
+def beside(tmp_path, spec: str, able: list, other: list, prefix: str, lacking: dict):
+    """Run a job of ``spec`` with a fleet of ``able`` devices beside one of ``other`` devices that
+    declare ``lacking``, until it ends: the ended job and both fleets' stats."""
 
     async def main():
         async with in_process().whole_system(tmp_path) as s:
-            job_id = await s.submit(SPEC)
+            job_id = await s.submit(spec)
             with_it = s.fleet(able, seed=1, id_prefix="with")
-            without = s.fleet(other, seed=2, id_prefix="old", **lacking)
+            without = s.fleet(other, seed=2, id_prefix=prefix, **lacking)
             try:
                 stats = await asyncio.gather(
                     with_it.run(until=with_it.until_job_done(job_id, every_seconds=0.2)),
@@ -71,7 +69,16 @@ def test_only_devices_with_the_jobs_algorithm_and_model_versions_are_seated(tmp_
                 without.close()
             return await s.job(job_id), stats
 
-    job, (with_stats, without_stats) = run(main())
+    return run(main())
+
+
+@pytest.mark.parametrize("lacking", [{"algorithms": OLD}, {"model_kinds": OLD_MLP}, {"model_kinds": {}}],
+                         ids=["algorithm-version", "model-version", "no-model"])
+def test_only_devices_with_the_jobs_algorithm_and_model_versions_are_seated(tmp_path, lacking):
+    able, _ = trainers(6)
+    other, _ = trainers(6, seed=50)
+
+    job, (with_stats, without_stats) = beside(tmp_path, SPEC, able, other, "old", lacking)
     assert job.state == common_pb2.JOB_STATE_SUCCEEDED, job.message
     assert with_stats.sessions_completed >= 5
     assert without_stats.tasks_done == 0 and without_stats.checkins > 0  # checked in, never seated
@@ -81,21 +88,8 @@ def test_a_fleet_whose_trainer_lacks_what_the_algorithm_needs_is_not_selected(tm
     """The toy regression's devices answer domain statistics; the same devices declaring no trainer
     capability are never seated in an AgnosticFedAvg job, which the others complete."""
 
-    async def main():
-        async with in_process().whole_system(tmp_path) as s:
-            job_id = await s.submit(AGNOSTIC_SPEC)
-            with_it = s.fleet(toy_scalar[:6], seed=1, id_prefix="with")
-            without = s.fleet(toy_scalar[6:], seed=2, id_prefix="plain", trainer_capabilities=())
-            try:
-                stats = await asyncio.gather(
-                    with_it.run(until=with_it.until_job_done(job_id, every_seconds=0.2)),
-                    without.run(until=without.until_job_done(job_id, every_seconds=0.2)))
-            finally:
-                with_it.close()
-                without.close()
-            return await s.job(job_id), stats
-
-    job, (with_stats, without_stats) = run(main())
+    job, (with_stats, without_stats) = beside(tmp_path, AGNOSTIC_SPEC, toy_scalar[:6], toy_scalar[6:], "plain",
+                                              {"trainer_capabilities": ()})
     assert job.state == common_pb2.JOB_STATE_SUCCEEDED, job.message
     assert with_stats.sessions_completed >= 5
     assert without_stats.tasks_done == 0 and without_stats.checkins > 0  # checked in, never seated

@@ -617,6 +617,16 @@ def test_a_device_sends_one_input_per_round_whatever_it_is_asked_and_reports_eve
     assert all(r.task_id == f"task-{d[-1]}" for d, rs in coordinator.reports.items() for r in rs)
 
 
+async def one_device_against(coordinator, plan) -> None:
+    """Device dev-1 of ``plan`` run against ``coordinator`` for up to two tasks."""
+    server, port = await serve(coordinator, FakeSessionStreams(plan))
+    try:
+        await device(f"127.0.0.1:{port}", "dev-1", ShiftTrainer(0.01, examples=5), seed=101,
+                     identity=identities(3)[1], policy=LAX).run(max_tasks=2)
+    finally:
+        await server.stop(None)
+
+
 def test_a_device_declares_its_algorithms_and_refuses_another_version_by_name():
     """Issue 41: every check-in declares the algorithms installed (name and version); a task of a
     version other than the device's own is refused, reported as "algorithm_version" with both
@@ -625,15 +635,7 @@ def test_a_device_declares_its_algorithms_and_refuses_another_version_by_name():
     coordinator = FakeCoordinator(plan, {"dev-1": 1}, reassign="127.0.0.1:1",
                                   installs={"algorithm_version": "0.0.1-other"})
 
-    async def scenario():
-        server, port = await serve(coordinator, FakeSessionStreams(plan))
-        try:
-            await device(f"127.0.0.1:{port}", "dev-1", ShiftTrainer(0.01, examples=5), seed=101,
-                         identity=identities(3)[1], policy=LAX).run(max_tasks=2)
-        finally:
-            await server.stop(None)
-
-    run(scenario())
+    run(one_device_against(coordinator, plan))
     assert coordinator.declared["dev-1"] == packages.versions() and "fedavg" in coordinator.declared["dev-1"]
     [report] = coordinator.reports["dev-1"]
     assert coordinator_pb2.TaskReport.Outcome.Name(report.outcome) == "REFUSED"
@@ -658,15 +660,7 @@ def test_a_device_declares_its_model_kinds_and_refuses_one_it_lacks_by_name(inst
     coordinator = FakeCoordinator(plan, {"dev-1": 1}, reassign="127.0.0.1:1",
                                   installs={"algorithm_version": packages.versions()["fedavg"], **installs})
 
-    async def scenario():
-        server, port = await serve(coordinator, FakeSessionStreams(plan))
-        try:
-            await device(f"127.0.0.1:{port}", "dev-1", ShiftTrainer(0.01, examples=5), seed=101,
-                         identity=identities(3)[1], policy=LAX).run(max_tasks=2)
-        finally:
-            await server.stop(None)
-
-    run(scenario())
+    run(one_device_against(coordinator, plan))
     assert coordinator.declared_models["dev-1"] == models.versions() and "mlp" in coordinator.declared_models["dev-1"]
     assert coordinator.declared_capabilities["dev-1"] == []  # a plain trainer offers none
     [report] = coordinator.reports["dev-1"]
