@@ -151,11 +151,15 @@ def assert_exact(sums: Sequence[ReceivedSum]) -> None:
 
 @dataclass(frozen=True)
 class OtherFleet:
-    """A fleet beside the job's own, declaring ``algorithms`` (name -> version) as installed."""
+    """A fleet beside the job's own, declaring ``algorithms`` (name -> version) as installed, and
+    ``model_kinds`` (name -> version) and ``trainer_capabilities`` when given (None: what this
+    environment has and what its trainers offer, as the job's own fleet declares)."""
 
     devices: Sequence[LocalTrainer]
     algorithms: Mapping[str, str]
     id_prefix: str = "other"
+    model_kinds: Mapping[str, str] | None = None
+    trainer_capabilities: Sequence[str] | None = None
 
 
 @dataclass
@@ -201,7 +205,8 @@ async def _run_job(spec_yaml: str, devices: Sequence[LocalTrainer], others: Sequ
             fleets = [Fleet(target, PLAINTEXT, devices, enrolment_key=coordinator.enrolment_key, seed=1,
                             audit=True, dropout=plan, id_prefix="with")]
             fleets += [Fleet(target, PLAINTEXT, other.devices, enrolment_key=coordinator.enrolment_key, seed=2 + i,
-                             id_prefix=other.id_prefix, algorithms=other.algorithms)
+                             id_prefix=other.id_prefix, algorithms=other.algorithms, model_kinds=other.model_kinds,
+                             trainer_capabilities=other.trainer_capabilities)
                        for i, other in enumerate(others)]
             try:
                 stats = await asyncio.gather(*(f.run(until=f.until_job_done(job_id, every_seconds=0.2))

@@ -33,12 +33,15 @@ def test_a_job_through_the_services_commits_exact_sums_and_seats_only_devices_wi
     devices, _ = digits_devices(6)
     without, _ = digits_devices(6, seed=1)
     other_version, _ = digits_devices(6, seed=2)
+    no_model, _ = digits_devices(6, seed=3)
     version = packages.get("fedavgm").version
     result = run_job(JOB, devices, others=[
         OtherFleet(without, {}, id_prefix="without"),
         OtherFleet(other_version, {"fedavgm": version + "-other"}, id_prefix="other-version"),
+        # The package installed, but not the job's model kind.
+        OtherFleet(no_model, {"fedavgm": version}, id_prefix="no-model", model_kinds={}),
     ])
     result.assert_exact()
     assert result.job.committed_round == 2
-    assert [s.tasks_done for s in result.others] == [0, 0]  # checked in, never seated
+    assert [s.tasks_done for s in result.others] == [0, 0, 0]  # checked in, never seated
     assert all(s.checkins > 0 for s in result.others)
