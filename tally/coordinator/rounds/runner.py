@@ -539,7 +539,7 @@ class JobRunner:
                 ctx.metrics.devices_selected.inc(len(planner.seats))
                 self._deliver(planner, self.answers, round_, blob)
             if round_ < self.schedule.total:  # the next round's selection can start filling now
-                self.holds.open_waiting_room(self.spec.selection_target)
+                self.holds.open_waiting_room(self._round_spec(round_ + 1).selection_target)
             metrics = {
                 "selected": float(len(planner.seats)),
                 "cohorts": float(len(planner.cohorts)),
