@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import random
 import re
 import socket
 import sqlite3
@@ -35,10 +36,29 @@ COORDINATOR_READY = r"coordinator on port (\d+)"
 METRICS_PORT = re.compile(r"metrics on (?:http://\S*:|port )(\d+)")
 
 
+# Below the kernel's ephemeral range: a port picked here is bound by a process only later, and a
+# port the kernel had just handed out (and taken back) could meanwhile go to any server binding
+# port 0, as every in-process server of a test suite does; here only another pick can take it.
+_PICK_FROM = 10_000
+_EPHEMERAL_RANGE = Path("/proc/sys/net/ipv4/ip_local_port_range")
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A port free on 127.0.0.1 now, for a process to bind later (and again after a restart)."""
+    try:
+        ephemeral_low = int(_EPHEMERAL_RANGE.read_text().split()[0])
+    except (OSError, ValueError, IndexError):  # not Linux: the kernel's own choice
+        ephemeral_low = _PICK_FROM
+    rng = random.SystemRandom()
+    for _ in range(100):
+        port = rng.randrange(_PICK_FROM, ephemeral_low) if ephemeral_low > _PICK_FROM + 100 else 0
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:  # taken: pick another
+                continue
+            return s.getsockname()[1]
+    raise OSError("no free port on 127.0.0.1")
 
 
 @dataclass(frozen=True)

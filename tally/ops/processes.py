@@ -32,8 +32,10 @@ class Process:
         assert self.proc.stdout is not None
         line = await asyncio.wait_for(self.proc.stdout.readline(), timeout)
         match = re.search(pattern, line.decode())
-        if match is None:
-            raise RuntimeError(f"{self.name} did not start: {line.decode()!r} (log: {self.log})")
+        if match is None:  # the log's end says why: a temporary directory may be gone by the time anyone looks
+            tail = self.log.read_text(errors="replace").splitlines()[-15:] if self.log.exists() else []
+            raise RuntimeError(f"{self.name} did not start: {line.decode()!r} (log: {self.log}, ending:\n"
+                               + "\n".join(tail) + ")")
         return match
 
     async def line(self, pattern: str, timeout: float = 60.0) -> re.Match:
