@@ -107,8 +107,7 @@ class CheckInHolds:
     def seat_waiting(self, planner: RoundPlanner, now: float) -> tuple[int, int] | None:
         """Offer the devices held while the previous attempt aggregated to ``planner``'s
         selection as its first arrivals; those it may not seat (seated in an earlier attempt of
-        the round, or beyond a full selection) are answered at once. (seated, turned away), or
-        None when nobody waited."""
+        the round, or beyond a full selection) are answered at once. (seated, turned away), or None when nobody waited."""
         room, self.waiting = self.waiting, None
         if room is None:
             return None
