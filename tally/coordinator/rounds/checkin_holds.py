@@ -92,13 +92,11 @@ class CheckInHolds:
         A device of this attempt is held only once it reported its task (``task_reported``): it is
         done with it, and where the population is the cohort (every silo in every round) it is the
         next round's selection; paced instead, each round after the first waited for its return.
-        The next attempt of the same round still refuses it (``seat_waiting``), and it takes no
-        place of a device that attempt could seat (``WaitingRoom``)."""
+        The next attempt of the same round still refuses it (``seat_waiting``)."""
         room, planner = self.waiting, self._planner()
-        own = planner is not None and device_id in planner.seats
-        if room is None or (own and not task_reported):
+        if room is None or (planner is not None and device_id in planner.seats and not task_reported):
             return False
-        return not self._silos_full(device_id) and room.offer(device_id, ledger_id, own=own)
+        return not self._silos_full(device_id) and room.offer(device_id, ledger_id)
 
     def open_waiting_room(self, capacity: int) -> None:
         """From now on, devices turned away may wait for the next attempt's selection."""
@@ -107,14 +105,13 @@ class CheckInHolds:
     def seat_waiting(self, planner: RoundPlanner, now: float) -> tuple[int, int] | None:
         """Offer the devices held while the previous attempt aggregated to ``planner``'s
         selection as its first arrivals; those it may not seat (seated in an earlier attempt of
-        the round, or beyond a full selection) are answered at once. (seated, turned away), or None when nobody waited."""
+        the round) are answered at once. (seated, turned away), or None when nobody waited."""
         room, self.waiting = self.waiting, None
         if room is None:
             return None
         turned_away = [d for d, ledger_id in room.held.items() if not planner.selection.offer(d, ledger_id)]
         for device_id in turned_away:
-            self._answer(device_id, planner.retry(now, "seated in an earlier attempt of this round"
-                                                  if device_id in planner.selection.excluded else "cohort full"))
+            self._answer(device_id, planner.retry(now, "seated in an earlier attempt of this round"))
         return len(room.held) - len(turned_away), len(turned_away)
 
     def deliver(self, planner: RoundPlanner, tasks: Mapping[str, coordinator_pb2.TaskAssignment]) -> None:
