@@ -86,15 +86,11 @@ class CheckInHolds:
             self._withdraw(device_id)
             self._answer(device_id, Retry(MIN_RETRY_S, "device revoked"))
 
-    def hold_for_next(self, device_id: str, ledger_id: str = "", task_reported: bool = False) -> bool:
+    def hold_for_next(self, device_id: str, ledger_id: str = "") -> bool:
         """Whether ``device_id``, turned away while an attempt aggregates, is held for the next
-        attempt's selection instead (then ``hold`` it); ``ledger_id`` goes with it to its seat.
-        A device of this attempt is held only once it reported its task (``task_reported``): it is
-        done with it, and where the population is the cohort (every silo in every round) it is the
-        next round's selection; paced instead, each round after the first waited for its return.
-        The next attempt of the same round still refuses it (``seat_waiting``)."""
+        attempt's selection instead (then ``hold`` it); ``ledger_id`` goes with it to its seat."""
         room, planner = self.waiting, self._planner()
-        if room is None or (planner is not None and device_id in planner.seats and not task_reported):
+        if room is None or (planner is not None and device_id in planner.seats):
             return False
         return not self._silos_full(device_id) and room.offer(device_id, ledger_id)
 
