@@ -163,7 +163,8 @@ async def run_mode(args: argparse.Namespace, coordinator: CoordinatorService,
     fleet.close()
     rows = [r for r in coordinator.store.rounds(job_id) if r.state == "committed"]
     record = coordinator.store.job(job_id)
-    only = schedule_of(spec).evaluation_only
+    schedule = schedule_of(spec)
+    only = schedule.evaluation_only
     training = sorted((r for r in rows if r.round not in only), key=lambda r: r.round)
     per_round = [r.finished_at - r.started_at for r in training]
     device_rounds = args.devices * len(rows)
@@ -174,6 +175,7 @@ async def run_mode(args: argparse.Namespace, coordinator: CoordinatorService,
         "job_id": job_id,
         "job_state": record.state,
         "committed_rounds": sorted(r.round for r in rows),
+        "expected_rounds": schedule.total,
         "round_s": statistics.median(per_round) if per_round else None,
         "rounds_s": per_round,
         "phase_s": phase_means(before, phase_totals(aggregators)),
@@ -282,7 +284,7 @@ def print_report(console: Console, s: dict) -> None:
     for name, m in s["modes"].items():
         phases = ", ".join(f"{p} {v:.3f}" for p, v in m["phase_s"].items())
         round_s = f"{m['round_s']:.3f}" if m["round_s"] is not None else "-"
-        table.add_row(name, f"{len(m['committed_rounds'])}/{s['rounds']}", round_s,
+        table.add_row(name, f"{len(m['committed_rounds'])}/{m['expected_rounds']}", round_s,
                       f"{m['bytes_up_per_device']:,.0f}", f"{m['bytes_down_per_device']:,.0f}", phases)
     console.print(table)
     e = s["evaluation_overhead"]
@@ -343,8 +345,7 @@ def main(argv: list[str] | None = None) -> int:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(summary, indent=2))
         console.print(f"JSON written to {args.json}")
-    done = all(len(m["committed_rounds"]) == args.rounds * (2 if name == "secure_evaluation_rounds" else 1)
-               for name, m in modes.items())
+    done = all(len(m["committed_rounds"]) == m["expected_rounds"] for m in modes.values())
     return 0 if done else 1
 
 

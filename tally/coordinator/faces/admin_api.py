@@ -48,7 +48,6 @@ def integral(value: Any) -> Any:
     return value
 
 
-
 @functools.lru_cache(maxsize=256)
 def rounds_of(spec_yaml: str) -> int:
     """A job's rounds in all, its evaluation-only ones counted (a stored spec was valid when
@@ -57,6 +56,7 @@ def rounds_of(spec_yaml: str) -> int:
         return schedule_of(jobspec.parse(spec_yaml)).total
     except ValueError:
         return int(yaml.safe_load(spec_yaml)["rounds"])
+
 
 class AdminService(admin_pb2_grpc.AdminServicer):
     def __init__(self, jobs: ActiveJobs, store: Store, admin_token: str) -> None:
