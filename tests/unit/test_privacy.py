@@ -229,6 +229,16 @@ def test_a_refused_spec_names_the_reason(privacy, reason):
         parse(SPEC.format(algorithm="fedavg") + f"privacy: {privacy}\n")
 
 
+def test_a_target_epsilon_is_checked_over_the_rounds_that_only_evaluate_too():
+    """The runner calibrates over every release, evaluation-only rounds included; the submit check
+    must count the same rounds, or a job it accepts could fail at its start."""
+    privacy = "privacy: {mechanism: distributed, clip: 1.0, target_epsilon: 0.001}\n"
+    with pytest.raises(JobSpecError, match="over 20 rounds"):
+        parse(SPEC.format(algorithm="fedavg") + privacy)
+    with pytest.raises(JobSpecError, match="over 21 rounds"):
+        parse(SPEC.format(algorithm="fedavg") + "evaluation: {final: true}\n" + privacy)
+
+
 def test_distributed_dp_needs_honest_survivors():
     text = SPEC.format(algorithm="fedavg").replace("cohort_size: 20", "cohort_size: 2\nmin_cohort: 2") + (
         "secure: {dropout_rate: 0.5, corrupt_rate: 0.4}\n"

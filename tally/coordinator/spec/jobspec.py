@@ -37,7 +37,7 @@ from tally.algorithms.adaptation_options import (
 from tally.algorithms.base import PersonalisedClient
 from tally.algorithms.options import Option
 from tally.coordinator.spec import catalogue
-from tally.coordinator.spec.evaluation_spec import EvaluationSpec, evaluated_job_server, plan_for
+from tally.coordinator.spec.evaluation_spec import EvaluationSpec, evaluated_job_server, plan_for, schedule_of
 from tally.models.layouts import layout
 from tally.privacy import spec as privacy_spec
 from tally.secagg import ThreatModel, UnsafeParameters, choose_params, smallest_secure_cohort
@@ -466,12 +466,12 @@ def _check_relations(raw: Mapping[str, Any], valid: dict[str, Any], errors: list
                                  errors)
     privacy = valid.get("privacy")
     if privacy is not None and None not in (algorithm, options, model, secure, min_cohort) and "rounds" in valid:
-        job = _Evaluated(algorithm, options, model, evaluation)
+        job = _Evaluated(algorithm, options, model, evaluation, valid["rounds"])
         errors += privacy_spec.job_problems(
             privacy, algorithm=algorithm,
             make_server=lambda: evaluated_job_server(catalogue.make_server(
                 algorithm, {**options, "reveal": list(reveal)} if reveal else options), job),
-            initial=lambda: catalogue.model_layout(model), secure=secure, rounds=valid["rounds"],
+            initial=lambda: catalogue.model_layout(model), secure=secure, rounds=_all_rounds(job),
             cohort_size=cohort, min_cohort=min_cohort,
         )
 
@@ -484,6 +484,17 @@ class _Evaluated:
     options: Mapping[str, Any]
     model: ModelSpec
     evaluation: EvaluationSpec | None
+    rounds: int = 0
+
+
+def _all_rounds(job: _Evaluated) -> int:
+    """The releases a private job makes: its training rounds and those that only evaluate, as the
+    runner calibrates it (``private_job_server``). An evaluation plan that cannot be built is the
+    evaluation check's to report; its rounds are then the training ones."""
+    try:
+        return schedule_of(job).total
+    except ValueError:
+        return job.rounds
 
 
 def _check_evaluation(algorithm: str, options: Mapping[str, Any], model: ModelSpec, evaluation: EvaluationSpec,
