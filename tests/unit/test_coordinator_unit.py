@@ -84,6 +84,18 @@ def test_waiting_room_holds_one_selection_in_arrival_order_and_lets_leavers_go()
     assert list(room.held) == ["a", "c", "d"]
 
 
+def test_waiting_room_holds_the_attempts_own_devices_apart_from_the_places_of_others():
+    """The aggregating attempt's devices, done with their tasks, may be unseatable by a retry of
+    the round: however many wait, the others still find a selection's worth of places."""
+    room = WaitingRoom(2)
+    assert [room.offer(d, own=True) for d in ["s1", "s2", "s3"]] == [True, True, False]
+    assert [room.offer(d) for d in ["o1", "o2", "o3"]] == [True, True, False]
+    room.withdraw("s1")
+    assert room.offer("s3", own=True) and not room.offer("s4", own=True)
+    assert list(room.held) == ["s2", "o1", "o2", "s3"]
+    assert room.empty() == ["s2", "o1", "o2", "s3"] and room.offer("o3") and room.offer("o4")
+
+
 def test_selection_deadline_extends_with_the_retry_budget_then_fails():
     planner = _planner(extensions=1)
     for i in range(3):

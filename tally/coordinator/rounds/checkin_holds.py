@@ -86,13 +86,19 @@ class CheckInHolds:
             self._withdraw(device_id)
             self._answer(device_id, Retry(MIN_RETRY_S, "device revoked"))
 
-    def hold_for_next(self, device_id: str, ledger_id: str = "") -> bool:
+    def hold_for_next(self, device_id: str, ledger_id: str = "", task_reported: bool = False) -> bool:
         """Whether ``device_id``, turned away while an attempt aggregates, is held for the next
-        attempt's selection instead (then ``hold`` it); ``ledger_id`` goes with it to its seat."""
+        attempt's selection instead (then ``hold`` it); ``ledger_id`` goes with it to its seat.
+        A device of this attempt is held only once it reported its task (``task_reported``): it is
+        done with it, and where the population is the cohort (every silo in every round) it is the
+        next round's selection; paced instead, each round after the first waited for its return.
+        The next attempt of the same round still refuses it (``seat_waiting``), and it takes no
+        place of a device that attempt could seat (``WaitingRoom``)."""
         room, planner = self.waiting, self._planner()
-        if room is None or (planner is not None and device_id in planner.seats):
+        own = planner is not None and device_id in planner.seats
+        if room is None or (own and not task_reported):
             return False
-        return not self._silos_full(device_id) and room.offer(device_id, ledger_id)
+        return not self._silos_full(device_id) and room.offer(device_id, ledger_id, own=own)
 
     def open_waiting_room(self, capacity: int) -> None:
         """From now on, devices turned away may wait for the next attempt's selection."""
@@ -101,13 +107,14 @@ class CheckInHolds:
     def seat_waiting(self, planner: RoundPlanner, now: float) -> tuple[int, int] | None:
         """Offer the devices held while the previous attempt aggregated to ``planner``'s
         selection as its first arrivals; those it may not seat (seated in an earlier attempt of
-        the round) are answered at once. (seated, turned away), or None when nobody waited."""
+        the round, or beyond a full selection) are answered at once. (seated, turned away), or None when nobody waited."""
         room, self.waiting = self.waiting, None
         if room is None:
             return None
         turned_away = [d for d, ledger_id in room.held.items() if not planner.selection.offer(d, ledger_id)]
         for device_id in turned_away:
-            self._answer(device_id, planner.retry(now, "seated in an earlier attempt of this round"))
+            self._answer(device_id, planner.retry(now, "seated in an earlier attempt of this round"
+                                                  if device_id in planner.selection.excluded else "cohort full"))
         return len(room.held) - len(turned_away), len(turned_away)
 
     def deliver(self, planner: RoundPlanner, tasks: Mapping[str, coordinator_pb2.TaskAssignment]) -> None:

@@ -295,7 +295,9 @@ class JobRunner:
         """Whether ``device_id``, turned away by ``offer`` while an attempt aggregates, is held
         for the next attempt's selection instead (then ``hold`` it). ``ActiveJobs`` asks only after
         every job's ``offer`` declined, so an open selection of another job is served first."""
-        return self.holds.hold_for_next(device_id, ledger_id)
+        seat = self.planner.seats.get(device_id) if self.planner is not None else None
+        reported = seat is not None and self.reports.reported(seat.task_id)
+        return self.holds.hold_for_next(device_id, ledger_id, task_reported=reported)
 
     def release_waiting(self, reason: str) -> None:
         """Answer the devices held for this job's next selection (another job's selection of
