@@ -293,34 +293,35 @@ class WaitingRoom:
     attempt opens. At most one selection's worth is held, and only devices still waiting: one
     whose hold ended leaves, as it would leave a selection.
 
-    Devices of the aggregating attempt itself, done with their tasks (``own``), are held apart
-    from that capacity: the next selection may be a retry of the same round, which may not seat
-    them, and they must not take the places of devices it can seat.
+    Devices of the round itself (``own``: done with their tasks in the aggregating attempt, or
+    seated in an earlier one) are held apart from that capacity: the next selection may be a
+    retry of the round, which may not seat them, and they must not take the places of devices it
+    can seat. Where the population is the cohort they are the next round's whole selection.
     """
 
     def __init__(self, capacity: int) -> None:
         self.capacity = capacity
         # In arrival order (the selection seats them in that order), with the ledger id each stated.
         self.held: dict[str, str] = {}
-        self._own: set[str] = set()
+        self.own: set[str] = set()  # those of ``held`` that are the aggregating attempt's own
 
     def offer(self, device_id: str, ledger_id: str = "", own: bool = False) -> bool:
         if device_id not in self.held:
-            counted = len(self._own) if own else len(self.held) - len(self._own)
+            counted = len(self.own) if own else len(self.held) - len(self.own)
             if counted >= self.capacity:
                 return False
             self.held[device_id] = ledger_id
             if own:
-                self._own.add(device_id)
+                self.own.add(device_id)
         return True
 
     def withdraw(self, device_id: str) -> None:
         self.held.pop(device_id, None)
-        self._own.discard(device_id)
+        self.own.discard(device_id)
 
     def empty(self) -> list[str]:
         """Let every held device go; the ones that were held."""
-        held, self.held, self._own = list(self.held), {}, set()
+        held, self.held, self.own = list(self.held), {}, set()
         return held
 
 

@@ -64,6 +64,7 @@ from tally.coordinator.rounds.planner import (
     Phase,
     Retry,
     RoundPlanner,
+    Seat,
     pace,
 )
 from tally.coordinator.rounds.reveals import RevealOutOfPhase
@@ -295,9 +296,31 @@ class JobRunner:
         """Whether ``device_id``, turned away by ``offer`` while an attempt aggregates, is held
         for the next attempt's selection instead (then ``hold`` it). ``ActiveJobs`` asks only after
         every job's ``offer`` declined, so an open selection of another job is served first."""
-        seat = self.planner.seats.get(device_id) if self.planner is not None else None
-        reported = seat is not None and self.reports.reported(seat.task_id)
-        return self.holds.hold_for_next(device_id, ledger_id, task_reported=reported)
+        planner = self.planner
+        if planner is None:
+            return self.holds.hold_for_next(device_id, ledger_id)
+        if device_id in planner.convicted:  # no selection of the job seats it
+            return False
+        seat = planner.seats.get(device_id)
+        if seat is not None and not self._may_wait_for_next(planner, seat):
+            return False
+        # A device of this round, seated now or in an earlier attempt, waits apart from the places
+        # of the devices a retry of the round could seat.
+        own = seat is not None or device_id in planner.selection.excluded
+        return self.holds.hold_for_next(device_id, ledger_id, own=own)
+
+    def _may_wait_for_next(self, planner: RoundPlanner, seat: Seat) -> bool:
+        """Whether a device seated in the current attempt may be held for the next one: once it
+        reported its task (a late or stalled one, its task unreported, is paced as before), and,
+        once the attempt failed, only if the retry may seat it (its seat was released: it sent
+        no input). Held from an attempt that commits, it is the next round's first arrival."""
+        if not self.reports.reported(seat.task_id):
+            return False
+        return planner.phase is not Phase.FAILED or seat.device_id not in self._unseatable_in_retry()
+
+    def _unseatable_in_retry(self) -> frozenset[str]:
+        """The devices a retry of the current round may not seat (planner module docstring)."""
+        return frozenset() if self.spec.secure.plain else self.ctx.store.seated(self.job_id, self.round)
 
     def release_waiting(self, reason: str) -> None:
         """Answer the devices held for this job's next selection (another job's selection of
@@ -564,6 +587,8 @@ class JobRunner:
             ])
             ctx.metrics.seats_released.labels(cause="undelivered").inc(released)
             self.holds.release_selection(f"round attempt failed: {exc}")
+            self.holds.release_unseatable(self._unseatable_in_retry(), planner.retry(
+                ctx.clock(), "round attempt failed; its retries do not seat a device that may have sent an input"))
             await self.sessions.close(f"round attempt failed: {exc}")
             raise
 
