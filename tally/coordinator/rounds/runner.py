@@ -64,7 +64,6 @@ from tally.coordinator.rounds.planner import (
     Phase,
     Retry,
     RoundPlanner,
-    Seat,
     pace,
 )
 from tally.coordinator.rounds.reveals import RevealOutOfPhase
@@ -301,22 +300,18 @@ class JobRunner:
             return self.holds.hold_for_next(device_id, ledger_id)
         if device_id in planner.convicted:  # no selection of the job seats it
             return False
+        # A device of this round: done with its task in this attempt (a late or stalled one, its
+        # task unreported, is paced as before), or seated in an earlier one. Held from an attempt
+        # that commits, it is the next round's first arrival; it waits apart from the places of
+        # the devices a retry could seat, and once the attempt failed (a retry is next) it is not
+        # held unless its seat was released (it sent no input).
         seat = planner.seats.get(device_id)
-        if seat is not None and not self._may_wait_for_next(planner, seat):
+        if seat is not None and not self.reports.reported(seat.task_id):
             return False
-        # A device of this round, seated now or in an earlier attempt, waits apart from the places
-        # of the devices a retry of the round could seat.
-        own = seat is not None or device_id in planner.selection.excluded
-        return self.holds.hold_for_next(device_id, ledger_id, own=own)
-
-    def _may_wait_for_next(self, planner: RoundPlanner, seat: Seat) -> bool:
-        """Whether a device seated in the current attempt may be held for the next one: once it
-        reported its task (a late or stalled one, its task unreported, is paced as before), and,
-        once the attempt failed, only if the retry may seat it (its seat was released: it sent
-        no input). Held from an attempt that commits, it is the next round's first arrival."""
-        if not self.reports.reported(seat.task_id):
+        of_round = seat is not None or device_id in planner.selection.excluded
+        if of_round and planner.phase is Phase.FAILED and device_id in self._unseatable_in_retry():
             return False
-        return planner.phase is not Phase.FAILED or seat.device_id not in self._unseatable_in_retry()
+        return self.holds.hold_for_next(device_id, ledger_id, own=of_round)
 
     def _unseatable_in_retry(self) -> frozenset[str]:
         """The devices a retry of the current round may not seat (planner module docstring)."""
