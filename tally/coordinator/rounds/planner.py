@@ -303,7 +303,7 @@ class WaitingRoom:
         self.capacity = capacity
         # In arrival order (the selection seats them in that order), with the ledger id each stated.
         self.held: dict[str, str] = {}
-        self.own: set[str] = set()  # those of ``held`` that are the aggregating attempt's own
+        self.own: set[str] = set()  # those of ``held`` that are the round's own, apart from capacity
 
     def offer(self, device_id: str, ledger_id: str = "", own: bool = False) -> bool:
         if device_id not in self.held:
