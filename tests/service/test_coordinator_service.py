@@ -198,6 +198,111 @@ def test_check_ins_during_aggregation_are_seated_when_the_next_round_opens(tmp_p
     assert "tally_coordinator_devices_seated_early_total 5.0" in metrics
 
 
+def test_a_device_done_with_its_task_while_its_round_aggregates_is_held_for_the_next(tmp_path):
+    """Every device in every round (the population is the cohort, as with silos): those done with
+    round 1 while another still computes check in again, reporting it, and are held, not paced,
+    so round 2's selection opens with them already seated. (A device that checks in again with
+    its task unreported is still told "already assigned": see the first test.)"""
+    contribute = fedavg_contribution(FedAvgOptions(local_epochs=1))
+
+    async def main():
+        async with in_process().coordinator_with_fakes(tmp_path, aggregators=1) as s:
+            devices = await s.devices(5, prefix="silo")
+            job_id = await s.submit(spec_yaml("silos", rounds=2, cohort=5))
+            watch = asyncio.create_task(s.until_done(job_id))
+            runner = s.service.jobs.runner(job_id)
+            release, done = asyncio.Event(), asyncio.Event()
+
+            async def silo(device):
+                """As the SDK does: each task reported at the device's next check-in."""
+                while (task := await device.task(done)) is not None:
+                    if task.round == 1 and device is devices[0]:  # the last input of round 1 waits
+                        await release.wait()
+                    await device.participate(task, contribute)
+                    device.reports.append(coordinator_pb2.TaskReport(
+                        job_id=task.job_id, round=task.round, task_id=task.task_id,
+                        outcome=coordinator_pb2.TaskReport.COMPLETED, sent_input=True))
+
+            loops = [asyncio.create_task(silo(d)) for d in devices]
+            await until_true(lambda: runner.holds.waiting is not None
+                             and set(runner.holds.waiting.held) == {d.device_id for d in devices[1:]})
+            release.set()
+            events = await watch
+            done.set()
+            await asyncio.gather(*loops)
+            metrics = scrape_text(s.service.metrics_port)
+        return events, metrics
+
+    events, metrics = run(main())
+    assert events[-1].state == SUCCEEDED
+    commits = [e for e in events if e.phase == common_pb2.ROUND_PHASE_COMMITTED]
+    assert [(e.round, e.metrics["update.contributors"]) for e in commits] == [(1, 5), (2, 5)]
+    # The four held, and the last one too when it checks in before round 1's commit.
+    [early] = [float(line.split()[1]) for line in metrics.splitlines()
+               if line.startswith("tally_coordinator_devices_seated_early_total")]
+    assert early in (4.0, 5.0), early
+
+
+def test_a_failed_attempt_answers_its_held_devices_at_once_and_its_retry_seats_the_rest(tmp_path):
+    """Devices done with their tasks while their attempt aggregates wait for the next attempt
+    apart from the others' places. When the attempt fails, those that sent an input (its retry
+    may not seat them) are answered at once, not held through the backoff; the retry opens with
+    the one that reported sending none and with every other device held meanwhile."""
+    contribute = fedavg_contribution(FedAvgOptions(local_epochs=1))
+
+    async def main():
+        async with in_process().coordinator_with_fakes(tmp_path, aggregators=2) as s:
+            seated = await s.devices(10, prefix="seat")
+            spares = await s.devices(9, prefix="spare")
+            job_id = await s.submit(spec_yaml("retried", rounds=2))
+            watch = asyncio.create_task(s.until_done(job_id))
+            runner = s.service.jobs.runner(job_id)
+            tasks = await asyncio.gather(*(d.task() for d in seated))  # round 1: two cohorts of 5
+            await until_true(lambda: runner.holds.waiting is not None)
+            lost = s.aggregators[1]
+            summed = [(d, t) for d, t in zip(seated, tasks) if s.aggregator_at(t.aggregator_address) is not lost]
+            stuck = [(d, t) for d, t in zip(seated, tasks) if s.aggregator_at(t.aggregator_address) is lost]
+            dropper, dropped_task = stuck[0]  # the others of its cohort neither send nor report
+
+            async def check_in(device, task=None, outcome=None, sent_input=False):
+                reports = [] if task is None else [coordinator_pb2.TaskReport(
+                    job_id=task.job_id, round=task.round, task_id=task.task_id, outcome=outcome,
+                    sent_input=sent_input)]
+                return await device.stub.CheckIn(coordinator_pb2.CheckInRequest(reports=reports),
+                                                 metadata=device.md, timeout=30)
+
+            await asyncio.gather(*(d.participate(t, contribute) for d, t in summed))
+            replies = {d.device_id: asyncio.create_task(check_in(d, t, coordinator_pb2.TaskReport.COMPLETED, True))
+                       for d, t in summed}
+            replies[dropper.device_id] = asyncio.create_task(
+                check_in(dropper, dropped_task, coordinator_pb2.TaskReport.DROPPED))
+            replies.update({d.device_id: asyncio.create_task(check_in(d)) for d in spares})
+            await until_true(lambda: set(runner.holds.waiting.held) == set(replies))
+            [session] = lost.sessions.values()  # its cohort's session breaks: the attempt fails
+            async with session.changed:
+                session.closed = "lost"
+                session.changed.notify_all()
+            answered = {k: await r for k, r in replies.items()}
+            # The retry's devices participate; then everyone finishes the job.
+            retried = [(d, answered[d.device_id].task) for d in [dropper, *spares]]
+            await asyncio.gather(*(d.participate(t, contribute) for d, t in retried))
+            done = asyncio.Event()
+            loops = [asyncio.create_task(d.loop(contribute, done)) for d in [*seated, *spares]]
+            events = await watch
+            done.set()
+            await asyncio.gather(*loops)
+            rows = s.service.store.rounds(job_id)
+        return [d.device_id for d, _ in summed], [d.device_id for d, _ in retried], answered, events, rows
+
+    summed, retried, answered, events, rows = run(main())
+    assert all(answered[d].retry_after.reason.startswith("round attempt failed; its retries do not seat")
+               for d in summed), [answered[d] for d in summed]
+    # The retry's whole selection (the dropper and the nine spares), there when it opened.
+    assert all(answered[d].task.round == 1 and answered[d].task.task_id.startswith("r1a2-") for d in retried)
+    assert events[-1].state == SUCCEEDED
+    assert [(r.round, r.attempt, r.state) for r in rows] == [(1, 1, "failed"), (1, 2, "committed"), (2, 1, "committed")]
+
+
 def test_a_device_whose_hold_ends_as_its_cohort_forms_comes_back_at_once_for_its_task(tmp_path):
     """Held devices answer before their caller's deadline. One whose hold ends after the selection
     closed with it (sessions still opening) keeps its seat: it is told to come back at once, and
