@@ -18,7 +18,6 @@ from tally.codec import PayloadSchema, ring_dtype, ring_mask, to_ring
 from tally.coordinator.metrics import CoordinatorMetrics
 from tally.coordinator.rounds.active_jobs import ActiveJobs
 from tally.coordinator.rounds.aggregators import aio_channel, parse_aggregator
-from tally.coordinator.rounds.checkin_holds import CheckInHolds
 from tally.coordinator.rounds.planner import (
     MIN_RETRY_S,
     CohortRejected,
@@ -83,56 +82,6 @@ def test_waiting_room_holds_one_selection_in_arrival_order_and_lets_leavers_go()
     room.withdraw("never-held")
     assert room.offer("d") and not room.offer("e")
     assert list(room.held) == ["a", "c", "d"]
-
-
-def test_waiting_room_holds_the_attempts_own_devices_apart_from_the_places_of_others():
-    """The aggregating attempt's devices, done with their tasks, may be unseatable by a retry of
-    the round: however many wait, the others still find a selection's worth of places."""
-    room = WaitingRoom(2)
-    assert [room.offer(d, own=True) for d in ["s1", "s2", "s3"]] == [True, True, False]
-    assert [room.offer(d) for d in ["o1", "o2", "o3"]] == [True, True, False]
-    room.withdraw("s1")
-    assert room.offer("s3", own=True) and not room.offer("s4", own=True)
-    assert list(room.held) == ["s2", "o1", "o2", "s3"]
-    assert room.empty() == ["s2", "o1", "o2", "s3"] and room.offer("o3") and room.offer("o4")
-
-
-def test_a_device_held_for_the_next_attempt_leaves_when_its_hold_ends_or_its_retry_may_not_seat_it():
-    """Devices done with their tasks in the aggregating attempt wait for the next one. One whose
-    hold ends leaves the room, though it holds a seat of the attempt (no task is on its way: it
-    comes back paced, not at once); when the attempt fails, those the retry may not seat are
-    answered then, and the retry opens with the rest in arrival order."""
-    spec = planner_spec(cohort_size=5, over_selection=1.0)
-    planner = _planner(spec)
-    for d in ["s1", "s2", "s3", "s4", "s5"]:
-        planner.check_in(d, 0.0)
-    assert isinstance(planner.tick(0.1), FormCohorts)
-    planner.form(["agg"], 0.1)
-    planner.opened()
-    current = [planner]
-    holds = CheckInHolds(lambda: current[0], lambda device_id: False)
-    holds.open_waiting_room(4)
-
-    async def main():
-        assert all(holds.hold_for_next(d, own=True) for d in ["s1", "s2", "s3"]) and holds.hold_for_next("o1")
-        waiting = {d: asyncio.ensure_future(holds.hold(d, 30.0)) for d in ["s2", "s3", "o1"]}
-        ended = await holds.hold("s1", 0.01)  # the others' holds begin while this one waits
-        planner.fail("cohort 0 aborted")
-        holds.release_selection("round attempt failed")
-        holds.release_unseatable({"s1", "s2", "s4", "s5"}, Retry(1.0, "retry may not seat it"))
-        turned_away = await waiting["s2"]
-        retry = RoundPlanner(spec, [STEP], 2.0, extensions=0, attempt_key="k2", excluded=frozenset({"s2", "s4", "s5"}))
-        current[0] = retry
-        counts = holds.seat_waiting(retry, 2.0)
-        still_held = [d for d, f in waiting.items() if not f.done()]
-        for future in waiting.values():
-            future.cancel()
-        return ended, turned_away, counts, list(retry.selection.seated), still_held
-
-    ended, turned_away, counts, seated, still_held = asyncio.run(main())
-    assert ended.reason == "next selection not open yet" and not ended.at_once
-    assert turned_away.reason == "retry may not seat it"
-    assert counts == (2, 0) and seated == ["s3", "o1"] and still_held == ["s3", "o1"]
 
 
 def test_selection_deadline_extends_with_the_retry_budget_then_fails():

@@ -10,7 +10,7 @@ each held check-in exactly once, and a hold that ends must give its seat back.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable, Collection, Mapping
+from collections.abc import Callable, Mapping
 
 from tally.coordinator.rounds.planner import MIN_RETRY_S, Retry, RoundPlanner, WaitingRoom
 from tally.wire.v1 import coordinator_pb2
@@ -56,32 +56,23 @@ class CheckInHolds:
     def _hold_ended(self, device_id: str) -> Retry:
         """A hold ran out: free the device's place, unless the selection already closed with it
         (the cohorts are being formed, as happens to a device held since the last aggregation):
-        then its task is on the way and it comes back for it at once, unpaced. A device waiting
-        for the next attempt is never one of those, though it may hold a seat of the attempt now
-        aggregating (done with its task): it only leaves the waiting room."""
-        if self._withdraw_waiting(device_id):
-            return Retry(MIN_RETRY_S, "next selection not open yet")
+        then its task is on the way and it comes back for it at once, unpaced."""
         planner = self._planner()
         if planner is not None and planner.has_seat(device_id):
             return Retry(MIN_RETRY_S, "seated: come back for the task", at_once=True)
-        self._withdraw(device_id)
-        return Retry(MIN_RETRY_S, "selection still open")
+        waited_for_next = self._withdraw(device_id)
+        return Retry(MIN_RETRY_S, "next selection not open yet" if waited_for_next else "selection still open")
 
-    def _withdraw_waiting(self, device_id: str) -> bool:
-        """Let ``device_id`` leave the waiting room; False if it was not waiting there."""
+    def _withdraw(self, device_id: str) -> bool:
+        """Free whatever seat a held check-in had; True if it was waiting for the next attempt."""
         room = self.waiting
-        if room is None or device_id not in room.held:
-            return False
-        room.withdraw(device_id)
-        return True
-
-    def _withdraw(self, device_id: str) -> None:
-        """Free whatever seat a held check-in had."""
-        if self._withdraw_waiting(device_id):
-            return
+        if room is not None and device_id in room.held:
+            room.withdraw(device_id)
+            return True
         planner = self._planner()
         if planner is not None:
             planner.withdraw(device_id)
+        return False
 
     def _answer(self, device_id: str, answer: Retry) -> None:
         """End ``device_id``'s held check-in, if it is still waiting, with ``answer``."""
@@ -95,28 +86,13 @@ class CheckInHolds:
             self._withdraw(device_id)
             self._answer(device_id, Retry(MIN_RETRY_S, "device revoked"))
 
-    def hold_for_next(self, device_id: str, ledger_id: str = "", own: bool = False) -> bool:
+    def hold_for_next(self, device_id: str, ledger_id: str = "") -> bool:
         """Whether ``device_id``, turned away while an attempt aggregates, is held for the next
-        attempt's selection instead (then ``hold`` it); ``ledger_id`` goes with it to its seat.
-        ``own``: a device of the round (done with its task in that attempt, or seated in an
-        earlier one): where the population is the cohort (every silo in every round) those are
-        the next round's selection, and paced instead each round after the first waited for their
-        return. They take no place of a device a retry of the round could seat (``WaitingRoom``)."""
-        room = self.waiting
-        if room is None:
+        attempt's selection instead (then ``hold`` it); ``ledger_id`` goes with it to its seat."""
+        room, planner = self.waiting, self._planner()
+        if room is None or (planner is not None and device_id in planner.seats):
             return False
-        return not self._silos_full(device_id) and room.offer(device_id, ledger_id, own=own)
-
-    def release_unseatable(self, unseatable: Collection[str], answer: Retry) -> None:
-        """The aggregating attempt failed: the round's own devices held for the next attempt
-        that its retry may not seat (``unseatable``: they may have sent an input) are answered
-        now, not at the retry's opening after a backoff of up to half a minute."""
-        room = self.waiting
-        if room is None:
-            return
-        for device_id in [d for d in room.own if d in unseatable]:
-            room.withdraw(device_id)
-            self._answer(device_id, answer)
+        return not self._silos_full(device_id) and room.offer(device_id, ledger_id)
 
     def open_waiting_room(self, capacity: int) -> None:
         """From now on, devices turned away may wait for the next attempt's selection."""
@@ -125,15 +101,13 @@ class CheckInHolds:
     def seat_waiting(self, planner: RoundPlanner, now: float) -> tuple[int, int] | None:
         """Offer the devices held while the previous attempt aggregated to ``planner``'s
         selection as its first arrivals; those it may not seat (seated in an earlier attempt of
-        the round, or beyond a full selection) are answered at once. (seated, turned away), or
-        None when nobody waited."""
+        the round) are answered at once. (seated, turned away), or None when nobody waited."""
         room, self.waiting = self.waiting, None
         if room is None:
             return None
         turned_away = [d for d, ledger_id in room.held.items() if not planner.selection.offer(d, ledger_id)]
         for device_id in turned_away:
-            self._answer(device_id, planner.retry(now, "seated in an earlier attempt of this round"
-                                                  if device_id in planner.selection.excluded else "cohort full"))
+            self._answer(device_id, planner.retry(now, "seated in an earlier attempt of this round"))
         return len(room.held) - len(turned_away), len(turned_away)
 
     def deliver(self, planner: RoundPlanner, tasks: Mapping[str, coordinator_pb2.TaskAssignment]) -> None:

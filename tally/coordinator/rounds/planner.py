@@ -292,36 +292,26 @@ class WaitingRoom:
     (issue 8's fleet). Held here during the aggregation, they are seated the moment the next
     attempt opens. At most one selection's worth is held, and only devices still waiting: one
     whose hold ended leaves, as it would leave a selection.
-
-    Devices of the round itself (``own``: done with their tasks in the aggregating attempt, or
-    seated in an earlier one) are held apart from that capacity: the next selection may be a
-    retry of the round, which may not seat them, and they must not take the places of devices it
-    can seat. Where the population is the cohort they are the next round's whole selection.
     """
 
     def __init__(self, capacity: int) -> None:
         self.capacity = capacity
         # In arrival order (the selection seats them in that order), with the ledger id each stated.
         self.held: dict[str, str] = {}
-        self.own: set[str] = set()  # those of ``held`` that are the round's own, apart from capacity
 
-    def offer(self, device_id: str, ledger_id: str = "", own: bool = False) -> bool:
+    def offer(self, device_id: str, ledger_id: str = "") -> bool:
         if device_id not in self.held:
-            counted = len(self.own) if own else len(self.held) - len(self.own)
-            if counted >= self.capacity:
+            if len(self.held) >= self.capacity:
                 return False
             self.held[device_id] = ledger_id
-            if own:
-                self.own.add(device_id)
         return True
 
     def withdraw(self, device_id: str) -> None:
         self.held.pop(device_id, None)
-        self.own.discard(device_id)
 
     def empty(self) -> list[str]:
         """Let every held device go; the ones that were held."""
-        held, self.held, self.own = list(self.held), {}, set()
+        held, self.held = list(self.held), {}
         return held
 
 

@@ -295,27 +295,7 @@ class JobRunner:
         """Whether ``device_id``, turned away by ``offer`` while an attempt aggregates, is held
         for the next attempt's selection instead (then ``hold`` it). ``ActiveJobs`` asks only after
         every job's ``offer`` declined, so an open selection of another job is served first."""
-        planner = self.planner
-        if planner is None:
-            return self.holds.hold_for_next(device_id, ledger_id)
-        if device_id in planner.convicted:  # no selection of the job seats it
-            return False
-        # A device of this round: done with its task in this attempt (a late or stalled one, its
-        # task unreported, is paced as before), or seated in an earlier one. Held from an attempt
-        # that commits, it is the next round's first arrival; it waits apart from the places of
-        # the devices a retry could seat, and once the attempt failed (a retry is next) it is not
-        # held unless its seat was released (it sent no input).
-        seat = planner.seats.get(device_id)
-        if seat is not None and not self.reports.reported(seat.task_id):
-            return False
-        of_round = seat is not None or device_id in planner.selection.excluded
-        if of_round and planner.phase is Phase.FAILED and device_id in self._unseatable_in_retry():
-            return False
-        return self.holds.hold_for_next(device_id, ledger_id, own=of_round)
-
-    def _unseatable_in_retry(self) -> frozenset[str]:
-        """The devices a retry of the current round may not seat (planner module docstring)."""
-        return frozenset() if self.spec.secure.plain else self.ctx.store.seated(self.job_id, self.round)
+        return self.holds.hold_for_next(device_id, ledger_id)
 
     def release_waiting(self, reason: str) -> None:
         """Answer the devices held for this job's next selection (another job's selection of
@@ -582,8 +562,6 @@ class JobRunner:
             ])
             ctx.metrics.seats_released.labels(cause="undelivered").inc(released)
             self.holds.release_selection(f"round attempt failed: {exc}")
-            self.holds.release_unseatable(self._unseatable_in_retry(), planner.retry(
-                ctx.clock(), "round attempt failed; its retries do not seat a device that may have sent an input"))
             await self.sessions.close(f"round attempt failed: {exc}")
             raise
 

@@ -59,10 +59,6 @@ class TaskReportBook:
                         if owner[1] > round_ - KEEP_ROUNDS}
         self._issued.update({s.task_id: (s.device_id, round_) for s in seats})
 
-    def reported(self, task_id: str) -> bool:
-        """Whether the device of ``task_id`` reported it (is done with it)."""
-        return task_id in self._reported
-
     def record(self, device_id: str, report: coordinator_pb2.TaskReport) -> Recorded:
         """Count ``device_id``'s report on its task and free its seat if it sent no input."""
         if self._issued.get(report.task_id) == (device_id, report.round):
